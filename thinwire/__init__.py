@@ -1,0 +1,25 @@
+"""thinwire: communication-efficient data-parallel training of PyTorch models over thin wires.
+
+    import thinwire as tw
+    trainer = tw.Trainer(model, opt, algorithm="dts", delay=4, period=4, compressor="topk", ratio=0.01)
+    tw.launch(worker, world_size=4, network="wan")
+"""
+from . import algorithms
+from .comm import Transport
+from .compress import compressors, memories
+from .errors import UserError, WorkerError
+from .net import Link, parse_network
+from .run.launcher import Pool, init, launch
+from .trainer import Trainer
+
+__version__ = "0.1.0"
+
+
+def ddp_hook(*args, **kwargs):
+    """A PyTorch DDP comm hook running a thinwire compressor (see `thinwire.exchange.ddp`)."""
+    from .exchange.ddp import ddp_hook as _hook
+    return _hook(*args, **kwargs)
+
+
+__all__ = ["Link", "Pool", "Trainer", "Transport", "UserError", "WorkerError", "algorithms", "compressors",
+           "ddp_hook", "init", "launch", "memories", "parse_network"]

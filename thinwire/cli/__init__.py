@@ -1,0 +1,71 @@
+"""The `thinwire` command. Thin: each subcommand is a module of this package with `register(subparsers)`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from ..errors import UserError, WorkerError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit status 2, no usage dump
+        raise UserError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="thinwire", description="Communication-efficient distributed training over thin wires.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not mod.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{mod.name}").register(sub)
+    return parser
+
+
+def parse_extra(tokens: list[str]) -> dict:
+    """Turn leftover `--name value` / `--name=value` / `--param name=value` tokens into parameters."""
+    params: dict = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--") or len(tok) < 3:
+            raise UserError(f"unexpected argument {tok!r}")
+        name = tok[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                raise UserError(f"option --{name} needs a value")
+            value = tokens[i + 1]
+            i += 2
+        if name == "param":
+            if "=" not in value:
+                raise UserError(f"--param takes key=value, got {value!r}")
+            name, value = value.split("=", 1)
+        params[name.replace("-", "_")] = value
+    return params
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        if extra and not getattr(args, "accepts_params", False):
+            raise UserError(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra = parse_extra(extra)
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"thinwire: error: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:
+        print(f"thinwire: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("thinwire: interrupted", file=sys.stderr)
+        return 130

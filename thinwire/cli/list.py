@@ -1,0 +1,42 @@
+"""`thinwire list [--json]`: every registered workload, network profile, algorithm, compressor and memory."""
+from __future__ import annotations
+
+import json
+
+
+def catalog() -> dict:
+    from .. import algorithms
+    from ..compress import compressors, memories
+    from ..net import PROFILES
+    from ..run import workloads
+    return {
+        "workloads": workloads.registry.describe(),
+        "networks": [{"name": k, "bandwidth_bps": bw, "latency_s": lat, "summary": doc}
+                     for k, (bw, lat, doc) in PROFILES.items()]
+                    + [{"name": "custom:bandwidth=...,latency=...,jitter=...,loss=...", "bandwidth_bps": None,
+                        "latency_s": None, "summary": "any link, e.g. custom:bandwidth=200mbit,latency=25ms"}],
+        "algorithms": algorithms.registry.describe(),
+        "compressors": compressors.describe(),
+        "memories": memories.describe(),
+    }
+
+
+def run(args) -> int:
+    cat = catalog()
+    if args.json:
+        print(json.dumps(cat, indent=2, default=str))
+        return 0
+    for family, rows in cat.items():
+        print(f"{family}:")
+        for row in rows:
+            params = row.get("parameters")
+            ptxt = ", ".join(f"{k}={v!r}" for k, v in params.items()) if params else ""
+            print(f"  {row['name']:<22} {row['summary']}" + (f"  [{ptxt}]" if ptxt else ""))
+        print()
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("list", help="list registered workloads, networks, algorithms, compressors, memories")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)

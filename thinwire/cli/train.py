@@ -1,0 +1,90 @@
+"""`thinwire train`: one training run on the embedded default (or as one worker of a torchrun job).
+
+Options beyond the listed ones (`--k 5`, `--delay 4`, `--ratio 0.01`, or `--param name=value`) are passed to
+the algorithm, compressor and memory that declare them; unknown ones are an error naming the valid ones.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_run_options(p) -> None:
+    p.add_argument("--workload", default="digits-mlp", help="workload name (see `thinwire list`)")
+    p.add_argument("--algorithm", default="bsp", help="algorithm name (see `thinwire list`)")
+    p.add_argument("--workers", type=int, default=4, help="number of worker processes (default 4)")
+    p.add_argument("--servers", type=int, default=0, help="parameter-server ranks (algorithms on the PS)")
+    p.add_argument("--network", default="lan",
+                   help="lan, dc, cluster, wan, world or custom:bandwidth=200mbit,latency=25ms,jitter=5ms")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--epochs", type=float, help="epochs over the training set (default: the workload's)")
+    g.add_argument("--steps", type=int, help="number of steps")
+    p.add_argument("--batch-size", type=int, help="per-worker batch size (default: the workload's)")
+    p.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
+    p.add_argument("--momentum", type=float, help="SGD momentum (default: the workload's)")
+    p.add_argument("--compressor", help="compressor name (see `thinwire list`)")
+    p.add_argument("--memory", help="memory (error feedback) name")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, help="evaluate every N steps (default: twice per epoch)")
+    p.add_argument("--target", type=float, help="accuracy (or loss) target (default: the workload's)")
+
+
+def config_from_args(args):
+    from ..run.train import TrainConfig
+    return TrainConfig(workload=args.workload, algorithm=args.algorithm, workers=args.workers,
+                       network=args.network, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
+                       lr=args.lr, momentum=args.momentum, seed=args.seed, eval_every=args.eval_every,
+                       target=args.target, compressor=args.compressor, memory=args.memory,
+                       servers=args.servers, params=dict(args.extra), trace=bool(getattr(args, "trace", None)),
+                       progress=not args.json and not getattr(args, "quiet", False))
+
+
+def format_summary(s: dict) -> str:
+    metric = "final_accuracy" if s["metric"] == "accuracy" else "final_loss"
+    ttt = f"{s['time_to_target_s']:.2f} s (step {s['steps_to_target']})" if s["time_to_target_s"] is not None \
+        else "not reached"
+    mb = 1e6
+    lines = [
+        f"{s['algorithm']} on {s['workload']}, {s['workers']} workers, network {s['network']}",
+        f"  steps             {s['steps']}   (median step {s['step_time_s'] * 1e3:.1f} ms)",
+        f"  {metric:<17} {s[metric]:.4f}   (target {s['target']}, reached: {ttt})",
+        f"  wall time         {s['wall_s']:.2f} s   (training {s['train_s']:.2f} s)",
+        f"  bytes sent/worker {s['bytes_sent_per_worker'] / mb:.3f} MB   "
+        f"(uncompressed fp32 would be {s['nominal_bytes_per_worker'] / mb:.3f} MB)",
+        f"  emulated comm     {s['emulated_comm_s']:.2f} s   (exposed, waited for: {s['exposed_comm_s']:.2f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from ..errors import UserError
+    from ..run.launcher import init, under_torchrun
+    from ..run.train import run_training, run_torchrun_worker
+    cfg = config_from_args(args)
+    if args.trace and not args.out:
+        raise UserError("--trace needs --out DIR (the trace is written to DIR/trace.json)")
+    if under_torchrun():
+        rank, world = init(cfg.network, seed=cfg.seed)
+        summary = run_torchrun_worker(cfg, rank, world, args.out)
+        if rank != 0:
+            return 0
+    else:
+        summary = run_training(cfg, out=args.out)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_summary(summary))
+        if args.out:
+            print(f"  written to        {args.out}/summary.json, {args.out}/metrics.jsonl")
+    sys.stdout.flush()
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train one workload with one algorithm")
+    add_run_options(p)
+    p.add_argument("--out", help="directory for metrics.jsonl, summary.json (and trace.json)")
+    p.add_argument("--trace", action="store_true", help="write a Chrome trace to OUT/trace.json")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run, accepts_params=True)

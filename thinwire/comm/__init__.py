@@ -1,0 +1,7 @@
+"""Communication: the Transport (counted, emulated collectives and point-to-point ops) and its parts."""
+from .context import default_network, set_default_network
+from .emulation import LinkClock
+from .meter import Meter
+from .transport import Handle, Transport
+
+__all__ = ["Handle", "LinkClock", "Meter", "Transport", "default_network", "set_default_network"]

@@ -1,0 +1,45 @@
+"""One rank's emulated link: a queue for its sending side and one for its receiving side.
+
+An operation occupies the link for its transfer time (the β term): a second transfer queues behind the first,
+so bandwidth is not free because an operation is asynchronous. The latency (α) term does not occupy the link.
+Jitter and loss add to an operation's delivery time but never reorder deliveries on one link.
+"""
+from __future__ import annotations
+
+import random
+import threading
+
+from ..net import Cost, Link
+
+
+class LinkClock:
+    def __init__(self, link: Link, rank: int = 0, seed: int = 0):
+        self.link = link
+        self.tx_free = 0.0
+        self.rx_free = 0.0
+        self.last_delivery = 0.0
+        self._rng = random.Random(seed * 100003 + rank)  # timing only: never touches results
+        self._lock = threading.Lock()
+
+    def schedule(self, ready: float, cost: Cost, tx: bool = True, rx: bool = True, latency: bool = True) -> float:
+        """Delivery time (perf_counter clock) of an op whose real part completed at `ready`."""
+        link = self.link
+        if not link.emulated:
+            return ready
+        with self._lock:
+            start = max(ready, self.tx_free if tx else 0.0, self.rx_free if rx else 0.0)
+            busy_until = start + cost.transfer
+            if tx:
+                self.tx_free = busy_until
+            if rx:
+                self.rx_free = busy_until
+            delivery = busy_until + (cost.latency if latency else 0.0)
+            if link.jitter and latency:
+                delivery += self._rng.uniform(-1.0, 1.0) * link.jitter
+            if link.loss and latency:
+                messages = max(1, round(cost.latency / link.alpha)) if link.alpha else 1
+                if self._rng.random() < 1.0 - (1.0 - link.loss) ** messages:
+                    delivery += link.rto
+            delivery = max(delivery, start, self.last_delivery)  # delay, never reorder
+            self.last_delivery = delivery
+            return delivery

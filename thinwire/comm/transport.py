@@ -1,0 +1,193 @@
+"""The Transport: every operation thinwire puts on the wire, counted and (optionally) emulated.
+
+One object wraps a torch.distributed process group. Each operation runs for real on the group (gloo on
+127.0.0.1, or NCCL) and completes no earlier than the emulated link would have delivered it: the α-β cost of
+the algorithm that runs (seed 000 Table III), queued behind this rank's earlier transfers. Asynchronous
+operations return a `Handle`; compute done before `Handle.wait()` overlaps the emulated transfer.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UserError
+from ..net import Cost, Link, p2p, parse_network, ring_allgather, ring_allreduce, tree_broadcast
+from ..trace import NULL, Tracer
+from .context import default_network, default_seed
+from .emulation import LinkClock
+from .meter import Meter
+
+_now = time.perf_counter
+
+
+class Handle:
+    """An operation in flight. `wait()` returns its result once the real op is done and the link delivered."""
+
+    def __init__(self, transport: "Transport", kind: str, works: Sequence, cost: Cost, result,
+                 post: Callable | None = None, issued: float | None = None, tx: bool = True, rx: bool = True,
+                 latency: bool = True):
+        self.transport, self.kind, self.cost = transport, kind, cost
+        self._works = list(works)
+        self._result, self._post = result, post
+        self._issued = _now() if issued is None else issued
+        self._flags = (tx, rx, latency)
+        self.deadline: float | None = None
+        self._done = False
+        if not self._works:
+            self._on_real_done()
+
+    def _on_real_done(self) -> None:
+        if self.deadline is not None:
+            return
+        t_done = _now()
+        tx, rx, latency = self._flags
+        self.deadline = self.transport.clock.schedule(t_done, self.cost, tx=tx, rx=rx, latency=latency)
+        self.transport.meter.record(self.kind, self.cost.sent, self.cost.received,
+                                    real_s=t_done - self._issued, emulated_s=self.deadline - t_done)
+        tr = self.transport.tracer
+        tr.complete(self.kind, self._issued, t_done, "communicate", bytes=self.cost.sent)
+        if self.deadline > t_done:
+            tr.complete(self.kind + " (emulated)", t_done, self.deadline, "emulated")
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if not all(w.is_completed() for w in self._works):
+            return False
+        self._on_real_done()
+        return _now() >= self.deadline
+
+    def wait(self):
+        if not self._done:
+            t0 = _now()
+            for w in self._works:
+                w.wait()
+            self._on_real_done()
+            delay = self.deadline - _now()
+            if delay > 0:
+                time.sleep(delay)
+            t1 = _now()
+            self.transport.meter.add_wait(t1 - t0)
+            if t1 - t0 > 1e-4:
+                self.transport.tracer.complete("wait " + self.kind, t0, t1, "wait")
+            if self._post is not None:
+                self._result = self._post(self._result)
+            self._done = True
+        return self._result
+
+
+class Transport:
+    """Collectives and point-to-point ops on one process group, with a byte meter and network emulation.
+
+    Every op has a synchronous form (returns the result) and an `async_op=True` form (returns a `Handle`).
+    Tensors are used in place where torch.distributed does (all_reduce, broadcast, recv).
+    """
+
+    def __init__(self, group=None, network: "str | Link | None" = None, seed: int | None = None,
+                 tracer: Tracer | None = None, meter: Meter | None = None, clock: LinkClock | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise UserError("torch.distributed is not initialised: start workers with thinwire.launch, "
+                            "or call thinwire.init() under torchrun")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.global_rank = dist.get_rank()
+        self.link = parse_network(network) if network is not None else default_network()
+        self.meter = meter or Meter()
+        self.clock = clock or LinkClock(self.link, self.global_rank, default_seed() if seed is None else seed)
+        self.tracer = tracer or NULL
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _finish(self, kind, works, cost, result, post=None, async_op=False, issued=None, **flags):
+        h = Handle(self, kind, works, cost, result, post, issued=issued, **flags)
+        return h if async_op else h.wait()
+
+    def group_rank(self, global_rank: int) -> int:
+        return dist.get_group_rank(self.group, global_rank) if self.group is not dist.group.WORLD else global_rank
+
+    def global_of(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not dist.group.WORLD else group_rank
+
+    # -- collectives -----------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """Sum (or mean, or max/min) `tensor` across ranks, in place. Costed as a ring all-reduce."""
+        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise UserError(f"unknown reduce op {op!r}; valid: {', '.join(ops)}")
+        issued = _now()
+        works = []
+        if self.world_size > 1:
+            works = [dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True)]
+        cost = ring_allreduce(self.link, self.world_size, tensor.numel() * tensor.element_size())
+        post = (lambda t: t.div_(self.world_size)) if op == "mean" and self.world_size > 1 else None
+        return self._finish("all_reduce", works, cost, tensor, post, async_op, issued)
+
+    def all_gather(self, tensor: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False):
+        """Gather a 1-D view of `tensor` from every rank; sizes may differ per rank (gloo's all_gather
+        refuses uneven sizes, so blocks are padded to the largest; padding is counted as sent).
+        `sizes`, when every rank already knows them, saves the size exchange. Returns a list by rank."""
+        issued = _now()
+        flat = tensor.reshape(-1)
+        n = self.world_size
+        cost_extra = Cost(0.0, 0.0, 0.0, 0.0)
+        if sizes is None:
+            if n > 1:
+                mine = torch.tensor([flat.numel()], dtype=torch.int64)
+                got = [torch.empty_like(mine) for _ in range(n)]
+                dist.all_gather(got, mine, group=self.group)
+                sizes = [int(g.item()) for g in got]
+                cost_extra = ring_allgather(self.link, n, 8)
+            else:
+                sizes = [flat.numel()]
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != n or sizes[self.rank] != flat.numel():
+            raise ValueError(f"all_gather sizes {sizes} do not match this rank's {flat.numel()} elements")
+        largest = max(sizes) if sizes else 0
+        if n == 1:
+            return self._finish("all_gather", [], cost_extra, [flat.clone()], None, async_op, issued)
+        block = flat if flat.numel() == largest else torch.cat([flat, flat.new_zeros(largest - flat.numel())])
+        out = [block.new_empty(largest) for _ in range(n)]
+        works = [dist.all_gather(out, block, group=self.group, async_op=True)]
+        cost = ring_allgather(self.link, n, largest * flat.element_size()) + cost_extra
+        post = lambda blocks: [b[:s] for b, s in zip(blocks, sizes)]
+        return self._finish("all_gather", works, cost, out, post, async_op, issued)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Broadcast from group rank `src`, in place. Costed as a binomial tree."""
+        issued = _now()
+        works = []
+        if self.world_size > 1:
+            works = [dist.broadcast(tensor, src=self.global_of(src), group=self.group, async_op=True)]
+        cost = tree_broadcast(self.link, self.world_size, tensor.numel() * tensor.element_size(), self.rank, src)
+        return self._finish("broadcast", works, cost, tensor, None, async_op, issued)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    # -- point to point --------------------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: int = 0):
+        """Send to group rank `dst`. The sender is done once its link has pushed the bytes out."""
+        issued = _now()
+        work = dist.isend(tensor.contiguous(), dst=self.global_of(dst), group=self.group, tag=tag)
+        c = p2p(self.link, tensor.numel() * tensor.element_size())
+        cost = Cost(c.latency, c.transfer, c.sent, 0.0)
+        return self._finish("send", [work], cost, tensor, None, async_op, issued, rx=False, latency=False)
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: int = 0):
+        """Receive from group rank `src` into `tensor`: delivered α + Nβ after the data is there."""
+        issued = _now()
+        work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
+        c = p2p(self.link, tensor.numel() * tensor.element_size())
+        cost = Cost(c.latency, c.transfer, 0.0, c.received)
+        return self._finish("recv", [work], cost, tensor, None, async_op, issued, tx=False)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        return self.send(tensor, dst, async_op=True, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+        return self.recv(tensor, src, async_op=True, tag=tag)

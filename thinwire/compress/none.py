@@ -1,0 +1,24 @@
+"""`none`: the identity; the uncompressed fp32 baseline."""
+from __future__ import annotations
+
+from . import compressors, memories
+from .base import Compressor, Memory, Payload
+
+
+@compressors.register("none")
+class NoCompression(Compressor):
+    """Identity: sends the tensor as it is (32 bits per fp32 element)."""
+
+    def compress(self, tensor, key=None, step=0):
+        return Payload([tensor], ctx=None)
+
+    def decompress(self, payload):
+        return payload.tensors[0]
+
+    def nominal_bits(self, numel):
+        return 32.0
+
+
+@memories.register("none")
+class NoMemory(Memory):
+    """No error feedback: what compression drops is lost."""

@@ -1,0 +1,84 @@
+"""α-β cost of the collectives (seed 000 Table III and §IV-B), per rank: time, bytes sent, bytes received.
+
+Every function takes the link, the number of ranks n and the message size in bytes, and returns a `Cost`:
+`latency` (the α part), `transfer` (the β part: time the link is busy) and the bytes this rank sends and
+receives under that algorithm. The Transport uses these to emulate networks and to count bytes; `thinwire.plan`
+uses them to predict.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .link import Link
+
+
+@dataclass(frozen=True)
+class Cost:
+    latency: float
+    transfer: float
+    sent: float
+    received: float
+
+    @property
+    def time(self) -> float:
+        return self.latency + self.transfer
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.latency + other.latency, self.transfer + other.transfer,
+                    self.sent + other.sent, self.received + other.received)
+
+
+ZERO = Cost(0.0, 0.0, 0.0, 0.0)
+
+
+def _log2(n: int) -> int:
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def p2p(link: Link, nbytes: float) -> Cost:
+    """One message: α + N β."""
+    return Cost(link.alpha, nbytes * link.beta, nbytes, nbytes)
+
+
+def ring_allreduce(link: Link, n: int, nbytes: float) -> Cost:
+    """Ring: 2(n-1) α + 2(n-1)/n N β (seed 000 Table III)."""
+    if n <= 1:
+        return ZERO
+    moved = 2 * (n - 1) / n * nbytes
+    return Cost(2 * (n - 1) * link.alpha, moved * link.beta, moved, moved)
+
+
+def recursive_doubling_allreduce(link: Link, n: int, nbytes: float) -> Cost:
+    """Recursive doubling: α log n + N β log n (seed 000 Table III)."""
+    r = _log2(n)
+    return Cost(r * link.alpha, r * nbytes * link.beta, r * nbytes, r * nbytes)
+
+
+def tree_allreduce(link: Link, n: int, nbytes: float) -> Cost:
+    """Binary tree (reduce then broadcast): 2 α log n + 2 N β log n (seed 000 Table III)."""
+    r = _log2(n)
+    return Cost(2 * r * link.alpha, 2 * r * nbytes * link.beta, 2 * r * nbytes, 2 * r * nbytes)
+
+
+def ring_allgather(link: Link, n: int, nbytes_each: float) -> Cost:
+    """Ring all-gather of n blocks of N bytes: (n-1) α + (n-1) N β; each rank forwards n-1 blocks."""
+    if n <= 1:
+        return ZERO
+    moved = (n - 1) * nbytes_each
+    return Cost((n - 1) * link.alpha, moved * link.beta, moved, moved)
+
+
+def tree_broadcast(link: Link, n: int, nbytes: float, rank: int = 0, root: int = 0) -> Cost:
+    """Binomial-tree broadcast: ⌈log2 n⌉ (α + N β) to complete; a rank sends to one child per round below it."""
+    r = _log2(n)
+    rel = (rank - root) % n
+    children = sum(1 for k in range(r) if rel < 2 ** k and rel + 2 ** k < n)
+    return Cost(r * link.alpha, r * nbytes * link.beta, children * nbytes, 0.0 if rel == 0 else nbytes)
+
+
+ALLREDUCE = {
+    "ring": ring_allreduce,
+    "recursive_doubling": recursive_doubling_allreduce,
+    "tree": tree_allreduce,
+}

@@ -1,0 +1,124 @@
+"""Name -> constructor tables (one per family), so the CLI, configs and tests enumerate the same list."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from .errors import UserError
+
+
+def _convert(value: Any, default: Any, annotation: Any) -> Any:
+    """Turn a CLI string into the type a parameter expects (taken from its default or annotation)."""
+    if not isinstance(value, str):
+        return value
+    kind = type(default) if default not in (inspect.Parameter.empty, None) else None
+    if kind is None and isinstance(annotation, str):
+        kind = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation.split("|")[0].strip())
+    if kind is None and annotation in (int, float, bool, str):
+        kind = annotation
+    if kind is bool:
+        low = value.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise UserError(f"expected true/false, got {value!r}")
+    if kind is int:
+        try:
+            return int(float(value)) if float(value).is_integer() else int(value)
+        except ValueError:
+            raise UserError(f"expected an integer, got {value!r}") from None
+    if kind is float:
+        try:
+            return float(value)
+        except ValueError:
+            raise UserError(f"expected a number, got {value!r}") from None
+    if kind is None:  # no type information: best effort number parsing
+        for conv in (int, float):
+            try:
+                return conv(value)
+            except ValueError:
+                pass
+    return value
+
+
+class Registry:
+    """A table of named constructors of one family (compressor, algorithm, workload, ...)."""
+
+    def __init__(self, family: str):
+        self.family = family
+        self._table: dict[str, Callable] = {}
+
+    def register(self, name: str | None = None):
+        def deco(obj):
+            key = name or getattr(obj, "name", None) or obj.__name__.lower()
+            if key in self._table and self._table[key] is not obj:
+                raise RuntimeError(f"{self.family} {key!r} registered twice")
+            self._table[key] = obj
+            if isinstance(obj, type) and not getattr(obj, "name", None):
+                obj.name = key
+            return obj
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self._table)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._table
+
+    def lookup(self, name: str) -> Callable:
+        if name not in self._table:
+            raise UserError(f"unknown {self.family} {name!r}; valid: {', '.join(self.names())}")
+        return self._table[name]
+
+    def parameters(self, name: str) -> dict[str, Any]:
+        """The keyword parameters a constructor takes, with their defaults (None when required)."""
+        sig = inspect.signature(self.lookup(name))
+        return {p.name: (None if p.default is inspect.Parameter.empty else p.default)
+                for p in sig.parameters.values()
+                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
+
+    def accepts(self, name: str, param: str) -> bool:
+        return param in self.parameters(name)
+
+    def get(self, name, **params):
+        """Build `name` with `params` (CLI strings are converted to the parameter's type)."""
+        if not isinstance(name, str):
+            if params:
+                raise UserError(f"parameters {sorted(params)} given with a ready-made {self.family} object")
+            return name
+        ctor = self.lookup(name)
+        sig = inspect.signature(ctor)
+        valid = {p.name: p for p in sig.parameters.values() if p.name != "self"}
+        takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in valid.values())
+        kwargs = {}
+        for key, value in params.items():
+            if key not in valid and not takes_kwargs:
+                names = ", ".join(k for k, p in valid.items() if p.kind != p.VAR_KEYWORD) or "none"
+                raise UserError(f"{self.family} {name!r} has no parameter {key!r}; its parameters: {names}")
+            p = valid.get(key)
+            try:
+                kwargs[key] = _convert(value, p.default if p else None, p.annotation if p else None)
+            except UserError as e:
+                raise UserError(f"{self.family} {name!r} parameter {key!r}: {e}") from None
+        try:
+            return ctor(**kwargs)
+        except TypeError as e:
+            raise UserError(f"{self.family} {name!r}: {e}") from None
+
+    def describe(self) -> list[dict]:
+        rows = []
+        for key in self.names():
+            obj = self._table[key]
+            doc = (inspect.getdoc(obj) or "").strip().splitlines()
+            rows.append({"name": key, "summary": doc[0] if doc else "", "parameters": self.parameters(key)})
+        return rows
+
+
+def import_submodules(package_name: str, package_path) -> None:
+    """Import every module of a package so each file registers itself (one concept per file)."""
+    import importlib
+    import pkgutil
+    for mod in sorted(pkgutil.iter_modules(package_path), key=lambda m: m.name):
+        if not mod.name.startswith("_"):
+            importlib.import_module(f"{package_name}.{mod.name}")

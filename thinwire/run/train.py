@@ -1,0 +1,272 @@
+"""One training run: the per-worker loop (`train_worker`) and the launcher side (`run_training`) that
+assembles the workers' records into per-step metrics (JSON Lines) and a summary (JSON).
+
+Clocks: `wall_s` is the whole run as the launcher saw it (start-up included); each worker's training clock
+counts the steps only (evaluations are paused out of it), and `time_to_target_s` is read off that clock.
+Accuracy is the mean over workers of each worker's own model (identical models for synchronous algorithms).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..errors import UserError
+from ..net import parse_network, ring_allreduce
+from ..trace import Tracer, write_chrome_trace
+from . import workloads
+
+_now = time.perf_counter
+
+
+@dataclass
+class TrainConfig:
+    workload: str = "digits-mlp"
+    algorithm: str = "bsp"
+    workers: int = 4
+    network: str = "lan"
+    epochs: float | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    momentum: float | None = None
+    seed: int = 0
+    eval_every: int | None = None
+    target: float | None = None
+    compressor: str | None = None
+    memory: str | None = None
+    servers: int = 0
+    params: dict = field(default_factory=dict)
+    trace: bool = False
+    progress: bool = True
+
+    def validate(self) -> "TrainConfig":
+        from .. import algorithms
+        from ..compress import compressors, memories
+        workloads.registry.lookup(self.workload)
+        algorithms.registry.lookup(self.algorithm)
+        if self.compressor is not None:
+            compressors.lookup(self.compressor)
+        if self.memory is not None:
+            memories.lookup(self.memory)
+        parse_network(self.network)
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise UserError(f"--workers must be >= 1, got {self.workers}")
+        if self.servers < 0:
+            raise UserError(f"--servers must be >= 0, got {self.servers}")
+        if self.epochs is not None and self.steps is not None:
+            raise UserError("give --epochs or --steps, not both")
+        if self.epochs is not None and not self.epochs > 0:
+            raise UserError(f"--epochs must be > 0, got {self.epochs}")
+        if self.steps is not None and self.steps < 1:
+            raise UserError(f"--steps must be >= 1, got {self.steps}")
+        for name in ("batch_size", "eval_every"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.lr is not None and not self.lr > 0:
+            raise UserError(f"--lr must be > 0, got {self.lr}")
+        if self.momentum is not None and not 0 <= self.momentum < 1:
+            raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
+        return self
+
+    def total_steps(self, wl: workloads.Workload) -> int:
+        if self.steps is not None:
+            return self.steps
+        epochs = self.epochs if self.epochs is not None else wl.epochs
+        return max(1, math.ceil(epochs * wl.steps_per_epoch(self.workers, self.batch_size)))
+
+
+def build_trainer(cfg: TrainConfig, wl, model, tracer=None):
+    """The Trainer for this configuration (used by the train loop and by the tests)."""
+    from ..trainer import Trainer
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr or wl.lr,
+                          momentum=wl.momentum if cfg.momentum is None else cfg.momentum)
+    params = dict(cfg.params)
+    if cfg.servers:
+        params["servers"] = cfg.servers
+    return Trainer(model, opt, algorithm=cfg.algorithm, compressor=cfg.compressor, memory=cfg.memory,
+                   tracer=tracer, **params)
+
+
+def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
+    """Runs in every worker: train, evaluate at intervals, return this rank's records."""
+    wl = workloads.get(cfg.workload)
+    tracer = Tracer(rank, enabled=cfg.trace)
+    model = wl.model(cfg.seed)
+    trainer = build_trainer(cfg, wl, model, tracer)
+    workers = cfg.workers
+    role = getattr(trainer.algorithm, "role", "worker")
+    if role != "worker":  # e.g. a parameter server rank: serves until the workers are done
+        trainer.algorithm.serve()
+        return {"rank": rank, "role": role, "meter": trainer.transport.meter.to_dict(),
+                "metrics": trainer.metrics(), "trace": tracer.events}
+    wrank = getattr(trainer.algorithm, "worker_rank", rank)
+    x, y = wl.shard(wrank, workers)
+    loader = workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=cfg.seed, rank=wrank)
+    total = cfg.total_steps(wl)
+    eval_every = cfg.eval_every or max(1, wl.steps_per_epoch(workers, cfg.batch_size) // 2)
+    bar = None
+    if cfg.progress and wrank == 0 and not os.environ.get("THINWIRE_NO_PROGRESS"):
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc=f"{cfg.algorithm} on {cfg.network}", unit="step", file=sys.stderr,
+                   leave=False, dynamic_ncols=True)
+    steps, evals = [], []
+    clock = 0.0
+    evals.append({"step": 0, "t": 0.0, "value": wl.evaluate(model)})
+    for step in range(1, total + 1):
+        t0 = _now()
+        xb, yb = loader.next()
+        with tracer.span("forward+backward", "compute"):
+            loss = wl.loss(model(xb), yb)
+            loss.backward()
+        traffic = trainer.step()
+        trainer.optimizer.zero_grad(set_to_none=False)
+        dt = _now() - t0
+        clock += dt
+        steps.append({"step": step, "loss": loss.item(), "t": clock, "step_s": dt,
+                      "bytes_sent": traffic["bytes_sent"], "emulated_s": traffic["emulated_s"],
+                      "wait_s": traffic["wait_s"]})
+        if step % eval_every == 0 or step == total:
+            if step == total:
+                t1 = _now()
+                trainer.close()
+                clock += _now() - t1
+            evals.append({"step": step, "t": clock, "value": wl.evaluate(model)})
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    if bar is not None:
+        bar.close()
+    return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
+            "meter": trainer.transport.meter.to_dict(), "metrics": trainer.metrics(),
+            "trace": tracer.events, "num_params": sum(p.numel() for p in trainer.parameters),
+            "dtype_bytes": trainer.parameters[0].element_size(), "train_s": clock}
+
+
+def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dict, list[dict]]:
+    """Merge the workers' records: the summary and the per-step metrics rows."""
+    wl = workloads.get(cfg.workload)
+    workers = [r for r in results if r["role"] == "worker"]
+    servers = [r for r in results if r["role"] != "worker"]
+    n_steps = len(workers[0]["steps"])
+    rows = []
+    for i in range(n_steps):
+        per = [w["steps"][i] for w in workers]
+        rows.append({"step": i + 1, "loss": statistics.fmean(p["loss"] for p in per),
+                     "t": max(p["t"] for p in per), "step_s": max(p["step_s"] for p in per),
+                     "bytes_sent": statistics.fmean(p["bytes_sent"] for p in per),
+                     "emulated_s": statistics.fmean(p["emulated_s"] for p in per),
+                     "wait_s": statistics.fmean(p["wait_s"] for p in per)})
+    evals = []
+    for i in range(len(workers[0]["evals"])):
+        per = [w["evals"][i] for w in workers]
+        evals.append({"step": per[0]["step"], "t": max(p["t"] for p in per),
+                      "value": statistics.fmean(p["value"] for p in per)})
+    by_step = {e["step"]: e for e in evals}
+    for row in rows:
+        if row["step"] in by_step:
+            row[wl.metric if wl.metric == "accuracy" else "test_loss"] = by_step[row["step"]]["value"]
+    target = cfg.target if cfg.target is not None else wl.target
+    hit = next((e for e in evals if e["step"] > 0 and wl.reached(e["value"], target)), None)
+    n_params = workers[0]["num_params"]
+    nominal_step = ring_allreduce(parse_network("lan"), len(workers), n_params * 4).sent
+    sent = [w["meter"]["total"]["bytes_sent"] for w in workers]
+    step_times = [r["step_s"] for r in rows]
+    train_s = max(w["train_s"] for w in workers)
+    batch = cfg.batch_size or wl.batch_size
+    final = statistics.fmean(w["final"] for w in workers)
+    best = (max if wl.metric == "accuracy" else min)(e["value"] for e in evals)
+    summary = {
+        "workload": cfg.workload, "algorithm": cfg.algorithm, "network": cfg.network,
+        "workers": len(workers), "servers": len(servers), "compressor": cfg.compressor, "memory": cfg.memory,
+        "params": cfg.params, "seed": cfg.seed, "steps": n_steps, "wall_s": wall_s, "train_s": train_s,
+        "metric": wl.metric, "target": target,
+        ("final_accuracy" if wl.metric == "accuracy" else "final_loss"): final,
+        ("best_accuracy" if wl.metric == "accuracy" else "best_loss"): best,
+        "time_to_target_s": hit["t"] if hit else None, "steps_to_target": hit["step"] if hit else None,
+        "bytes_sent_per_worker": statistics.fmean(sent),
+        "bytes_sent_per_worker_per_step": statistics.fmean(sent) / max(1, n_steps),
+        "nominal_bytes_per_worker": nominal_step * n_steps,
+        "nominal_bytes_per_worker_per_step": nominal_step,
+        "bytes_sent_per_server": statistics.fmean(s["meter"]["total"]["bytes_sent"] for s in servers) if servers else None,
+        "emulated_comm_s": statistics.fmean(w["meter"]["total"]["emulated_s"] for w in workers),
+        "exposed_comm_s": statistics.fmean(w["meter"]["total"]["wait_s"] for w in workers),
+        "step_time_s": statistics.median(step_times) if step_times else None,
+        "throughput_samples_s": n_steps * batch * len(workers) / train_s if train_s > 0 else None,
+        "num_params": n_params,
+        "algorithm_metrics": workers[0]["metrics"],
+    }
+    return summary, rows
+
+
+def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
+    """Launch the workers (or use `pool`), train, write `out/metrics.jsonl`, `out/summary.json`
+    (and `out/trace.json` with `cfg.trace`), and return the summary."""
+    from .launcher import launch
+    cfg.validate()
+    world = cfg.workers + cfg.servers
+    t0 = _now()
+    if pool is not None:
+        results = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed)
+    else:
+        results = launch(train_worker, world, network=cfg.network, args=(cfg,), seed=cfg.seed)
+    wall = _now() - t0
+    summary, rows = summarize(cfg, results, wall)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        _atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+        _atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
+        if cfg.trace:
+            write_chrome_trace(os.path.join(out, "trace.json"), [r["trace"] for r in results])
+            summary["trace"] = os.path.join(out, "trace.json")
+    return summary
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    return asdict(cfg)
+
+
+def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str | None) -> dict | None:
+    """Under torchrun: train as one worker of the job; rank 0 gathers the records (as JSON, never pickle)
+    and writes the outputs. Returns the summary on rank 0, None elsewhere."""
+    import torch.distributed as dist
+    if world_size != cfg.workers + cfg.servers:
+        cfg.workers = world_size - cfg.servers
+    cfg.validate()
+    t0 = _now()
+    mine = train_worker(rank, world_size, cfg)
+    blob = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+    size = torch.tensor([blob.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    largest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(largest, dtype=torch.uint8)
+    padded[:blob.numel()] = blob
+    got = [torch.zeros_like(padded) for _ in range(world_size)]
+    dist.all_gather(got, padded)
+    dist.barrier()
+    if rank != 0:
+        return None
+    results = [json.loads(bytes(g[:int(s.item())].tolist()).decode()) for g, s in zip(got, sizes)]
+    summary, rows = summarize(cfg, results, _now() - t0)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        _atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+        _atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
+        if cfg.trace:
+            write_chrome_trace(os.path.join(out, "trace.json"), [r["trace"] for r in results])
+    return summary

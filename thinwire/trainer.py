@@ -1,0 +1,102 @@
+"""`Trainer`: the user-facing object around a model and an optimizer.
+
+    trainer = tw.Trainer(model, opt, algorithm="dts", delay=4, period=4, compressor="topk", ratio=0.01)
+    ...; loss.backward(); trainer.step(); opt.zero_grad()
+    trainer.close()
+
+Keyword parameters are routed by name to the algorithm, the compressor and the memory (each gets the ones
+its constructor declares); a parameter none of them takes is an error at construction.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import algorithms
+from .comm import Transport
+from .compress import compressors, memories
+from .errors import UserError
+from .trace import NULL, Tracer
+
+
+def _route(algorithm: str, compressor: str, memory: str, params: dict) -> tuple[dict, dict, dict]:
+    tables = [(algorithms.registry, algorithm), (compressors, compressor), (memories, memory)]
+    routed: list[dict] = [{}, {}, {}]
+    for key, value in params.items():
+        takers = [i for i, (reg, name) in enumerate(tables) if isinstance(name, str) and reg.accepts(name, key)]
+        if not takers:
+            valid = sorted({p for reg, name in tables if isinstance(name, str) for p in reg.parameters(name)})
+            raise UserError(f"unknown parameter {key!r} for algorithm {algorithm!r}, compressor {compressor!r}, "
+                            f"memory {memory!r}; valid: {', '.join(valid) or 'none'}")
+        for i in takers:
+            routed[i][key] = value
+    return routed[0], routed[1], routed[2]
+
+
+class Trainer:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm="bsp",
+                 compressor=None, memory=None, transport: Transport | None = None, network=None,
+                 tracer: Tracer | None = None, sync_initial_model: bool = True, **params):
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model, self.optimizer = model, optimizer
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if not self.parameters:
+            raise UserError("the model has no trainable parameters")
+        self.tracer = tracer or NULL
+        self.transport = transport or Transport(network=network, tracer=self.tracer)
+        if tracer is not None:
+            self.transport.tracer = tracer
+
+        alg_cls = algorithms.registry.lookup(algorithm) if isinstance(algorithm, str) else type(algorithm)
+        compressor = compressor or getattr(alg_cls, "default_compressor", "none")
+        memory = memory or getattr(alg_cls, "default_memory", "none")
+        alg_params, comp_params, mem_params = _route(algorithm, compressor, memory, params)
+        if not getattr(alg_cls, "compression", True) and (compressor not in ("none", None)):
+            raise UserError(f"algorithm {alg_cls.name!r} does not exchange gradients through a compressor; "
+                            f"drop --compressor or use one of: "
+                            f"{', '.join(n for n in algorithms.names() if algorithms.registry.lookup(n).compression)}")
+        self.compressor = compressors.get(compressor, **comp_params)
+        self.memory = memories.get(memory, **mem_params)
+        self.algorithm = algorithms.get(algorithm, **alg_params)
+        self.step_count = 0
+        if sync_initial_model:
+            self._broadcast_model()
+        self.algorithm.attach(self)
+
+    def _broadcast_model(self) -> None:
+        """Start every worker from rank 0's model (as DDP does); not counted as training traffic."""
+        if self.transport.world_size == 1:
+            return
+        import torch.distributed as dist
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                dist.broadcast(t.data, src=self.transport.global_of(0), group=self.transport.group)
+
+    def step(self) -> dict:
+        """Communicate and update as the algorithm dictates; returns this step's traffic counters."""
+        self.algorithm.step()
+        self.step_count += 1
+        return self.transport.meter.mark_step()
+
+    def close(self) -> None:
+        self.algorithm.close()
+
+    def metrics(self) -> dict:
+        out = {"steps": self.step_count, **self.transport.meter.totals()}
+        out.update(self.algorithm.metrics())
+        return out
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.state_dict(),
+                "compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = state["step"]
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.compressor.load_state_dict(state["compressor"])
+        self.memory.load_state_dict(state["memory"])
+        self.algorithm.load_state_dict(state["algorithm"])
