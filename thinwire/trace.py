@@ -11,7 +11,9 @@ import os
 import time
 from contextlib import contextmanager
 
-TRACKS = ("compute", "compress", "communicate", "emulated", "wait", "optimizer")
+TRACKS = ("compute", "compress", "communicate", "emulated", "wait", "optimizer", "forward", "backward")
+_ORDER = ("forward", "backward", "compute", "compress", "communicate", "emulated", "wait", "optimizer")
+LANE = 100   # overlapping spans of one track go to extra threads tid + LANE·k, so every thread is well nested
 
 
 class Tracer:
@@ -45,14 +47,41 @@ class Tracer:
 NULL = Tracer(enabled=False)
 
 
+def nest(events: list[dict]) -> list[dict]:
+    """Move spans that overlap without nesting (asynchronous transfers in flight together) from their
+    track's thread to the first lane (tid + LANE·k) where they nest, so viewers draw every span."""
+    out = [e for e in events if e.get("ph") != "X"]
+    lanes: dict[int, list[list[float]]] = {}     # tid -> per lane: stack of open span ends
+    for e in sorted((e for e in events if e.get("ph") == "X"), key=lambda e: (e["ts"], -e["dur"])):
+        start, end, tid = e["ts"], e["ts"] + e["dur"], e.get("tid", 0)
+        stacks = lanes.setdefault(tid, [])
+        for k, stack in enumerate(stacks + [[]]):
+            while stack and stack[-1] <= start:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                if k == len(stacks):
+                    stacks.append(stack)
+                stack.append(end)
+                out.append(dict(e, tid=tid + LANE * k))
+                break
+    return out
+
+
 def write_chrome_trace(path: str, events_by_rank: list[list[dict]]) -> None:
     """Merge the workers' events into one trace file, written atomically."""
     events: list[dict] = []
     for rank, evs in enumerate(events_by_rank):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"worker {rank}"}})
-        for tid, track in enumerate(TRACKS):
-            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": track}})
-        events.extend(evs or [])
+        evs = nest(evs or [])
+        tids = sorted({e.get("tid", 0) for e in evs} | set(range(len(TRACKS))))
+        for tid in tids:
+            base = TRACKS[tid % LANE] if tid % LANE < len(TRACKS) else "other"
+            name = base if tid < LANE else f"{base} {tid // LANE + 1}"
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
+            order = _ORDER.index(base) if base in _ORDER else len(_ORDER)
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid,
+                           "args": {"sort_index": order * LANE + tid // LANE}})
+        events.extend(evs)
     t0 = min((e["ts"] for e in events if "ts" in e), default=0.0)
     for e in events:
         if "ts" in e:

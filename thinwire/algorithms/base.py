@@ -38,6 +38,10 @@ class Algorithm:
         self.rank = self.transport.rank
         self.world_size = self.transport.world_size
         self.tracer = trainer.tracer
+        if getattr(self, "allreduce", "gloo") != "gloo":  # an `allreduce=` parameter picks the algorithm
+            from ..comm.collectives import parse
+            parse(self.allreduce, self.world_size)
+            self.transport.allreduce = self.allreduce
         self.setup()
 
     def setup(self) -> None:

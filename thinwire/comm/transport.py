@@ -7,6 +7,7 @@ operations return a `Handle`; compute done before `Handle.wait()` overlaps the e
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -36,13 +37,29 @@ class Handle:
         self._flags = (tx, rx, latency)
         self.deadline: float | None = None
         self._done = False
+        self._lock = threading.Lock()
         if not self._works:
             self._on_real_done()
+        else:  # timestamp the real completion as it happens (gloo's thread), so compute overlaps emulation
+            try:
+                self._works[-1].get_future().add_done_callback(lambda _f: self._on_real_done())
+            except (RuntimeError, AttributeError):  # gloo point-to-point ops have no future: a waiter thread
+                threading.Thread(target=self._wait_real, daemon=True).start()
+
+    def _wait_real(self) -> None:
+        try:
+            for w in self._works:
+                w.wait()
+        except RuntimeError:
+            return  # the caller's own wait() raises it
+        self._on_real_done()
 
     def _on_real_done(self) -> None:
-        if self.deadline is not None:
-            return
-        t_done = _now()
+        with self._lock:
+            if self.deadline is None:
+                self._schedule(_now())
+
+    def _schedule(self, t_done: float) -> None:
         tx, rx, latency = self._flags
         self.deadline = self.transport.clock.schedule(t_done, self.cost, tx=tx, rx=rx, latency=latency)
         self.transport.meter.record(self.kind, self.cost.sent, self.cost.received,
@@ -87,7 +104,8 @@ class Transport:
     """
 
     def __init__(self, group=None, network: "str | Link | None" = None, seed: int | None = None,
-                 tracer: Tracer | None = None, meter: Meter | None = None, clock: LinkClock | None = None):
+                 tracer: Tracer | None = None, meter: Meter | None = None, clock: LinkClock | None = None,
+                 allreduce: str = "gloo"):
         if not dist.is_available() or not dist.is_initialized():
             raise UserError("torch.distributed is not initialised: start workers with thinwire.launch, "
                             "or call thinwire.init() under torchrun")
@@ -99,6 +117,9 @@ class Transport:
         self.meter = meter or Meter()
         self.clock = clock or LinkClock(self.link, self.global_rank, default_seed() if seed is None else seed)
         self.tracer = tracer or NULL
+        from .collectives import parse as _parse_allreduce
+        _parse_allreduce(allreduce, self.world_size)
+        self.allreduce = allreduce  # "gloo" (native) or an algorithm of thinwire.comm.collectives
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _finish(self, kind, works, cost, result, post=None, async_op=False, issued=None, **flags):
@@ -118,6 +139,9 @@ class Transport:
                "min": dist.ReduceOp.MIN}
         if op not in ops:
             raise UserError(f"unknown reduce op {op!r}; valid: {', '.join(ops)}")
+        if self.allreduce != "gloo":  # a point-to-point algorithm, costed message by message
+            from .collectives import all_reduce as _p2p_all_reduce
+            return _p2p_all_reduce(self, tensor, op, self.allreduce, async_op)
         issued = _now()
         works = []
         if self.world_size > 1:

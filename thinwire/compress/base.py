@@ -6,7 +6,23 @@ Each compressor declares its algebra so the exchange layer can pick the collecti
 - `unbiased`: E[decompress(compress(x))] = x;
 - `linear`: payloads of different ranks may be summed element-wise (by all-reduce) and decompressed as one;
 - `randomness`: "none", "shared" (every rank must draw the same numbers: seeded by step and key) or "local";
-- `aggregation`: "allreduce", "allgather" or "majority".
+- `aggregation`: how the exchange combines ranks:
+  "allreduce"  payload tensors are summed element-wise across ranks (after `sum_payload` widens them if the sum
+               needs a wider type); `decompress` of the summed payload is the sum of the contributions.
+               If the ranks must first agree on something (a shared scale), `agree` returns a small tensor that
+               is all-reduced with max and handed to `compress(..., agreed=...)`.
+  "allgather"  every rank's payload is gathered (sizes may differ); `aggregate(payloads)` sums the contributions.
+  "majority"   sign payloads; the exchange takes the element-wise majority vote of the ranks' signs.
+  "custom"     the compressor runs its own communication: `exchange(transport, tensor, key, step, shapes)`
+               returns a handle whose `wait()` gives `(sum over ranks, this rank's own contribution)`;
+               the exchange divides by the world size and feeds the contribution to the memory (PowerSGD).
+Payloads of other ranks ("allgather", "majority") arrive as 1-D tensors of the same dtypes, in the same order,
+with THIS rank's `ctx`: a compressor must put in `ctx` only what every rank knows (shape, dtype, a shared seed's
+indices), never something about its own data. `fixed_size = True` says the payload size depends only on the
+tensor's shape, so a gather can skip the size exchange.
+`sum_payload` may also pre-scale (fp16 divides by the world size before the sum, as PyTorch's
+`fp16_compress_hook` does, so the fp16 sum cannot overflow), as long as `decompress` of the summed payload still
+returns the sum of the contributions (it records the scale in `ctx`).
 """
 from __future__ import annotations
 
@@ -33,12 +49,28 @@ class Compressor:
     linear: ClassVar[bool] = True
     randomness: ClassVar[str] = "none"
     aggregation: ClassVar[str] = "allreduce"
+    fixed_size: ClassVar[bool] = False
 
-    def compress(self, tensor: torch.Tensor, key: Any = None, step: int = 0) -> Payload:
+    def compress(self, tensor: torch.Tensor, key: Any = None, step: int = 0, agreed=None) -> Payload:
         raise NotImplementedError
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         raise NotImplementedError
+
+    def agree(self, tensor: torch.Tensor, key: Any = None, step: int = 0) -> torch.Tensor | None:
+        """("allreduce" only) a small tensor all ranks must agree on (all-reduced with max) before compressing."""
+        return None
+
+    def sum_payload(self, payload: Payload, world_size: int) -> Payload:
+        """("allreduce" only) the payload in a type wide enough to hold the sum of `world_size` of them."""
+        return payload
+
+    def aggregate(self, payloads: list[Payload]) -> torch.Tensor:
+        """("allgather" only) the sum of the ranks' decompressed contributions."""
+        out = self.decompress(payloads[0]).clone()
+        for p in payloads[1:]:
+            out += self.decompress(p)
+        return out
 
     def nominal_bits(self, numel: int) -> float:
         """Bits per element the method nominally sends (for benchmarks and the planner)."""
@@ -55,6 +87,9 @@ class Memory:
     """Error feedback and its variants: `compensate` before compression, `update` after."""
 
     name: ClassVar[str] = ""
+
+    def setup(self, world_size: int) -> None:
+        """Called by the exchange with the number of ranks (DGC's local clipping threshold needs it)."""
 
     def compensate(self, tensor: torch.Tensor, key: Any) -> torch.Tensor:
         return tensor

@@ -9,7 +9,7 @@ from .base import Compressor, Memory, Payload
 class NoCompression(Compressor):
     """Identity: sends the tensor as it is (32 bits per fp32 element)."""
 
-    def compress(self, tensor, key=None, step=0):
+    def compress(self, tensor, key=None, step=0, agreed=None):
         return Payload([tensor], ctx=None)
 
     def decompress(self, payload):

@@ -82,3 +82,37 @@ ALLREDUCE = {
     "recursive_doubling": recursive_doubling_allreduce,
     "tree": tree_allreduce,
 }
+
+
+def grid_shape(n: int, width: int | None = None) -> tuple[int, int]:
+    """(width X, height Y) of an X×Y grid of n ranks: `width` if given, else the most square one (X ≥ Y)."""
+    if width is None:
+        width = next(x for x in range(math.isqrt(n), n + 1) if n % x == 0) if n > 1 else 1
+        width = max(width, n // width)
+    return width, n // width
+
+
+def _tree_rounds(link: Link, n: int, nbytes: float) -> Cost:
+    """⌈log2 n⌉ rounds of one full message each (binomial reduce or broadcast)."""
+    r = _log2(n)
+    return Cost(r * link.alpha, r * nbytes * link.beta, r * nbytes, r * nbytes)
+
+
+def hierarchical_allreduce(link: Link, n: int, nbytes: float, group_size: int | None = None) -> Cost:
+    """Hierarchical (seed 000 §IV-B [23]): binomial reduce inside groups of m, ring all-reduce among the g = n/m
+    leaders, binomial broadcast inside groups: 2⌈log2 m⌉(α + Nβ) + 2(g-1)α + 2(g-1)/g Nβ (critical path)."""
+    m = group_size or grid_shape(n)[1]
+    return _tree_rounds(link, m, nbytes) + ring_allreduce(link, n // m, nbytes) + _tree_rounds(link, m, nbytes)
+
+
+def torus_allreduce(link: Link, n: int, nbytes: float, width: int | None = None) -> Cost:
+    """2-D torus (seed 000 §IV-B [151][152]) on an X×Y grid: ring reduce-scatter along rows, ring all-reduce of
+    the N/X share along columns, ring all-gather along rows:
+    2(X-1)α + 2(Y-1)α + 2(X-1)/X Nβ + 2(Y-1)/Y (N/X)β."""
+    x, y = grid_shape(n, width)
+    row = ring_allreduce(link, x, nbytes)  # reduce-scatter + all-gather along a row = one ring all-reduce
+    return row + ring_allreduce(link, y, nbytes / x)
+
+
+ALLREDUCE["hierarchical"] = hierarchical_allreduce
+ALLREDUCE["torus"] = torus_allreduce

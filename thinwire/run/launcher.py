@@ -39,6 +39,15 @@ def _threads_per_worker(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, world_size))
 
 
+def _report_and_exit(results, message, code: int) -> None:
+    """Report to the launcher and exit; the queue is flushed first so the report is never lost."""
+    results.put(message)
+    results.close()
+    results.join_thread()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results):
     _die_with_parent()
     import torch
@@ -49,8 +58,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
-        results.put((rank, -1, "error", f"cannot start: {e}", traceback.format_exc()))
-        os._exit(1)
+        _report_and_exit(results, (rank, -1, "error", f"cannot start: {e}", traceback.format_exc()), 1)
     results.put((rank, -1, "ok", b"", ""))
     while True:
         task = tasks.get()
@@ -63,14 +71,20 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
             value = fn(rank, world_size, *args)
             out = pickle.dumps(value)
         except BaseException as e:  # noqa: BLE001
-            results.put((rank, task_id, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
-            sys.stderr.flush()
-            os._exit(1)
+            _report_and_exit(results, (rank, task_id, "error", f"{type(e).__name__}: {e}",
+                                       traceback.format_exc()), 1)
         results.put((rank, task_id, "ok", out, ""))
     try:
         dist.destroy_process_group()
     finally:
         os._exit(0)
+
+
+def _peer_failure(message: str) -> bool:
+    """An error that only says another worker went away."""
+    text = message.lower()
+    return any(k in text for k in ("connection closed by peer", "connection reset", "remote worker crash",
+                                   "broken pipe", "connection refused", "socket closed"))
 
 
 class Pool:
@@ -106,37 +120,47 @@ class Pool:
 
     def _collect(self, task_id: int, timeout: float | None) -> list:
         got: dict[int, bytes] = {}
+        errors: list[WorkerError] = []
         deadline = time.monotonic() + (timeout if timeout else self.timeout)
         while len(got) < self.world_size:
             try:
                 rank, tid, status, payload, tb = self._results.get(timeout=0.05)
-            except queue.Empty:
-                rank = None
-            if rank is not None:
                 if status == "error":
-                    self._fail(WorkerError(rank, payload, tb))
-                if tid == task_id:
+                    errors.append(WorkerError(rank, payload, tb))
+                elif tid == task_id:
                     got[rank] = payload
-                continue
-            for r, p in enumerate(self._procs):
-                if r not in got and p.exitcode is not None:
-                    # give a dying worker's own report a moment to arrive: it names the cause
-                    try:
-                        rank, tid, status, payload, tb = self._results.get(timeout=0.5)
-                        if status == "error":
-                            self._fail(WorkerError(rank, payload, tb))
-                        if tid == task_id:
-                            got[rank] = payload
-                        break
-                    except queue.Empty:
-                        code = p.exitcode
-                        why = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                        self._fail(WorkerError(r, f"worker process died ({why})"))
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self._procs) if r not in got and p.exitcode is not None]
+            if errors or dead:
+                self._fail(self._root_cause(errors))
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in got]
                 self._fail(WorkerError(missing[0], f"stalled: no result within {timeout or self.timeout:.0f} s "
                                                    f"(ranks {missing} still running)"))
         return [got[r] for r in range(self.world_size)]
+
+    def _root_cause(self, errors: list[WorkerError], grace: float = 1.0) -> WorkerError:
+        """When one worker fails, its peers soon fail too ("connection closed"): wait a moment, then name the
+        first worker that failed on its own, else one that died without a word, else the first report."""
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            try:
+                rank, _, status, payload, tb = self._results.get(timeout=0.05)
+                if status == "error":
+                    errors.append(WorkerError(rank, payload, tb))
+            except queue.Empty:
+                pass
+        primary = [e for e in errors if not _peer_failure(e.cause)]
+        if primary:
+            return primary[0]
+        reported = {e.rank for e in errors}
+        for r, p in enumerate(self._procs):
+            code = p.exitcode
+            if r not in reported and code not in (None, 0):
+                why = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                return WorkerError(r, f"worker process died ({why})")
+        return errors[0] if errors else WorkerError(-1, "a worker exited unexpectedly")
 
     def _fail(self, error: Exception):
         self.close(force=True)

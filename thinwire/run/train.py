@@ -60,6 +60,13 @@ class TrainConfig:
             raise UserError(f"--workers must be >= 1, got {self.workers}")
         if self.servers < 0:
             raise UserError(f"--servers must be >= 0, got {self.servers}")
+        arch = self.params.get("architecture") or algorithms.registry.lookup(self.algorithm).architectures[0]
+        if arch == "ps" and self.servers < 1:  # server ranks come beside the workers: world = workers + servers
+            raise UserError(f"{self.algorithm} on the parameter server needs --servers K >= 1 "
+                            f"(server ranks beside the {self.workers} workers)")
+        if self.servers and arch != "ps":
+            raise UserError(f"--servers is for the parameter-server architecture (bsp --architecture ps, ssp, "
+                            f"asp, backup); {self.algorithm} runs on {arch}")
         if self.epochs is not None and self.steps is not None:
             raise UserError("give --epochs or --steps, not both")
         if self.epochs is not None and not self.epochs > 0:
@@ -123,8 +130,9 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     for step in range(1, total + 1):
         t0 = _now()
         xb, yb = loader.next()
-        with tracer.span("forward+backward", "compute"):
+        with tracer.span("forward", "forward"):
             loss = wl.loss(model(xb), yb)
+        with tracer.span("backward", "backward"):
             loss.backward()
         traffic = trainer.step()
         trainer.optimizer.zero_grad(set_to_none=False)

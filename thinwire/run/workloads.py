@@ -196,7 +196,7 @@ class Mnist1dCNN(nn.Module):
 @registry.register("digits-mlp")
 def digits_mlp() -> Workload:
     """scikit-learn digits, MLP 64-128-10; target test accuracy 0.95."""
-    return Workload("digits-mlp", digits_data(), lambda: _mlp(64, 128, 10), target=0.95, epochs=8,
+    return Workload("digits-mlp", digits_data(), lambda: _mlp(64, 128, 10), target=0.95, lr=0.2, epochs=6,
                     doc=digits_mlp.__doc__)
 
 

@@ -1,0 +1,56 @@
+"""When each gradient enters the exchange: the "how to overlap" dimension (seed 000 §II-D, §VII).
+
+    sched = thinwire.sched.make("fusion", bucket_mb=25)      # or "none" | "wfbp" | "mgwfbp" | "priority"
+    sched.attach(model, params, exchange, tracer)             # registers the hooks (setup)
+    loss.backward()                                           # full buckets start exchanging during backward
+    sched.wait_all()                                          # averaged gradients, in place in every p.grad
+    optimizer.step()
+    sched.close()                                             # drains, removes the hooks
+
+Schedules:
+- `none`     no overlap: one bucket with every gradient, exchanged after backward.
+- `wfbp`     wait-free backprop: one exchange per parameter, started by its gradient hook (per-layer FIFO).
+- `fusion`   WFBP + tensor fusion: buckets of `bucket_mb` in backward order (DDP/Horovod style; the default).
+- `mgwfbp`   WFBP + MG-WFBP merge planning from measured backward times and the link's α, β.
+- `priority` P3/ByteScheduler: chunks, input-side first, a credit window, and the update deferred to the next
+             forward, layer by layer. It applies the optimizer itself: `attach(..., optimizer=opt)`, then
+             `finish_step()` instead of `wait_all()` + `optimizer.step()`, and `flush()` before reading the model.
+`pipeline=True` (default: on when the exchange compresses) compresses bucket b on a background thread while
+bucket b-1 is on the wire and backward goes on. Gradients are views into the bucket buffers (no copy).
+"""
+from __future__ import annotations
+
+from ..errors import UserError
+from .buckets import Buckets, assign
+from .mgwfbp import MGWFBP, merge_plan
+from .pipeline import Pipeline
+from .priority import Priority, priority_order, step_subset
+from .wfbp import Scheduler
+
+SCHEDULES = ("none", "wfbp", "fusion", "mgwfbp", "priority")
+
+
+def make(schedule: str = "fusion", bucket_mb: float = 25.0, pipeline: bool | None = None,
+         chunk_mb: float = 0.0, credit_mb: float = 0.0, profile_steps: int = 3,
+         first_bucket_mb: float | None = None) -> Scheduler:
+    """The scheduler named `schedule` (see the module docstring), not yet attached."""
+    if schedule == "none":
+        return _named(Scheduler(overlap=False, pipeline=False), "none")
+    if schedule == "wfbp":
+        return _named(Scheduler(bucket_mb=0.0, first_bucket_mb=0.0, pipeline=pipeline), "wfbp")
+    if schedule == "fusion":
+        return Scheduler(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, pipeline=pipeline)
+    if schedule == "mgwfbp":
+        return MGWFBP(profile_steps=profile_steps, pipeline=pipeline)
+    if schedule == "priority":
+        return Priority(chunk_mb=chunk_mb, credit_mb=credit_mb, profile_steps=profile_steps)
+    raise UserError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+
+
+def _named(s: Scheduler, name: str) -> Scheduler:
+    s.name = name
+    return s
+
+
+__all__ = ["Buckets", "MGWFBP", "Pipeline", "Priority", "SCHEDULES", "Scheduler", "assign", "make",
+           "merge_plan", "priority_order", "step_subset"]

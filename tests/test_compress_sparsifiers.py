@@ -1,0 +1,255 @@
+"""Single-process properties of the sparsifiers, low-rank and sketch compressors and their memories."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import thinwire as tw
+from thinwire.compress._sparse import index_dtype, num_kept, pack_codes, topk_indices, unpack_codes
+from thinwire.compress.dgc import warmup_density
+from thinwire.compress.randomk import sample_without_replacement
+from thinwire.errors import UserError
+from thinwire.exchange import wire
+
+MINE = ["topk", "threshold", "dgc", "gaussiank", "randomk", "stc", "qsparse", "countsketch", "powersgd"]
+
+
+def _heavy(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4   # heavy-tailed, like gradients
+
+
+@pytest.mark.parametrize("name", MINE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (3, 5), (33, 17), (0,)])
+def test_round_trip_shape_and_dtype(name, dtype, shape):
+    c = tw.compressors.get(name)
+    x = torch.randn(shape).to(dtype)
+    y = c.decompress(c.compress(x, key="t", step=0))
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.isfinite(y.float()).all()
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc", "gaussiank", "stc", "randomk"])
+def test_ratio_one_keeps_everything(name):
+    c = tw.compressors.get(name, ratio=1.0)
+    x = torch.randn(40, 3)
+    y = c.decompress(c.compress(x, key="t"))
+    if name == "stc":   # one mean magnitude: exact signs, not values
+        assert torch.equal(torch.sign(y), torch.sign(x))
+    else:
+        assert torch.allclose(y, x)
+
+
+@pytest.mark.parametrize("d,k", [(1000, 10), (1 << 17, 1311), (1 << 18, 26), (300_001, 3000)])
+def test_topk_threshold_search_is_exact(d, k):
+    x = _heavy(d, seed=d)
+    got = torch.sort(topk_indices(x, k, torch.Generator().manual_seed(1))).values
+    want = torch.sort(torch.topk(x.abs(), k).indices).values
+    assert torch.equal(got, want)
+
+
+def test_topk_contraction_and_payload():
+    d = 1 << 16
+    x = _heavy(d, 3)
+    for ratio in (0.001, 0.01, 0.1):
+        c = tw.compressors.get("topk", ratio=ratio)
+        p = c.compress(x, key="w")
+        k = num_kept(ratio, d)
+        # ‖x − C(x)‖² ≤ (1 − k/d)‖x‖²  (catalog 3.3 [O])
+        err = (x - c.decompress(p)).pow(2).sum()
+        assert err <= (1 - k / d) * x.pow(2).sum()
+        assert p.nbytes == k * (4 + 4) and p.tensors[1].dtype == torch.int32   # values fp32, indices int32
+    small = tw.compressors.get("topk", ratio=0.1).compress(torch.randn(1000))
+    assert small.tensors[1].dtype == torch.int16 and small.nbytes == 100 * (4 + 2)
+
+
+def test_randomk_scaled_is_unbiased_with_the_known_variance():
+    d, ratio, trials = 200, 0.1, 4000
+    x = torch.randn(d)
+    c = tw.compressors.get("randomk", ratio=ratio)
+    outs = torch.stack([c.decompress(c.compress(x, key="w", step=s)) for s in range(trials)])
+    k = num_kept(ratio, d)
+    # unbiased: the Monte-Carlo mean is within a few standard errors of x
+    se = math.sqrt((d / k - 1) * x.pow(2).max().item() / trials)
+    assert (outs.mean(0) - x).abs().max() < 5 * se
+    # E‖C(x) − x‖² = (d/k − 1)‖x‖²  (catalog 3.2 [O])
+    var = (outs - x).pow(2).sum(1).mean()
+    assert var == pytest.approx((d / k - 1) * x.pow(2).sum(), rel=0.1)
+    assert c.unbiased and c.linear and c.randomness == "shared"
+
+
+def test_randomk_unscaled_contraction_and_shared_indices():
+    d = 5000
+    x = torch.randn(d)
+    c = tw.compressors.get("randomk", ratio=0.05, scale=False)
+    assert not c.unbiased
+    y = c.decompress(c.compress(x, key="w", step=3))
+    k = num_kept(0.05, d)
+    assert int((y != 0).sum()) == k and torch.equal(y[y != 0], x[y != 0])
+    # the same (seed, key, step) gives the same indices in another process's compressor; other steps differ
+    other = tw.compressors.get("randomk", ratio=0.05, scale=False)
+    assert torch.equal(other.decompress(other.compress(x, key="w", step=3)), y)
+    assert not torch.equal(other.decompress(other.compress(x, key="w", step=4)), y)
+    # linear: C(a) + C(b) = C(a + b) under the shared indices
+    a, b = torch.randn(d), torch.randn(d)
+    ca, cb, cab = (c.compress(t, key="w", step=9) for t in (a, b, a + b))
+    assert torch.allclose(ca.tensors[0] + cb.tensors[0], cab.tensors[0])
+
+
+def test_sampling_without_replacement_is_uniform():
+    d, k = 50, 5
+    counts = torch.zeros(d)
+    for s in range(3000):
+        idx = sample_without_replacement(d, k, torch.Generator().manual_seed(s))
+        assert idx.unique().numel() == k
+        counts[idx] += 1
+    expected = 3000 * k / d
+    assert (counts - expected).abs().max() < 5 * math.sqrt(expected)
+    big = sample_without_replacement(10**6, 10**4, torch.Generator().manual_seed(0))
+    assert big.unique().numel() == 10**4 and int(big.max()) < 10**6
+
+
+def test_dgc_and_gaussiank_counts_and_warmup():
+    d = 1 << 16
+    x = _heavy(d, 5)
+    k = num_kept(0.01, d)
+    n_dgc = tw.compressors.get("dgc", ratio=0.01).compress(x, key="w").tensors[0].numel()
+    assert 0.7 * k <= n_dgc <= 1.3 * k
+    n_gk = tw.compressors.get("gaussiank", ratio=0.01).compress(torch.randn(d), key="w").tensors[0].numel()
+    assert 2 * k / 3 <= n_gk <= 4 * k / 3
+    # DGC warm-up: density 25% → 6.25% → 1.5625% → 0.39% over 4 stages, then the target
+    assert [warmup_density(0.001, s, 400) for s in (0, 100, 200, 300, 400)] == [0.25, 0.0625, 0.015625,
+                                                                             0.25 ** 4, 0.001]
+    w = tw.compressors.get("dgc", ratio=0.01, warmup_steps=100)
+    assert w.compress(x, key="w", step=0).tensors[0].numel() >= 0.7 * d / 4
+
+
+def test_threshold_sends_exactly_the_large_ones():
+    x = torch.tensor([0.5, -0.001, 0.002, -3.0, 0.0])
+    c = tw.compressors.get("threshold", threshold=0.002)
+    assert torch.equal(c.decompress(c.compress(x)), torch.tensor([0.5, 0.0, 0.002, -3.0, 0.0]))
+
+
+def test_stc_and_qsparse_payloads_are_packed():
+    d = 1 << 16
+    x = _heavy(d, 7)
+    k = num_kept(0.01, d)
+    stc = tw.compressors.get("stc", ratio=0.01)
+    p = stc.compress(x)
+    assert p.nbytes == 4 * k + math.ceil(k / 8) + 4             # int32 indices, 1 bit per sign, one fp32 mean
+    y = stc.decompress(p)
+    mu = x[y != 0].abs().mean()
+    assert torch.allclose(y[y != 0].abs(), mu.expand(k)) and torch.equal(torch.sign(y[y != 0]),
+                                                                         torch.sign(x[y != 0]))
+    q = tw.compressors.get("qsparse", ratio=0.01, levels=7)       # 15 levels → 4 bits each
+    p = q.compress(x)
+    assert p.nbytes == 4 * k + 4 * math.ceil(k / 8) + 4
+    assert abs(q.nominal_bits(d) - 8 * p.nbytes / d) / q.nominal_bits(d) < 0.03
+    # Q_s is unbiased on the kept values: averaged over draws, qsparse → Top_k(x)/(1+β)
+    beta = min(k / 49, math.sqrt(k) / 7)
+    top = tw.compressors.get("topk", ratio=0.01)
+    want = top.decompress(top.compress(x)) / (1 + beta)
+    mean = torch.stack([q.decompress(q.compress(x)) for _ in range(300)]).mean(0)
+    assert (mean - want).abs().max() < 0.2 * want.abs().max()
+
+
+def test_countsketch_is_linear_and_recovers_heavy_hitters():
+    d = 4096
+    c = tw.compressors.get("countsketch", ratio=0.25, rows=5)
+    a, b = torch.randn(d) * 0.01, torch.randn(d) * 0.01
+    pa, pb, pab = (c.compress(t, key="g") for t in (a, b, a + b))
+    assert torch.allclose(pa.tensors[0] + pb.tensors[0], pab.tensors[0], atol=1e-6)     # S(a)+S(b) = S(a+b)
+    a[[3, 100, 2000]] = torch.tensor([5.0, -4.0, 3.0])
+    est = c.decompress(c.compress(a, key="g"))
+    assert torch.allclose(est[[3, 100, 2000]], a[[3, 100, 2000]], atol=0.1)
+    assert c.compress(a, key="g").nbytes == 5 * math.ceil(0.25 * d / 5) * 4
+
+
+def test_powersgd_single_process():
+    c = tw.compressors.get("powersgd", rank=2)
+    u, v = torch.randn(30, 1), torch.randn(1, 20)
+    m = u @ v                                            # rank 1: one power iteration recovers it exactly
+    y = c.decompress(c.compress(m, key="w"))
+    assert torch.allclose(y, m, atol=1e-4)
+    bias = torch.randn(30)
+    assert torch.equal(c.decompress(c.compress(bias, key="b")), bias)     # 1-D: uncompressed
+    assert c.compress(m, key="w").nbytes == (30 + 20) * 2 * 4
+
+
+def test_error_feedback_invariants():
+    """Σ sent + final memory = Σ inputs (PowerSGD's EF); DGC: Σ sent + v = Σ u (its momentum-corrected input)."""
+    torch.manual_seed(0)
+    comp = tw.compressors.get("topk", ratio=0.05)
+    mem = tw.memories.get("powersgd")
+    inputs, sent_total = torch.zeros(500), torch.zeros(500)
+    for s in range(20):
+        g = torch.randn(500)
+        inputs += g
+        c = mem.compensate(g, "w")
+        sent = comp.decompress(comp.compress(c, "w", s))
+        mem.update(c, "w", sent)
+        sent_total += sent
+    assert torch.allclose(sent_total + mem.e["w"], inputs, atol=1e-4)
+
+    dgc = tw.memories.get("dgc", momentum=0.5)
+    u_total, sent_total, u_prev = torch.zeros(500), torch.zeros(500), torch.zeros(500)
+    for s in range(20):
+        g = torch.randn(500)
+        u_expect = 0.5 * u_prev + g
+        c = dgc.compensate(g, "w")
+        assert torch.allclose(dgc.u["w"], u_expect)
+        u_total += dgc.u["w"]
+        sent = comp.decompress(comp.compress(c, "w", s))
+        dgc.update(c, "w", sent)
+        assert torch.all(dgc.u["w"][sent != 0] == 0) and torch.all(dgc.v["w"][sent != 0] == 0)  # masking
+        u_prev = dgc.u["w"]
+        sent_total += sent
+    assert torch.allclose(sent_total + dgc.v["w"], u_total, atol=1e-4)
+    state = dgc.state_dict()
+    fresh = tw.memories.get("dgc", momentum=0.5)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.v["w"], dgc.v["w"])
+
+
+def test_dgc_local_clipping_threshold():
+    mem = tw.memories.get("dgc", momentum=0.0, clip_norm=2.0)
+    mem.setup(4)
+    v = mem.compensate(torch.full((100,), 1.0), "w")
+    assert v.norm().item() == pytest.approx(2.0 / math.sqrt(4))      # seed 000 eq. 28: N^-1/2 · thr
+    small = mem.compensate(torch.full((100,), 0.001), "x")
+    assert torch.allclose(small, torch.full((100,), 0.001))
+
+
+def test_bit_accounting_matches_nominal():
+    d = 1 << 18
+    x = _heavy(d, 11)
+    for name in ["topk", "randomk", "stc", "qsparse", "countsketch"]:
+        c = tw.compressors.get(name)
+        actual = 8 * c.compress(x, key="w").nbytes / d
+        assert abs(actual - c.nominal_bits(d)) <= 0.03 * c.nominal_bits(d), name
+
+
+def test_codes_and_wire_round_trip():
+    for bits in range(1, 9):
+        codes = torch.randint(0, 2 ** bits, (37,))
+        assert torch.equal(unpack_codes(pack_codes(codes, bits), 37, bits), codes)
+    parts = [torch.randn(5), torch.arange(7, dtype=torch.int16), torch.tensor([1, 2], dtype=torch.uint8),
+             torch.randn(3).half(), torch.empty(0, dtype=torch.int32)]
+    buf = wire.pack(parts)
+    assert buf.dtype == torch.uint8 and buf.numel() == wire.packed_size(parts)
+    for a, b in zip(parts, wire.unpack(buf)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert index_dtype(1 << 15) == torch.int16 and index_dtype((1 << 15) + 1) == torch.int32
+
+
+def test_bad_parameters_raise_user_errors():
+    for name, params in [("topk", {"ratio": 0}), ("randomk", {"ratio": 1.5}), ("countsketch", {"rows": 0}),
+                         ("powersgd", {"rank": 0}), ("qsparse", {"levels": 0}), ("threshold", {"threshold": -1}),
+                         ("dgc", {"sample": 0})]:
+        with pytest.raises(UserError):
+            tw.compressors.get(name, **params)
+    with pytest.raises(UserError):
+        tw.memories.get("dgc", momentum=1.0)

@@ -1,0 +1,293 @@
+"""DTS (seed 004 §3): delayed, temporally sparse and combined updates with error compensation, and `local`.
+
+Exactness on `linreg` in float64 against single-process simulations written here: eq. 3 (delayed), eq. 4 /
+model averaging (temporally sparse), the momentum compensation, and the replay property (after close() every
+worker holds what synchronous momentum SGD reaches with the averaged gradients). End to end over 4 gloo workers.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from thinwire import algorithms
+from thinwire.errors import UserError
+from thinwire.run import workloads
+
+N, STEPS = 4, 13
+LR = 0.05
+
+
+# -- what runs in every worker -------------------------------------------------------------------------
+def _trainer(rank, world, algorithm, params, momentum, compressor=None, **kw):
+    from thinwire import Trainer
+    wl = workloads.get("linreg")
+    model = wl.model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum, **kw)
+    x, y = wl.shard(rank, world)
+    loader = workloads.ShardLoader(x, y, wl.batch_size, seed=0, rank=rank)
+    return Trainer(model, opt, algorithm=algorithm, compressor=compressor, **params), model, loader
+
+
+def _steps(trainer, model, loader, n):
+    wl = workloads.get("linreg")
+    for _ in range(n):
+        xb, yb = loader.next()
+        wl.loss(model(xb), yb).backward()
+        trainer.step()
+        trainer.optimizer.zero_grad()
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _run(rank, world, algorithm, params, momentum, steps=STEPS, compressor=None):
+    tr, model, loader = _trainer(rank, world, algorithm, params, momentum, compressor)
+    _steps(tr, model, loader, steps)
+    tr.close()
+    return _flat(model), tr.metrics()
+
+
+CASES = [  # (algorithm, params, momentum)
+    ("bsp", {}, 0.0), ("bsp", {}, 0.9),
+    ("dts", {"delay": 1, "period": 1}, 0.0), ("dts", {"delay": 1, "period": 1}, 0.9),
+    ("delayed", {"delay": 2}, 0.0), ("delayed", {"delay": 3}, 0.0), ("delayed", {"delay": 5}, 0.0),
+    ("delayed", {"delay": 3}, 0.9),
+    ("tsparse", {"period": 3}, 0.0), ("tsparse", {"period": 4}, 0.9),
+    ("dts", {"delay": 3, "period": 2}, 0.0), ("dts", {"delay": 2, "period": 3}, 0.9),
+    ("local", {}, 0.0),
+]
+
+
+def _equivalences(rank, world):
+    out = {f"{a}{sorted(p.items())}{m}": _run(rank, world, a, p, m) for a, p, m in CASES}
+    if "localsgd" in algorithms.names():   # helper's local SGD, averaging every 3 steps (12 = 4 windows)
+        period = next(k for k in ("period", "h", "k", "tau") if algorithms.registry.accepts("localsgd", k))
+        out["localsgd"] = _run(rank, world, "localsgd", {period: 3}, 0.0, steps=12)
+        out["tsparse12"] = _run(rank, world, "tsparse", {"period": 3}, 0.0, steps=12)
+    return out
+
+
+def _checkpoint(rank, world):
+    """Interrupt after 7 steps (two averages in flight, a partial window), resume in a fresh trainer."""
+    params = {"delay": 3, "period": 2}
+    whole, _ = _run(rank, world, "dts", params, 0.9)
+    tr, model, loader = _trainer(rank, world, "dts", params, 0.9)
+    _steps(tr, model, loader, 7)
+    in_flight = len(tr.algorithm._flight)
+    state = copy.deepcopy(tr.state_dict())
+    loader_state = loader.state_dict()
+    _steps(tr, model, loader, 2)            # the interrupted run goes on a little: must not matter
+    tr2, model2, loader2 = _trainer(rank, world, "dts", params, 0.9)
+    tr2.load_state_dict(state)
+    loader2.load_state_dict(loader_state)
+    _steps(tr2, model2, loader2, STEPS - 7)
+    tr2.close()
+    tr.close()
+    wrong = None
+    try:
+        tr3, _, _ = _trainer(rank, world, "dts", {"delay": 2, "period": 2}, 0.9)
+        tr3.load_state_dict(state)
+    except UserError as e:
+        wrong = str(e)
+    return {"whole": whole, "resumed": _flat(model2), "in_flight": in_flight, "wrong": wrong}
+
+
+def _jitter(rank, world):
+    """Same run on a jittery link: later averages may come later, never reordered: same numbers. Then
+    "none" and the first other compressor the exchange takes (helper B is extending it to all)."""
+    from thinwire.compress import compressors
+    out = {"jitter": _run(rank, world, "dts", {"delay": 3, "period": 2}, 0.9)[0], "ran": []}
+    for c in ["none"] + [c for c in ("topk", "fp16", "qsgd", "randomk", "signsgd") if c in compressors.names()]:
+        try:
+            out[c] = _run(rank, world, "dts", {"delay": 2, "period": 2}, 0.9, compressor=c)
+        except UserError:
+            continue
+        out["ran"].append(c)
+        if len(out["ran"]) == 2:
+            break
+    errors = {}
+    for name, kw in [("adam", None), ("nesterov", {"nesterov": True}), ("dampening", {"dampening": 0.5})]:
+        try:
+            if kw is None:
+                from thinwire import Trainer
+                m = torch.nn.Linear(2, 1)
+                Trainer(m, torch.optim.Adam(m.parameters()), algorithm="dts")
+            else:
+                _trainer(rank, world, "dts", {}, 0.9, **kw)
+        except UserError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    return out
+
+
+# -- single-process references ------------------------------------------------------------------------
+def _grad(w, xb, yb):
+    w = w.clone().requires_grad_(True)
+    loss = torch.nn.functional.mse_loss((xb @ w.view(-1, 1)).reshape(-1), yb)
+    loss.backward()
+    return w.grad.detach()
+
+
+def _loaders(world):
+    wl = workloads.get("linreg")
+    return [workloads.ShardLoader(*wl.shard(r, world), wl.batch_size, seed=0, rank=r) for r in range(world)]
+
+
+def _w0():
+    return _flat(workloads.get("linreg").model(0))
+
+
+def simulate(world, steps, mu, t, p, lr=LR):
+    """DTS as the issue states it, per step and per worker: local step (eq. 2); at s = (k+t-1)p the average
+    of each step i of window k replaces the local gradient (eqs. 3-4), propagated through momentum:
+    b += μ^{s-i} e_i, w -= γ Σ_{r=0}^{s-i} μ^r e_i, e_i = ḡ_i - g_{i,j}. close(): all remaining windows at the
+    last step. Returns the final models and the per-step averaged gradients."""
+    loaders = _loaders(world)
+    w = [_w0() for _ in range(world)]
+    b = [torch.zeros_like(w[0]) for _ in range(world)]
+    grads = []
+
+    def compensate(k, s):
+        for i in range((k - 1) * p + 1, min(k * p, steps) + 1):
+            gbar = sum(grads[i - 1]) / world
+            for j in range(world):
+                e = gbar - grads[i - 1][j]
+                b[j] += mu ** (s - i) * e
+                w[j] -= lr * sum(mu ** r for r in range(s - i + 1)) * e
+
+    applied = 0
+    for s in range(1, steps + 1):
+        batches = [ld.next() for ld in loaders]
+        gs = [_grad(w[j], *batches[j]) for j in range(world)]
+        grads.append(gs)
+        for j in range(world):
+            b[j] = mu * b[j] + gs[j]
+            w[j] = w[j] - lr * b[j]
+        if s % p == 0 and s // p >= t:
+            applied += 1
+            compensate(applied, s)
+    for k in range(applied + 1, -(-steps // p) + 1):
+        compensate(k, steps)
+    return w, [sum(g) / world for g in grads]
+
+
+def replay(gbars, mu, lr=LR):
+    """Synchronous momentum SGD fed with the given averaged gradients."""
+    w, b = _w0(), torch.zeros_like(_w0())
+    for g in gbars:
+        b = mu * b + g
+        w = w - lr * b
+    return w
+
+
+def model_averaging(world, steps, p, lr=LR):
+    """Local SGD: vanilla SGD steps alone, models averaged every p steps and at the end."""
+    loaders = _loaders(world)
+    w = [_w0() for _ in range(world)]
+    for s in range(1, steps + 1):
+        batches = [ld.next() for ld in loaders]
+        w = [w[j] - lr * _grad(w[j], *batches[j]) for j in range(world)]
+        if s % p == 0 or s == steps:
+            avg = sum(w) / world
+            w = [avg.clone() for _ in range(world)]
+    return w
+
+
+# -- tests -----------------------------------------------------------------------------------------------
+def close(a, b, tol=1e-11):
+    return torch.allclose(a, b, rtol=tol, atol=tol)
+
+
+def test_construction_errors():
+    for bad in ({"delay": 0}, {"period": 0}, {"delay": 1.5}, {"period": "x"}):
+        with pytest.raises(UserError, match=">= 1|integer"):
+            algorithms.get("dts", **bad)
+    assert algorithms.get("dts", delay="3", period="2").period == 2
+    assert algorithms.get("delayed", delay=5).period == 1
+    assert algorithms.get("tsparse", period=5).delay == 1
+    assert not algorithms.registry.lookup("local").compression
+
+
+def test_equivalences_exact(pool4):
+    res = pool4.run(_equivalences)
+    get = lambda a, p, m: [r[f"{a}{sorted(p.items())}{m}"] for r in res]
+    # every worker identical after close() (except `local`, which never communicates)
+    for a, p, m in CASES:
+        runs = get(a, p, m)
+        same = all(close(runs[0][0], r[0], 1e-13) for r in runs)
+        assert same == (a != "local"), (a, p, m)
+    # t = p = 1 is bsp, vanilla and momentum
+    for m in (0.0, 0.9):
+        assert close(get("dts", {"delay": 1, "period": 1}, m)[0][0], get("bsp", {}, m)[0][0])
+    # delayed update for several t against eq. 3 simulated step by step; with momentum too
+    for t, m in ((2, 0.0), (3, 0.0), (5, 0.0), (3, 0.9)):
+        sim, gbars = simulate(N, STEPS, m, t, 1)
+        runs = get("delayed", {"delay": t}, m)
+        for j in range(N):
+            assert close(runs[j][0], sim[j]), (t, m, j)
+        assert close(sim[0], replay(gbars, m))        # compensation = synchronous SGD on the averages
+        assert runs[0][1]["max_in_flight"] == t - 1 and runs[0][1]["averages_applied"] == STEPS
+    # temporally sparse with vanilla SGD = local SGD with model averaging every p steps (eq. 4)
+    avg = model_averaging(N, STEPS, 3)
+    for j, r in enumerate(get("tsparse", {"period": 3}, 0.0)):
+        assert close(r[0], avg[j])
+    # momentum tsparse and the combination, against the simulation and the replay
+    for a, p, m, (t, per) in (("tsparse", {"period": 4}, 0.9, (1, 4)), ("dts", {"delay": 3, "period": 2}, 0.0, (3, 2)),
+                               ("dts", {"delay": 2, "period": 3}, 0.9, (2, 3))):
+        sim, gbars = simulate(N, STEPS, m, t, per)
+        runs = get(a, p, m)
+        assert all(close(runs[j][0], sim[j]) for j in range(N)), (a, p, m)
+        assert close(runs[0][0], replay(gbars, m)), (a, p, m)
+        assert runs[0][1]["max_in_flight"] == t - 1
+        assert runs[0][1]["averages_launched"] == -(-STEPS // per)
+    # delayed and sparse differ from bsp (the tests above are not vacuous)
+    assert not close(get("delayed", {"delay": 3}, 0.0)[0][0], get("bsp", {}, 0.0)[0][0], 1e-6)
+    # `local`: each worker is plain SGD on its own shard
+    loaders = _loaders(N)
+    for j, r in enumerate(get("local", {}, 0.0)):
+        w = _w0()
+        for _ in range(STEPS):
+            w = w - LR * _grad(w, *loaders[j].next())
+        assert close(r[0], w)
+        assert r[1]["bytes_sent"] == 0
+    if "localsgd" in res[0]:
+        for r in res:
+            assert close(r["localsgd"][0], r["tsparse12"][0])
+
+
+def test_checkpoint_resume_with_averages_in_flight(pool4):
+    for r in pool4.run(_checkpoint):
+        assert r["in_flight"] == 2
+        assert torch.equal(r["whole"], r["resumed"])
+        assert r["wrong"] and "delay=3" in r["wrong"]
+
+
+def test_jitter_compressors_and_errors(pool4):
+    lan = pool4.run(_run, "dts", {"delay": 3, "period": 2}, 0.9)
+    res = pool4.run(_jitter, network="custom:bandwidth=1gbit,latency=3ms,jitter=3ms")
+    assert res[0]["ran"][0] == "none"
+    for r, ref in zip(res, lan):
+        assert torch.equal(r["jitter"], ref[0])
+        for c in r["ran"]:
+            w, m = r[c]
+            assert torch.isfinite(w).all() and m["averages_applied"] == m["averages_launched"] == 7
+            assert close(w, res[0][c][0], 1e-9), c   # same model on every worker after close()
+        assert set(r["errors"]) == {"adam", "nesterov", "dampening"}
+    assert res[0]["none"][1]["bytes_sent"] > 0
+
+
+@pytest.mark.slow
+def test_cli_train_dts(tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "thinwire", "train", "--workload", "linreg", "--algorithm", "dts",
+                          "--delay", "3", "--period", "2", "--compressor", "none", "--workers", "2",
+                          "--steps", "20", "--json", "--network", "custom:latency=5ms"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout[out.stdout.index("{"):])
+    assert s["algorithm_metrics"]["averages_applied"] == 10 and s["final_loss"] < 1.0

@@ -1,0 +1,252 @@
+"""thinwire.sched: buckets, WFBP, fusion, MG-WFBP, priority, pipelining, and the trace timeline.
+
+Equality of results across schedules is checked bitwise. On 4 ranks a float sum depends on the order the ring
+adds the ranks' values, and that order depends on where bucket boundaries fall; so the 4-rank model is built
+to have exactly representable gradients (integer inputs, dyadic weights, float64), where every order gives
+the same bits and any mix-up of buckets or ranks still shows.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from thinwire.errors import UserError
+from thinwire.sched import Buckets, assign, make, merge_plan, priority_order, step_subset
+
+SCHEDULES = [("none", {}), ("wfbp", {}), ("fusion", {"bucket_mb": 0.0004}),
+             ("fusion", {"bucket_mb": 0.0004, "pipeline": True}), ("mgwfbp", {}),
+             ("priority", {"chunk_mb": 0.0003, "credit_mb": 0.0006})]
+
+
+class Net(nn.Module):
+    """Several layers, a parameter never used, and a branch used only on even steps."""
+
+    def __init__(self, exact: bool = False):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.extra = nn.Linear(16, 4)
+        self.unused = nn.Parameter(torch.zeros(5))
+        self.use_extra = True
+        if exact:  # dyadic weights with few bits: every gradient and sum below is exact in float64
+            g = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randint(-3, 4, p.shape, generator=g).double() / 8)
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        h = torch.relu(self.l2(h))
+        out = self.l3(h)
+        return out + self.extra(h) if self.use_extra else out
+
+
+def train_case(rank, world_size, schedule, opts, compressor, exact, steps):
+    from thinwire.trainer import Trainer
+    torch.manual_seed(0)
+    model = Net(exact)
+    if exact:
+        model = model.double()
+    opt = torch.optim.SGD(model.parameters(), lr=1 / 16 if exact else 0.1, momentum=0.5)
+    trainer = Trainer(model, opt, algorithm="bsp", compressor=compressor, schedule=schedule, **opts)
+    g = torch.Generator().manual_seed(100 + rank)
+    grads = []
+    for step in range(steps):
+        model.use_extra = step % 2 == 0
+        if exact:
+            x = torch.randint(-2, 3, (4, 8), generator=g).double()
+            loss = (model(x) * torch.tensor([1.0, -2.0, 1.0, 3.0], dtype=torch.float64)).sum() / 4
+        else:
+            x = torch.randn(6, 8, generator=g)
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        trainer.step()
+        if not trainer.algorithm.scheduler.defers_update:
+            grads.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()]))
+        opt.zero_grad(set_to_none=step % 3 == 1)   # both ways of zeroing must keep working
+    trainer.close()
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return final, grads, trainer.algorithm.metrics()["schedule"]
+
+
+def all_schedules(rank, world_size, compressor, exact, steps):
+    return {f"{s}{sorted(o.items())}": train_case(rank, world_size, s, o, compressor, exact, steps)
+            for s, o in SCHEDULES}
+
+
+def _check_equal(results):
+    for rank_res in results:
+        ref_final, ref_grads, _ = rank_res[f"none{[]}"]
+        for name, (final, grads, desc) in rank_res.items():
+            assert torch.equal(final, ref_final), (name, (final - ref_final).abs().max())
+            for a, b in zip(grads, ref_grads):
+                assert torch.equal(a, b), name
+    for name in results[0]:  # every rank holds the same model
+        assert all(torch.equal(r[name][0], results[0][name][0]) for r in results)
+
+
+def test_schedules_equal_bitwise_2_ranks(pool2):
+    res = pool2.run(all_schedules, "none", False, 6)
+    _check_equal(res)
+    descs = {name: r[2] for name, r in res[0].items()}
+    assert descs["wfbp[]"]["buckets"] == 9                      # one exchange per parameter
+    assert descs["none[]"]["buckets"] == 1
+    assert descs["fusion[('bucket_mb', 0.0004)]"]["buckets"] == 1   # DDP's 1 MB first bucket on lan
+    assert descs["priority[('chunk_mb', 0.0003), ('credit_mb', 0.0006)]"]["chunks"] > 3
+    fp16 = pool2.run(all_schedules, "fp16", False, 3)           # a deterministic compressor, per bucket
+    _check_equal(fp16)
+
+
+def test_schedules_equal_bitwise_4_ranks(pool4):
+    res = pool4.run(all_schedules, "none", True, 4)
+    _check_equal(res)
+
+
+def several_buckets(rank, world_size):
+    """fusion with several buckets (no special first bucket) vs none, 3 steps; pipelined too."""
+    from thinwire.trainer import Trainer
+    outs = {}
+    for name, opts in [("none", {"schedule": "none"}),
+                       ("fusion", {"schedule": "fusion", "bucket_mb": 0.0003, "first_bucket_mb": 0.0}),
+                       ("pipe", {"schedule": "fusion", "bucket_mb": 0.0003, "first_bucket_mb": 0.0,
+                                 "pipeline": True})]:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tr = Trainer(model, opt, **opts)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+            tr.step()
+            opt.zero_grad()
+        outs[name] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                      len(tr.algorithm.scheduler.sizes))
+        tr.close()
+    return outs
+
+
+def test_several_buckets_and_pipeline(pool2):
+    res = pool2.run(several_buckets)
+    for r in res:
+        assert r["fusion"][1] > 2 and r["pipe"][1] > 2
+        assert torch.equal(r["fusion"][0], r["none"][0]) and torch.equal(r["pipe"][0], r["none"][0])
+
+
+# -- single-process logic ------------------------------------------------------------------------------
+
+def test_buckets_cover_every_parameter_once():
+    net = Net()
+    params = list(net.parameters())
+    for cap in (0, 100, 600, 1e9):
+        for first in (None, 0, 64):
+            groups = assign(params, cap, first)
+            assert sorted(i for g in groups for i in g) == list(range(len(params)))
+            assert [i for g in groups for i in g] == list(reversed(range(len(params))))   # backward order
+    assert len(assign(params, 0)) == len(params)
+    assert len(assign(params, 1e9)) == 1
+    net.l1.weight.grad = torch.ones_like(net.l1.weight)
+    b = Buckets(params, assign(params, 600))
+    for i, p in enumerate(params):   # every grad is a view of its bucket, existing values adopted
+        assert p.grad is not None and p.grad.data_ptr() == b.view(i).data_ptr()
+    assert torch.equal(net.l1.weight.grad, torch.ones_like(net.l1.weight))
+    net.unused.grad = None
+    b.adopt(params.index(net.unused))
+    assert net.unused.grad.abs().sum() == 0 and net.unused.grad.data_ptr() == b.view(params.index(net.unused)).data_ptr()
+    with pytest.raises(ValueError):
+        Buckets(params, [[0, 1], [1, 2]])
+
+
+def test_merge_plan_rule():
+    sizes = [1000.0] * 5
+    ready = [0.0, 1.0, 2.0, 3.0, 4.0]
+    # free link, no start-up: nothing is worth merging
+    assert merge_plan(ready, sizes, lambda x: 0.0, 0.0) == [1, 1, 1, 1, 1]
+    # a start-up much larger than the gaps between layers: everything merges (one collective)
+    assert merge_plan(ready, sizes, lambda x: 10.0 + x * 1e-6, 10.0) == [5]
+    # a slow link: communication of a layer outlasts the next layer's backward, so it merges
+    assert merge_plan(ready, sizes, lambda x: 0.1 + x * 1e-2, 0.1) == [5]
+    # fast transfers, waits longer than α: separate
+    assert merge_plan(ready, sizes, lambda x: 0.1 + x * 1e-5, 0.1) == [1, 1, 1, 1, 1]
+    assert sum(merge_plan([0.0, 0.0, 5.0, 5.0], [1.0] * 4, lambda x: 0.5, 0.5)) == 4
+
+
+def test_priority_order_simulation():
+    cost = lambda x: 1.0
+    assert priority_order([0.0] * 4, [1.0] * 4, cost, credit=1.0) == [0, 1, 2, 3]
+    # backward makes the last chunk ready first; the earlier ones overtake once the window is full
+    order = priority_order([3.0, 2.0, 1.0, 0.0], [1.0] * 4, cost, credit=1.0)
+    assert order[0] == 3 and sorted(order) == [0, 1, 2, 3]
+    assert priority_order([3.0, 0.5, 0.5, 0.0], [1.0] * 4, cost, credit=1.0) == [3, 1, 2, 0]
+
+
+def test_step_subset_matches_full_step():
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    oa = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    for _ in range(2):
+        for m in (a, b):
+            m(torch.ones(2, 8)).sum().backward()
+        oa.step()
+        pb = list(b.parameters())
+        step_subset(ob, pb[:3])
+        step_subset(ob, pb[3:])
+        oa.zero_grad(), ob.zero_grad()
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert all(len(g["params"]) == len(list(b.parameters())) for g in ob.param_groups)
+
+
+def test_unknown_schedule_is_a_user_error():
+    with pytest.raises(UserError, match="valid: none, wfbp, fusion, mgwfbp, priority"):
+        make("fifo")
+    with pytest.raises(UserError):
+        make("fusion", bucket_mb=-1)
+
+
+# -- the trace -----------------------------------------------------------------------------------------
+
+def _well_nested(spans):
+    stack = []
+    for s, e in sorted(spans, key=lambda t: (t[0], -t[1])):
+        while stack and stack[-1] <= s + 1e-6:
+            stack.pop()
+        if stack and e > stack[-1] + 1e-6:
+            return False
+        stack.append(e)
+    return True
+
+
+def test_trace_file(pool2, tmp_path):
+    from thinwire.run.train import TrainConfig, run_training
+    cfg = TrainConfig(workload="digits-mlp", algorithm="bsp", workers=2, network="custom:latency=2ms",
+                      steps=4, trace=True, progress=False, params={"schedule": "wfbp"})
+    summary = run_training(cfg, out=str(tmp_path), pool=pool2.pool or _start(pool2))
+    with open(summary["trace"]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    procs = {e["pid"] for e in events if e.get("name") == "process_name"}
+    assert procs == {0, 1}
+    spans = [e for e in events if e.get("ph") == "X"]
+    kinds = {e["cat"] for e in spans}
+    assert {"forward", "backward", "communicate", "emulated", "optimizer", "compress"} <= kinds
+    by_thread: dict = {}
+    for e in spans:
+        assert e["dur"] >= 0 and math.isfinite(e["ts"])
+        by_thread.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    assert all(_well_nested(v) for v in by_thread.values())
+    # per-layer exchanges overlap backward: some communication starts before the backward span ends
+    bw = [e for e in spans if e["cat"] == "backward" and e["pid"] == 0]
+    comm = [e for e in spans if e["cat"] == "communicate" and e["pid"] == 0]
+    assert any(b["ts"] <= c["ts"] < b["ts"] + b["dur"] for b in bw for c in comm)
+
+
+def _start(pool):
+    pool.run(_noop)
+    return pool.pool
+
+
+def _noop(rank, world_size):
+    return rank

@@ -1,0 +1,119 @@
+"""The Transport: results, bytes counted under the algorithm that runs, and network emulation."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from thinwire.comm import Transport
+from thinwire.net import Link, parse_network, ring_allgather, ring_allreduce
+
+
+def _ops(rank, world_size):
+    t = Transport()
+    out = {}
+    x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
+    t.all_reduce(x, op="mean")
+    out["mean_ok"] = torch.allclose(x, torch.arange(1000, dtype=torch.float32) * (world_size + 1) / 2)
+    out["allreduce_sent"] = t.meter.by_kind["all_reduce"]["bytes_sent"]
+    # uneven all-gather: rank r contributes r + 1 elements
+    mine = torch.full((rank + 1,), float(rank))
+    got = t.all_gather(mine)
+    out["gather_ok"] = all(torch.equal(g, torch.full((r + 1,), float(r))) for r, g in enumerate(got))
+    known = t.all_gather(torch.ones(3) * rank, sizes=[3] * world_size, async_op=True).wait()
+    out["known_ok"] = all(torch.equal(k, torch.ones(3) * r) for r, k in enumerate(known))
+    out["gather_sent"] = t.meter.by_kind["all_gather"]["bytes_sent"]
+    b = torch.full((10,), float(rank))
+    t.broadcast(b, src=1)
+    out["bcast_ok"] = torch.equal(b, torch.full((10,), 1.0))
+    # ring of point-to-point messages
+    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
+    buf = torch.empty(100)
+    h = t.irecv(buf, prv)
+    t.send(torch.full((100,), float(rank)), nxt)
+    h.wait()
+    out["p2p_ok"] = torch.equal(buf, torch.full((100,), float(prv)))
+    out["send_sent"] = t.meter.by_kind["send"]["bytes_sent"]
+    out["recv_recv"] = t.meter.by_kind["recv"]["bytes_recv"]
+    return out
+
+
+def test_ops_results_and_bytes(pool4):
+    n = 4
+    for out in pool4.run(_ops):
+        assert out["mean_ok"] and out["gather_ok"] and out["known_ok"] and out["bcast_ok"] and out["p2p_ok"]
+        assert out["allreduce_sent"] == pytest.approx(2 * (n - 1) / n * 4000)
+        # padded to the largest block (4 floats) + the size exchange (one int64 per rank), then 3-float blocks
+        lan = parse_network("lan")
+        expect = ring_allgather(lan, n, 16).sent + ring_allgather(lan, n, 8).sent + ring_allgather(lan, n, 12).sent
+        assert out["gather_sent"] == pytest.approx(expect)
+        assert out["send_sent"] == 400 and out["recv_recv"] == 400
+
+
+def _busy(seconds: float) -> None:
+    """Real compute (not sleep) for about `seconds`."""
+    a = torch.randn(128, 128)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a * 1e-3)
+
+
+def _emulated(rank, world_size, nbytes):
+    t = Transport()
+    x = torch.zeros(nbytes // 4)
+    t.all_reduce(x)  # warm-up (connections), not measured
+    t0 = time.perf_counter()
+    t.all_reduce(x)
+    sync_s = time.perf_counter() - t0
+    predicted = ring_allreduce(t.link, world_size, nbytes).time
+    # overlap: compute while an async all-reduce is on the emulated wire
+    t.barrier()
+    t0 = time.perf_counter()
+    h = t.all_reduce(x, async_op=True)
+    _busy(predicted)
+    h.wait()
+    overlap_s = time.perf_counter() - t0
+    # queueing: two async transfers on one link take two transfer times
+    t.barrier()
+    t0 = time.perf_counter()
+    h1, h2 = t.all_reduce(x.clone(), async_op=True), t.all_reduce(x.clone(), async_op=True)
+    h1.wait()
+    first = time.perf_counter() - t0
+    h2.wait()
+    both = time.perf_counter() - t0
+    totals = t.meter.totals()
+    return {"sync": sync_s, "predicted": predicted, "overlap": overlap_s, "first": first, "both": both,
+            "transfer": ring_allreduce(t.link, world_size, nbytes).transfer, "emulated": totals["emulated_s"]}
+
+
+def test_emulated_time_follows_alpha_beta_and_overlaps_compute(pool2):
+    link = "custom:bandwidth=80mbit,latency=20ms"
+    nbytes = 1_000_000
+    for out in pool2.run(_emulated, nbytes, network=link):
+        p = out["predicted"]
+        assert p == pytest.approx(2 * 0.02 + nbytes * 8 / 80e6)
+        assert p <= out["sync"] < p * 1.25 + 0.05
+        # compute ran for ~p and the transfer took ~p: about max(compute, comm), far from their sum
+        assert out["overlap"] < 1.5 * p + 0.05, out
+        # the second transfer queued behind the first on the same link
+        assert out["both"] >= out["first"] + 0.9 * out["transfer"]
+        assert out["emulated"] > 3 * p
+
+
+def test_link_profiles_and_custom_specs():
+    wan = parse_network("wan")
+    assert wan.bandwidth == 100e6 and wan.latency == 0.05 and wan.beta == pytest.approx(8e-8)
+    assert not parse_network("lan").emulated
+    c = parse_network("custom:bandwidth=200mbit,latency=25ms,jitter=5ms")
+    assert (c.bandwidth, c.latency, c.jitter) == (200e6, 0.025, 0.005)
+    assert parse_network("custom:latency=1s").latency == 1.0
+    assert Link(bandwidth=1e9).alpha == 0.0
+
+
+@pytest.mark.parametrize("spec", ["moon", "custom:", "custom:bandwidth=x", "custom:speed=1", "custom:latency",
+                                  "custom:loss=2"])
+def test_bad_network_specs(spec):
+    from thinwire.errors import UserError
+    with pytest.raises(UserError):
+        parse_network(spec)

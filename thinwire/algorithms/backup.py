@@ -1,0 +1,34 @@
+"""`backup`: synchronous SGD with backup workers (Chen et al., "Revisiting distributed synchronous SGD";
+seed 000 §III-B; catalog §2.1.2), on the parameter server."""
+from __future__ import annotations
+
+from ..errors import UserError
+from . import register
+from .ps_sync import PSAlgorithm
+
+
+@register("backup")
+class Backup(PSAlgorithm):
+    """Of the n + n_b workers (`--workers` counts all of them, `backups` is n_b), the server averages the first
+    n fresh gradients of each round, x_{t+1} = x_t - γ (1/n) Σ_{i∈A_t} G_i(x_t) (catalog §2.1.2), and answers
+    those n at once; a gradient computed on an older model arrives late and is dropped (its worker gets the
+    current model). Dropped gradients are counted (`dropped` in the metrics)."""
+
+    mode = "backup"
+
+    def __init__(self, architecture: str | None = None, backups: int = 1, servers: int = 1,
+                 downlink_compressor: str = "none"):
+        super().__init__(architecture, servers, downlink_compressor)
+        if not isinstance(backups, int) or isinstance(backups, bool) or backups < 0:
+            raise UserError(f"backup needs backups (n_b) >= 0, got {backups!r}")
+        self.backups = backups
+
+    def setup(self):
+        workers = self.world_size - self.servers
+        if workers >= 1 and self.backups >= workers:
+            raise UserError(f"backups={self.backups} leaves no gradient to wait for with {workers} workers; "
+                            f"valid: 0..{workers - 1}")
+        super().setup()
+
+    def server_options(self):
+        return {"mode": "backup", "backups": self.backups}

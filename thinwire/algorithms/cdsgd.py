@@ -1,0 +1,247 @@
+"""`cdsgd`: distributed SGD with compression and delay compensation (seed 001, Algorithm 1, eqs. 10–11).
+
+Global weights W are identical on every worker (all-reduce architecture); the model holds each worker's local
+weights W^loc, on which the gradients are computed. With η the optimizer's lr and η_loc = `local_lr`:
+
+- warm-up, the first `warmup` iterations: g_i = ∇L_j(W_i), full-precision mean, W_{i+1} = W_i − η·mean_j g_{i,j};
+  at the last one also W^loc_{n+1} = W_n − η_loc·g_{n,j} (Algorithm 1 lines 5–6, 11–12);
+- formal training, counter c = 0, 1, ... from the first formal iteration:
+  W^loc_{i+1,j} = W_i − η_loc·g_{i,j}                    (eq. 11, done at once: the next forward starts)
+  W_{i+1} = W_i − η·mean_j Q_j(g_{i,j})                   (eq. 10, in a background thread)
+  Q_j = the compressor with its memory (2-bit threshold quantizer + residual by default) when c mod k ≠ 0,
+  the identity (a full-precision correction step) when c mod k = 0; the residual is kept across correction
+  steps. Iteration i+1 only waits for iteration i's exchange before its own local update.
+- `close()` drains the exchange in flight and loads W into the model: every worker holds the global weights.
+
+Momentum: the paper uses plain SGD for both updates. The local update (eq. 11) is always plain. The global
+update applies the optimizer's SGD hyper-parameters to the aggregated gradient d = mean_j Q_j(g_{i,j}) exactly as
+torch.optim.SGD does (d += wd·W_i; b = μ·b + (1 − dampening)·d, b = d the first time; d = d + μ·b with nesterov,
+else d = b; W_{i+1} = W_i − η·d), with one momentum buffer on W, kept in this algorithm's state.
+
+`bitsgd`, `odsgd` and `ssgd` (the paper's comparison set, eqs. 5, 4, 1) are this class with the local update,
+the compression or the overlap switched off. Each measures the time model's inputs on its own run (τ compute,
+φ full-precision exchange, ψ compressed exchange, δ compression) and reports in `metrics()` the iteration time
+that seed 001 §3.3 predicts from them (`thinwire.plan.cdsgd`) beside the measured one.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..compress import Compressor
+from ..errors import UserError
+from ..exchange import Exchange
+from ..plan import cdsgd as time_model
+from . import register
+from .base import Algorithm
+
+_now = time.perf_counter
+_KEY = "model"
+
+
+class _TimedCompressor(Compressor):
+    """A compressor as it is, with its encode/decode time measured (δ); the Exchange traces the spans."""
+
+    def __init__(self, inner: Compressor):
+        self.inner, self.seconds = inner, 0.0
+        for attr in ("name", "unbiased", "linear", "randomness", "aggregation", "fixed_size"):
+            setattr(self, attr, getattr(inner, attr))
+
+    def __getattr__(self, attr):  # anything else (a custom exchange, parameters) is the inner compressor's
+        if attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def _timed(self, fn, *args):
+        t0 = _now()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += _now() - t0
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        return self._timed(self.inner.compress, tensor, key, step, agreed)
+
+    def decompress(self, payload):
+        return self._timed(self.inner.decompress, payload)
+
+    def aggregate(self, payloads):
+        return self._timed(self.inner.aggregate, payloads)
+
+    def agree(self, tensor, key=None, step=0):
+        return self.inner.agree(tensor, key, step)
+
+    def sum_payload(self, payload, world_size):
+        return self.inner.sum_payload(payload, world_size)
+
+    def nominal_bits(self, numel):
+        return self.inner.nominal_bits(numel)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+def _sgd_hyper(optimizer) -> dict:
+    """The SGD hyper-parameters the global update applies (one value for all parameter groups)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise UserError(f"this algorithm applies SGD updates to the global weights itself; use torch.optim.SGD "
+                        f"(got {type(optimizer).__name__})")
+    keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    first = {k: optimizer.param_groups[0].get(k) for k in keys}
+    for g in optimizer.param_groups[1:]:
+        if any(g.get(k) != first[k] for k in keys):
+            raise UserError("this algorithm needs one lr/momentum/dampening/weight_decay/nesterov for all "
+                            "parameter groups")
+    return first
+
+
+@register("cdsgd")
+class CDSGD(Algorithm):
+    """CD-SGD (seed 001): 2-bit quantized exchange overlapped with the next iteration via a local update
+    (eq. 11), a full-precision correction every k-th iteration, after `warmup` synchronous iterations."""
+
+    architectures = ("allreduce",)
+    compression = True
+    default_compressor = "threshold2bit"
+    default_memory = "residual"
+    local_update = True     # eq. 11: the next iteration computes on W^loc
+    overlapped = True       # the exchange and the global update run in the background
+
+    def __init__(self, architecture: str | None = None, k: int = 5, warmup: int = 10,
+                 local_lr: float | None = None):
+        super().__init__(architecture)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise UserError(f"cdsgd: k must be an integer >= 1 (1: every iteration full precision), got {k!r}")
+        self._configure(k, warmup, local_lr)
+
+    def _configure(self, k: int, warmup: int, local_lr: float | None) -> None:
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise UserError(f"{self.name}: warmup must be an integer >= 0, got {warmup!r}")
+        if local_lr is not None and not (isinstance(local_lr, (int, float)) and local_lr > 0):
+            raise UserError(f"{self.name}: local_lr must be a number > 0 (default: the optimizer's lr), "
+                            f"got {local_lr!r}")
+        self.k = k                      # 0: never corrected (every formal iteration compressed)
+        self.warmup = warmup
+        self.local_lr = None if local_lr is None else float(local_lr)
+
+    # -- wiring ----------------------------------------------------------------------------------------
+    def setup(self):
+        _sgd_hyper(self.optimizer)
+        self.plain = Exchange(self.transport, "none", "none")
+        self.quant = None
+        if self.compression:
+            self.timed = _TimedCompressor(self.trainer.compressor)
+            self.quant = Exchange(self.transport, self.timed, self.trainer.memory)
+        self.W = self.flat_params().clone()     # global weights (rank 0's, broadcast by the Trainer)
+        self.buf: torch.Tensor | None = None    # momentum buffer of the global update
+        self.iteration = 0                      # steps taken
+        self.counter = 0                        # formal iterations taken (c of Algorithm 1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending = None
+        self._samples: dict[str, list[float]] = {k: [] for k in ("tau", "phi", "psi", "delta", "iteration")}
+        self._last_start = self._last_end = None
+
+    # -- the step --------------------------------------------------------------------------------------
+    def _compressed(self, formal: bool) -> bool:
+        return self.compression and formal and (self.k == 0 or self.counter % self.k != 0)
+
+    def step(self):
+        t_start = _now()
+        formal = self.iteration >= self.warmup
+        if self._last_end is not None and self.iteration > self.warmup:
+            self._samples["tau"].append(t_start - self._last_end)
+            self._samples["iteration"].append(t_start - self._last_start)
+        self._last_start = t_start
+        hyper = _sgd_hyper(self.optimizer)
+        eta_loc = hyper["lr"] if self.local_lr is None else self.local_lr
+        g = self.flat_grad().detach().clone()
+        compressed = self._compressed(formal)
+        if formal and self.overlapped:
+            self._drain()                                       # W_i: the previous exchange only
+            self.set_flat_params(self.W - eta_loc * g)          # eq. 11: W^loc_{i+1} = W_i − η_loc·g_i
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="cdsgd")
+            self._pending = self._pool.submit(self._global, g, compressed, hyper)
+        else:
+            last_warmup = self.local_update and self.iteration == self.warmup - 1
+            w_old = self.W.clone() if last_warmup else None
+            self._global(g, compressed, hyper)
+            # Algorithm 1 lines 5–6, 11–12: the last warm-up iteration also prepares W^loc_{n+1} = W_n − η_loc·g_n
+            self.set_flat_params(w_old - eta_loc * g if last_warmup else self.W)
+        self.iteration += 1
+        if formal:
+            self.counter += 1
+        self._last_end = _now()
+
+    def _global(self, g: torch.Tensor, compressed: bool, hyper: dict) -> None:
+        """W_{i+1} = W_i − η·mean_j Q_j(g_{i,j}) (seed 001 eq. 10; eq. 1 when Q is the identity)."""
+        t0 = _now()
+        if compressed:
+            d0 = self.timed.seconds
+            mean = self.quant.start(g, _KEY).wait()
+            delta = self.timed.seconds - d0
+            self._samples["delta"].append(delta)
+            self._samples["psi"].append(_now() - t0 - delta)
+        else:
+            mean = self.plain.start(g, _KEY).wait()
+            self._samples["phi"].append(_now() - t0)
+        with self.tracer.span("global update", "optimizer"):
+            self._apply_sgd(mean, hyper)
+
+    def _apply_sgd(self, d: torch.Tensor, h: dict) -> None:
+        """torch.optim.SGD's update on the flat global weights (see the module docstring)."""
+        W = self.W
+        if h["weight_decay"]:
+            d = d.add(W, alpha=h["weight_decay"])
+        mu = h["momentum"]
+        if mu:
+            if self.buf is None:
+                self.buf = d.clone()
+            else:
+                self.buf.mul_(mu).add_(d, alpha=1 - h["dampening"])
+            d = d.add(self.buf, alpha=mu) if h["nesterov"] else self.buf
+        W.add_(d, alpha=-h["lr"])
+
+    def _drain(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self):
+        self._drain()
+        self.set_flat_params(self.W)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # -- reporting and state ---------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        med = {k: (statistics.median(v) if v else None) for k, v in self._samples.items()}
+        k = self.k if self.compression else 1
+        out = {"warmup": self.warmup, "k": self.k, "tau_s": med["tau"], "phi_s": med["phi"],
+               "psi_s": med["psi"], "delta_s": med["delta"], "measured_step_s": med["iteration"],
+               "predicted_step_s": time_model.predict(self.name, med["tau"], med["phi"], med["psi"],
+                                                      med["delta"], k)}
+        out["predicted"] = time_model.predict_all(med["tau"], med["phi"], med["psi"], med["delta"], self.k)
+        return out
+
+    def state_dict(self) -> dict:
+        self._drain()
+        return {"iteration": self.iteration, "counter": self.counter, "W": self.W.clone(),
+                "buf": None if self.buf is None else self.buf.clone(), "plain": self.plain.state_dict(),
+                "quant": None if self.quant is None else self.quant.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._drain()
+        self.iteration, self.counter = state["iteration"], state["counter"]
+        self.W = state["W"].clone()
+        self.buf = None if state["buf"] is None else state["buf"].clone()
+        self.plain.load_state_dict(state["plain"])
+        if self.quant is not None and state["quant"] is not None:
+            self.quant.load_state_dict(state["quant"])

@@ -1,0 +1,26 @@
+"""`local`: every worker trains alone, with no communication at all.
+
+The no-communication limit: its throughput is what the same workers reach on this machine when the wire costs
+nothing, so scalability = throughput / throughput of `local` (seed 004's speedup / N, measured here).
+"""
+from __future__ import annotations
+
+from . import register
+from .base import Algorithm
+
+
+@register("local")
+class Local(Algorithm):
+    """No communication: each worker steps its own optimizer on its own gradients; models are never averaged."""
+
+    architectures = ("allreduce",)
+    compression = False
+
+    def __init__(self, architecture: str | None = None):
+        super().__init__(architecture)
+
+    def step(self):
+        self.optimizer_step()
+
+    def close(self):
+        """Nothing in flight; the models stay as they are (they differ between workers)."""

@@ -1,0 +1,105 @@
+"""`thinwire compare`: which algorithm wins on your network — a matrix of (contestant × network) training runs,
+thinwire's algorithms against PyTorch's own options, with results.json, report.md and PNG plots in --out DIR.
+
+  thinwire compare --preset quick --out results/demo
+  thinwire compare --workload digits-mlp --algorithms bsp,dts:delay=4,period=4,ddp --network lan,wan
+  thinwire compare --algorithms "bsp; bsp+topk:ratio=0.01,memory=residual" --network wan --workers 4
+  thinwire compare --resume results/demo            # run the cells an interrupted matrix is missing
+"""
+from __future__ import annotations
+
+import sys
+
+
+def split_cells(text: str) -> list[str]:
+    """Cells are separated by ';', or by ',' where the next item does not look like key=value
+    (so `bsp,dts:delay=4,period=4,ddp` is three cells)."""
+    if ";" in text:
+        return [c.strip() for c in text.split(";") if c.strip()]
+    cells: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        if cells and "=" in item and ":" not in item.split("=", 1)[0] and "+" not in item.split("=", 1)[0] \
+                and (":" in cells[-1]):
+            cells[-1] += "," + item
+        else:
+            cells.append(item)
+    return cells
+
+
+def register(sub) -> None:
+    from ..run import presets
+    p = sub.add_parser("compare", help="compare algorithms (and PyTorch's options) on your networks",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", help="workload (default: the preset's, else digits-mlp)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--algorithms", help="cells: ALGO[:k=v,...][+COMPRESSOR[:k=v,...,memory=M]] or a PyTorch peer "
+                                        f"({', '.join(presets.PEERS)}), comma- or ';'-separated")
+    g.add_argument("--preset", help=f"a named matrix: {', '.join(presets.names())}")
+    p.add_argument("--network", help="comma-separated profiles (lan, dc, cluster, wan, world, custom:...; "
+                                     "separate custom specs with ';')")
+    p.add_argument("--workers", type=int, help="workers per cell (default: the preset's, else 4)")
+    p.add_argument("--epochs", type=float, help="epochs per cell (default: the workload's)")
+    p.add_argument("--target", type=float, help="accuracy target (default: the workload's)")
+    p.add_argument("--budget", type=float, help="seconds a cell may run before it is stopped (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="output directory (default results/compare)")
+    p.add_argument("--trace", action="store_true", help="write a Chrome trace per thinwire cell")
+    p.add_argument("--resume", metavar="DIR", help="continue the matrix in DIR (its cells that are not done)")
+    p.add_argument("--netem", action="store_true",
+                   help="real-network mode (Linux, root): workers in network namespaces, links shaped for real")
+    p.add_argument("--json", action="store_true", help="print results.json to stdout at the end")
+    p.set_defaults(func=run)
+
+
+def _networks(text: str) -> list[str]:
+    if ";" in text:
+        return [n.strip() for n in text.split(";") if n.strip()]
+    out: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if out and out[-1].startswith("custom:") and "=" in item:
+            out[-1] += "," + item
+        elif item:
+            out.append(item)
+    return out
+
+
+def config_from_args(args):
+    from ..errors import UserError
+    from ..run import presets
+    from ..run.compare import CompareConfig
+    if args.preset:
+        pr = presets.get(args.preset)
+        cells, workload, workers, nets, budget = list(pr.cells), pr.workload, pr.workers, pr.networks, pr.budget_s
+        epochs = pr.epochs
+    else:
+        if not args.algorithms:
+            raise UserError("give --algorithms a,b,... or --preset NAME "
+                            f"({', '.join(presets.names())})")
+        cells, workload, workers, nets, budget, epochs = split_cells(args.algorithms), "digits-mlp", 4, ["wan"], None, None
+    return CompareConfig(workload=args.workload or workload, workers=args.workers or workers,
+                         networks=_networks(args.network) if args.network else list(nets), cells=cells,
+                         target=args.target, budget_s=args.budget or budget, epochs=args.epochs or epochs,
+                         seed=args.seed, trace=args.trace, netem=args.netem, preset=args.preset)
+
+
+def run(args) -> int:
+    import json
+    from ..errors import UserError
+    from ..run.compare import compare
+    if args.resume:
+        if args.preset or args.algorithms or args.network:
+            raise UserError("--resume DIR continues the matrix stored in DIR; give no --preset/--algorithms/--network")
+        out, results = args.resume, compare(None, args.resume, resume=True)
+    else:
+        cfg = config_from_args(args)
+        out = args.out or "results/compare"
+        results = compare(cfg, out)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print(f"report: {out}/report.md   results: {out}/results.json   plots: "
+              + ", ".join(f"{out}/{p}" for p in (results.get("plots") or {}).values()))
+    sys.stdout.flush()
+    return 0 if any(r.get("status") == "ok" for r in results["cells"]) else 1

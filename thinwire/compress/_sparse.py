@@ -1,0 +1,119 @@
+"""Shared pieces of the sparsifiers: the (values, indices) payload, fast exact top-k, bit packing of codes.
+
+Indices travel as int16 when the tensor has at most 2^15 elements, else int32 (seed 002 §3.1: the index vector
+is the unavoidable cost of a sparse payload, so it takes no more bits than the tensor needs).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+
+from ..errors import UserError
+from . import bitpack
+from .base import Compressor, Payload
+
+SMALL = 1 << 15          # below this many elements torch.topk is as fast as anything
+
+
+def check_ratio(ratio: float, name: str = "ratio") -> float:
+    if not 0 < ratio <= 1:
+        raise UserError(f"{name} must be in (0, 1], got {ratio}")
+    return float(ratio)
+
+
+def num_kept(ratio: float, numel: int) -> int:
+    return min(numel, max(1, int(ratio * numel)))
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    return torch.int16 if numel <= SMALL else torch.int32
+
+
+def stable_seed(*parts: Any) -> int:
+    """A seed every rank derives identically from (seed, key, step) (Python's hash() is salted per process)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def generator(*parts: Any) -> torch.Generator:
+    return torch.Generator().manual_seed(stable_seed(*parts))
+
+
+def local_generator(seed: int) -> torch.Generator:
+    """Independent randomness per rank (stochastic rounding must not be correlated across ranks)."""
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return generator(seed, "local", rank)
+
+
+def topk_indices(flat: torch.Tensor, k: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Indices of the k largest |flat|, exactly (ties broken arbitrarily, as torch.topk does).
+
+    A threshold search instead of a full selection: estimate from a random sample a threshold that a little
+    more than k elements pass, keep the candidates (one compare, one nonzero), then an exact top-k among
+    those few. If the estimate let fewer than k through (rare: the margin is 4 standard deviations of the
+    sample count) it falls back to torch.topk, so the result is always the exact top-k set.
+    """
+    d = flat.numel()
+    if k >= d:
+        return torch.arange(d)
+    a = flat.abs()
+    if d <= SMALL or k > d // 16:
+        return torch.topk(a, k, sorted=False).indices
+    s = min(d, max(4096, int(64 * d / k)))
+    sample = a[torch.randint(d, (s,), generator=gen)]
+    expected = k * s / d
+    kk = min(s, int(expected + 4 * math.sqrt(expected) + 2))
+    thr = torch.topk(sample, kk, sorted=False).values.min()
+    cand = torch.nonzero(a >= thr).squeeze(1)
+    if cand.numel() < k:
+        return torch.topk(a, k, sorted=False).indices
+    return cand[torch.topk(a[cand], k, sorted=False).indices]
+
+
+class SparseCompressor(Compressor):
+    """Payload = (values in the tensor's dtype, indices); aggregated by all-gather + index_add_."""
+
+    unbiased = False
+    linear = False
+    aggregation = "allgather"
+
+    def select(self, flat: torch.Tensor, key: Any, step: int) -> torch.Tensor:
+        """Indices (int64) of the coordinates to send."""
+        raise NotImplementedError
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        idx = self.select(flat, key, step)
+        return Payload([flat[idx], idx.to(index_dtype(flat.numel()))],
+                       ctx=(tensor.shape, tensor.dtype, flat.numel()))
+
+    def decompress(self, payload):
+        shape, dtype, numel = payload.ctx
+        vals, idx = payload.tensors
+        out = torch.zeros(numel, dtype=dtype)
+        out.index_add_(0, idx.long(), vals.to(dtype))
+        return out.view(shape)
+
+    def aggregate(self, payloads):
+        """Σ_ranks of the sparse contributions: one index_add_ over every rank's (index, value) pairs."""
+        shape, dtype, numel = payloads[0].ctx
+        vals = torch.cat([p.tensors[0].reshape(-1).to(dtype) for p in payloads])
+        idx = torch.cat([p.tensors[1].reshape(-1).long() for p in payloads])
+        return torch.zeros(numel, dtype=dtype).index_add_(0, idx, vals).view(shape)
+
+    def sparse_bits(self, kept: float, numel: int, value_bits: float = 32.0) -> float:
+        idx_bits = 16 if numel <= SMALL else 32
+        return kept * (value_bits + idx_bits) / max(1, numel)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned integer codes < 2^bits, `bits` bits each, into uint8 (A's vectorised `bitpack`)."""
+    return bitpack.pack(codes.reshape(-1).to(torch.uint8), bits)
+
+
+def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: n codes as int64."""
+    return bitpack.unpack(packed.reshape(-1), bits, n).to(torch.int64)

@@ -1,0 +1,95 @@
+"""Vectorised bit packing: `b`-bit codes (uint8, values < 2**b) <-> a dense uint8 byte string, b in 1..8.
+
+Eight codes fill one int64 word (one per byte); three shift-and-mask stages squeeze the word's eight fields
+into its low 8*b bits (pairs of bytes, then pairs of 16-bit lanes, then the two 32-bit halves), and the low `b`
+bytes of each word are kept. Every step is one whole-tensor torch op: no Python loop over elements or chunks.
+Eight codes take exactly `b` bytes, so `n` codes take `b * ceil(n / 8)` bytes (at most 7 codes of padding);
+8-bit codes are already bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+
+_GATHER = 0x0102040810204080              # sum_j 2^(56 - 7j): byte j's low bit lands on bit 56 + j
+_SPREAD = 0x0101010101010101
+_SELECT = 0x8040201008040201 - (1 << 64)  # bit j of byte j (as a signed int64 constant)
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes that `pack` produces for `numel` codes of `bits` bits (8-bit codes are sent as they are)."""
+    if bits == 8:
+        return numel
+    return bits * ((numel + 7) // 8)
+
+
+def _lanes(bits_per_field: int, stride: int) -> int:
+    """A mask of `bits_per_field` low bits repeated every `stride` bits across a 64-bit word."""
+    field = (1 << bits_per_field) - 1
+    return sum(field << (stride * i) for i in range(64 // stride))
+
+
+def _stages(bits: int):
+    """(shift, low mask, packed-high mask, spread-high mask) of each stage: two fields of b, 2b, 4b bits per lane
+    of 16, 32, 64 bits, the high one either next to the low one (packed) or at the middle of the lane (spread)."""
+    out = []
+    for width, lane in ((bits, 16), (2 * bits, 32), (4 * bits, 64)):
+        low = _lanes(width, lane)
+        out.append((lane // 2 - width, low, low << width, low << (lane // 2)))
+    return out
+
+
+def _as_words(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The codes padded to a multiple of 8 and viewed as int64 words (a copy only when padding is needed)."""
+    n = codes.numel()
+    pad = (-n) % 8
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    return codes.view(torch.int64), n
+
+
+def pack(codes: torch.Tensor, bits: int, inplace: bool = False) -> torch.Tensor:
+    """Pack 1-D uint8 `codes` (each < 2**bits) into `packed_nbytes(n, bits)` bytes. `inplace` lets it scratch
+    over `codes` (saves a copy when the caller no longer needs them)."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    codes = codes.reshape(-1)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    if bits == 8:
+        return codes.clone() if not inplace else codes
+    if not inplace or codes.numel() % 8:
+        codes = codes.clone() if codes.numel() % 8 == 0 else codes
+    words, _ = _as_words(codes)
+    if bits == 1:   # one multiply gathers the eight 0/1 bytes into the top byte (byte j -> bit j)
+        return words.mul_(_GATHER).bitwise_right_shift_(56).to(torch.uint8)
+    tmp = torch.empty_like(words)
+    for shift, low, high, _ in _stages(bits):       # three stages, whatever the tensor size
+        torch.bitwise_right_shift(words, shift, out=tmp)
+        tmp.bitwise_and_(high)
+        words.bitwise_and_(low).bitwise_or_(tmp)
+    return words.view(torch.uint8).view(-1, 8)[:, :bits].reshape(-1)
+
+
+def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """The `numel` uint8 codes that `pack(codes, bits)` produced `packed` from."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    packed = packed.reshape(-1)
+    if packed.numel() != packed_nbytes(numel, bits):
+        raise ValueError(f"{packed.numel()} bytes cannot hold {numel} codes of {bits} bits")
+    if bits == 8:
+        return packed
+    groups = packed.numel() // bits
+    if bits == 1:   # replicate each byte into all eight bytes of a word, keep bit j in byte j
+        words = packed.to(torch.int64).mul_(_SPREAD).bitwise_and_(_SELECT)
+        return words.view(torch.uint8).ne(0).view(torch.uint8)[:numel]
+    full = torch.zeros(groups, 8, dtype=torch.uint8)
+    full[:, :bits] = packed.view(groups, bits)
+    words = full.view(torch.int64).view(-1)
+    tmp = torch.empty_like(words)
+    for shift, low, _, spread in reversed(_stages(bits)):
+        torch.bitwise_left_shift(words, shift, out=tmp)
+        tmp.bitwise_and_(spread)
+        words.bitwise_and_(low).bitwise_or_(tmp)
+    return words.view(torch.uint8)[:numel]

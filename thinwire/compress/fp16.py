@@ -1,0 +1,55 @@
+"""`fp16`: cast to half precision (seed 002 §5.1, FP16 [53]: C(g) = fp16(s g), D(q) = fp32(q) / s)."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from . import compressors
+from .base import Compressor, Payload
+from .finite import check_tensor
+
+
+class _Cast(Compressor):
+    """A cast to a 16-bit float type, summable by all-reduce in that type."""
+
+    unbiased = False          # round-to-nearest: a tiny deterministic bias
+    linear = True
+    randomness = "none"
+    aggregation = "allreduce"
+    wire_dtype = torch.float16
+
+    def __init__(self, scale: float = 1.0):
+        if not scale > 0:
+            raise UserError(f"{self.name}: scale must be > 0 (a loss scale, 1 for none), got {scale}")
+        self.scale = float(scale)
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        if self.scale != 1.0:
+            flat = flat * self.scale
+        half = flat.to(self.wire_dtype)
+        check_tensor(half, self.name, key)        # also catches values that overflowed the 16-bit range
+        return Payload([half], ctx=(tensor.shape, tensor.dtype, 1.0))
+
+    def decompress(self, payload):
+        shape, dtype, mult = payload.ctx
+        out = payload.tensors[0].to(torch.float32)
+        factor = mult / self.scale
+        if factor != 1.0:
+            out.mul_(factor)
+        return out.to(dtype).view(shape)
+
+    def nominal_bits(self, numel):
+        return 16.0
+
+
+@compressors.register("fp16")
+class FP16(_Cast):
+    """fp16 cast. For all-reduce, `sum_payload` divides by the world size first (as PyTorch's
+    `fp16_compress_hook` does) so that the fp16 sum of the ranks cannot overflow."""
+
+    wire_dtype = torch.float16
+
+    def sum_payload(self, payload, world_size):
+        shape, dtype, _ = payload.ctx
+        return Payload([payload.tensors[0] / world_size], ctx=(shape, dtype, float(world_size)))

@@ -1,0 +1,81 @@
+"""`int8`: uniform 8-bit quantization scaled by the max-abs (seed 002 §5.1; GRACE's uniform variant of [54]):
+q = round(127 g / max|g|) (or the unbiased stochastic rounding), D(q) = q max|g| / 127."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from . import compressors
+from .base import Compressor, Payload
+from .finite import check_scale
+from .rounding import Uniforms, stochastic_codes
+
+LEVELS = 127
+
+
+def _maxabs(flat: torch.Tensor) -> torch.Tensor:
+    if flat.numel() == 0:
+        return torch.zeros(1)
+    lo, hi = torch.aminmax(flat)
+    return torch.maximum(-lo, hi).float().reshape(1)
+
+
+def widen(levels: torch.Tensor, total: int) -> torch.Tensor:
+    """Integer `levels` in the narrowest signed type holding every value in [-total, total]: for a sum of
+    world_size levels in [-s, s], total = world_size * s (this type is what all-reduce puts on the wire)."""
+    dtype = torch.int8 if total <= 127 else torch.int16 if total <= 32767 else torch.int32
+    return levels.to(dtype)
+
+
+@compressors.register("int8")
+class Int8(Compressor):
+    """8 bits per element plus one fp32 scale. "allreduce": the ranks agree on the largest max-abs, and the int8
+    levels are summed in a widened integer type; "allgather": each rank sends its own scale."""
+
+    unbiased = False
+    linear = True
+    randomness = "none"
+    aggregation = "allreduce"
+
+    def __init__(self, stochastic: bool = False, aggregation: str = "allreduce", seed: int = 0):
+        if aggregation not in ("allreduce", "allgather"):
+            raise UserError(f"int8: aggregation must be one of allreduce, allgather; got {aggregation!r}")
+        self.stochastic = bool(stochastic)
+        self.aggregation = aggregation
+        self.unbiased = self.stochastic
+        self.randomness = "local" if self.stochastic else "none"
+        self.uniforms = Uniforms(seed)
+
+    def agree(self, tensor, key=None, step=0):
+        return _maxabs(tensor.reshape(-1))
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        scale = _maxabs(flat) if agreed is None else agreed.float().reshape(1)
+        check_scale(scale, self.name, key)
+        s = float(scale)
+        inv = LEVELS / s if s > 0 else 0.0
+        if self.stochastic:
+            q = stochastic_codes(flat, inv, LEVELS, self.uniforms).sub_(LEVELS).view(torch.int8)
+        else:
+            q = torch.mul(flat, inv).round_().to(torch.int8)
+        tensors = [q] if agreed is not None else [q, scale]
+        return Payload(tensors, ctx={"shape": tensor.shape, "dtype": tensor.dtype, "scale": s})
+
+    def sum_payload(self, payload, world_size):
+        return Payload([widen(payload.tensors[0], LEVELS * world_size)], ctx=payload.ctx)
+
+    def decompress(self, payload):
+        ctx = payload.ctx
+        s = float(payload.tensors[1]) if len(payload.tensors) > 1 else ctx["scale"]
+        out = payload.tensors[0].to(torch.float32).mul_(s / LEVELS)
+        return out.to(ctx["dtype"]).view(ctx["shape"])
+
+    def nominal_bits(self, numel):
+        return 8.0 + 32.0 / max(numel, 1)
+
+    def state_dict(self):
+        return {"uniforms": self.uniforms.state_dict()}
+
+    def load_state_dict(self, state):
+        self.uniforms.load_state_dict(state["uniforms"])

@@ -1,0 +1,37 @@
+"""`efsignsgd` memory: the learning-rate-scaled error feedback of EF-SignSGD (seed 002 §5.1, [58]; catalog §10.3):
+p_t = lr g_t + e_t, Delta_t = C(p_t), e_{t+1} = p_t - Delta_t, and the aggregate is divided by lr again because the
+optimizer applies the learning rate. The exchange sees gradient units: `compensate` returns p_t / lr and `update`
+stores e = lr (p_t / lr - D(C(p_t / lr))), which equals p_t - Delta_t for scale-equivariant compressors (all sign
+and norm-scaled ones). Keeping e in update units is what differs from `residual` when lr changes (schedules):
+set `memory.lr` before each step. Invariant: lr * sum(sent) + e_final = lr * sum(g) for a constant lr."""
+from __future__ import annotations
+
+from ..errors import UserError
+from . import memories
+from .base import Memory
+
+
+@memories.register("efsignsgd")
+class LRScaledResidual(Memory):
+    def __init__(self, lr: float = 0.1):
+        if not lr > 0:
+            raise UserError(f"efsignsgd memory: lr must be > 0, got {lr}")
+        self.lr = float(lr)
+        self.errors: dict = {}
+
+    def compensate(self, tensor, key):
+        e = self.errors.get(key)
+        if e is None or e.shape != tensor.shape:
+            return tensor
+        return tensor.add(e, alpha=1.0 / self.lr)           # (lr g + e) / lr
+
+    def update(self, tensor, key, sent):
+        """`tensor`: what `compensate` returned (p / lr); `sent`: the decompressed local payload (Delta / lr)."""
+        self.errors[key] = (tensor - sent.to(tensor.dtype).view(tensor.shape)).mul_(self.lr)
+
+    def state_dict(self):
+        return {"lr": self.lr, "errors": dict(self.errors)}
+
+    def load_state_dict(self, state):
+        self.lr = state.get("lr", self.lr)
+        self.errors = dict(state.get("errors", {}))

@@ -1,0 +1,58 @@
+"""`natural`: natural compression (seed 002 §5.2.2, NC [84], in the corrected form of the catalog, erratum 3):
+|t| in [a, 2a) with a = 2^floor(log2|t|) becomes a with probability (2a - |t|) / a, else 2a; 0 stays 0. Unbiased,
+E||C(x) - x||^2 <= ||x||^2 / 8. Bit-exact on the fp32 encoding: adding a uniform 23-bit integer r to the bits of
+|t| carries into the exponent exactly when mantissa + r >= 2^23, i.e. with probability mantissa / 2^23, and the
+mantissa is then dropped. Sent: the 8 exponent bits (a byte) and the sign (1 bit, packed): 9 bits per element.
+Codes of different ranks are not additive: gathered."""
+from __future__ import annotations
+
+import torch
+
+from . import compressors
+from .base import Compressor, Payload
+from .bitpack import pack, unpack
+from .finite import check_tensor
+from .rounding import Uniforms
+
+
+@compressors.register("natural")
+class Natural(Compressor):
+    unbiased = True
+    linear = False
+    randomness = "local"
+    aggregation = "allgather"
+
+    def __init__(self, seed: int = 0):
+        self.uniforms = Uniforms(seed)
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        check_tensor(flat, self.name, key)
+        n = flat.numel()
+        bits = flat.view(torch.int32)
+        work = self.uniforms.mantissas(n)
+        work.add_(bits)                        # the sign bit stays out of the way (shifted out below)
+        work.bitwise_right_shift_(23)          # sign | exponent (+ carry); the low byte is the exponent
+        exponent = work.to(torch.uint8)        # int32 -> uint8 keeps the low byte
+        sign = pack(torch.lt(flat, 0).view(torch.uint8), 1, inplace=True)
+        return Payload([exponent, sign], ctx=(tensor.shape, tensor.dtype, n))
+
+    def decompress(self, payload):
+        shape, dtype, n = payload.ctx
+        exponent, sign = payload.tensors
+        code = unpack(sign, 1, n).to(torch.int16)
+        code.bitwise_left_shift_(8).bitwise_or_(exponent)              # sign << 8 | exponent
+        word = code.to(torch.int32)
+        word.bitwise_left_shift_(23)                                   # sign << 31 | exponent << 23
+        return word.view(torch.float32).to(dtype).view(shape)
+
+    def nominal_bits(self, numel):
+        return 9.0
+
+    def state_dict(self):
+        return {"uniforms": self.uniforms.state_dict()}
+
+    def load_state_dict(self, state):
+        self.uniforms.load_state_dict(state["uniforms"])

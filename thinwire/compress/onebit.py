@@ -1,0 +1,45 @@
+"""`onebit`: 1-bit SGD (seed 002 §5.1, 1-Bit SGD [55]): one bit per element, 1[g >= 0], decoded to the mean of the
+non-negative values for 1 and the mean of the negative values for 0 (two fp32 per tensor, as in GRACE; the
+original takes them per column). Meant to run with the `residual` memory. Ranks' means differ: gathered."""
+from __future__ import annotations
+
+import torch
+
+from . import compressors
+from .base import Compressor, Payload
+from .finite import check_scale
+from .bitpack import pack
+from .signsgd import two_values
+
+
+@compressors.register("onebit")
+class OneBit(Compressor):
+    unbiased = False
+    linear = False
+    randomness = "none"
+    aggregation = "allgather"
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        n = flat.numel()
+        mask = torch.ge(flat, 0)
+        npos = int(mask.sum()) if n else 0
+        bits = pack(mask.view(torch.uint8), 1, inplace=True)
+        # sums of the two sides from two reductions without temporaries: S = sum g, L = sum |g|,
+        # sum over g >= 0 = (S + L) / 2, sum over g < 0 = (S - L) / 2
+        total = flat.sum(dtype=torch.float32).double()
+        l1 = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32).double()
+        check_scale(total + l1, self.name, key)
+        nneg = n - npos
+        pos = float(total + l1) / 2.0
+        neg = float(total - l1) / 2.0
+        means = torch.tensor([neg / nneg if nneg else 0.0, pos / npos if npos else 0.0], dtype=torch.float32)
+        return Payload([bits, means], ctx=(tensor.shape, tensor.dtype, n))
+
+    def decompress(self, payload):
+        shape, dtype, n = payload.ctx
+        mneg, mpos = (float(v) for v in payload.tensors[1])
+        return two_values(payload.tensors[0], n, mneg, mpos).to(dtype).view(shape)
+
+    def nominal_bits(self, numel):
+        return 1.0 + 64.0 / max(numel, 1)

@@ -1,0 +1,184 @@
+"""`powersgd`: rank-r PowerSGD (Vogels, Karimireddy, Jaggi 2019; seed 002 §4.4, catalog 3.6 [O]).
+
+For each matrix M (a parameter of ndim ≥ 2 reshaped to a × b, after error feedback M = G + e):
+    P = M Q            Q warm-started from the previous step (first: N(0,1) from a seed shared by all ranks)
+    P ← Σ_ranks P      all-reduce (one fused buffer for every matrix and every uncompressed tensor)
+    P̂ = orthogonalise(P)  (column Gram–Schmidt; the scale of P does not matter, so the sum serves as the mean)
+    Q = Mᵀ P̂;  Q ← Σ_ranks Q   second all-reduce
+    mean over ranks ≈ P̂ Qᵀ / n,  this rank's own contribution = P̂ (Mᵀ P̂)ᵀ (what the memory subtracts)
+1-D tensors (biases, norms) and matrices too small to gain ((a + b) r ≥ a b) travel uncompressed in the first
+all-reduce. A flat tensor (bucket, whole model) is split by `shapes`, the parameter shapes it is made of; without
+`shapes` a 1-D tensor is sent uncompressed. Aggregation is "custom": the compressor runs its two all-reduces.
+Use with `--memory powersgd` (its error feedback: e ← M − own contribution; the catalog's [!] notes that
+PowerSGD does need EF, contrary to the survey's Table 1).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import UserError
+from . import compressors, memories
+from ._sparse import generator
+from .base import Compressor, Memory, Payload
+
+
+def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Column Gram–Schmidt (r columns, r small), in place; eps keeps zero columns finite. Each column is
+    orthogonalised twice ("twice is enough"): a nearly dependent column, normalised, would otherwise leave
+    P̂ far from orthonormal and P̂P̂ᵀ far from a projection."""
+    for i in range(p.shape[1]):
+        col = p[:, i]
+        for _ in range(2 if i else 1):
+            if i:
+                prev = p[:, :i]
+                col -= prev @ (prev.t() @ col)
+            col /= col.norm() + eps
+    return p
+
+
+class _PowerHandle:
+    def __init__(self, first, finish):
+        self._first, self._finish, self._value = first, finish, None
+
+    def is_completed(self):
+        return self._value is not None or self._first.is_completed()
+
+    def wait(self):
+        if self._value is None:
+            self._value = self._finish(self._first.wait())
+        return self._value
+
+
+@compressors.register("powersgd")
+class PowerSGD(Compressor):
+    """PowerSGD rank-r low-rank compression (two all-reduces, warm start); 1-D tensors uncompressed."""
+
+    unbiased = False
+    linear = False
+    randomness = "shared"
+    aggregation = "custom"
+
+    def __init__(self, rank: int = 2, warm_start: bool = True, seed: int = 0):
+        if not isinstance(rank, int) or rank < 1:
+            raise UserError(f"powersgd rank must be an integer >= 1, got {rank}")
+        self.rank, self.warm_start, self.seed = rank, bool(warm_start), seed
+        self.q: dict = {}
+
+    def _layout(self, numel: int, shape, shapes):
+        """(offset, a, b, r) of each compressed matrix; the rest goes uncompressed."""
+        shapes = [tuple(shape)] if shapes is None else [tuple(s) for s in shapes]
+        if sum(math.prod(s) for s in shapes) != numel:
+            raise UserError(f"powersgd: shapes {shapes} do not add up to the tensor's {numel} elements")
+        mats, off = [], 0
+        for s in shapes:
+            n = math.prod(s)
+            if len(s) >= 2 and n:
+                a, b = s[0], n // s[0]
+                r = min(self.rank, a, b)
+                if (a + b) * r < a * b:
+                    mats.append((off, a, b, r))
+            off += n
+        return mats
+
+    def exchange(self, transport, tensor, key, step, shapes=None):
+        x = tensor.reshape(-1).float()
+        mats = self._layout(x.numel(), tensor.shape, shapes)
+        dense_mask = torch.ones(x.numel(), dtype=torch.bool)
+        ps, qs = [], []
+        for off, a, b, r in mats:
+            dense_mask[off:off + a * b] = False
+            q = self.q.get((key, off, a, b, r)) if self.warm_start else None
+            if q is None:
+                q = torch.randn(b, r, generator=generator(self.seed, "powersgd", key, off, 0 if self.warm_start
+                                                          else step))
+            qs.append(q)
+            ps.append(x[off:off + a * b].view(a, b) @ q)
+        dense = x[dense_mask]
+        buf = torch.cat([p.reshape(-1) for p in ps] + [dense])
+        first = transport.all_reduce(buf, op="sum", async_op=True)
+        n = transport.world_size
+
+        def finish(summed):
+            total = torch.empty_like(x)
+            local = torch.empty_like(x)
+            total[dense_mask] = summed[summed.numel() - dense.numel():]
+            local[dense_mask] = dense
+            hats, q_local, o = [], [], 0
+            for off, a, b, r in mats:
+                p_hat = orthogonalize(summed[o:o + a * r].view(a, r).clone())
+                o += a * r
+                hats.append(p_hat)
+                q_local.append(x[off:off + a * b].view(a, b).t() @ p_hat)
+            if mats:
+                qbuf = torch.cat([q.reshape(-1) for q in q_local])
+                transport.all_reduce(qbuf, op="sum")
+                o = 0
+                for (off, a, b, r), p_hat, ql in zip(mats, hats, q_local):
+                    q_sum = qbuf[o:o + b * r].view(b, r)
+                    o += b * r
+                    total[off:off + a * b] = (p_hat @ q_sum.t()).reshape(-1)
+                    local[off:off + a * b] = (p_hat @ ql.t()).reshape(-1)
+                    self.q[(key, off, a, b, r)] = q_sum / n       # warm start from the mean Q
+            return total.to(tensor.dtype).view(tensor.shape), local.to(tensor.dtype).view(tensor.shape)
+        return _PowerHandle(first, finish)
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        """One rank's own low-rank payload [P̂, Q] (or [tensor] when not compressible): the single-process
+        form, for benchmarks and tests; across ranks the exchange runs `exchange` (two all-reduces)."""
+        mats = self._layout(tensor.numel(), tensor.shape, None)
+        if not mats:
+            return Payload([tensor.reshape(-1)], ctx=(tensor.shape, tensor.dtype, None))
+        _, a, b, r = mats[0]
+        m = tensor.reshape(a, b).float()
+        q = self.q.get((key, 0, a, b, r)) if self.warm_start else None
+        if q is None:
+            q = torch.randn(b, r, generator=generator(self.seed, "powersgd", key, 0, 0 if self.warm_start
+                                                      else step))
+        p_hat = orthogonalize(m @ q)
+        q = m.t() @ p_hat
+        if self.warm_start:
+            self.q[(key, 0, a, b, r)] = q
+        return Payload([p_hat, q], ctx=(tensor.shape, tensor.dtype, (a, b, r)))
+
+    def decompress(self, payload):
+        shape, dtype, dims = payload.ctx
+        if dims is None:
+            return payload.tensors[0].to(dtype).view(shape)
+        a, b, r = dims
+        p_hat, q = (t.reshape(-1) for t in payload.tensors)
+        return (p_hat.view(a, r) @ q.view(b, r).t()).to(dtype).view(shape)
+
+    def nominal_bits(self, numel):
+        side = max(1, math.isqrt(numel))
+        return min(32.0, 32.0 * 2 * side * self.rank / max(1, numel))
+
+    def state_dict(self):
+        return {"q": dict(self.q)}
+
+    def load_state_dict(self, state):
+        self.q = dict(state.get("q", {}))
+
+
+@memories.register("powersgd")
+class PowerSGDMemory(Memory):
+    """PowerSGD's error feedback: M = G + e is compressed; e ← M − (this rank's low-rank contribution)."""
+
+    def __init__(self):
+        self.e: dict = {}
+
+    def compensate(self, tensor, key):
+        e = self.e.get(key)
+        if e is None or e.shape != tensor.shape or e.dtype != tensor.dtype:
+            return tensor
+        return tensor + e
+
+    def update(self, tensor, key, sent):
+        self.e[key] = tensor - sent
+
+    def state_dict(self):
+        return {"e": dict(self.e)}
+
+    def load_state_dict(self, state):
+        self.e = dict(state.get("e", {}))

@@ -1,0 +1,90 @@
+"""`qsparse`: top-k, then QSGD of the kept values, scaled down (Qsparse-local-SGD, Basu et al. 2019; seed 002 §6):
+
+    QsTop_k(x) = Q_s(Top_k(x)) / (1 + β_{k,s}),  β_{k,s} = min(k/s², √k/s)        (catalog 3.13 [O])
+
+Q_s is QSGD with s levels on the k values v: ‖v‖₂ · sign(v_i) · ξ_i/s, ξ_i = ⌊s|v_i|/‖v‖₂⌋ + Bernoulli(frac)
+(unbiased stochastic rounding, local randomness). Payload: indices, one fp32 norm, and the signed level
+(in [−s, s]) as ⌈log2(2s+1)⌉ bits per kept value.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import UserError
+from . import compressors
+from ._sparse import (SparseCompressor, check_ratio, generator, index_dtype, local_generator, num_kept,
+                      pack_codes, topk_indices, unpack_codes)
+from .base import Payload
+
+
+def qsgd_levels(v: torch.Tensor, s: int, gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """QSGD's signed levels in [−s, s] of `v` (float) and its L2 norm (stochastic rounding, unbiased)."""
+    norm = v.norm()
+    if norm == 0:
+        return torch.zeros(v.numel(), dtype=torch.int64), norm.reshape(1)
+    scaled = v.abs() / norm * s
+    low = scaled.floor()
+    up = torch.rand(v.numel(), generator=gen) < (scaled - low)
+    levels = (low + up.float()).to(torch.int64) * torch.where(v < 0, -1, 1)
+    return levels, norm.reshape(1)
+
+
+@compressors.register("qsparse")
+class QSparse(SparseCompressor):
+    """Top-k then QSGD of the values (s levels), scaled by 1/(1+β_{k,s}) as in Qsparse-local-SGD."""
+
+    fixed_size = True
+
+    def __init__(self, ratio: float = 0.01, levels: int = 7, seed: int = 0):
+        self.ratio = check_ratio(ratio)
+        if not isinstance(levels, int) or levels < 1:
+            raise UserError(f"levels must be an integer >= 1, got {levels}")
+        self.levels = levels
+        self.bits = math.ceil(math.log2(2 * levels + 1))
+        self.seed = seed
+        self._gen = None   # local randomness for the rounding, seeded by (seed, rank) on first use
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        d = flat.numel()
+        k = num_kept(self.ratio, d)
+        idx = topk_indices(flat, k, generator(self.seed, key, step))
+        if self._gen is None:
+            self._gen = local_generator(self.seed)
+        levels, norm = qsgd_levels(flat[idx].float(), self.levels, self._gen)
+        codes = pack_codes(levels + self.levels, self.bits)
+        return Payload([idx.to(index_dtype(d)), codes, norm.float()], ctx=(tensor.shape, tensor.dtype, d))
+
+    def _contribution(self, tensors):
+        idx, codes, norm = tensors
+        idx = idx.reshape(-1).long()
+        k = idx.numel()
+        s = self.levels
+        levels = unpack_codes(codes.reshape(-1), k, self.bits) - s
+        beta = min(k / s ** 2, math.sqrt(k) / s)
+        return idx, levels.float() * (norm.reshape(-1)[0] / s / (1 + beta))
+
+    def decompress(self, payload):
+        shape, dtype, d = payload.ctx
+        idx, vals = self._contribution(payload.tensors)
+        return torch.zeros(d).index_add_(0, idx, vals).to(dtype).view(shape)
+
+    def aggregate(self, payloads):
+        shape, dtype, d = payloads[0].ctx
+        parts = [self._contribution(p.tensors) for p in payloads]
+        out = torch.zeros(d)
+        out.index_add_(0, torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
+        return out.to(dtype).view(shape)
+
+    def nominal_bits(self, numel):
+        return self.sparse_bits(num_kept(self.ratio, numel), numel, value_bits=self.bits) + 32.0 / max(1, numel)
+
+    def state_dict(self):
+        return {"rng": self._gen.get_state()} if self._gen is not None else {}
+
+    def load_state_dict(self, state):
+        if "rng" in state:
+            self._gen = self._gen or local_generator(self.seed)
+            self._gen.set_state(state["rng"])

@@ -1,0 +1,69 @@
+"""`randomk`: k coordinates drawn uniformly without replacement (Stich, Cordonnier, Jaggi 2018; seed 002 §4.2).
+
+Every rank draws the SAME indices, from a seed derived from (seed, key, step), so only the k values travel and
+they are summed by all-reduce (catalog 3.2 AR*). `scale=True`: C(g)_i = (d/k) g_i 1[i ∈ Ω], unbiased with
+E‖C(g) − g‖² = (d/k − 1)‖g‖²; `scale=False`: g ⊙ 1_Ω, biased, E‖C(g) − g‖² = (1 − k/d)‖g‖², the form to use
+with error feedback (scaling inside EF is unstable, catalog 10.5).
+
+Drawing k of d without a full permutation: draw a few more than k with replacement, keep the distinct ones and
+a random k of those. By symmetry over [d] the result is a uniform k-subset; it costs O(k log k), not O(d).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import compressors
+from ._sparse import check_ratio, generator, num_kept
+from .base import Compressor, Payload
+
+
+def sample_without_replacement(d: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    if k >= d or k > d // 4:
+        return torch.randperm(d, generator=gen)[:k]
+    m = k + 2 * k * k // d + 16
+    while True:
+        distinct = torch.unique(torch.randint(d, (m,), generator=gen))
+        if distinct.numel() >= k:
+            return distinct[torch.randperm(distinct.numel(), generator=gen)[:k]]
+        m = int(m * 1.5) + 16
+
+
+@compressors.register("randomk")
+class RandomK(Compressor):
+    """Random-k with indices shared by seed: only k values travel, summed by all-reduce; scale=d/k if unbiased."""
+
+    linear = True
+    randomness = "shared"
+    aggregation = "allreduce"
+    fixed_size = True
+
+    def __init__(self, ratio: float = 0.01, scale: bool = True, seed: int = 0):
+        self.ratio = check_ratio(ratio)
+        self.scale = bool(scale)
+        self.unbiased = self.scale
+        self.seed = seed
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        d = flat.numel()
+        k = num_kept(self.ratio, d)
+        idx = sample_without_replacement(d, k, generator(self.seed, key, step))
+        return Payload([flat[idx]], ctx=(tensor.shape, tensor.dtype, d, idx))
+
+    def decompress(self, payload):
+        shape, dtype, d, idx = payload.ctx
+        vals = payload.tensors[0].reshape(-1).to(dtype)
+        if self.scale and idx.numel():
+            vals = vals * (d / idx.numel())
+        out = torch.zeros(d, dtype=dtype)
+        out[idx] = vals
+        return out.view(shape)
+
+    def aggregate(self, payloads):
+        total = payloads[0].tensors[0].reshape(-1).clone()
+        for p in payloads[1:]:
+            total += p.tensors[0].reshape(-1)
+        return self.decompress(Payload([total], payloads[0].ctx))
+
+    def nominal_bits(self, numel):
+        return 32.0 * num_kept(self.ratio, numel) / max(1, numel)

@@ -1,0 +1,103 @@
+"""Cheap randomness for stochastic rounding, and the rounding itself.
+
+`torch.rand` costs about 20 memcpys per element here (FACTS.md), more than a whole quantizer may. Unbiased
+rounding only needs each element's uniform to be uniform (E[floor(y + u)] = y for u ~ U[0, 1)), and variance bounds
+only need pairwise independence. So the n uniforms are laid out as an R x C table u_ij = frac(a_i + b_j) from
+R + C ~ 2 sqrt(n) true uniforms: each u_ij is exactly U[0, 1) and any two cells are independent (pairwise, not
+jointly). One broadcast add and one `frac` per call, into a scratch buffer reused across calls.
+Local randomness (per rank) comes from a generator seeded with (seed, rank); shared randomness from (seed, step, key).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+_COLS = 4096
+
+
+def rank() -> int:
+    """This process's rank in the default process group (0 when there is none)."""
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def shared_seed(seed: int, step: int, key) -> int:
+    """A seed every rank derives identically from (seed, step, key)."""
+    return zlib.crc32(repr((seed, step, key)).encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+
+
+class Uniforms:
+    """Pairwise-independent U[0, 1) numbers in bulk, from a generator seeded with (seed, rank) on first use."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._gen: torch.Generator | None = None
+        self._buf = torch.empty(0)
+        self._ibuf = torch.empty(0, dtype=torch.int32)
+
+    def generator(self) -> torch.Generator:
+        if self._gen is None:
+            self._gen = torch.Generator().manual_seed(shared_seed(self.seed, -1, ("local", rank())))
+        return self._gen
+
+    def __call__(self, numel: int) -> torch.Tensor:
+        """`numel` uniforms (a view of an internal buffer, valid until the next call)."""
+        cols = min(_COLS, max(numel, 1))
+        rows = math.ceil(numel / cols) if numel else 0
+        if self._buf.numel() < rows * cols:
+            self._buf = torch.empty(rows * cols)
+        table = self._buf[: rows * cols].view(rows, cols)
+        gen = self.generator()
+        a = torch.rand(rows, 1, generator=gen)
+        b = torch.rand(1, cols, generator=gen)
+        torch.add(a, b, out=table)
+        table.frac_()
+        return table.view(-1)[:numel]
+
+    def mantissas(self, numel: int) -> torch.Tensor:
+        """`numel` pairwise-independent integers uniform on [0, 2**23) as int32: (A_i + B_j) mod 2**23 over an
+        R x C table (a view of an internal buffer, valid until the next call)."""
+        cols = min(_COLS, max(numel, 1))
+        rows = math.ceil(numel / cols) if numel else 0
+        if self._ibuf.numel() < rows * cols:
+            self._ibuf = torch.empty(rows * cols, dtype=torch.int32)
+        table = self._ibuf[: rows * cols].view(rows, cols)
+        gen = self.generator()
+        a = torch.randint(0, 1 << 23, (rows, 1), generator=gen, dtype=torch.int32)
+        b = torch.randint(0, 1 << 23, (1, cols), generator=gen, dtype=torch.int32)
+        torch.add(a, b, out=table)
+        table.bitwise_and_((1 << 23) - 1)
+        return table.view(-1)[:numel]
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "gen": None if self._gen is None else self._gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed = state["seed"]
+        if state.get("gen") is not None:
+            self.generator().set_state(state["gen"])
+
+
+def stochastic_codes(x: torch.Tensor, inv_scale: torch.Tensor | float, levels: int, uniforms: Uniforms,
+                     bucket: int | None = None, clip: bool = False) -> torch.Tensor:
+    """uint8 codes in [0, 2*levels] of s = floor(x * inv_scale + u) + levels, the unbiased rounding of x * inv_scale
+    to the integers -levels..levels (seed 002 §5.2.1: QSGD's xi(g, s) and TernGrad's Bernoulli are both this rounding).
+    `inv_scale` is a scalar or one value per bucket of `bucket` elements (the last bucket may be shorter).
+    `clip`: values of |x * inv_scale| may exceed `levels` and are clipped to it (TernGrad's clipping); without it
+    they must not (QSGD: |x| <= norm), and only float round-off is guarded against, on the bytes."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    w = uniforms(n)
+    if bucket is None or not torch.is_tensor(inv_scale) or inv_scale.numel() == 1:
+        w.add_(flat, alpha=float(inv_scale))
+    else:
+        full = (n // bucket) * bucket
+        w[:full].view(-1, bucket).addcmul_(flat[:full].view(-1, bucket), inv_scale[: n // bucket].view(-1, 1))
+        if full < n:
+            w[full:].add_(flat[full:], alpha=float(inv_scale[-1]))
+    w.add_(levels)                 # x*inv + u + levels in [0, 2 levels + 1): truncation to uint8 is floor
+    if clip:
+        return w.clamp_(0, 2 * levels).to(torch.uint8)
+    return w.to(torch.uint8).clamp_(max=2 * levels)   # (-1, 0) truncates to 0; round-off may reach 2 levels + 1

@@ -1,0 +1,47 @@
+"""`signsgd`: one bit per element, the sign (seed 002 §5.1, SignSGD [56,57]: C(g) = 1[g >= 0], D(b) = 2b - 1),
+combined across ranks by majority vote. Zero counts as positive (ties go to +1, as in GRACE)."""
+from __future__ import annotations
+
+import torch
+
+from . import compressors
+from .base import Compressor, Payload
+from .bitpack import pack, unpack
+from .finite import check_tensor
+
+
+def sign_bits(flat: torch.Tensor) -> torch.Tensor:
+    """The packed bits 1[x >= 0], one per element."""
+    return pack(torch.ge(flat, 0).view(torch.uint8), 1, inplace=True)
+
+
+def signs(bits: torch.Tensor, numel: int, scale: float = 1.0) -> torch.Tensor:
+    """fp32 tensor of scale * (2b - 1) from packed bits (one `where` over the 0/1 bytes seen as bools)."""
+    return two_values(bits, numel, -scale, scale)
+
+
+def two_values(bits: torch.Tensor, numel: int, zero: float, one: float) -> torch.Tensor:
+    """fp32 tensor holding `one` where the packed bit is 1 and `zero` where it is 0."""
+    return torch.where(unpack(bits, 1, numel).view(torch.bool), torch.tensor(one), torch.tensor(zero))
+
+
+@compressors.register("signsgd")
+class SignSGD(Compressor):
+    """Packed sign bits; the exchange takes the element-wise majority vote; `decompress` gives +-1."""
+
+    unbiased = False
+    linear = False
+    randomness = "none"
+    aggregation = "majority"
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        check_tensor(flat, self.name, key)
+        return Payload([sign_bits(flat)], ctx=(tensor.shape, tensor.dtype, flat.numel()))
+
+    def decompress(self, payload):
+        shape, dtype, n = payload.ctx
+        return signs(payload.tensors[0], n).to(dtype).view(shape)
+
+    def nominal_bits(self, numel):
+        return 1.0

@@ -1,0 +1,54 @@
+"""`stc`: Sparse Ternary Compression (Sattler et al.): top-k, then every kept value becomes μ·sign(g_i) with
+one mean μ = mean_{i∈top-k} |g_i| for the tensor (seed 002 §6, the ternary form of SBC's binarisation).
+
+Payload: indices, 1 bit per kept sign, one fp32 μ. Biased: use `--memory residual`.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import compressors
+from ._sparse import (SparseCompressor, check_ratio, generator, index_dtype, num_kept, pack_codes, topk_indices,
+                      unpack_codes)
+from .base import Payload
+
+
+@compressors.register("stc")
+class STC(SparseCompressor):
+    """Sparse ternary compression: top-k positions, values μ·sign with one shared mean magnitude μ."""
+
+    fixed_size = True
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0):
+        self.ratio = check_ratio(ratio)
+        self.seed = seed
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        d = flat.numel()
+        idx = topk_indices(flat, num_kept(self.ratio, d), generator(self.seed, key, step))
+        vals = flat[idx].float()
+        mu = vals.abs().mean().reshape(1)
+        signs = pack_codes((vals >= 0).to(torch.int64), 1)
+        return Payload([idx.to(index_dtype(d)), signs, mu], ctx=(tensor.shape, tensor.dtype, d))
+
+    def _contribution(self, tensors):
+        idx, signs, mu = tensors
+        idx = idx.reshape(-1).long()
+        pos = unpack_codes(signs.reshape(-1), idx.numel(), 1)
+        return idx, (pos.float() * 2 - 1) * mu.reshape(-1)[0]
+
+    def decompress(self, payload):
+        shape, dtype, d = payload.ctx
+        idx, vals = self._contribution(payload.tensors)
+        return torch.zeros(d).index_add_(0, idx, vals).to(dtype).view(shape)
+
+    def aggregate(self, payloads):
+        shape, dtype, d = payloads[0].ctx
+        parts = [self._contribution(p.tensors) for p in payloads]
+        out = torch.zeros(d)
+        out.index_add_(0, torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
+        return out.to(dtype).view(shape)
+
+    def nominal_bits(self, numel):
+        return self.sparse_bits(num_kept(self.ratio, numel), numel, value_bits=1.0) + 32.0 / max(1, numel)

@@ -1,0 +1,81 @@
+"""`terngrad`: TernGrad (seed 002 §5.2.1, [63]): C(g_i) = s sign(g_i) b_i, b_i ~ Bernoulli(|g_i| / s), after clipping
+g to +-c sigma (c = 2.5, sigma the tensor's standard deviation), so s = min(max|g|, c sigma). Ternary values travel
+as 2-bit codes (4 per byte) plus one fp32 scale per tensor.
+
+"allreduce" (default, "scaler sharing"): the ranks agree on the max of their scales, and the ternary values are
+summed in an integer type wide enough for world_size of them (that type crosses the wire). "allgather": each rank
+sends its packed codes and its own scale.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from . import compressors
+from .base import Compressor, Payload
+from .bitpack import pack, unpack
+from .finite import check_scale
+from .int8 import widen
+from .rounding import Uniforms, stochastic_codes
+
+
+@compressors.register("terngrad")
+class TernGrad(Compressor):
+    unbiased = True           # unbiased for the clipped gradient (clip=0 disables clipping)
+    linear = True
+    randomness = "local"
+    aggregation = "allreduce"
+
+    def __init__(self, clip: float = 2.5, aggregation: str = "allreduce", seed: int = 0):
+        if clip < 0:
+            raise UserError(f"terngrad: clip (in standard deviations, 0 for none) must be >= 0, got {clip}")
+        if aggregation not in ("allreduce", "allgather"):
+            raise UserError(f"terngrad: aggregation must be one of allreduce, allgather; got {aggregation!r}")
+        self.clip, self.aggregation = float(clip), aggregation
+        self.uniforms = Uniforms(seed)
+
+    def _scale(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.numel() == 0:
+            return torch.zeros(1)
+        lo, hi = torch.aminmax(flat)
+        scale = torch.maximum(-lo, hi).float()
+        if self.clip > 0 and flat.numel() > 1:
+            scale = torch.minimum(scale, self.clip * torch.std(flat.float() if flat.dtype != torch.float32
+                                                               else flat))
+        return scale.reshape(1)
+
+    def agree(self, tensor, key=None, step=0):
+        return self._scale(tensor.reshape(-1))
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        scale = self._scale(flat) if agreed is None else agreed.float().reshape(1)
+        check_scale(scale, self.name, key)
+        s = float(scale)
+        codes = stochastic_codes(flat, 1.0 / s if s > 0 else 0.0, 1, self.uniforms, clip=True)
+        packed = pack(codes, 2, inplace=True)
+        ctx = {"shape": tensor.shape, "dtype": tensor.dtype, "numel": flat.numel(), "scale": s, "summed": False}
+        return Payload([packed] if agreed is not None else [packed, scale], ctx=ctx)
+
+    def sum_payload(self, payload, world_size):
+        ctx = dict(payload.ctx, summed=True)
+        codes = unpack(payload.tensors[0], 2, ctx["numel"])
+        return Payload([widen(codes, max(2, world_size)).sub_(1)], ctx=ctx)
+
+    def decompress(self, payload):
+        ctx = payload.ctx
+        s = float(payload.tensors[1]) if len(payload.tensors) > 1 else ctx["scale"]
+        if ctx["summed"]:
+            out = payload.tensors[0].to(torch.float32).mul_(s)
+        else:
+            out = unpack(payload.tensors[0], 2, ctx["numel"]).mul(s).sub_(s)        # (code - 1) s
+        return out.to(ctx["dtype"]).view(ctx["shape"])
+
+    def nominal_bits(self, numel):
+        return 2.0 + 32.0 / max(numel, 1)
+
+    def state_dict(self):
+        return {"uniforms": self.uniforms.state_dict()}
+
+    def load_state_dict(self, state):
+        self.uniforms.load_state_dict(state["uniforms"])

@@ -1,0 +1,62 @@
+"""`threshold2bit`: MXNet's 2-bit threshold quantizer, the compressor of BIT-SGD and CD-SGD (seed 001 §2.3, §3.4.1).
+
+Each element becomes +α where it is ≥ α, −α where it is ≤ −α, and 0 otherwise; with the `residual` memory the
+dropped part (x − Q(x)) is carried to the next step, so small gradients accumulate until they cross ±α. The
+codes (0 → 0, 1 → +α, 2 → −α) are packed four per byte: 2 bits per element on the wire, no scale (α is a
+parameter every rank knows).
+
+Algebra: biased, not linear. Two ranks' packed codes cannot be added byte-wise (1 + 2 = 3 is no code), and
+summing them in a wider type would be unpacking before the wire; so the payloads are all-gathered and each
+rank sums the decoded contributions (`aggregate`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from . import compressors
+from .base import Compressor, Payload
+from .bitpack import pack, unpack
+
+@compressors.register("threshold2bit")
+class Threshold2Bit(Compressor):
+    """2-bit threshold quantizer (MXNet, seed 001): ±threshold where |x| ≥ threshold, else 0; 2 bits per element."""
+
+    unbiased = False
+    linear = False
+    randomness = "none"
+    aggregation = "allgather"
+    fixed_size = True
+
+    def __init__(self, threshold: float = 0.5):
+        if not (isinstance(threshold, (int, float)) and threshold > 0):
+            raise UserError(f"threshold2bit: threshold must be a number > 0, got {threshold!r}")
+        self.threshold = float(threshold)
+
+    def codes(self, tensor: torch.Tensor) -> torch.Tensor:
+        flat = tensor.reshape(-1)
+        a = self.threshold
+        return (flat >= a).to(torch.uint8) | ((flat <= -a).to(torch.uint8) << 1)   # seed 001 §3.4.1
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        return Payload([pack(self.codes(tensor), 2)], ctx=(tensor.shape, tensor.dtype, tensor.numel()))
+
+    def _signs(self, payload: Payload) -> torch.Tensor:
+        """+1 / −1 / 0 per element, in int8."""
+        codes = unpack(payload.tensors[0], 2, payload.ctx[2])
+        return (codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)
+
+    def decompress(self, payload):
+        shape, dtype, _ = payload.ctx
+        return (self._signs(payload).to(dtype) * self.threshold).view(shape)
+
+    def aggregate(self, payloads):
+        """Σ_ranks Q(x_r): count the signs in int32, multiply by α once."""
+        shape, dtype, _ = payloads[0].ctx
+        count = torch.zeros(payloads[0].ctx[2], dtype=torch.int32)
+        for p in payloads:
+            count += self._signs(p)
+        return (count.to(dtype) * self.threshold).view(shape)
+
+    def nominal_bits(self, numel):
+        return 2.0

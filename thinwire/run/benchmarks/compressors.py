@@ -1,0 +1,104 @@
+"""`thinwire bench compressors`: every registered compressor's compress and decompress time on N fp32 elements,
+against one memcpy of the same input measured in the same run, with its payload size (bits per element, actual
+and nominal). Times are medians of `--repeat` runs after one warm-up; the input is a (N/1024, 1024) matrix when
+1024 divides N (PowerSGD compresses matrices), else a vector. Each compressor goes through the common interface
+only: `compress(x, key, step)` then `decompress(payload)`; a compressor that fails is reported with its error.
+
+    thinwire bench compressors [--numel 16777216] [--json] [--only qsgd,terngrad] [--repeat 5]
+
+memcpy is `dst.copy_(x)` into a preallocated tensor (the fastest copy; compressors allocate their outputs, which
+costs page faults here: set THP_MEM_ALLOC_ENABLE=1 to let PyTorch use huge pages for large tensors).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+from ...errors import UserError
+
+
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0) -> dict:
+    import torch
+    from ...compress import compressors
+    gen = torch.Generator().manual_seed(seed)
+    shape = (numel // 1024, 1024) if numel >= 1024 and numel % 1024 == 0 else (numel,)
+    x = torch.randn(shape, generator=gen)
+    dst = torch.empty_like(x)
+    dst.copy_(x)
+    copies = []
+    for _ in range(max(repeat, 3)):
+        t0 = time.perf_counter()
+        dst.copy_(x)
+        copies.append(time.perf_counter() - t0)
+    del dst
+    memcpy_ms = _median_ms(copies)
+    rows = []
+    for name in names:
+        row = {"name": name}
+        try:
+            comp = compressors.get(name)
+            payload = comp.compress(x, key="bench", step=0)
+            comp.decompress(payload)
+            tc, td = [], []
+            for step in range(1, repeat + 1):
+                del payload
+                t0 = time.perf_counter()
+                payload = comp.compress(x, key="bench", step=step)
+                t1 = time.perf_counter()
+                out = comp.decompress(payload)
+                t2 = time.perf_counter()
+                del out
+                tc.append(t1 - t0)
+                td.append(t2 - t1)
+            row.update(compress_ms=_median_ms(tc), decompress_ms=_median_ms(td))
+            row["x_memcpy"] = (row["compress_ms"] + row["decompress_ms"]) / memcpy_ms
+            row["payload_bytes"] = int(payload.nbytes)
+            row["bits_per_element"] = payload.nbytes * 8.0 / max(numel, 1)
+            row["nominal_bits_per_element"] = float(comp.nominal_bits(numel))
+            del payload
+        except Exception as exc:          # report and go on: one broken compressor must not hide the others
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+    return {"numel": numel, "memcpy_ms": memcpy_ms, "compressors": rows}
+
+
+def _table(result: dict) -> str:
+    lines = [f"numel {result['numel']}, memcpy {result['memcpy_ms']:.2f} ms (medians)",
+             f"{'compressor':<14}{'compress ms':>12}{'decomp. ms':>12}{'x memcpy':>10}{'payload B':>12}"
+             f"{'bits/el':>9}{'nominal':>9}"]
+    for r in result["compressors"]:
+        if "error" in r:
+            lines.append(f"{r['name']:<14}error: {r['error']}")
+            continue
+        lines.append(f"{r['name']:<14}{r['compress_ms']:>12.2f}{r['decompress_ms']:>12.2f}{r['x_memcpy']:>10.2f}"
+                     f"{r['payload_bytes']:>12d}{r['bits_per_element']:>9.4f}{r['nominal_bits_per_element']:>9.4f}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from ...compress import compressors
+    names = compressors.names()
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        for n in names:
+            compressors.lookup(n)
+    if args.numel < 0 or args.repeat < 1:
+        raise UserError("--numel must be >= 0 and --repeat >= 1")
+    result = bench(args.numel, names, args.repeat, args.seed)
+    print(json.dumps(result, indent=1) if args.json else _table(result))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compressors", help="compress/decompress time vs memcpy, payload bits vs nominal")
+    p.add_argument("--numel", type=int, default=1 << 24, help="fp32 elements (default 2^24)")
+    p.add_argument("--only", help="comma-separated compressor names (default: every registered one)")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs per compressor (the median is reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)

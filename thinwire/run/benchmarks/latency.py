@@ -1,0 +1,156 @@
+"""`thinwire bench latency`: scalability and accuracy of algorithms across one-way latencies (seed 004 Fig. 3).
+
+For each algorithm and each latency (a `custom:` network at a fixed bandwidth) it trains the workload for a
+fixed number of steps and reports throughput / throughput of the same workers with `local` (no communication,
+the limit of this machine) and the final accuracy. Runs whose synchronous α-β lower bound would take longer
+than `--budget-s` are shortened (never below `--min-steps`); the table says how many steps each run took.
+
+    thinwire bench latency --workload wide-mlp --latencies 0,25,50,100,250,500 --bandwidth 1gbit \
+        --algorithms bsp delayed:delay=4 tsparse:period=20 dts:delay=4,period=20 --out docs/benchmarks
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ...errors import UserError
+from ...net import parse_network, ring_allreduce
+
+
+def _spec(text: str) -> tuple[str, dict]:
+    """`name` or `name:key=value,key=value`."""
+    name, _, rest = text.partition(":")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        if "=" not in item:
+            raise UserError(f"malformed algorithm spec {text!r}; e.g. dts:delay=4,period=20")
+        k, v = item.split("=", 1)
+        params[k.strip()] = v.strip()
+    return name, params
+
+
+def _label(name: str, params: dict) -> str:
+    return name if not params else f"{name}(" + ",".join(f"{k}={v}" for k, v in params.items()) + ")"
+
+
+def run(args) -> int:
+    from ...algorithms import registry
+    from ..launcher import Pool
+    from ..train import TrainConfig, run_training
+    from ..workloads import get as get_workload
+    specs = [_spec(a) for a in args.algorithms]
+    for name, _ in specs:
+        registry.lookup(name)
+    latencies = [float(x) for x in args.latencies.split(",")]
+    wl = get_workload(args.workload)
+    n_params = wl.num_params()
+    rows = []
+
+    def cfg_for(name, params, network, steps):
+        return TrainConfig(workload=args.workload, algorithm=name, workers=args.workers, network=network,
+                           steps=steps, batch_size=args.batch_size, seed=args.seed, params=dict(params),
+                           compressor=args.compressor if name not in ("local",) else None,
+                           eval_every=steps, progress=False)
+
+    with Pool(args.workers) as pool:
+        base = []
+        for _ in range(args.baseline_runs):
+            s = run_training(cfg_for("local", {}, "lan", args.steps), pool=pool)
+            base.append(s["throughput_samples_s"])
+            print(f"local: {s['throughput_samples_s']:.1f} samples/s (step {s['step_time_s'] * 1e3:.1f} ms)",
+                  flush=True)
+        local = sum(base) / len(base)
+        for name, params in specs:
+            for lat in latencies:
+                network = f"custom:bandwidth={args.bandwidth},latency={lat:g}ms" + \
+                          (f",jitter={args.jitter}" if args.jitter else "")
+                link = parse_network(network)
+                bound = ring_allreduce(link, args.workers, n_params * 4).time
+                steps = args.steps
+                if name == "bsp" and bound * steps > args.budget_s:
+                    steps = max(args.min_steps, int(args.budget_s / bound))
+                s = run_training(cfg_for(name, params, network, steps), pool=pool)
+                row = {"algorithm": _label(name, params), "latency_ms": lat, "steps": steps,
+                       "throughput": s["throughput_samples_s"], "scalability": s["throughput_samples_s"] / local,
+                       "accuracy": s.get("final_accuracy"), "loss": s.get("final_loss"),
+                       "step_ms": s["step_time_s"] * 1e3, "exposed_comm_s": s["exposed_comm_s"],
+                       "emulated_comm_s": s["emulated_comm_s"],
+                       "bytes_per_step": s["bytes_sent_per_worker_per_step"],
+                       "max_in_flight": s["algorithm_metrics"].get("max_in_flight")}
+                rows.append(row)
+                print(f"{row['algorithm']:<24} {lat:6g} ms  steps {steps:4d}  scal {row['scalability']:.3f}  "
+                      f"acc {row['accuracy']}  step {row['step_ms']:.1f} ms  exposed {row['exposed_comm_s']:.2f} s",
+                      flush=True)
+    result = {"workload": args.workload, "workers": args.workers, "bandwidth": args.bandwidth,
+              "batch_size": args.batch_size or wl.batch_size, "steps": args.steps, "compressor": args.compressor,
+              "local_throughput": local, "local_runs": base, "rows": rows}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, f"latency_{args.workload}")
+        with open(stem + ".json", "w") as f:
+            json.dump(result, f, indent=2)
+        _plot(result, stem + ".png")
+        print(f"written to {stem}.json, {stem}.png")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    lats = sorted({r["latency_ms"] for r in result["rows"]})
+    algs = list(dict.fromkeys(r["algorithm"] for r in result["rows"]))
+    cell = {(r["algorithm"], r["latency_ms"]): r for r in result["rows"]}
+    head = "| algorithm | " + " | ".join(f"{x:g} ms" for x in lats) + " | final accuracy |"
+    lines = [head, "|" + " --- |" * (len(lats) + 2)]
+    for a in algs:
+        accs = [cell[(a, x)]["accuracy"] for x in lats if (a, x) in cell and cell[(a, x)]["accuracy"] is not None]
+        acc = f"{min(accs):.4f}–{max(accs):.4f}" if accs and min(accs) != max(accs) else (f"{accs[0]:.4f}" if accs else "")
+        lines.append(f"| {a} | " + " | ".join(f"{cell[(a, x)]['scalability']:.3f}" if (a, x) in cell else ""
+                                             for x in lats) + f" | {acc} |")
+    return "\n".join(lines)
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for a in dict.fromkeys(r["algorithm"] for r in result["rows"]):
+        pts = sorted((r["latency_ms"], r["scalability"]) for r in result["rows"] if r["algorithm"] == a)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=a)
+    ax.set_xscale("symlog", linthresh=25)
+    ax.set_xlabel("one-way latency (ms)")
+    ax.set_ylabel("scalability (throughput / no-communication throughput)")
+    ax.set_ylim(0, 1.1)
+    ax.axhline(0.7, color="grey", lw=0.8, ls=":")
+    ax.set_title(f"{result['workload']}, {result['workers']} workers, {result['bandwidth']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("latency", help="scalability and accuracy vs one-way latency (seed 004 Fig. 3)")
+    p.add_argument("--workload", default="wide-mlp")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidth", default="1gbit", help="fixed bandwidth of every custom: network")
+    p.add_argument("--jitter", default="", help="jitter of every network, e.g. 20ms")
+    p.add_argument("--latencies", default="0,25,50,100,250,500", help="one-way latencies in ms")
+    p.add_argument("--algorithms", nargs="+", default=["bsp", "delayed:delay=4", "delayed:delay=20",
+                                                       "tsparse:period=4", "tsparse:period=20",
+                                                       "dts:delay=4,period=20"],
+                   help="name or name:key=value,key=value")
+    p.add_argument("--compressor", help="compressor for the algorithms that take one")
+    p.add_argument("--baseline-runs", type=int, default=2, help="runs of `local` averaged for the baseline")
+    p.add_argument("--budget-s", type=float, default=90.0, help="shorten bsp runs predicted longer than this")
+    p.add_argument("--min-steps", type=int, default=20)
+    p.add_argument("--out", help="directory for latency_<workload>.json and .png")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)

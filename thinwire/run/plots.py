@@ -1,0 +1,126 @@
+"""PNG plots of a `thinwire compare` matrix: accuracy vs training time, accuracy vs bytes sent, and (several
+networks) time to target vs network. thinwire's contestants are solid lines, PyTorch peers dashed."""
+from __future__ import annotations
+
+import os
+
+
+def _style(results: dict) -> dict:
+    import matplotlib.pyplot as plt
+    labels = []
+    for r in results["cells"]:
+        if r["label"] not in labels:
+            labels.append(r["label"])
+    cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
+    peers = {r["label"] for r in results["cells"] if r.get("peer")}
+    return {lab: {"color": cmap(i % cmap.N), "ls": "--" if lab in peers else "-",
+                  "marker": "s" if lab in peers else "o"} for i, lab in enumerate(labels)}
+
+
+def _grid(n: int):
+    import matplotlib.pyplot as plt
+    cols = min(n, 3)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 4.6 * rows + 1.2), squeeze=False)
+    return fig, [a for row in axes for a in row]
+
+
+def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log_x: bool) -> str:
+    import matplotlib.pyplot as plt
+    style = _style(results)
+    nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
+    fig, axes = _grid(len(nets))
+    metric = results["cells"][0].get("metric", "accuracy")
+    handles = {}
+    for ax, net in zip(axes, nets):
+        target = None
+        for r in results["cells"]:
+            if r["network"] != net or r.get("status") != "ok" or not r.get("curve"):
+                continue
+            pts = [p for p in r["curve"] if not (log_x and p[x_index] <= 0)]
+            xs = [p[x_index] / (1e6 if x_index == 1 else 1) for p in pts]
+            s = style[r["label"]]
+            h, = ax.plot(xs, [p[2] for p in pts], color=s["color"], ls=s["ls"], marker=s["marker"], ms=3.5,
+                         lw=1.8, label=r["label"] + (" (PyTorch)" if r.get("peer") else ""))
+            handles[r["label"]] = h
+            target = r.get("target")
+        if target is not None:
+            ax.axhline(target, color="grey", lw=1, ls=":")
+            ax.annotate(f"target {target}", (0.01, target), xycoords=("axes fraction", "data"),
+                        textcoords="offset points", xytext=(2, 3), fontsize=8, color="grey")
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_title(f"network: {net}", fontsize=11)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("test " + metric)
+        if metric == "accuracy":
+            ax.set_ylim(max(0.0, min(0.5, (target or 0.5) - 0.45)), 1.0)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(nets):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=13)
+    fig.legend(handles.values(), [h.get_label() for h in handles.values()], loc="lower center",
+               ncol=min(4, max(1, len(handles))), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.05 + 0.025 * ((len(handles) - 1) // 4), 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return os.path.basename(path)
+
+
+def _ttt(results: dict, path: str) -> str:
+    import matplotlib.pyplot as plt
+    style = _style(results)
+    nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    worst = max([r["time_to_target_s"] for r in results["cells"] if r.get("time_to_target_s")] or [1.0])
+    ceiling = worst * 1.6
+    for label in style:
+        ys, miss = [], []
+        for i, n in enumerate(nets):
+            r = next((c for c in results["cells"] if c["label"] == label and c["network"] == n), None)
+            v = r.get("time_to_target_s") if r and r.get("status") == "ok" else None
+            ys.append(v if v is not None else float("nan"))
+            if r is not None and v is None:
+                miss.append(i)
+        s = style[label]
+        ax.plot(range(len(nets)), ys, color=s["color"], ls=s["ls"], marker=s["marker"], lw=1.8,
+                label=label + (" (PyTorch)" if s["ls"] == "--" else ""))
+        if miss:
+            ax.scatter(miss, [ceiling] * len(miss), color=s["color"], marker="x", s=50)
+    ax.axhline(ceiling, color="grey", lw=0.8, ls=":")
+    ax.annotate("× = target not reached", (0.01, ceiling), xycoords=("axes fraction", "data"),
+                textcoords="offset points", xytext=(2, 4), fontsize=8, color="grey")
+    ax.set_xticks(range(len(nets)), [n.replace("custom:", "").replace(",", "\n") for n in nets])
+    ax.set_yscale("log")
+    ax.set_ylabel("time to target (s, log scale; lower is better)")
+    ax.set_xlabel("network")
+    ax.set_title("Time to reach the target accuracy on each network")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return os.path.basename(path)
+
+
+def plot_all(results: dict, out: str) -> dict:
+    """Draw every plot into `out`; returns {title: file name}."""
+    import matplotlib
+    matplotlib.use("Agg")
+    if not any(r.get("status") == "ok" for r in results["cells"]):
+        return {}
+    m = results["matrix"]
+    sub = f"{m['workload']}, {m['workers']} workers"
+    plots = {
+        "accuracy vs training time": _curves(results, os.path.join(out, "accuracy_vs_time.png"), 0,
+                                             "training time (s)",
+                                             f"Test accuracy vs training time ({sub}) — up and left is better",
+                                             log_x=False),
+        "accuracy vs bytes sent": _curves(results, os.path.join(out, "accuracy_vs_bytes.png"), 1,
+                                          "MB sent per worker so far (log scale)",
+                                          f"Test accuracy vs bytes each worker sent ({sub}) — up and left is better",
+                                          log_x=True),
+    }
+    if len({r["network"] for r in results["cells"]}) > 1:
+        plots["time to target vs network"] = _ttt(results, os.path.join(out, "time_to_target_vs_network.png"))
+    return plots

@@ -1,0 +1,119 @@
+"""Tensor fusion: gradients grouped into flat buckets in backward order; each gradient is a view of its bucket.
+
+`assign(params, bucket_bytes, first_bucket_bytes)` walks the parameters in backward order (the reverse of the
+order they are registered, which is the forward order for sequential models) and closes a bucket once it holds
+at least `bucket_bytes` (Horovod / DDP-style fixed-threshold fusion, catalog §2.5.3); a dtype change also
+closes one. `bucket_bytes=0` gives one bucket per parameter (plain WFBP, per-layer exchange).
+
+`Buckets` allocates one flat buffer per bucket and makes every `p.grad` a view into it (as DDP's
+`gradient_as_bucket_view`), so backward accumulates straight into the buffer that goes on the wire: no copy into
+the bucket, and each parameter is covered exactly once, used in this step or not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def assign(params: list[torch.Tensor], bucket_bytes: float, first_bucket_bytes: float | None = None
+           ) -> list[list[int]]:
+    """Indices of `params` per bucket, buckets in backward order (the first bucket fills first)."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    cap = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if cur and params[cur[-1]].dtype != p.dtype:
+            groups.append(cur)
+            cur, size, cap = [], 0, bucket_bytes
+        cur.append(i)
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            groups.append(cur)
+            cur, size, cap = [], 0, bucket_bytes
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def from_sizes(params: list[torch.Tensor], counts: list[int]) -> list[list[int]]:
+    """Buckets of `counts[k]` consecutive parameters in backward order (a plan, e.g. MG-WFBP's)."""
+    order = list(reversed(range(len(params))))
+    groups, at = [], 0
+    for c in counts:
+        groups.append(order[at:at + c])
+        at += c
+    if at != len(params):
+        raise ValueError(f"bucket plan covers {at} of {len(params)} parameters")
+    return groups
+
+
+@dataclass
+class Bucket:
+    index: int
+    members: list[int]                  # indices into the parameter list, backward order
+    buffer: torch.Tensor                # flat, contiguous
+    views: list[torch.Tensor] = field(default_factory=list)   # per member, shaped like the parameter
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+class Buckets:
+    """Flat bucket buffers for `params` grouped by `groups`; `slot[i] = (bucket index, position)`."""
+
+    def __init__(self, params: list[torch.Tensor], groups: list[list[int]]):
+        seen = sorted(i for g in groups for i in g)
+        if seen != list(range(len(params))):
+            raise ValueError("buckets must cover every parameter exactly once")
+        self.params = params
+        self.buckets: list[Bucket] = []
+        self.slot: list[tuple[int, int]] = [(0, 0)] * len(params)
+        for b, members in enumerate(groups):
+            ps = [params[i] for i in members]
+            buf = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+            views, off = [], 0
+            for k, p in enumerate(ps):
+                views.append(buf[off:off + p.numel()].view_as(p))
+                off += p.numel()
+                self.slot[members[k]] = (b, k)
+            self.buckets.append(Bucket(b, list(members), buf, views))
+        with torch.no_grad():
+            for i, p in enumerate(params):  # adopt existing gradients, then alias them
+                v = self.view(i)
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                p.grad = v
+
+    def view(self, i: int) -> torch.Tensor:
+        b, k = self.slot[i]
+        return self.buckets[b].views[k]
+
+    def adopt(self, i: int) -> None:
+        """Make parameter i's gradient its bucket view again (a zero_grad(set_to_none) or a user may have
+        replaced it): copy the value in, or zeros if it has none this step."""
+        p, v = self.params[i], self.view(i)
+        g = p.grad
+        if g is None:
+            v.zero_()
+        elif g.data_ptr() != v.data_ptr():
+            v.copy_(g)
+        else:
+            return
+        p.grad = v
+
+    def release(self) -> None:
+        """Give every parameter a gradient of its own again (a copy), detached from the buckets."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is not None and p.grad.data_ptr() == self.view(i).data_ptr():
+                    p.grad = p.grad.clone()
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __iter__(self):
+        return iter(self.buckets)

@@ -1,0 +1,298 @@
+"""Priority scheduling (P3, Jayarajan et al. [68]; ByteScheduler, Peng et al. [67]; catalog §2.5.5-2.5.6).
+
+- The flat gradient, in forward order, is cut into chunks of `chunk_mb` (large tensors are split, small ones
+  fused), so a big late layer cannot block a small early one for long.
+- Chunks nearer the input have higher priority: the next forward needs them first.
+- A credit window bounds the bytes in flight (`credit_mb`); a chunk is only put on the wire when the window
+  has room, so a higher-priority chunk that becomes ready later can still go before queued lower ones.
+- `step()` returns before the update; a forward pre-hook on each module waits only for the chunks holding
+  that module's parameters and applies their optimizer update, so the next forward of layer l starts as soon
+  as layer l is synchronised, while later layers are still on the wire.
+
+An all-reduce must be issued in the same order on every rank, so the priority order is not decided per rank
+at run time: after `profile_steps` steps (first-in first-out in backward order meanwhile), rank 0's measured
+gradient ready times and the link's cost are broadcast and every rank simulates the credit-window priority
+queue on them (TicTac-style static order); a background thread then launches the chunks in that order, each
+once it is ready and the window has room. A second gradient buffer lets backward of the next step (and the
+user's zero_grad) proceed while the previous step's chunks are still being sent.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import torch
+
+from ..errors import UserError
+from .mgwfbp import Profiled
+from .wfbp import MB
+
+_now = time.perf_counter
+
+
+def priority_order(ready: list[float], sizes: list[float], cost, credit: float) -> list[int]:
+    """Launch order of chunks (index = priority, 0 highest) by simulating the credit-window priority queue:
+    at each moment the highest-priority ready chunk is launched if the bytes in flight leave room."""
+    k = len(ready)
+    left = set(range(k))
+    order: list[int] = []
+    inflight: collections.deque = collections.deque()   # (end time, bytes)
+    t, link_free = 0.0, 0.0
+    while left:
+        while inflight and inflight[0][0] <= t:
+            inflight.popleft()
+        busy = sum(b for _, b in inflight)
+        cands = [j for j in left if ready[j] <= t]
+        if cands:
+            j = min(cands)
+            if not inflight or busy + sizes[j] <= credit:
+                start = max(t, link_free)
+                link_free = start + cost(sizes[j])
+                inflight.append((link_free, sizes[j]))
+                order.append(j)
+                left.discard(j)
+                continue
+        nxt = [ready[j] for j in left if ready[j] > t] + [e for e, _ in inflight]
+        t = min(nxt)
+    return order
+
+
+def step_subset(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """`optimizer.step()` restricted to `params` (their state, lr and momentum as in a full step)."""
+    ids = {id(p) for p in params}
+    saved = [g["params"] for g in optimizer.param_groups]
+    try:
+        for g in optimizer.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in ids]
+        optimizer.step()
+    finally:
+        for g, s in zip(optimizer.param_groups, saved):
+            g["params"] = s
+
+
+class Priority(Profiled):
+    name = "priority"
+    defers_update = True
+
+    def __init__(self, chunk_mb: float = 0.0, credit_mb: float = 0.0, profile_steps: int = 3):
+        super().__init__(profile_steps=profile_steps, bucket_mb=0.0, first_bucket_mb=0.0, pipeline=False)
+        if chunk_mb < 0 or credit_mb < 0:
+            raise UserError("chunk_mb and credit_mb must be >= 0 (0: chosen from the link)")
+        self.chunk_mb, self.credit_mb = chunk_mb, credit_mb
+
+    # -- layout: one flat gradient in forward order, two buffers, chunks --------------------------------
+    def attach(self, model, params, exchange, tracer=None, transport=None, optimizer=None):
+        self.optimizer = optimizer
+        super().attach(model, params, exchange, tracer, transport)
+        self._mods = []
+        for m in model.modules():
+            own = [self.index[id(p)] for p in m.parameters(recurse=False) if id(p) in self.index]
+            if own:
+                self._mods.append(m)
+                self._hooks.append(m.register_forward_pre_hook(self._make_pre_hook(own)))
+        return self
+
+    def _build(self, groups) -> None:  # the flat layout is fixed; `groups` (per-layer) only feed profiling
+        p0 = self.params[0]
+        self.offsets, off = [], 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        esize = p0.element_size()
+        link, n = self.transport.link, self.transport.world_size
+        chunk = self.chunk_mb * MB
+        if not chunk:   # ~4 start-ups' worth of transfer on an emulated link (ring: n α / β per byte), else 4 MiB
+            chunk = max(4 * MB, 4 * n * link.alpha / link.beta) if link.emulated and link.beta else 4 * MB
+        self.chunk_elems = max(1, int(chunk // esize))
+        self.credit = self.credit_mb * MB or 2 * self.chunk_elems * esize
+        self.units = [(lo, min(lo + self.chunk_elems, self.numel)) for lo in range(0, self.numel, self.chunk_elems)]
+        self.unit_bytes = [(hi - lo) * esize for lo, hi in self.units]
+        self.param_units = [list(range(o // self.chunk_elems, (o + max(1, p.numel()) - 1) // self.chunk_elems + 1))
+                            for o, p in zip(self.offsets, self.params)]
+        self.unit_params = [0] * len(self.units)
+        for us in self.param_units:
+            for u in us:
+                self.unit_params[u] += 1
+        self.flat = [torch.zeros(self.numel, dtype=p0.dtype), torch.zeros(self.numel, dtype=p0.dtype)]
+        self.result = torch.zeros(self.numel, dtype=p0.dtype)
+        self.cur = 0
+        self.order = list(reversed(range(len(self.units))))   # FIFO in backward order until planned
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending: set[int] = set()
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                v = self._view(self.flat[0], i)
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                p.grad = v
+        self.sizes = [0]
+        self._reset()
+
+    def _view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._left = list(self.unit_params)
+        self._unit_ready = [threading.Event() for _ in self.units]
+        self._unit_done = [threading.Event() for _ in self.units]
+
+    def _adopt(self, i: int) -> None:
+        p, v = self.params[i], self._view(self.flat[self.cur], i)
+        g = p.grad
+        if g is None:
+            v.zero_()
+        elif g.data_ptr() != v.data_ptr():
+            v.copy_(g)
+        else:
+            return
+        p.grad = v
+
+    # -- backward: mark chunks ready; the launcher thread sends them ------------------------------------
+    def before_first_grad(self) -> None:
+        self.flush()
+        self._thread = threading.Thread(target=self._launcher, args=(self.flat[self.cur], list(self.order),
+                                        self._unit_ready, self._unit_done), name="thinwire-priority", daemon=True)
+        self._thread.start()
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        i = self.index[id(p)]
+        if self._stamps is not None:
+            self._stamps[i] = _now()
+        if self._ready[i]:
+            raise UserError("a gradient was produced twice before trainer.step(): call trainer.step() after "
+                            "each backward (or use schedule='none' to accumulate gradients)")
+        if not self._began:
+            self._began = True
+            self.before_first_grad()
+        self._adopt(i)
+        self._mark(i)
+
+    def _mark(self, i: int) -> None:
+        self._ready[i] = True
+        for u in self.param_units[i]:
+            self._left[u] -= 1
+            if self._left[u] == 0:
+                self._unit_ready[u].set()
+
+    def _launcher(self, flat, order, ready, done) -> None:
+        inflight: collections.deque = collections.deque()   # (unit, handle, bytes)
+        busy = 0
+        try:
+            for u in order:
+                ready[u].wait()
+                while inflight and busy + self.unit_bytes[u] > self.credit:
+                    busy -= self._complete(inflight.popleft(), done)
+                lo, hi = self.units[u]
+                with self.tracer.span(f"start chunk {u}", "compress", bytes=self.unit_bytes[u]):
+                    h = self.exchange.start(flat[lo:hi], f"chunk:{lo}-{hi}")
+                inflight.append((u, h, self.unit_bytes[u]))
+                busy += self.unit_bytes[u]
+            while inflight:
+                self._complete(inflight.popleft(), done)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+            self._error = e
+            for ev in done:
+                ev.set()
+
+    def _complete(self, item, done) -> int:
+        u, h, nbytes = item
+        while not h.is_completed():    # poll: waiting here is not exposed time, the training thread goes on
+            time.sleep(2e-4)
+        res = h.wait()
+        lo, hi = self.units[u]
+        self.result[lo:hi].copy_(res.reshape(-1))
+        done[u].set()
+        return nbytes
+
+    # -- the step: hand the buffer over, update lazily -------------------------------------------------
+    def finish_step(self) -> None:
+        if not self._began:
+            self._began = True
+            self.before_first_grad()
+        for i in range(len(self.params)):
+            if not self._ready[i]:
+                self._adopt(i)
+                self._mark(i)
+        self._pending = set(range(len(self.params)))
+        self._done_events = self._unit_done
+        self.cur ^= 1                            # the next backward accumulates into the other buffer
+        with torch.no_grad():
+            self.flat[self.cur].zero_()
+            for i, p in enumerate(self.params):
+                p.grad = self._view(self.flat[self.cur], i)
+        self._end_step()
+
+    def _make_pre_hook(self, own: list[int]):
+        def hook(module, args):
+            if self._pending:
+                self._apply([i for i in own if i in self._pending])
+        return hook
+
+    def _apply(self, idx: list[int]) -> None:
+        if not idx:
+            return
+        t0 = _now()
+        for i in idx:
+            for u in self.param_units[i]:
+                self._done_events[u].wait()
+        dt = _now() - t0
+        if dt > 1e-4:
+            self.transport.meter.add_wait(dt)
+            self.tracer.complete("wait chunks", t0, t0 + dt, "wait")
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        params = [self.params[i] for i in idx]
+        with torch.no_grad():
+            for i in idx:
+                self.params[i].grad = self._view(self.result, i)
+        try:
+            with self.tracer.span("optimizer", "optimizer"):
+                step_subset(self.optimizer, params)
+        finally:
+            with torch.no_grad():
+                for i in idx:
+                    self.params[i].grad = self._view(self.flat[self.cur], i)
+        self._pending.difference_update(idx)
+
+    def flush(self) -> None:
+        """Finish the previous step: every chunk received, every parameter updated."""
+        if self._pending:
+            self._apply(sorted(self._pending))
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def wait_all(self) -> None:
+        raise UserError("schedule 'priority' applies the update itself: call finish_step(), then flush()")
+
+    def plan(self) -> None:
+        ready_p = self.ready_times
+        ready = [max(ready_p[i] for i in range(len(self.params)) if u in self.param_units[i])
+                 for u in range(len(self.units))]
+        self.order = priority_order(ready, [float(b) for b in self.unit_bytes], self.cost, self.credit)
+
+    def after_step(self) -> None:
+        if self.ready_times is None and self.steps == self.profile_steps:
+            self.flush()     # planning runs collectives of its own: nothing else may be on the wire
+        super().after_step()
+
+    def close(self) -> None:
+        if self._began:
+            self.finish_step()
+        self.flush()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def describe(self) -> dict:
+        return {"schedule": self.name, "chunks": len(self.units), "chunk_bytes": self.unit_bytes[:1],
+                "credit_bytes": self.credit, "order": self.order, "alpha_beta": self.cost_ab}
