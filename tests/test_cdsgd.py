@@ -246,8 +246,8 @@ def _bad(rank, world):
     return errors
 
 
-def test_bad_input_is_a_user_error(pool2):
-    errors = pool2.run(_bad)[0]
+def test_bad_input_is_a_user_error(pool4):
+    errors = pool4.run(_bad)[0]
     assert len(errors) == 6
     assert "k must be" in errors[0] and "warmup" in errors[1] and "local_lr" in errors[2]
     assert "threshold" in errors[3] and "SGD" in errors[4]
@@ -264,7 +264,7 @@ def _overlapped_iterations(trace: dict, pid: int) -> tuple[list[bool], int]:
         end = c["ts"] + c["dur"]
         tail = [e["ts"] + e["dur"] for e in emu if e["name"].startswith(c["name"]) and abs(e["ts"] - end) < 2.0]
         ends.append(max([end] + tail))
-    fwd = sorted((e["ts"] for e in evs if e["cat"] == "compute" and e["name"].startswith("forward")))
+    fwd = sorted(e["ts"] for e in evs if e["cat"] in ("compute", "forward") and e["name"].startswith("forward"))
     return [fwd[j + 1] < ends[j] for j in range(min(len(ends), len(fwd) - 1))], len(fwd)
 
 

@@ -77,7 +77,7 @@ def test_randomk_scaled_is_unbiased_with_the_known_variance():
     assert (outs.mean(0) - x).abs().max() < 5 * se
     # E‖C(x) − x‖² = (d/k − 1)‖x‖²  (catalog 3.2 [O])
     var = (outs - x).pow(2).sum(1).mean()
-    assert var == pytest.approx((d / k - 1) * x.pow(2).sum(), rel=0.1)
+    assert var.item() == pytest.approx((d / k - 1) * x.pow(2).sum().item(), rel=0.1)
     assert c.unbiased and c.linear and c.randomness == "shared"
 
 

@@ -17,11 +17,12 @@ class BSP(Algorithm):
 
     def __init__(self, architecture: str | None = None, servers: int = 0, schedule: str = "fusion",
                  bucket_mb: float = 25.0, pipeline: bool | None = None, chunk_mb: float = 0.0,
-                 credit_mb: float = 0.0, first_bucket_mb: float | None = None):
+                 credit_mb: float = 0.0, first_bucket_mb: float | None = None, profile_steps: int = 3):
         super().__init__(architecture)
         # when each gradient enters the exchange (thinwire.sched): none | wfbp | fusion | mgwfbp | priority
         self.scheduler = sched.make(schedule, bucket_mb=bucket_mb, pipeline=pipeline, chunk_mb=chunk_mb,
-                                    credit_mb=credit_mb, first_bucket_mb=first_bucket_mb)
+                                    credit_mb=credit_mb, first_bucket_mb=first_bucket_mb,
+                                    profile_steps=profile_steps)
         self.servers = servers  # parameter-server ranks (architecture="ps" only)
         if servers and self.architecture != "ps":
             raise UserError(f"bsp with servers={servers} needs architecture=ps (--architecture ps); "

@@ -84,21 +84,35 @@ class DTS(Algorithm):
         self._two = self.mu > 0.0 and self.period > 1
         self._group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         self.steps = 0
-        self._acc_a: torch.Tensor | None = None   # A_{k,j}: sum of this window's local gradients
-        self._acc_b: torch.Tensor | None = None   # B_{k,j}: μ-discounted sum (momentum, p > 1)
-        self._in_window = 0
-        self._flight: deque = deque()             # (window's last step, A, B, handle), launch order
+        # [A_{k,j} | B_{k,j}]: sum and μ-discounted sum (momentum, p > 1) of this window's local gradients,
+        # one flat buffer (what is averaged) with per-parameter views (accumulated without a copy)
+        self._numel = sum(p.numel() for p in self.params)
+        self._new_accumulator()
+        self._flight: deque = deque()             # (window's last step, local [A|B], handle), in order
         self.launched = self.applied = self.max_in_flight = 0
 
+    def _new_accumulator(self) -> None:
+        n = self._numel
+        self._acc = torch.zeros((2 if self._two else 1) * n, dtype=self.params[0].dtype)
+        self._views_a = self._views(self._acc[:n])
+        self._views_b = self._views(self._acc[n:]) if self._two else None
+        self._in_window = 0
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for p in self.params:
+            out.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+
     # -- the step --------------------------------------------------------------------------------------
+
     def step(self):
-        g = self.flat_grad()
-        if self._acc_a is None:
-            self._acc_a = torch.zeros_like(g)
-            self._acc_b = torch.zeros_like(g) if self._two else None
-        self._acc_a.add_(g)
+        grads = self.grads()
+        torch._foreach_add_(self._views_a, grads)                # A += g
         if self._two:
-            self._acc_b.mul_(self.mu).add_(g)
+            torch._foreach_mul_(self._views_b, self.mu)          # B <- μ B + g
+            torch._foreach_add_(self._views_b, grads)
         self._in_window += 1
         self.steps += 1
         if self._in_window == self.period:
@@ -110,23 +124,19 @@ class DTS(Algorithm):
         self.max_in_flight = max(self.max_in_flight, len(self._flight))   # in flight during compute
 
     def _launch(self) -> None:
-        a, b = self._acc_a, self._acc_b
-        sent = torch.cat([a, b]) if self._two else a
-        handle = self.exchange.start(sent, key="dts")
-        self._flight.append((self.steps, a.clone(), None if b is None else b.clone(), handle))
-        a.zero_()
-        if b is not None:
-            b.zero_()
-        self._in_window = 0
+        local = self._acc.clone()                   # kept: the exchange may use its tensor in place
+        handle = self.exchange.start(self._acc, key="dts")
+        self._flight.append((self.steps, local, handle))
+        self._new_accumulator()
         self.launched += 1
 
     def _apply_oldest(self) -> None:
         """Wait for the oldest average in flight and apply its compensation at the current step."""
-        end, a, b, handle = self._flight.popleft()
-        avg = handle.wait()
-        n = a.numel()
-        err_a = avg[:n] - a
-        err_b = avg[n:] - b if self._two else err_a
+        end, local, handle = self._flight.popleft()
+        err = handle.wait() - local
+        n = self._numel
+        err_a = err[:n]
+        err_b = err[n:] if self._two else err_a
         self._compensate(err_a, err_b, self.steps - end)
         self.applied += 1
 
@@ -165,14 +175,12 @@ class DTS(Algorithm):
     def state_dict(self):
         """Waits for the averages in flight and stores them as tensors: a resumed run continues exactly."""
         flight = []
-        for i, (end, a, b, handle) in enumerate(self._flight):
+        for i, (end, local, handle) in enumerate(self._flight):
             value = handle.wait()
-            self._flight[i] = (end, a, b, _Ready(value))
-            flight.append({"end": end, "local_a": a.clone(), "local_b": None if b is None else b.clone(),
-                           "average": value.clone()})
-        clone = lambda t: None if t is None else t.clone()
+            self._flight[i] = (end, local, _Ready(value))
+            flight.append({"end": end, "local": local.clone(), "average": value.clone()})
         return {"delay": self.delay, "period": self.period, "steps": self.steps, "in_window": self._in_window,
-                "acc_a": clone(self._acc_a), "acc_b": clone(self._acc_b), "in_flight": flight,
+                "accumulated": self._acc.clone(), "in_flight": flight,
                 "counters": [self.launched, self.applied, self.max_in_flight],
                 "exchange": self.exchange.state_dict()}
 
@@ -180,11 +188,9 @@ class DTS(Algorithm):
         if (state["delay"], state["period"]) != (self.delay, self.period):
             raise UserError(f"checkpoint has delay={state['delay']}, period={state['period']}; "
                             f"this {self.name} has delay={self.delay}, period={self.period}")
-        clone = lambda t: None if t is None else t.clone()
         self.steps, self._in_window = state["steps"], state["in_window"]
-        self._acc_a, self._acc_b = clone(state["acc_a"]), clone(state["acc_b"])
-        self._flight = deque((f["end"], f["local_a"].clone(), clone(f["local_b"]), _Ready(f["average"].clone()))
-                             for f in state["in_flight"])
+        self._acc.copy_(state["accumulated"])
+        self._flight = deque((f["end"], f["local"].clone(), _Ready(f["average"].clone())) for f in state["in_flight"])
         self.launched, self.applied, self.max_in_flight = state["counters"]
         self.exchange.load_state_dict(state["exchange"])
 

@@ -72,16 +72,18 @@ def config_from_args(args):
     if args.preset:
         pr = presets.get(args.preset)
         cells, workload, workers, nets, budget = list(pr.cells), pr.workload, pr.workers, pr.networks, pr.budget_s
-        epochs = pr.epochs
+        epochs, target = pr.epochs, pr.target
     else:
         if not args.algorithms:
             raise UserError("give --algorithms a,b,... or --preset NAME "
                             f"({', '.join(presets.names())})")
-        cells, workload, workers, nets, budget, epochs = split_cells(args.algorithms), "digits-mlp", 4, ["wan"], None, None
+        cells, workload, workers, nets = split_cells(args.algorithms), "digits-mlp", 4, ["wan"]
+        budget = epochs = target = None
     return CompareConfig(workload=args.workload or workload, workers=args.workers or workers,
                          networks=_networks(args.network) if args.network else list(nets), cells=cells,
-                         target=args.target, budget_s=args.budget or budget, epochs=args.epochs or epochs,
-                         seed=args.seed, trace=args.trace, netem=args.netem, preset=args.preset)
+                         target=args.target if args.target is not None else target,
+                         budget_s=args.budget or budget, epochs=args.epochs or epochs, seed=args.seed,
+                         trace=args.trace, netem=args.netem, preset=args.preset)
 
 
 def run(args) -> int:

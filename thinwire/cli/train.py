@@ -53,6 +53,12 @@ def format_summary(s: dict) -> str:
         f"(uncompressed fp32 would be {s['nominal_bytes_per_worker'] / mb:.3f} MB)",
         f"  emulated comm     {s['emulated_comm_s']:.2f} s   (exposed, waited for: {s['exposed_comm_s']:.2f} s)",
     ]
+    am = s.get("algorithm_metrics") or {}
+    if am.get("predicted_step_s") is not None and am.get("measured_step_s") is not None:  # seed 001 §3.3
+        ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"
+        lines.append(f"  iteration time    predicted {ms(am['predicted_step_s'])} ms, measured "
+                     f"{ms(am['measured_step_s'])} ms   (τ {ms(am.get('tau_s'))}, φ {ms(am.get('phi_s'))}, "
+                     f"ψ {ms(am.get('psi_s'))}, δ {ms(am.get('delta_s'))} ms)")
     return "\n".join(lines)
 
 

@@ -38,21 +38,30 @@ class Handle:
         self.deadline: float | None = None
         self._done = False
         self._lock = threading.Lock()
+        self._waiter: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._real: threading.Event | None = None  # set by the waiter thread (gloo point-to-point)
+        self._error: BaseException | None = None
         if not self._works:
             self._on_real_done()
         else:  # timestamp the real completion as it happens (gloo's thread), so compute overlaps emulation
             try:
                 self._works[-1].get_future().add_done_callback(lambda _f: self._on_real_done())
             except (RuntimeError, AttributeError):  # gloo point-to-point ops have no future: a waiter thread
+                # (the only one to wait on the work: a second wait() on a finished gloo p2p work never returns)
+                self._real = threading.Event()
                 threading.Thread(target=self._wait_real, daemon=True).start()
 
     def _wait_real(self) -> None:
         try:
             for w in self._works:
                 w.wait()
-        except RuntimeError:
-            return  # the caller's own wait() raises it
+        except RuntimeError as e:
+            self._error = e  # the caller's own wait() raises it
+            self._real.set()
+            return
         self._on_real_done()
+        self._real.set()
 
     def _on_real_done(self) -> None:
         with self._lock:
@@ -72,7 +81,10 @@ class Handle:
     def is_completed(self) -> bool:
         if self._done:
             return True
-        if not all(w.is_completed() for w in self._works):
+        if self._real is not None:
+            if not self._real.is_set() or self._error is not None:
+                return False
+        elif not all(w.is_completed() for w in self._works):
             return False
         self._on_real_done()
         return _now() >= self.deadline
@@ -80,8 +92,13 @@ class Handle:
     def wait(self):
         if not self._done:
             t0 = _now()
-            for w in self._works:
-                w.wait()
+            if self._real is not None:
+                self._real.wait()
+                if self._error is not None:
+                    raise self._error
+            else:
+                for w in self._works:
+                    w.wait()
             self._on_real_done()
             delay = self.deadline - _now()
             if delay > 0:

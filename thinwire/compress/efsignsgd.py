@@ -22,7 +22,7 @@ class EFSignSGD(Compressor):
         flat = tensor.reshape(-1)
         n = flat.numel()
         l1 = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32).reshape(1)
-        check_scale(l1, self.name, key)
+        check_scale(l1, self.name, key, flat)
         scale = l1 / max(n, 1)
         return Payload([sign_bits(flat), scale], ctx=(tensor.shape, tensor.dtype, n))
 

@@ -18,9 +18,13 @@ def _fail(name: str, key) -> None:
                          f"scaling / gradient clipping (compressors refuse non-finite input)")
 
 
-def check_scale(value: torch.Tensor, name: str, key=None) -> None:
-    """Raise if a reduction of the tensor (norm, max, sum) is not finite."""
+def check_scale(value: torch.Tensor, name: str, key=None, tensor: torch.Tensor | None = None) -> None:
+    """Raise if a reduction of the tensor (norm, max, sum) is not finite: the tensor holds NaN/Inf, or (when
+    `tensor` is given and finite) its values are so large that the reduction overflows fp32."""
     if not bool(torch.isfinite(value).all()):
+        if tensor is not None and bool(torch.isfinite(tensor).all()):
+            raise NonFiniteError(f"{name}: the scale of tensor {key!r} overflows fp32 (values near 3e38); "
+                                 f"clip the gradients")
         _fail(name, key)
 
 

@@ -52,7 +52,7 @@ class Int8(Compressor):
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         scale = _maxabs(flat) if agreed is None else agreed.float().reshape(1)
-        check_scale(scale, self.name, key)
+        check_scale(scale, self.name, key, flat)
         s = float(scale)
         inv = LEVELS / s if s > 0 else 0.0
         if self.stochastic:

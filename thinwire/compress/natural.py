@@ -36,6 +36,7 @@ class Natural(Compressor):
         work.add_(bits)                        # the sign bit stays out of the way (shifted out below)
         work.bitwise_right_shift_(23)          # sign | exponent (+ carry); the low byte is the exponent
         exponent = work.to(torch.uint8)        # int32 -> uint8 keeps the low byte
+        exponent.clamp_(max=254)               # |t| >= 2^127 may not round up to 2^128 = inf (biased there only)
         sign = pack(torch.lt(flat, 0).view(torch.uint8), 1, inplace=True)
         return Payload([exponent, sign], ctx=(tensor.shape, tensor.dtype, n))
 

@@ -29,7 +29,7 @@ class OneBit(Compressor):
         # sum over g >= 0 = (S + L) / 2, sum over g < 0 = (S - L) / 2
         total = flat.sum(dtype=torch.float32).double()
         l1 = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32).double()
-        check_scale(total + l1, self.name, key)
+        check_scale(total + l1, self.name, key, flat)
         nneg = n - npos
         pos = float(total + l1) / 2.0
         neg = float(total - l1) / 2.0

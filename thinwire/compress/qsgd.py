@@ -32,14 +32,13 @@ def bucket_norms(flat: torch.Tensor, bucket: int, ord: float) -> torch.Tensor:
 
 
 def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int, offset: int) -> torch.Tensor:
-    """fp32 (codes - offset) * factor of the code's bucket, for flat integer `codes` (one fused pass per part)."""
+    """fp32 (codes - offset) * factor of the code's bucket, for flat integer `codes` (code `offset` gives exactly 0)."""
     n = codes.numel()
     full = (n // bucket) * bucket
-    out = torch.empty(n)
-    f = factors[: n // bucket].view(-1, 1)
-    torch.addcmul(-offset * f, codes[:full].view(-1, bucket), f, out=out[:full].view(-1, bucket))
+    out = torch.add(codes, -float(offset)) if offset else codes.to(torch.float32)
+    out[:full].view(-1, bucket).mul_(factors[: n // bucket].view(-1, 1))
     if full < n:
-        torch.addcmul(-offset * factors[-1:], codes[full:], factors[-1:], out=out[full:])
+        out[full:].mul_(factors[-1])
     return out
 
 
@@ -74,7 +73,7 @@ class QSGD(Compressor):
         flat = tensor.reshape(-1)
         n = flat.numel()
         norms = self._norms(flat) if agreed is None else agreed.float()
-        check_scale(norms, self.name, key)
+        check_scale(norms, self.name, key, flat)
         s = self.levels
         inv = torch.where(norms > 0, s / norms, torch.zeros(()))      # an all-zero bucket codes as level 0
         codes = stochastic_codes(flat, inv, s, self.uniforms, self.bucket)

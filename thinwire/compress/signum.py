@@ -15,6 +15,8 @@ from .signsgd import SignSGD, sign_bits
 class Signum(SignSGD):
     """Packed sign bits of the momentum; `decompress` gives +-1."""
 
+    name = "signum"
+
     def __init__(self, beta: float = 0.9):
         if not 0.0 <= beta < 1.0:
             raise UserError(f"signum: beta must be in [0, 1), got {beta}")

@@ -50,7 +50,7 @@ class TernGrad(Compressor):
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         scale = self._scale(flat) if agreed is None else agreed.float().reshape(1)
-        check_scale(scale, self.name, key)
+        check_scale(scale, self.name, key, flat)
         s = float(scale)
         codes = stochastic_codes(flat, 1.0 / s if s > 0 else 0.0, 1, self.uniforms, clip=True)
         packed = pack(codes, 2, inplace=True)
@@ -68,7 +68,7 @@ class TernGrad(Compressor):
         if ctx["summed"]:
             out = payload.tensors[0].to(torch.float32).mul_(s)
         else:
-            out = unpack(payload.tensors[0], 2, ctx["numel"]).mul(s).sub_(s)        # (code - 1) s
+            out = torch.add(unpack(payload.tensors[0], 2, ctx["numel"]), -1.0).mul_(s)   # (code - 1) s
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
     def nominal_bits(self, numel):

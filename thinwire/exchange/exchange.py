@@ -40,6 +40,7 @@ from ..errors import UserError
 from . import wire
 
 COLLECTIVES = ("auto", "allreduce", "allgather", "majority", "custom")
+_GLOO_WIDEN = {torch.int16: torch.int32, torch.bool: torch.uint8}   # gloo all-reduce has no int16 / bool sum
 
 
 def allowed_collectives(compressor: Compressor) -> list[str]:
@@ -89,6 +90,14 @@ class ExchangeHandle:
         return self._value
 
 
+def _backend(transport) -> str:
+    try:
+        import torch.distributed as dist
+        return str(dist.get_backend(transport.group))
+    except (RuntimeError, ValueError, AttributeError):
+        return "gloo"
+
+
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     try:
         return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -131,6 +140,7 @@ class Exchange:
         self.collective = collective
         self.check_finite = check_finite
         self.world_size = transport.world_size
+        self._gloo = _backend(transport) == "gloo"
         self.memory.setup(self.world_size)
         self._memory_updates = type(self.memory).update is not Memory.update
         self.steps: dict[Any, int] = {}
@@ -185,7 +195,9 @@ class Exchange:
         p = comp.sum_payload(payload, n)
         ts = []
         for t in p.tensors:  # all-reduce works in place: never on the caller's tensor or the memory's
-            if not t.is_contiguous() or _shares_storage(t, x) or _shares_storage(t, c):
+            if t.dtype in _GLOO_WIDEN and self._gloo:
+                t = t.to(_GLOO_WIDEN[t.dtype])   # gloo cannot sum these: the wider type is what really travels
+            elif not t.is_contiguous() or _shares_storage(t, x) or _shares_storage(t, c):
                 t = t.contiguous().clone()
             ts.append(t)
         if len(ts) > 1 and len({t.dtype for t in ts}) == 1:

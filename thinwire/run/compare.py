@@ -68,8 +68,9 @@ class _PoolView:
         self.pool, self.timeout, self.netem = pool, timeout, netem
 
     def run(self, fn, *args, network="lan", seed=0, timeout=None):
-        return self.pool.run(fn, *args, network="lan" if self.netem else network, seed=seed,
-                             timeout=self.timeout or timeout)
+        limit = self.timeout or timeout
+        extra = {} if limit is None else {"timeout": limit}
+        return self.pool.run(fn, *args, network="lan" if self.netem else network, seed=seed, **extra)
 
 
 class Harness:
@@ -109,7 +110,7 @@ class Harness:
         return TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
                            epochs=c.epochs, seed=c.seed, target=c.target, compressor=cell.compressor,
                            memory=cell.memory, params=dict(cell.params), trace=c.trace and not cell.peer,
-                           progress=False, servers=int(cell.params.get("servers", 0)) if not cell.peer else 0)
+                           progress=False, servers=0 if cell.peer else _servers(cell))
 
     def run_cell(self, cell: presets.Cell, network: str) -> dict:
         tc = self.train_config(cell, network)
@@ -126,14 +127,16 @@ class Harness:
             _atomic_write(os.path.join(celldir, "summary.json"), json.dumps(summary, indent=2) + "\n")
         else:
             summary = run_training(tc, out=celldir, pool=view)
-        summary["curve"] = _curve(celldir, summary["metric"])
+        summary["curve"] = _curve(celldir, summary["metric"], summary["bytes_sent_per_worker"])
         return summary
 
     # -- the no-communication reference (scalability) -------------------------------------------------
     def baseline(self) -> dict:
         from .. import algorithms
+        wl = workloads.get(self.cfg.workload)
+        probe = TrainConfig(workload=self.cfg.workload, workers=self.cfg.workers, epochs=self.cfg.epochs)
         tc = TrainConfig(workload=self.cfg.workload, algorithm="bsp", workers=self.cfg.workers, network="lan",
-                         epochs=self.cfg.epochs, seed=self.cfg.seed, progress=False)
+                         steps=min(probe.total_steps(wl), 24), seed=self.cfg.seed, progress=False)  # a rate only
         view = _PoolView(self.pool(self.cfg.workers, "lan"), self.cfg.budget_s, self.cfg.netem)
         if "local" in algorithms.registry:
             tc.algorithm = "local"
@@ -209,6 +212,15 @@ class Harness:
         return results
 
 
+def _servers(cell: presets.Cell) -> int:
+    """Parameter-server ranks to launch: the cell's `servers`, else the algorithm's own default."""
+    from .. import algorithms
+    if "servers" in cell.params:
+        return int(cell.params["servers"])
+    default = algorithms.registry.parameters(cell.algorithm).get("servers")
+    return int(default) if isinstance(default, int) and default > 0 else 0
+
+
 def nocomm_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """The scalability reference when no `local` algorithm is registered: the same model, data shard, batch
     and optimizer, never communicating. Returns `train_worker`'s records (evaluated only at the end)."""
@@ -239,8 +251,9 @@ def nocomm_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             "dtype_bytes": 4, "train_s": clock}
 
 
-def _curve(celldir: str, metric: str) -> list:
-    """[training time s, bytes sent per worker so far, metric] at every evaluation (for the plots)."""
+def _curve(celldir: str, metric: str, total_sent: float | None = None) -> list:
+    """[training time s, bytes sent per worker so far, metric] at every evaluation (for the plots). Bytes of
+    transfers still in flight at the last step (drained by `close()`) are counted at the last point."""
     pts, sent = [], 0.0
     name = "accuracy" if metric == "accuracy" else "test_loss"
     with open(os.path.join(celldir, "metrics.jsonl")) as f:
@@ -249,6 +262,8 @@ def _curve(celldir: str, metric: str) -> list:
             sent += r["bytes_sent"]
             if name in r:
                 pts.append([r["t"], sent, r[name]])
+    if pts and total_sent is not None:
+        pts[-1][1] = max(pts[-1][1], total_sent)
     return pts
 
 

@@ -17,6 +17,15 @@ def _style(results: dict) -> dict:
                   "marker": "s" if lab in peers else "o"} for i, lab in enumerate(labels)}
 
 
+def _minor_label(v: float, _pos) -> str:
+    """Label the 2× and 5× minor ticks of a log axis too (a newcomer reads 0.2, 0.5 more easily than 10^-1)."""
+    import math
+    if v <= 0:
+        return ""
+    mant = round(v / 10 ** math.floor(math.log10(v)), 3)
+    return f"{v:g}" if mant in (2.0, 5.0) else ""
+
+
 def _grid(n: int):
     import matplotlib.pyplot as plt
     cols = min(n, 3)
@@ -33,7 +42,7 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
     metric = results["cells"][0].get("metric", "accuracy")
     handles = {}
     for ax, net in zip(axes, nets):
-        target = None
+        target, lows = None, []
         for r in results["cells"]:
             if r["network"] != net or r.get("status") != "ok" or not r.get("curve"):
                 continue
@@ -43,25 +52,29 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
             h, = ax.plot(xs, [p[2] for p in pts], color=s["color"], ls=s["ls"], marker=s["marker"], ms=3.5,
                          lw=1.8, label=r["label"] + (" (PyTorch)" if r.get("peer") else ""))
             handles[r["label"]] = h
+            lows += [p[2] for p in pts]
             target = r.get("target")
         if target is not None:
             ax.axhline(target, color="grey", lw=1, ls=":")
             ax.annotate(f"target {target}", (0.01, target), xycoords=("axes fraction", "data"),
                         textcoords="offset points", xytext=(2, 3), fontsize=8, color="grey")
         if log_x:
+            from matplotlib.ticker import FuncFormatter
             ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(FuncFormatter(_minor_label))
         ax.set_title(f"network: {net}", fontsize=11)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test " + metric)
-        if metric == "accuracy":
-            ax.set_ylim(max(0.0, min(0.5, (target or 0.5) - 0.45)), 1.0)
+        if metric == "accuracy" and lows:
+            ax.set_ylim(max(0.0, min(lows) - 0.05), 1.0)
         ax.grid(alpha=0.3)
     for ax in axes[len(nets):]:
         ax.axis("off")
-    fig.suptitle(title, fontsize=13)
+    fig.suptitle(title, fontsize=12)
     fig.legend(handles.values(), [h.get_label() for h in handles.values()], loc="lower center",
                ncol=min(4, max(1, len(handles))), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.05 + 0.025 * ((len(handles) - 1) // 4), 1, 0.95))
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(handles) - 1) // 4), 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return os.path.basename(path)
@@ -114,11 +127,11 @@ def plot_all(results: dict, out: str) -> dict:
     plots = {
         "accuracy vs training time": _curves(results, os.path.join(out, "accuracy_vs_time.png"), 0,
                                              "training time (s)",
-                                             f"Test accuracy vs training time ({sub}) — up and left is better",
+                                             f"Test accuracy vs training time\n{sub}; up and to the left is better",
                                              log_x=False),
         "accuracy vs bytes sent": _curves(results, os.path.join(out, "accuracy_vs_bytes.png"), 1,
                                           "MB sent per worker so far (log scale)",
-                                          f"Test accuracy vs bytes each worker sent ({sub}) — up and left is better",
+                                          f"Test accuracy vs bytes each worker sent\n{sub}; up and to the left is better",
                                           log_x=True),
     }
     if len({r["network"] for r in results["cells"]}) > 1:

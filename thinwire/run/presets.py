@@ -45,6 +45,7 @@ class Preset:
     budget_s: float          # per cell: a cell running longer is stopped and recorded as timed out
     doc: str = ""
     epochs: float | None = None
+    target: float | None = None   # None: the workload's
 
 
 def _kv(text: str, spec: str) -> dict:
@@ -141,7 +142,7 @@ PRESETS: dict[str, Preset] = {
         "wide-mlp", 4, ["wan"],
         ["bsp", "bsp+topk:ratio=0.01,memory=residual", "localsgd:period=8", "cdsgd", "dts:delay=4,period=4",
          *PEERS],
-        budget_s=150,
+        budget_s=150, target=0.9,
         doc="make demo: the communication-heavy MLP (1.1 M params) on a 100 Mbit/s, 50 ms wide-area link, "
             "4 workers; thinwire's main algorithms against PyTorch's own options"),
     "paper-cdsgd": Preset(

@@ -116,7 +116,8 @@ class Priority(Profiled):
             for u in us:
                 self.unit_params[u] += 1
         self.flat = [torch.zeros(self.numel, dtype=p0.dtype), torch.zeros(self.numel, dtype=p0.dtype)]
-        self.result = torch.zeros(self.numel, dtype=p0.dtype)
+        self._result_buf = torch.zeros(self.numel, dtype=p0.dtype)
+        self.result = self._result_buf
         self.cur = 0
         self.order = list(reversed(range(len(self.units))))   # FIFO in backward order until planned
         self._thread: threading.Thread | None = None
@@ -155,8 +156,11 @@ class Priority(Profiled):
     # -- backward: mark chunks ready; the launcher thread sends them ------------------------------------
     def before_first_grad(self) -> None:
         self.flush()
-        self._thread = threading.Thread(target=self._launcher, args=(self.flat[self.cur], list(self.order),
-                                        self._unit_ready, self._unit_done), name="thinwire-priority", daemon=True)
+        # in place (identity exchange): the averages land in the buffer that was sent, kept until the next flush
+        self._launch_result = self.flat[self.cur] if self._inplace else self._result_buf
+        self._thread = threading.Thread(target=self._launcher, args=(self.flat[self.cur], self._launch_result,
+                                        list(self.order), self._unit_ready, self._unit_done),
+                                        name="thinwire-priority", daemon=True)
         self._thread.start()
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -179,33 +183,34 @@ class Priority(Profiled):
             if self._left[u] == 0:
                 self._unit_ready[u].set()
 
-    def _launcher(self, flat, order, ready, done) -> None:
+    def _launcher(self, flat, result, order, ready, done) -> None:
         inflight: collections.deque = collections.deque()   # (unit, handle, bytes)
         busy = 0
         try:
             for u in order:
                 ready[u].wait()
                 while inflight and busy + self.unit_bytes[u] > self.credit:
-                    busy -= self._complete(inflight.popleft(), done)
+                    busy -= self._complete(inflight.popleft(), result, done)
                 lo, hi = self.units[u]
                 with self.tracer.span(f"start chunk {u}", "compress", bytes=self.unit_bytes[u]):
-                    h = self.exchange.start(flat[lo:hi], f"chunk:{lo}-{hi}")
+                    h = self.start_exchange(flat[lo:hi], f"chunk:{lo}-{hi}")
                 inflight.append((u, h, self.unit_bytes[u]))
                 busy += self.unit_bytes[u]
             while inflight:
-                self._complete(inflight.popleft(), done)
+                self._complete(inflight.popleft(), result, done)
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
             self._error = e
             for ev in done:
                 ev.set()
 
-    def _complete(self, item, done) -> int:
+    def _complete(self, item, result, done) -> int:
         u, h, nbytes = item
         while not h.is_completed():    # poll: waiting here is not exposed time, the training thread goes on
             time.sleep(2e-4)
         res = h.wait()
         lo, hi = self.units[u]
-        self.result[lo:hi].copy_(res.reshape(-1))
+        if res.data_ptr() != result[lo:hi].data_ptr():
+            result[lo:hi].copy_(res.reshape(-1))
         done[u].set()
         return nbytes
 
@@ -220,6 +225,7 @@ class Priority(Profiled):
                 self._mark(i)
         self._pending = set(range(len(self.params)))
         self._done_events = self._unit_done
+        self.result = self._launch_result
         self.cur ^= 1                            # the next backward accumulates into the other buffer
         with torch.no_grad():
             self.flat[self.cur].zero_()

@@ -57,6 +57,10 @@ class Scheduler:
         if self.overlap:
             for p in self.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        # the identity exchange of a bucket is an in-place all-reduce (mean), as DDP's: no copy, no allocation
+        comp, mem = getattr(exchange, "compressor", None), getattr(exchange, "memory", None)
+        self._inplace = (getattr(comp, "name", "") == "none" and getattr(mem, "name", "") == "none"
+                         and getattr(exchange, "collective", "allreduce") in ("allreduce", "auto"))
         if self.pipelined is None:
             self.pipelined = self.overlap and getattr(exchange.compressor, "name", "none") != "none"
         if self.pipelined:
@@ -119,7 +123,18 @@ class Scheduler:
 
     def _start(self, b: int, buf: torch.Tensor, key: str):
         with self.tracer.span(f"start bucket {b}", "compress", bytes=buf.numel() * buf.element_size()):
+            shapes = [tuple(self.params[i].shape) for i in self.buckets.buckets[b].members]
+            return self.start_exchange(buf, key, shapes=shapes)   # PowerSGD compresses each matrix
+
+    def start_exchange(self, buf: torch.Tensor, key: str, shapes=None):
+        """`Exchange.start(buf, key)`; for the identity compressor, the same all-reduce issued in place."""
+        if self._inplace:
+            if getattr(self.exchange, "check_finite", False) and hasattr(self.exchange, "_check_finite"):
+                self.exchange._check_finite(buf, key)    # the exchange's NaN/Inf policy, kept
+            return self.transport.all_reduce(buf, op="mean", async_op=True)
+        if shapes is None:
             return self.exchange.start(buf, key)
+        return self.exchange.start(buf, key, shapes=shapes)
 
     # -- the step --------------------------------------------------------------------------------------
     def start_all(self) -> None:

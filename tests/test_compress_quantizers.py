@@ -1,0 +1,327 @@
+"""Quantizers, bit packing, residual memories and the compressor benchmark (single process, pure logic)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thinwire.compress import Payload, compressors, memories
+from thinwire.compress.bitpack import pack, packed_nbytes, unpack
+from thinwire.compress.finite import NonFiniteError
+from thinwire.compress.rounding import Uniforms
+from thinwire.errors import UserError
+
+QUANTIZERS = ["fp16", "bf16", "int8", "onebit", "signsgd", "signum", "efsignsgd", "qsgd", "terngrad", "natural"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def payload_bytes(name: str, n: int) -> int:
+    """What each quantizer must send for n elements, from its definition (packed sizes, scales, norms)."""
+    ones = packed_nbytes(n, 1)
+    return {"fp16": 2 * n, "bf16": 2 * n, "int8": n + 4, "onebit": ones + 8, "signsgd": ones, "signum": ones,
+            "efsignsgd": ones + 4, "qsgd": packed_nbytes(n, 4) + 4 * math.ceil(n / 512),
+            "terngrad": packed_nbytes(n, 2) + 4, "natural": n + ones}[name]
+
+
+# ---------------------------------------------------------------- bit packing
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 8), n=st.integers(0, 200), seed=st.integers(0, 2**16))
+def test_pack_unpack_round_trip(bits, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (n,), generator=g, dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n, bits)
+    assert packed.numel() * 8 >= n * bits and packed.numel() * 8 - n * bits < 8 * bits   # < 8 codes of padding
+    assert torch.equal(unpack(packed, bits, n), codes)
+    assert torch.equal(codes, torch.randint(0, 2 ** bits, (n,), generator=torch.Generator().manual_seed(seed),
+                                            dtype=torch.uint8)), "pack must not modify its input by default"
+
+
+def test_pack_layout_is_little_endian_bits():
+    codes = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1, 1], dtype=torch.uint8)
+    assert pack(codes, 1).tolist() == [0b10000001, 0b00000011]
+    assert pack(torch.tensor([1, 2, 3, 0], dtype=torch.uint8), 2).tolist() == [1 | 2 << 2 | 3 << 4, 0]
+    with pytest.raises(ValueError):
+        unpack(torch.zeros(3, dtype=torch.uint8), 2, 100)
+
+
+# ---------------------------------------------------------------- round trips, sizes, exact cases
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_round_trip_shapes_dtypes_and_payload_sizes(name):
+    comp = compressors.get(name)
+    for shape in [(), (0,), (1,), (7,), (3, 5), (2, 3, 11), (1025,)]:
+        for dtype in DTYPES:
+            x = torch.randn(shape).to(dtype)
+            p = comp.compress(x, key=("t", shape), step=1)
+            y = comp.decompress(p)
+            assert y.shape == x.shape and y.dtype == x.dtype, (name, shape, dtype)
+            assert p.nbytes == payload_bytes(name, x.numel()), (name, shape, p.nbytes)
+            assert all(t.dtype in (torch.uint8, torch.float32, torch.float16, torch.bfloat16, torch.int8)
+                       for t in p.tensors)
+    n = 8 * 4096
+    actual = comp.compress(torch.randn(n), key="big").nbytes * 8 / n
+    assert abs(actual - comp.nominal_bits(n)) <= 0.03 * comp.nominal_bits(n)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 3000), seed=st.integers(0, 1000))
+def test_sign_methods_send_the_signs(n, seed):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    sign = torch.where(x >= 0, 1.0, -1.0)
+    assert torch.equal(compressors.get("signsgd").decompress(compressors.get("signsgd").compress(x)), sign)
+    ef = compressors.get("efsignsgd")
+    assert torch.allclose(ef.decompress(ef.compress(x)), sign * x.abs().mean(), rtol=1e-5)
+    ob = compressors.get("onebit")
+    y = ob.decompress(ob.compress(x))
+    pos, neg = x[x >= 0], x[x < 0]
+    if len(pos):
+        assert torch.allclose(y[x >= 0], pos.mean().expand(len(pos)), rtol=1e-4, atol=1e-6)
+    if len(neg):
+        assert torch.allclose(y[x < 0], neg.mean().expand(len(neg)), rtol=1e-4, atol=1e-6)
+
+
+def test_lossless_cases_are_exact():
+    ints = torch.arange(-127, 128, dtype=torch.float32)
+    cases = {"fp16": ints, "bf16": ints, "int8": ints, "natural": torch.tensor([0.0, 1, -2, 0.25, -1024, 2.0**-20]),
+             "signsgd": torch.tensor([1.0, -1, 1, 1, -1]), "efsignsgd": torch.tensor([3.0, -3, 3]),
+             "onebit": torch.tensor([2.0, -5, 2, -5, 2]), "terngrad": torch.tensor([0.5, 0, -0.5, 0.5]),
+             "qsgd": torch.arange(-4, 5, dtype=torch.float32) / 4}
+    params = {"terngrad": {"clip": 0}, "qsgd": {"norm": "max", "levels": 4}}
+    for name, x in cases.items():
+        comp = compressors.get(name, **params.get(name, {}))
+        for step in range(3):
+            assert torch.equal(comp.decompress(comp.compress(x, step=step)), x), name
+
+
+# ---------------------------------------------------------------- randomness, unbiasedness, variance
+
+def test_uniforms_are_uniform_and_pairwise_uncorrelated():
+    u = Uniforms(seed=3)
+    a = u(100_003).clone()
+    assert 0 <= float(a.min()) and float(a.max()) < 1
+    assert abs(float(a.mean()) - 0.5) < 0.01 and abs(float(a.var()) - 1 / 12) < 0.005
+    b = u(100_003)
+    assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.02           # fresh numbers each call
+    # pairwise independence is over draws: cells in the same row, the same column, or neither
+    cells = torch.stack([u(2 * 4096)[[0, 1, 4096, 4097]].clone() for _ in range(3000)])
+    corr = torch.corrcoef(cells.T)
+    assert float((corr - torch.eye(4)).abs().max()) < 0.07
+    m = u.mantissas(50_000)
+    assert int(m.min()) >= 0 and int(m.max()) < 2**23
+    assert not torch.equal(Uniforms(seed=3)(10), Uniforms(seed=4)(10))
+    assert torch.equal(Uniforms(seed=3)(10), Uniforms(seed=3)(10))
+
+
+def _monte_carlo(comp, x, trials):
+    ys = torch.stack([comp.decompress(comp.compress(x, key="k", step=t)) for t in range(trials)])
+    return ys.mean(0), ys.var(0), ((ys - x) ** 2).sum(1).mean()
+
+
+def _spacing_bucketed(s, bucket):
+    return lambda x: torch.cat([b.norm().expand(len(b)) for b in x.split(bucket)]) / s
+
+
+@pytest.mark.parametrize("name,params,spacing", [
+    ("qsgd", {}, _spacing_bucketed(7, 512)),
+    ("qsgd", {"levels": 2, "bucket": 16}, _spacing_bucketed(2, 16)),
+    ("qsgd", {"norm": "max"}, lambda x: x.abs().max().expand(len(x)) / 7),
+    ("terngrad", {"clip": 0}, lambda x: x.abs().max().expand(len(x))),
+    ("natural", {}, lambda x: x.abs()),
+    ("int8", {"stochastic": True}, lambda x: x.abs().max().expand(len(x)) / 127)])
+def test_unbiased_compressors_are_unbiased(name, params, spacing):
+    comp = compressors.get(name, **params)
+    assert comp.unbiased
+    x = torch.randn(200, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 3, 200)
+    trials = 3000
+    mean, var, _ = _monte_carlo(comp, x, trials)
+    # 5 standard errors; the variance is at least that of a 1/trials-probability jump of one level spacing (so an
+    # element that rounds the rare way ~once in `trials` is not judged on an empirical variance of 0)
+    var = torch.maximum(var, spacing(x) ** 2 / trials)
+    tol = 5 * (var / trials).sqrt() + 1e-5 * (x.abs() + 1e-3)     # exact levels still round in fp32
+    assert bool(((mean - x).abs() <= tol).all()), float(((mean - x).abs() / tol).max())
+
+
+def test_terngrad_is_unbiased_for_the_clipped_gradient():
+    comp = compressors.get("terngrad")        # clip = 2.5 sigma
+    x = torch.randn(400, generator=torch.Generator().manual_seed(2))
+    x[:3] = torch.tensor([9.0, -8.0, 7.5])    # outliers beyond 2.5 sigma
+    c = 2.5 * float(x.std())
+    mean, var, _ = _monte_carlo(comp, x, 3000)
+    tol = 5 * (torch.maximum(var, torch.tensor(c) ** 2 / 3000) / 3000).sqrt() + 1e-5
+    assert bool(((mean - x.clamp(-c, c)).abs() <= tol).all())
+
+
+def test_variance_bounds():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1024, generator=g) * torch.rand(1024, generator=g)
+    for s, bucket in [(1, 1024), (4, 256), (7, 512)]:
+        _, _, err = _monte_carlo(compressors.get("qsgd", levels=s, bucket=bucket), x, 400)
+        bound = sum(min(bucket / s**2, math.sqrt(bucket) / s) * float(b.norm()) ** 2 for b in x.split(bucket))
+        assert float(err) <= 1.05 * bound        # seed 002 §5.2.1: E||C(g) - g||^2 <= min(d/s^2, sqrt(d)/s)||g||^2
+    _, _, err = _monte_carlo(compressors.get("natural"), x, 400)
+    assert float(err) <= 1.05 * float(x.norm()) ** 2 / 8     # seed 002 §5.2.2: omega = 1/8
+    _, _, err = _monte_carlo(compressors.get("terngrad", clip=0), x, 400)
+    assert float(err) <= 1.05 * float(x.abs().max() * x.abs().sum())   # E||C||^2 <= ||g||_inf ||g||_1
+
+
+def test_local_randomness_is_seeded():
+    x = torch.randn(1000)
+    a, b, c = (compressors.get("qsgd", seed=s) for s in (1, 1, 2))
+    pa, pb, pc = (comp.compress(x, key="k", step=0) for comp in (a, b, c))
+    assert torch.equal(pa.tensors[0], pb.tensors[0]) and not torch.equal(pa.tensors[0], pc.tensors[0])
+
+
+# ---------------------------------------------------------------- all-reduce algebra
+
+@pytest.mark.parametrize("name,params", [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"stochastic": True}),
+                                         ("qsgd", {}), ("qsgd", {"levels": 100}), ("terngrad", {})])
+@pytest.mark.parametrize("world", [1, 3, 40])
+def test_linear_payloads_sum_like_the_decompressed_values(name, params, world):
+    comp = compressors.get(name, **params)
+    assert comp.linear and comp.aggregation == "allreduce"
+    g = torch.Generator().manual_seed(world)
+    xs = [torch.randn(37, 29, generator=g) * (r + 1) for r in range(world)]
+    agreed = None
+    if comp.agree(xs[0]) is not None:
+        agreed = torch.stack([comp.agree(x) for x in xs]).amax(0)      # what all-reduce MAX gives every rank
+    payloads = [comp.compress(x, key="k", step=0, agreed=agreed) for x in xs]
+    wide = [comp.sum_payload(p, world) for p in payloads]
+    summed = [torch.stack([w.tensors[i] for w in wide]).sum(0, dtype=wide[0].tensors[i].dtype)
+              for i in range(len(wide[0].tensors))]
+    for w in summed:
+        if not w.is_floating_point():
+            assert w.abs().max() <= torch.iinfo(w.dtype).max
+    total = comp.decompress(Payload(summed, ctx=wide[0].ctx))
+    expect = sum(comp.decompress(p) for p in payloads)
+    exact = name not in ("fp16", "bf16")
+    tol = dict(rtol=0, atol=1e-4 * world) if exact else dict(rtol=2e-2, atol=2e-2 * world)
+    assert total.shape == xs[0].shape and torch.allclose(total, expect, **tol)
+
+
+def test_fp16_sum_of_ranks_does_not_overflow():
+    comp = compressors.get("fp16")
+    x = torch.full((10,), 40000.0)
+    wide = [comp.sum_payload(comp.compress(x), 4) for _ in range(4)]
+    total = comp.decompress(Payload([sum(w.tensors[0] for w in wide)], ctx=wide[0].ctx))
+    assert torch.isfinite(total).all() and torch.allclose(total, 4 * x, rtol=1e-3)
+
+
+def test_aggregation_flags():
+    assert {compressors.get(n).aggregation for n in ("signsgd", "signum")} == {"majority"}
+    assert {compressors.get(n).aggregation for n in ("onebit", "efsignsgd", "natural")} == {"allgather"}
+    assert compressors.get("qsgd", aggregation="allgather").aggregation == "allgather"
+    assert compressors.get("terngrad").randomness == "local" and compressors.get("int8").randomness == "none"
+
+
+# ---------------------------------------------------------------- memories
+
+@pytest.mark.parametrize("name", ["onebit", "signsgd", "efsignsgd", "qsgd", "terngrad", "int8"])
+def test_error_feedback_invariant(name):
+    comp, mem = compressors.get(name), memories.get("residual")
+    g = torch.Generator().manual_seed(0)
+    sent_total, in_total = torch.zeros(300, dtype=torch.float64), torch.zeros(300, dtype=torch.float64)
+    for step in range(20):
+        grad = torch.randn(300, generator=g)
+        c = mem.compensate(grad, "w")
+        sent = comp.decompress(comp.compress(c, key="w", step=step))
+        mem.update(c, "w", sent)
+        sent_total += sent.double()
+        in_total += grad.double()
+    assert torch.allclose(sent_total + mem.residuals["w"].double(), in_total, atol=1e-4)
+
+
+def test_residual_beta_gamma_and_state():
+    mem = memories.get("residual", beta=0.5, gamma=2.0)
+    g = torch.ones(4)
+    assert torch.equal(mem.compensate(g, "a"), 2 * g)
+    mem.update(2 * g, "a", torch.zeros(4))                      # nothing sent: residual 2
+    assert torch.equal(mem.compensate(g, "a"), 0.5 * 2 * g + 2 * g)
+    other = memories.get("residual", beta=0.5, gamma=2.0)
+    other.load_state_dict(mem.state_dict())
+    assert torch.equal(other.compensate(g, "a"), mem.compensate(g, "a"))
+    assert torch.equal(mem.compensate(torch.ones(5), "a"), 2 * torch.ones(5))   # a new shape starts afresh
+    with pytest.raises(UserError):
+        memories.get("residual", gamma=0)
+
+
+def test_lr_scaled_memory_invariant():
+    comp, mem = compressors.get("efsignsgd"), memories.get("efsignsgd", lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    sent_total, in_total = torch.zeros(100, dtype=torch.float64), torch.zeros(100, dtype=torch.float64)
+    for step in range(15):
+        grad = torch.randn(100, generator=g)
+        p = mem.compensate(grad, "w")
+        sent = comp.decompress(comp.compress(p, key="w", step=step))
+        mem.update(p, "w", sent)
+        sent_total += sent.double()
+        in_total += grad.double()
+    # seed 002 EF-SignSGD [58]: lr * sum(Delta / lr) + e_final = lr * sum(g)
+    assert torch.allclose(0.05 * sent_total + mem.errors["w"].double(), 0.05 * in_total, atol=1e-5)
+    mem.lr = 0.1               # the stored error is in update units: compensating divides by the current lr
+    assert torch.allclose(mem.compensate(torch.zeros(100), "w"), mem.errors["w"] / 0.1)
+
+
+def test_signum_momentum_and_state():
+    comp = compressors.get("signum", beta=0.5)
+    comp.compress(torch.tensor([1.0, -1.0]), key="m")
+    y = comp.decompress(comp.compress(torch.tensor([-0.4, 0.4]), key="m"))    # m = 0.25 - 0.2, -0.25 + 0.2
+    assert y.tolist() == [1.0, -1.0]
+    other = compressors.get("signum", beta=0.5)
+    other.load_state_dict(comp.state_dict())
+    assert torch.equal(other.momenta["m"], comp.momenta["m"])
+
+
+# ---------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_non_finite_input_is_a_clear_error(name):
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(50)
+        x[17] = bad
+        with pytest.raises(NonFiniteError, match=name):
+            compressors.get(name).compress(x, key="layer")
+    big = torch.full((1000,), 3e38)   # finite, but sums overflow: a result that is finite, or an overflow error
+    if name not in ("fp16", "bf16"):
+        comp = compressors.get(name)
+        try:
+            assert torch.isfinite(comp.decompress(comp.compress(big))).all()
+        except NonFiniteError as err:
+            assert "overflows" in str(err) and name in ("onebit", "efsignsgd", "qsgd")
+
+
+def test_fp16_overflow_and_bad_parameters():
+    with pytest.raises(NonFiniteError):
+        compressors.get("fp16").compress(torch.tensor([1e6]))
+    for name, params in [("qsgd", {"levels": 0}), ("qsgd", {"levels": 128}), ("qsgd", {"bucket": 0}),
+                         ("qsgd", {"norm": "l1"}), ("qsgd", {"aggregation": "majority"}),
+                         ("terngrad", {"clip": -1}), ("int8", {"aggregation": "x"}), ("signum", {"beta": 1.0}),
+                         ("fp16", {"scale": 0}), ("efsignsgd", {})]:
+        if name == "efsignsgd":
+            with pytest.raises(UserError):
+                memories.get("efsignsgd", lr=0)
+            continue
+        with pytest.raises(UserError):
+            compressors.get(name, **params)
+    assert compressors.get("qsgd", levels="3").bits == 3            # CLI strings are converted
+
+
+# ---------------------------------------------------------------- benchmark
+
+def test_bench_covers_every_registered_compressor():
+    from thinwire.run.benchmarks.compressors import _table, bench
+    result = bench(4096, compressors.names(), repeat=2)
+    assert set(result) == {"numel", "memcpy_ms", "compressors"} and result["memcpy_ms"] > 0
+    assert [r["name"] for r in result["compressors"]] == compressors.names()
+    keys = {"name", "compress_ms", "decompress_ms", "x_memcpy", "payload_bytes", "bits_per_element",
+            "nominal_bits_per_element"}
+    for row in result["compressors"]:
+        if row["name"] in QUANTIZERS:
+            assert set(row) == keys, row
+            assert row["payload_bytes"] == payload_bytes(row["name"], 4096)
+            assert abs(row["bits_per_element"] - row["nominal_bits_per_element"]) <= 0.03 * row["nominal_bits_per_element"]
+    assert "qsgd" in _table(result)

@@ -1,0 +1,199 @@
+"""The Exchange across real gloo workers: every compressor, every rank the same answer, honest bytes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import thinwire as tw
+from thinwire.compress._sparse import num_kept
+from thinwire.errors import UserError
+from thinwire.exchange import Exchange
+from thinwire.exchange import wire
+
+NATURAL_MEMORY = {"dgc": "dgc", "powersgd": "powersgd", "efsignsgd": "efsignsgd"}
+
+
+def _memory_for(name):
+    mem = NATURAL_MEMORY.get(name, "none")
+    return mem if mem in tw.memories.names() else "none"
+
+
+def every_compressor_worker(rank, world_size):
+    """For each registered compressor: aggregate a parameter, a bucket (flat, with shapes) and the whole
+    model, twice (so warm starts, residuals and per-key steps are exercised). Returns the results by name."""
+    from thinwire.comm import Transport
+    out = {}
+    for name in tw.compressors.names():
+        ex = Exchange(Transport(), name, _memory_for(name))
+        results = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            w = torch.randn(48, 20, generator=g)
+            b = torch.randn(48, generator=g)
+            flat = torch.cat([w.reshape(-1), b])
+            results.append(ex.aggregate(w, key="w"))                                   # a parameter
+            results.append(ex.start(flat, key="bucket", shapes=[(48, 20), (48,)]).wait())  # a bucket
+            results.append(ex.aggregate(torch.randn(3, generator=g), key="tiny"))        # odd sizes
+            results.append(ex.aggregate(torch.randn((), generator=g), key="scalar"))     # 0-d
+        results.append(ex.aggregate(torch.empty(0), key="empty"))
+        out[name] = results
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_gets_the_identical_aggregate(world, pool2, pool4):
+    pool = pool2 if world == 2 else pool4
+    res = pool.run(every_compressor_worker)
+    for name in res[0]:
+        for i, t in enumerate(res[0][name]):
+            assert t.dtype == torch.float32 and torch.isfinite(t).all(), (name, i)
+            for r in range(1, world):
+                assert torch.equal(t, res[r][name][i]), f"{name}: rank {r} differs on result {i}"
+    shapes = [t.shape for t in res[0]["none"]]
+    assert shapes[:4] == [torch.Size([48, 20]), torch.Size([48 * 21]), torch.Size([3]), torch.Size([])]
+
+
+def semantics_worker(rank, world_size):
+    """Exact checks: lossless paths equal the mean, all-reduce and all-gather paths agree, EF invariant."""
+    from thinwire.comm import Transport
+    out = {}
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(-50, 50, (1000,), generator=g).float()           # integers: every mean is exact
+    means = torch.stack([torch.randint(-50, 50, (1000,), generator=torch.Generator().manual_seed(r)).float()
+                         for r in range(world_size)]).mean(0)
+    out["none_allreduce"] = torch.equal(Exchange(Transport(), "none").aggregate(x, "x"), means)
+    out["none_allgather"] = torch.equal(Exchange(Transport(), "none", collective="allgather").aggregate(x, "x"),
+                                        means)
+    out["topk_full"] = torch.equal(Exchange(Transport(), tw.compressors.get("topk", ratio=1.0)).aggregate(x, "x"),
+                                   means)
+    if "fp16" in tw.compressors.names():
+        out["fp16"] = torch.equal(Exchange(Transport(), "fp16").aggregate(x, "x"), means)
+    # randomk: the shared-seed all-reduce equals the gather of the ranks' sparse payloads
+    y = torch.randn(5000, generator=g)
+    a = Exchange(Transport(), tw.compressors.get("randomk", ratio=0.1)).aggregate(y, "y")
+    b = Exchange(Transport(), tw.compressors.get("randomk", ratio=0.1), collective="allgather").aggregate(y, "y")
+    out["randomk_paths"] = float((a - b).abs().max())
+    # countsketch: the all-reduced sketch's estimate equals the estimate of the sketch of the sum
+    cs = tw.compressors.get("countsketch", ratio=0.5, rows=1)
+    out["countsketch"] = Exchange(Transport(), cs).aggregate(y, "cs")
+    out["y"] = y
+    # powersgd's result = P̂ Qᵀ for the mean matrix when every rank holds the same M (rank-r exact case)
+    m = torch.randn(40, 2, generator=torch.Generator().manual_seed(7)) @ torch.randn(
+        2, 30, generator=torch.Generator().manual_seed(8))
+    out["powersgd_exact"] = float((Exchange(Transport(), tw.compressors.get("powersgd", rank=2)).aggregate(m, "m")
+                                   - m).abs().max())
+    # EF invariant across ranks: Σ_t aggregate_t + mean_r residual_r = mean_r Σ_t g_r,t
+    for comp, mem in (("topk", "powersgd"), ("powersgd", "powersgd"), ("dgc", "dgc")):
+        memory = tw.memories.get(mem, momentum=0.0) if mem == "dgc" else tw.memories.get(mem)
+        ex = Exchange(Transport(), comp, memory)
+        total_in, total_out = torch.zeros(30, 20), torch.zeros(30, 20)
+        for step in range(6):
+            gt = torch.randn(30, 20, generator=g)
+            total_in += gt
+            total_out += ex.aggregate(gt, "w")
+        resid = memory.v["w"] if mem == "dgc" else memory.e["w"]
+        out[f"ef_{comp}"] = (total_in, total_out, resid)
+    # start() is asynchronous: several keys in flight, waited in reverse order, same as synchronous
+    ex = Exchange(Transport(), tw.compressors.get("topk", ratio=0.1))
+    ts = [torch.randn(200, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
+    handles = [ex.start(t, f"k{i}") for i, t in enumerate(ts)]
+    async_res = [h.wait() for h in reversed(handles)][::-1]
+    ex2 = Exchange(Transport(), tw.compressors.get("topk", ratio=0.1))
+    out["async"] = all(torch.equal(a, ex2.aggregate(t, f"k{i}")) for i, (a, t) in enumerate(zip(async_res, ts)))
+    # NaN policy: a clear error before anything is sent (every rank has one here, so nobody waits)
+    try:
+        Exchange(Transport(), "topk").aggregate(torch.tensor([1.0, float("nan")]), "bad")
+        out["nan"] = "no error"
+    except FloatingPointError as e:
+        out["nan"] = str(e)
+    # state_dict round trip (residuals, PowerSGD's Q, per-key steps)
+    ex = Exchange(Transport(), "powersgd", "powersgd")
+    ex.aggregate(torch.randn(30, 20, generator=torch.Generator().manual_seed(1)), "w")
+    state = ex.state_dict()
+    ex_b = Exchange(Transport(), "powersgd", "powersgd")
+    ex_b.load_state_dict(state)
+    nxt = torch.randn(30, 20, generator=torch.Generator().manual_seed(2 + rank))
+    out["resume"] = torch.equal(ex.aggregate(nxt, "w"), ex_b.aggregate(nxt, "w"))
+    return out
+
+
+def test_exchange_semantics(pool4):
+    res = pool4.run(semantics_worker)
+    n = len(res)
+    for r in res:
+        assert r["none_allreduce"] and r["none_allgather"] and r["topk_full"]
+        assert r.get("fp16", True)
+        assert r["randomk_paths"] < 1e-5
+        assert r["powersgd_exact"] < 1e-3
+        assert r["async"] and r["resume"]
+        assert "non-finite" in r["nan"] and "'bad'" in r["nan"]
+    # countsketch linearity across ranks: the all-reduced sketch decodes like the sketch of the mean
+    cs = tw.compressors.get("countsketch", ratio=0.5, rows=1)
+    mean_y = torch.stack([r["y"] for r in res]).mean(0)
+    want = cs.decompress(cs.compress(mean_y, key="cs"))
+    assert torch.allclose(res[0]["countsketch"], want, atol=1e-5)
+    for comp in ("topk", "powersgd", "dgc"):
+        total_in = sum(r[f"ef_{comp}"][0] for r in res) / n
+        resid = sum(r[f"ef_{comp}"][2] for r in res) / n
+        total_out = res[0][f"ef_{comp}"][1]
+        assert torch.allclose(total_out + resid, total_in, atol=1e-4), comp
+
+
+def bytes_worker(rank, world_size):
+    """The meter's bytes for one exchange of each kind, next to the payload sizes."""
+    from thinwire.comm import Transport
+    out = {}
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(rank))
+    for name, comp, coll in (("none", "none", "auto"), ("topk", tw.compressors.get("topk", ratio=0.01), "auto"),
+                             ("threshold", tw.compressors.get("threshold", threshold=2.5), "auto"),
+                             ("randomk", tw.compressors.get("randomk", ratio=0.01), "auto"),
+                             ("qsparse", tw.compressors.get("qsparse", ratio=0.01), "auto")):
+        t = Transport()
+        ex = Exchange(t, comp, collective=coll)
+        ex.aggregate(x, "x")
+        payload = ex.compressor.compress(x, "x", 0)
+        out[name] = (t.meter.totals()["bytes_sent"], payload.nbytes, wire.packed_size(payload.tensors))
+    t = Transport()
+    m = torch.randn(200, 100)
+    Exchange(t, tw.compressors.get("powersgd", rank=3)).aggregate(m, "m")
+    out["powersgd"] = t.meter.totals()["bytes_sent"]
+    return out
+
+
+def test_bytes_on_the_wire_match_payloads(pool4):
+    res = pool4.run(bytes_worker)
+    n = 4
+    ring = 2 * (n - 1) / n
+    for r in res:
+        sent, nbytes, packed = r["none"]
+        assert sent == pytest.approx(ring * 4 * 100_000)
+        sent, nbytes, packed = r["topk"]                      # fixed size: one gather, no size exchange
+        k = num_kept(0.01, 100_000)
+        assert nbytes == 8 * k and sent == (n - 1) * packed
+        sent, nbytes, packed = r["randomk"]                   # values only, all-reduced
+        assert sent == pytest.approx(ring * 4 * k)
+        sent, nbytes, packed = r["qsparse"]
+        assert sent == (n - 1) * packed
+        assert r["powersgd"] == pytest.approx(ring * 4 * 3 * (200 + 100))
+    # threshold: variable sizes, padded to the largest and preceded by an 8-byte size exchange per peer
+    largest = max(r["threshold"][2] for r in res)
+    for r in res:
+        assert r["threshold"][0] == (n - 1) * (largest + 8)
+
+
+def test_construction_errors():
+    class FakeTransport:
+        world_size, rank = 2, 0
+    t = FakeTransport()
+    with pytest.raises(UserError, match="valid: allgather"):
+        Exchange(t, "topk", collective="allreduce")
+    with pytest.raises(UserError, match="valid: custom"):
+        Exchange(t, "powersgd", collective="allgather")
+    with pytest.raises(UserError, match="unknown collective"):
+        Exchange(t, "none", collective="ring")
+    with pytest.raises(UserError):
+        Exchange(t, "none", bogus=1)
+    assert Exchange(t, "randomk", collective="allgather").collective == "allgather"
+    assert math.isclose(Exchange(t, "topk").compressor.ratio, 0.01)

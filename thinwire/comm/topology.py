@@ -1,0 +1,147 @@
+"""Gossip topologies: who talks to whom at each step, with the mixing matrix W and its spectral gap.
+
+Static topologies use Metropolis–Hastings weights W_ij = 1/(1 + max(d_i, d_j)) on their edges and
+W_ii = 1 - Σ_j W_ij (catalog §2.2.3 [SUPP]): symmetric and doubly stochastic (W = Wᵀ, W1 = 1; seed 000 §VIII,
+with its printed "W1 = W" corrected, catalog Appendix B item 10). The spectral gap is 1 - ρ with
+ρ = max(|λ2(W)|, |λn(W)|), the second-largest eigenvalue magnitude (Appendix B item 10).
+
+| name | edges | W | gap (n = 4 / 8 / 16) |
+| --- | --- | --- | --- |
+| `ring` | i ± 1 | 1/3 each (1/2 for n = 2) | 0.667 / 0.195 / 0.051 |
+| `torus` | 2-D grid X×Y with wrap-around (n = X·Y, X, Y ≥ 2) | Metropolis–Hastings | 0.667 / 0.5 / 0.4 |
+| `exponential` | i ± 2^k, k = 0..⌊log2(n-1)⌋ | Metropolis–Hastings | 1 / 0.667 / 0.5 |
+| `random` | a random perfect matching, drawn per step from (seed, step) | 1/2 with the partner | gap of E[W]: n/(2(n-1)) for even n: 0.667 / 0.571 / 0.533 |
+| `complete` | everyone | 11ᵀ/n | 1 |
+
+`random` changes every step (every rank draws the same matching from the seed); its `matrix(step)` is that
+step's W and its `spectral_gap()` the gap of the expected matrix E[W] (a single matching is disconnected).
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from ..errors import UserError
+from ..net.cost import grid_shape
+
+NAMES = ("ring", "torus", "exponential", "random", "complete")
+
+
+class Topology:
+    """Neighbours and mixing weights of `n` ranks under one named topology."""
+
+    def __init__(self, name: str, n: int, seed: int = 0):
+        if name not in NAMES:
+            raise UserError(f"unknown topology {name!r}; valid: {', '.join(NAMES)}")
+        if n < 1:
+            raise UserError(f"a topology needs at least one rank, got {n}")
+        if name == "torus":
+            x, y = grid_shape(n)
+            if n > 1 and (x < 2 or y < 2):
+                raise UserError(f"topology 'torus' needs a world size that is a product X·Y with X, Y >= 2 "
+                                f"(4, 6, 8, 9, ...), got {n}; valid here: ring, exponential, random, complete")
+        self.name, self.n, self.seed = name, n, seed
+        self.static = name != "random"
+        self._W = self._static_matrix() if self.static else None
+
+    # -- edges ---------------------------------------------------------------------------------------------
+    def _edges(self, i: int) -> list[int]:
+        n = self.n
+        if n == 1:
+            return []
+        if self.name == "ring":
+            peers = [(i + 1) % n, (i - 1) % n]
+        elif self.name == "complete":
+            peers = [j for j in range(n) if j != i]
+        elif self.name == "exponential":
+            peers = []
+            k = 1
+            while k < n:
+                peers += [(i + k) % n, (i - k) % n]
+                k <<= 1
+        else:  # torus: rank = row·X + column
+            x, y = grid_shape(n)
+            r, c = divmod(i, x)
+            peers = [r * x + (c + 1) % x, r * x + (c - 1) % x, ((r + 1) % y) * x + c, ((r - 1) % y) * x + c]
+        out = []
+        for p in peers:  # dedupe, keep order, drop self
+            if p != i and p not in out:
+                out.append(p)
+        return out
+
+    def matching(self, step: int) -> list[int]:
+        """The partner of every rank at `step` (-1: idle), for pairwise gossip. `random`: a uniformly random
+        perfect matching drawn from (seed, step); `ring`: edges (2k, 2k+1) on even steps, (2k+1, 2k+2) on odd
+        ones; others: UserError."""
+        n = self.n
+        partner = [-1] * n
+        if self.name == "random":
+            order = list(range(n))
+            random.Random(self.seed * 1_000_003 + step).shuffle(order)
+            for a, b in zip(order[0::2], order[1::2]):
+                partner[a], partner[b] = b, a
+        elif self.name == "ring":
+            start = step % 2 if n > 2 else 0
+            for a in range(start, start + n - 1, 2):
+                b = (a + 1) % n
+                if partner[a % n] == -1 and partner[b] == -1 and a % n != b:
+                    partner[a % n], partner[b] = b, a % n
+        else:
+            raise UserError(f"pairwise gossip needs topology 'random' or 'ring', got {self.name!r}")
+        return partner
+
+    def neighbors(self, i: int, step: int = 0) -> list[int]:
+        """The ranks `i` exchanges with at `step` (excluding itself)."""
+        if self.static:
+            return self._edges(i)
+        p = self.matching(step)[i]
+        return [] if p < 0 else [p]
+
+    # -- mixing matrix ---------------------------------------------------------------------------------------
+    def _static_matrix(self) -> np.ndarray:
+        n = self.n
+        if self.name == "complete":
+            return np.full((n, n), 1.0 / n)
+        deg = [len(self._edges(i)) for i in range(n)]
+        W = np.zeros((n, n))
+        for i in range(n):
+            for j in self._edges(i):
+                W[i, j] = 1.0 / (1 + max(deg[i], deg[j]))  # Metropolis–Hastings
+            W[i, i] = 1.0 - W[i].sum()
+        return W
+
+    def matrix(self, step: int = 0) -> np.ndarray:
+        """W at `step` (float64, n×n): row i holds the weights rank i gives to every rank."""
+        if self.static:
+            return self._W.copy()
+        W = np.eye(self.n)
+        for i, p in enumerate(self.matching(step)):
+            if p >= 0:
+                W[i, i] = W[i, p] = 0.5
+        return W
+
+    def expected_matrix(self) -> np.ndarray:
+        """E[W] over steps (W itself for static topologies)."""
+        if self.static:
+            return self._W.copy()
+        n = self.n
+        pair = 1.0 / (n - 1) if n % 2 == 0 else 1.0 / n  # probability that a given pair is matched
+        W = np.full((n, n), pair / 2) if n > 1 else np.ones((1, 1))
+        np.fill_diagonal(W, 1.0 - pair / 2 * (n - 1) if n > 1 else 1.0)
+        return W
+
+    def spectral_gap(self) -> float:
+        """1 - max(|λ2|, |λn|) of W (of E[W] for `random`)."""
+        if self.n == 1:
+            return 1.0
+        lam = np.sort(np.linalg.eigvalsh(self.expected_matrix()))
+        return float(1.0 - max(abs(lam[-2]), abs(lam[0])))
+
+    def weight(self, i: int, j: int, step: int = 0) -> float:
+        return float(self.matrix(step)[i, j]) if not self.static else float(self._W[i, j])
+
+
+def check_topology(name: str, n: int) -> None:
+    """UserError (naming the valid choices) when `name` is not a topology for `n` ranks."""
+    Topology(name, n)
