@@ -284,3 +284,43 @@ def test_trace_shows_next_forward_during_communication(pool4, tmp_path):
         assert forwards == 12 and overlapped == [False, False] + [True] * 9
     for overlapped, forwards in counts["bitsgd"]:  # synchronous: never
         assert forwards == 12 and overlapped == [False] * 11
+
+
+# -- the parameter server: 3 workers + 1 server ---------------------------------------------------------------
+def _ps_suite(rank, world):
+    from thinwire import Trainer
+    from thinwire.run import workloads
+    wl = workloads.get("linreg")
+    out = {}
+    for name, alg, params in (("cd", "cdsgd", {"k": 3, "warmup": 3, "local_lr": ETA_LOC, "threshold": ALPHA}),
+                              ("od", "odsgd", {"warmup": 3, "local_lr": ETA_LOC}),
+                              ("bit", "bitsgd", {"threshold": ALPHA})):
+        model = wl.model(0)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOM)
+        trainer = Trainer(model, opt, algorithm=alg, architecture="ps", servers=1, **params)
+        if trainer.algorithm.role == "server":
+            trainer.algorithm.serve()
+            continue
+        x, y = wl.shard(rank, world - 1)
+        loader = workloads.ShardLoader(x, y, BATCH, seed=0, rank=rank)
+        for _ in range(14):
+            xb, yb = loader.next()
+            wl.loss(model(xb), yb).backward()
+            trainer.step()
+            opt.zero_grad(set_to_none=False)
+        trainer.close()
+        out[name] = (torch.cat([q.detach().reshape(-1) for q in model.parameters()]), trainer.metrics())
+    return out
+
+
+def test_parameter_server_matches_the_equations(pool4):
+    res = pool4.run(_ps_suite)
+    assert res[3] == {}                                    # rank 3 served
+    want = {"cd": _simulate(3, 14, 3, 3, ETA_LOC, compressed=True)[-1],
+            "od": _simulate(3, 14, 3, 1, ETA_LOC, compressed=False)[-1],
+            "bit": _simulate(3, 14, 0, 0, 0.0, compressed=True, local=False)[-1]}
+    for rank in range(3):
+        for name, w in want.items():
+            got, metrics = res[rank][name]
+            assert torch.allclose(got, w, rtol=1e-10, atol=1e-12), (rank, name)
+    assert res[0]["cd"][1]["psi_s"] is not None and res[0]["cd"][1]["predicted_step_s"] is not None

@@ -76,6 +76,16 @@ def _two_servers(rank, world_size):
     return out
 
 
+def _test_loss(flat):
+    """linreg test MSE of the flat parameters (None: the initial model)."""
+    wl = workloads.get("linreg")
+    model = wl.model(0)
+    if flat is not None:
+        with torch.no_grad():
+            model.weight.copy_(flat.view_as(model.weight))
+    return wl.evaluate(model)
+
+
 @pytest.fixture(scope="module")
 def k1(pool4):
     return pool4.run(_equivalences, network="lan")
@@ -112,15 +122,14 @@ def test_ssp_with_zero_staleness_equals_bsp_on_ps(k1):
 
 def test_ssp_and_backup_run_and_record(k1):
     w = k1[0]
-    # s = 3 lets workers run ahead; it still trains (the loss-bearing weights moved the same way)
-    assert torch.isfinite(w["ssp3"]).all()
-    assert torch.allclose(w["ssp3"], w["bsp_ps"], atol=0.2)
+    # s = 3 lets workers run ahead on stale models; it still trains
+    assert _test_loss(w["ssp3"]) < 0.5 * _test_loss(None)
+    assert _test_loss(w["backup"]) < 0.5 * _test_loss(None)
     server = k1[3]["ssp3_metrics"]
     assert sum(server["staleness_hist"].values()) == 3 * STEPS
     assert server["staleness_max"] <= 3
     bk = k1[3]["backup_metrics"]
     assert bk["dropped"] + bk["ps_updates"] * 2 == 3 * STEPS  # each round takes the first 2 of 3
-    assert torch.isfinite(w["backup"]).all()
 
 
 def test_server_bytes_show_the_incast(k1):

@@ -117,7 +117,9 @@ def several_buckets(rank, world_size):
     for name, opts in [("none", {"schedule": "none"}),
                        ("fusion", {"schedule": "fusion", "bucket_mb": 0.0003, "first_bucket_mb": 0.0}),
                        ("pipe", {"schedule": "fusion", "bucket_mb": 0.0003, "first_bucket_mb": 0.0,
-                                 "pipeline": True})]:
+                                 "pipeline": True}),
+                       ("serial", {"schedule": "fusion", "bucket_mb": 0.0003, "first_bucket_mb": 0.0,
+                                   "serial": True})]:
         torch.manual_seed(0)
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -136,8 +138,9 @@ def several_buckets(rank, world_size):
 def test_several_buckets_and_pipeline(pool2):
     res = pool2.run(several_buckets)
     for r in res:
-        assert r["fusion"][1] > 2 and r["pipe"][1] > 2
-        assert torch.equal(r["fusion"][0], r["none"][0]) and torch.equal(r["pipe"][0], r["none"][0])
+        assert r["fusion"][1] > 2 and r["pipe"][1] > 2 and r["serial"][1] > 2
+        for name in ("fusion", "pipe", "serial"):
+            assert torch.equal(r[name][0], r["none"][0]), name
 
 
 # -- single-process logic ------------------------------------------------------------------------------

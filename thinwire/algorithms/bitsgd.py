@@ -18,6 +18,6 @@ class BitSGD(CDSGD):
     local_update = False
     overlapped = False
 
-    def __init__(self, architecture: str | None = None):
+    def __init__(self, architecture: str | None = None, servers: int = 0):
         Algorithm.__init__(self, architecture)
-        self._configure(k=0, warmup=0, local_lr=None)
+        self._configure(k=0, warmup=0, local_lr=None, servers=servers)

@@ -17,20 +17,22 @@ class BSP(Algorithm):
 
     def __init__(self, architecture: str | None = None, servers: int = 0, schedule: str = "fusion",
                  bucket_mb: float = 25.0, pipeline: bool | None = None, chunk_mb: float = 0.0,
-                 credit_mb: float = 0.0, first_bucket_mb: float | None = None, profile_steps: int = 3):
+                 credit_mb: float = 0.0, first_bucket_mb: float | None = None, profile_steps: int = 3,
+                 downlink_compressor: str = "none", serial: bool | None = None):
         super().__init__(architecture)
         # when each gradient enters the exchange (thinwire.sched): none | wfbp | fusion | mgwfbp | priority
         self.scheduler = sched.make(schedule, bucket_mb=bucket_mb, pipeline=pipeline, chunk_mb=chunk_mb,
                                     credit_mb=credit_mb, first_bucket_mb=first_bucket_mb,
-                                    profile_steps=profile_steps)
+                                    profile_steps=profile_steps, serial=serial)
         self.servers = servers  # parameter-server ranks (architecture="ps" only)
+        self.downlink_compressor = downlink_compressor  # the PS's server-to-worker compressor
         if servers and self.architecture != "ps":
             raise UserError(f"bsp with servers={servers} needs architecture=ps (--architecture ps); "
                             f"architecture {self.architecture!r} uses no server ranks")
 
     def setup(self):
         if self.architecture == "ps":  # the PS path lives in ps_sync (role, serve, step, close, metrics)
-            return bsp_on_ps(self, self.servers)
+            return bsp_on_ps(self, self.servers, self.downlink_compressor)
         self.exchange = Exchange(self.transport, self.trainer.compressor, self.trainer.memory)
         self.scheduler.attach(self.model, self.params, self.exchange, self.tracer, self.transport,
                               optimizer=self.optimizer)

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..compress import Compressor
+from ..compress import Compressor, Memory, Payload
 from ..errors import UserError
 from ..exchange import Exchange
 from ..plan import cdsgd as time_model
@@ -87,6 +87,44 @@ class _TimedCompressor(Compressor):
         self.inner.load_state_dict(state)
 
 
+class _KStepCompressor(_TimedCompressor):
+    """(Parameter server) the compressor of push `step` (= the iteration): the inner one where `compressed(step)`,
+    else the identity, so the server decodes every push by the same rule without being told."""
+
+    def __init__(self, inner: Compressor, compressed):
+        super().__init__(inner)
+        self.compressed = compressed
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        if not self.compressed(step):
+            return Payload([tensor.reshape(-1)], ("identity", tensor.shape))
+        p = self._timed(self.inner.compress, tensor, key, step, agreed)
+        return Payload(p.tensors, ("inner", p.ctx), p.extra)
+
+    def decompress(self, payload):
+        kind, ctx = payload.ctx
+        if kind == "identity":
+            return payload.tensors[0].view(ctx)
+        return self._timed(self.inner.decompress, Payload(payload.tensors, ctx, payload.extra))
+
+
+class _GatedMemory(Memory):
+    """(Parameter server) the memory, bypassed on full-precision iterations: the residual is kept, not flushed."""
+
+    def __init__(self, inner: Memory):
+        self.inner, self.active = inner, True
+
+    def setup(self, world_size):
+        self.inner.setup(world_size)
+
+    def compensate(self, tensor, key):
+        return self.inner.compensate(tensor, key) if self.active else tensor
+
+    def update(self, tensor, key, sent):
+        if self.active:
+            self.inner.update(tensor, key, sent)
+
+
 def _sgd_hyper(optimizer) -> dict:
     """The SGD hyper-parameters the global update applies (one value for all parameter groups)."""
     if not isinstance(optimizer, torch.optim.SGD):
@@ -106,7 +144,7 @@ class CDSGD(Algorithm):
     """CD-SGD (seed 001): 2-bit quantized exchange overlapped with the next iteration via a local update
     (eq. 11), a full-precision correction every k-th iteration, after `warmup` synchronous iterations."""
 
-    architectures = ("allreduce",)
+    architectures = ("allreduce", "ps")
     compression = True
     default_compressor = "threshold2bit"
     default_memory = "residual"
@@ -114,13 +152,19 @@ class CDSGD(Algorithm):
     overlapped = True       # the exchange and the global update run in the background
 
     def __init__(self, architecture: str | None = None, k: int = 5, warmup: int = 10,
-                 local_lr: float | None = None):
+                 local_lr: float | None = None, servers: int = 0):
         super().__init__(architecture)
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise UserError(f"cdsgd: k must be an integer >= 1 (1: every iteration full precision), got {k!r}")
-        self._configure(k, warmup, local_lr)
+        self._configure(k, warmup, local_lr, servers)
 
-    def _configure(self, k: int, warmup: int, local_lr: float | None) -> None:
+    def _configure(self, k: int, warmup: int, local_lr: float | None, servers: int = 0) -> None:
+        if servers and self.architecture != "ps":
+            raise UserError(f"{self.name} with servers={servers} needs architecture=ps (--architecture ps)")
+        if not isinstance(servers, int) or isinstance(servers, bool) or servers < 0:
+            raise UserError(f"{self.name}: servers must be an integer >= 0, got {servers!r}")
+        self.servers = servers or 1
+        self.role = "worker"
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
             raise UserError(f"{self.name}: warmup must be an integer >= 0, got {warmup!r}")
         if local_lr is not None and not (isinstance(local_lr, (int, float)) and local_lr > 0):
@@ -133,9 +177,12 @@ class CDSGD(Algorithm):
     # -- wiring ----------------------------------------------------------------------------------------
     def setup(self):
         _sgd_hyper(self.optimizer)
-        self.plain = Exchange(self.transport, "none", "none")
-        self.quant = None
-        if self.compression:
+        self.plain = self.quant = self.ps = None
+        if self.architecture == "ps":
+            self._setup_ps()
+        else:
+            self.plain = Exchange(self.transport, "none", "none")
+        if self.compression and self.architecture != "ps":
             self.timed = _TimedCompressor(self.trainer.compressor)
             self.quant = Exchange(self.transport, self.timed, self.trainer.memory)
         self.W = self.flat_params().clone()     # global weights (rank 0's, broadcast by the Trainer)
@@ -147,11 +194,36 @@ class CDSGD(Algorithm):
         self._samples: dict[str, list[float]] = {k: [] for k in ("tau", "phi", "psi", "delta", "iteration")}
         self._last_start = self._last_end = None
 
+    def _setup_ps(self) -> None:
+        """Parameter server (seed 001 §3.2): the server applies the optimizer to mean_j Q_j(g_{i,j}) (eq. 10)
+        and answers with W_{i+1}; workers keep W^loc. Push i is compressed by the same rule as `_compressed`."""
+        from ..comm.ps import PSLayout, PSServer, PSWorker
+        flat = self.flat_params()
+        self.layout = PSLayout(flat.numel(), self.world_size, self.servers)
+
+        def compressed(step: int) -> bool:
+            return self.compression and step >= self.warmup and (self.k == 0 or (step - self.warmup) % self.k != 0)
+        self.timed = _KStepCompressor(self.trainer.compressor, compressed)
+        if self.layout.is_server(self.rank):
+            self.role = "server"
+            self.server = PSServer(self.transport, self.layout, flat, self.optimizer, compressor=self.timed)
+        else:
+            self.worker_rank = self.rank
+            self.gate = _GatedMemory(self.trainer.memory)
+            self.ps = PSWorker(self.transport, self.layout, flat, compressor=self.timed, memory=self.gate)
+
+    def serve(self) -> None:
+        if self.role != "server":
+            raise RuntimeError(f"rank {self.rank} is a worker, not a server")
+        self.server.serve()
+
     # -- the step --------------------------------------------------------------------------------------
     def _compressed(self, formal: bool) -> bool:
         return self.compression and formal and (self.k == 0 or self.counter % self.k != 0)
 
     def step(self):
+        if self.role == "server":
+            raise RuntimeError(f"rank {self.rank} is a parameter server: call serve(), not step()")
         t_start = _now()
         formal = self.iteration >= self.warmup
         if self._last_end is not None and self.iteration > self.warmup:
@@ -182,6 +254,17 @@ class CDSGD(Algorithm):
     def _global(self, g: torch.Tensor, compressed: bool, hyper: dict) -> None:
         """W_{i+1} = W_i − η·mean_j Q_j(g_{i,j}) (seed 001 eq. 10; eq. 1 when Q is the identity)."""
         t0 = _now()
+        if self.ps is not None:  # the server applies the update; its answer is W_{i+1}
+            self.gate.active = compressed
+            d0 = self.timed.seconds
+            self.W = self.ps.push_pull(g)
+            delta = self.timed.seconds - d0
+            if compressed:
+                self._samples["delta"].append(delta)
+                self._samples["psi"].append(_now() - t0 - delta)
+            else:
+                self._samples["phi"].append(_now() - t0)
+            return
         if compressed:
             d0 = self.timed.seconds
             mean = self.quant.start(g, _KEY).wait()
@@ -214,8 +297,12 @@ class CDSGD(Algorithm):
             pending.result()
 
     def close(self):
+        if self.role == "server":
+            return
         self._drain()
         self.set_flat_params(self.W)
+        if self.ps is not None:
+            self.ps.done()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -232,12 +319,17 @@ class CDSGD(Algorithm):
         return out
 
     def state_dict(self) -> dict:
+        if self.architecture == "ps":
+            raise UserError(f"{self.name} on the parameter server cannot checkpoint yet (the server's shard and "
+                            f"momentum are not saved); checkpoint it on architecture allreduce")
         self._drain()
         return {"iteration": self.iteration, "counter": self.counter, "W": self.W.clone(),
                 "buf": None if self.buf is None else self.buf.clone(), "plain": self.plain.state_dict(),
                 "quant": None if self.quant is None else self.quant.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        if self.architecture == "ps":
+            raise UserError(f"{self.name} on the parameter server cannot resume from a checkpoint yet")
         self._drain()
         self.iteration, self.counter = state["iteration"], state["counter"]
         self.W = state["W"].clone()

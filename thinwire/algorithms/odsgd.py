@@ -20,6 +20,7 @@ class ODSGD(CDSGD):
     default_compressor = "none"
     default_memory = "none"
 
-    def __init__(self, architecture: str | None = None, warmup: int = 10, local_lr: float | None = None):
+    def __init__(self, architecture: str | None = None, warmup: int = 10, local_lr: float | None = None,
+                 servers: int = 0):
         Algorithm.__init__(self, architecture)
-        self._configure(k=1, warmup=warmup, local_lr=local_lr)
+        self._configure(k=1, warmup=warmup, local_lr=local_lr, servers=servers)

@@ -90,10 +90,10 @@ class PSBSP(PSAlgorithm):
     name = "bsp"
 
 
-def bsp_on_ps(alg: Algorithm, servers: int) -> None:
+def bsp_on_ps(alg: Algorithm, servers: int, downlink_compressor: str = "none") -> None:
     """Make a `bsp` instance run on the PS (called from its setup when architecture == "ps"): the PS methods
     replace the all-reduce ones on that instance."""
-    ps = PSBSP("ps", servers=servers or 1)
+    ps = PSBSP("ps", servers=servers or 1, downlink_compressor=downlink_compressor)
     ps.attach(alg.trainer)
     alg._ps = ps
     for attr in ("role", "server", "worker"):

@@ -22,6 +22,6 @@ class SSGD(CDSGD):
     local_update = False
     overlapped = False
 
-    def __init__(self, architecture: str | None = None):
+    def __init__(self, architecture: str | None = None, servers: int = 0):
         Algorithm.__init__(self, architecture)
-        self._configure(k=1, warmup=0, local_lr=None)
+        self._configure(k=1, warmup=0, local_lr=None, servers=servers)

@@ -41,7 +41,7 @@ def parse(spec: str, world_size: int) -> tuple[str, int | None]:
         raise UserError(f"unknown all-reduce algorithm {spec!r}; valid: {', '.join(ALGORITHMS)} "
                         "(hierarchical:GROUP_SIZE, torus:WIDTH)")
     if arg and name not in ("hierarchical", "torus"):
-        raise UserError(f"all-reduce algorithm {name!r} takes no argument; only hierarchical:M and torus:X do")
+        raise UserError(f"all-reduce algorithm {name!r} takes no argument; valid with one: hierarchical:M, torus:X")
     size = None
     if arg:
         try:
@@ -100,13 +100,8 @@ def _exchange(tp, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None
 
 
 def wait_all(handles) -> list:
-    """Wait for several handles whose transfers run at the same time. A handle's emulated transfer starts
-    when its real completion is observed, so observe every real completion before sleeping on any deadline
-    (waiting one by one would serialise a send behind the emulated delivery of a receive)."""
-    for h in handles:
-        for w in getattr(h, "_works", ()):
-            w.wait()
-        h.is_completed()  # records the real completion: schedules the emulated delivery
+    """Wait for several handles whose transfers run at the same time (the Transport timestamps each real
+    completion as it happens, so waiting one after another does not serialise their emulated transfers)."""
     return [h.wait() for h in handles]
 
 

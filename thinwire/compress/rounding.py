@@ -71,6 +71,28 @@ class Uniforms:
         table.bitwise_and_((1 << 23) - 1)
         return table.view(-1)[:numel]
 
+    def offset_uniforms(self, numel: int, offset: int) -> torch.Tensor:
+        """`numel` fp32 numbers offset + u, u pairwise-independent uniform on a grid of [0, 1), built in one
+        broadcast xor: offset + u lies in [2^e, 2^(e+1)) (e = floor(log2 offset)), where a float's low 23 - e
+        mantissa bits step by 2^-(23-e); so the bits are (exponent, offset's bits, A_i ^ B_j) with A, B uniform
+        (23-e)-bit integers. The grid bounds the rounding bias to 2^-(23-e) of a level (2^-23 for offset 1,
+        2^-17 at most for offset <= 127), the order of fp32's own round-off. A view of an internal buffer."""
+        if not 1 <= offset < 2**22:
+            raise ValueError(f"offset must be in 1..2^22, got {offset}")
+        e = offset.bit_length() - 1
+        free = 23 - e
+        prefix = ((127 + e) << 23) | ((offset - (1 << e)) << free)
+        cols = min(_COLS, max(numel, 1))
+        rows = math.ceil(numel / cols) if numel else 0
+        if self._ibuf.numel() < rows * cols:
+            self._ibuf = torch.empty(rows * cols, dtype=torch.int32)
+        table = self._ibuf[: rows * cols].view(rows, cols)
+        gen = self.generator()
+        a = torch.randint(0, 1 << free, (rows, 1), generator=gen, dtype=torch.int32).bitwise_or_(prefix)
+        b = torch.randint(0, 1 << free, (1, cols), generator=gen, dtype=torch.int32)
+        torch.bitwise_xor(a, b, out=table)
+        return table.view(-1)[:numel].view(torch.float32)
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "gen": None if self._gen is None else self._gen.get_state()}
 
@@ -82,14 +104,14 @@ class Uniforms:
 
 def stochastic_codes(x: torch.Tensor, inv_scale: torch.Tensor | float, levels: int, uniforms: Uniforms,
                      bucket: int | None = None, clip: bool = False) -> torch.Tensor:
-    """uint8 codes in [0, 2*levels] of s = floor(x * inv_scale + u) + levels, the unbiased rounding of x * inv_scale
+    """uint8 codes in [0, 2*levels] of floor(x * inv_scale + u) + levels, the unbiased rounding of x * inv_scale
     to the integers -levels..levels (seed 002 §5.2.1: QSGD's xi(g, s) and TernGrad's Bernoulli are both this rounding).
     `inv_scale` is a scalar or one value per bucket of `bucket` elements (the last bucket may be shorter).
     `clip`: values of |x * inv_scale| may exceed `levels` and are clipped to it (TernGrad's clipping); without it
     they must not (QSGD: |x| <= norm), and only float round-off is guarded against, on the bytes."""
     flat = x.reshape(-1)
     n = flat.numel()
-    w = uniforms(n)
+    w = uniforms.offset_uniforms(n, levels)        # levels + u: then x * inv + levels + u >= 0 and trunc is floor
     if bucket is None or not torch.is_tensor(inv_scale) or inv_scale.numel() == 1:
         w.add_(flat, alpha=float(inv_scale))
     else:
@@ -97,7 +119,6 @@ def stochastic_codes(x: torch.Tensor, inv_scale: torch.Tensor | float, levels: i
         w[:full].view(-1, bucket).addcmul_(flat[:full].view(-1, bucket), inv_scale[: n // bucket].view(-1, 1))
         if full < n:
             w[full:].add_(flat[full:], alpha=float(inv_scale[-1]))
-    w.add_(levels)                 # x*inv + u + levels in [0, 2 levels + 1): truncation to uint8 is floor
     if clip:
         return w.clamp_(0, 2 * levels).to(torch.uint8)
-    return w.to(torch.uint8).clamp_(max=2 * levels)   # (-1, 0) truncates to 0; round-off may reach 2 levels + 1
+    return w.to(torch.uint8).clamp_(max=2 * levels)   # round-off may reach 2 levels + 1

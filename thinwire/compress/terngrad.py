@@ -13,7 +13,7 @@ import torch
 from ..errors import UserError
 from . import compressors
 from .base import Compressor, Payload
-from .bitpack import pack, unpack
+from .bitpack import decode, pack, unpack
 from .finite import check_scale
 from .int8 import widen
 from .rounding import Uniforms, stochastic_codes
@@ -39,9 +39,12 @@ class TernGrad(Compressor):
             return torch.zeros(1)
         lo, hi = torch.aminmax(flat)
         scale = torch.maximum(-lo, hi).float()
-        if self.clip > 0 and flat.numel() > 1:
-            scale = torch.minimum(scale, self.clip * torch.std(flat.float() if flat.dtype != torch.float32
-                                                               else flat))
+        n = flat.numel()
+        if self.clip > 0 and n > 1:
+            f = flat if flat.dtype == torch.float32 else flat.float()
+            total, squares = f.sum().double(), torch.dot(f, f).double()   # two fast reductions (torch.std is slow)
+            sigma = ((squares - total * total / n).clamp(min=0) / (n - 1)).sqrt().float()
+            scale = torch.minimum(scale, self.clip * sigma)
         return scale.reshape(1)
 
     def agree(self, tensor, key=None, step=0):
@@ -68,7 +71,7 @@ class TernGrad(Compressor):
         if ctx["summed"]:
             out = payload.tensors[0].to(torch.float32).mul_(s)
         else:
-            out = torch.add(unpack(payload.tensors[0], 2, ctx["numel"]), -1.0).mul_(s)   # (code - 1) s
+            out = decode(payload.tensors[0], 2, ctx["numel"], [-s, 0.0, s, 0.0])   # (code - 1) s
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
     def nominal_bits(self, numel):

@@ -22,6 +22,7 @@ network and the wrapper only counts.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -53,6 +54,9 @@ class _Counter:
         self.wait_s = 0.0
         self.ops = 0
         self._orig = dist.all_reduce
+        self._lock = threading.Lock()
+        self._sleepers = 0           # buckets' callbacks may sleep concurrently: count their union once
+        self._since = 0.0
 
     def __enter__(self):
         dist.all_reduce = self.all_reduce
@@ -76,10 +80,18 @@ class _Counter:
     def deliver(self, cost) -> None:
         t = _now()
         deadline = self.clock.schedule(t, cost)
-        self.emulated_s += max(0.0, deadline - t)
-        if deadline > t:
-            time.sleep(deadline - t)
-            self.wait_s += _now() - t
+        if deadline <= t:
+            return
+        with self._lock:
+            self.emulated_s += deadline - t
+            if self._sleepers == 0:
+                self._since = t
+            self._sleepers += 1
+        time.sleep(deadline - t)
+        with self._lock:
+            self._sleepers -= 1
+            if self._sleepers == 0:
+                self.wait_s += _now() - self._since  # time spent waiting on the link, overlaps counted once
 
     def totals(self) -> dict:
         return {"ops": self.ops, "bytes_sent": self.bytes_sent, "emulated_s": self.emulated_s, "wait_s": self.wait_s}

@@ -30,7 +30,7 @@ def _grid(n: int):
     import matplotlib.pyplot as plt
     cols = min(n, 3)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 4.6 * rows + 1.2), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.8 * rows + 0.6), squeeze=False)
     return fig, [a for row in axes for a in row]
 
 
@@ -50,7 +50,7 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
             xs = [p[x_index] / (1e6 if x_index == 1 else 1) for p in pts]
             s = style[r["label"]]
             h, = ax.plot(xs, [p[2] for p in pts], color=s["color"], ls=s["ls"], marker=s["marker"], ms=3.5,
-                         lw=1.8, label=r["label"] + (" (PyTorch)" if r.get("peer") else ""))
+                         lw=1.8, label=r["label"])
             handles[r["label"]] = h
             lows += [p[2] for p in pts]
             target = r.get("target")
@@ -72,10 +72,10 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
     for ax in axes[len(nets):]:
         ax.axis("off")
     fig.suptitle(title, fontsize=12)
-    fig.legend(handles.values(), [h.get_label() for h in handles.values()], loc="lower center",
-               ncol=min(4, max(1, len(handles))), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(handles) - 1) // 4), 1, 0.93))
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.legend(handles.values(), [h.get_label() for h in handles.values()], loc="center left",
+               bbox_to_anchor=(1.0, 0.5), fontsize=9, frameon=False, title="contestant (dashed: PyTorch)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return os.path.basename(path)
 
@@ -111,7 +111,7 @@ def _ttt(results: dict, path: str) -> str:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return os.path.basename(path)
 

@@ -39,7 +39,7 @@ def _link(network: str) -> str:
 def table(rows: list[dict]) -> list[str]:
     name, _ = _metric(rows[0])
     lines = [f"| rank | contestant | kind | time to target (s) | final {name} | best {name} | step (ms) | "
-             f"MB sent / worker / step | vs fp32 | exposed comm (s) | scalability | predicted step (ms) |",
+             f"MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) |",
              "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for i, r in enumerate(rank(rows), 1):
         kind = "PyTorch peer" if r.get("peer") else "thinwire"
@@ -52,7 +52,7 @@ def table(rows: list[dict]) -> list[str]:
         lines.append(
             f"| {i} | `{r['label']}` | {kind} | {ttt} | {_fmt(r.get('final_' + name), '.3f')} | "
             f"{_fmt(r.get('best_' + name), '.3f')} | {_fmt(r['step_time_s'] * 1e3, '.0f')} | "
-            f"{r['bytes_sent_per_worker_per_step'] / 1e6:.3f} | {_fmt(ratio, '.1f')}× less | "
+            f"{r['bytes_sent_per_worker_per_step'] / 1e6:.3f} | {_fmt(ratio, '.1f')}× | "
             f"{_fmt(r.get('exposed_comm_s'), '.1f')} | {_fmt(r.get('scalability'), '.2f')} | "
             f"{_fmt(None if r.get('predicted_step_time_s') is None else r['predicted_step_time_s'] * 1e3, '.0f')} |")
     return lines
@@ -76,13 +76,13 @@ def verdict(rows: list[dict]) -> str:
         if other is None or other is w:
             return
         if other.get("time_to_target_s") is None:
-            parts.append(f"{what} `{other['label']}` did not reach the target in "
-                         f"{other['train_s']:.1f} s (best {name} {other['best_' + name]:.3f}).")
+            parts.append(f"{what} (`{other['label']}`) did not reach it in {other['train_s']:.1f} s "
+                         f"(best {name} {other['best_' + name]:.3f}).")
         else:
             parts.append(f"That is {other['time_to_target_s'] / w['time_to_target_s']:.1f}× faster than "
-                         f"{what} `{other['label']}` ({other['time_to_target_s']:.1f} s).")
-    vs(next((r for r in ok if r["label"] == "bsp"), None), "synchronous SGD,")
-    vs(next((r for r in ok if r.get("peer")), None), "the best PyTorch option,")
+                         f"{what.lower()} (`{other['label']}`, {other['time_to_target_s']:.1f} s).")
+    vs(next((r for r in ok if r["label"] == "bsp"), None), "Synchronous SGD")
+    vs(next((r for r in ok if r.get("peer")), None), "The best PyTorch option")
     missed = [r["label"] for r in ok if r.get("time_to_target_s") is None]
     if missed:
         parts.append(f"Not reaching the target: {', '.join(f'`{m}`' for m in missed)}.")
@@ -111,8 +111,8 @@ def write_report(results: dict, path: str) -> None:
         "- Every row is its own training run: same workload, seed, data shards, batch size and learning rate.",
         "- **time to target**: training time (evaluations excluded) until the mean test metric of the workers first "
         "reached the target; rows are ranked by it, then by best metric.",
-        "- **MB sent / worker / step**: bytes each worker actually put on the wire per step; **vs fp32**: how many "
-        "times less than an uncompressed fp32 ring all-reduce of the gradients every step.",
+        "- **MB sent / worker / step**: bytes each worker actually put on the wire per step; **fp32 ÷ sent**: how "
+        "many times fewer bytes than an uncompressed fp32 ring all-reduce of the gradients every step.",
         "- **exposed comm**: time the workers waited for communication (not hidden behind compute).",
         "- **scalability**: throughput divided by the throughput of the same workers with no communication at all "
         f"({_fmt(base.get('throughput_samples_s'), '.0f')} samples/s here, {base.get('how', 'not measured')}); "

@@ -104,6 +104,8 @@ def build_trainer(cfg: TrainConfig, wl, model, tracer=None):
 
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Runs in every worker: train, evaluate at intervals, return this rank's records."""
+    from ..comm import set_default_network
+    set_default_network(cfg.network, cfg.seed)
     wl = workloads.get(cfg.workload)
     tracer = Tracer(rank, enabled=cfg.trace)
     model = wl.model(cfg.seed)
@@ -204,6 +206,8 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         "nominal_bytes_per_worker": nominal_step * n_steps,
         "nominal_bytes_per_worker_per_step": nominal_step,
         "bytes_sent_per_server": statistics.fmean(s["meter"]["total"]["bytes_sent"] for s in servers) if servers else None,
+        "bytes_recv_per_server": statistics.fmean(s["meter"]["total"]["bytes_recv"] for s in servers) if servers else None,
+        "server_metrics": servers[0]["metrics"] if servers else None,
         "emulated_comm_s": statistics.fmean(w["meter"]["total"]["emulated_s"] for w in workers),
         "exposed_comm_s": statistics.fmean(w["meter"]["total"]["wait_s"] for w in workers),
         "step_time_s": statistics.median(step_times) if step_times else None,

@@ -15,6 +15,8 @@ Schedules:
 - `priority` P3/ByteScheduler: chunks, input-side first, a credit window, and the update deferred to the next
              forward, layer by layer. It applies the optimizer itself: `attach(..., optimizer=opt)`, then
              `finish_step()` instead of `wait_all()` + `optimizer.step()`, and `flush()` before reading the model.
+`serial=True` (default: on emulated links) keeps one collective in flight at a time, in bucket order, as a NCCL
+stream or Horovod's background thread does: each bucket pays its own start-up α, as the α-β model says.
 `pipeline=True` (default: on when the exchange compresses) compresses bucket b on a background thread while
 bucket b-1 is on the wire and backward goes on. Gradients are views into the bucket buffers (no copy).
 """
@@ -32,16 +34,16 @@ SCHEDULES = ("none", "wfbp", "fusion", "mgwfbp", "priority")
 
 def make(schedule: str = "fusion", bucket_mb: float = 25.0, pipeline: bool | None = None,
          chunk_mb: float = 0.0, credit_mb: float = 0.0, profile_steps: int = 3,
-         first_bucket_mb: float | None = None) -> Scheduler:
+         first_bucket_mb: float | None = None, serial: bool | None = None) -> Scheduler:
     """The scheduler named `schedule` (see the module docstring), not yet attached."""
     if schedule == "none":
         return _named(Scheduler(overlap=False, pipeline=False), "none")
     if schedule == "wfbp":
-        return _named(Scheduler(bucket_mb=0.0, first_bucket_mb=0.0, pipeline=pipeline), "wfbp")
+        return _named(Scheduler(bucket_mb=0.0, first_bucket_mb=0.0, pipeline=pipeline, serial=serial), "wfbp")
     if schedule == "fusion":
-        return Scheduler(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, pipeline=pipeline)
+        return Scheduler(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, pipeline=pipeline, serial=serial)
     if schedule == "mgwfbp":
-        return MGWFBP(profile_steps=profile_steps, pipeline=pipeline)
+        return MGWFBP(profile_steps=profile_steps, pipeline=pipeline, serial=serial)
     if schedule == "priority":
         return Priority(chunk_mb=chunk_mb, credit_mb=credit_mb, profile_steps=profile_steps)
     raise UserError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")

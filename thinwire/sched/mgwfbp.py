@@ -140,9 +140,10 @@ class Profiled(Scheduler):
 class MGWFBP(Profiled):
     name = "mgwfbp"
 
-    def __init__(self, profile_steps: int = 3, pipeline: bool = False):
+    def __init__(self, profile_steps: int = 3, pipeline: bool | None = None, serial: bool | None = None):
         # profiling runs per-layer WFBP (bucket_mb=0): it measures each gradient's own ready time
-        super().__init__(profile_steps=profile_steps, bucket_mb=0.0, first_bucket_mb=0.0, pipeline=pipeline)
+        super().__init__(profile_steps=profile_steps, bucket_mb=0.0, first_bucket_mb=0.0, pipeline=pipeline,
+                         serial=serial)
 
     def plan(self) -> None:
         order = list(reversed(range(len(self.params))))      # backward order

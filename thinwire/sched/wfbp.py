@@ -18,7 +18,7 @@ import torch
 from ..errors import UserError
 from ..trace import NULL
 from .buckets import Buckets, assign
-from .pipeline import Pipeline
+from .pipeline import Pipeline, wait_quietly
 
 _now = time.perf_counter
 MB = 1 << 20
@@ -31,13 +31,17 @@ class Scheduler:
     defers_update = False     # True: step() returns before the update; the next forward applies it
 
     def __init__(self, bucket_mb: float = 25.0, first_bucket_mb: float | None = None, overlap: bool = True,
-                 pipeline: bool | None = None):
+                 pipeline: bool | None = None, serial: bool | None = None):
         if bucket_mb < 0 or (first_bucket_mb is not None and first_bucket_mb < 0):
             raise UserError(f"bucket_mb must be >= 0 (0: one bucket per parameter), got {bucket_mb}")
         self.bucket_bytes = bucket_mb * MB
         self.first_bucket_mb = first_bucket_mb   # None: DDP's 1 MB on links with α <= 1 ms, else no special one
         self.overlap = overlap
         self.pipelined = pipeline                # None: on when the exchange compresses
+        # one collective in flight at a time, in bucket order (a NCCL stream, Horovod's background thread): the
+        # α-β model of WFBP/MG-WFBP (catalog §2.5.2). None: on emulated links, where the link clock would
+        # otherwise let concurrent collectives overlap their start-up latencies; loopback gloo keeps its own.
+        self.serial = serial
         self._hooks: list = []
         self.pipe: Pipeline | None = None
         self.steps = 0
@@ -63,7 +67,9 @@ class Scheduler:
                          and getattr(exchange, "collective", "allreduce") in ("allreduce", "auto"))
         if self.pipelined is None:
             self.pipelined = self.overlap and getattr(exchange.compressor, "name", "none") != "none"
-        if self.pipelined:
+        if self.serial is None:
+            self.serial = self.overlap and self.transport.link.emulated
+        if self.pipelined or self.serial:
             self.pipe = Pipeline()
         return self
 
@@ -86,6 +92,7 @@ class Scheduler:
         self._count = [0] * len(self.sizes)
         self._next = 0
         self._handles: dict[int, object] = {}
+        self._last = None
         self._began = False
 
     # -- backward --------------------------------------------------------------------------------------
@@ -122,6 +129,12 @@ class Scheduler:
             self._handles[b] = self._start(b, buf, key)
 
     def _start(self, b: int, buf: torch.Tensor, key: str):
+        if self.serial and self._last is not None:
+            wait_quietly(self._last)     # the previous bucket's collective is delivered first
+        self._last = self._issue(b, buf, key)
+        return self._last
+
+    def _issue(self, b: int, buf: torch.Tensor, key: str):
         with self.tracer.span(f"start bucket {b}", "compress", bytes=buf.numel() * buf.element_size()):
             shapes = [tuple(self.params[i].shape) for i in self.buckets.buckets[b].members]
             return self.start_exchange(buf, key, shapes=shapes)   # PowerSGD compresses each matrix

@@ -52,15 +52,16 @@ def run(args) -> int:
                            compressor=args.compressor if name not in ("local",) else None,
                            eval_every=steps, progress=False)
 
-    with Pool(args.workers) as pool:
-        base = []
-        for _ in range(args.baseline_runs):
-            s = run_training(cfg_for("local", {}, "lan", args.steps), pool=pool)
-            base.append(s["throughput_samples_s"])
-            print(f"local: {s['throughput_samples_s']:.1f} samples/s (step {s['step_time_s'] * 1e3:.1f} ms)",
-                  flush=True)
-        local = sum(base) / len(base)
-        for name, params in specs:
+    def baseline(pool):
+        s = run_training(cfg_for("local", {}, "lan", args.steps), pool=pool)
+        print(f"local: {s['throughput_samples_s']:.1f} samples/s (step {s['step_time_s'] * 1e3:.1f} ms)", flush=True)
+        return s["throughput_samples_s"]
+
+    base = []
+    with Pool(args.workers, timeout=3600, start_timeout=900) as pool:
+        before = baseline(pool)   # the machine may be shared: each sweep is measured against the `local`
+        for name, params in specs:  # runs just before and just after it
+            sweep = []
             for lat in latencies:
                 network = f"custom:bandwidth={args.bandwidth},latency={lat:g}ms" + \
                           (f",jitter={args.jitter}" if args.jitter else "")
@@ -70,17 +71,26 @@ def run(args) -> int:
                 if name == "bsp" and bound * steps > args.budget_s:
                     steps = max(args.min_steps, int(args.budget_s / bound))
                 s = run_training(cfg_for(name, params, network, steps), pool=pool)
-                row = {"algorithm": _label(name, params), "latency_ms": lat, "steps": steps,
-                       "throughput": s["throughput_samples_s"], "scalability": s["throughput_samples_s"] / local,
-                       "accuracy": s.get("final_accuracy"), "loss": s.get("final_loss"),
-                       "step_ms": s["step_time_s"] * 1e3, "exposed_comm_s": s["exposed_comm_s"],
-                       "emulated_comm_s": s["emulated_comm_s"],
-                       "bytes_per_step": s["bytes_sent_per_worker_per_step"],
-                       "max_in_flight": s["algorithm_metrics"].get("max_in_flight")}
+                sweep.append({"algorithm": _label(name, params), "latency_ms": lat, "steps": steps,
+                              "throughput": s["throughput_samples_s"],
+                              "accuracy": s.get("final_accuracy") if steps == args.steps else None,
+                              "loss": s.get("final_loss") if steps == args.steps else None,
+                              "step_ms": s["step_time_s"] * 1e3, "exposed_comm_s": s["exposed_comm_s"],
+                              "emulated_comm_s": s["emulated_comm_s"],
+                              "bytes_per_step": s["bytes_sent_per_worker_per_step"],
+                              "max_in_flight": s["algorithm_metrics"].get("max_in_flight")})
+            after = baseline(pool)
+            base += [before, after]
+            for row in sweep:
+                row["local_throughput"] = (before + after) / 2
+                row["scalability"] = row["throughput"] / row["local_throughput"]
                 rows.append(row)
-                print(f"{row['algorithm']:<24} {lat:6g} ms  steps {steps:4d}  scal {row['scalability']:.3f}  "
-                      f"acc {row['accuracy']}  step {row['step_ms']:.1f} ms  exposed {row['exposed_comm_s']:.2f} s",
-                      flush=True)
+                acc = "" if row["accuracy"] is None else f"{row['accuracy']:.4f}"
+                print(f"{row['algorithm']:<24} {row['latency_ms']:6g} ms  steps {row['steps']:4d}  "
+                      f"scal {row['scalability']:.3f}  acc {acc}  step {row['step_ms']:.1f} ms  "
+                      f"exposed {row['exposed_comm_s']:.2f} s  emulated {row['emulated_comm_s']:.2f} s", flush=True)
+            before = after
+    local = sum(base) / len(base)
     result = {"workload": args.workload, "workers": args.workers, "bandwidth": args.bandwidth,
               "batch_size": args.batch_size or wl.batch_size, "steps": args.steps, "compressor": args.compressor,
               "local_throughput": local, "local_runs": base, "rows": rows}
@@ -104,11 +114,13 @@ def markdown(result: dict) -> str:
     cell = {(r["algorithm"], r["latency_ms"]): r for r in result["rows"]}
     head = "| algorithm | " + " | ".join(f"{x:g} ms" for x in lats) + " | final accuracy |"
     lines = [head, "|" + " --- |" * (len(lats) + 2)]
-    for a in algs:
-        accs = [cell[(a, x)]["accuracy"] for x in lats if (a, x) in cell and cell[(a, x)]["accuracy"] is not None]
-        acc = f"{min(accs):.4f}–{max(accs):.4f}" if accs and min(accs) != max(accs) else (f"{accs[0]:.4f}" if accs else "")
-        lines.append(f"| {a} | " + " | ".join(f"{cell[(a, x)]['scalability']:.3f}" if (a, x) in cell else ""
-                                             for x in lats) + f" | {acc} |")
+    for a in algs:   # accuracy does not depend on the network (same seed, same numbers): one value per row
+        accs = sorted({round(cell[(a, x)]["accuracy"], 4) for x in lats
+                       if (a, x) in cell and cell[(a, x)]["accuracy"] is not None})
+        acc = "/".join(f"{v:.4f}" for v in accs)
+        short = lambda r: "*" if r["steps"] != result["steps"] else ""
+        lines.append(f"| {a} | " + " | ".join(f"{cell[(a, x)]['scalability']:.3f}{short(cell[(a, x)])}"
+                                             if (a, x) in cell else "" for x in lats) + f" | {acc} |")
     return "\n".join(lines)
 
 
@@ -148,7 +160,6 @@ def register(sub) -> None:
                                                        "dts:delay=4,period=20"],
                    help="name or name:key=value,key=value")
     p.add_argument("--compressor", help="compressor for the algorithms that take one")
-    p.add_argument("--baseline-runs", type=int, default=2, help="runs of `local` averaged for the baseline")
     p.add_argument("--budget-s", type=float, default=90.0, help="shorten bsp runs predicted longer than this")
     p.add_argument("--min-steps", type=int, default=20)
     p.add_argument("--out", help="directory for latency_<workload>.json and .png")

@@ -1,0 +1,97 @@
+"""`thinwire bench ps`: synchronization × architecture on the parameter server against all-reduce.
+
+For each network it trains, with the same seed and workload: bsp on all-reduce (n workers), and on the PS
+(n workers + K servers) bsp, ssp for each staleness bound, and asp. It records the median step time, the bytes
+per step sent by a worker and received and sent by a server (the PS incast: n gradients in, n models out per
+step), the time and steps to the target, and the final accuracy; `--out DIR` writes ps.json and ps.png there.
+
+    thinwire bench ps --workload digits-mlp --networks lan cluster wan --workers 4 --staleness 2,8 --out docs/benchmarks
+"""
+from __future__ import annotations
+
+import json
+import os
+
+
+def _runs(staleness: list[int], servers: int) -> list[tuple[str, str, int, dict]]:
+    runs = [("bsp (all-reduce)", "bsp", 0, {}), ("bsp (PS)", "bsp", servers, {"architecture": "ps"})]
+    runs += [(f"ssp s={s}", "ssp", servers, {"staleness": s}) for s in staleness]
+    runs.append(("asp", "asp", servers, {}))
+    return runs
+
+
+def _fmt(v, scale=1.0, digits=1):
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def run(args) -> int:
+    from ..train import TrainConfig, run_training
+    staleness = [int(s) for s in args.staleness.split(",") if s]
+    rows = []
+    for network in args.networks:
+        for label, alg, servers, params in _runs(staleness, args.servers):
+            cfg = TrainConfig(workload=args.workload, algorithm=alg, workers=args.workers, servers=servers,
+                              network=network, epochs=args.epochs, seed=args.seed, params=dict(params),
+                              progress=False)
+            s = run_training(cfg)
+            steps = max(1, s["steps"])
+            sm = s.get("server_metrics") or {}
+            row = {"network": network, "run": label, "algorithm": alg, "servers": servers, "params": params,
+                   "steps": s["steps"], "step_ms": s["step_time_s"] * 1e3,
+                   "worker_sent_kb_step": s["bytes_sent_per_worker_per_step"] / 1e3,
+                   "server_recv_kb_step": (s["bytes_recv_per_server"] or 0) / steps / 1e3 if servers else None,
+                   "server_sent_kb_step": (s["bytes_sent_per_server"] or 0) / steps / 1e3 if servers else None,
+                   "time_to_target_s": s["time_to_target_s"], "steps_to_target": s["steps_to_target"],
+                   "final_accuracy": s.get("final_accuracy", s.get("final_loss")), "train_s": s["train_s"],
+                   "staleness_mean": sm.get("staleness_mean"), "staleness_max": sm.get("staleness_max")}
+            rows.append(row)
+            print(f"{network:8s} {label:18s} step {row['step_ms']:7.1f} ms  worker {row['worker_sent_kb_step']:7.1f}"
+                  f" kB/step  server in {_fmt(row['server_recv_kb_step'])} out {_fmt(row['server_sent_kb_step'])}"
+                  f" kB/step  target {_fmt(row['time_to_target_s'], digits=2)} s (step {row['steps_to_target']})"
+                  f"  final {row['final_accuracy']:.4f}  τ mean {_fmt(row['staleness_mean'], digits=2)}",
+                  flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "ps.json"), "w") as f:
+            json.dump(rows, f, indent=2)
+        _plot(rows, os.path.join(args.out, "ps.png"))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    networks = list(dict.fromkeys(r["network"] for r in rows))
+    labels = list(dict.fromkeys(r["run"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        xs = [j + i * width for j in range(len(networks))]
+        get = {r["network"]: r for r in rows if r["run"] == label}
+        axes[0].bar(xs, [get[n]["step_ms"] for n in networks], width, label=label)
+        axes[1].bar(xs, [get[n]["time_to_target_s"] or 0 for n in networks], width, label=label)
+    for ax, title in zip(axes, ("median step time (ms)", "time to target (s; 0 = not reached)")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(networks))], networks)
+        ax.set_yscale("log") if title.startswith("median") else None
+        ax.set_title(title)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("ps", help="parameter server: bsp/ssp/asp against all-reduce bsp")
+    p.add_argument("--workload", default="digits-mlp")
+    p.add_argument("--networks", nargs="+", default=["lan", "cluster", "wan"])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--staleness", default="2,8", help="comma-separated SSP bounds")
+    p.add_argument("--epochs", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
