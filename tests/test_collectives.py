@@ -145,6 +145,8 @@ def _train_linreg(rank, n, how):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if how.startswith("localsgd:"):  # the CLI path: an algorithm parameter
         trainer = Trainer(model, opt, algorithm="localsgd", period=1, allreduce=how.split(":", 1)[1])
+    elif how.startswith("bsp:"):
+        trainer = Trainer(model, opt, algorithm="bsp", allreduce=how.split(":", 1)[1])
     else:
         trainer = Trainer(model, opt, algorithm="bsp", transport=Transport(allreduce=how))
     for _ in range(15):
@@ -157,7 +159,7 @@ def _train_linreg(rank, n, how):
 
 
 def _all_trained(rank, n):
-    return {how: _train_linreg(rank, n, how) for how in ["gloo", *P2P, "localsgd:torus"]}
+    return {how: _train_linreg(rank, n, how) for how in ["gloo", *P2P, "localsgd:torus", "bsp:recursive_doubling"]}
 
 
 def test_every_algorithm_trains_the_same_model(pool4):

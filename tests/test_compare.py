@@ -235,8 +235,8 @@ def emulated_vs_real():
                 em.configure("lan" if mode == "emulated" else "wan")
                 view = _PoolView(pool, 300, netem=mode == "real")
                 for algo in ("bsp", "dts"):
-                    cfg = TrainConfig(workload="digits-mlp", algorithm=algo, workers=4, network="wan", steps=16,
-                                      eval_every=8, progress=False)
+                    cfg = TrainConfig(workload="digits-mlp", algorithm=algo, workers=4, steps=16, eval_every=8,
+                                      network="wan" if mode == "emulated" else "lan", progress=False)
                     out[mode, algo] = run_training(cfg, pool=view)
         finally:
             pool.close()

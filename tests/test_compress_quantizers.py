@@ -49,6 +49,16 @@ def test_pack_layout_is_little_endian_bits():
         unpack(torch.zeros(3, dtype=torch.uint8), 2, 100)
 
 
+def test_pack_is_exact_on_every_byte_value():
+    import itertools
+    for bits in (1, 2, 4):         # the one-multiply paths: no carries between the gathered codes
+        per = 8 // bits
+        combos = torch.tensor(list(itertools.product(range(2 ** bits), repeat=per)), dtype=torch.uint8).flip(1)
+        values = (combos.long() << (bits * torch.arange(per))).sum(1)
+        assert torch.equal(pack(combos.reshape(-1), bits).long(), values)
+        assert torch.equal(unpack(values.to(torch.uint8), bits, combos.numel()), combos.reshape(-1))
+
+
 # ---------------------------------------------------------------- round trips, sizes, exact cases
 
 @pytest.mark.parametrize("name", QUANTIZERS)
@@ -102,19 +112,20 @@ def test_lossless_cases_are_exact():
 
 def test_uniforms_are_uniform_and_pairwise_uncorrelated():
     u = Uniforms(seed=3)
-    a = u(100_003).clone()
-    assert 0 <= float(a.min()) and float(a.max()) < 1
-    assert abs(float(a.mean()) - 0.5) < 0.01 and abs(float(a.var()) - 1 / 12) < 0.005
-    b = u(100_003)
-    assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.02           # fresh numbers each call
+    for offset in (1, 7, 100):
+        a = u.offset_uniforms(100_003, offset).clone() - offset
+        assert 0 <= float(a.min()) and float(a.max()) < 1
+        assert abs(float(a.mean()) - 0.5) < 0.01 and abs(float(a.var()) - 1 / 12) < 0.005
+        b = u.offset_uniforms(100_003, offset) - offset
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.02           # fresh numbers each call
     # pairwise independence is over draws: cells in the same row, the same column, or neither
-    cells = torch.stack([u(2 * 4096)[[0, 1, 4096, 4097]].clone() for _ in range(3000)])
+    cells = torch.stack([u.offset_uniforms(2 * 4096, 1)[[0, 1, 4096, 4097]].clone() for _ in range(3000)])
     corr = torch.corrcoef(cells.T)
     assert float((corr - torch.eye(4)).abs().max()) < 0.07
     m = u.mantissas(50_000)
     assert int(m.min()) >= 0 and int(m.max()) < 2**23
-    assert not torch.equal(Uniforms(seed=3)(10), Uniforms(seed=4)(10))
-    assert torch.equal(Uniforms(seed=3)(10), Uniforms(seed=3)(10))
+    assert not torch.equal(Uniforms(seed=3).offset_uniforms(10, 1), Uniforms(seed=4).offset_uniforms(10, 1))
+    assert torch.equal(Uniforms(seed=3).offset_uniforms(10, 1), Uniforms(seed=3).offset_uniforms(10, 1))
 
 
 def _monte_carlo(comp, x, trials):
@@ -211,6 +222,23 @@ def test_fp16_sum_of_ranks_does_not_overflow():
     assert torch.isfinite(total).all() and torch.allclose(total, 4 * x, rtol=1e-3)
 
 
+@pytest.mark.parametrize("name,params", [("onebit", {}), ("signsgd", {}), ("signum", {}), ("efsignsgd", {}),
+                                         ("natural", {}), ("qsgd", {"aggregation": "allgather"}),
+                                         ("terngrad", {"aggregation": "allgather"}), ("int8", {"aggregation": "allgather"})])
+def test_gathered_payloads_decompress_with_the_receivers_ctx(name, params):
+    """Other ranks' payloads arrive as flat tensors with THIS rank's ctx: ctx must hold nothing rank-specific."""
+    comp = compressors.get(name, **params)
+    assert comp.fixed_size
+    g = torch.Generator().manual_seed(7)
+    mine = comp.compress(torch.randn(33, 17, generator=g), key="k", step=3)
+    for r in range(3):
+        theirs = comp.compress(torch.randn(33, 17, generator=g) * (r + 2), key=("k", r), step=3)
+        arrived = Payload([t.reshape(-1).clone() for t in theirs.tensors], ctx=mine.ctx)
+        assert [t.numel() for t in arrived.tensors] == [t.numel() for t in mine.tensors]
+        assert torch.equal(comp.decompress(arrived), comp.decompress(theirs))
+        assert torch.equal(comp.aggregate([arrived, mine]), comp.decompress(theirs) + comp.decompress(mine))
+
+
 def test_aggregation_flags():
     assert {compressors.get(n).aggregation for n in ("signsgd", "signum")} == {"majority"}
     assert {compressors.get(n).aggregation for n in ("onebit", "efsignsgd", "natural")} == {"allgather"}
@@ -250,7 +278,7 @@ def test_residual_beta_gamma_and_state():
 
 
 def test_lr_scaled_memory_invariant():
-    comp, mem = compressors.get("efsignsgd"), memories.get("efsignsgd", lr=0.05)
+    comp, mem = compressors.get("efsignsgd"), memories.get("efsignsgd", ef_lr=0.05)
     g = torch.Generator().manual_seed(1)
     sent_total, in_total = torch.zeros(100, dtype=torch.float64), torch.zeros(100, dtype=torch.float64)
     for step in range(15):
@@ -303,7 +331,7 @@ def test_fp16_overflow_and_bad_parameters():
                          ("fp16", {"scale": 0}), ("efsignsgd", {})]:
         if name == "efsignsgd":
             with pytest.raises(UserError):
-                memories.get("efsignsgd", lr=0)
+                memories.get("efsignsgd", ef_lr=0)
             continue
         with pytest.raises(UserError):
             compressors.get(name, **params)
@@ -312,8 +340,8 @@ def test_fp16_overflow_and_bad_parameters():
 
 # ---------------------------------------------------------------- benchmark
 
-def test_bench_covers_every_registered_compressor():
-    from thinwire.run.benchmarks.compressors import _table, bench
+def test_bench_covers_every_registered_compressor(tmp_path):
+    from thinwire.run.benchmarks.compressors import _table, bench, plot
     result = bench(4096, compressors.names(), repeat=2)
     assert set(result) == {"numel", "memcpy_ms", "compressors"} and result["memcpy_ms"] > 0
     assert [r["name"] for r in result["compressors"]] == compressors.names()
@@ -325,3 +353,5 @@ def test_bench_covers_every_registered_compressor():
             assert row["payload_bytes"] == payload_bytes(row["name"], 4096)
             assert abs(row["bits_per_element"] - row["nominal_bits_per_element"]) <= 0.03 * row["nominal_bits_per_element"]
     assert "qsgd" in _table(result)
+    plot(result, str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").stat().st_size > 1000

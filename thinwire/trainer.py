@@ -32,6 +32,21 @@ def _route(algorithm: str, compressor: str, memory: str, params: dict) -> tuple[
     return routed[0], routed[1], routed[2]
 
 
+def build_components(algorithm, compressor=None, memory=None, **params):
+    """Resolve defaults, route `params` by name and build (algorithm, compressor, memory); raises UserError
+    for unknown names, unknown parameters, bad values and invalid combinations (used before launching too)."""
+    alg_cls = algorithms.registry.lookup(algorithm) if isinstance(algorithm, str) else type(algorithm)
+    compressor = compressor or getattr(alg_cls, "default_compressor", "none")
+    memory = memory or getattr(alg_cls, "default_memory", "none")
+    alg_params, comp_params, mem_params = _route(algorithm, compressor, memory, params)
+    if not getattr(alg_cls, "compression", True) and (compressor not in ("none", None)):
+        raise UserError(f"algorithm {alg_cls.name!r} does not exchange gradients through a compressor; "
+                        f"drop --compressor or use one of: "
+                        f"{', '.join(n for n in algorithms.names() if algorithms.registry.lookup(n).compression)}")
+    return (algorithms.get(algorithm, **alg_params), compressors.get(compressor, **comp_params),
+            memories.get(memory, **mem_params))
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm="bsp",
                  compressor=None, memory=None, transport: Transport | None = None, network=None,
@@ -49,17 +64,7 @@ class Trainer:
         if tracer is not None:
             self.transport.tracer = tracer
 
-        alg_cls = algorithms.registry.lookup(algorithm) if isinstance(algorithm, str) else type(algorithm)
-        compressor = compressor or getattr(alg_cls, "default_compressor", "none")
-        memory = memory or getattr(alg_cls, "default_memory", "none")
-        alg_params, comp_params, mem_params = _route(algorithm, compressor, memory, params)
-        if not getattr(alg_cls, "compression", True) and (compressor not in ("none", None)):
-            raise UserError(f"algorithm {alg_cls.name!r} does not exchange gradients through a compressor; "
-                            f"drop --compressor or use one of: "
-                            f"{', '.join(n for n in algorithms.names() if algorithms.registry.lookup(n).compression)}")
-        self.compressor = compressors.get(compressor, **comp_params)
-        self.memory = memories.get(memory, **mem_params)
-        self.algorithm = algorithms.get(algorithm, **alg_params)
+        self.algorithm, self.compressor, self.memory = build_components(algorithm, compressor, memory, **params)
         self.step_count = 0
         if sync_initial_model:
             self._broadcast_model()

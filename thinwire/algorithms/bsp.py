@@ -18,8 +18,9 @@ class BSP(Algorithm):
     def __init__(self, architecture: str | None = None, servers: int = 0, schedule: str = "fusion",
                  bucket_mb: float = 25.0, pipeline: bool | None = None, chunk_mb: float = 0.0,
                  credit_mb: float = 0.0, first_bucket_mb: float | None = None, profile_steps: int = 3,
-                 downlink_compressor: str = "none", serial: bool | None = None):
+                 downlink_compressor: str = "none", serial: bool | None = None, allreduce: str = "gloo"):
         super().__init__(architecture)
+        self.allreduce = allreduce  # all-reduce algorithm (thinwire.comm.collectives), applied by attach()
         # when each gradient enters the exchange (thinwire.sched): none | wfbp | fusion | mgwfbp | priority
         self.scheduler = sched.make(schedule, bucket_mb=bucket_mb, pipeline=pipeline, chunk_mb=chunk_mb,
                                     credit_mb=credit_mb, first_bucket_mb=first_bucket_mb,

@@ -141,8 +141,10 @@ def _sgd_hyper(optimizer) -> dict:
 
 @register("cdsgd")
 class CDSGD(Algorithm):
-    """CD-SGD (seed 001): 2-bit quantized exchange overlapped with the next iteration via a local update
-    (eq. 11), a full-precision correction every k-th iteration, after `warmup` synchronous iterations."""
+    """CD-SGD (seed 001): 2-bit exchange hidden behind the next iteration by a local update, k-step correction.
+
+    The local update is eq. 11; every k-th formal iteration is a full-precision correction; the first `warmup`
+    iterations are synchronous and full precision."""
 
     architectures = ("allreduce", "ps")
     compression = True

@@ -59,18 +59,24 @@ def topk_indices(flat: torch.Tensor, k: int, gen: torch.Generator | None = None)
     d = flat.numel()
     if k >= d:
         return torch.arange(d)
-    a = flat.abs()
     if d <= SMALL or k > d // 16:
-        return torch.topk(a, k, sorted=False).indices
+        return torch.topk(flat.abs(), k, sorted=False).indices
     s = min(d, max(4096, int(64 * d / k)))
-    sample = a[torch.randint(d, (s,), generator=gen)]
+    sample = flat[torch.randint(d, (s,), generator=gen)].abs()
     expected = k * s / d
     kk = min(s, int(expected + 4 * math.sqrt(expected) + 2))
     thr = torch.topk(sample, kk, sorted=False).values.min()
-    cand = torch.nonzero(a >= thr).squeeze(1)
+    cand = torch.nonzero(beyond(flat, float(thr))).squeeze(1)
     if cand.numel() < k:
-        return torch.topk(a, k, sorted=False).indices
-    return cand[torch.topk(a[cand], k, sorted=False).indices]
+        return torch.topk(flat.abs(), k, sorted=False).indices
+    return cand[torch.topk(flat[cand].abs(), k, sorted=False).indices]
+
+
+def beyond(flat: torch.Tensor, thr: float, center: float = 0.0) -> torch.Tensor:
+    """|flat − center| ≥ thr as a mask, by two compares (no |x| temporary: less memory traffic than abs)."""
+    if thr <= 0:
+        return flat != center
+    return (flat >= center + thr).logical_or_(flat <= center - thr)
 
 
 class SparseCompressor(Compressor):

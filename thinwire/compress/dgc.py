@@ -19,7 +19,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors, memories
-from ._sparse import SparseCompressor, check_ratio, generator, num_kept
+from ._sparse import SparseCompressor, beyond, check_ratio, generator, num_kept
 from .base import Memory
 
 
@@ -46,19 +46,18 @@ class DGC(SparseCompressor):
         k = num_kept(warmup_density(self.ratio, step, self.warmup_steps), d)
         if k >= d:
             return torch.arange(d)
-        a = flat.abs()
         s = min(d, max(256, int(self.sample * d)))
-        sample = a if s == d else a[torch.randint(d, (s,), generator=generator(self.seed, key, step))]
+        sample = flat if s == d else flat[torch.randint(d, (s,), generator=generator(self.seed, key, step))]
         ks = max(1, int(k * s / d))
-        thr = torch.topk(sample, ks, sorted=False).values.min()
-        idx = torch.nonzero(a >= thr).squeeze(1)
+        thr = float(torch.topk(sample.abs(), ks, sorted=False).values.min())
+        idx = torch.nonzero(beyond(flat, thr)).squeeze(1)
         for _ in range(10):
             if idx.numel() >= 0.7 * k:
                 break
-            thr = thr * 0.7
-            idx = torch.nonzero(a >= thr).squeeze(1)
+            thr *= 0.7
+            idx = torch.nonzero(beyond(flat, thr)).squeeze(1)
         if idx.numel() > 1.3 * k:
-            idx = idx[torch.topk(a[idx], k, sorted=False).indices]
+            idx = idx[torch.topk(flat[idx].abs(), k, sorted=False).indices]
         return idx
 
     def nominal_bits(self, numel):

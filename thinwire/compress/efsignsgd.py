@@ -17,6 +17,7 @@ class EFSignSGD(Compressor):
     linear = False
     randomness = "none"
     aggregation = "allgather"
+    fixed_size = True         # the payload size depends only on the shape
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)

@@ -36,6 +36,7 @@ class Int8(Compressor):
     linear = True
     randomness = "none"
     aggregation = "allreduce"
+    fixed_size = True         # the payload size depends only on the shape
 
     def __init__(self, stochastic: bool = False, aggregation: str = "allreduce", seed: int = 0):
         if aggregation not in ("allreduce", "allgather"):
@@ -60,7 +61,10 @@ class Int8(Compressor):
         else:
             q = torch.mul(flat, inv).round_().to(torch.int8)
         tensors = [q] if agreed is not None else [q, scale]
-        return Payload(tensors, ctx={"shape": tensor.shape, "dtype": tensor.dtype, "scale": s})
+        ctx = {"shape": tensor.shape, "dtype": tensor.dtype}
+        if agreed is not None:
+            ctx["scale"] = s          # agreed: every rank knows it (ctx never holds one rank's own data)
+        return Payload(tensors, ctx=ctx)
 
     def sum_payload(self, payload, world_size):
         return Payload([widen(payload.tensors[0], LEVELS * world_size)], ctx=payload.ctx)

@@ -3,7 +3,8 @@ p_t = lr g_t + e_t, Delta_t = C(p_t), e_{t+1} = p_t - Delta_t, and the aggregate
 optimizer applies the learning rate. The exchange sees gradient units: `compensate` returns p_t / lr and `update`
 stores e = lr (p_t / lr - D(C(p_t / lr))), which equals p_t - Delta_t for scale-equivariant compressors (all sign
 and norm-scaled ones). Keeping e in update units is what differs from `residual` when lr changes (schedules):
-set `memory.lr` before each step. Invariant: lr * sum(sent) + e_final = lr * sum(g) for a constant lr."""
+pass `ef_lr` = the optimizer's learning rate (a separate name: `--lr` is the optimizer's own flag) and, under a
+schedule, set `memory.lr` before each step. Invariant: lr * sum(sent) + e_final = lr * sum(g) for a constant lr."""
 from __future__ import annotations
 
 from ..errors import UserError
@@ -13,10 +14,10 @@ from .base import Memory
 
 @memories.register("efsignsgd")
 class LRScaledResidual(Memory):
-    def __init__(self, lr: float = 0.1):
-        if not lr > 0:
-            raise UserError(f"efsignsgd memory: lr must be > 0, got {lr}")
-        self.lr = float(lr)
+    def __init__(self, ef_lr: float = 0.1):
+        if not ef_lr > 0:
+            raise UserError(f"efsignsgd memory: ef_lr (the optimizer's learning rate) must be > 0, got {ef_lr}")
+        self.lr = float(ef_lr)
         self.errors: dict = {}
 
     def compensate(self, tensor, key):

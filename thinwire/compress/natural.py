@@ -21,6 +21,7 @@ class Natural(Compressor):
     linear = False
     randomness = "local"
     aggregation = "allgather"
+    fixed_size = True         # the payload size depends only on the shape
 
     def __init__(self, seed: int = 0):
         self.uniforms = Uniforms(seed)

@@ -7,7 +7,9 @@ For each matrix M (a parameter of ndim ≥ 2 reshaped to a × b, after error fee
     Q = Mᵀ P̂;  Q ← Σ_ranks Q   second all-reduce
     mean over ranks ≈ P̂ Qᵀ / n,  this rank's own contribution = P̂ (Mᵀ P̂)ᵀ (what the memory subtracts)
 1-D tensors (biases, norms) and matrices too small to gain ((a + b) r ≥ a b) travel uncompressed in the first
-all-reduce. A flat tensor (bucket, whole model) is split by `shapes`, the parameter shapes it is made of; without
+all-reduce. Both all-reduces run inside `exchange` (so inside `Exchange.start`): the second needs the first,
+and issuing it later from `wait()` could order collectives differently on different ranks. A flat tensor
+(bucket, whole model) is split by `shapes`, the parameter shapes it is made of; without
 `shapes` a 1-D tensor is sent uncompressed. Aggregation is "custom": the compressor runs its two all-reduces.
 Use with `--memory powersgd` (its error feedback: e ← M − own contribution; the catalog's [!] notes that
 PowerSGD does need EF, contrary to the survey's Table 1).
@@ -122,7 +124,12 @@ class PowerSGD(Compressor):
                     local[off:off + a * b] = (p_hat @ ql.t()).reshape(-1)
                     self.q[(key, off, a, b, r)] = q_sum / n       # warm start from the mean Q
             return total.to(tensor.dtype).view(tensor.shape), local.to(tensor.dtype).view(tensor.shape)
-        return _PowerHandle(first, finish)
+        # Both all-reduces are issued here, by the caller of start(), never later from wait(): the second one
+        # depends on the first, and issuing it from wait() could interleave it differently with other tensors'
+        # collectives on different ranks (a scheduler starts buckets on one thread and waits on another).
+        done = _PowerHandle(first, finish)
+        done.wait()
+        return done
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         """One rank's own low-rank payload [P̂, Q] (or [tensor] when not compressible): the single-process

@@ -50,6 +50,7 @@ class QSGD(Compressor):
     linear = True
     randomness = "local"
     aggregation = "allreduce"
+    fixed_size = True         # the payload size depends only on the shape
 
     def __init__(self, levels: int = 7, bucket: int = 512, norm: str = "l2", aggregation: str = "allreduce",
                  seed: int = 0):

@@ -2,9 +2,10 @@
 
 `torch.rand` costs about 20 memcpys per element here (FACTS.md), more than a whole quantizer may. Unbiased
 rounding only needs each element's uniform to be uniform (E[floor(y + u)] = y for u ~ U[0, 1)), and variance bounds
-only need pairwise independence. So the n uniforms are laid out as an R x C table u_ij = frac(a_i + b_j) from
-R + C ~ 2 sqrt(n) true uniforms: each u_ij is exactly U[0, 1) and any two cells are independent (pairwise, not
-jointly). One broadcast add and one `frac` per call, into a scratch buffer reused across calls.
+only need pairwise independence. So the n numbers are laid out as an R x C table u_ij = A_i xor B_j of random
+integers (R + C ~ 2 sqrt(n) draws): each cell is exactly uniform, and any two cells are independent (pairwise,
+not jointly: the xor of four corners of a rectangle is 0). The table is written straight into the bits of fp32
+numbers, so one broadcast op per call produces them, into a scratch buffer reused across calls.
 Local randomness (per rank) comes from a generator seeded with (seed, rank); shared randomness from (seed, step, key).
 """
 from __future__ import annotations
@@ -29,32 +30,17 @@ def shared_seed(seed: int, step: int, key) -> int:
 
 
 class Uniforms:
-    """Pairwise-independent U[0, 1) numbers in bulk, from a generator seeded with (seed, rank) on first use."""
+    """Pairwise-independent uniform numbers in bulk, from a generator seeded with (seed, rank) on first use."""
 
     def __init__(self, seed: int = 0):
         self.seed = seed
         self._gen: torch.Generator | None = None
-        self._buf = torch.empty(0)
         self._ibuf = torch.empty(0, dtype=torch.int32)
 
     def generator(self) -> torch.Generator:
         if self._gen is None:
             self._gen = torch.Generator().manual_seed(shared_seed(self.seed, -1, ("local", rank())))
         return self._gen
-
-    def __call__(self, numel: int) -> torch.Tensor:
-        """`numel` uniforms (a view of an internal buffer, valid until the next call)."""
-        cols = min(_COLS, max(numel, 1))
-        rows = math.ceil(numel / cols) if numel else 0
-        if self._buf.numel() < rows * cols:
-            self._buf = torch.empty(rows * cols)
-        table = self._buf[: rows * cols].view(rows, cols)
-        gen = self.generator()
-        a = torch.rand(rows, 1, generator=gen)
-        b = torch.rand(1, cols, generator=gen)
-        torch.add(a, b, out=table)
-        table.frac_()
-        return table.view(-1)[:numel]
 
     def mantissas(self, numel: int) -> torch.Tensor:
         """`numel` pairwise-independent integers uniform on [0, 2**23) as int32: (A_i + B_j) mod 2**23 over an

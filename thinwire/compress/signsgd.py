@@ -33,6 +33,7 @@ class SignSGD(Compressor):
     linear = False
     randomness = "none"
     aggregation = "majority"
+    fixed_size = True         # the payload size depends only on the shape
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)

@@ -25,6 +25,7 @@ class TernGrad(Compressor):
     linear = True
     randomness = "local"
     aggregation = "allreduce"
+    fixed_size = True         # the payload size depends only on the shape
 
     def __init__(self, clip: float = 2.5, aggregation: str = "allreduce", seed: int = 0):
         if clip < 0:
@@ -44,7 +45,8 @@ class TernGrad(Compressor):
             f = flat if flat.dtype == torch.float32 else flat.float()
             total, squares = f.sum().double(), torch.dot(f, f).double()   # two fast reductions (torch.std is slow)
             sigma = ((squares - total * total / n).clamp(min=0) / (n - 1)).sqrt().float()
-            scale = torch.minimum(scale, self.clip * sigma)
+            if bool(torch.isfinite(sigma)):      # (sums of squares of huge values overflow: then no clipping)
+                scale = torch.minimum(scale, self.clip * sigma)
         return scale.reshape(1)
 
     def agree(self, tensor, key=None, step=0):
@@ -57,7 +59,9 @@ class TernGrad(Compressor):
         s = float(scale)
         codes = stochastic_codes(flat, 1.0 / s if s > 0 else 0.0, 1, self.uniforms, clip=True)
         packed = pack(codes, 2, inplace=True)
-        ctx = {"shape": tensor.shape, "dtype": tensor.dtype, "numel": flat.numel(), "scale": s, "summed": False}
+        ctx = {"shape": tensor.shape, "dtype": tensor.dtype, "numel": flat.numel(), "summed": False}
+        if agreed is not None:
+            ctx["scale"] = s          # agreed: every rank knows it (ctx never holds one rank's own data)
         return Payload([packed] if agreed is not None else [packed, scale], ctx=ctx)
 
     def sum_payload(self, payload, world_size):

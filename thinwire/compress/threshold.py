@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._sparse import SparseCompressor
+from ._sparse import SparseCompressor, beyond
 
 
 @compressors.register("threshold")
@@ -22,7 +22,7 @@ class Threshold(SparseCompressor):
         self.threshold = float(threshold)
 
     def select(self, flat, key, step):
-        return torch.nonzero(flat.abs() >= self.threshold).squeeze(1)
+        return torch.nonzero(beyond(flat, self.threshold) if self.threshold > 0 else flat == flat).squeeze(1)
 
     def nominal_bits(self, numel):
         return 48.0 if numel <= 1 << 15 else 64.0  # per SENT element; the count depends on the data

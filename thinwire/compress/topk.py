@@ -1,7 +1,9 @@
 """`topk`: the k largest-magnitude coordinates (seed 002 §4.3.1; Stich et al.): C(g) = g ⊙ 1[|g_i| ≥ |g|_(k)].
 
-Biased (a contraction: ‖g − C(g)‖² ≤ (1 − k/d)‖g‖²), so pair it with `--memory residual`. The selection is an
-exact top-k found by a sampled threshold search (see `_sparse.topk_indices`), not a full sort.
+Biased (a contraction: ‖g − C(g)‖² ≤ (1 − k/d)‖g‖²), so pair it with `--memory residual`.
+The selection is an exact top-k found by a sampled threshold search (see `_sparse.topk_indices`), not a full
+sort: a sample sets a threshold a little below the k-th magnitude, one pass keeps the candidates, and torch.topk
+runs on those few (falling back to a full torch.topk in the rare case the sample overshot).
 """
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ Granularity is the caller's: a parameter's gradient, a bucket or the whole flatt
 flat tensor is made of) lets structure-aware compressors (PowerSGD) treat each parameter as a matrix.
 
 NaN/Inf policy: with `check_finite=True` (the default) a non-finite value in the tensor raises
-`FloatingPointError` naming the key and rank BEFORE anything is compressed, remembered or sent, so no rank's
-model or memory is poisoned; the launcher then stops every worker. With `check_finite=False` non-finite values
+`NonFiniteError` (a `FloatingPointError`) naming the key and rank BEFORE anything is compressed, remembered or
+sent, so no rank's model or memory is poisoned; the launcher then stops every worker. With `check_finite=False` non-finite values
 travel as they are (linear and gathered payloads spread them to every rank: a visible failure, never a silent
 one for the dense paths; sparsifiers may drop NaNs into their memory).
 """
@@ -36,6 +36,7 @@ import torch
 
 from ..comm import Transport
 from ..compress import Compressor, Memory, Payload, compressors, memories
+from ..compress.finite import NonFiniteError
 from ..errors import UserError
 from . import wire
 
@@ -238,7 +239,7 @@ class Exchange:
             return
         s = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
         if not torch.isfinite(s) and not bool(torch.isfinite(x).all()):
-            raise FloatingPointError(f"rank {self.transport.rank}: non-finite value (NaN/Inf) in the tensor "
+            raise NonFiniteError(f"rank {self.transport.rank}: non-finite value (NaN/Inf) in the tensor "
                                      f"exchanged under key {key!r}; nothing was sent (lower the learning rate, "
                                      f"clip gradients, or use loss scaling)")
 

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UserError, WorkerError
 from ..net import parse_network
@@ -114,6 +114,8 @@ class Harness:
 
     def run_cell(self, cell: presets.Cell, network: str) -> dict:
         tc = self.train_config(cell, network)
+        if self.cfg.netem:  # the real, shaped link delays the traffic: no in-process emulation on top
+            tc = replace(tc, network="lan")
         world = tc.workers + tc.servers
         view = _PoolView(self.pool(world, network), self.cfg.budget_s, self.cfg.netem)
         celldir = os.path.join(self.out, "cells", _slug(cell_key(cell.label, network)))
@@ -122,11 +124,13 @@ class Harness:
             from .peers import peer_worker
             results = view.run(peer_worker, tc, network=network, seed=tc.seed)
             summary, rows = summarize(tc, results, _now() - t0)
+            summary["network"] = network
             os.makedirs(celldir, exist_ok=True)
             _atomic_write(os.path.join(celldir, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
             _atomic_write(os.path.join(celldir, "summary.json"), json.dumps(summary, indent=2) + "\n")
         else:
             summary = run_training(tc, out=celldir, pool=view)
+            summary["network"] = network
         summary["curve"] = _curve(celldir, summary["metric"], summary["bytes_sent_per_worker"])
         return summary
 

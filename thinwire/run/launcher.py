@@ -71,7 +71,8 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
             value = fn(rank, world_size, *args)
             out = pickle.dumps(value)
         except BaseException as e:  # noqa: BLE001
-            _report_and_exit(results, (rank, task_id, "error", f"{type(e).__name__}: {e}",
+            kind = "usererror" if isinstance(e, UserError) else "error"
+            _report_and_exit(results, (rank, task_id, kind, f"{type(e).__name__}: {e}",
                                        traceback.format_exc()), 1)
         results.put((rank, task_id, "ok", out, ""))
     try:
@@ -125,6 +126,9 @@ class Pool:
         while len(got) < self.world_size:
             try:
                 rank, tid, status, payload, tb = self._results.get(timeout=0.05)
+                if status == "usererror":  # bad input found inside a worker: the caller's error, not a crash
+                    self.close(force=True)
+                    raise UserError(payload.split(": ", 1)[-1])
                 if status == "error":
                     errors.append(WorkerError(rank, payload, tb))
                 elif tid == task_id:

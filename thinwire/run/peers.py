@@ -124,7 +124,7 @@ class _Work:
         return self.work.get_future().then(done)
 
 
-def _build(cfg, wl, model, world_size: int):
+def _build(cfg, wl, model):
     """(DDP model, optimizer, description of the configuration) for the peer `cfg.algorithm`."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -178,7 +178,7 @@ def peer_worker(rank: int, world_size: int, cfg) -> dict:
     total = cfg.total_steps(wl)
     eval_every = cfg.eval_every or max(1, wl.steps_per_epoch(world_size, cfg.batch_size) // 2)
     with _Counter(rank) as counter:
-        ddp, opt, desc = _build(cfg, wl, model, world_size)
+        ddp, opt, desc = _build(cfg, wl, model)
         steps, evals, clock = [], [], 0.0
         evals.append({"step": 0, "t": 0.0, "value": wl.evaluate(model)})
         before = counter.totals()

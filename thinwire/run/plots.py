@@ -131,7 +131,8 @@ def plot_all(results: dict, out: str) -> dict:
                                              log_x=False),
         "accuracy vs bytes sent": _curves(results, os.path.join(out, "accuracy_vs_bytes.png"), 1,
                                           "MB sent per worker so far (log scale)",
-                                          f"Test accuracy vs bytes each worker sent\n{sub}; up and to the left is better",
+                                          f"Test accuracy vs bytes each worker sent\n{sub}; "
+                                          "up and to the left is better",
                                           log_x=True),
     }
     if len({r["network"] for r in results["cells"]}) > 1:

@@ -109,14 +109,14 @@ def check(cell: Cell, strict: bool) -> tuple[Cell | None, list[str]]:
         from .peers import PEER_PARAMS
         bad = [k for k in cell.params if k not in PEER_PARAMS[cell.algorithm]]
         if bad:
-            problem(f"{cell.label}: peer {cell.algorithm!r} takes {', '.join(PEER_PARAMS[cell.algorithm]) or 'no parameters'}, "
-                    f"not {', '.join(bad)}")
+            takes = ", ".join(PEER_PARAMS[cell.algorithm]) or "no parameters"
+            problem(f"{cell.label}: peer {cell.algorithm!r} takes {takes}, not {', '.join(bad)}")
             cell.params = {k: v for k, v in cell.params.items() if k not in bad}
         if cell.compressor or cell.memory:
             raise UserError(f"{cell.label}: PyTorch peers take no thinwire compressor")
         return cell, notes
-    for reg, name, what in ((algorithms.registry, cell.algorithm, "algorithm"), (compressors, cell.compressor, "compressor"),
-                            (memories, cell.memory, "memory")):
+    for reg, name, what in ((algorithms.registry, cell.algorithm, "algorithm"),
+                            (compressors, cell.compressor, "compressor"), (memories, cell.memory, "memory")):
         if name is not None and name not in reg:
             valid = ", ".join(reg.names() + (list(PEERS) if what == "algorithm" else []))
             if strict:

@@ -81,6 +81,11 @@ class TrainConfig:
             raise UserError(f"--lr must be > 0, got {self.lr}")
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
+        from ..trainer import build_components
+        params = dict(self.params)
+        if self.servers:
+            params["servers"] = self.servers
+        build_components(self.algorithm, self.compressor, self.memory, **params)  # errors before any launch
         return self
 
     def total_steps(self, wl: workloads.Workload) -> int:

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import UserError
 from ..registry import Registry
 
 registry = Registry("workload")
@@ -81,9 +82,10 @@ class ShardLoader:
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int = 0, rank: int = 0):
         if batch_size < 1:
-            raise ValueError("batch size must be >= 1")
+            raise UserError("batch size must be >= 1")
         if len(x) < batch_size:
-            raise ValueError(f"shard of {len(x)} samples is smaller than the batch size {batch_size}")
+            raise UserError(f"a worker's shard of {len(x)} samples is smaller than the batch size {batch_size}; "
+                            f"use a smaller --batch-size or fewer --workers")
         self.x, self.y, self.batch_size, self.seed, self.rank = x, y, batch_size, seed, rank
         self.epoch, self.pos = 0, 0
         self._order = self._shuffle()

@@ -76,7 +76,8 @@ class Priority(Profiled):
     defers_update = True
 
     def __init__(self, chunk_mb: float = 0.0, credit_mb: float = 0.0, profile_steps: int = 3):
-        super().__init__(profile_steps=profile_steps, bucket_mb=0.0, first_bucket_mb=0.0, pipeline=False)
+        super().__init__(profile_steps=profile_steps, bucket_mb=0.0, first_bucket_mb=0.0, pipeline=False,
+                         serial=False)   # its own launcher thread orders and bounds the transfers
         if chunk_mb < 0 or credit_mb < 0:
             raise UserError("chunk_mb and credit_mb must be >= 0 (0: chosen from the link)")
         self.chunk_mb, self.credit_mb = chunk_mb, credit_mb

@@ -164,7 +164,12 @@ class Scheduler:
         """Averaged gradients, in place in every `p.grad`."""
         self.start_all()
         if self.pipe is not None:
-            self._handles.update(self.pipe.drain())
+            t0 = _now()
+            self._handles.update(self.pipe.drain())   # blocked on earlier buckets' transfers: exposed time
+            t1 = _now()
+            if t1 - t0 > 1e-4:
+                self.transport.meter.add_wait(t1 - t0)
+                self.tracer.complete("wait (queued buckets)", t0, t1, "wait")
         for b, bucket in enumerate(self.buckets.buckets):
             res = self._handles[b].wait()
             if res.data_ptr() != bucket.buffer.data_ptr():

@@ -4,7 +4,10 @@ and nominal). Times are medians of `--repeat` runs after one warm-up; the input 
 1024 divides N (PowerSGD compresses matrices), else a vector. Each compressor goes through the common interface
 only: `compress(x, key, step)` then `decompress(payload)`; a compressor that fails is reported with its error.
 
-    thinwire bench compressors [--numel 16777216] [--json] [--only qsgd,terngrad] [--repeat 5]
+    thinwire bench compressors [--numel 16777216] [--json] [--only qsgd,terngrad] [--repeat 5] [--out DIR]
+                               [--clock wall|cpu]
+
+`--out DIR` also writes DIR/compressors.json and DIR/compressors.png (x memcpy per compressor, bits per element).
 
 memcpy is `dst.copy_(x)` into a preallocated tensor (the fastest copy; compressors allocate their outputs, which
 costs page faults here: set THP_MEM_ALLOC_ENABLE=1 to let PyTorch use huge pages for large tensors).
@@ -22,8 +25,14 @@ def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0) -> dict:
+def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: str = "wall") -> dict:
+    """`clock="cpu"` times with this process's CPU time (all its threads) instead of the wall clock: on a machine
+    shared with other jobs it leaves out the time this process waits for a core, so the ratios to memcpy stay
+    meaningful (memory-bandwidth contention still shows)."""
     import torch
+    if clock not in ("wall", "cpu"):
+        raise UserError(f"clock must be one of wall, cpu; got {clock!r}")
+    now = time.perf_counter if clock == "wall" else time.process_time
     from ...compress import compressors
     gen = torch.Generator().manual_seed(seed)
     shape = (numel // 1024, 1024) if numel >= 1024 and numel % 1024 == 0 else (numel,)
@@ -32,9 +41,9 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0) -> dict:
     dst.copy_(x)
     copies = []
     for _ in range(max(repeat, 3)):
-        t0 = time.perf_counter()
+        t0 = now()
         dst.copy_(x)
-        copies.append(time.perf_counter() - t0)
+        copies.append(now() - t0)
     del dst
     memcpy_ms = _median_ms(copies)
     rows = []
@@ -47,11 +56,11 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0) -> dict:
             tc, td = [], []
             for step in range(1, repeat + 1):
                 del payload
-                t0 = time.perf_counter()
+                t0 = now()
                 payload = comp.compress(x, key="bench", step=step)
-                t1 = time.perf_counter()
+                t1 = now()
                 out = comp.decompress(payload)
-                t2 = time.perf_counter()
+                t2 = now()
                 del out
                 tc.append(t1 - t0)
                 td.append(t2 - t1)
@@ -80,6 +89,34 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: str) -> None:
+    """Bars of compress + decompress time in memcpys (targets: 8x quantizers, 12x samplers) and of bits/element."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in result["compressors"] if "error" not in r]
+    names = [r["name"] for r in rows]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(max(8, 0.5 * len(rows)), 7), sharex=True)
+    a.bar(names, [r["compress_ms"] / result["memcpy_ms"] for r in rows], label="compress")
+    a.bar(names, [r["decompress_ms"] / result["memcpy_ms"] for r in rows],
+          bottom=[r["compress_ms"] / result["memcpy_ms"] for r in rows], label="decompress")
+    for y, text in ((8, "8x (quantizers)"), (12, "12x (dgc, gaussiank, threshold, randomk)")):
+        a.axhline(y, color="gray", ls="--", lw=0.8)
+        a.text(len(rows) - 0.5, y, text, ha="right", va="bottom", fontsize=8, color="gray")
+    a.set_ylabel("time / memcpy")
+    a.set_title(f"{result['numel']} fp32 elements; memcpy {result['memcpy_ms']:.1f} ms")
+    a.legend()
+    b.bar(names, [r["bits_per_element"] for r in rows], label="actual")
+    b.scatter(names, [r["nominal_bits_per_element"] for r in rows], color="k", marker="_", s=200, label="nominal")
+    b.set_yscale("log")
+    b.set_ylabel("bits per element")
+    b.legend()
+    plt.setp(b.get_xticklabels(), rotation=45, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(args) -> int:
     from ...compress import compressors
     names = compressors.names()
@@ -89,8 +126,14 @@ def run(args) -> int:
             compressors.lookup(n)
     if args.numel < 0 or args.repeat < 1:
         raise UserError("--numel must be >= 0 and --repeat >= 1")
-    result = bench(args.numel, names, args.repeat, args.seed)
+    result = bench(args.numel, names, args.repeat, args.seed, args.clock)
     print(json.dumps(result, indent=1) if args.json else _table(result))
+    if args.out:
+        import os
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "compressors.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        plot(result, os.path.join(args.out, "compressors.png"))
     return 0
 
 
@@ -100,5 +143,8 @@ def register(sub) -> None:
     p.add_argument("--only", help="comma-separated compressor names (default: every registered one)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs per compressor (the median is reported)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                   help="wall clock (default) or this process's CPU time (for a machine shared with other jobs)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", help="directory for compressors.json and compressors.png")
     p.set_defaults(func=run)
