@@ -100,6 +100,12 @@ class Gossip(Algorithm):
         self.drain()
         self.measure_consensus(set_average=self.final_average)
 
+    def state_dict(self):
+        return {"t": self.t, "consensus": list(self.consensus)}
+
+    def load_state_dict(self, state):
+        self.t, self.consensus = state["t"], list(state["consensus"])
+
     def metrics(self):
         out = {"topology": self.topology_name, "spectral_gap": self.topology.spectral_gap()}
         if self.consensus:

@@ -64,3 +64,13 @@ class ADPSGD(Gossip):
 
     def metrics(self):
         return {**super().metrics(), "pairings": self.pairings}
+
+    def state_dict(self):
+        """Completes the exchange in flight (every rank calls this at the same step) and starts it again."""
+        self._finish()
+        self._start(self.t)
+        return {**super().state_dict(), "pairings": self.pairings}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.pairings = state["pairings"]

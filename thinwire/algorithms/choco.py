@@ -100,3 +100,13 @@ class CHOCO(Gossip):
 
     def metrics(self):
         return {**super().metrics(), "gamma": self.gamma}
+
+    def state_dict(self):
+        return {**super().state_dict(), "hat_self": self.hat_self.clone(),
+                "hat": {j: h.clone() for j, h in self.hat.items()}, "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.hat_self = state["hat_self"].clone()
+        self.hat = {j: h.clone() for j, h in state["hat"].items()}
+        self.compressor.load_state_dict(state["compressor"])

@@ -64,3 +64,10 @@ class SGP(Gossip):
 
     def metrics(self):
         return {**super().metrics(), "push_sum_weight": self.weight}
+
+    def state_dict(self):
+        return {**super().state_dict(), "weight": self.weight}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.weight = state["weight"]

@@ -334,6 +334,7 @@ class PSServer:
         self.staleness = Counter()
         self.dropped = 0
         self.updates = 0
+        self.gradients = 0   # worker gradients that went into an update
         self._outbox: deque = deque()
         self._sending: list = []
 
@@ -373,11 +374,12 @@ class PSServer:
         p = self._ctx.payload(tensors, hi - lo, self.shard.dtype, ("ps", self.k), clock)
         return self.compressor.decompress(p).reshape(-1).to(self.shard.dtype)
 
-    def _apply(self, grad: torch.Tensor) -> None:
+    def _apply(self, grad: torch.Tensor, contributions: int = 1) -> None:
         self.shard.grad = grad
         self.opt.step()
         self.version += 1
         self.updates += 1
+        self.gradients += contributions
 
     def _record(self, base: int) -> int:
         tau = self.version - base   # updates applied since the model this gradient was computed on
@@ -425,7 +427,7 @@ class PSServer:
             clock = self.version
             for w in sorted(got):
                 taus[(w, clock)] = self._record(got[w][1])
-            self._apply(self._mean([got[w][0] for w in sorted(got)]))
+            self._apply(self._mean([got[w][0] for w in sorted(got)]), len(got))
             del self.pending[clock]
         still = []
         for w, c in self.waiting:   # SSP read rule: clocks <= c - s applied, i.e. version >= c - s + 1
@@ -442,7 +444,7 @@ class PSServer:
             return
         ws = sorted(self.fresh)
         # catalog §2.1.2: x_{t+1} = x_t - γ (1/n) Σ_{i ∈ A_t} G_i, A_t the first n arrivals
-        self._apply(self._mean([self.fresh[w][0] for w in ws]))
+        self._apply(self._mean([self.fresh[w][0] for w in ws]), len(ws))
         for w in ws:
             self.staleness[0] += 1
         for w in ws:
@@ -480,7 +482,8 @@ class PSServer:
         return self.shard.detach().clone()
 
     def metrics(self) -> dict:
-        out = {"ps_shard": self.k, "ps_shard_size": self.shard.numel(), "ps_updates": self.updates}
+        out = {"ps_shard": self.k, "ps_shard_size": self.shard.numel(), "ps_updates": self.updates,
+               "ps_gradients": self.gradients}
         if self.staleness:
             total = sum(self.staleness.values())
             out["staleness_hist"] = {str(k): v for k, v in sorted(self.staleness.items())}

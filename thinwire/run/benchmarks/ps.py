@@ -17,6 +17,7 @@ def _runs(staleness: list[int], servers: int) -> list[tuple[str, str, int, dict]
     runs = [("bsp (all-reduce)", "bsp", 0, {}), ("bsp (PS)", "bsp", servers, {"architecture": "ps"})]
     runs += [(f"ssp s={s}", "ssp", servers, {"staleness": s}) for s in staleness]
     runs.append(("asp", "asp", servers, {}))
+    runs.append(("asp momentum 0.5", "asp", servers, {"momentum": 0.5}))  # a TrainConfig field, not a param
     return runs
 
 
@@ -30,9 +31,11 @@ def run(args) -> int:
     rows = []
     for network in args.networks:
         for label, alg, servers, params in _runs(staleness, args.servers):
+            params = dict(params)
+            momentum = params.pop("momentum", None)
             cfg = TrainConfig(workload=args.workload, algorithm=alg, workers=args.workers, servers=servers,
-                              network=network, epochs=args.epochs, seed=args.seed, params=dict(params),
-                              progress=False)
+                              network=network, epochs=args.epochs, seed=args.seed, params=params,
+                              momentum=momentum, progress=False)
             s = run_training(cfg)
             steps = max(1, s["steps"])
             sm = s.get("server_metrics") or {}

@@ -1,0 +1,105 @@
+"""The planner: the cost model's limits and equivalences, the simulator against the cost model, the CLIs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from thinwire.cli import main
+from thinwire.net import parse_network, ring_allreduce
+from thinwire.plan.costmodel import Scenario, predict
+from thinwire.plan.simulate import WORLD_LATENCY, SimConfig, simulate
+
+WAN = parse_network("wan")
+
+
+def scenario(**kw):
+    base = dict(params=1e6, compute_s=0.1, link=WAN, workers=4)
+    base.update(kw)
+    return Scenario(**base)
+
+
+def test_bsp_is_compute_plus_ring_allreduce():
+    s = scenario()
+    assert predict(s, "bsp").iteration_s == pytest.approx(0.1 + ring_allreduce(WAN, 4, 4e6).time)
+    assert predict(s, "bsp").bytes_per_step == pytest.approx(ring_allreduce(WAN, 4, 4e6).sent)
+    # WFBP hides up to the backward share of compute
+    assert predict(s, "bsp", overlap=True).iteration_s == pytest.approx(
+        0.1 + ring_allreduce(WAN, 4, 4e6).time - 0.1 * 2 / 3)
+
+
+def test_limits_reduce_to_bsp():
+    s = scenario()
+    bsp = predict(s, "bsp").iteration_s
+    assert predict(s, "dts", delay=1, period=1).iteration_s == pytest.approx(bsp)
+    assert predict(s, "localsgd", period=1).iteration_s == pytest.approx(bsp)
+    # seed 001 eq. 4: with communication dominating, OD-SGD costs max(τ, φ)
+    phi = ring_allreduce(WAN, 4, 4e6).time
+    assert predict(s, "odsgd").iteration_s == pytest.approx(max(0.1, phi))
+
+
+def test_latency_hidden_by_delay_and_amortised_by_period():
+    s = scenario(link=parse_network("custom:bandwidth=10gbit,latency=250ms"))
+    bsp = predict(s, "bsp")
+    dts = predict(s, "dts", delay=20, period=4)
+    assert bsp.scalability < 0.1 and dts.scalability > 0.9
+    assert predict(s, "tsparse", period=4).iteration_s < bsp.iteration_s
+
+
+def test_compressed_payload_shrinks_bytes():
+    s = scenario()
+    full = predict(s, "bsp").bytes_per_step
+    assert predict(s, "bsp", "fp16").bytes_per_step == pytest.approx(full / 2, rel=0.01)
+    assert predict(s, "bsp", "qsgd", levels=16).bytes_per_step < full / 4
+
+
+def test_simulator_agrees_with_cost_model_at_four_workers():
+    for alg, kw in [("bsp", {}), ("localsgd", {"period": 4}), ("dts", {"delay": 4, "period": 4})]:
+        sim = simulate(SimConfig(workers=4, params=1e6, compute_s=0.1, compute_cv=0.0, bandwidth=100e6,
+                                 latency=0.05, algorithm=alg, collective="ring", steps=400, **kw))
+        pred = predict(scenario(), alg, **kw)
+        assert sim.iteration_s == pytest.approx(pred.iteration_s, rel=0.05), alg
+
+
+def test_simulator_reproduces_seed_004_and_table_iii_shapes():
+    sc = lambda alg, lat, **kw: simulate(SimConfig(workers=4, params=1e6, compute_s=0.1, bandwidth=10e9,
+                                                   latency=lat, algorithm=alg, steps=200, **kw)).scalability
+    # bsp collapses with latency; DTS holds
+    assert sc("bsp", 0.25) < 0.2 * sc("bsp", 0.0)
+    assert sc("dts", 0.25, delay=20, period=4) >= 0.7
+    # Table III: the ring's latency term grows as 2(n-1)α, recursive doubling's as α log n
+    it = lambda n, coll: simulate(SimConfig(workers=n, params=1e3, compute_s=0.0, compute_cv=0.0, latency=0.01,
+                                            bandwidth=None, algorithm="bsp", collective=coll, steps=5)).iteration_s
+    assert it(16, "ring") == pytest.approx(2 * 15 * 0.01) and it(64, "ring") == pytest.approx(2 * 63 * 0.01)
+    assert it(64, "recursive_doubling") == pytest.approx(6 * 0.01)
+
+
+def test_thousands_of_workers_across_regions():
+    r = simulate(SimConfig(workers=4096, params=25e6, compute_s=0.3, bandwidth=10e9, regions=WORLD_LATENCY,
+                           straggler_prob=0.01, algorithm="dts", delay=20, period=4, steps=20))
+    assert 0 < r.scalability <= 1 and np.isfinite(r.iteration_s)
+    asp = simulate(SimConfig(workers=64, params=1e6, compute_s=0.1, bandwidth=1e9, algorithm="asp", steps=10))
+    ssp = simulate(SimConfig(workers=64, params=1e6, compute_s=0.1, bandwidth=1e9, algorithm="ssp", staleness=0,
+                             steps=10))
+    assert asp.total_s <= ssp.total_s * 1.0001
+
+
+def test_advise_cli_ranks_configurations(capsys):
+    assert main(["advise", "--params", "25e6", "--compute-ms", "300", "--network", "wan", "--workers", "16",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    its = [r["iteration_s"] for r in out["ranking"]]
+    assert its == sorted(its) and len(its) >= 8
+    names = {r["algorithm"] for r in out["ranking"]}
+    assert {"bsp", "dts", "localsgd", "cdsgd"} <= names
+    assert main(["advise", "--model", "wide-mlp", "--bandwidth", "200mbit", "--latency", "25ms"]) == 0
+    assert "configuration" in capsys.readouterr().out
+
+
+def test_simulate_cli_writes_plots(tmp_path, capsys):
+    assert main(["simulate", "--workers", "4,64", "--latency", "0,100", "--algorithms", "bsp,dts:delay=4:period=4",
+                 "--steps", "5", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "scalability_vs_latency.png").exists() and (tmp_path / "scalability_vs_workers.png").exists()
+    assert main(["simulate", "--algorithms", "warp"]) == 2
+    assert "unknown schedule" in capsys.readouterr().err

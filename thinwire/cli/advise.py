@@ -1,0 +1,60 @@
+"""`thinwire advise`: which algorithm wins on this network, predicted before renting the machines."""
+from __future__ import annotations
+
+import json
+
+from ..errors import UserError
+
+
+def run(args) -> int:
+    from ..net import Link, parse_network
+    from ..plan.advise import advise, format_table
+    from ..plan.calibrate import load_calibration, calibrate
+    from ..plan.costmodel import Scenario
+    if args.calibrate:
+        cal = calibrate(workers=args.workers if args.workers <= 4 else 2)
+        print(json.dumps(cal, indent=2) if args.json else f"calibration stored: {cal['path']}\n"
+              f"  loopback alpha {cal['alpha_s'] * 1e6:.1f} us, beta {1 / cal['beta_s_per_byte'] / 1e9:.2f} GB/s")
+        return 0
+    if args.model:
+        from ..run import workloads
+        params = workloads.get(args.model).num_params()
+    elif args.params is not None:
+        params = args.params
+    else:
+        raise UserError("give --params N or --model WORKLOAD")
+    if params <= 0 or args.compute_ms <= 0 or args.workers < 1:
+        raise UserError("--params and --compute-ms must be > 0, --workers >= 1")
+    if args.bandwidth is not None or args.latency is not None:
+        link = parse_network("custom:" + ",".join(f"{k}={v}" for k, v in
+                                                  (("bandwidth", args.bandwidth), ("latency", args.latency)) if v))
+    else:
+        link = parse_network(args.network)
+    cal = load_calibration()
+    s = Scenario(params=params, compute_s=args.compute_ms / 1e3, link=link, workers=args.workers,
+                 servers=args.servers, collective=args.collective, x_memcpy=cal.get("x_memcpy", {}) if cal else {})
+    rows = advise(s)
+    if args.json:
+        print(json.dumps({"scenario": {"params": params, "compute_s": s.compute_s, "network": link.to_dict(),
+                                       "workers": s.workers, "servers": s.servers, "collective": s.collective},
+                          "ranking": [a.row() for a in rows]}, indent=2))
+    else:
+        print(format_table(rows, s))
+    return 0
+
+
+def register(sub) -> None:
+    from ..plan.costmodel import COLLECTIVES
+    p = sub.add_parser("advise", help="rank algorithms for a model, compute time and network (cost model)")
+    p.add_argument("--params", type=float, help="number of model parameters, e.g. 25e6")
+    p.add_argument("--model", help="read the size from a workload (see `thinwire list`)")
+    p.add_argument("--compute-ms", type=float, default=100.0, help="forward+backward time per iteration (ms)")
+    p.add_argument("--network", default="wan", help="profile name or custom:... (see `thinwire list`)")
+    p.add_argument("--bandwidth", help="instead of --network: e.g. 200mbit")
+    p.add_argument("--latency", help="instead of --network: one-way, e.g. 25ms")
+    p.add_argument("--workers", type=int, default=16)
+    p.add_argument("--servers", type=int, default=1, help="parameter servers for PS algorithms")
+    p.add_argument("--collective", default="ring", choices=sorted(COLLECTIVES), help="all-reduce algorithm")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine's loopback α, β and store them")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)

@@ -1,0 +1,138 @@
+"""`thinwire simulate`: scalability of the schedules for many workers and latencies (discrete-event model)."""
+from __future__ import annotations
+
+import json
+import os
+
+from ..errors import UserError
+
+SPEC_HELP = "comma list of schedules, each optionally with parameters: bsp,dts:delay=4:period=4,localsgd:period=16"
+
+
+def _parse_algorithms(text: str) -> list[tuple[str, str, dict]]:
+    out = []
+    for item in filter(None, text.split(",")):
+        name, *kv = item.split(":")
+        params = {}
+        for pair in kv:
+            if "=" not in pair:
+                raise UserError(f"malformed schedule {item!r}; e.g. dts:delay=4:period=4")
+            key, value = pair.split("=", 1)
+            try:
+                params[key] = int(value)
+            except ValueError:
+                raise UserError(f"schedule parameter {key!r} must be an integer, got {value!r}") from None
+        out.append((item, name, params))
+    return out
+
+
+def _numbers(text: str, what: str, unit: float = 1.0) -> list[float]:
+    try:
+        return [float(v.strip().removesuffix("ms")) * unit for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"malformed {what} list {text!r}") from None
+
+
+def run(args) -> int:
+    from ..net.link import _UNITS_BW, _number
+    from ..plan.simulate import WORLD_LATENCY, SimConfig, simulate
+    algorithms = _parse_algorithms(args.algorithms)
+    workers = [int(w) for w in _numbers(args.workers, "--workers")]
+    latencies = _numbers(args.latency, "--latency", 1e-3)
+    if any(w < 1 or w > 65536 for w in workers):
+        raise UserError("--workers values must be in 1..65536")
+    bandwidth = _number(args.bandwidth, _UNITS_BW, "bandwidth")
+    rows = []
+    for label, name, params in algorithms:
+        for n in workers:
+            for lat in ([None] if args.regions == "world" else latencies):
+                cfg = SimConfig(workers=n, params=args.params, compute_s=args.compute_ms / 1e3,
+                                compute_cv=args.compute_cv, straggler_prob=args.straggler_prob,
+                                bandwidth=bandwidth, latency=lat or 0.0, algorithm=name, steps=args.steps,
+                                regions=WORLD_LATENCY if args.regions == "world" else None,
+                                collective=args.collective, seed=args.seed, servers=args.servers)
+                for key, value in params.items():
+                    if not hasattr(cfg, key):
+                        raise UserError(f"schedule {name!r} has no parameter {key!r}")
+                    setattr(cfg, key, value)
+                r = simulate(cfg)
+                rows.append({"schedule": label, "workers": n, "latency_s": lat, **r.to_dict()})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"{'schedule':<26} {'workers':>7} {'latency':>9} {'iteration':>11} {'scalability':>11}")
+        for r in rows:
+            lat = "regions" if r["latency_s"] is None else f"{r['latency_s'] * 1e3:.0f} ms"
+            print(f"{r['schedule']:<26} {r['workers']:>7} {lat:>9} {r['iteration_s'] * 1e3:>9.1f}ms "
+                  f"{r['scalability']:>11.3f}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "simulate.json"), "w") as f:
+            json.dump(rows, f, indent=2)
+        for path in plot(rows, args.out):
+            if not args.json:
+                print(f"plot: {path}")
+    return 0
+
+
+def plot(rows: list[dict], out: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    labels = list(dict.fromkeys(r["schedule"] for r in rows))
+    lats = sorted({r["latency_s"] for r in rows if r["latency_s"] is not None})
+    workers = sorted({r["workers"] for r in rows})
+    if len(lats) > 1:
+        n0 = workers[0]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for lab in labels:
+            pts = sorted((r["latency_s"] * 1e3, r["scalability"]) for r in rows
+                         if r["schedule"] == lab and r["workers"] == n0 and r["latency_s"] is not None)
+            ax.plot(*zip(*pts), marker="o", label=lab)
+        ax.set(xlabel="one-way latency (ms)", ylabel="scalability (throughput / no-communication throughput)",
+               title=f"Simulated scalability vs latency, {n0} workers", ylim=(0, 1.05))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(os.path.join(out, "scalability_vs_latency.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    if len(workers) > 1:
+        l0 = lats[0] if lats else None
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for lab in labels:
+            pts = sorted((r["workers"], r["scalability"]) for r in rows if r["schedule"] == lab and r["latency_s"] == l0)
+            ax.plot(*zip(*pts), marker="o", label=lab)
+        ax.set_xscale("log", base=2)
+        where = "four world regions" if l0 is None else f"{l0 * 1e3:.0f} ms one-way"
+        ax.set(xlabel="workers", ylabel="scalability", title=f"Simulated scalability vs workers ({where})",
+               ylim=(0, 1.05))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(os.path.join(out, "scalability_vs_workers.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def register(sub) -> None:
+    p = sub.add_parser("simulate", help="discrete-event simulation of many workers (scalability vs latency/workers)")
+    p.add_argument("--algorithms", default="bsp,delayed:delay=4,tsparse:period=4,dts:delay=4:period=4", help=SPEC_HELP)
+    p.add_argument("--workers", default="4", help="comma list, e.g. 4,16,256,4096")
+    p.add_argument("--latency", default="0", help="one-way latencies in ms, comma list, e.g. 0,25,50,100,250,500")
+    p.add_argument("--regions", choices=["none", "world"], default="none",
+                   help="world: workers split across four regions with a latency matrix (replaces --latency)")
+    p.add_argument("--bandwidth", default="1gbit", help="per-worker link, e.g. 100mbit")
+    p.add_argument("--params", type=float, default=25e6)
+    p.add_argument("--compute-ms", type=float, default=300.0)
+    p.add_argument("--compute-cv", type=float, default=0.05, help="spread of compute times (coefficient of variation)")
+    p.add_argument("--straggler-prob", type=float, default=0.0)
+    p.add_argument("--collective", default="auto", help="auto, ring, tree, recursive_doubling, double_binary_tree, hierarchical")
+    p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="directory for simulate.json and PNG plots")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)

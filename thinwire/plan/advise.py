@@ -1,0 +1,68 @@
+"""`thinwire advise`: rank algorithm + compressor configurations for a model, a compute time and a network."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+from .costmodel import Prediction, Scenario, predict
+
+# (label, algorithm, compressor, params, convergence note drawn from the seeds' results)
+CANDIDATES = [
+    ("bsp", "bsp", "none", {}, "exact synchronous SGD: the accuracy reference (seed 000 §III-A)"),
+    ("bsp + WFBP overlap", "bsp", "none", {"overlap": True}, "same trajectory as bsp; hides comm behind backward"),
+    ("bsp + fp16", "bsp", "fp16", {}, "half precision: negligible accuracy loss in practice"),
+    ("bsp + qsgd(s=16)", "bsp", "qsgd", {"levels": 16}, "unbiased, bounded variance: converges like SGD with more noise (seed 002 §3)"),
+    ("bsp + topk(1%) + EF", "bsp", "topk", {"ratio": 0.01}, "biased, 100x compression: needs error feedback; EF keeps SGD's rate (seed 000 §IX)"),
+    ("bsp + powersgd(r=4) + EF", "bsp", "powersgd", {"rank": 4}, "biased low-rank with EF: near-SGD accuracy at rank 2-4 (seed 002 §5)"),
+    ("bitsgd (2-bit)", "bitsgd", "none", {}, "2-bit threshold + residual: small accuracy loss (seed 001 Table 2)"),
+    ("odsgd (local update)", "odsgd", "none", {}, "one-step delayed update: compensated by the local step (seed 001 eq. 4)"),
+    ("cdsgd k=5", "cdsgd", "none", {"k": 5}, "within 0.1-0.5 pp of S-SGD in seed 001's experiments"),
+    ("localsgd H=4", "localsgd", "none", {"period": 4}, "model averaging every 4 steps: mild drift between workers"),
+    ("localsgd H=16", "localsgd", "none", {"period": 16}, "more drift; may need more steps to the same accuracy"),
+    ("dts t=4 p=4", "dts", "none", {"delay": 4, "period": 4}, "error-compensated delay/sparsity: no accuracy loss in seed 004"),
+    ("dts t=20 p=4", "dts", "none", {"delay": 20, "period": 4}, "tolerates latency up to ~20 steps of compute (seed 004 §3)"),
+    ("asp (1 server)", "asp", "none", {}, "stale gradients: often converges worse (seed 000 §III-C)"),
+    ("ssp", "ssp", "none", {}, "bounded staleness: converges at O(1/sqrt T) (seed 000 §III-B)"),
+    ("dpsgd ring", "dpsgd", "none", {"degree": 2}, "decentralized: consensus error shrinks with the spectral gap"),
+]
+
+
+@dataclass
+class Advice:
+    label: str
+    prediction: Prediction
+    note: str
+
+    def row(self) -> dict:
+        p = self.prediction
+        return {"config": self.label, "algorithm": p.name, "iteration_s": p.iteration_s,
+                "scalability": p.scalability, "bytes_per_step": p.bytes_per_step, "note": self.note}
+
+
+def advise(s: Scenario) -> list[Advice]:
+    out = []
+    for label, alg, comp, params, note in CANDIDATES:
+        params = dict(params)
+        overlap = params.pop("overlap", False)
+        try:
+            pred = predict(s, alg, comp, overlap=overlap, **params)
+        except (KeyError, UserError):  # a compressor or algorithm this build does not register
+            continue
+        if alg in ("asp", "ssp") and s.servers < 1:
+            continue
+        out.append(Advice(label, pred, note))
+    out.sort(key=lambda a: a.prediction.iteration_s)
+    return out
+
+
+def format_table(rows: list[Advice], s: Scenario) -> str:
+    mb = 1e6
+    lines = [f"{s.params / 1e6:.1f} M params, compute {s.compute_s * 1e3:.0f} ms/iteration, {s.workers} workers, "
+             f"network {s.link.name} ({'unlimited' if s.link.bandwidth is None else f'{s.link.bandwidth / 1e6:.0f} Mbit/s'}, "
+             f"{s.link.latency * 1e3:.1f} ms one-way)",
+             f"{'rank':>4}  {'configuration':<26} {'iteration':>10} {'scalability':>11} {'MB/step':>9}  convergence risk"]
+    for i, a in enumerate(rows, 1):
+        p = a.prediction
+        lines.append(f"{i:>4}  {a.label:<26} {p.iteration_s * 1e3:>8.1f}ms {p.scalability:>11.3f} "
+                     f"{p.bytes_per_step / mb:>9.2f}  {a.note}")
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""`thinwire advise --calibrate`: measure this machine's loopback α and β and the compressors' cost, store them."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+
+def _path() -> str:
+    d = os.environ.get("THINWIRE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "thinwire"))
+    os.makedirs(d, exist_ok=True)
+    return os.path.join(d, "calibration.json")
+
+
+def _allreduce_times(rank, world_size, sizes, repeats):
+    import torch
+    import torch.distributed as dist
+    out = {}
+    for n in sizes:
+        t = torch.zeros(max(1, n // 4))
+        dist.all_reduce(t)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        out[n] = statistics.median(times)
+    return out
+
+
+def _compressor_x_memcpy(numel: int = 1 << 20, repeats: int = 5) -> dict:
+    import torch
+    from ..compress import compressors
+    x = torch.randn(numel)
+    def med(fn):
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    memcpy = med(lambda: x.clone())
+    out = {}
+    for name in compressors.names():
+        try:
+            comp = compressors.get(name)
+            if comp.aggregation == "custom":
+                continue
+            out[name] = med(lambda: comp.decompress(comp.compress(x, key="cal", step=0))) / memcpy
+        except Exception:  # noqa: BLE001 - a compressor that needs parameters is left to the default table
+            continue
+    return out
+
+
+def calibrate(workers: int = 2) -> dict:
+    """Fit the ring all-reduce cost 2(n-1)α + 2(n-1)/n Nβ to loopback all-reduces of 4 B and 16 MB."""
+    from ..run.launcher import launch
+    small, large = 4, 16 << 20
+    times = launch(_allreduce_times, workers, args=([small, large], 10))[0]
+    n = workers
+    alpha = times[small] / (2 * (n - 1))
+    beta = max(1e-12, (times[large] - times[small]) / (2 * (n - 1) / n * large))
+    cal = {"workers": n, "alpha_s": alpha, "beta_s_per_byte": beta, "x_memcpy": _compressor_x_memcpy(),
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    path = _path()
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(cal, f, indent=2)
+    os.replace(tmp, path)
+    cal["path"] = path
+    return cal
+
+
+def load_calibration() -> dict | None:
+    try:
+        with open(_path()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,165 @@
+"""The cost model: predicted iteration time of every algorithm from compute τ, the link and the payload.
+
+Collectives cost what `thinwire.net.cost` says (seed 000 Table III and §IV-B); a compressor costs its payload
+bits (its own `nominal_bits`, from its algebra) and its compression time (a multiple of one memcpy of the
+tensor: measured by `thinwire bench compressors` / `thinwire advise --calibrate`, else a default table measured
+on our machine); an algorithm's iteration time combines them as its schedule does. Scalability is the
+throughput relative to the same workers with no communication: τ / iteration time (seed 004's definition,
+measured against the no-communication limit).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..net import Cost, Link
+from ..net import cost as netcost
+from . import cdsgd as cd
+
+# compress + decompress time in memcpys of the input, measured by `thinwire bench compressors` (2^24 fp32,
+# this 2-core machine; see BENCHMARKS.md). Used when no calibration file exists.
+DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "onebit": 6.0, "signsgd": 4.0,
+                    "signum": 4.0, "efsignsgd": 5.0, "qsgd": 8.0, "terngrad": 7.0, "natural": 6.0,
+                    "threshold2bit": 6.0, "randomk": 4.0, "topk": 12.0, "threshold": 8.0, "dgc": 12.0,
+                    "gaussiank": 10.0, "powersgd": 10.0, "countsketch": 8.0, "stc": 12.0, "qsparse": 12.0}
+MEMCPY_BYTES_PER_S = 9.0e9  # one fp32 memcpy moves 4 bytes per element (measured ~7 ms for 2^24 elements)
+
+
+def double_binary_tree_allreduce(link: Link, n: int, nbytes: float) -> Cost:
+    """Double binary trees (seed 000 §IV-B [148], NCCL ≥ 2.4): two complementary trees each carry half the
+    data, pipelined: logarithmic latency 2⌈log2 n⌉α and full bandwidth, ≈ 2Nβ per rank."""
+    r = math.ceil(math.log2(n)) if n > 1 else 0
+    moved = 2 * nbytes if n > 1 else 0.0
+    return Cost(2 * r * link.alpha, moved * link.beta, moved, moved)
+
+
+def ps_push_pull(link: Link, n: int, nbytes: float, servers: int = 1, down_bytes: float | None = None) -> Cost:
+    """Parameter server with k servers, parameters sharded evenly: each worker pushes N/k to each server and
+    pulls it back; a server's link receives n·N/k (incast) and sends n·N/k, so one round costs
+    2α + (n N_up + n N_down)/k β on the servers' links (seed 000 §IV-A, Table IV)."""
+    down = nbytes if down_bytes is None else down_bytes
+    k = max(1, servers)
+    return Cost(2 * link.alpha, (n * nbytes + n * down) / k * link.beta, nbytes + 0 * down, down)
+
+
+def gossip_exchange(link: Link, degree: int, nbytes: float) -> Cost:
+    """Decentralized: send the model to `degree` neighbours and receive theirs over one link: α + d N β."""
+    return Cost(link.alpha, degree * nbytes * link.beta, degree * nbytes, degree * nbytes)
+
+
+COLLECTIVES = dict(netcost.ALLREDUCE)
+COLLECTIVES["double_binary_tree"] = double_binary_tree_allreduce
+
+
+@dataclass
+class Scenario:
+    """What is being planned: model size, compute per iteration, the link, worker and server counts."""
+
+    params: float
+    compute_s: float
+    link: Link
+    workers: int
+    servers: int = 1
+    bytes_per_param: int = 4
+    backward_fraction: float = 2.0 / 3.0   # share of τ spent in backward (what WFBP can hide behind)
+    collective: str = "ring"
+    x_memcpy: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    def allreduce(self, nbytes: float) -> Cost:
+        return COLLECTIVES[self.collective](self.link, self.workers, nbytes)
+
+    def compress_s(self, compressor: str) -> float:
+        x = self.x_memcpy.get(compressor, DEFAULT_X_MEMCPY.get(compressor, 8.0))
+        return x * self.params * 4 / MEMCPY_BYTES_PER_S
+
+
+def payload_bits(compressor: str, numel: int, **params) -> float:
+    """Bits per element the compressor puts on the wire (its declared nominal size)."""
+    from ..compress import compressors
+    return compressors.get(compressor, **params).nominal_bits(int(numel))
+
+
+def exchange_cost(s: Scenario, compressor: str = "none", **params) -> Cost:
+    """One exchange of the whole gradient through `compressor`, on the collective its algebra allows."""
+    if compressor == "none":
+        return s.allreduce(s.nbytes)
+    from ..compress import compressors
+    comp = compressors.get(compressor, **params)
+    payload = comp.nominal_bits(int(s.params)) * s.params / 8
+    if comp.aggregation in ("allreduce", "custom"):
+        return s.allreduce(payload)
+    return netcost.ring_allgather(s.link, s.workers, payload)   # allgather and majority vote
+
+
+@dataclass
+class Prediction:
+    name: str
+    iteration_s: float
+    compute_s: float
+    bytes_per_step: float
+    note: str = ""
+
+    @property
+    def scalability(self) -> float:
+        return self.compute_s / self.iteration_s if self.iteration_s > 0 else 0.0
+
+
+def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool = False, **p) -> Prediction:
+    """Iteration time of `algorithm` (with `compressor`) in scenario `s`.
+
+    bsp: τ + δ + C (no overlap), τ + max(0, C − τ_b) with WFBP; bitsgd / odsgd / cdsgd: seed 001 eqs. 4–7;
+    localsgd: τ + C/H; ssp/asp: each worker τ + its push/pull, bounded below by the servers' link (incast);
+    dpsgd / gossip: τ + α + dNβ; dts / delayed / tsparse (seed 004 §3): a window of p steps launches one
+    exchange, waited t−1 steps later: τ + max(0, C − (t−1)τ)/p, bounded below by the link's occupancy C_β/p.
+    """
+    tau = s.compute_s
+    delta = s.compress_s(compressor) if compressor != "none" else 0.0
+    comm = exchange_cost(s, compressor, **{k: v for k, v in p.items() if k in ("ratio", "rank", "levels",
+                                                                              "threshold", "bucket")})
+    sent = comm.sent
+    if algorithm in ("bsp", "ssgd"):
+        t = tau + delta + (max(0.0, comm.time - s.backward_fraction * tau) if overlap else comm.time)
+        return Prediction(algorithm, t, tau, sent)
+    if algorithm == "bitsgd":
+        c2 = exchange_cost(s, "threshold2bit")
+        return Prediction(algorithm, cd.bitsgd(tau, c2.time, s.compress_s("threshold2bit")), tau, c2.sent)
+    if algorithm == "odsgd":
+        return Prediction(algorithm, cd.local_update(tau, comm.time), tau, sent)
+    if algorithm == "cdsgd":
+        k = int(p.get("k", 5))
+        full = s.allreduce(s.nbytes)
+        quant = exchange_cost(s, compressor if compressor != "none" else "threshold2bit")
+        dq = s.compress_s(compressor if compressor != "none" else "threshold2bit")
+        t = cd.cdsgd(tau, full.time, quant.time, dq, k)
+        per = ((max(1, k) - 1) * quant.sent + full.sent) / max(1, k)
+        return Prediction(algorithm, t, tau, per)
+    if algorithm in ("localsgd", "postlocalsgd"):
+        h = int(p.get("period", p.get("H", 4)))
+        return Prediction(algorithm, tau + (delta + comm.time) / h, tau, sent / h)
+    if algorithm in ("asp", "ssp", "backup"):
+        ps = ps_push_pull(s.link, s.workers, comm.sent if compressor != "none" else s.nbytes, s.servers,
+                          down_bytes=s.nbytes)
+        own = tau + delta + 2 * s.link.alpha + (ps.sent + ps.received) * s.link.beta
+        return Prediction(algorithm, max(own, ps.transfer), tau, ps.sent)
+    if algorithm in ("dpsgd", "choco", "sgp", "adpsgd"):
+        degree = int(p.get("degree", 2 if algorithm != "adpsgd" else 1))
+        payload = s.nbytes if compressor == "none" else comm.sent / max(1e-12, 2 * (s.workers - 1) / s.workers)
+        g = gossip_exchange(s.link, degree, payload)
+        return Prediction(algorithm, tau + delta + g.time, tau, g.sent)
+    if algorithm in ("dts", "delayed", "tsparse"):
+        t_delay = int(p.get("delay", 1 if algorithm == "tsparse" else 4))
+        period = int(p.get("period", 1 if algorithm == "delayed" else 4))
+        stall = max(0.0, delta + comm.time - (t_delay - 1) * tau)
+        t = max(tau + stall / period, comm.transfer / period)
+        return Prediction(algorithm, t, tau, sent / period)
+    if algorithm == "local":
+        return Prediction(algorithm, tau, tau, 0.0)
+    raise KeyError(algorithm)
+
+
+PLANNED = ("bsp", "bitsgd", "odsgd", "cdsgd", "localsgd", "postlocalsgd", "ssp", "asp", "backup", "dpsgd",
+           "choco", "sgp", "adpsgd", "dts", "delayed", "tsparse", "local")
