@@ -60,6 +60,25 @@ def test_time_model_cases():
     assert p["cdsgd"] == pytest.approx(4.0) and p["bitsgd"] == pytest.approx(4.5)
 
 
+# -- the command line -----------------------------------------------------------------------------------------
+def test_cli_flags_reach_algorithm_and_compressor():
+    from thinwire.cli import build_parser, parse_extra
+    from thinwire.cli.train import config_from_args
+    from thinwire.trainer import build_components
+    argv = ["train", "--algorithm", "cdsgd", "--k", "5", "--warmup", "20", "--local-lr", "0.2", "--threshold",
+            "0.01", "--workload", "digits-cnn", "--network", "wan", "--quiet"]
+    args, extra = build_parser().parse_known_args(argv)
+    args.extra = parse_extra(extra)
+    cfg = config_from_args(args).validate()
+    alg, comp, mem = build_components(cfg.algorithm, cfg.compressor, cfg.memory, **cfg.params)
+    assert (alg.name, alg.k, alg.warmup, alg.local_lr) == ("cdsgd", 5, 20, 0.2)
+    assert (comp.name, comp.threshold, mem.name) == ("threshold2bit", 0.01, "residual")
+    with pytest.raises(UserError, match="k must be"):
+        build_components("cdsgd", k="0")
+    with pytest.raises(UserError, match="architecture"):
+        build_components("cdsgd", architecture="gossip")
+
+
 # -- distributed runs on linreg (float64) --------------------------------------------------------------------
 def _run(rank, world, algorithm, steps, params, compressor=None, memory=None, snapshot_each=False,
          checkpoint_at=None, network="lan"):

@@ -48,6 +48,7 @@ class Registry:
     def __init__(self, family: str):
         self.family = family
         self._table: dict[str, Callable] = {}
+        self.compose: Callable | None = None   # optional: builds the constructor of a composite "a+b" name
 
     def register(self, name: str | None = None):
         def deco(obj):
@@ -67,6 +68,8 @@ class Registry:
         return name in self._table
 
     def lookup(self, name: str) -> Callable:
+        if name not in self._table and self.compose is not None and "+" in name:
+            return self.compose(name)
         if name not in self._table:
             raise UserError(f"unknown {self.family} {name!r}; valid: {', '.join(self.names())}")
         return self._table[name]

@@ -50,7 +50,8 @@ def build_components(algorithm, compressor=None, memory=None, **params):
 class Trainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm="bsp",
                  compressor=None, memory=None, transport: Transport | None = None, network=None,
-                 tracer: Tracer | None = None, sync_initial_model: bool = True, **params):
+                 tracer: Tracer | None = None, sync_initial_model: bool = True, nonfinite: str = "stop",
+                 **params):
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -64,11 +65,45 @@ class Trainer:
         if tracer is not None:
             self.transport.tracer = tracer
 
+        if nonfinite not in ("stop", "skip"):
+            raise UserError(f"nonfinite must be 'stop' or 'skip', got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        if nonfinite == "skip" and isinstance(algorithm, str) and algorithms.registry.accepts(algorithm, "schedule"):
+            # every rank must agree to skip before any gradient is sent: no exchange during backward
+            if params.get("schedule", "none") != "none":
+                raise UserError("nonfinite='skip' needs schedule='none' (gradients are checked on every rank "
+                                "before any is sent); use nonfinite='stop' with overlapping schedules")
+            params["schedule"] = "none"
         self.algorithm, self.compressor, self.memory = build_components(algorithm, compressor, memory, **params)
         self.step_count = 0
+        self._check_models_match(values=not sync_initial_model)
         if sync_initial_model:
             self._broadcast_model()
         self.algorithm.attach(self)
+
+    def _check_models_match(self, values: bool) -> None:
+        """Refuse to start when the ranks' models differ in shape (or, without the initial broadcast, in
+        value): two tiny all-reduces of a fingerprint at start-up, outside the training meter."""
+        if self.transport.world_size == 1:
+            return
+        import hashlib
+
+        import torch.distributed as dist
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        shapes = repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()
+        fp = [len(tensors), sum(t.numel() for t in tensors), int(hashlib.sha256(shapes).hexdigest()[:12], 16)]
+        if values:
+            digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors)).hexdigest()
+            fp.append(int(digest[:12], 16))
+        hi = torch.tensor(fp, dtype=torch.float64)
+        lo = -hi.clone()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.transport.group)
+        dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.transport.group)
+        if not torch.equal(hi, -lo):
+            what = "shapes" if not torch.equal(hi[:3], -lo[:3]) else "initial values"
+            raise UserError(f"the workers' models differ in {what} (rank {self.transport.rank} has "
+                            f"{fp[0]} tensors, {fp[1]} elements): build the same model on every rank")
 
     def _broadcast_model(self) -> None:
         """Start every worker from rank 0's model (as DDP does); not counted as training traffic."""
@@ -80,7 +115,25 @@ class Trainer:
                 dist.broadcast(t.data, src=self.transport.global_of(0), group=self.transport.group)
 
     def step(self) -> dict:
-        """Communicate and update as the algorithm dictates; returns this step's traffic counters."""
+        """Communicate and update as the algorithm dictates; returns this step's traffic counters.
+
+        A NaN or Inf gradient is never applied: with `nonfinite="stop"` (default) this rank raises and the
+        launcher stops every rank; with `nonfinite="skip"` the ranks agree through one small all-reduce per step
+        (it costs a round trip of latency) and all skip the step."""
+        bad = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in self.parameters)
+        if self.nonfinite == "skip":
+            flag = torch.tensor([1.0 if bad else 0.0])
+            self.transport.all_reduce(flag, op="max")
+            if flag.item() > 0:
+                for p in self.parameters:
+                    if p.grad is not None:
+                        p.grad.zero_()
+                self.skipped_steps += 1
+                return self.transport.meter.mark_step()
+        elif bad:
+            from .compress.finite import NonFiniteError
+            raise NonFiniteError(f"rank {self.transport.rank}: NaN or Inf in the gradient at step "
+                                 f"{self.step_count + 1}; nothing was applied (policy nonfinite=stop)")
         self.algorithm.step()
         self.step_count += 1
         return self.transport.meter.mark_step()
@@ -89,7 +142,7 @@ class Trainer:
         self.algorithm.close()
 
     def metrics(self) -> dict:
-        out = {"steps": self.step_count, **self.transport.meter.totals()}
+        out = {"steps": self.step_count, "skipped_steps": self.skipped_steps, **self.transport.meter.totals()}
         out.update(self.algorithm.metrics())
         return out
 

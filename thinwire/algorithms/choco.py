@@ -57,7 +57,7 @@ class CHOCO(Gossip):
         tp = self.transport
         tensors = [t.contiguous() for t in payload.tensors]
         header = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
-        body = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
+        body = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors] or [torch.empty(0, dtype=torch.uint8)])
         hs = [tp.isend(header, j, tag=TAG) for j in self.peers]
         if body.numel():
             hs += [tp.isend(body, j, tag=TAG + 1) for j in self.peers]

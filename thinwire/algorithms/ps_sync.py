@@ -71,6 +71,7 @@ class PSAlgorithm(Algorithm):
     def close(self) -> None:
         if self.worker is not None:
             self.worker.done()
+            self.set_flat_params(self.worker.params)  # the model answered to the last push
 
     def metrics(self) -> dict:
         part = self.server if self.server is not None else self.worker

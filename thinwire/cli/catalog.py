@@ -6,7 +6,7 @@ import json
 
 def catalog() -> dict:
     from .. import algorithms
-    from ..compress import compressors, memories
+    from ..compress import coders, compressors, memories
     from ..net import PROFILES
     from ..run import workloads
     return {
@@ -18,6 +18,7 @@ def catalog() -> dict:
         "algorithms": algorithms.registry.describe(),
         "compressors": compressors.describe(),
         "memories": memories.describe(),
+        "coders": coders.describe(),   # composed by name: --compressor qsgd+elias
     }
 
 

@@ -6,6 +6,7 @@ the algorithm, compressor and memory that declare them; unknown ones are an erro
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -36,7 +37,11 @@ def config_from_args(args):
                        lr=args.lr, momentum=args.momentum, seed=args.seed, eval_every=args.eval_every,
                        target=args.target, compressor=args.compressor, memory=args.memory,
                        servers=args.servers, params=dict(args.extra), trace=bool(getattr(args, "trace", None)),
-                       progress=not args.json and not getattr(args, "quiet", False))
+                       progress=not args.json and not getattr(args, "quiet", False),
+                       checkpoint_every=getattr(args, "checkpoint_every", None),
+                       checkpoint_dir=getattr(args, "checkpoint_dir", None) or (
+                           os.path.join(args.out, "checkpoint") if getattr(args, "out", None) else None),
+                       resume=getattr(args, "resume", None), nonfinite=getattr(args, "nonfinite", "stop"))
 
 
 def format_summary(s: dict) -> str:
@@ -90,6 +95,12 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train one workload with one algorithm")
     add_run_options(p)
     p.add_argument("--out", help="directory for metrics.jsonl, summary.json (and trace.json)")
+    p.add_argument("--checkpoint-every", type=int, help="write a checkpoint every N steps (to --checkpoint-dir, "
+                                                          "default OUT/checkpoint)")
+    p.add_argument("--checkpoint-dir", help="where checkpoints go (default OUT/checkpoint)")
+    p.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR (same configuration)")
+    p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
+                   help="NaN/Inf gradient: stop every rank (default) or skip the step on all ranks")
     p.add_argument("--trace", action="store_true", help="write a Chrome trace to OUT/trace.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

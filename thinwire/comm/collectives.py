@@ -10,7 +10,7 @@ own α-β formula (seed 000 Table III; `thinwire.net.cost`) without any formula 
 | name | steps | cost (thinwire.net.cost) | world sizes |
 | --- | --- | --- | --- |
 | `ring` | reduce-scatter + all-gather of n chunks | `ring_allreduce` | any |
-| `recursive_doubling` | exchange full vectors with rank ⊕ 2^r | `recursive_doubling_allreduce` | any (non-powers of two fold the extra ranks into partners first: two more messages) |
+| `recursive_doubling` | exchange full vectors with rank ⊕ 2^r | `recursive_doubling_allreduce` | any (with n not a power of two the extra ranks fold into partners first: ⌊log2 n⌋ + 2 rounds, above the formula's ⌈log2 n⌉) |
 | `tree` | binomial reduce to rank 0, binomial broadcast | `tree_allreduce` | any |
 | `hierarchical[:m]` | tree reduce in groups of m, ring among leaders, tree broadcast | `hierarchical_allreduce` | m divides n |
 | `torus[:X]` | ring reduce-scatter on rows of X, ring all-reduce on columns, ring all-gather on rows | `torus_allreduce` | X divides n |

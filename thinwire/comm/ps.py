@@ -32,7 +32,8 @@ feedback, two-sided as in DoubleSqueeze (Tang et al. 2019).
 Update. The server applies the worker's optimizer (its class and hyper-parameters, e.g. SGD with lr and
 momentum) to its shard. "sync": clock c's update is the mean of the n workers' clock-c gradients
 (seed 000 eq. 6), applied when the last one arrives; a worker that pushed clock c gets its reply once clocks
-<= c - s are applied (SSP's read rule, catalog §2.1.3 [SUPP]; s = 0 is BSP). "async": each gradient is applied
+<= c - s are applied (SSP's read rule, catalog §2.1.3 [SUPP]; s = 0 is BSP). The `ssp` algorithm uses s = 0
+here and keeps s pushes in flight on the worker instead, which gives the same read rule and hides latency. "async": each gradient is applied
 as it arrives, x <- x - γ G_i(x_{t-τ}) (catalog §2.1.5, operational form; eq. 8 as printed is an erratum) and
 τ is recorded. "backup": the first n - n_b fresh gradients of a round are averaged, later ones dropped
 (catalog §2.1.2).
@@ -46,7 +47,6 @@ import torch
 
 from ..errors import UserError
 
-_now = time.perf_counter
 
 PUSH, DONE, REPLY = 1, 2, 3
 TAG_PUSH_HEAD, TAG_PUSH_DATA, TAG_REPLY_HEAD, TAG_REPLY_DATA = 7101, 7102, 7103, 7104
@@ -178,8 +178,13 @@ class PushPull:
         if self._result is None:
             while self.worker._queue[0] is not self:  # answers come back in push order
                 self.worker._queue[0].wait()
+            t0 = time.perf_counter()
             while not self._progress():
                 time.sleep(_POLL_S)
+            t1 = time.perf_counter()
+            self.worker.t.meter.add_wait(t1 - t0)   # the exposed part of the round trip
+            if t1 - t0 > 1e-4:
+                self.worker.t.tracer.complete("wait ps push/pull", t0, t1, "wait")
             for h in self._sends:
                 h.wait()
             heads = [r[0].wait() for r in self._replies]

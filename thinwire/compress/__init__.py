@@ -5,7 +5,8 @@ compressors = Registry("compressor")
 memories = Registry("memory")
 
 from .base import Compressor, Memory, Payload  # noqa: E402
+from ._coding import coders  # noqa: E402  (lossless coders, composed as "compressor+coder")
 
 import_submodules(__name__, __path__)
 
-__all__ = ["Compressor", "Memory", "Payload", "compressors", "memories"]
+__all__ = ["Compressor", "Memory", "Payload", "coders", "compressors", "memories"]

@@ -24,6 +24,16 @@ def check_ratio(ratio: float, name: str = "ratio") -> float:
     return float(ratio)
 
 
+SPARSE_COLLECTIVES = ("allgather", "gtopk", "shared", "hierarchical")   # run by thinwire/exchange/sparse.py
+
+
+def check_collective(name: str) -> str:
+    """`sparse_collective` of a top-k-family compressor: how the exchange aggregates its sparse payloads."""
+    if name not in SPARSE_COLLECTIVES:
+        raise UserError(f"unknown sparse collective {name!r}; valid: {', '.join(SPARSE_COLLECTIVES)}")
+    return name
+
+
 def num_kept(ratio: float, numel: int) -> int:
     return min(numel, max(1, int(ratio * numel)))
 

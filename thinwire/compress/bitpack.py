@@ -31,10 +31,10 @@ def _table(bits: int, dtype=torch.uint8, values=None) -> torch.Tensor:
 _TABLES = {1: _table(1)}
 
 
-def decode(packed: torch.Tensor, bits: int, numel: int, values) -> torch.Tensor:
-    """fp32 tensor of `values[code]` for the `numel` codes packed in `packed` (bits in 1, 2, 4): one table lookup
+def decode(packed: torch.Tensor, bits: int, numel: int, values, dtype=torch.float32) -> torch.Tensor:
+    """`values[code]` (as `dtype`) for the `numel` codes packed in `packed` (bits in 1, 2, 4): one table lookup
     per byte, no intermediate codes."""
-    table = _table(bits, torch.float32, values)
+    table = _table(bits, dtype, values)
     return table.index_select(0, packed.reshape(-1).to(torch.int64)).view(-1)[:numel]
 
 

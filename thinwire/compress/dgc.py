@@ -19,7 +19,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors, memories
-from ._sparse import SparseCompressor, beyond, check_ratio, generator, num_kept
+from ._sparse import SparseCompressor, beyond, check_collective, check_ratio, generator, num_kept
 from .base import Memory
 
 
@@ -35,7 +35,9 @@ def warmup_density(ratio: float, step: int, warmup_steps: int) -> float:
 class DGC(SparseCompressor):
     """DGC sparsification: sampled threshold + refinement (≈ ratio·d sent), with an optional density warm-up."""
 
-    def __init__(self, ratio: float = 0.01, sample: float = 0.01, warmup_steps: int = 0, seed: int = 0):
+    def __init__(self, ratio: float = 0.01, sample: float = 0.01, warmup_steps: int = 0, seed: int = 0,
+                 sparse_collective: str = "allgather"):
+        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
         self.ratio = check_ratio(ratio)
         self.sample = check_ratio(sample, "sample")
         self.warmup_steps = int(warmup_steps)

@@ -30,6 +30,6 @@ def check_scale(value: torch.Tensor, name: str, key=None, tensor: torch.Tensor |
 
 def check_tensor(x: torch.Tensor, name: str, key=None) -> None:
     """Raise if `x` holds NaN or Inf (one cheap sum; a full check only when the sum is not finite)."""
-    if x.numel() and not torch.isfinite(x.sum(dtype=torch.float32)):
+    if x.numel() and not torch.isfinite(x.sum()):      # (in x's own type: a widening sum would copy x)
         if not bool(torch.isfinite(x).all()):
             _fail(name, key)

@@ -13,14 +13,15 @@ from statistics import NormalDist
 import torch
 
 from . import compressors
-from ._sparse import SparseCompressor, beyond, check_ratio, generator, num_kept
+from ._sparse import SparseCompressor, beyond, check_collective, check_ratio, generator, num_kept
 
 
 @compressors.register("gaussiank")
 class GaussianK(SparseCompressor):
     """Gaussian-k: threshold from the normal fit μ + σΦ⁻¹(1−ρ/2), adjusted ×0.5/×1.5 toward k = ρ·d."""
 
-    def __init__(self, ratio: float = 0.01, adjust: int = 5, seed: int = 0):
+    def __init__(self, ratio: float = 0.01, adjust: int = 5, seed: int = 0, sparse_collective: str = "allgather"):
+        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
         self.ratio = check_ratio(ratio)
         self.adjust = int(adjust)
         self.seed = seed

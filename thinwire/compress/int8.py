@@ -46,6 +46,7 @@ class Int8(Compressor):
         self.unbiased = self.stochastic
         self.randomness = "local" if self.stochastic else "none"
         self.uniforms = Uniforms(seed)
+        self._scratch = torch.empty(0)
 
     def agree(self, tensor, key=None, step=0):
         return _maxabs(tensor.reshape(-1))
@@ -59,7 +60,11 @@ class Int8(Compressor):
         if self.stochastic:
             q = stochastic_codes(flat, inv, LEVELS, self.uniforms).sub_(LEVELS).view(torch.int8)
         else:
-            q = torch.mul(flat, inv).round_().to(torch.int8)
+            if flat.dtype != torch.float32:
+                flat = flat.float()
+            if self._scratch.numel() < flat.numel():       # a reused temporary: fresh 4n-byte tensors page-fault
+                self._scratch = torch.empty(flat.numel())
+            q = torch.mul(flat, inv, out=self._scratch[: flat.numel()]).round_().to(torch.int8)
         tensors = [q] if agreed is not None else [q, scale]
         ctx = {"shape": tensor.shape, "dtype": tensor.dtype}
         if agreed is not None:

@@ -10,7 +10,7 @@ import torch
 
 from . import compressors
 from .base import Compressor, Payload
-from .bitpack import pack, unpack
+from .bitpack import decode, pack
 from .finite import check_tensor
 from .rounding import Uniforms
 
@@ -44,10 +44,8 @@ class Natural(Compressor):
     def decompress(self, payload):
         shape, dtype, n = payload.ctx
         exponent, sign = payload.tensors
-        code = unpack(sign, 1, n).to(torch.int16)
-        code.bitwise_left_shift_(8).bitwise_or_(exponent)              # sign << 8 | exponent
-        word = code.to(torch.int32)
-        word.bitwise_left_shift_(23)                                   # sign << 31 | exponent << 23
+        word = decode(sign, 1, n, [0, 256], torch.int32)              # sign << 8, one lookup per byte
+        word.bitwise_or_(exponent).bitwise_left_shift_(23)             # sign << 31 | exponent << 23
         return word.view(torch.float32).to(dtype).view(shape)
 
     def nominal_bits(self, numel):

@@ -14,8 +14,8 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._sparse import (SparseCompressor, check_ratio, generator, index_dtype, local_generator, num_kept,
-                      pack_codes, topk_indices, unpack_codes)
+from ._sparse import (SparseCompressor, check_collective, check_ratio, generator, index_dtype, local_generator,
+                      num_kept, pack_codes, topk_indices, unpack_codes)
 from .base import Payload
 
 
@@ -37,7 +37,8 @@ class QSparse(SparseCompressor):
 
     fixed_size = True
 
-    def __init__(self, ratio: float = 0.01, levels: int = 7, seed: int = 0):
+    def __init__(self, ratio: float = 0.01, levels: int = 7, seed: int = 0, sparse_collective: str = "allgather"):
+        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
         self.ratio = check_ratio(ratio)
         if not isinstance(levels, int) or levels < 1:
             raise UserError(f"levels must be an integer >= 1, got {levels}")

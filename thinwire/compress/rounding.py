@@ -43,8 +43,8 @@ class Uniforms:
         return self._gen
 
     def mantissas(self, numel: int) -> torch.Tensor:
-        """`numel` pairwise-independent integers uniform on [0, 2**23) as int32: (A_i + B_j) mod 2**23 over an
-        R x C table (a view of an internal buffer, valid until the next call)."""
+        """`numel` pairwise-independent integers uniform on [0, 2**23) as int32: A_i xor B_j over an R x C table
+        (a view of an internal buffer, valid until the next call)."""
         cols = min(_COLS, max(numel, 1))
         rows = math.ceil(numel / cols) if numel else 0
         if self._ibuf.numel() < rows * cols:
@@ -53,8 +53,7 @@ class Uniforms:
         gen = self.generator()
         a = torch.randint(0, 1 << 23, (rows, 1), generator=gen, dtype=torch.int32)
         b = torch.randint(0, 1 << 23, (1, cols), generator=gen, dtype=torch.int32)
-        torch.add(a, b, out=table)
-        table.bitwise_and_((1 << 23) - 1)
+        torch.bitwise_xor(a, b, out=table)
         return table.view(-1)[:numel]
 
     def offset_uniforms(self, numel: int, offset: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from ._sparse import (SparseCompressor, check_ratio, generator, index_dtype, num_kept, pack_codes, topk_indices,
-                      unpack_codes)
+from ._sparse import (SparseCompressor, check_collective, check_ratio, generator, index_dtype, num_kept, pack_codes,
+                      topk_indices, unpack_codes)
 from .base import Payload
 
 
@@ -19,7 +19,8 @@ class STC(SparseCompressor):
 
     fixed_size = True
 
-    def __init__(self, ratio: float = 0.01, seed: int = 0):
+    def __init__(self, ratio: float = 0.01, seed: int = 0, sparse_collective: str = "allgather"):
+        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
         self.ratio = check_ratio(ratio)
         self.seed = seed
 

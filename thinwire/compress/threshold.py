@@ -9,14 +9,15 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._sparse import SparseCompressor, beyond
+from ._sparse import SparseCompressor, beyond, check_collective
 
 
 @compressors.register("threshold")
 class Threshold(SparseCompressor):
     """Threshold-v sparsification: send g_i where |g_i| ≥ v, as (values, indices)."""
 
-    def __init__(self, threshold: float = 0.001):
+    def __init__(self, threshold: float = 0.001, sparse_collective: str = "allgather"):
+        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
         if not threshold >= 0:
             raise UserError(f"threshold must be >= 0, got {threshold}")
         self.threshold = float(threshold)

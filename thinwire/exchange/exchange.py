@@ -38,6 +38,7 @@ from ..comm import Transport
 from ..compress import Compressor, Memory, Payload, compressors, memories
 from ..compress.finite import NonFiniteError
 from ..errors import UserError
+from . import sparse as _sparse
 from . import wire
 
 COLLECTIVES = ("auto", "allreduce", "allgather", "majority", "custom")
@@ -118,9 +119,10 @@ class Exchange:
 
     def __init__(self, transport: Transport, compressor: "str | Compressor" = "none",
                  memory: "str | Memory" = "none", collective: str = "auto", check_finite: bool = True,
-                 **params):
+                 sparse_collective: str | None = None, **params):
         if params:
-            raise UserError(f"unexpected exchange parameters: {sorted(params)}; valid: collective, check_finite")
+            raise UserError(f"unexpected exchange parameters: {sorted(params)}; valid: collective, check_finite, "
+                            f"sparse_collective")
         self.transport = transport
         self.compressor = compressors.get(compressor) if isinstance(compressor, str) else compressor
         self.memory = memories.get(memory) if isinstance(memory, str) else memory
@@ -144,6 +146,14 @@ class Exchange:
         self._gloo = _backend(transport) == "gloo"
         self.memory.setup(self.world_size)
         self._memory_updates = type(self.memory).update is not Memory.update
+        # top-k family: "gtopk" | "shared" | "hierarchical" replace the all-gather (exchange/sparse.py)
+        sparse_collective = sparse_collective or getattr(self.compressor, "sparse_collective", "allgather")
+        self.sparse = None
+        if _sparse.check(sparse_collective) != "allgather":
+            self.sparse = _sparse.SparseCollective(sparse_collective, transport, self.compressor)
+            if collective != "allgather":
+                raise UserError(f"sparse collective {sparse_collective!r} replaces the all-gather; it cannot run "
+                                f"with collective {collective!r}; valid: auto, allgather")
         self.steps: dict[Any, int] = {}
 
     @property
@@ -172,6 +182,14 @@ class Exchange:
                     self.memory.update(c, key, local)
                 return (total / n).to(x.dtype).reshape(x.shape)
             return ExchangeHandle([inner], finish_custom, tracer)
+
+        if self.sparse is not None:   # a sparse collective: synchronous, returns (sum, this rank's share)
+            with tracer.span("compress", "compress"):
+                c = self.memory.compensate(x, key)
+            total, sent = self.sparse.run(c, key, step)
+            if self._memory_updates:
+                self.memory.update(c, key, sent)
+            return _Done((total / n).to(x.dtype).reshape(x.shape))
 
         with tracer.span("compress", "compress"):
             c = self.memory.compensate(x, key)

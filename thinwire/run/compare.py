@@ -271,22 +271,31 @@ def _curve(celldir: str, metric: str, total_sent: float | None = None) -> list:
     return pts
 
 
+_PEER_AS = {"ddp": ("bsp", "none"), "ddp-fp16": ("bsp", "fp16"), "ddp-powersgd": ("bsp", "powersgd"),
+            "ddp-postlocalsgd": ("localsgd", "none")}
+
+
 def predict_step_time(row: dict, cfg: CompareConfig, compute_s: float | None) -> float | None:
-    """The planner's predicted iteration time, if `thinwire.plan.predict_iteration` exists (else None)."""
-    from .. import plan
-    fn = getattr(plan, "predict_iteration", None)
-    if fn is None or row.get("peer"):
+    """The planner's predicted iteration time (`thinwire.plan.costmodel.predict`) from the model size, this
+    network and the measured no-communication step time; None where the planner has no model for the cell."""
+    try:
+        from ..plan.costmodel import Scenario, predict
+    except ImportError:
         return None
     c = row["cell"]
+    if compute_s is None:
+        return None
+    algorithm, compressor = _PEER_AS.get(c["algorithm"], (c["algorithm"], c["compressor"] or "none"))
+    params = dict(c["params"])
+    if c["algorithm"] == "ddp-powersgd":
+        params = {"rank": params.get("rank", 4)}
     try:
-        got = fn(algorithm=c["algorithm"], compressor=c["compressor"], memory=c["memory"], params=c["params"],
-                 network=row["network"], workers=cfg.workers, workload=cfg.workload, compute_s=compute_s)
-    except (UserError, TypeError, ValueError, KeyError) as e:
+        s = Scenario(params=workloads.get(cfg.workload).num_params(), compute_s=compute_s,
+                     link=parse_network(row["network"]), workers=cfg.workers)
+        return float(predict(s, algorithm, compressor, **params).iteration_s)
+    except (UserError, KeyError, TypeError, ValueError) as e:
         row["prediction_error"] = f"{type(e).__name__}: {e}"
         return None
-    if isinstance(got, dict):
-        got = got.get("iteration_s", got.get("step_time_s"))
-    return None if got is None else float(got)
 
 
 def _derive(row: dict, baseline: dict, cfg: CompareConfig) -> None:

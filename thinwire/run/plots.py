@@ -82,11 +82,12 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
 
 def _ttt(results: dict, path: str) -> str:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
     style = _style(results)
     nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
     fig, ax = plt.subplots(figsize=(8.5, 5.2))
-    worst = max([r["time_to_target_s"] for r in results["cells"] if r.get("time_to_target_s")] or [1.0])
-    ceiling = worst * 1.6
+    reached = [r["time_to_target_s"] for r in results["cells"] if r.get("time_to_target_s")]
+    ceiling = max(reached) * 1.6 if reached else 1.0
     for label in style:
         ys, miss = [], []
         for i, n in enumerate(nets):
@@ -103,9 +104,20 @@ def _ttt(results: dict, path: str) -> str:
     ax.axhline(ceiling, color="grey", lw=0.8, ls=":")
     ax.annotate("× = target not reached", (0.01, ceiling), xycoords=("axes fraction", "data"),
                 textcoords="offset points", xytext=(2, 4), fontsize=8, color="grey")
+    if reached:
+        ax.set_yscale("log")
+        ax.set_ylim(min(reached) / 1.5, ceiling * 1.4)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
+        ax.set_ylabel("time to target (s, log scale; lower is better)")
+    else:
+        ax.set_ylim(0, 1.5)
+        ax.set_yticks([])
+        ax.set_ylabel("time to target")
+        ax.text(0.5, 0.45, "no contestant reached the target on any network", transform=ax.transAxes,
+                ha="center", color="grey")
     ax.set_xticks(range(len(nets)), [n.replace("custom:", "").replace(",", "\n") for n in nets])
-    ax.set_yscale("log")
-    ax.set_ylabel("time to target (s, log scale; lower is better)")
+    ax.set_xlim(-0.3, len(nets) - 0.7)
     ax.set_xlabel("network")
     ax.set_title("Time to reach the target accuracy on each network")
     ax.grid(alpha=0.3, which="both")

@@ -80,7 +80,7 @@ def verdict(rows: list[dict]) -> str:
                          f"(best {name} {other['best_' + name]:.3f}).")
         else:
             parts.append(f"That is {other['time_to_target_s'] / w['time_to_target_s']:.1f}× faster than "
-                         f"{what.lower()} (`{other['label']}`, {other['time_to_target_s']:.1f} s).")
+                         f"{what[0].lower() + what[1:]} (`{other['label']}`, {other['time_to_target_s']:.1f} s).")
     vs(next((r for r in ok if r["label"] == "bsp"), None), "Synchronous SGD")
     vs(next((r for r in ok if r.get("peer")), None), "The best PyTorch option")
     missed = [r["label"] for r in ok if r.get("time_to_target_s") is None]

@@ -7,6 +7,7 @@ Accuracy is the mean over workers of each worker's own model (identical models f
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -45,6 +46,10 @@ class TrainConfig:
     params: dict = field(default_factory=dict)
     trace: bool = False
     progress: bool = True
+    checkpoint_every: int | None = None   # steps between checkpoints (written to `checkpoint_dir`)
+    checkpoint_dir: str | None = None
+    resume: str | None = None             # a checkpoint directory to continue from
+    nonfinite: str = "stop"               # NaN/Inf in a gradient: "stop" every rank, or "skip" the step on all
 
     def validate(self) -> "TrainConfig":
         from .. import algorithms
@@ -77,6 +82,16 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.checkpoint_every is not None and (self.checkpoint_every < 1 or not self.checkpoint_dir):
+            raise UserError("--checkpoint-every N needs N >= 1 and a directory (--out or --checkpoint-dir)")
+        if self.nonfinite not in ("stop", "skip"):
+            raise UserError(f"--nonfinite must be stop or skip, got {self.nonfinite!r}")
+        if self.checkpoint_every is not None and self.servers:
+            raise UserError("checkpoints of parameter-server runs (--servers) are not supported yet; "
+                            "checkpoint an all-reduce or gossip algorithm")
+        if self.resume is not None:
+            from .checkpoint import check
+            check(self.resume, self.workers + self.servers, self)
         if self.lr is not None and not self.lr > 0:
             raise UserError(f"--lr must be > 0, got {self.lr}")
         if self.momentum is not None and not 0 <= self.momentum < 1:
@@ -104,7 +119,7 @@ def build_trainer(cfg: TrainConfig, wl, model, tracer=None):
     if cfg.servers:
         params["servers"] = cfg.servers
     return Trainer(model, opt, algorithm=cfg.algorithm, compressor=cfg.compressor, memory=cfg.memory,
-                   tracer=tracer, **params)
+                   tracer=tracer, nonfinite=cfg.nonfinite, **params)
 
 
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
@@ -133,8 +148,20 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                    leave=False, dynamic_ncols=True)
     steps, evals = [], []
     clock = 0.0
-    evals.append({"step": 0, "t": 0.0, "value": wl.evaluate(model)})
-    for step in range(1, total + 1):
+    first = 1
+    if cfg.resume:
+        from . import checkpoint
+        state = checkpoint.load(cfg.resume, rank)
+        trainer.load_state_dict(state["trainer"])
+        loader.load_state_dict(state["loader"])
+        checkpoint.set_rng_state(state["rng"])
+        steps, evals, clock = state["records"]["steps"], state["records"]["evals"], float(state["clock"])
+        first = int(state["step"]) + 1
+        if bar is not None:
+            bar.update(first - 1)
+    else:
+        evals.append({"step": 0, "t": 0.0, "value": wl.evaluate(model)})
+    for step in range(first, total + 1):
         t0 = _now()
         xb, yb = loader.next()
         with tracer.span("forward", "forward"):
@@ -154,15 +181,27 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 trainer.close()
                 clock += _now() - t1
             evals.append({"step": step, "t": clock, "value": wl.evaluate(model)})
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
+            _checkpoint(cfg, rank, world_size, step, trainer, loader, steps, evals, clock)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
     if bar is not None:
         bar.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in trainer.parameters])
     return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
+            "model_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
             "meter": trainer.transport.meter.to_dict(), "metrics": trainer.metrics(),
             "trace": tracer.events, "num_params": sum(p.numel() for p in trainer.parameters),
             "dtype_bytes": trainer.parameters[0].element_size(), "train_s": clock}
+
+
+def _checkpoint(cfg, rank, world_size, step, trainer, loader, steps, evals, clock) -> None:
+    import torch.distributed as dist
+    from . import checkpoint
+    state = {"step": step, "trainer": trainer.state_dict(), "loader": loader.state_dict(),
+             "rng": checkpoint.rng_state(), "records": {"steps": steps, "evals": evals}, "clock": clock}
+    checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
 
 
 def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dict, list[dict]]:

@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 
 def wait_quietly(handle) -> None:
-    """Block until `handle` completed, polling (back-off 50 µs .. 2 ms) instead of `wait()`, so the time spent
+    """Block until `handle` completed, polling (back-off 50 µs .. 1 ms) instead of `wait()`, so the time spent
     here on a background thread is not counted as exposed communication."""
     pause = 5e-5
     while not handle.is_completed():
         time.sleep(pause)
-        pause = min(2e-3, pause * 2)
+        pause = min(1e-3, pause * 2)
 
 
 class Pipeline:

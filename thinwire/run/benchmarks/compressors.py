@@ -100,9 +100,14 @@ def plot(result: dict, path: str) -> None:
     a.bar(names, [r["compress_ms"] / result["memcpy_ms"] for r in rows], label="compress")
     a.bar(names, [r["decompress_ms"] / result["memcpy_ms"] for r in rows],
           bottom=[r["compress_ms"] / result["memcpy_ms"] for r in rows], label="decompress")
-    for y, text in ((8, "8x (quantizers)"), (12, "12x (dgc, gaussiank, threshold, randomk)")):
+    for y, text, va in ((8, "8x (quantizers)", "top"), (12, "12x (dgc, gaussiank, threshold, randomk)", "bottom")):
         a.axhline(y, color="gray", ls="--", lw=0.8)
-        a.text(len(rows) - 0.5, y, text, ha="right", va="bottom", fontsize=8, color="gray")
+        a.text(-0.5, y, text, ha="left", va=va, fontsize=8, color="gray")
+    top = 40.0                  # one slow outlier must not flatten the rest: clip and label it
+    a.set_ylim(0, top)
+    for i, r in enumerate(rows):
+        if r["x_memcpy"] > top:
+            a.text(i, top * 0.97, f"{r['x_memcpy']:.0f}x", ha="center", va="top", fontsize=8, rotation=90)
     a.set_ylabel("time / memcpy")
     a.set_title(f"{result['numel']} fp32 elements; memcpy {result['memcpy_ms']:.1f} ms")
     a.legend()

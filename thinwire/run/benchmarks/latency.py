@@ -128,15 +128,19 @@ def _plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    lats = sorted({r["latency_ms"] for r in result["rows"]})
+    pos = {x: i for i, x in enumerate(lats)}   # latencies evenly spaced: 0 has no place on a log axis
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for a in dict.fromkeys(r["algorithm"] for r in result["rows"]):
         pts = sorted((r["latency_ms"], r["scalability"]) for r in result["rows"] if r["algorithm"] == a)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=a)
-    ax.set_xscale("symlog", linthresh=25)
+        ax.plot([pos[p[0]] for p in pts], [p[1] for p in pts], marker="o", label=a)
+    ax.set_xticks(range(len(lats)), [f"{x:g}" for x in lats])
     ax.set_xlabel("one-way latency (ms)")
-    ax.set_ylabel("scalability (throughput / no-communication throughput)")
-    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("scalability (throughput / throughput of `local`)")
+    top = max([1.1] + [r["scalability"] + 0.1 for r in result["rows"]])
+    ax.set_ylim(0, top)
     ax.axhline(0.7, color="grey", lw=0.8, ls=":")
+    ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_title(f"{result['workload']}, {result['workers']} workers, {result['bandwidth']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -26,8 +26,24 @@ def _fmt(v, scale=1.0, digits=1):
 
 
 def run(args) -> int:
-    from ..train import TrainConfig, run_training
     staleness = [int(s) for s in args.staleness.split(",") if s]
+    pools = {}  # one pool per world size (workers, workers + servers): start-up is paid once
+    try:
+        return _run(args, staleness, pools)
+    finally:
+        for p in pools.values():
+            p.close()
+
+
+def _pool(pools: dict, world: int):
+    from ..launcher import Pool
+    if world not in pools:
+        pools[world] = Pool(world, start_timeout=600.0)
+    return pools[world]
+
+
+def _run(args, staleness: list[int], pools: dict) -> int:
+    from ..train import TrainConfig, run_training
     rows = []
     for network in args.networks:
         for label, alg, servers, params in _runs(staleness, args.servers):
@@ -36,7 +52,7 @@ def run(args) -> int:
             cfg = TrainConfig(workload=args.workload, algorithm=alg, workers=args.workers, servers=servers,
                               network=network, epochs=args.epochs, seed=args.seed, params=params,
                               momentum=momentum, progress=False)
-            s = run_training(cfg)
+            s = run_training(cfg, pool=_pool(pools, args.workers + servers))
             steps = max(1, s["steps"])
             sm = s.get("server_metrics") or {}
             row = {"network": network, "run": label, "algorithm": alg, "servers": servers, "params": params,

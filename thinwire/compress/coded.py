@@ -1,0 +1,159 @@
+"""`A+B`: compressor A followed by the lossless coder B (`qsgd+elias`, `qsgd+huffman`, `topk+golomb`, …).
+
+The registry resolves any "compressor+coder" name to `Coded(compressor, coder)`, which takes the compressor's
+parameters. What gets coded:
+- quantizers with integer levels (`bits` packed codes of `numel` elements, e.g. qsgd): the levels, zig-zagged
+  around the zero level for Elias (0 → one bit), as they are for Huffman;
+- sparsifiers (index, value) payloads: the sorted index gaps (Golomb-Rice or Elias); the pairs are reordered by
+  index first, which changes nothing in their sum.
+Coded payloads are variable-length and not summable, so aggregation is an all-gather; decode(encode(p)) gives
+back the compressor's payload bit for bit, so the result equals the uncoded compressor's.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+
+from ..errors import UserError
+from . import compressors
+from ._coding import coders, unzigzag, zigzag
+from ._sparse import SparseCompressor, index_dtype
+from .base import Compressor, Payload
+from .bitpack import pack, packed_nbytes, unpack
+from .golomb import gaps, ungaps
+
+LEVEL_CODERS = ("elias", "eliasdelta", "huffman")
+INDEX_CODERS = ("elias", "eliasdelta", "golomb")
+
+
+class Coded(Compressor):
+    """A compressor's payload, losslessly coded (all-gathered: coded payloads cannot be summed)."""
+
+    linear = False
+    aggregation = "allgather"
+    fixed_size = False
+
+    def __init__(self, base: Compressor, coder: str):
+        self.base, self.coder = base, coders.get(coder)
+        self.name = f"{base.name}+{coder}"
+        self.unbiased, self.randomness = base.unbiased, base.randomness
+        if isinstance(base, SparseCompressor):
+            self.mode, valid = "indices", INDEX_CODERS
+        elif hasattr(base, "bits") and base.aggregation in ("allreduce", "allgather"):
+            self.mode, valid = "levels", LEVEL_CODERS
+        else:
+            raise UserError(f"{self.name}: the coding stage codes integer levels (qsgd, qsparse) or sparse index "
+                            f"gaps (topk, dgc, gaussiank, threshold, stc, qsparse); {base.name!r} has neither")
+        if coder not in valid:
+            raise UserError(f"{self.name}: {base.name!r} payloads are coded by {self.mode}; valid coders: "
+                            f"{', '.join(valid)}")
+        self._nominal: dict[int, float] = {}
+
+    @property
+    def sparse_collective(self) -> str:
+        return getattr(self.base, "sparse_collective", "allgather")
+
+    # -- levels (quantizers) -------------------------------------------------------------------------
+    def _offset(self) -> int:
+        return int(getattr(self.base, "levels", 0)) if self.coder.name != "huffman" else 0
+
+    def _encode_levels(self, p: Payload) -> list[torch.Tensor]:
+        bits, n = self.base.bits, p.ctx["numel"]
+        codes = unpack(p.tensors[0], bits, n).to(torch.int64)
+        sym = zigzag(codes - self._offset()) if self._offset() else codes
+        head, data = self.coder.encode(sym)
+        return [head, data, *p.tensors[1:]]
+
+    def _decode_levels(self, tensors, ctx) -> list[torch.Tensor]:
+        sym = self.coder.decode(tensors[0], tensors[1])
+        codes = unzigzag(sym) + self._offset() if self._offset() else sym
+        return [pack(codes.to(torch.uint8), self.base.bits), *tensors[2:]]
+
+    # -- indices (sparsifiers) -----------------------------------------------------------------------
+    def _encode_indices(self, p: Payload) -> tuple[list[torch.Tensor], int]:
+        ts = p.tensors
+        pos = next(i for i, t in enumerate(ts) if t.dtype in (torch.int16, torch.int32, torch.int64))
+        idx = ts[pos].reshape(-1).to(torch.int64)
+        k = idx.numel()
+        order = torch.sort(idx, stable=True)
+        g = gaps(order.values)
+        if k and int(g.min()) < 0:
+            raise ValueError(f"{self.name}: repeated indices cannot be gap-coded")
+        head, data = self.coder.encode(g)
+        rest = [self._permute(t, order.indices, k) for i, t in enumerate(ts) if i != pos]
+        return [head, data, *rest], pos
+
+    def _permute(self, t, perm, k):
+        t = t.reshape(-1)
+        if t.numel() == k and k > 1:
+            return t[perm]
+        b = getattr(self.base, "bits", 1)
+        if t.dtype == torch.uint8 and k > 1 and t.numel() == packed_nbytes(k, b):   # packed per-element codes
+            return pack(unpack(t, b, k)[perm].contiguous(), b)
+        return t
+
+    def _decode_indices(self, tensors, ctx) -> list[torch.Tensor]:
+        pos, numel = ctx["pos"], ctx["numel"]
+        idx = ungaps(self.coder.decode(tensors[0], tensors[1])).to(index_dtype(numel))
+        rest = list(tensors[2:])
+        return rest[:pos] + [idx] + rest[pos:]
+
+    # -- the compressor interface --------------------------------------------------------------------
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        p = self.base.compress(tensor, key, step)
+        if self.mode == "levels":
+            return Payload(self._encode_levels(p), ctx={"base": p.ctx})
+        ts, pos = self._encode_indices(p)
+        return Payload(ts, ctx={"base": p.ctx, "pos": pos, "numel": tensor.numel()})
+
+    def decode(self, payload: Payload) -> Payload:
+        """The compressor's own payload back, exactly."""
+        ctx = payload.ctx
+        ts = [t.reshape(-1) for t in payload.tensors]
+        ts = self._decode_levels(ts, ctx) if self.mode == "levels" else self._decode_indices(ts, ctx)
+        return Payload(ts, ctx["base"])
+
+    def decompress(self, payload):
+        return self.base.decompress(self.decode(payload))
+
+    def aggregate(self, payloads):
+        return self.base.aggregate([self.decode(p) for p in payloads])
+
+    def nominal_bits(self, numel: int) -> float:
+        """Coded bits per element on a typical (Gaussian) tensor: measured once per size on ≤ 2^18 elements
+        (the density, hence the gap statistics, is kept), wire headers included."""
+        if numel not in self._nominal:
+            m = min(int(numel), 1 << 18)
+            x = torch.randn(m, generator=torch.Generator().manual_seed(0))
+            probe = copy.copy(self)                     # a copy of the compressor: its random state stays as is
+            probe.base = copy.deepcopy(self.base)
+            p = probe.compress(x, key="nominal", step=0)
+            body = sum(t.numel() * t.element_size() for t in p.tensors) * 8.0
+            self._nominal[numel] = body / max(1, m)
+        return self._nominal[numel]
+
+    def state_dict(self):
+        return self.base.state_dict()
+
+    def load_state_dict(self, state):
+        self.base.load_state_dict(state)
+
+
+def compose(name: str):
+    """The constructor of "compressor+coder": the compressor's parameters, returning `Coded`."""
+    base_name, _, coder_name = name.rpartition("+")
+    base_cls = compressors.lookup(base_name)
+    coders.lookup(coder_name)
+
+    def build(**params):
+        return Coded(compressors.get(base_name, **params), coder_name)
+    build.__signature__ = inspect.signature(base_cls)
+    build.__doc__ = f"{base_name} followed by the lossless {coder_name} coder"
+    build.name = name
+    return build
+
+
+compressors.compose = compose
+__all__ = ["Coded", "compose"]

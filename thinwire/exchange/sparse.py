@@ -1,0 +1,214 @@
+"""Sparse collectives: aggregate top-k-family contributions without the all-gather's O(n·k) build-up.
+
+Each takes this rank's compensated tensor c and returns (sum over ranks, this rank's share `sent`), so the
+exchange can feed `c − sent` to the residual memory: summed over ranks, sent is exactly what was aggregated
+(nothing is lost, only delayed). Every byte goes through the Transport (point to point, all-reduce, broadcast),
+so the meter counts it and the emulated link delays it.
+
+- `gtopk` (gTop-k, seed 000 §VI-B [191][192]; catalog §10.4): recursive doubling over log2 n rounds; in round j a
+  rank swaps its (index, value) set with rank ^ 2^j, both sum duplicates and re-select the top k of the same
+  merged set (sorted by index, so both partners compute the identical result). A rank's own contribution to an
+  index survives iff that index stayed in its set through every round; what was dropped returns to its residual.
+- `shared` (CLT-k, ScaleCom): the leader (step mod n) broadcasts its top-k indices; every rank all-reduces its
+  own values at those indices (k dense values); sent = c at the leader's indices.
+- `hierarchical` (HiTopKComm): dense all-reduce inside groups of m ranks, the group leaders compress the group
+  sum and all-gather their payloads, each leader broadcasts the gathered payloads into its group. A member's
+  share is its own c on the group's selection plus 1/m of the group's compression error (so shares still sum to
+  the aggregate for quantising sparsifiers too).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import UserError
+from . import wire
+
+from ..compress._sparse import SPARSE_COLLECTIVES as NAMES, check_collective as check  # noqa: E402,F401
+
+
+def is_sparse(compressor) -> bool:
+    """Top-k family: payloads of (index, value) pairs (randomk's shared-seed subset is summed by all-reduce)."""
+    from ..compress._sparse import SparseCompressor
+    return isinstance(getattr(compressor, "base", compressor), SparseCompressor)
+
+
+def contribution(compressor, c: torch.Tensor, key, step) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's sparse contribution D(C(c)) as sorted int64 indices and values (its nonzeros)."""
+    d = compressor.decompress(compressor.compress(c, key, step)).reshape(-1).to(c.dtype)
+    idx = torch.nonzero(d).reshape(-1)
+    return idx, d[idx]
+
+
+def top(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest |vals| of an index-sorted set, returned index-sorted (deterministic: stable sort)."""
+    if idx.numel() <= k:
+        return idx, vals
+    keep = torch.sort(vals.abs(), descending=True, stable=True).indices[:k]
+    keep = torch.sort(keep).values
+    return idx[keep], vals[keep]
+
+
+def merge(ia, va, ib, vb):
+    """Union of two index sets, values of equal indices summed; index-sorted."""
+    idx, inv = torch.unique(torch.cat([ia, ib]), sorted=True, return_inverse=True)
+    vals = torch.zeros(idx.numel(), dtype=va.dtype).index_add_(0, inv, torch.cat([va, vb]))
+    return idx, vals
+
+
+def swap(tr, partner: int, buf: torch.Tensor) -> torch.Tensor:
+    """Exchange a uint8 buffer with `partner` (its size first, so sizes may differ)."""
+    mine = torch.tensor([buf.numel()], dtype=torch.int64)
+    theirs = torch.empty_like(mine)
+    h = tr.isend(mine, partner)
+    tr.recv(theirs, partner)
+    h.wait()
+    out = torch.empty(int(theirs[0]), dtype=torch.uint8)
+    h = tr.isend(buf, partner)
+    tr.recv(out, partner)
+    h.wait()
+    return out
+
+
+def gtopk(tr, compressor, c, key, step):
+    """gTop-k by recursive doubling (power-of-two worlds)."""
+    flat = c.reshape(-1)
+    idx, vals = contribution(compressor, flat, key, step)
+    k = idx.numel()
+    own_idx, own_vals = idx, vals
+    alive = torch.ones(idx.numel(), dtype=torch.bool)   # which of my own entries are still in my set
+    n, rank = tr.world_size, tr.rank
+    dist = 1
+    while dist < n:
+        partner = rank ^ dist
+        got = wire.unpack(swap(tr, partner, wire.pack([idx.to(torch.int32), vals, torch.tensor([k])])))
+        oi, ov, ok = got[0].long(), got[1], int(got[2][0])
+        k = max(k, ok)                                   # symmetric: both partners use the same k
+        idx, vals = top(*merge(idx, vals, oi, ov), k)
+        alive &= torch.isin(own_idx, idx)
+        dist *= 2
+    total = torch.zeros(flat.numel(), dtype=c.dtype)
+    total[idx] = vals
+    sent = torch.zeros(flat.numel(), dtype=c.dtype)
+    sent[own_idx[alive]] = own_vals[alive]
+    return total.view(c.shape), sent.view(c.shape)
+
+
+def shared(tr, compressor, c, key, step):
+    """Shared-index top-k: the leader's indices, everyone's values at them, one dense all-reduce of k values."""
+    flat = c.reshape(-1)
+    leader = step % tr.world_size
+    if tr.rank == leader:
+        idx, _ = contribution(compressor, flat, key, step)
+        count = torch.tensor([idx.numel()], dtype=torch.int64)
+    else:
+        idx, count = None, torch.zeros(1, dtype=torch.int64)
+    tr.broadcast(count, src=leader)
+    ids = idx.to(torch.int32) if idx is not None else torch.empty(int(count[0]), dtype=torch.int32)
+    tr.broadcast(ids, src=leader)
+    ids = ids.long()
+    vals = flat[ids].clone()
+    sent = torch.zeros(flat.numel(), dtype=c.dtype)
+    sent[ids] = vals
+    tr.all_reduce(vals, op="sum")
+    total = torch.zeros(flat.numel(), dtype=c.dtype)
+    total[ids] = vals
+    return total.view(c.shape), sent.view(c.shape)
+
+
+def group_size(n: int) -> int:
+    """The largest divisor of n that is at most √n (groups of 2 for 4 ranks, 2 for 8, 3 for 9)."""
+    return max(m for m in range(1, math.isqrt(n) + 1) if n % m == 0)
+
+
+class Hierarchical:
+    """Groups of m consecutive ranks (subgroups made once, at construction, by every rank in the same order)."""
+
+    def __init__(self, tr, size: int | None = None):
+        import torch.distributed as dist
+        from ..comm import Transport
+        n = tr.world_size
+        m = size or group_size(n)
+        if n % m:
+            raise UserError(f"hierarchical: group size {m} does not divide {n} ranks; valid: divisors of {n}")
+        self.m, self.n = m, n
+        glob = [tr.global_of(r) for r in range(n)]
+        mine = leaders = None
+        for g in range(n // m):                          # every rank creates every group, in the same order
+            pg = dist.new_group(glob[g * m:(g + 1) * m])
+            if tr.rank // m == g:
+                mine = pg
+        lg = dist.new_group(glob[::m])
+        if tr.rank % m == 0:
+            leaders = lg
+        share = dict(meter=tr.meter, clock=tr.clock, tracer=tr.tracer, network=tr.link)
+        self.group = Transport(group=mine, **share)
+        self.leaders = Transport(group=leaders, **share) if leaders is not None else None
+
+    def __call__(self, tr, compressor, c, key, step):
+        flat = c.reshape(-1)
+        s = flat.clone()
+        self.group.all_reduce(s, op="sum")                 # dense reduce inside the group
+        size = torch.zeros(1, dtype=torch.int64)
+        if self.leaders is not None:
+            payload = compressor.compress(s.view(c.shape), key, step)
+            buf = wire.pack(payload.tensors)
+            bufs = self.leaders.all_gather(buf)          # sparse exchange between leaders
+            mine = self.leaders.rank
+            blob = wire.pack([torch.tensor([len(bufs), mine, *[b.numel() for b in bufs]], dtype=torch.int64),
+                              *bufs])
+            size[0] = blob.numel()
+        self.group.broadcast(size, src=0)
+        if self.leaders is None:
+            blob = torch.empty(int(size[0]), dtype=torch.uint8)
+        self.group.broadcast(blob, src=0)                # every member gets the same bytes as its leader
+        parts = wire.unpack(blob)
+        head = parts[0].tolist()
+        count, mine = head[0], head[1]
+        payloads = [_payload(compressor, c, key, step, parts[1 + i]) for i in range(count)]
+        total = compressor.aggregate(payloads).reshape(-1).to(c.dtype)
+        dg = compressor.decompress(payloads[mine]).reshape(-1).to(c.dtype)
+        sel = dg != 0
+        sent = torch.zeros_like(flat)
+        sent[sel] = flat[sel] + (dg[sel] - s[sel]) / self.m
+        return total.view(c.shape), sent.view(c.shape)
+
+
+def _payload(compressor, c, key, step, buf):
+    from ..compress import Payload
+    return Payload(wire.unpack(buf), _ctx(compressor, c, key, step))
+
+
+_CTX: dict = {}
+
+
+def _ctx(compressor, c, key, step):
+    """The payload context every rank knows (shape, dtype), from compressing a zero tensor of c's shape once."""
+    k = (id(compressor), tuple(c.shape), c.dtype)
+    if k not in _CTX:
+        _CTX[k] = compressor.compress(torch.zeros_like(c), key, step).ctx
+    return _CTX[k]
+
+
+class SparseCollective:
+    """The chosen sparse collective bound to a transport and a compressor: `run(c, key, step)` → (total, sent)."""
+
+    def __init__(self, name: str, transport, compressor):
+        self.name = check(name)
+        if not is_sparse(compressor):
+            raise UserError(f"sparse collective {name!r} needs a top-k-family compressor, not "
+                            f"{getattr(compressor, 'name', compressor)!r}; valid: topk, dgc, gaussiank, threshold, "
+                            f"stc, qsparse (or --sparse-collective allgather)")
+        n = transport.world_size
+        if name == "gtopk" and n & (n - 1):
+            raise UserError(f"gtopk runs recursive doubling over a power-of-two number of workers, not {n}; "
+                            f"valid: 1, 2, 4, 8, ... workers, or --sparse-collective shared|hierarchical")
+        self.transport, self.compressor = transport, compressor
+        self._impl = {"gtopk": gtopk, "shared": shared}.get(name) or Hierarchical(transport)
+
+    def run(self, c: torch.Tensor, key, step: int):
+        if self.transport.world_size == 1:
+            d = self.compressor.decompress(self.compressor.compress(c, key, step)).to(c.dtype).view(c.shape)
+            return d, d
+        return self._impl(self.transport, self.compressor, c, key, step)

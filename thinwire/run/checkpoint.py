@@ -1,0 +1,97 @@
+"""Checkpoints of a training run: every rank's full state, written atomically, refused when they don't fit.
+
+Layout of a checkpoint directory: `rank-<r>.pt` per rank (trainer state — model, optimizer, algorithm,
+compressor and memory — data-loader position, RNG streams, the records so far) and `checkpoint.json`, the
+manifest, written last by rank 0 once every rank's file is in place: it is the commit point. Each file is
+written to a temporary name and renamed, so a crash while writing leaves the previous checkpoint intact.
+Files are loaded with `torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary
+objects.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+
+MANIFEST = "checkpoint.json"
+# configuration fields that may change between the interrupted and the resumed run
+_FREE = {"epochs", "steps", "progress", "trace", "eval_every", "target"}
+
+
+def fingerprint(cfg) -> str:
+    from dataclasses import asdict
+    fields = {k: v for k, v in asdict(cfg).items() if k not in _FREE and k not in ("checkpoint_every", "resume",
+                                                                                   "nonfinite")}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": torch.tensor(bytearray(json.dumps(
+        [list(random.getstate()[1]), random.getstate()[0], random.getstate()[2]]).encode()), dtype=torch.uint8),
+        "numpy": torch.tensor(np.random.get_state()[1].astype(np.int64))}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    inner, version, gauss = json.loads(bytes(state["python"].tolist()).decode())
+    random.setstate((version, tuple(inner), gauss))
+    st = np.random.get_state()
+    np.random.set_state((st[0], state["numpy"].numpy().astype(np.uint32), *st[2:]))
+
+
+def _atomic_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save(directory: str, rank: int, world_size: int, step: int, cfg, state: dict, barrier) -> None:
+    """Every rank writes its file; after `barrier()`, rank 0 commits the manifest."""
+    os.makedirs(directory, exist_ok=True)
+    _atomic_save(state, os.path.join(directory, f"rank-{rank}.pt"))
+    barrier()
+    if rank == 0:
+        manifest = {"step": step, "world_size": world_size, "fingerprint": fingerprint(cfg),
+                    "algorithm": cfg.algorithm, "workload": cfg.workload}
+        tmp = os.path.join(directory, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+        os.replace(tmp, os.path.join(directory, MANIFEST))
+    barrier()
+
+
+def check(directory: str, world_size: int, cfg) -> dict:
+    """The manifest of `directory` if it fits this run; a UserError saying why not otherwise."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"no checkpoint in {directory!r} (missing {MANIFEST})") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"checkpoint manifest {path!r} is unreadable: {e}") from None
+    if manifest.get("world_size") != world_size:
+        raise UserError(f"checkpoint in {directory!r} is from {manifest.get('world_size')} ranks, "
+                        f"this run has {world_size}")
+    if manifest.get("fingerprint") != fingerprint(cfg):
+        raise UserError(f"checkpoint in {directory!r} is from a different configuration "
+                        f"({manifest.get('algorithm')} on {manifest.get('workload')}); resume with the same "
+                        f"workload, algorithm, parameters, workers, network and seed")
+    for r in range(world_size):
+        if not os.path.exists(os.path.join(directory, f"rank-{r}.pt")):
+            raise UserError(f"checkpoint in {directory!r} lacks rank-{r}.pt")
+    return manifest
+
+
+def load(directory: str, rank: int) -> dict:
+    path = os.path.join(directory, f"rank-{rank}.pt")
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any corruption is the same user-facing problem
+        raise UserError(f"checkpoint file {path!r} is corrupt or unreadable: {type(e).__name__}: {e}") from None
