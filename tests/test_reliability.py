@@ -89,3 +89,42 @@ def test_nonfinite_policies_and_mismatched_models(pool2):
     assert err.value.rank == 1
     with pytest.raises(UserError, match="differ in shapes"):
         pool2.run(_mismatched)
+
+
+def _spin(rank, world_size):
+    import time as _t
+    import torch.distributed as dist
+    t = torch.ones(1)
+    for _ in range(100000):
+        dist.all_reduce(t)
+        _t.sleep(0.01)
+
+
+def test_stopped_worker_is_detected_by_its_silence():
+    import signal
+    import threading
+    import time
+
+    from thinwire.run.launcher import Pool
+    pool = Pool(2, stall_timeout=3.0)
+    threading.Timer(1.5, lambda: os.kill(pool.pids[1], signal.SIGSTOP)).start()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="stalled: no heartbeat") as err:
+        pool.run(_spin)
+    assert err.value.rank == 1 and time.monotonic() - t0 < 20
+
+
+def _final_sha(rank, world_size, algorithm, params, network):
+    cfg = TrainConfig(workload="linreg", algorithm=algorithm, workers=world_size, steps=8, progress=False,
+                      params=params, network=network)
+    out = train_worker(rank, world_size, cfg)
+    return out["model_sha256"], out["meter"]["total"]["emulated_s"]
+
+
+def test_jitter_and_loss_stalls_change_no_result_and_deadlock_nothing(pool2):
+    lossy = "custom:latency=2ms,jitter=2ms,loss=0.3"
+    for algorithm, params in (("bsp", {}), ("dts", {"delay": 3, "period": 2})):
+        clean = pool2.run(_final_sha, algorithm, params, "lan")
+        stalled = pool2.run(_final_sha, algorithm, params, lossy)
+        assert [c[0] for c in clean] == [s[0] for s in stalled], algorithm
+        assert all(s[1] > 0.2 for s in stalled)  # at least one loss stall (≥ 200 ms) was emulated

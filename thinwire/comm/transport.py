@@ -133,6 +133,7 @@ class Transport:
         self.link = parse_network(network) if network is not None else default_network()
         self.meter = meter or Meter()
         self.clock = clock or LinkClock(self.link, self.global_rank, default_seed() if seed is None else seed)
+        self.collective_link = self.link.handshaking()  # gloo's collectives: a round trip per step
         self.tracer = tracer or NULL
         from .collectives import parse as _parse_allreduce
         _parse_allreduce(allreduce, self.world_size)
@@ -163,7 +164,7 @@ class Transport:
         works = []
         if self.world_size > 1:
             works = [dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True)]
-        cost = ring_allreduce(self.link, self.world_size, tensor.numel() * tensor.element_size())
+        cost = ring_allreduce(self.collective_link, self.world_size, tensor.numel() * tensor.element_size())
         post = (lambda t: t.div_(self.world_size)) if op == "mean" and self.world_size > 1 else None
         return self._finish("all_reduce", works, cost, tensor, post, async_op, issued)
 
@@ -181,7 +182,7 @@ class Transport:
                 got = [torch.empty_like(mine) for _ in range(n)]
                 dist.all_gather(got, mine, group=self.group)
                 sizes = [int(g.item()) for g in got]
-                cost_extra = ring_allgather(self.link, n, 8)
+                cost_extra = ring_allgather(self.collective_link, n, 8)
             else:
                 sizes = [flat.numel()]
         sizes = [int(s) for s in sizes]
@@ -193,7 +194,7 @@ class Transport:
         block = flat if flat.numel() == largest else torch.cat([flat, flat.new_zeros(largest - flat.numel())])
         out = [block.new_empty(largest) for _ in range(n)]
         works = [dist.all_gather(out, block, group=self.group, async_op=True)]
-        cost = ring_allgather(self.link, n, largest * flat.element_size()) + cost_extra
+        cost = ring_allgather(self.collective_link, n, largest * flat.element_size()) + cost_extra
         post = lambda blocks: [b[:s] for b, s in zip(blocks, sizes)]
         return self._finish("all_gather", works, cost, out, post, async_op, issued)
 
@@ -203,7 +204,8 @@ class Transport:
         works = []
         if self.world_size > 1:
             works = [dist.broadcast(tensor, src=self.global_of(src), group=self.group, async_op=True)]
-        cost = tree_broadcast(self.link, self.world_size, tensor.numel() * tensor.element_size(), self.rank, src)
+        cost = tree_broadcast(self.collective_link, self.world_size, tensor.numel() * tensor.element_size(),
+                              self.rank, src)
         return self._finish("broadcast", works, cost, tensor, None, async_op, issued)
 
     def barrier(self) -> None:

@@ -48,8 +48,17 @@ def _report_and_exit(results, message, code: int) -> None:
     os._exit(code)
 
 
-def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results):
+def _heartbeat(beats, rank: int, every: float = 0.5) -> None:
+    """(daemon thread) show the launcher this process is alive; a stopped or hung process stops beating."""
+    while True:
+        beats[rank] = time.monotonic()
+        time.sleep(every)
+
+
+def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results, beats):
     _die_with_parent()
+    import threading
+    threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True).start()
     import torch
     import torch.distributed as dist
     torch.set_num_threads(_threads_per_worker(world_size))
@@ -92,7 +101,7 @@ class Pool:
     """`world_size` workers with an initialised process group, running functions on request."""
 
     def __init__(self, world_size: int, backend: str = "gloo", host: str = "127.0.0.1", port: int = 0,
-                 timeout: float = 600.0, start_timeout: float = 120.0):
+                 timeout: float = 600.0, start_timeout: float = 120.0, stall_timeout: float = 60.0):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise UserError(f"world size must be an integer >= 1, got {world_size!r}")
         if backend not in ("gloo", "nccl"):
@@ -100,7 +109,7 @@ class Pool:
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise UserError(f"port must be in 0..65535, got {port!r}")
         import torch.distributed as dist
-        self.world_size, self.timeout = world_size, timeout
+        self.world_size, self.timeout, self.stall_timeout = world_size, timeout, stall_timeout
         try:  # the launcher hosts the rendezvous store: no free-port race
             self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=timeout))
@@ -108,10 +117,11 @@ class Pool:
             raise UserError(f"cannot listen on {host}:{port} (port in use?): {e}") from None
         self.port = self._store.port
         self._results = _ctx.Queue()
+        self._beats = _ctx.Array("d", world_size, lock=False)  # last heartbeat of each worker (monotonic)
         self._tasks = [_ctx.Queue() for _ in range(world_size)]
         self._procs = [_ctx.Process(target=_worker_main, name=f"thinwire-worker-{r}", daemon=True,
                                     args=(r, world_size, backend, host, self.port, timeout,
-                                          self._tasks[r], self._results))
+                                          self._tasks[r], self._results, self._beats))
                        for r in range(world_size)]
         self._task_id = -1
         self._closed = False
@@ -138,6 +148,11 @@ class Pool:
             dead = [r for r, p in enumerate(self._procs) if r not in got and p.exitcode is not None]
             if errors or dead:
                 self._fail(self._root_cause(errors))
+            now = time.monotonic()
+            silent = [r for r in range(self.world_size) if 0 < self._beats[r] < now - self.stall_timeout]
+            if silent:
+                self._fail(WorkerError(silent[0], f"stalled: no heartbeat for {now - self._beats[silent[0]]:.0f} s "
+                                                  f"(the process is stopped or hung)"))
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in got]
                 self._fail(WorkerError(missing[0], f"stalled: no result within {timeout or self.timeout:.0f} s "

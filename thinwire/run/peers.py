@@ -67,7 +67,7 @@ class _Counter:
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         n = dist.get_world_size(group)
-        cost = ring_allreduce(self.link, n, tensor.numel() * tensor.element_size())  # as the Transport's
+        cost = ring_allreduce(self.link.handshaking(), n, tensor.numel() * tensor.element_size())  # as the Transport
         self.bytes_sent += cost.sent
         self.ops += 1
         work = self._orig(tensor, op=op, group=group, async_op=True)
