@@ -120,7 +120,11 @@ class Trainer:
         A NaN or Inf gradient is never applied: with `nonfinite="stop"` (default) this rank raises and the
         launcher stops every rank; with `nonfinite="skip"` the ranks agree through one small all-reduce per step
         (it costs a round trip of latency) and all skip the step."""
-        bad = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in self.parameters)
+        # algorithms whose exchange checks every bucket before sending it (during backward) are not re-checked:
+        # their gradients may be in flight, being reduced in place
+        checked = self.nonfinite == "stop" and getattr(self.algorithm, "checks_finite", False)
+        bad = not checked and any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                                  for p in self.parameters)
         if self.nonfinite == "skip":
             flag = torch.tensor([1.0 if bad else 0.0])
             self.transport.all_reduce(flag, op="max")

@@ -31,6 +31,11 @@ class BSP(Algorithm):
             raise UserError(f"bsp with servers={servers} needs architecture=ps (--architecture ps); "
                             f"architecture {self.architecture!r} uses no server ranks")
 
+    @property
+    def checks_finite(self) -> bool:
+        """On all-reduce the scheduler checks each bucket (Exchange._check_finite) before sending it."""
+        return self.architecture == "allreduce"
+
     def setup(self):
         if self.architecture == "ps":  # the PS path lives in ps_sync (role, serve, step, close, metrics)
             return bsp_on_ps(self, self.servers, self.downlink_compressor)

@@ -18,6 +18,7 @@ class LinkClock:
         self.tx_free = 0.0
         self.rx_free = 0.0
         self.last_delivery = 0.0
+        self.last_tx = self.last_rx = 0.0  # per direction: a send is not held behind a receive's latency
         self._rng = random.Random(seed * 100003 + rank)  # timing only: never touches results
         self._lock = threading.Lock()
 
@@ -40,6 +41,13 @@ class LinkClock:
                 messages = max(1, round(cost.latency / link.alpha)) if link.alpha else 1
                 if self._rng.random() < 1.0 - (1.0 - link.loss) ** messages:
                     delivery += link.rto
-            delivery = max(delivery, start, self.last_delivery)  # delay, never reorder
-            self.last_delivery = delivery
+            # delay, never reorder (within a direction: point-to-point sends queue behind sends, receives
+            # behind receives; a collective, both ways, behind everything)
+            ordered = self.last_delivery if (tx and rx) else (self.last_tx if tx else self.last_rx)
+            delivery = max(delivery, start, ordered)
+            if tx:
+                self.last_tx = max(self.last_tx, delivery)
+            if rx:
+                self.last_rx = max(self.last_rx, delivery)
+            self.last_delivery = max(self.last_delivery, delivery)
             return delivery

@@ -4,8 +4,6 @@ With beta = gamma = 1: sum of what was sent + the final residual = sum of the in
 State is per key (parameter, bucket or whole model); a key whose shape changes starts again from a zero residual."""
 from __future__ import annotations
 
-import torch
-
 from ..errors import UserError
 from . import memories
 from .base import Memory

@@ -13,7 +13,7 @@ import torch
 from ..errors import UserError
 from . import compressors
 from .base import Compressor, Payload
-from .bitpack import pack, unpack
+from .bitpack import decode, pack, unpack
 from .finite import check_scale
 from .int8 import widen
 from .rounding import Uniforms, stochastic_codes
@@ -75,7 +75,7 @@ class TernGrad(Compressor):
         if ctx["summed"]:
             out = payload.tensors[0].to(torch.float32).mul_(s)
         else:
-            out = unpack(payload.tensors[0], 2, ctx["numel"]).to(torch.float32).sub_(1.0).mul_(s)  # (code - 1) s
+            out = decode(payload.tensors[0], 2, ctx["numel"], [-s, 0.0, s, 0.0])   # (code - 1) s, by table
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
     def nominal_bits(self, numel):

@@ -22,10 +22,11 @@ import math
 
 import torch
 
+from ..compress import Payload
+from ..compress._sparse import SPARSE_COLLECTIVES as NAMES  # noqa: F401  (re-exported)
+from ..compress._sparse import check_collective as check
 from ..errors import UserError
 from . import wire
-
-from ..compress._sparse import SPARSE_COLLECTIVES as NAMES, check_collective as check  # noqa: E402,F401
 
 
 def is_sparse(compressor) -> bool:
@@ -144,7 +145,15 @@ class Hierarchical:
             leaders = lg
         share = dict(meter=tr.meter, clock=tr.clock, tracer=tr.tracer, network=tr.link)
         self.group = Transport(group=mine, **share)
+        self.contexts: dict = {}
         self.leaders = Transport(group=leaders, **share) if leaders is not None else None
+
+    def _ctx(self, compressor, c, key, step):
+        """The payload context every rank knows (shape, dtype): from compressing zeros of c's shape, once."""
+        k = (tuple(c.shape), c.dtype)
+        if k not in self.contexts:
+            self.contexts[k] = compressor.compress(torch.zeros_like(c), key, step).ctx
+        return self.contexts[k]
 
     def __call__(self, tr, compressor, c, key, step):
         flat = c.reshape(-1)
@@ -166,29 +175,14 @@ class Hierarchical:
         parts = wire.unpack(blob)
         head = parts[0].tolist()
         count, mine = head[0], head[1]
-        payloads = [_payload(compressor, c, key, step, parts[1 + i]) for i in range(count)]
+        ctx = self._ctx(compressor, c, key, step)
+        payloads = [Payload(wire.unpack(parts[1 + i]), ctx) for i in range(count)]
         total = compressor.aggregate(payloads).reshape(-1).to(c.dtype)
         dg = compressor.decompress(payloads[mine]).reshape(-1).to(c.dtype)
         sel = dg != 0
         sent = torch.zeros_like(flat)
         sent[sel] = flat[sel] + (dg[sel] - s[sel]) / self.m
         return total.view(c.shape), sent.view(c.shape)
-
-
-def _payload(compressor, c, key, step, buf):
-    from ..compress import Payload
-    return Payload(wire.unpack(buf), _ctx(compressor, c, key, step))
-
-
-_CTX: dict = {}
-
-
-def _ctx(compressor, c, key, step):
-    """The payload context every rank knows (shape, dtype), from compressing a zero tensor of c's shape once."""
-    k = (id(compressor), tuple(c.shape), c.dtype)
-    if k not in _CTX:
-        _CTX[k] = compressor.compress(torch.zeros_like(c), key, step).ctx
-    return _CTX[k]
 
 
 class SparseCollective:

@@ -116,3 +116,47 @@ def torus_allreduce(link: Link, n: int, nbytes: float, width: int | None = None)
 
 ALLREDUCE["hierarchical"] = hierarchical_allreduce
 ALLREDUCE["torus"] = torus_allreduce
+
+
+# -- sparse collectives (thinwire/exchange/sparse.py): k (index, value) pairs per rank, `pair` bytes each ----------
+def sparse_allgather(link: Link, n: int, k: float, pair: float = 8) -> Cost:
+    """Top-k by all-gather: every rank receives the n−1 others' k pairs, (n−1)α + (n−1)k·pair β (seed 000 §VI-B:
+    "α log n + 2(n−1)kβ" with a tree's latency; gloo's all-gather is a ring)."""
+    return ring_allgather(link, n, k * pair)
+
+
+def gtopk_allreduce(link: Link, n: int, k: float, pair: float = 8) -> Cost:
+    """gTop-k (seed 000 §VI-B, Shi et al.): 2α log n + 4kβ log n in 4-byte words, i.e. per round two messages
+    (α each: the set's size, then the set) and k pairs each way (2·k·pair bytes of link time per round)."""
+    r = _log2(n)
+    return Cost(2 * r * link.alpha, 2 * r * k * pair * link.beta, r * k * pair, r * k * pair)
+
+
+def shared_topk_allreduce(link: Link, n: int, k: float, index_bytes: float = 4, value_bytes: float = 4) -> Cost:
+    """Shared-index top-k (CLT-k): broadcast of the leader's k indices (binomial tree) + ring all-reduce of k
+    values: 2⌈log2 n⌉α + ⌈log2 n⌉ k·i β + 2(n−1)α + 2(n−1)/n k·v β (critical path)."""
+    r = _log2(n)
+    bcast = Cost(2 * r * link.alpha, r * k * index_bytes * link.beta, k * index_bytes, k * index_bytes)
+    return bcast + ring_allreduce(link, n, k * value_bytes)
+
+
+def hierarchical_topk(link: Link, n: int, k: float, numel: float, group_size: int | None = None,
+                      pair: float = 8, value_bytes: float = 4) -> Cost:
+    """Hierarchical top-k: ring all-reduce of the dense tensor inside groups of m, all-gather of the g = n/m
+    leaders' k pairs, binomial broadcast of the g gathered sets inside each group (critical path)."""
+    m = group_size or max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    g = n // m
+    return (ring_allreduce(link, m, numel * value_bytes) + ring_allgather(link, g, k * pair)
+            + _tree_rounds(link, m, g * k * pair))
+
+
+SPARSE = {"allgather": sparse_allgather, "gtopk": gtopk_allreduce, "shared": shared_topk_allreduce}
+
+
+def sparse_collective(name: str, link: Link, n: int, k: float, numel: float, pair: float = 8) -> Cost:
+    """α-β cost of aggregating k-sparse tensors of `numel` elements with the named sparse collective."""
+    if name == "hierarchical":
+        return hierarchical_topk(link, n, k, numel, pair=pair)
+    if name == "shared":
+        return shared_topk_allreduce(link, n, k, pair / 2, pair / 2)
+    return SPARSE[name](link, n, k, pair)

@@ -64,13 +64,18 @@ class Scenario:
     backward_fraction: float = 2.0 / 3.0   # share of τ spent in backward (what WFBP can hide behind)
     collective: str = "ring"
     x_memcpy: dict = field(default_factory=dict)
+    handshake: bool = False   # gloo: every collective step starts with a round trip (Link.handshaking)
+
+    @property
+    def collective_link(self) -> Link:
+        return self.link.handshaking() if self.handshake else self.link
 
     @property
     def nbytes(self) -> float:
         return self.params * self.bytes_per_param
 
     def allreduce(self, nbytes: float) -> Cost:
-        return COLLECTIVES[self.collective](self.link, self.workers, nbytes)
+        return COLLECTIVES[self.collective](self.collective_link, self.workers, nbytes)
 
     def compress_s(self, compressor: str) -> float:
         x = self.x_memcpy.get(compressor, DEFAULT_X_MEMCPY.get(compressor, 8.0))
@@ -92,7 +97,7 @@ def exchange_cost(s: Scenario, compressor: str = "none", **params) -> Cost:
     payload = comp.nominal_bits(int(s.params)) * s.params / 8
     if comp.aggregation in ("allreduce", "custom"):
         return s.allreduce(payload)
-    return netcost.ring_allgather(s.link, s.workers, payload)   # allgather and majority vote
+    return netcost.ring_allgather(s.collective_link, s.workers, payload)   # allgather and majority vote
 
 
 @dataclass

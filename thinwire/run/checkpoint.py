@@ -3,7 +3,8 @@
 Layout of a checkpoint directory: `rank-<r>.pt` per rank (trainer state — model, optimizer, algorithm,
 compressor and memory — data-loader position, RNG streams, the records so far) and `checkpoint.json`, the
 manifest, written last by rank 0 once every rank's file is in place: it is the commit point. Each file is
-written to a temporary name and renamed, so a crash while writing leaves the previous checkpoint intact.
+written to a temporary name and renamed, so a crash while writing leaves the previous checkpoint intact
+(rank files are staged as `rank-<r>.step-<s>.pt` and promoted only after the manifest commits; see `save`).
 Files are loaded with `torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary
 objects.
 """
@@ -21,13 +22,13 @@ from ..errors import UserError
 
 MANIFEST = "checkpoint.json"
 # configuration fields that may change between the interrupted and the resumed run
-_FREE = {"epochs", "steps", "progress", "trace", "eval_every", "target"}
+_FREE = {"epochs", "steps", "progress", "trace", "eval_every", "target", "checkpoint_every", "checkpoint_dir",
+         "resume", "nonfinite"}
 
 
 def fingerprint(cfg) -> str:
     from dataclasses import asdict
-    fields = {k: v for k, v in asdict(cfg).items() if k not in _FREE and k not in ("checkpoint_every", "resume",
-                                                                                   "nonfinite")}
+    fields = {k: v for k, v in asdict(cfg).items() if k not in _FREE}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -51,10 +52,17 @@ def _atomic_save(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
+def _staged(directory: str, rank: int, step: int) -> str:
+    return os.path.join(directory, f"rank-{rank}.step-{step}.pt")
+
+
 def save(directory: str, rank: int, world_size: int, step: int, cfg, state: dict, barrier) -> None:
-    """Every rank writes its file; after `barrier()`, rank 0 commits the manifest."""
+    """Three phases, so a crash at any point leaves a loadable checkpoint: every rank stages
+    `rank-<r>.step-<s>.pt`; after `barrier()` rank 0 commits the manifest (the commit point); after another
+    barrier every rank promotes its staged file to `rank-<r>.pt` and drops stale staged ones. `load` reads the
+    staged file of the committed step when a crash came before its promotion."""
     os.makedirs(directory, exist_ok=True)
-    _atomic_save(state, os.path.join(directory, f"rank-{rank}.pt"))
+    _atomic_save(state, _staged(directory, rank, step))
     barrier()
     if rank == 0:
         manifest = {"step": step, "world_size": world_size, "fingerprint": fingerprint(cfg),
@@ -63,6 +71,11 @@ def save(directory: str, rank: int, world_size: int, step: int, cfg, state: dict
         with open(tmp, "w") as f:
             json.dump(manifest, f)
         os.replace(tmp, os.path.join(directory, MANIFEST))
+    barrier()
+    os.replace(_staged(directory, rank, step), os.path.join(directory, f"rank-{rank}.pt"))
+    for name in os.listdir(directory):
+        if name.startswith(f"rank-{rank}.") and (name.startswith(f"rank-{rank}.step-") or name.endswith(".tmp")):
+            os.remove(os.path.join(directory, name))
     barrier()
 
 
@@ -84,14 +97,28 @@ def check(directory: str, world_size: int, cfg) -> dict:
                         f"({manifest.get('algorithm')} on {manifest.get('workload')}); resume with the same "
                         f"workload, algorithm, parameters, workers, network and seed")
     for r in range(world_size):
-        if not os.path.exists(os.path.join(directory, f"rank-{r}.pt")):
+        if not (os.path.exists(os.path.join(directory, f"rank-{r}.pt"))
+                or os.path.exists(_staged(directory, r, manifest.get("step")))):
             raise UserError(f"checkpoint in {directory!r} lacks rank-{r}.pt")
     return manifest
 
 
 def load(directory: str, rank: int) -> dict:
-    path = os.path.join(directory, f"rank-{rank}.pt")
+    """This rank's state of the committed step (staged file first: a crash may have come before promotion)."""
     try:
-        return torch.load(path, weights_only=True)
+        with open(os.path.join(directory, MANIFEST)) as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError) as e:
+        raise UserError(f"checkpoint manifest in {directory!r} is unreadable: {e}") from None
+    path = _staged(directory, rank, step)
+    if not os.path.exists(path):
+        path = os.path.join(directory, f"rank-{rank}.pt")
+    try:
+        state = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any corruption is the same user-facing problem
         raise UserError(f"checkpoint file {path!r} is corrupt or unreadable: {type(e).__name__}: {e}") from None
+    found = state.get("step") if isinstance(state, dict) else None
+    if found != step:
+        raise UserError(f"checkpoint file {path!r} is from step {found}, the manifest says step {step}: "
+                        f"the checkpoint is inconsistent")
+    return state

@@ -291,7 +291,7 @@ def predict_step_time(row: dict, cfg: CompareConfig, compute_s: float | None) ->
         params = {"rank": params.get("rank", 4)}
     try:
         s = Scenario(params=workloads.get(cfg.workload).num_params(), compute_s=compute_s,
-                     link=parse_network(row["network"]), workers=cfg.workers)
+                     link=parse_network(row["network"]), workers=cfg.workers, handshake=True)
         return float(predict(s, algorithm, compressor, **params).iteration_s)
     except (UserError, KeyError, TypeError, ValueError) as e:
         row["prediction_error"] = f"{type(e).__name__}: {e}"

@@ -74,8 +74,8 @@ class TrainConfig:
                             f"asp, backup); {self.algorithm} runs on {arch}")
         if self.epochs is not None and self.steps is not None:
             raise UserError("give --epochs or --steps, not both")
-        if self.epochs is not None and not self.epochs > 0:
-            raise UserError(f"--epochs must be > 0, got {self.epochs}")
+        if self.epochs is not None and not 0 < self.epochs < math.inf:
+            raise UserError(f"--epochs must be a finite number > 0, got {self.epochs}")
         if self.steps is not None and self.steps < 1:
             raise UserError(f"--steps must be >= 1, got {self.steps}")
         for name in ("batch_size", "eval_every"):
@@ -92,8 +92,8 @@ class TrainConfig:
         if self.resume is not None:
             from .checkpoint import check
             check(self.resume, self.workers + self.servers, self)
-        if self.lr is not None and not self.lr > 0:
-            raise UserError(f"--lr must be > 0, got {self.lr}")
+        if self.lr is not None and not 0 < self.lr < math.inf:
+            raise UserError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
         from ..trainer import build_components
@@ -257,6 +257,7 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         "step_time_s": statistics.median(step_times) if step_times else None,
         "throughput_samples_s": n_steps * batch * len(workers) / train_s if train_s > 0 else None,
         "num_params": n_params,
+        "model_sha256": workers[0].get("model_sha256"),  # rank 0's final model: resume equality checks
         "algorithm_metrics": workers[0]["metrics"],
     }
     return summary, rows

@@ -105,13 +105,6 @@ class Buckets:
             return
         p.grad = v
 
-    def release(self) -> None:
-        """Give every parameter a gradient of its own again (a copy), detached from the buckets."""
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                if p.grad is not None and p.grad.data_ptr() == self.view(i).data_ptr():
-                    p.grad = p.grad.clone()
-
     def __len__(self) -> int:
         return len(self.buckets)
 

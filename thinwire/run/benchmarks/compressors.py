@@ -124,7 +124,7 @@ def plot(result: dict, path: str) -> None:
 
 def run(args) -> int:
     from ...compress import compressors
-    names = compressors.names()
+    names = compressors.names() + ["qsgd+elias", "qsgd+huffman", "topk+golomb"]  # coded (compress/coded.py)
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
         for n in names:

@@ -13,11 +13,12 @@ import json
 import os
 
 
-def _runs(staleness: list[int], servers: int) -> list[tuple[str, str, int, dict]]:
+def _runs(staleness: list[int], servers: int, momentum=None) -> list[tuple[str, str, int, dict]]:
     runs = [("bsp (all-reduce)", "bsp", 0, {}), ("bsp (PS)", "bsp", servers, {"architecture": "ps"})]
     runs += [(f"ssp s={s}", "ssp", servers, {"staleness": s}) for s in staleness]
     runs.append(("asp", "asp", servers, {}))
-    runs.append(("asp momentum 0.5", "asp", servers, {"momentum": 0.5}))  # a TrainConfig field, not a param
+    if momentum is None:
+        runs.append(("asp momentum 0.5", "asp", servers, {"momentum": 0.5}))  # a TrainConfig field
     return runs
 
 
@@ -46,16 +47,17 @@ def _run(args, staleness: list[int], pools: dict) -> int:
     from ..train import TrainConfig, run_training
     rows = []
     for network in args.networks:
-        for label, alg, servers, params in _runs(staleness, args.servers):
+        for label, alg, servers, params in _runs(staleness, args.servers, args.momentum):
             params = dict(params)
-            momentum = params.pop("momentum", None)
+            momentum = params.pop("momentum", args.momentum)
             cfg = TrainConfig(workload=args.workload, algorithm=alg, workers=args.workers, servers=servers,
                               network=network, epochs=args.epochs, seed=args.seed, params=params,
                               momentum=momentum, progress=False)
             s = run_training(cfg, pool=_pool(pools, args.workers + servers))
             steps = max(1, s["steps"])
             sm = s.get("server_metrics") or {}
-            row = {"network": network, "run": label, "algorithm": alg, "servers": servers, "params": params,
+            row = {"network": network, "run": label, "momentum": cfg.momentum, "algorithm": alg, "servers": servers,
+                   "params": params,
                    "steps": s["steps"], "step_ms": s["step_time_s"] * 1e3,
                    "worker_sent_kb_step": s["bytes_sent_per_worker_per_step"] / 1e3,
                    "server_recv_kb_step": (s["bytes_recv_per_server"] or 0) / steps / 1e3 if servers else None,
@@ -110,6 +112,8 @@ def register(subparsers) -> None:
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--staleness", default="2,8", help="comma-separated SSP bounds")
     p.add_argument("--epochs", type=float, default=None)
+    p.add_argument("--momentum", type=float, default=None,
+                   help="SGD momentum of every run (default: the workload's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--json", action="store_true")
