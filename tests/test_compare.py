@@ -257,9 +257,6 @@ def test_real_network_mode_trains_the_same(emulated_vs_real):
 
 @needs_root
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="gloo's collectives take about two one-way latencies per ring step "
-                                       "(a receiver-ready handshake before each transfer) where the Transport's "
-                                       "alpha-beta model charges one: see docs/benchmarks/compare.md")
 def test_emulator_step_time_within_20_percent_of_real_network(emulated_vs_real):
     for algo in ("bsp", "dts"):
         e, r = emulated_vs_real["emulated", algo], emulated_vs_real["real", algo]

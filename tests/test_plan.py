@@ -42,7 +42,7 @@ def test_limits_reduce_to_bsp():
 def test_latency_hidden_by_delay_and_amortised_by_period():
     s = scenario(link=parse_network("custom:bandwidth=10gbit,latency=250ms"))
     bsp = predict(s, "bsp")
-    dts = predict(s, "dts", delay=20, period=4)
+    dts = predict(s, "dts", delay=20, period=20)
     assert bsp.scalability < 0.1 and dts.scalability > 0.9
     assert predict(s, "tsparse", period=4).iteration_s < bsp.iteration_s
 
@@ -67,7 +67,7 @@ def test_simulator_reproduces_seed_004_and_table_iii_shapes():
                                                    latency=lat, algorithm=alg, steps=200, **kw)).scalability
     # bsp collapses with latency; DTS holds
     assert sc("bsp", 0.25) < 0.2 * sc("bsp", 0.0)
-    assert sc("dts", 0.25, delay=20, period=4) >= 0.7
+    assert sc("dts", 0.25, delay=20, period=20) >= 0.7
     # Table III: the ring's latency term grows as 2(n-1)α, recursive doubling's as α log n
     it = lambda n, coll: simulate(SimConfig(workers=n, params=1e3, compute_s=0.0, compute_cv=0.0, latency=0.01,
                                             bandwidth=None, algorithm="bsp", collective=coll, steps=5)).iteration_s

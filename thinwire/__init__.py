@@ -4,7 +4,13 @@
     trainer = tw.Trainer(model, opt, algorithm="dts", delay=4, period=4, compressor="topk", ratio=0.01)
     tw.launch(worker, world_size=4, network="wan")
 """
-from . import algorithms
+import os as _os
+import sys as _sys
+
+if "torch" not in _sys.modules:  # large fresh tensors (compressor outputs) fault pages 2x faster with huge pages
+    _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+from . import algorithms  # noqa: E402
 from .comm import Transport
 from .compress import compressors, memories
 from .errors import UserError, WorkerError

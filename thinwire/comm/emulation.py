@@ -1,8 +1,11 @@
 """One rank's emulated link: a queue for its sending side and one for its receiving side.
 
 An operation occupies the link for its transfer time (the β term): a second transfer queues behind the first,
-so bandwidth is not free because an operation is asynchronous. The latency (α) term does not occupy the link.
-Jitter and loss add to an operation's delivery time but never reorder deliveries on one link.
+so bandwidth is not free because an operation is asynchronous. The latency (α) term of a point-to-point message
+does not occupy the link. Collectives run at most `COLLECTIVE_SLOTS` at a time, as gloo runs a process group's
+collectives on its two worker threads (a third in flight waits for a thread; under the real-network mode, three
+in flight took far longer than one). Jitter and loss add to an operation's delivery time but never reorder
+deliveries on one link.
 """
 from __future__ import annotations
 
@@ -12,6 +15,9 @@ import threading
 from ..net import Cost, Link
 
 
+COLLECTIVE_SLOTS = 2  # ProcessGroupGloo's default number of worker threads
+
+
 class LinkClock:
     def __init__(self, link: Link, rank: int = 0, seed: int = 0):
         self.link = link
@@ -19,6 +25,7 @@ class LinkClock:
         self.rx_free = 0.0
         self.last_delivery = 0.0
         self.last_tx = self.last_rx = 0.0  # per direction: a send is not held behind a receive's latency
+        self._collectives: list[float] = []  # deliveries of the latest collectives, at most COLLECTIVE_SLOTS
         self._rng = random.Random(seed * 100003 + rank)  # timing only: never touches results
         self._lock = threading.Lock()
 
@@ -29,6 +36,8 @@ class LinkClock:
             return ready
         with self._lock:
             start = max(ready, self.tx_free if tx else 0.0, self.rx_free if rx else 0.0)
+            if tx and rx and len(self._collectives) >= COLLECTIVE_SLOTS:  # all of gloo's threads are busy
+                start = max(start, self._collectives[-COLLECTIVE_SLOTS])
             busy_until = start + cost.transfer
             if tx:
                 self.tx_free = busy_until
@@ -45,6 +54,8 @@ class LinkClock:
             # behind receives; a collective, both ways, behind everything)
             ordered = self.last_delivery if (tx and rx) else (self.last_tx if tx else self.last_rx)
             delivery = max(delivery, start, ordered)
+            if tx and rx:
+                self._collectives = (self._collectives + [delivery])[-COLLECTIVE_SLOTS:]
             if tx:
                 self.last_tx = max(self.last_tx, delivery)
             if rx:

@@ -345,34 +345,42 @@ class PSServer:
 
     # -- the loop ----------------------------------------------------------------------------------------
     def serve(self) -> None:
-        """Answer pushes until every worker said it is done, then drain the replies."""
+        """Answer pushes until every worker said it is done, then drain the replies.
+
+        Per worker, messages are handled in order from a queue of [header receive, data receives]: as soon as
+        a header's bytes are here (before its emulated delivery) the data receives and the next header receive
+        are posted, so consecutive pushes of one worker overlap their latency instead of paying α each."""
         n = self.layout.workers
-        rx = {w: [self.t.irecv(torch.empty(HEADER, dtype=torch.int64), w, tag=TAG_PUSH_HEAD), None]
-              for w in range(n)}
+        rx = {w: deque([self._post_head(w)]) for w in range(n)}
         while rx or self._outbox or self._sending:
             progressed = False
             for w in list(rx):
-                head_h, data_hs = rx[w]
-                if data_hs is None:
-                    if not _real_done(head_h):
-                        continue
+                q = rx[w]
+                last = q[-1]
+                if last[1] is None and _real_done(last[0]):   # a header is in: post what follows it
+                    head = last[0].wait()
+                    if int(head[0]) == DONE:
+                        last[1] = []
+                    else:
+                        last[1] = [self.t.irecv(torch.empty(m, dtype=dt), w, tag=TAG_PUSH_DATA)
+                                   for dt, m in _layout_of(head)]
+                        q.append(self._post_head(w))
+                    progressed = True
+                while q and q[0][1] is not None and all(h.is_completed() for h in q[0][1]):
+                    head_h, data_hs = q.popleft()
                     head = head_h.wait()
                     if int(head[0]) == DONE:
                         del rx[w]
                         self._on_done(w)
-                        progressed = True
-                        continue
-                    rx[w][1] = data_hs = [self.t.irecv(torch.empty(m, dtype=dt), w, tag=TAG_PUSH_DATA)
-                                          for dt, m in _layout_of(head)]
-                if all(h.is_completed() for h in data_hs):
-                    head = head_h.wait()
-                    tensors = [h.wait() for h in data_hs]
-                    rx[w] = [self.t.irecv(torch.empty(HEADER, dtype=torch.int64), w, tag=TAG_PUSH_HEAD), None]
-                    self._on_push(w, int(head[1]), int(head[2]), tensors)
+                    else:
+                        self._on_push(w, int(head[1]), int(head[2]), [h.wait() for h in data_hs])
                     progressed = True
             progressed |= self._pump()
             if not progressed:
                 time.sleep(_POLL_S)
+
+    def _post_head(self, w: int) -> list:
+        return [self.t.irecv(torch.empty(HEADER, dtype=torch.int64), w, tag=TAG_PUSH_HEAD), None]
 
     def _decode(self, w: int, clock: int, tensors) -> torch.Tensor:
         lo, hi = self.layout.bounds[self.k]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..comm.emulation import COLLECTIVE_SLOTS
 from ..net import Cost, Link
 from ..net import cost as netcost
 from . import cdsgd as cd
@@ -119,7 +120,8 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     bsp: τ + δ + C (no overlap), τ + max(0, C − τ_b) with WFBP; bitsgd / odsgd / cdsgd: seed 001 eqs. 4–7;
     localsgd: τ + C/H; ssp/asp: each worker τ + its push/pull, bounded below by the servers' link (incast);
     dpsgd / gossip: τ + α + dNβ; dts / delayed / tsparse (seed 004 §3): a window of p steps launches one
-    exchange, waited t−1 steps later: τ + max(0, C − (t−1)τ)/p, bounded below by the link's occupancy C_β/p.
+    exchange, waited t−1 steps later: τ + max(0, C − (t−1)τ)/p, bounded below by C/(2p) (gloo runs two
+    collectives at a time) and by the link's occupancy C_β/p.
     """
     tau = s.compute_s
     delta = s.compress_s(compressor) if compressor != "none" else 0.0
@@ -159,7 +161,8 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
         t_delay = int(p.get("delay", 1 if algorithm == "tsparse" else 4))
         period = int(p.get("period", 1 if algorithm == "delayed" else 4))
         stall = max(0.0, delta + comm.time - (t_delay - 1) * tau)
-        t = max(tau + stall / period, comm.transfer / period)
+        # gloo runs two collectives at a time (COLLECTIVE_SLOTS) and their transfers share the link
+        t = max(tau + stall / period, comm.time / (COLLECTIVE_SLOTS * period), comm.transfer / period)
         return Prediction(algorithm, t, tau, sent / period)
     if algorithm == "local":
         return Prediction(algorithm, tau, tau, 0.0)

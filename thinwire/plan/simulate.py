@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..comm.emulation import COLLECTIVE_SLOTS
 from ..errors import UserError
 from ..net import Cost, Link
 from ..net import cost as netcost
@@ -130,16 +131,19 @@ def _localsgd(c, cfg, comm):
 
 def _dts(c, cfg, comm, delay=None, period=None):
     """Seed 004 §3: the window of `period` steps is launched when its last step ends and waited for `delay`−1
-    steps later; launches share the link (transfers serialise at the bandwidth term)."""
+    steps later; at most two exchanges run at once (gloo's threads) and their transfers share the link."""
     t, p = delay or cfg.delay, period or cfg.period
     f = np.zeros(cfg.workers)
-    link_free = 0.0
+    link_free, running = 0.0, []
     due: dict[int, float] = {}
     for s in range(cfg.steps):
         f += c[s]
         if (s + 1) % p == 0 or s == cfg.steps - 1:
-            start = max(f.max(), link_free)          # the collective starts when the last worker joins
-            link_free = start + comm.transfer
+            start = max(f.max(), link_free)          # the collective starts when the last worker joins,
+            if len(running) >= COLLECTIVE_SLOTS:      # when one of gloo's threads is free
+                start = max(start, running[-COLLECTIVE_SLOTS])
+            link_free = start + comm.transfer        # and its transfer queues behind the previous one
+            running = (running + [start + comm.time])[-COLLECTIVE_SLOTS:]
             due[min(s + t - 1, cfg.steps - 1)] = start + comm.time
         if s in due:
             f = np.maximum(f, due.pop(s))

@@ -117,6 +117,36 @@ def _md(rows, bits, args) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Bytes per worker per step (left) and emulated vs predicted time per step (right), density 1%."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key in zip(axes, ("bytes_per_step", "emulated_s_per_step")):
+        for name, marker in zip(COLLECTIVES, "osD^"):
+            for net, style in (("cluster", "-"), ("wan", "--")):
+                pts = sorted((r["workers"], r[key], r["predicted_bytes" if key == "bytes_per_step" else
+                                                      "predicted_s"])
+                             for r in rows if r["collective"] == name and r["network"] == net
+                             and abs(r["density"] - 0.01) < 1e-9)
+                if not pts or (key == "bytes_per_step" and net == "wan"):
+                    continue
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker,
+                                label=f"{name} {net}" if key != "bytes_per_step" else name)
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color(), alpha=0.6)
+        ax.set_xlabel("workers")
+        ax.set_yscale("log")
+        ax.set_xticks([2, 4, 8])
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("bytes sent per worker per step (dotted: α-β)")
+    axes[1].set_ylabel("emulated network s per step (dotted: α-β)")
+    fig.suptitle("top-k at density 1%: sparse collectives (measured vs α-β prediction)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(args) -> int:
     rows = collectives(args.workers, args.networks, args.densities, args.numel, args.steps) if args.workers else []
     bits = qsgd_bits(args.qsgd_numel)

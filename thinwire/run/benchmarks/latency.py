@@ -66,6 +66,7 @@ def run(args) -> int:
                 network = f"custom:bandwidth={args.bandwidth},latency={lat:g}ms" + \
                           (f",jitter={args.jitter}" if args.jitter else "")
                 link = parse_network(network)
+                link = link.handshaking() if hasattr(link, "handshaking") else link   # as the Transport charges
                 bound = ring_allreduce(link, args.workers, n_params * 4).time
                 steps = args.steps
                 if name == "bsp" and bound * steps > args.budget_s:

@@ -93,8 +93,8 @@ def _plot(rows: list[dict], path: str) -> None:
         xs = [j + i * width for j in range(len(networks))]
         get = {r["network"]: r for r in rows if r["run"] == label}
         axes[0].bar(xs, [get[n]["step_ms"] for n in networks], width, label=label)
-        axes[1].bar(xs, [get[n]["time_to_target_s"] or 0 for n in networks], width, label=label)
-    for ax, title in zip(axes, ("median step time (ms)", "time to target (s; 0 = not reached)")):
+        axes[1].bar(xs, [get[n]["final_accuracy"] for n in networks], width, label=label)
+    for ax, title in zip(axes, ("median step time (ms)", "final accuracy (metric)")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(networks))], networks)
         ax.set_yscale("log") if title.startswith("median") else None
         ax.set_title(title)
