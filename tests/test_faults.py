@@ -374,6 +374,16 @@ def test_fuzzed_command_lines_exit_0_or_2_with_one_line(tokens, safe, command):
         assert len(lines) == 1 and lines[0].startswith("thinwire: error: "), (argv, err.getvalue())
 
 
+def test_fuzz_harness_reaches_the_launch(capsys):
+    """The fuzzing above is not vacuous: a valid command line gets through every check to the (fake) launch."""
+    from unittest import mock
+
+    from thinwire.cli import main
+    with mock.patch("thinwire.run.train.run_training", _fake_run_training):
+        assert main(["train", *SAFE, "--algorithm", "localsgd", "--period", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["algorithm"] == "localsgd"
+
+
 # -- 7. a parameter server killed mid-run ----------------------------------------------------------------
 def _kill_self_after(rank, world_size, cfg, victim, after_s, stamp):
     if rank == victim:

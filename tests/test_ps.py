@@ -201,3 +201,10 @@ def test_invalid_combinations_are_rejected():
         TrainConfig(algorithm="bsp", workers=3, servers=0, params={"architecture": "ps"}).validate()
     with pytest.raises(UserError, match="architecture"):
         TrainConfig(algorithm="bsp", workers=3, servers=1).validate()
+    with pytest.raises(UserError, match="parameter server only.*for all-reduce use"):
+        TrainConfig(algorithm="asp", workers=3, servers=1, params={"architecture": "allreduce"}).validate()
+    with pytest.raises(UserError, match="no gradient to wait for"):
+        from thinwire.algorithms.backup import Backup
+        b = Backup(backups=3)
+        b.world_size, b.servers = 4, 1
+        b.setup()

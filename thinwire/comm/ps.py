@@ -9,12 +9,16 @@ API (reusable by any algorithm that wants a PS):
     # on a server rank:
     server = PSServer(transport, layout, initial_flat_params, optimizer_template, mode="sync", staleness=0,
                       compressor=c, downlink=None)            # mode: "sync" (staleness s, s=0 is BSP),
-    server.serve()                                            # "async" or "backup" (backups=n_b)
+    server.serve()                                            # "async" (lr_scale) or "backup" (backups=n_b)
+    server.metrics()   # ps_updates, ps_gradients, staleness_hist/mean/max, dropped (backup)
     # on a worker rank:
     worker = PSWorker(transport, layout, initial_flat_params, compressor=c, memory=m, downlink=None)
     h = worker.push_pull(flat_grad, async_op=True)           # push a gradient, pull the parameters
     new_flat_params = h.wait()                               # the server's model after this push's rule
-    worker.done()                                             # tell every server this worker is finished
+    worker.params                                             # the freshest model answered so far
+    worker.done()                                             # drain, tell every server this worker is done
+Several push_pull handles may be in flight; their answers are applied in push order. The server runs a clone
+of `optimizer_template` (its class and param_groups[0] hyper-parameters, lr × lr_scale) on its shard.
 
 Wire format: only tensors cross the wire. Each message is a fixed-layout int64 header (kind, clock, version,
 staleness, tensor count, then (dtype code, numel) per tensor) followed by the payload tensors as 1-D tensors,

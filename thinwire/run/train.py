@@ -66,6 +66,8 @@ class TrainConfig:
         if self.servers < 0:
             raise UserError(f"--servers must be >= 0, got {self.servers}")
         arch = self.params.get("architecture") or algorithms.registry.lookup(self.algorithm).architectures[0]
+        if arch not in algorithms.registry.lookup(self.algorithm).architectures:
+            algorithms.registry.lookup(self.algorithm)(architecture=arch)  # its own message (seed 000 Table II)
         if arch == "ps" and self.servers < 1:  # server ranks come beside the workers: world = workers + servers
             raise UserError(f"{self.algorithm} on the parameter server needs --servers K >= 1 "
                             f"(server ranks beside the {self.workers} workers)")
