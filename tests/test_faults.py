@@ -22,6 +22,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from thinwire.errors import UserError, WorkerError
 from thinwire.run import checkpoint, workloads
@@ -316,9 +318,6 @@ def test_mismatched_model_on_one_rank_is_refused_at_start_up(pool2):
 
 
 # -- 6. malformed command lines --------------------------------------------------------------------------
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 
 def _train_flags() -> list[str]:
@@ -354,7 +353,7 @@ def _fake_run_training(cfg, out=None, pool=None):
             "exposed_comm_s": 0.0, "algorithm_metrics": {}}
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(tokens=st.lists(TOKENS, max_size=10), safe=st.booleans(), command=st.sampled_from(["train", "train", "x"]))
 @example(tokens=["--epochs", "inf", "--workload", "linreg"], safe=False, command="train")  # found: OverflowError
 @example(tokens=["--lr", "inf"], safe=True, command="train")                            # found: accepted

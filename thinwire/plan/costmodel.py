@@ -160,10 +160,14 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     if algorithm in ("dts", "delayed", "tsparse"):
         t_delay = int(p.get("delay", 1 if algorithm == "tsparse" else 4))
         period = int(p.get("period", 1 if algorithm == "delayed" else 4))
-        stall = max(0.0, delta + comm.time - (t_delay - 1) * tau)
-        # gloo runs two collectives at a time (COLLECTIVE_SLOTS) and their transfers share the link
-        t = max(tau + stall / period, comm.time / (COLLECTIVE_SLOTS * period), comm.transfer / period)
-        return Prediction(algorithm, t, tau, sent / period)
+        exchange = delta + comm.time
+        if t_delay == 1:   # the window's average is waited for at once (t = p = 1 is bsp)
+            return Prediction(algorithm, tau + exchange / period, tau, sent / period)
+        # the average of the window launched at step kp is applied at step (k+t−1)p: in steady state a window
+        # lasts at least 1/(t−1) of an exchange, and at least 1/2 of one as gloo runs two collectives at a time;
+        # the transfers share the link
+        window = max(period * tau, exchange / min(t_delay - 1, COLLECTIVE_SLOTS), comm.transfer)
+        return Prediction(algorithm, window / period, tau, sent / period)
     if algorithm == "local":
         return Prediction(algorithm, tau, tau, 0.0)
     raise KeyError(algorithm)

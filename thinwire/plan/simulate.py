@@ -130,8 +130,8 @@ def _localsgd(c, cfg, comm):
 
 
 def _dts(c, cfg, comm, delay=None, period=None):
-    """Seed 004 §3: the window of `period` steps is launched when its last step ends and waited for `delay`−1
-    steps later; at most two exchanges run at once (gloo's threads) and their transfers share the link."""
+    """Seed 004 §3: the window of `period` steps is launched when its last step ends and applied `delay`−1
+    windows later; at most two exchanges run at once (gloo's threads) and their transfers share the link."""
     t, p = delay or cfg.delay, period or cfg.period
     f = np.zeros(cfg.workers)
     link_free, running = 0.0, []
@@ -144,7 +144,7 @@ def _dts(c, cfg, comm, delay=None, period=None):
                 start = max(start, running[-COLLECTIVE_SLOTS])
             link_free = start + comm.transfer        # and its transfer queues behind the previous one
             running = (running + [start + comm.time])[-COLLECTIVE_SLOTS:]
-            due[min(s + t - 1, cfg.steps - 1)] = start + comm.time
+            due[min(s + (t - 1) * p, cfg.steps - 1)] = start + comm.time   # applied t−1 windows later
         if s in due:
             f = np.maximum(f, due.pop(s))
     return f.max()

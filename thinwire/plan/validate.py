@@ -1,15 +1,17 @@
 """Predicted against measured: run short trainings and compare their step times with the cost model's.
 
-τ (compute per step) is measured by the same workers running with no communication (`local`); the loopback's
-own cost of each collective is added to the emulated link's (the emulator delivers an operation its link cost
-after the real operation completes), with α and β of the loopback fitted on the spot.
+What happens on the machine itself — compute, compression, the loopback's own cost of each operation — is
+measured by running each configuration on `lan` (no emulated link); the cost model then predicts what the
+emulated network adds (α-β cost of the collective with gloo's round trip per step, queueing, overlap and
+delays as each algorithm's schedule allows), taking the `lan` step time as its compute τ and no separate
+compression cost (it is inside τ).
 """
 from __future__ import annotations
 
 import statistics
 
 from ..net import parse_network
-from .costmodel import Scenario, predict
+from .costmodel import DEFAULT_X_MEMCPY, Scenario, predict
 
 CONFIGS = {  # name -> (algorithm, parameters) as run by `thinwire train`
     "bsp": ("bsp", {}),
@@ -18,41 +20,36 @@ CONFIGS = {  # name -> (algorithm, parameters) as run by `thinwire train`
     "localsgd": ("localsgd", {"period": 4}),
     "dts": ("dts", {"delay": 4, "period": 4}),
 }
+WARMUP = {"dts": 16}   # steps before steady state: the first averages are applied (t−1)·p steps after launch
 
 
-def _measure(pool, workload: str, algorithm: str, params: dict, network: str, steps: int, workers: int) -> float:
+def measure(pool, workload: str, algorithm: str, params: dict, network: str, steps: int, workers: int,
+            skip: int | None = None) -> float:
+    """Mean step time (the slowest worker's) after `skip` warm-up steps (default: the first fifth)."""
     from ..run.train import TrainConfig, train_worker
     cfg = TrainConfig(workload=workload, algorithm=algorithm, workers=workers, network=network, steps=steps,
                       params=dict(params), progress=False, eval_every=10 ** 6)
     results = pool.run(train_worker, cfg, network=network)
-    skip = max(2, steps // 5)   # warm-up steps (connections, first buckets, profiling) are not steady state
-    per_step = [max(r["steps"][i]["step_s"] for r in results) for i in range(skip, steps)]
-    return statistics.mean(per_step)
+    skip = skip if skip is not None else max(2, steps // 5)   # connections, profiling: not steady state
+    return statistics.mean(max(r["steps"][i]["step_s"] for r in results) for i in range(skip, steps))
 
 
-def compare(pool, workload: str = "wide-mlp", networks=("cluster", "wan"), names=tuple(CONFIGS),
-            steps: int = 24, workers: int = 4) -> list[dict]:
-    """Rows of {network, config, measured_s, predicted_s, error} for each network × configuration."""
+def compare(pool, workload: str = "digits-mlp", networks=("cluster", "wan"), names=tuple(CONFIGS),
+            steps: int = 48, workers: int = 4) -> list[dict]:
+    """Rows of {network, config, measured_s, predicted_s, error, local_s} for each network × configuration."""
     from ..run import workloads
-    wl = workloads.get(workload)
-    n_params = wl.num_params()
-    tau = _measure(pool, workload, "local", {}, "lan", steps, workers)
-    lan_bsp = _measure(pool, workload, "bsp", {}, "lan", steps, workers)
-    # the loopback all-reduce of this model, fitted as a link whose α-β cost equals what we measured
-    loop_s = max(0.0, lan_bsp - tau)
+    n_params = workloads.get(workload).num_params()
+    no_compression_cost = dict.fromkeys(DEFAULT_X_MEMCPY, 0.0)   # measured inside the lan step time
     rows = []
-    for net in networks:
-        link = parse_network(net)
-        for name in names:
-            algorithm, params = CONFIGS[name]
-            measured = _measure(pool, workload, algorithm, params, net, steps, workers)
-            s = Scenario(params=n_params, compute_s=tau, link=link, workers=workers, handshake=True)
-            pred = predict(s, algorithm, **params).iteration_s
-            # plus the loopback's own share of the algorithm's communication (the emulator delivers an op its
-            # link cost after the real op completed), scaled like the algorithm's exposed communication
-            share = predict(s, "bsp").iteration_s
-            frac = (pred - tau) / (share - tau) if share > tau else 1.0
-            pred += loop_s * max(0.0, min(1.0, frac))
-            rows.append({"network": net, "config": name, "measured_s": measured, "predicted_s": pred,
-                         "error": (pred - measured) / measured, "compute_s": tau})
+    for name in names:
+        algorithm, params = CONFIGS[name]
+        skip = WARMUP.get(name)
+        local = measure(pool, workload, algorithm, params, "lan", steps, workers, skip)
+        for net in networks:
+            s = Scenario(params=n_params, compute_s=local, link=parse_network(net), workers=workers,
+                         handshake=True, x_memcpy=no_compression_cost)
+            predicted = predict(s, algorithm, **params).iteration_s
+            measured = measure(pool, workload, algorithm, params, net, steps, workers, skip)
+            rows.append({"network": net, "config": name, "measured_s": measured, "predicted_s": predicted,
+                         "error": (predicted - measured) / measured, "local_s": local})
     return rows
