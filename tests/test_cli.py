@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from leftovers import tagged
 
 THINWIRE = [sys.executable, "-m", "thinwire"]
 ENV = {**os.environ, "THINWIRE_NO_PROGRESS": "1"}
@@ -24,19 +25,6 @@ def test_list_json_names_every_family():
     assert {"workloads", "networks", "algorithms", "compressors", "memories"} <= set(cat)
     assert {"digits-mlp", "digits-cnn", "mnist1d-cnn", "linreg", "wide-mlp"} <= {w["name"] for w in cat["workloads"]}
     assert "bsp" in {a["name"] for a in cat["algorithms"]}
-
-
-def _tagged(tag: str) -> list[int]:
-    """Processes (still alive) whose environment carries `tag`: what a run left behind."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if tag.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -67,7 +55,7 @@ def test_bad_input_found_in_a_worker_leaves_nothing_behind():
     assert r.returncode == 2, r.stderr
     assert "smaller than the batch size" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert _tagged(f"THINWIRE_TEST_TAG={tag}") == []
+    assert tagged(f"THINWIRE_TEST_TAG={tag}") == []
 
 
 def test_port_in_use_is_reported():

@@ -21,6 +21,7 @@ import threading
 import time
 
 import pytest
+from leftovers import tagged
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -34,24 +35,11 @@ ENV = {**os.environ, "THINWIRE_NO_PROGRESS": "1"}
 
 
 # -- leftovers -------------------------------------------------------------------------------------------
-def _tagged(tag: str) -> list[int]:
-    """Live processes whose environment carries `tag` (as in test_cli)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if tag.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
-
-
 def _assert_nothing_left(tag: str, grace: float = 10.0) -> None:
     end = time.monotonic() + grace
-    while _tagged(tag) and time.monotonic() < end:
+    while tagged(tag) and time.monotonic() < end:
         time.sleep(0.2)
-    assert _tagged(tag) == [], f"processes left behind: {_tagged(tag)}"
+    assert tagged(tag) == [], f"processes left behind: {tagged(tag)}"
 
 
 def _netns() -> set[str] | None:
