@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -99,11 +99,12 @@ class TrainConfig:
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
         from ..trainer import build_components
-        params = dict(self.params)
-        if self.servers:
-            params["servers"] = self.servers
-        build_components(self.algorithm, self.compressor, self.memory, **params)  # errors before any launch
+        build_components(self.algorithm, self.compressor, self.memory, **self.component_params())  # before launch
         return self
+
+    def component_params(self) -> dict:
+        """The parameters routed to the algorithm, compressor and memory (`--servers` included)."""
+        return {**self.params, "servers": self.servers} if self.servers else dict(self.params)
 
     def total_steps(self, wl: workloads.Workload) -> int:
         if self.steps is not None:
@@ -117,11 +118,8 @@ def build_trainer(cfg: TrainConfig, wl, model, tracer=None):
     from ..trainer import Trainer
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr or wl.lr,
                           momentum=wl.momentum if cfg.momentum is None else cfg.momentum)
-    params = dict(cfg.params)
-    if cfg.servers:
-        params["servers"] = cfg.servers
     return Trainer(model, opt, algorithm=cfg.algorithm, compressor=cfg.compressor, memory=cfg.memory,
-                   tracer=tracer, nonfinite=cfg.nonfinite, **params)
+                   tracer=tracer, nonfinite=cfg.nonfinite, **cfg.component_params())
 
 
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
@@ -279,13 +277,18 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
     wall = _now() - t0
     summary, rows = summarize(cfg, results, wall)
     if out:
-        os.makedirs(out, exist_ok=True)
-        _atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
-        _atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
-        if cfg.trace:
-            write_chrome_trace(os.path.join(out, "trace.json"), [r["trace"] for r in results])
-            summary["trace"] = os.path.join(out, "trace.json")
+        write_outputs(out, cfg, summary, rows, results)
     return summary
+
+
+def write_outputs(out: str, cfg: TrainConfig, summary: dict, rows: list[dict], results: list[dict]) -> None:
+    """`out/metrics.jsonl`, `out/summary.json` and, with `cfg.trace`, `out/trace.json` (each atomically)."""
+    os.makedirs(out, exist_ok=True)
+    if cfg.trace:
+        write_chrome_trace(os.path.join(out, "trace.json"), [r["trace"] for r in results])
+        summary["trace"] = os.path.join(out, "trace.json")
+    _atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    _atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
 
 
 def _atomic_write(path: str, text: str) -> None:
@@ -293,10 +296,6 @@ def _atomic_write(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def config_dict(cfg: TrainConfig) -> dict:
-    return asdict(cfg)
 
 
 def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str | None) -> dict | None:
@@ -323,9 +322,5 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
     results = [json.loads(bytes(g[:int(s.item())].tolist()).decode()) for g, s in zip(got, sizes)]
     summary, rows = summarize(cfg, results, _now() - t0)
     if out:
-        os.makedirs(out, exist_ok=True)
-        _atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
-        _atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
-        if cfg.trace:
-            write_chrome_trace(os.path.join(out, "trace.json"), [r["trace"] for r in results])
+        write_outputs(out, cfg, summary, rows, results)
     return summary
