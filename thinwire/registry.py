@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable
 
 from .errors import UserError
@@ -113,7 +114,8 @@ class Registry:
         rows = []
         for key in self.names():
             obj = self._table[key]
-            doc = (inspect.getdoc(obj) or "").strip().splitlines()
+            own = obj.__doc__ or getattr(sys.modules.get(obj.__module__), "__doc__", None) or ""
+            doc = [line for line in inspect.cleandoc(own).splitlines() if line.strip()]
             rows.append({"name": key, "summary": doc[0] if doc else "", "parameters": self.parameters(key)})
         return rows
 
