@@ -106,19 +106,26 @@ class SparseCompressor(Compressor):
         return Payload([flat[idx], idx.to(index_dtype(flat.numel()))],
                        ctx=(tensor.shape, tensor.dtype, flat.numel()))
 
+    accumulate_dtype: torch.dtype | None = None   # None: sum in the tensor's own dtype
+
+    def _contribution(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 indices, values) of one rank's payload."""
+        vals, idx = tensors
+        return idx.reshape(-1).long(), vals.reshape(-1)
+
+    def _accumulate(self, parts, ctx) -> torch.Tensor:
+        shape, dtype, numel = ctx
+        acc = self.accumulate_dtype or dtype
+        idx = torch.cat([i for i, _ in parts])
+        vals = torch.cat([v for _, v in parts]).to(acc)
+        return torch.zeros(numel, dtype=acc).index_add_(0, idx, vals).to(dtype).view(shape)
+
     def decompress(self, payload):
-        shape, dtype, numel = payload.ctx
-        vals, idx = payload.tensors
-        out = torch.zeros(numel, dtype=dtype)
-        out.index_add_(0, idx.long(), vals.to(dtype))
-        return out.view(shape)
+        return self._accumulate([self._contribution(payload.tensors)], payload.ctx)
 
     def aggregate(self, payloads):
         """Σ_ranks of the sparse contributions: one index_add_ over every rank's (index, value) pairs."""
-        shape, dtype, numel = payloads[0].ctx
-        vals = torch.cat([p.tensors[0].reshape(-1).to(dtype) for p in payloads])
-        idx = torch.cat([p.tensors[1].reshape(-1).long() for p in payloads])
-        return torch.zeros(numel, dtype=dtype).index_add_(0, idx, vals).view(shape)
+        return self._accumulate([self._contribution(p.tensors) for p in payloads], payloads[0].ctx)
 
     def sparse_bits(self, kept: float, numel: int, value_bits: float = 32.0) -> float:
         idx_bits = 16 if numel <= SMALL else 32

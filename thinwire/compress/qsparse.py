@@ -58,6 +58,8 @@ class QSparse(SparseCompressor):
         codes = pack_codes(levels + self.levels, self.bits)
         return Payload([idx.to(index_dtype(d)), codes, norm.float()], ctx=(tensor.shape, tensor.dtype, d))
 
+    accumulate_dtype = torch.float32   # contributions are built in fp32
+
     def _contribution(self, tensors):
         idx, codes, norm = tensors
         idx = idx.reshape(-1).long()
@@ -66,18 +68,6 @@ class QSparse(SparseCompressor):
         levels = unpack_codes(codes.reshape(-1), k, self.bits) - s
         beta = min(k / s ** 2, math.sqrt(k) / s)
         return idx, levels.float() * (norm.reshape(-1)[0] / s / (1 + beta))
-
-    def decompress(self, payload):
-        shape, dtype, d = payload.ctx
-        idx, vals = self._contribution(payload.tensors)
-        return torch.zeros(d).index_add_(0, idx, vals).to(dtype).view(shape)
-
-    def aggregate(self, payloads):
-        shape, dtype, d = payloads[0].ctx
-        parts = [self._contribution(p.tensors) for p in payloads]
-        out = torch.zeros(d)
-        out.index_add_(0, torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
-        return out.to(dtype).view(shape)
 
     def nominal_bits(self, numel):
         return self.sparse_bits(num_kept(self.ratio, numel), numel, value_bits=self.bits) + 32.0 / max(1, numel)

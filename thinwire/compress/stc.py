@@ -33,23 +33,13 @@ class STC(SparseCompressor):
         signs = pack_codes((vals >= 0).to(torch.int64), 1)
         return Payload([idx.to(index_dtype(d)), signs, mu], ctx=(tensor.shape, tensor.dtype, d))
 
+    accumulate_dtype = torch.float32   # contributions are built in fp32
+
     def _contribution(self, tensors):
         idx, signs, mu = tensors
         idx = idx.reshape(-1).long()
         pos = unpack_codes(signs.reshape(-1), idx.numel(), 1)
         return idx, (pos.float() * 2 - 1) * mu.reshape(-1)[0]
-
-    def decompress(self, payload):
-        shape, dtype, d = payload.ctx
-        idx, vals = self._contribution(payload.tensors)
-        return torch.zeros(d).index_add_(0, idx, vals).to(dtype).view(shape)
-
-    def aggregate(self, payloads):
-        shape, dtype, d = payloads[0].ctx
-        parts = [self._contribution(p.tensors) for p in payloads]
-        out = torch.zeros(d)
-        out.index_add_(0, torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
-        return out.to(dtype).view(shape)
 
     def nominal_bits(self, numel):
         return self.sparse_bits(num_kept(self.ratio, numel), numel, value_bits=1.0) + 32.0 / max(1, numel)
