@@ -231,7 +231,10 @@ def _well_nested(spans):
 def test_trace_file(pool2, tmp_path):
     from thinwire.run.train import TrainConfig, run_training
     cfg = TrainConfig(workload="digits-mlp", algorithm="bsp", workers=2, network="custom:latency=2ms",
-                      steps=4, trace=True, progress=False, params={"schedule": "wfbp"})
+                      steps=4, trace=True, progress=False,
+                      # not serial: each bucket is issued by its gradient hook itself, during backward (a serial
+                      # schedule issues from a pipeline thread, which a loaded machine may run after backward)
+                      params={"schedule": "wfbp", "serial": False})
     summary = run_training(cfg, out=str(tmp_path), pool=pool2.pool or _start(pool2))
     with open(summary["trace"]) as f:
         trace = json.load(f)

@@ -7,6 +7,7 @@ operations return a `Handle`; compute done before `Handle.wait()` overlaps the e
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Callable, Sequence
@@ -41,7 +42,13 @@ class Handle:
         self._waiter: threading.Thread | None = None
         self._error: BaseException | None = None
         self._real: threading.Event | None = None  # set by the waiter thread (gloo point-to-point)
-        self._error: BaseException | None = None
+        self._real_at: float | None = None          # when the real op completed
+        self._scheduled = threading.Event()
+        # a collective is delivered in issue order: gloo's two threads may finish the second collective first,
+        # but the emulated wire is FIFO (the second queues behind the first, whichever callback fires first)
+        self._ordered = tx and rx
+        if self._ordered:
+            transport._enqueue(self)
         if not self._works:
             self._on_real_done()
         else:  # timestamp the real completion as it happens (gloo's thread), so compute overlaps emulation
@@ -65,8 +72,14 @@ class Handle:
 
     def _on_real_done(self) -> None:
         with self._lock:
-            if self.deadline is None:
-                self._schedule(_now())
+            if self._real_at is None:
+                self._real_at = _now()
+        if self._ordered:
+            self.transport._drain()
+        else:
+            with self._lock:
+                if not self._scheduled.is_set():
+                    self._schedule(self._real_at)
 
     def _schedule(self, t_done: float) -> None:
         tx, rx, latency = self._flags
@@ -77,6 +90,7 @@ class Handle:
         tr.complete(self.kind, self._issued, t_done, "communicate", bytes=self.cost.sent)
         if self.deadline > t_done:
             tr.complete(self.kind + " (emulated)", t_done, self.deadline, "emulated")
+        self._scheduled.set()
 
     def is_completed(self) -> bool:
         if self._done:
@@ -87,7 +101,7 @@ class Handle:
         elif not all(w.is_completed() for w in self._works):
             return False
         self._on_real_done()
-        return _now() >= self.deadline
+        return self._scheduled.is_set() and _now() >= self.deadline
 
     def wait(self):
         if not self._done:
@@ -100,6 +114,7 @@ class Handle:
                 for w in self._works:
                     w.wait()
             self._on_real_done()
+            self._scheduled.wait()   # an earlier collective still running: delivered after it
             delay = self.deadline - _now()
             if delay > 0:
                 time.sleep(delay)
@@ -138,6 +153,19 @@ class Transport:
         from .collectives import parse as _parse_allreduce
         _parse_allreduce(allreduce, self.world_size)
         self.allreduce = allreduce  # "gloo" (native) or an algorithm of thinwire.comm.collectives
+        self._in_order: collections.deque[Handle] = collections.deque()  # collectives not yet on the link
+        self._order_lock = threading.Lock()
+
+    def _enqueue(self, handle: Handle) -> None:
+        with self._order_lock:
+            self._in_order.append(handle)
+
+    def _drain(self) -> None:
+        """Put on the link, in issue order, every collective whose real part and predecessors are done."""
+        with self._order_lock:
+            while self._in_order and self._in_order[0]._real_at is not None:
+                h = self._in_order.popleft()
+                h._schedule(h._real_at)
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _finish(self, kind, works, cost, result, post=None, async_op=False, issued=None, **flags):
