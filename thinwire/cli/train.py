@@ -92,7 +92,10 @@ def run(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train one workload with one algorithm")
+    p = sub.add_parser("train", help="train one workload with one algorithm", epilog=(
+        "Any other --name value (e.g. --architecture ps, --k 5 --warmup 20 --local-lr 0.05 --threshold 0.01, "
+        "--delay 4 --period 2, --ratio 0.01, --sparse-collective gtopk) or --param name=value goes to the "
+        "algorithm, compressor and memory that declare it; `thinwire list` shows each one's parameters."))
     add_run_options(p)
     p.add_argument("--out", help="directory for metrics.jsonl, summary.json (and trace.json)")
     p.add_argument("--checkpoint-every", type=int, help="write a checkpoint every N steps (to --checkpoint-dir, "

@@ -50,6 +50,19 @@ def from_sizes(params: list[torch.Tensor], counts: list[int]) -> list[list[int]]
     return groups
 
 
+def adopt_view(p: torch.Tensor, v: torch.Tensor) -> None:
+    """Make `p.grad` the view `v` again (a zero_grad(set_to_none) or a user may have replaced it): copy the
+    value in, or zeros if it has none this step."""
+    g = p.grad
+    if g is None:
+        v.zero_()
+    elif g.data_ptr() != v.data_ptr():
+        v.copy_(g)
+    else:
+        return
+    p.grad = v
+
+
 @dataclass
 class Bucket:
     index: int
@@ -93,17 +106,8 @@ class Buckets:
         return self.buckets[b].views[k]
 
     def adopt(self, i: int) -> None:
-        """Make parameter i's gradient its bucket view again (a zero_grad(set_to_none) or a user may have
-        replaced it): copy the value in, or zeros if it has none this step."""
-        p, v = self.params[i], self.view(i)
-        g = p.grad
-        if g is None:
-            v.zero_()
-        elif g.data_ptr() != v.data_ptr():
-            v.copy_(g)
-        else:
-            return
-        p.grad = v
+        """Make parameter i's gradient its bucket view again."""
+        adopt_view(self.params[i], self.view(i))
 
     def __len__(self) -> int:
         return len(self.buckets)

@@ -25,6 +25,7 @@ import time
 import torch
 
 from ..errors import UserError
+from .buckets import adopt_view
 from .mgwfbp import Profiled
 from .wfbp import MB
 
@@ -143,17 +144,6 @@ class Priority(Profiled):
         self._unit_ready = [threading.Event() for _ in self.units]
         self._unit_done = [threading.Event() for _ in self.units]
 
-    def _adopt(self, i: int) -> None:
-        p, v = self.params[i], self._view(self.flat[self.cur], i)
-        g = p.grad
-        if g is None:
-            v.zero_()
-        elif g.data_ptr() != v.data_ptr():
-            v.copy_(g)
-        else:
-            return
-        p.grad = v
-
     # -- backward: mark chunks ready; the launcher thread sends them ------------------------------------
     def before_first_grad(self) -> None:
         self.flush()
@@ -164,17 +154,8 @@ class Priority(Profiled):
                                         name="thinwire-priority", daemon=True)
         self._thread.start()
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        i = self.index[id(p)]
-        if self._stamps is not None:
-            self._stamps[i] = _now()
-        if self._ready[i]:
-            raise UserError("a gradient was produced twice before trainer.step(): call trainer.step() after "
-                            "each backward (or use schedule='none' to accumulate gradients)")
-        if not self._began:
-            self._began = True
-            self.before_first_grad()
-        self._adopt(i)
+    def take(self, i: int) -> None:
+        adopt_view(self.params[i], self._view(self.flat[self.cur], i))
         self._mark(i)
 
     def _mark(self, i: int) -> None:
@@ -222,8 +203,7 @@ class Priority(Profiled):
             self.before_first_grad()
         for i in range(len(self.params)):
             if not self._ready[i]:
-                self._adopt(i)
-                self._mark(i)
+                self.take(i)
         self._pending = set(range(len(self.params)))
         self._done_events = self._unit_done
         self.result = self._launch_result

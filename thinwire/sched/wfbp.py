@@ -106,6 +106,10 @@ class Scheduler:
         if not self._began:
             self._began = True
             self.before_first_grad()
+        self.take(i)
+
+    def take(self, i: int) -> None:
+        """Gradient i is final: into its bucket, and launch the buckets now complete (in bucket order)."""
         self.buckets.adopt(i)
         self._ready[i] = True
         b = self.buckets.slot[i][0]
