@@ -145,6 +145,64 @@ def test_several_buckets_and_pipeline(pool2):
 
 # -- single-process logic ------------------------------------------------------------------------------
 
+def replan_keeps_residuals(rank, world_size, steps):
+    """mgwfbp re-plans its buckets after profiling; top-k with error feedback across it (lr 0: fixed model)."""
+    from thinwire.trainer import Trainer
+    torch.manual_seed(0)
+    model = Net()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.0)
+    trainer = Trainer(model, opt, algorithm="bsp", compressor="topk", memory="residual", ratio=0.3,
+                      schedule="mgwfbp", profile_steps=2)
+    g = torch.Generator().manual_seed(100 + rank)
+    local, agg = torch.zeros(sum(p.numel() for p in params)), torch.zeros(sum(p.numel() for p in params))
+    for _ in range(steps):
+        loss = model(torch.randn(6, 8, generator=g)).pow(2).mean()
+        used = [p for p in params if p is not model.unused]
+        gs = dict(zip(map(id, used), torch.autograd.grad(loss, used, retain_graph=True)))
+        local += torch.cat([gs.get(id(p), torch.zeros_like(p)).reshape(-1) for p in params])
+        loss.backward()
+        trainer.step()
+        agg += torch.cat([p.grad.reshape(-1) for p in params])
+        opt.zero_grad()
+    sched = trainer.algorithm.scheduler
+    residual = torch.zeros_like(local)
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    for key, b in zip(sched.keys, sched.buckets):
+        r = trainer.memory.residuals.get(key, torch.zeros(b.buffer.numel()))
+        at = 0
+        for i in b.members:
+            n = params[i].numel()
+            residual[offsets[i]:offsets[i] + n] = r[at:at + n]
+            at += n
+    trainer.close()
+    return local, agg, residual, len(sched.keys), len(params)
+
+
+def test_replan_keeps_error_feedback(pool2):
+    """Σ_t aggregate_t + mean_r residual_r = mean_r Σ_t g_r,t across MG-WFBP's change of buckets."""
+    out = pool2.run(replan_keeps_residuals, 5)
+    local = sum(o[0] for o in out) / 2
+    residual = sum(o[2] for o in out) / 2
+    assert out[0][3] < out[0][4]            # the plan merged buckets: the keys changed after step 2
+    assert torch.allclose(out[0][1] + residual, local, atol=1e-5)
+
+
+def test_regroup_moves_flat_state_to_new_buckets():
+    from thinwire.compress.base import regroup
+    old, new = [("a", 3), ("b", 2), ("c", 4)], [("ab", 5), ("c'", 1), ("rest", 3)]
+    state = {"residuals": {"a": torch.tensor([1., 2., 3.]), "c": torch.arange(4.), "other": torch.ones(1)},
+             "q": {("a", 0): torch.zeros(2, 2)}, "count": 3}
+    got = regroup(state, old, new)
+    assert torch.equal(got["residuals"]["ab"], torch.tensor([1., 2., 3., 0., 0.]))   # "b" never held a residual
+    assert torch.equal(got["residuals"]["c'"], torch.tensor([0.]))
+    assert torch.equal(got["residuals"]["rest"], torch.tensor([1., 2., 3.]))
+    assert set(got["residuals"]) == {"ab", "c'", "rest", "other"}
+    assert got["q"] is state["q"] and got["count"] == 3      # not per-bucket flat state: untouched
+
+
 def test_buckets_cover_every_parameter_once():
     net = Net()
     params = list(net.parameters())

@@ -32,6 +32,27 @@ from typing import Any, ClassVar
 import torch
 
 
+def regroup(state: dict, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> dict:
+    """Per-key flat state (an error-feedback residual per bucket) carried over a change of bucketing.
+
+    `old` and `new` list (key, numel) of consecutive flat buckets covering the same elements in the same order
+    (the scheduler's buckets, backward order): each dict of `state` holding 1-D tensors under old keys gets them
+    concatenated and cut at the new boundaries (a missing old key counts as zeros). Nothing is lost, so error
+    feedback's invariant (sent + residual = inputs) holds across a re-plan such as MG-WFBP's."""
+    old_keys, sizes = {k for k, _ in old}, [n for _, n in new]
+    out = {}
+    for name, d in state.items():
+        held = [d[k] for k, _ in old if k in d] if isinstance(d, dict) else []
+        if not held or not all(isinstance(t, torch.Tensor) and t.numel() == n
+                                for t, n in ((d[k], n) for k, n in old if k in d)):
+            out[name] = d       # not per-bucket flat state (e.g. PowerSGD's per-matrix Q): left as it is
+            continue
+        flat = torch.cat([d[k].reshape(-1) if k in d else held[0].new_zeros(n) for k, n in old])
+        out[name] = {k: v for k, v in d.items() if k not in old_keys}
+        out[name].update((k, t.clone()) for (k, _), t in zip(new, flat.split(sizes)))
+    return out
+
+
 @dataclass
 class Payload:
     tensors: list[torch.Tensor]
@@ -82,6 +103,10 @@ class Compressor:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def rekey(self, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> None:
+        """The buckets changed (see `regroup`): carry per-bucket state over to the new keys."""
+        self.load_state_dict(regroup(self.state_dict(), old, new))
+
 
 class Memory:
     """Error feedback and its variants: `compensate` before compression, `update` after."""
@@ -102,3 +127,7 @@ class Memory:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def rekey(self, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> None:
+        """The buckets changed (see `regroup`): carry per-bucket state over to the new keys."""
+        self.load_state_dict(regroup(self.state_dict(), old, new))

@@ -266,6 +266,14 @@ class Exchange:
         return {"steps": dict(self.steps), "compressor": self.compressor.state_dict(),
                 "memory": self.memory.state_dict()}
 
+    def rekey(self, old: list, new: list) -> None:
+        """The scheduler re-planned its buckets ((key, numel) lists, same elements in the same order): the
+        compressor's and memory's per-bucket state moves to the new keys, and the step counters go on."""
+        self.compressor.rekey(old, new)
+        self.memory.rekey(old, new)
+        step = max((self.steps.get(k, 0) for k, _ in old), default=0)
+        self.steps.update({k: step for k, _ in new})
+
     def load_state_dict(self, state: dict) -> None:
         self.steps = dict(state.get("steps", {}))
         self.compressor.load_state_dict(state["compressor"])

@@ -82,10 +82,17 @@ class Scheduler:
         return assign(self.params, self.bucket_bytes, None if first is None else first * MB)
 
     def _build(self, groups: list[list[int]]) -> None:
+        old = self.layout() if hasattr(self, "buckets") else None
         self.buckets = Buckets(self.params, groups)
         self.sizes = [len(b.members) for b in self.buckets]
         self.keys = [f"bucket:{b.members[0]}-{b.members[-1]}" for b in self.buckets]
+        if old is not None and old != self.layout() and hasattr(self.exchange, "rekey"):
+            self.exchange.rekey(old, self.layout())   # a re-plan (MG-WFBP) keeps error-feedback residuals
         self._reset()
+
+    def layout(self) -> list[tuple[str, int]]:
+        """(key, numel) of every bucket, in bucket order."""
+        return [(k, b.buffer.numel()) for k, b in zip(self.keys, self.buckets)]
 
     def _reset(self) -> None:
         self._ready = [False] * len(self.params)
