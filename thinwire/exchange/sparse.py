@@ -9,16 +9,18 @@ so the meter counts it and the emulated link delays it.
   rank swaps its (index, value) set with rank ^ 2^j, both sum duplicates and re-select the top k of the same
   merged set (sorted by index, so both partners compute the identical result). A rank's own contribution to an
   index survives iff that index stayed in its set through every round; what was dropped returns to its residual.
+  Any n: with p the largest power of two ≤ n, each extra rank p + i first folds its set into rank i (which
+  merges and re-selects), the p ranks run the doubling, and rank i returns the result to p + i with a bit mask
+  of which of p + i's own entries survived (the fold of MPI's recursive-doubling all-reduce).
 - `shared` (CLT-k, ScaleCom): the leader (step mod n) broadcasts its top-k indices; every rank all-reduces its
   own values at those indices (k dense values); sent = c at the leader's indices.
-- `hierarchical` (HiTopKComm): dense all-reduce inside groups of m ranks, the group leaders compress the group
+- `hierarchical` (HiTopKComm): dense all-reduce inside groups of m consecutive ranks (the last group smaller
+  when m does not divide n), the group leaders compress the group
   sum and all-gather their payloads, each leader broadcasts the gathered payloads into its group. A member's
   share is its own c on the group's selection plus 1/m of the group's compression error (so shares still sum to
   the aggregate for quantising sparsifiers too).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -72,23 +74,69 @@ def swap(tr, partner: int, buf: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def send_buf(tr, dst: int, buf: torch.Tensor) -> None:
+    """One-way: a uint8 buffer to `dst`, its size first."""
+    tr.send(torch.tensor([buf.numel()], dtype=torch.int64), dst)
+    tr.send(buf, dst)
+
+
+def recv_buf(tr, src: int) -> torch.Tensor:
+    size = torch.empty(1, dtype=torch.int64)
+    tr.recv(size, src)
+    out = torch.empty(int(size[0]), dtype=torch.uint8)
+    tr.recv(out, src)
+    return out
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask as uint8 bytes, 8 flags per byte (little-endian bit order)."""
+    pad = torch.zeros((-mask.numel()) % 8, dtype=torch.bool)
+    bits = torch.cat([mask.reshape(-1), pad]).view(-1, 8).to(torch.int32)
+    return (bits << torch.arange(8, dtype=torch.int32)).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return ((packed.to(torch.int32).unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).reshape(-1)[:n].bool()
+
+
+def _set(idx, vals, extra: list) -> torch.Tensor:
+    return wire.pack([idx.to(torch.int32), vals, *extra])
+
+
 def gtopk(tr, compressor, c, key, step):
-    """gTop-k by recursive doubling (power-of-two worlds)."""
+    """gTop-k by recursive doubling over the largest power of two p ≤ n, extra ranks folded in and out."""
     flat = c.reshape(-1)
     idx, vals = contribution(compressor, flat, key, step)
     k = idx.numel()
     own_idx, own_vals = idx, vals
-    alive = torch.ones(idx.numel(), dtype=torch.bool)   # which of my own entries are still in my set
     n, rank = tr.world_size, tr.rank
-    dist = 1
-    while dist < n:
-        partner = rank ^ dist
-        got = wire.unpack(swap(tr, partner, wire.pack([idx.to(torch.int32), vals, torch.tensor([k])])))
-        oi, ov, ok = got[0].long(), got[1], int(got[2][0])
-        k = max(k, ok)                                   # symmetric: both partners use the same k
-        idx, vals = top(*merge(idx, vals, oi, ov), k)
-        alive &= torch.isin(own_idx, idx)
-        dist *= 2
+    p = 1 << (n.bit_length() - 1)
+    if rank >= p:                                        # extra rank: fold into rank − p, get the result back
+        send_buf(tr, rank - p, _set(idx, vals, [torch.tensor([k])]))
+        got = wire.unpack(recv_buf(tr, rank - p))
+        idx, vals, alive = got[0].long(), got[1], unpack_bits(got[2], own_idx.numel())
+    else:
+        alive = torch.ones(idx.numel(), dtype=torch.bool)   # which of my own entries are still in my set
+        extra = rank + p if rank + p < n else None
+        if extra is not None:                            # fold: merge the extra rank's set, re-select
+            got = wire.unpack(recv_buf(tr, extra))
+            e_idx, k = got[0].long(), max(k, int(got[2][0]))
+            idx, vals = top(*merge(idx, vals, e_idx, got[1]), k)
+            alive &= torch.isin(own_idx, idx)
+            e_alive = torch.isin(e_idx, idx)
+        dist = 1
+        while dist < p:
+            partner = rank ^ dist
+            got = wire.unpack(swap(tr, partner, _set(idx, vals, [torch.tensor([k])])))
+            oi, ov, ok = got[0].long(), got[1], int(got[2][0])
+            k = max(k, ok)                               # symmetric: both partners use the same k
+            idx, vals = top(*merge(idx, vals, oi, ov), k)
+            alive &= torch.isin(own_idx, idx)
+            if extra is not None:
+                e_alive &= torch.isin(e_idx, idx)
+            dist *= 2
+        if extra is not None:                            # the result, and which of its entries survived
+            send_buf(tr, extra, _set(idx, vals, [pack_bits(e_alive)]))
     total = torch.zeros(flat.numel(), dtype=c.dtype)
     total[idx] = vals
     sent = torch.zeros(flat.numel(), dtype=c.dtype)
@@ -119,8 +167,10 @@ def shared(tr, compressor, c, key, step):
 
 
 def group_size(n: int) -> int:
-    """The largest divisor of n that is at most √n (groups of 2 for 4 ranks, 2 for 8, 3 for 9)."""
-    return max(m for m in range(1, math.isqrt(n) + 1) if n % m == 0)
+    """Ranks per group: the largest divisor of n that is at most √n (2 for 4 and 8 ranks, 3 for 9), or ⌈√n⌉ with
+    a smaller last group when n has none above 1 (2 for 3 ranks, 3 for 5 and 7); 1 for 2 ranks."""
+    from ..net.cost import sparse_group_size
+    return sparse_group_size(n)
 
 
 class Hierarchical:
@@ -131,12 +181,13 @@ class Hierarchical:
         from ..comm import Transport
         n = tr.world_size
         m = size or group_size(n)
-        if n % m:
-            raise UserError(f"hierarchical: group size {m} does not divide {n} ranks; valid: divisors of {n}")
-        self.m, self.n = m, n
+        if not 1 <= m <= n:
+            raise UserError(f"hierarchical: group size {m} for {n} ranks; valid: 1..{n}")
+        self.n = n
+        self.m = min(m, n - tr.rank // m * m)            # my group's size (the last may be shorter)
         glob = [tr.global_of(r) for r in range(n)]
         mine = leaders = None
-        for g in range(n // m):                          # every rank creates every group, in the same order
+        for g in range(-(-n // m)):                      # every rank creates every group, in the same order
             pg = dist.new_group(glob[g * m:(g + 1) * m])
             if tr.rank // m == g:
                 mine = pg
@@ -194,10 +245,6 @@ class SparseCollective:
             raise UserError(f"sparse collective {name!r} needs a top-k-family compressor, not "
                             f"{getattr(compressor, 'name', compressor)!r}; valid: topk, dgc, gaussiank, threshold, "
                             f"stc, qsparse (or --sparse-collective allgather)")
-        n = transport.world_size
-        if name == "gtopk" and n & (n - 1):
-            raise UserError(f"gtopk runs recursive doubling over a power-of-two number of workers, not {n}; "
-                            f"valid: 1, 2, 4, 8, ... workers, or --sparse-collective shared|hierarchical")
         self.transport, self.compressor = transport, compressor
         self._impl = {"gtopk": gtopk, "shared": shared}.get(name) or Hierarchical(transport)
 

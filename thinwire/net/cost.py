@@ -127,9 +127,18 @@ def sparse_allgather(link: Link, n: int, k: float, pair: float = 8) -> Cost:
 
 def gtopk_allreduce(link: Link, n: int, k: float, pair: float = 8) -> Cost:
     """gTop-k (seed 000 §VI-B, Shi et al.): 2α log n + 4kβ log n in 4-byte words, i.e. per round two messages
-    (α each: the set's size, then the set) and k pairs each way (2·k·pair bytes of link time per round)."""
-    r = _log2(n)
-    return Cost(2 * r * link.alpha, 2 * r * k * pair * link.beta, r * k * pair, r * k * pair)
+    (α each: the set's size, then the set) and k pairs each way (2·k·pair bytes of link time per round).
+
+    n not a power of two: the doubling runs over p = 2^⌊log2 n⌋ ranks, the n − p extra ranks fold their k pairs
+    into a partner first (two messages) and get the result back with a ⌈k/8⌉-byte survival mask (two more):
+    (4 + 2 log p)α + (2 + 2 log p)k·pair β + ⌈k/8⌉β on the critical path; sent/received: a partner's."""
+    p = 1 << (n.bit_length() - 1) if n > 1 else 1
+    r = _log2(p)
+    rounds = Cost(2 * r * link.alpha, 2 * r * k * pair * link.beta, r * k * pair, r * k * pair)
+    if p == n:
+        return rounds
+    back = k * pair + math.ceil(k / 8)
+    return rounds + Cost(4 * link.alpha, (k * pair + back) * link.beta, back, k * pair)
 
 
 def shared_topk_allreduce(link: Link, n: int, k: float, index_bytes: float = 4, value_bytes: float = 4) -> Cost:
@@ -140,12 +149,20 @@ def shared_topk_allreduce(link: Link, n: int, k: float, index_bytes: float = 4, 
     return bcast + ring_allreduce(link, n, k * value_bytes)
 
 
+def sparse_group_size(n: int) -> int:
+    """Ranks per group of hierarchical top-k: the largest divisor of n that is at most √n, or ⌈√n⌉ (a shorter
+    last group) when that divisor is 1 and n > 2 (3 ranks: 2 + 1; 5: 3 + 2; 7: 3 + 3 + 1)."""
+    m = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0) if n > 0 else 1
+    return math.isqrt(n - 1) + 1 if m == 1 and n > 2 else m
+
+
 def hierarchical_topk(link: Link, n: int, k: float, numel: float, group_size: int | None = None,
                       pair: float = 8, value_bytes: float = 4) -> Cost:
     """Hierarchical top-k: ring all-reduce of the dense tensor inside groups of m, all-gather of the g = n/m
-    leaders' k pairs, binomial broadcast of the g gathered sets inside each group (critical path)."""
-    m = group_size or max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
-    g = n // m
+    leaders' k pairs, binomial broadcast of the g gathered sets inside each group (critical path: a full group
+    of m when the last one is shorter)."""
+    m = min(n, group_size or sparse_group_size(n))
+    g = -(-n // m)
     return (ring_allreduce(link, m, numel * value_bytes) + ring_allgather(link, g, k * pair)
             + _tree_rounds(link, m, g * k * pair))
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UserError
-from .costmodel import Prediction, Scenario, predict
+from .costmodel import SPARSE_COLLECTIVES, Prediction, Scenario, is_sparse, predict
+
+# what each sparse collective changes for convergence (thinwire/exchange/sparse.py), appended to the row's note
+SPARSE_NOTES = {"allgather": "", "gtopk": "; gTop-k: the global top k of the sum, the rest back to residuals",
+                "shared": "; shared-index: one leader's k indices per step", "hierarchical":
+                "; hierarchical: dense reduce in groups, top-k of group sums"}
 
 # (label, algorithm, compressor, params, convergence note drawn from the seeds' results)
 CANDIDATES = [
@@ -13,6 +18,9 @@ CANDIDATES = [
     ("bsp + fp16", "bsp", "fp16", {}, "half precision: negligible accuracy loss in practice"),
     ("bsp + qsgd(s=16)", "bsp", "qsgd", {"levels": 16}, "unbiased, bounded variance: converges like SGD with more noise (seed 002 §3)"),
     ("bsp + topk(1%) + EF", "bsp", "topk", {"ratio": 0.01}, "biased, 100x compression: needs error feedback; EF keeps SGD's rate (seed 000 §IX)"),
+    ("bsp + dgc(0.1%) + EF", "bsp", "dgc", {"ratio": 0.001}, "sampled-threshold top-k; with momentum correction and warm-up DGC reports 270-600x (catalog 2.4.15)"),
+    ("bsp + gaussiank(1%) + EF", "bsp", "gaussiank", {"ratio": 0.01}, "Gaussian-threshold top-k: about k kept, cheaper to select (seed 002 §4.3.2)"),
+    ("bsp + randomk(1%) + EF", "bsp", "randomk", {"ratio": 0.01}, "random k, shared seed: one all-reduce of k values; needs memory (seed 002 §4.2)"),
     ("bsp + powersgd(r=4) + EF", "bsp", "powersgd", {"rank": 4}, "biased low-rank with EF: near-SGD accuracy at rank 2-4 (seed 002 §5)"),
     ("bitsgd (2-bit)", "bitsgd", "none", {}, "2-bit threshold + residual: small accuracy loss (seed 001 Table 2)"),
     ("odsgd (local update)", "odsgd", "none", {}, "one-step delayed update: compensated by the local step (seed 001 eq. 4)"),
@@ -35,22 +43,36 @@ class Advice:
 
     def row(self) -> dict:
         p = self.prediction
-        return {"config": self.label, "algorithm": p.name, "iteration_s": p.iteration_s,
+        return {"config": self.label, "algorithm": p.name, "collective": p.collective, "iteration_s": p.iteration_s,
                 "scalability": p.scalability, "bytes_per_step": p.bytes_per_step, "note": self.note}
 
 
+def _variants(comp: str, params: dict) -> list:
+    """A sparsifying compressor runs on each sparse collective (all-gather, gTop-k, shared-index, hierarchical);
+    every other configuration on the one collective its algebra allows."""
+    try:
+        sparse = is_sparse(comp, **{k: v for k, v in params.items() if k != "overlap"})
+    except (KeyError, UserError):
+        return []
+    return list(SPARSE_COLLECTIVES) if sparse else [None]
+
+
 def advise(s: Scenario) -> list[Advice]:
+    """Every candidate configuration (each sparse collective of a sparsifier a row of its own), fastest first."""
     out = []
     for label, alg, comp, params, note in CANDIDATES:
-        params = dict(params)
-        overlap = params.pop("overlap", False)
-        try:
-            pred = predict(s, alg, comp, overlap=overlap, **params)
-        except (KeyError, UserError):  # a compressor or algorithm this build does not register
-            continue
-        if alg in ("asp", "ssp") and s.servers < 1:
-            continue
-        out.append(Advice(label, pred, note))
+        for collective in _variants(comp, params):
+            p = dict(params)
+            overlap = p.pop("overlap", False)
+            if collective is not None:
+                p["sparse_collective"] = collective
+            try:
+                pred = predict(s, alg, comp, overlap=overlap, **p)
+            except (KeyError, UserError):  # a compressor or algorithm this build does not register
+                continue
+            if alg in ("asp", "ssp") and s.servers < 1:
+                continue
+            out.append(Advice(label, pred, note + SPARSE_NOTES.get(collective or "", "")))
     out.sort(key=lambda a: a.prediction.iteration_s)
     return out
 
@@ -60,9 +82,10 @@ def format_table(rows: list[Advice], s: Scenario) -> str:
     lines = [f"{s.params / 1e6:.1f} M params, compute {s.compute_s * 1e3:.0f} ms/iteration, {s.workers} workers, "
              f"network {s.link.name} ({'unlimited' if s.link.bandwidth is None else f'{s.link.bandwidth / 1e6:.0f} Mbit/s'}, "
              f"{s.link.latency * 1e3:.1f} ms one-way)",
-             f"{'rank':>4}  {'configuration':<26} {'iteration':>10} {'scalability':>11} {'MB/step':>9}  convergence risk"]
+             f"{'rank':>4}  {'configuration':<26} {'collective':<12} {'iteration':>10} {'scalability':>11} "
+             f"{'MB/step':>9}  convergence risk"]
     for i, a in enumerate(rows, 1):
         p = a.prediction
-        lines.append(f"{i:>4}  {a.label:<26} {p.iteration_s * 1e3:>8.1f}ms {p.scalability:>11.3f} "
+        lines.append(f"{i:>4}  {a.label:<26} {p.collective:<12} {p.iteration_s * 1e3:>8.1f}ms {p.scalability:>11.3f} "
                      f"{p.bytes_per_step / mb:>9.2f}  {a.note}")
     return "\n".join(lines)

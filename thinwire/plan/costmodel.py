@@ -89,12 +89,63 @@ def payload_bits(compressor: str, numel: int, **params) -> float:
     return compressors.get(compressor, **params).nominal_bits(int(numel))
 
 
-def exchange_cost(s: Scenario, compressor: str = "none", **params) -> Cost:
-    """One exchange of the whole gradient through `compressor`, on the collective its algebra allows."""
+SPARSE_COLLECTIVES = ("allgather", "gtopk", "shared", "hierarchical")   # thinwire/exchange/sparse.py
+
+
+def sparse_exchange_cost(s: Scenario, comp, name: str) -> Cost:
+    """One exchange of a top-k-family compressor's k-sparse gradient through sparse collective `name`
+    (net/cost.py; seed 000 §VI-B: the all-gather's n·k build-up vs gTop-k's 2α log n + 4kβ log n). gTop-k and
+    shared-index move the raw contribution (int32 index + a value of `bytes_per_param`), the all-gather and the
+    hierarchical leaders the compressor's own payload. gTop-k's rounds are point-to-point (no collective
+    handshake); the others are collectives."""
+    numel = int(s.params)
+    payload = comp.nominal_bits(numel) * numel / 8
+    ratio = getattr(comp, "ratio", None)
+    pair = 4 + s.bytes_per_param
+    k = max(1, min(numel, int(ratio * numel))) if ratio else max(1.0, payload / pair)
+    link, n = s.collective_link, s.workers
+    if name == "allgather":
+        return netcost.ring_allgather(link, n, payload)
+    if name == "gtopk":
+        return netcost.gtopk_allreduce(s.link, n, k, pair)
+    if name == "shared":
+        return netcost.shared_topk_allreduce(link, n, k, 4, s.bytes_per_param)
+    if name == "hierarchical":
+        return netcost.hierarchical_topk(link, n, k, numel, pair=payload / k, value_bytes=s.bytes_per_param)
+    raise KeyError(name)
+
+
+def is_sparse(compressor: str, **params) -> bool:
+    """Whether `compressor` is of the top-k family (so every sparse collective can aggregate it)."""
+    if compressor == "none":
+        return False
+    from ..compress import compressors
+    from ..exchange.sparse import is_sparse as _is_sparse
+    return _is_sparse(compressors.get(compressor, **params))
+
+
+def exchange_collective(s: Scenario, compressor: str = "none", sparse_collective: str | None = None,
+                        **params) -> str:
+    """The collective an exchange through `compressor` runs: the all-reduce algorithm, allgather or a sparse one."""
+    if compressor == "none":
+        return s.collective
+    from ..compress import compressors
+    comp = compressors.get(compressor, **params)
+    if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
+        return sparse_collective
+    return s.collective if comp.aggregation in ("allreduce", "custom") else "allgather"
+
+
+def exchange_cost(s: Scenario, compressor: str = "none", sparse_collective: str | None = None,
+                  **params) -> Cost:
+    """One exchange of the whole gradient through `compressor`, on the collective its algebra allows (a
+    top-k-family compressor: on `sparse_collective`, default the all-gather)."""
     if compressor == "none":
         return s.allreduce(s.nbytes)
     from ..compress import compressors
     comp = compressors.get(compressor, **params)
+    if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
+        return sparse_exchange_cost(s, comp, sparse_collective)
     payload = comp.nominal_bits(int(s.params)) * s.params / 8
     if comp.aggregation in ("allreduce", "custom"):
         return s.allreduce(payload)
@@ -108,6 +159,7 @@ class Prediction:
     compute_s: float
     bytes_per_step: float
     note: str = ""
+    collective: str = ""   # what carries the exchange: ring|tree|... all-reduce, allgather, gtopk, ..., ps, gossip
 
     @property
     def scalability(self) -> float:
@@ -121,12 +173,25 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     localsgd: τ + C/H; ssp/asp: each worker τ + its push/pull, bounded below by the servers' link (incast);
     dpsgd / gossip: τ + α + dNβ; dts / delayed / tsparse (seed 004 §3): a window of p steps launches one
     exchange, waited t−1 steps later: τ + max(0, C − (t−1)τ)/p, bounded below by C/(2p) (gloo runs two
-    collectives at a time) and by the link's occupancy C_β/p.
+    collectives at a time) and by the link's occupancy C_β/p. `sparse_collective=` (a top-k-family compressor)
+    picks the sparse collective of its exchange; the prediction's `collective` names what carries it.
     """
+    pred = _predict(s, algorithm, compressor, overlap, **p)
+    if not pred.collective:
+        cp = {k: v for k, v in p.items() if k in ("ratio", "rank", "levels", "threshold", "bucket")}
+        pred.collective = ("ps" if algorithm in ("asp", "ssp", "backup") else
+                           "gossip" if algorithm in ("dpsgd", "choco", "sgp", "adpsgd") else
+                           "none" if algorithm == "local" else
+                           exchange_collective(s, "threshold2bit" if algorithm == "bitsgd" else compressor,
+                                               p.get("sparse_collective"), **cp))
+    return pred
+
+
+def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool = False, **p) -> Prediction:
     tau = s.compute_s
     delta = s.compress_s(compressor) if compressor != "none" else 0.0
-    comm = exchange_cost(s, compressor, **{k: v for k, v in p.items() if k in ("ratio", "rank", "levels",
-                                                                              "threshold", "bucket")})
+    comm = exchange_cost(s, compressor, p.get("sparse_collective"),
+                         **{k: v for k, v in p.items() if k in ("ratio", "rank", "levels", "threshold", "bucket")})
     sent = comm.sent
     if algorithm in ("bsp", "ssgd"):
         t = tau + delta + (max(0.0, comm.time - s.backward_fraction * tau) if overlap else comm.time)
