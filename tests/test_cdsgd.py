@@ -94,7 +94,7 @@ def _run(rank, world, algorithm, steps, params, compressor=None, memory=None, sn
     trainer = Trainer(model, opt, algorithm=algorithm, compressor=compressor, memory=memory, **p)
     x, y = wl.shard(rank, world)
     loader = workloads.ShardLoader(x, y, BATCH, seed=0, rank=rank)
-    traj, saved = [], None
+    traj, loc, saved = [], [], None
     for step in range(1, steps + 1):
         xb, yb = loader.next()
         wl.loss(model(xb), yb).backward()
@@ -102,10 +102,11 @@ def _run(rank, world, algorithm, steps, params, compressor=None, memory=None, sn
         opt.zero_grad(set_to_none=False)
         if snapshot_each:
             traj.append(trainer.algorithm.state_dict()["W"])
+            loc.append(torch.cat([q.detach().reshape(-1) for q in model.parameters()]))
         if step == checkpoint_at:
             saved = (copy.deepcopy(trainer.state_dict()), loader.state_dict())
     trainer.close()
-    out = {"traj": traj, "final": torch.cat([q.detach().reshape(-1) for q in model.parameters()]),
+    out = {"traj": traj, "loc": loc, "final": torch.cat([q.detach().reshape(-1) for q in model.parameters()]),
            "metrics": trainer.metrics()}
     if saved is not None:  # resume from the checkpoint in a fresh trainer, model and loader
         model2 = wl.model(7)
@@ -129,6 +130,11 @@ def _suite(rank, world):
     r = {}
     r["odsgd"] = _run(rank, world, "odsgd", steps, {"warmup": 3, "local_lr": ETA_LOC}, snapshot_each=True)
     r["odsgd_eta"] = _run(rank, world, "odsgd", steps, {"warmup": 3, "local_lr": LR}, snapshot_each=True)
+    r["odsgd_plain"] = _run(rank, world, "odsgd", steps, {"warmup": 3, "local_lr": LR, "local_momentum": False},
+                            snapshot_each=True)
+    r["cd_plain"] = _run(rank, world, "cdsgd", steps, {"k": 3, "warmup": 3, "local_lr": ETA_LOC,
+                                                       "threshold": ALPHA, "local_momentum": False},
+                         snapshot_each=True)
     r["cd_k1"] = _run(rank, world, "cdsgd", steps, {"k": 1, "warmup": 3, "local_lr": LR, "threshold": ALPHA},
                       snapshot_each=True)
     for k in (2, 3):
@@ -142,8 +148,9 @@ def _suite(rank, world):
     return r
 
 
-def _simulate(world, steps, warmup, k, eta_loc, compressed, local=True, flush=False):
-    """Seed 001 eqs. 10–11 (and Algorithm 1's warm-up) in one process, with the 2-bit quantizer + residual."""
+def _simulate(world, steps, warmup, k, eta_loc, compressed, local=True, flush=False, local_momentum=True):
+    """Seed 001 eqs. 10–11 (and Algorithm 1's warm-up) in one process, with the 2-bit quantizer + residual;
+    `local_momentum`: the local update also takes the known momentum step μ·(W_i − W_{i−1})."""
     from thinwire.run import workloads
     wl = workloads.get("linreg")
     model = wl.model(0)
@@ -151,7 +158,7 @@ def _simulate(world, steps, warmup, k, eta_loc, compressed, local=True, flush=Fa
     loaders = [workloads.ShardLoader(*wl.shard(j, world), BATCH, seed=0, rank=j) for j in range(world)]
     wloc = [W.clone() for _ in range(world)]
     res = [torch.zeros_like(W) for _ in range(world)]
-    buf, c, traj = None, 0, []
+    buf, c, traj, W_prev = None, 0, [], W.clone()
 
     def grad(w, j):
         m = torch.nn.Linear(16, 1, bias=False).to(torch.float64)
@@ -177,9 +184,10 @@ def _simulate(world, steps, warmup, k, eta_loc, compressed, local=True, flush=Fa
             if flush and formal:  # a wrong variant: the correction step sends and clears the residual
                 mean = sum(g + r for g, r in zip(gs, res)) / world
                 res = [torch.zeros_like(W) for _ in range(world)]
-        new_loc = [W - eta_loc * g for g in gs]
+        known = MOM * (W - W_prev) if local_momentum else 0.0
+        new_loc = [W - eta_loc * g + known for g in gs]                  # eq. 11 (+ the known momentum step)
         buf = mean.clone() if buf is None else buf.mul_(MOM).add_(mean)
-        W = W - LR * buf                                                 # eq. 10 (+ momentum on W)
+        W_prev, W = W, W - LR * buf                                      # eq. 10 (+ momentum on W)
         if local and (formal or i == warmup - 1):
             wloc = new_loc                                               # eq. 11 / Algorithm 1 line 6
         else:
@@ -216,9 +224,24 @@ def test_updates_match_a_simulation_of_eqs_10_11(suite):
         assert close(r["odsgd"]["traj"], _simulate(4, 14, 3, 1, ETA_LOC, compressed=False))
         assert close(r["bitsgd"]["traj"], _simulate(4, 14, 0, 0, 0.0, compressed=True, local=False))
         assert close(r["ssgd"]["traj"], _simulate(4, 14, 0, 1, 0.0, compressed=False, local=False))
+        # local_momentum=False: eq. 11 exactly as printed
+        assert close(r["cd_plain"]["traj"], _simulate(4, 14, 3, 3, ETA_LOC, compressed=True, local_momentum=False))
+        assert close(r["odsgd_plain"]["traj"], _simulate(4, 14, 3, 1, LR, compressed=False, local_momentum=False))
     # the residual is not flushed by the correction steps: a run that dropped it would differ
     flushed = _simulate(4, 14, 3, 3, ETA_LOC, compressed=True, flush=True)
     assert not torch.allclose(suite[0]["cd_2bit"]["traj"][-1], flushed[-1], rtol=1e-6, atol=1e-9)
+
+
+def test_local_weights_estimate_the_next_global_weights_under_momentum(suite):
+    """With momentum, W^loc_{i+1,j} = W_i + μ·(W_i − W_{i−1}) − η·g_{i,j} averages over the workers to W_{i+1}
+    exactly (full precision, η_loc = η); eq. 11 as printed trails it by the momentum step η·μ·b_i."""
+    for i in range(3, 13):  # formal iterations whose W^loc is still in the model after the step
+        mean_loc = sum(suite[r]["odsgd_eta"]["loc"][i] for r in range(4)) / 4
+        assert torch.allclose(mean_loc, suite[0]["odsgd_eta"]["traj"][i], rtol=1e-9, atol=1e-12), i
+        lag = sum(suite[r]["odsgd_plain"]["loc"][i] for r in range(4)) / 4 - suite[0]["odsgd_plain"]["traj"][i]
+        step = suite[0]["odsgd_plain"]["traj"][i - 1] - suite[0]["odsgd_plain"]["traj"][i - 2]   # W_i − W_{i−1}
+        assert torch.allclose(lag, -MOM * step, rtol=1e-9, atol=1e-12), i     # exactly the momentum part
+        assert step.abs().max() > 1e-4, i                                       # which is not nothing
 
 
 def test_close_leaves_global_weights_everywhere_and_ssgd_is_bsp(suite):

@@ -13,10 +13,18 @@ weights W^loc, on which the gradients are computed. With η the optimizer's lr a
   steps. Iteration i+1 only waits for iteration i's exchange before its own local update.
 - `close()` drains the exchange in flight and loads W into the model: every worker holds the global weights.
 
-Momentum: the paper uses plain SGD for both updates. The local update (eq. 11) is always plain. The global
-update applies the optimizer's SGD hyper-parameters to the aggregated gradient d = mean_j Q_j(g_{i,j}) exactly as
-torch.optim.SGD does (d += wd·W_i; b = μ·b + (1 − dampening)·d, b = d the first time; d = d + μ·b with nesterov,
-else d = b; W_{i+1} = W_i − η·d), with one momentum buffer on W, kept in this algorithm's state.
+Momentum: the paper uses plain SGD for both updates. The global update applies the optimizer's SGD
+hyper-parameters to the aggregated gradient d = mean_j Q_j(g_{i,j}) exactly as torch.optim.SGD does
+(d += wd·W_i; b = μ·b + (1 − dampening)·d, b = d the first time; d = d + μ·b with nesterov, else d = b;
+W_{i+1} = W_i − η·d), with one momentum buffer on W, kept in this algorithm's state. With momentum μ the global
+step W_{i+1} − W_i = −η·μ·b_i − η·d_i holds a part, −η·μ·b_i = μ·(W_i − W_{i−1}), that every worker knows
+before the exchange. `local_momentum` (default on) adds it to the local update, so that W^loc stays the
+worker's estimate of W_{i+1}:
+  W^loc_{i+1,j} = W_i + μ·(W_i − W_{i−1}) − η_loc·g_{i,j}
+This is exact for heavy-ball momentum at a constant lr, and an estimate with Nesterov or a changing lr. With
+μ = 0 (the paper's setting) it is eq. 11 as printed. `local_momentum=False` gives eq. 11 as printed for every μ;
+its W^loc then trails W_{i+1} by the momentum step η·μ·b, which is ≈ 9 gradient steps at μ = 0.9 (see
+docs/benchmarks/cdsgd-accuracy.md).
 
 `bitsgd`, `odsgd` and `ssgd` (the paper's comparison set, eqs. 5, 4, 1) are this class with the local update,
 the compression or the overlap switched off. Each measures the time model's inputs on its own run (τ compute,
@@ -154,13 +162,14 @@ class CDSGD(Algorithm):
     overlapped = True       # the exchange and the global update run in the background
 
     def __init__(self, architecture: str | None = None, k: int = 5, warmup: int = 10,
-                 local_lr: float | None = None, servers: int = 0):
+                 local_lr: float | None = None, servers: int = 0, local_momentum: bool = True):
         super().__init__(architecture)
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise UserError(f"cdsgd: k must be an integer >= 1 (1: every iteration full precision), got {k!r}")
-        self._configure(k, warmup, local_lr, servers)
+        self._configure(k, warmup, local_lr, servers, local_momentum)
 
-    def _configure(self, k: int, warmup: int, local_lr: float | None, servers: int = 0) -> None:
+    def _configure(self, k: int, warmup: int, local_lr: float | None, servers: int = 0,
+                   local_momentum: bool = True) -> None:
         if servers and self.architecture != "ps":
             raise UserError(f"{self.name} with servers={servers} needs architecture=ps (--architecture ps)")
         if not isinstance(servers, int) or isinstance(servers, bool) or servers < 0:
@@ -172,6 +181,9 @@ class CDSGD(Algorithm):
         if local_lr is not None and not (isinstance(local_lr, (int, float)) and local_lr > 0):
             raise UserError(f"{self.name}: local_lr must be a number > 0 (default: the optimizer's lr), "
                             f"got {local_lr!r}")
+        if not isinstance(local_momentum, bool):
+            raise UserError(f"{self.name}: local_momentum must be true or false, got {local_momentum!r}")
+        self.local_momentum = local_momentum
         self.k = k                      # 0: never corrected (every formal iteration compressed)
         self.warmup = warmup
         self.local_lr = None if local_lr is None else float(local_lr)
@@ -188,6 +200,7 @@ class CDSGD(Algorithm):
             self.timed = _TimedCompressor(self.trainer.compressor)
             self.quant = Exchange(self.transport, self.timed, self.trainer.memory)
         self.W = self.flat_params().clone()     # global weights (rank 0's, broadcast by the Trainer)
+        self.W_prev = self.W.clone()            # the global weights before the last global update
         self.buf: torch.Tensor | None = None    # momentum buffer of the global update
         self.iteration = 0                      # steps taken
         self.counter = 0                        # formal iterations taken (c of Algorithm 1)
@@ -238,24 +251,33 @@ class CDSGD(Algorithm):
         compressed = self._compressed(formal)
         if formal and self.overlapped:
             self._drain()                                       # W_i: the previous exchange only
-            self.set_flat_params(self.W - eta_loc * g)          # eq. 11: W^loc_{i+1} = W_i − η_loc·g_i
+            self.set_flat_params(self._local(g, eta_loc, hyper))    # eq. 11: W^loc_{i+1} from W_i and g_i
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="cdsgd")
             self._pending = self._pool.submit(self._global, g, compressed, hyper)
         else:
-            last_warmup = self.local_update and self.iteration == self.warmup - 1
-            w_old = self.W.clone() if last_warmup else None
-            self._global(g, compressed, hyper)
             # Algorithm 1 lines 5–6, 11–12: the last warm-up iteration also prepares W^loc_{n+1} = W_n − η_loc·g_n
-            self.set_flat_params(w_old - eta_loc * g if last_warmup else self.W)
+            last_warmup = self.local_update and self.iteration == self.warmup - 1
+            w_loc = self._local(g, eta_loc, hyper) if last_warmup else None
+            self._global(g, compressed, hyper)
+            self.set_flat_params(w_loc if last_warmup else self.W)
         self.iteration += 1
         if formal:
             self.counter += 1
         self._last_end = _now()
 
+    def _local(self, g: torch.Tensor, eta_loc: float, hyper: dict) -> torch.Tensor:
+        """W^loc_{i+1} = W_i − η_loc·g_i (seed 001 eq. 11), plus the known momentum step μ·(W_i − W_{i−1})."""
+        w = self.W - eta_loc * g
+        if self.local_momentum and hyper["momentum"]:
+            w.add_(self.W - self.W_prev, alpha=hyper["momentum"])
+        return w
+
     def _global(self, g: torch.Tensor, compressed: bool, hyper: dict) -> None:
         """W_{i+1} = W_i − η·mean_j Q_j(g_{i,j}) (seed 001 eq. 10; eq. 1 when Q is the identity)."""
         t0 = _now()
+        if self.local_update:
+            self.W_prev = self.W.clone()
         if self.ps is not None:  # the server applies the update; its answer is W_{i+1}
             self.gate.active = compressed
             d0 = self.timed.seconds
@@ -326,6 +348,7 @@ class CDSGD(Algorithm):
                             f"momentum are not saved); checkpoint it on architecture allreduce")
         self._drain()
         return {"iteration": self.iteration, "counter": self.counter, "W": self.W.clone(),
+                "W_prev": self.W_prev.clone(),
                 "buf": None if self.buf is None else self.buf.clone(), "plain": self.plain.state_dict(),
                 "quant": None if self.quant is None else self.quant.state_dict()}
 
@@ -335,6 +358,7 @@ class CDSGD(Algorithm):
         self._drain()
         self.iteration, self.counter = state["iteration"], state["counter"]
         self.W = state["W"].clone()
+        self.W_prev = state.get("W_prev", state["W"]).clone()
         self.buf = None if state["buf"] is None else state["buf"].clone()
         self.plain.load_state_dict(state["plain"])
         if self.quant is not None and state["quant"] is not None:

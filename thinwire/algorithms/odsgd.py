@@ -21,6 +21,6 @@ class ODSGD(CDSGD):
     default_memory = "none"
 
     def __init__(self, architecture: str | None = None, warmup: int = 10, local_lr: float | None = None,
-                 servers: int = 0):
+                 servers: int = 0, local_momentum: bool = True):
         Algorithm.__init__(self, architecture)
-        self._configure(k=1, warmup=warmup, local_lr=local_lr, servers=servers)
+        self._configure(k=1, warmup=warmup, local_lr=local_lr, servers=servers, local_momentum=local_momentum)

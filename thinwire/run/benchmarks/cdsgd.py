@@ -6,6 +6,9 @@ model of seed 001 §3.3 predicts from the inputs the run measured itself (τ, φ
 
     thinwire bench cdsgd --workloads digits-cnn wide-mlp --networks cluster wan --ks 2,5,10,20 \
         --thresholds digits-cnn=0.005,wide-mlp=0.001 --warmup 10 --out docs/benchmarks
+
+Without --thresholds every run uses threshold2bit's default α (0.5/32, seed 001's α on batch-mean gradients);
+`--momentum 0 --lr 0.5` runs all four with plain SGD, the paper's setting (docs/benchmarks/cdsgd-accuracy.md).
 """
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ from ...errors import UserError
 
 
 def _thresholds(text: str) -> dict:
-    """`0.01` (every workload) or `workload=value,workload=value`."""
+    """`0.01` (every workload) or `workload=value,workload=value`; empty: the compressor's default."""
+    if not text:
+        return {"*": None}
     if "=" not in text:
         return {"*": float(text)}
     out = {}
@@ -41,17 +46,19 @@ def run(args) -> int:
     rows = []
     with Pool(args.workers) as pool:
         for workload in args.workloads:
-            alpha = alphas.get(workload, alphas.get("*"))
-            if alpha is None:
+            if workload not in alphas and "*" not in alphas:
                 raise UserError(f"no threshold for {workload}; give --thresholds {workload}=VALUE")
-            runs = [("ssgd", {}), ("bitsgd", {"threshold": alpha}),
+            alpha = alphas.get(workload, alphas.get("*"))
+            th = {} if alpha is None else {"threshold": alpha}
+            runs = [("ssgd", {}), ("bitsgd", dict(th)),
                     ("odsgd", {"warmup": args.warmup, **({"local_lr": args.local_lr} if args.local_lr else {})})]
-            runs += [("cdsgd", {"k": k, "warmup": args.warmup, "threshold": alpha,
+            runs += [("cdsgd", {"k": k, "warmup": args.warmup, **th,
                                 **({"local_lr": args.local_lr} if args.local_lr else {})}) for k in ks]
             for network in args.networks:
                 for name, params in runs:
                     cfg = TrainConfig(workload=workload, algorithm=name, workers=args.workers, network=network,
-                                      epochs=args.epochs, seed=args.seed, params=dict(params), progress=False)
+                                      epochs=args.epochs, seed=args.seed, params=dict(params), progress=False,
+                                      lr=args.lr, momentum=args.momentum)
                     s = run_training(cfg, pool=pool)
                     m = s["algorithm_metrics"]
                     label = name if name != "cdsgd" else f"cdsgd k={params['k']}"
@@ -116,12 +123,15 @@ def register(sub) -> None:
     p.add_argument("--workloads", nargs="+", default=["digits-cnn", "wide-mlp"])
     p.add_argument("--networks", nargs="+", default=["cluster", "wan"])
     p.add_argument("--ks", default="2,5,10,20", help="comma-separated k values for cdsgd")
-    p.add_argument("--thresholds", default="digits-cnn=0.005,wide-mlp=0.001",
-                   help="2-bit threshold α: one value, or workload=value pairs")
+    p.add_argument("--thresholds", default="",
+                   help="2-bit threshold α: one value, or workload=value pairs (default: threshold2bit's, 0.5/32)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--local-lr", type=float, default=None, help="η_loc (default: the workload's lr)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--epochs", type=float, default=None, help="default: the workload's")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None, help="η (default: the workload's)")
+    p.add_argument("--momentum", type=float, default=None,
+                   help="SGD momentum (default: the workload's; 0 is the paper's plain SGD)")
     p.add_argument("--out", help="directory for cdsgd.json and cdsgd.png")
     p.set_defaults(func=run)
