@@ -123,6 +123,33 @@ def _jitter(rank, world):
     return out
 
 
+def _lr_factor(step):
+    """A warm-up then a decay, per optimizer step (the shape of seed 004's warm-up + cosine schedule)."""
+    return (step + 1) / 4 if step < 3 else 0.7 ** (step - 3)
+
+
+SCHEDULED = [("dts", {"delay": 2, "period": 3}, 0.9), ("dts", {"delay": 2, "period": 2}, 0.0),
+             ("delayed", {"delay": 3}, 0.9), ("tsparse", {"period": 4}, 0.9)]
+
+
+def _scheduled(rank, world):
+    """Runs with a LambdaLR schedule stepped after every trainer step: the rate changes inside windows."""
+    out = {}
+    for a, params, m in SCHEDULED:
+        tr, model, loader = _trainer(rank, world, a, params, m)
+        sched = torch.optim.lr_scheduler.LambdaLR(tr.optimizer, _lr_factor)
+        wl = workloads.get("linreg")
+        for _ in range(STEPS):
+            xb, yb = loader.next()
+            wl.loss(model(xb), yb).backward()
+            tr.step()
+            tr.optimizer.zero_grad()
+            sched.step()
+        tr.close()
+        out[f"{a}{sorted(params.items())}{m}"] = _flat(model)
+    return out
+
+
 # -- single-process references ------------------------------------------------------------------------
 def _grad(w, xb, yb):
     w = w.clone().requires_grad_(True)
@@ -141,10 +168,12 @@ def _w0():
 
 
 def simulate(world, steps, mu, t, p, lr=LR):
-    """DTS as the issue states it, per step and per worker: local step (eq. 2); at s = (k+t-1)p the average
-    of each step i of window k replaces the local gradient (eqs. 3-4), propagated through momentum:
-    b += μ^{s-i} e_i, w -= γ Σ_{r=0}^{s-i} μ^r e_i, e_i = ḡ_i - g_{i,j}. close(): all remaining windows at the
-    last step. Returns the final models and the per-step averaged gradients."""
+    """DTS per step and per worker: local step (eq. 2); at s = (k+t-1)p the average of each step i of
+    window k replaces the local gradient (eqs. 3-4), propagated through momentum:
+    b += μ^{s-i} e_i, w -= Σ_{r=i}^{s} γ_r μ^{r-i} e_i, e_i = ḡ_i - g_{i,j} (γ_r: the rate step r used; `lr`
+    is one rate or one per step). close(): all remaining windows at the last step. Returns the final models
+    and the per-step averaged gradients."""
+    lrs = lr if isinstance(lr, list) else [lr] * steps
     loaders = _loaders(world)
     w = [_w0() for _ in range(world)]
     b = [torch.zeros_like(w[0]) for _ in range(world)]
@@ -156,7 +185,7 @@ def simulate(world, steps, mu, t, p, lr=LR):
             for j in range(world):
                 e = gbar - grads[i - 1][j]
                 b[j] += mu ** (s - i) * e
-                w[j] -= lr * sum(mu ** r for r in range(s - i + 1)) * e
+                w[j] -= sum(lrs[r - 1] * mu ** (r - i) for r in range(i, s + 1)) * e
 
     applied = 0
     for s in range(1, steps + 1):
@@ -165,7 +194,7 @@ def simulate(world, steps, mu, t, p, lr=LR):
         grads.append(gs)
         for j in range(world):
             b[j] = mu * b[j] + gs[j]
-            w[j] = w[j] - lr * b[j]
+            w[j] = w[j] - lrs[s - 1] * b[j]
         if s % p == 0 and s // p >= t:
             applied += 1
             compensate(applied, s)
@@ -175,11 +204,12 @@ def simulate(world, steps, mu, t, p, lr=LR):
 
 
 def replay(gbars, mu, lr=LR):
-    """Synchronous momentum SGD fed with the given averaged gradients."""
+    """Synchronous momentum SGD fed with the given averaged gradients (one rate, or one per step)."""
+    lrs = lr if isinstance(lr, list) else [lr] * len(gbars)
     w, b = _w0(), torch.zeros_like(_w0())
-    for g in gbars:
+    for g, rate in zip(gbars, lrs):
         b = mu * b + g
-        w = w - lr * b
+        w = w - rate * b
     return w
 
 
@@ -291,3 +321,28 @@ def test_cli_train_dts(tmp_path):
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout[out.stdout.index("{"):])
     assert s["algorithm_metrics"]["averages_applied"] == 10 and s["final_loss"] < 1.0
+
+
+def test_learning_rate_schedule_exact(pool4):
+    """With a schedule the compensation must use the rate each step of the window used, not the rate at the
+    time of the compensation: otherwise workers keep Σ (γ_i - γ_s) g_{i,j} of their own and never agree."""
+    res = pool4.run(_scheduled)
+    lrs = [LR * _lr_factor(s) for s in range(STEPS)]
+    for a, params, m in SCHEDULED:
+        runs = [r[f"{a}{sorted(params.items())}{m}"] for r in res]
+        assert all(close(runs[0], r, 1e-13) for r in runs), (a, params, m)   # same model everywhere
+        t, p = params.get("delay", 1), params.get("period", 1)
+        sim, gbars = simulate(N, STEPS, m, t, p, lr=lrs)
+        assert all(close(runs[j], sim[j]) for j in range(N)), (a, params, m)
+        assert close(sim[0], replay(gbars, m, lrs)), (a, params, m)
+
+
+def test_accuracy_benchmark_table():
+    """`thinwire bench dts-accuracy`'s table: Δ vs bsp per momentum, in percentage points."""
+    from thinwire.run.benchmarks.dts_accuracy import markdown
+    row = lambda a, m, acc: {"workload": "digits-cnn", "momentum": m, "algorithm": a, "accuracy": acc,
+                             "min": acc - 0.01, "max": acc + 0.01}
+    table = markdown({"workers": 4, "steps": 80, "seeds": [0, 1],
+                      "rows": [row("bsp", 0.9, 0.96), row("dts(delay=2,period=20)", 0.9, 0.90), row("bsp", 0.0, 0.7)]})
+    assert "| dts(delay=2,period=20) | 0.9000 [0.890, 0.910] | -6.0 |  |  |" in table
+    assert "| bsp | 0.9600 [0.950, 0.970] | +0.0 | 0.7000 [0.690, 0.710] | +0.0 |" in table

@@ -40,19 +40,22 @@ def _positive_int(name: str, value) -> int:
 class DTS(Algorithm):
     """Delayed (delay t) + temporally sparse (period p) SGD with error compensation (seed 004 eqs. 2-4).
 
-    Steps s = 1, 2, ...; window k holds steps (k-1)p+1 .. kp. Worker j, vanilla SGD, rate γ:
-      every step       w <- w - γ g_{s,j}                                        (eq. 2, local update)
-      at s = kp        launch the average over workers of A_{k,j} = Σ_{i in window k} g_{i,j}
-      at s = (k+t-1)p  wait for it and compensate  w <- w - γ (Ā_k - A_{k,j})    (eqs. 3 and 4)
+    Steps s = 1, 2, ...; window k holds steps (k-1)p+1 .. kp. Worker j, vanilla SGD, rate γ_s at step s:
+      every step       w <- w - γ_s g_{s,j}                                      (eq. 2, local update)
+      at s = kp        launch the average over workers of C_{k,j} = Σ_{i in window k} γ_i g_{i,j}
+      at s = (k+t-1)p  wait for it and compensate  w <- w - (C̄_k - C_{k,j})      (eqs. 3 and 4)
     so the average of a window is applied t - 1 windows ((t-1)p steps) after it is launched, with at most
     t - 1 averages in flight, applied in launch order (a late one delays, never reorders, the compensation).
     p = 1 is the delayed update of eq. 3 (average of step s applied at step s + t - 1); t = 1 is the
     temporally sparse update of eq. 4; t = p = 1 is synchronous SGD.
 
-    Momentum SGD (b <- μ b + g, w <- w - γ b): with Δ = s - kp and B_{k,j} = Σ_{i in window} μ^{kp-i} g_{i,j},
-      b <- b + μ^Δ (B̄_k - B_{k,j}),    w <- w - γ ((Ā_k - A_{k,j}) - μ^{Δ+1} (B̄_k - B_{k,j})) / (1 - μ)
+    Momentum SGD (b <- μ b + g, w <- w - γ_s b) and any learning-rate schedule (γ_s: the rate step s used):
+    with E = kp, Δ = s - E, B_{k,j} = Σ_{i in window} μ^{E-i} g_{i,j}, C_{k,j} = Σ_{r in window} γ_r B_{r,j}
+    (B_r: B after step r) and F_k = Σ_{r=E+1}^{s} γ_r μ^{r-E} (a scalar per parameter group),
+      b <- b + μ^Δ (B̄_k - B_{k,j}),    w <- w - (C̄_k - C_{k,j}) - F_k (B̄_k - B_{k,j})
     which is exactly the state synchronous momentum SGD reaches with the averaged gradients of window k
-    (docs/dts.md). For p = 1, B = A and one vector is sent; for p > 1 and μ > 0, A and B are sent together.
+    (docs/dts.md). With μ = 0 only C (= Σ γ_r g_r) is sent, for p = 1 only g (C = γ_s g, B = g); otherwise
+    C and B together. C travels in units of the window's first rate (gradient units at a constant rate).
 
     `close()` launches the partial last window, waits for every average in flight and applies them all at
     the last step (Δ counted from each window's last step), so every worker ends with the same model.
@@ -80,23 +83,29 @@ class DTS(Algorithm):
             raise UserError(f"{self.name} needs one momentum in [0, 1) for all parameter groups, got {sorted(momenta)}")
         self.mu = next(iter(momenta))
         self.exchange = Exchange(self.transport, self.trainer.compressor, self.trainer.memory)
-        # with p = 1 the discounted sum B equals A; with μ = 0 it is not needed
+        # with p = 1 the discounted sum B equals C; with μ = 0 it is not needed
         self._two = self.mu > 0.0 and self.period > 1
-        self._group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        index = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+        self._gi = [index[id(p)] for p in self.params]          # parameter -> its group
+        self._by_group = [[k for k, gi in enumerate(self._gi) if gi == i] for i in range(len(opt.param_groups))]
         self.steps = 0
-        # [A_{k,j} | B_{k,j}]: sum and μ-discounted sum (momentum, p > 1) of this window's local gradients,
-        # one flat buffer (what is averaged) with per-parameter views (accumulated without a copy)
+        # [C_{k,j} | B_{k,j}]: the rate-weighted sum and the μ-discounted sum (momentum, p > 1) of this window's
+        # local gradients, one flat buffer (what is averaged) with per-parameter views
         self._numel = sum(p.numel() for p in self.params)
         self._new_accumulator()
-        self._flight: deque = deque()             # (window's last step, local [A|B], handle), in order
+        self._flight: deque = deque()      # [window's last step, local [C|B], handle, ref rates, post factors]
         self.launched = self.applied = self.max_in_flight = 0
+
+    def _rates(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def _new_accumulator(self) -> None:
         n = self._numel
         self._acc = torch.zeros((2 if self._two else 1) * n, dtype=self.params[0].dtype)
-        self._views_a = self._views(self._acc[:n])
+        self._views_c = self._views(self._acc[:n])
         self._views_b = self._views(self._acc[n:]) if self._two else None
         self._in_window = 0
+        self._ref = None      # per group: the rate of the window's first step (C is sent in its units)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         out, offset = [], 0
@@ -109,15 +118,30 @@ class DTS(Algorithm):
 
     def step(self):
         grads = self.grads()
-        torch._foreach_add_(self._views_a, grads)                # A += g
+        rates = self._rates()                   # the rates this step's optimizer update uses
+        if self._ref is None:   # p = 1: C = g exactly (ratio 1), the rate may be 0; else a nonzero unit
+            self._ref = list(rates) if self.period == 1 else [r if r != 0.0 else 1.0 for r in rates]
         if self._two:
             torch._foreach_mul_(self._views_b, self.mu)          # B <- μ B + g
             torch._foreach_add_(self._views_b, grads)
+            source = self._views_b                               # C += (γ_s / γ_ref) B  (docs/dts.md)
+        else:
+            source = grads                                       # C += (γ_s / γ_ref) g
+        for gi, members in enumerate(self._by_group):
+            if members:
+                ratio = 1.0 if self.period == 1 else rates[gi] / self._ref[gi]
+                torch._foreach_add_([self._views_c[k] for k in members], [source[k] for k in members],
+                                    alpha=ratio)
         self._in_window += 1
         self.steps += 1
         if self._in_window == self.period:
             self._launch()
         self.optimizer_step()                       # seed 004 eq. 2: local gradient now
+        if self.mu > 0.0:                           # momentum carries each in-flight window on: F += γ_s μ^{s-E}
+            for entry in self._flight:
+                if entry[0] < self.steps:
+                    decay = self.mu ** (self.steps - entry[0])
+                    entry[4] = [f + r * decay for f, r in zip(entry[4], rates)]
         s, p = self.steps, self.period
         if s % p == 0 and s // p >= self.delay:     # the average of window s/p - t + 1 is due
             self._apply_oldest()
@@ -126,38 +150,37 @@ class DTS(Algorithm):
     def _launch(self) -> None:
         local = self._acc.clone()                   # kept: the exchange may use its tensor in place
         handle = self.exchange.start(self._acc, key="dts")
-        self._flight.append((self.steps, local, handle))
+        self._flight.append([self.steps, local, handle, list(self._ref), [0.0] * len(self._ref)])
         self._new_accumulator()
         self.launched += 1
 
     def _apply_oldest(self) -> None:
         """Wait for the oldest average in flight and apply its compensation at the current step."""
-        end, local, handle = self._flight.popleft()
+        end, local, handle, ref, post = self._flight.popleft()
         err = handle.wait() - local
         n = self._numel
-        err_a = err[:n]
-        err_b = err[n:] if self._two else err_a
-        self._compensate(err_a, err_b, self.steps - end)
+        err_c = err[:n]
+        err_b = err[n:] if self._two else err_c   # p = 1: C = g = B (the rate ratio is exactly 1)
+        self._compensate(err_c, err_b, self.steps - end, ref, post)
         self.applied += 1
 
     @torch.no_grad()
-    def _compensate(self, err_a: torch.Tensor, err_b: torch.Tensor, age: int) -> None:
+    def _compensate(self, err_c: torch.Tensor, err_b: torch.Tensor, age: int, ref: list[float],
+                    post: list[float]) -> None:
+        """w -= γ_ref (C̄ - C) + F (B̄ - B);  b += μ^Δ (B̄ - B)   (seed 004 eqs. 3-4; docs/dts.md)."""
         mu = self.mu
-        if mu == 0.0:
-            dw = err_a                                              # seed 004 eqs. 3, 4
-        elif not self._two:                                         # p = 1: B = A, Σ_{r<=Δ} μ^r
-            dw = err_a * ((1.0 - mu ** (age + 1)) / (1.0 - mu))
-        else:
-            dw = (err_a - mu ** (age + 1) * err_b) / (1.0 - mu)
         offset = 0
-        for p in self.params:
+        for p, gi in zip(self.params, self._gi):
             k = p.numel()
-            group = self._group_of[id(p)]
-            p.add_(dw[offset:offset + k].view_as(p), alpha=-group["lr"])
+            ec = err_c[offset:offset + k].view_as(p)
+            p.add_(ec, alpha=-ref[gi])
             if mu > 0.0:
+                eb = err_b[offset:offset + k].view_as(p)
+                if post[gi] != 0.0:
+                    p.add_(eb, alpha=-post[gi])
                 buf = self.optimizer.state[p].get("momentum_buffer")
                 if buf is not None:
-                    buf.add_(err_b[offset:offset + k].view_as(p), alpha=mu ** age)
+                    buf.add_(eb, alpha=mu ** age)
             offset += k
 
     def close(self):
@@ -175,12 +198,14 @@ class DTS(Algorithm):
     def state_dict(self):
         """Waits for the averages in flight and stores them as tensors: a resumed run continues exactly."""
         flight = []
-        for i, (end, local, handle) in enumerate(self._flight):
-            value = handle.wait()
-            self._flight[i] = (end, local, _Ready(value))
-            flight.append({"end": end, "local": local.clone(), "average": value.clone()})
+        for entry in self._flight:
+            value = entry[2].wait()
+            entry[2] = _Ready(value)
+            flight.append({"end": entry[0], "local": entry[1].clone(), "average": value.clone(),
+                           "ref": list(entry[3]), "post": list(entry[4])})
         return {"delay": self.delay, "period": self.period, "steps": self.steps, "in_window": self._in_window,
-                "accumulated": self._acc.clone(), "in_flight": flight,
+                "accumulated": self._acc.clone(), "ref": None if self._ref is None else list(self._ref),
+                "in_flight": flight,
                 "counters": [self.launched, self.applied, self.max_in_flight],
                 "exchange": self.exchange.state_dict()}
 
@@ -190,7 +215,9 @@ class DTS(Algorithm):
                             f"this {self.name} has delay={self.delay}, period={self.period}")
         self.steps, self._in_window = state["steps"], state["in_window"]
         self._acc.copy_(state["accumulated"])
-        self._flight = deque((f["end"], f["local"].clone(), _Ready(f["average"].clone())) for f in state["in_flight"])
+        self._ref = None if state["ref"] is None else list(state["ref"])
+        self._flight = deque([f["end"], f["local"].clone(), _Ready(f["average"].clone()), list(f["ref"]),
+                              list(f["post"])] for f in state["in_flight"])
         self.launched, self.applied, self.max_in_flight = state["counters"]
         self.exchange.load_state_dict(state["exchange"])
 
