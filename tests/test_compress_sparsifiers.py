@@ -9,7 +9,9 @@ import torch
 import thinwire as tw
 from thinwire.compress._sparse import index_dtype, num_kept, pack_codes, topk_indices, unpack_codes
 from thinwire.compress.dgc import warmup_density
+from thinwire.compress.countsketch import next_prime
 from thinwire.compress.randomk import sample_without_replacement
+from thinwire.compress.threshold import Scratch, mask_indices, select_beyond
 from thinwire.errors import UserError
 from thinwire.exchange import wire
 
@@ -167,7 +169,7 @@ def test_countsketch_is_linear_and_recovers_heavy_hitters():
     a[[3, 100, 2000]] = torch.tensor([5.0, -4.0, 3.0])
     est = c.decompress(c.compress(a, key="g"))
     assert torch.allclose(est[[3, 100, 2000]], a[[3, 100, 2000]], atol=0.1)
-    assert c.compress(a, key="g").nbytes == 5 * math.ceil(0.25 * d / 5) * 4
+    assert c.compress(a, key="g").nbytes == 5 * next_prime(math.ceil(0.25 * d / 5)) * 4
 
 
 def test_powersgd_single_process():
@@ -255,3 +257,78 @@ def test_bad_parameters_raise_user_errors():
             tw.compressors.get(name, **params)
     with pytest.raises(UserError):
         tw.memories.get("dgc", momentum=1.0)
+
+
+def test_mask_indices_and_select_beyond_match_nonzero():
+    g = torch.Generator().manual_seed(4)
+    for n in (13, (1 << 16) + 5):
+        for density in (0.0, 0.001, 0.05, 0.9, 1.0):
+            mask = torch.rand(n, generator=g) < density
+            got = mask_indices(mask)                  # dense masks: int32, full 8-flag words first
+            assert torch.equal(torch.sort(got.long()).values, torch.nonzero(mask).squeeze(1)), (n, density)
+            if density <= 0.01 and n >= 1 << 16:    # < 1/4 of the words hit: the sparse path
+                assert got.dtype == torch.int64 and bool((got[1:] > got[:-1]).all())
+    scratch = Scratch()
+    x = torch.randn(1 << 17, generator=g)
+    for thr, center in ((2.5, 0.0), (0.01, 0.0), (1.0, 0.3), (0.0, 0.0)):
+        got, dev = select_beyond(x, thr, center, scratch)
+        want = torch.nonzero((x - center).abs() >= thr if thr > 0 else x != center).squeeze(1)
+        assert torch.equal(torch.sort(got.long()).values, want) and dev is not None
+
+
+def test_threshold_default_and_nominal():
+    assert tw.compressors.get("threshold").threshold == 0.01
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(2))
+    c = tw.compressors.get("threshold", threshold=2.576)           # nominal: N(0, 1) entries
+    p = c.compress(x, key="w")
+    assert abs(8 * p.nbytes / x.numel() - c.nominal_bits(x.numel())) <= 0.03 * c.nominal_bits(x.numel())
+    assert torch.equal(c.decompress(p), torch.where(x.abs() >= 2.576, x, torch.zeros(())))
+
+
+def test_large_tensor_counts_are_within_three_percent_of_nominal():
+    """dgc keeps its count in [0.97k, 1.03k] (exact top-k of the candidates above that); gaussiank fits μ, σ on
+    the whole tensor, so on normal data it lands near k; randomk and powersgd are exact."""
+    d = 1 << 20
+    x = torch.randn(d, generator=torch.Generator().manual_seed(6))
+    for name in ("dgc", "gaussiank", "randomk"):
+        c = tw.compressors.get(name)
+        for step in range(3):
+            actual = 8 * c.compress(x, key="w", step=step).nbytes / d
+            assert abs(actual - c.nominal_bits(d)) <= 0.03 * c.nominal_bits(d), (name, step, actual)
+    heavy = _heavy(d, 8)
+    n = tw.compressors.get("dgc").compress(heavy, key="w").tensors[0].numel()
+    assert 0.97 * num_kept(0.01, d) <= n <= 1.03 * num_kept(0.01, d)
+    p = tw.compressors.get("powersgd")
+    m = torch.randn(1024, 1024 // 4)
+    assert 8 * p.compress(m, key="m").nbytes / m.numel() == p.nominal_bits(m.numel())
+    assert p.nominal_bits(30 * 20 + 30, shapes=[(30, 20), (30,)]) == 32.0 * ((30 + 20) * 2 + 30) / 630
+
+
+def test_randomk_indices_are_sorted_and_distinct():
+    for d, k in ((1 << 20, 10_000), (1000, 10), (100, 25)):       # k <= d / 4: the sorted draw
+        idx = sample_without_replacement(d, k, torch.Generator().manual_seed(d))
+        assert idx.numel() == k and bool((idx[1:] > idx[:-1]).all()) and 0 <= int(idx[0]) and int(idx[-1]) < d
+
+
+def test_countsketch_structured_hash_is_the_sketch_and_unbiased_with_one_row():
+    d = 5000
+    x = torch.randn(d, generator=torch.Generator().manual_seed(9))
+    for rows, ratio in ((3, 0.1), (2, 0.001)):             # (2, 0.001): nb > c, fully random buckets
+        c = tw.compressors.get("countsketch", ratio=ratio, rows=rows)
+        p = c.compress(x, key="k")
+        slots, signs, cols, nb = c._hash("k", d)
+        ref = torch.zeros(rows * 2 * cols)
+        for j in range(rows):                               # the definition, one element at a time (vectorised)
+            z = torch.zeros(nb * cols)
+            z[:d] = x
+            if signs is not None:
+                z = (z.view(nb, cols) * signs[j]).view(-1)
+            ref.index_add_(0, slots[j].long(), z)
+        ref = ref.view(rows, 2, cols)
+        assert torch.allclose((ref[:, 0] - ref[:, 1]).reshape(-1), p.tensors[0], atol=1e-4)
+    trials, d = 600, 400
+    x = torch.randn(d, generator=torch.Generator().manual_seed(10))
+    est = torch.stack([tw.compressors.get("countsketch", ratio=0.2, rows=1, seed=s).decompress(
+        tw.compressors.get("countsketch", ratio=0.2, rows=1, seed=s).compress(x, key="k")) for s in range(trials)])
+    se = math.sqrt(float(x.pow(2).sum()) / next_prime(80) / trials)   # Var <= ||x||^2 / c per estimate
+    assert float((est.mean(0) - x).abs().max()) < 5 * se

@@ -35,7 +35,7 @@ def decode(packed: torch.Tensor, bits: int, numel: int, values, dtype=torch.floa
     """`values[code]` (as `dtype`) for the `numel` codes packed in `packed` (bits in 1, 2, 4): one table lookup
     per byte, no intermediate codes."""
     table = _table(bits, dtype, values)
-    return table.index_select(0, packed.reshape(-1).to(torch.int64)).view(-1)[:numel]
+    return table.index_select(0, packed.reshape(-1).to(torch.int32)).view(-1)[:numel]   # (int32: half the bytes)
 
 
 def packed_nbytes(numel: int, bits: int) -> int:

@@ -25,6 +25,8 @@ class Natural(Compressor):
 
     def __init__(self, seed: int = 0):
         self.uniforms = Uniforms(seed)
+        self._mask = torch.empty(0, dtype=torch.bool)
+        self._wide = torch.empty(0, dtype=torch.int32)
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
@@ -38,14 +40,20 @@ class Natural(Compressor):
         work.bitwise_right_shift_(23)          # sign | exponent (+ carry); the low byte is the exponent
         exponent = work.to(torch.uint8)        # int32 -> uint8 keeps the low byte
         exponent.clamp_(max=254)               # |t| >= 2^127 may not round up to 2^128 = inf (biased there only)
-        sign = pack(torch.lt(flat, 0).view(torch.uint8), 1, inplace=True)
+        if self._mask.numel() < n:                   # a reused mask: a fresh n-byte tensor page-faults
+            self._mask = torch.empty(n, dtype=torch.bool)
+        sign = pack(torch.lt(flat, 0, out=self._mask[:n]).view(torch.uint8), 1, inplace=True)
         return Payload([exponent, sign], ctx=(tensor.shape, tensor.dtype, n))
 
     def decompress(self, payload):
         shape, dtype, n = payload.ctx
         exponent, sign = payload.tensors
-        word = decode(sign, 1, n, [0, 256], torch.int32)              # sign << 8, one lookup per byte
-        word.bitwise_or_(exponent).bitwise_left_shift_(23)             # sign << 31 | exponent << 23
+        word = decode(sign, 1, n, [0, -(1 << 31)], torch.int32)       # sign << 31, one lookup per byte
+        if self._wide.numel() < n:                   # the exponents widened into a reused buffer (a mixed
+            self._wide = torch.empty(n, dtype=torch.int32)     # uint8/int32 add is 2x slower than cast + add)
+        wide = self._wide[:n]
+        wide.copy_(exponent)
+        word.add_(wide, alpha=1 << 23)                                 # + exponent << 23 (disjoint bits: an or)
         return word.view(torch.float32).to(dtype).view(shape)
 
     def nominal_bits(self, numel):

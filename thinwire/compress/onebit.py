@@ -20,10 +20,15 @@ class OneBit(Compressor):
     aggregation = "allgather"
     fixed_size = True         # the payload size depends only on the shape
 
+    def __init__(self):
+        self._mask = torch.empty(0, dtype=torch.bool)
+
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         n = flat.numel()
-        mask = torch.ge(flat, 0)
+        if self._mask.numel() < n:                   # a reused mask: a fresh n-byte tensor page-faults
+            self._mask = torch.empty(n, dtype=torch.bool)
+        mask = torch.ge(flat, 0, out=self._mask[:n])
         npos = int(torch.count_nonzero(mask)) if n else 0     # (a bool .sum() is 10x slower)
         bits = pack(mask.view(torch.uint8), 1, inplace=True)
         # sums of the two sides from two reductions without temporaries: S = sum g, L = sum |g|,

@@ -67,6 +67,7 @@ class PowerSGD(Compressor):
             raise UserError(f"powersgd rank must be an integer >= 1, got {rank}")
         self.rank, self.warm_start, self.seed = rank, bool(warm_start), seed
         self.q: dict = {}
+        self._seen: dict = {}          # numel -> the parameter shapes last compressed (for nominal_bits)
 
     def _layout(self, numel: int, shape, shapes):
         """(offset, a, b, r) of each compressed matrix; the rest goes uncompressed."""
@@ -87,6 +88,7 @@ class PowerSGD(Compressor):
     def exchange(self, transport, tensor, key, step, shapes=None):
         x = tensor.reshape(-1).float()
         mats = self._layout(x.numel(), tensor.shape, shapes)
+        self._seen[x.numel()] = [tuple(tensor.shape)] if shapes is None else [tuple(t) for t in shapes]
         dense_mask = torch.ones(x.numel(), dtype=torch.bool)
         ps, qs = [], []
         for off, a, b, r in mats:
@@ -135,6 +137,7 @@ class PowerSGD(Compressor):
         """One rank's own low-rank payload [P̂, Q] (or [tensor] when not compressible): the single-process
         form, for benchmarks and tests; across ranks the exchange runs `exchange` (two all-reduces)."""
         mats = self._layout(tensor.numel(), tensor.shape, None)
+        self._seen[tensor.numel()] = [tuple(tensor.shape)]
         if not mats:
             return Payload([tensor.reshape(-1)], ctx=(tensor.shape, tensor.dtype, None))
         _, a, b, r = mats[0]
@@ -157,9 +160,19 @@ class PowerSGD(Compressor):
         p_hat, q = (t.reshape(-1) for t in payload.tensors)
         return (p_hat.view(a, r) @ q.view(b, r).t()).to(dtype).view(shape)
 
-    def nominal_bits(self, numel):
-        side = max(1, math.isqrt(numel))
-        return min(32.0, 32.0 * 2 * side * self.rank / max(1, numel))
+    def nominal_bits(self, numel, shapes=None):
+        """Bits per element of the tensor's layout: 32 (a + b) r for each compressed a × b matrix (P and Q) plus
+        32 for each element that travels uncompressed (1-D tensors, matrices too small to gain). `shapes`: the
+        parameter shapes the tensor is made of; by default those of the last tensor of `numel` elements this
+        compressor compressed, else (never seen) one square matrix."""
+        if shapes is None:
+            shapes = self._seen.get(numel)
+        if shapes is None:
+            side = max(1, math.isqrt(numel))
+            shapes = [(side, numel // side)] + ([(numel - side * (numel // side),)] if numel % side else [])
+        mats = self._layout(numel, (numel,), shapes)
+        dense = numel - sum(a * b for _, a, b, _ in mats)
+        return 32.0 * (dense + sum((a + b) * r for _, a, b, r in mats)) / max(1, numel)
 
     def state_dict(self):
         return {"q": dict(self.q)}

@@ -104,7 +104,11 @@ class QSGD(Compressor):
             out = scale_buckets(payload.tensors[0], factors, self.bucket, 0)
         else:
             codes = unpack(payload.tensors[0], self.bits, ctx["numel"])
-            out = scale_buckets(codes, factors, self.bucket, self.levels)
+            if codes.data_ptr() == payload.tensors[0].data_ptr():     # 8-bit codes are the payload itself
+                codes = codes.clone()
+            # c - s on the bytes (wrapping: read as int8 it is the signed level), then one cast and one multiply
+            levels = codes.sub_(self.levels).view(torch.int8)
+            out = scale_buckets(levels, factors, self.bucket, 0)
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
     def nominal_bits(self, numel):

@@ -5,8 +5,10 @@ they are summed by all-reduce (catalog 3.2 AR*). `scale=True`: C(g)_i = (d/k) g_
 E‖C(g) − g‖² = (d/k − 1)‖g‖²; `scale=False`: g ⊙ 1_Ω, biased, E‖C(g) − g‖² = (1 − k/d)‖g‖², the form to use
 with error feedback (scaling inside EF is unstable, catalog 10.5).
 
-Drawing k of d without a full permutation: draw a few more than k with replacement, keep the distinct ones and
-a random k of those. By symmetry over [d] the result is a uniform k-subset; it costs O(k log k), not O(d).
+Drawing k of d without a full permutation: draw a few more than k with replacement (already in increasing order,
+as exponential spacings: no sort), keep the distinct ones and drop a random few to leave k. By symmetry over [d]
+the result is a uniform k-subset; it costs O(k), not O(d), and the sorted indices make the gather and the
+scatter sweep memory in order.
 """
 from __future__ import annotations
 
@@ -18,13 +20,26 @@ from .base import Compressor, Payload
 
 
 def sample_without_replacement(d: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k distinct indices of [d], a uniformly random k-subset (int64; in increasing order when k <= d / 4)."""
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64)
     if k >= d or k > d // 4:
         return torch.randperm(d, generator=gen)[:k]
     m = k + 2 * k * k // d + 16
     while True:
-        distinct = torch.unique(torch.randint(d, (m,), generator=gen))
+        # m i.i.d. uniform points of [0, d), drawn already sorted: the partial sums of m + 1 exponential gaps,
+        # divided by their total, are the order statistics of m uniforms (no sort of m numbers needed)
+        gaps = torch.empty(m + 1, dtype=torch.float64).exponential_(generator=gen)
+        points = gaps.cumsum_(0)
+        idx = points[:m].mul_(d / float(points[m])).floor_().to(torch.int64).clamp_(max=d - 1)
+        keep = torch.ones(m, dtype=torch.bool)
+        torch.ne(idx[1:], idx[:-1], out=keep[1:])              # distinct values: sorted, so drop repeats
+        distinct = idx[keep]
         if distinct.numel() >= k:
-            return distinct[torch.randperm(distinct.numel(), generator=gen)[:k]]
+            drop = sample_without_replacement(distinct.numel(), distinct.numel() - k, gen)
+            keep = torch.ones(distinct.numel(), dtype=torch.bool)
+            keep[drop] = False                                  # a uniformly random subset of the excess
+            return distinct[keep]
         m = int(m * 1.5) + 16
 
 
@@ -48,7 +63,7 @@ class RandomK(Compressor):
         d = flat.numel()
         k = num_kept(self.ratio, d)
         idx = sample_without_replacement(d, k, generator(self.seed, key, step))
-        return Payload([flat[idx]], ctx=(tensor.shape, tensor.dtype, d, idx))
+        return Payload([flat.index_select(0, idx)], ctx=(tensor.shape, tensor.dtype, d, idx))
 
     def decompress(self, payload):
         shape, dtype, d, idx = payload.ctx
@@ -56,7 +71,7 @@ class RandomK(Compressor):
         if self.scale and idx.numel():
             vals = vals * (d / idx.numel())
         out = torch.zeros(d, dtype=dtype)
-        out[idx] = vals
+        out.index_copy_(0, idx, vals)
         return out.view(shape)
 
     def aggregate(self, payloads):
