@@ -201,6 +201,14 @@ def test_regroup_moves_flat_state_to_new_buckets():
     assert torch.equal(got["residuals"]["rest"], torch.tensor([1., 2., 3.]))
     assert set(got["residuals"]) == {"ab", "c'", "rest", "other"}
     assert got["q"] is state["q"] and got["count"] == 3      # not per-bucket flat state: untouched
+    from thinwire.compress import compressors
+    p = compressors.get("powersgd")                          # per-matrix Q: follows its matrix's elements
+    q1, q2 = torch.ones(3, 1), torch.zeros(2, 1)
+    p.q = {("a", 0, 2, 3, 1): q1, ("c", 0, 2, 2, 1): q2}
+    p.rekey([("a", 6), ("b", 2), ("c", 4)], [("ab", 8), ("c2", 4)])
+    assert p.q == {("ab", 0, 2, 3, 1): q1, ("c2", 0, 2, 2, 1): q2}
+    p.rekey([("ab", 8), ("c2", 4)], [("x", 7), ("y", 5)])
+    assert set(p.q) == {("x", 0, 2, 3, 1), ("y", 1, 2, 2, 1)}
 
 
 def test_buckets_cover_every_parameter_once():

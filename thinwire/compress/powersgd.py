@@ -180,6 +180,25 @@ class PowerSGD(Compressor):
     def load_state_dict(self, state):
         self.q = dict(state.get("q", {}))
 
+    def rekey(self, old, new):
+        """The buckets changed: each matrix's warm-start Q follows its elements to the new bucket and offset."""
+        starts, at = {}, 0
+        for k, n in old:
+            starts[k], at = at, at + n
+        bounds, at = [], 0
+        for k, n in new:
+            bounds.append((at, at + n, k))
+            at += n
+        moved = {}
+        for (key, off, a, b, r), q in self.q.items():
+            if key not in starts:
+                moved[(key, off, a, b, r)] = q
+                continue
+            pos = starts[key] + off
+            lo, _, k = next(t for t in bounds if t[0] <= pos < t[1])
+            moved[(k, pos - lo, a, b, r)] = q
+        self.q = moved
+
 
 @memories.register("powersgd")
 class PowerSGDMemory(Memory):
