@@ -58,10 +58,11 @@ class PSAlgorithm(Algorithm):
             self.worker = PSWorker(self.transport, self.layout, flat, compressor=self.trainer.compressor,
                                    memory=self.trainer.memory, downlink=self.downlink)
 
-    def serve(self) -> None:
+    def serve(self, checkpoint=None) -> None:
+        """Run the server; `checkpoint=(every, total, save)` joins the workers' checkpoints (PSServer.serve)."""
         if self.server is None:
             raise RuntimeError(f"rank {self.rank} is a worker, not a server")
-        self.server.serve()
+        self.server.serve(checkpoint=checkpoint)
 
     def step(self) -> None:
         if self.worker is None:
@@ -78,10 +79,32 @@ class PSAlgorithm(Algorithm):
         return {"architecture": "ps", "servers": self.servers, **(part.metrics() if part else {})}
 
     def state_dict(self) -> dict:
+        """A consistent cut of this rank's end of the PS. A worker first waits for the answers to its pushes
+        in flight (a checkpoint is a quiescent point: every worker checkpoints at the same step, so the server
+        answers them all); a server is called at that cut (PSServer.serve). The downlink compressor's own
+        state travels with either end; the uplink compressor and the worker's memory are the trainer's."""
+        down = self.downlink.state_dict()
         if self.server is not None:
-            return {"shard": self.server.flat_shard(), "version": self.server.version,
-                    "optimizer": self.server.opt.state_dict()}
-        return {"clock": self.worker.clock if self.worker else 0}
+            return {"server": self.server.state_dict(), "downlink": down}
+        if self.worker is None:
+            return {}
+        self.worker.drain()
+        return {"worker": self.worker.state_dict(), "downlink": down}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "downlink" in state:
+            self.downlink.load_state_dict(state["downlink"])
+        if self.server is not None:
+            self.server.load_state_dict(state["server"])
+        elif self.worker is not None:
+            self.worker.load_state_dict(state["worker"])
+
+
+def checkpointable_on_ps(algorithm: str) -> bool:
+    """Whether `algorithm`'s parameter-server runs can be checkpointed: the ones built on PSAlgorithm, and
+    `bsp`, whose PS path is PSBSP (bsp_on_ps)."""
+    from . import registry
+    return algorithm == "bsp" or issubclass(registry.lookup(algorithm), PSAlgorithm)
 
 
 class PSBSP(PSAlgorithm):
@@ -101,5 +124,5 @@ def bsp_on_ps(alg: Algorithm, servers: int, downlink_compressor: str = "none") -
         setattr(alg, attr, getattr(ps, attr))
     if ps.worker is not None:
         alg.worker_rank = ps.worker_rank
-    for meth in ("serve", "step", "close", "metrics", "state_dict"):
+    for meth in ("serve", "step", "close", "metrics", "state_dict", "load_state_dict"):
         setattr(alg, meth, getattr(ps, meth))

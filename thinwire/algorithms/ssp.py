@@ -37,6 +37,11 @@ class SSP(PSAlgorithm):
             self._inflight.popleft().wait()
         self.set_flat_params(self.worker.params)               # the freshest model answered so far
 
+    def state_dict(self) -> dict:
+        state = super().state_dict()   # a worker drains its pushes in flight: all answered, applied in order
+        self._inflight.clear()         # so the run goes on as a resumed one would, from an empty window
+        return state
+
     def close(self) -> None:
         self._inflight.clear()
         super().close()   # PSWorker.done() drains the pushes still in flight

@@ -17,6 +17,8 @@ API (reusable by any algorithm that wants a PS):
     new_flat_params = h.wait()                               # the server's model after this push's rule
     worker.params                                             # the freshest model answered so far
     worker.done()                                             # drain, tell every server this worker is done
+    # checkpoints: worker.drain(); worker.state_dict() / server.state_dict() at the cut that
+    # server.serve(checkpoint=(every, total, save)) finds; load_state_dict() on a fresh end resumes
 Several push_pull handles may be in flight; their answers are applied in push order. The server runs a clone
 of `optimizer_template` (its class and param_groups[0] hyper-parameters, lr × lr_scale) on its shard.
 
@@ -269,12 +271,32 @@ class PSWorker:
                 self.params[lo:hi] += self.downlink.decompress(p).reshape(-1)
         return self.params.clone()
 
+    def drain(self) -> None:
+        """Wait for the answers to every push in flight (in push order)."""
+        while self._queue:
+            self._queue[0].wait()
+
+    def state_dict(self) -> dict:
+        """This worker's end at a quiescent point (call `drain()` first): the model it holds, its clock and
+        the server versions it holds. Its memory (error feedback) is saved by the trainer."""
+        if self._queue:
+            raise RuntimeError("PSWorker.state_dict with pushes in flight: drain() first")
+        return {"params": self.params.clone(), "clock": self.clock,
+                "versions": torch.tensor(self.versions, dtype=torch.int64),
+                "staleness": dict(self.staleness), "dropped": self.dropped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.params.copy_(state["params"])
+        self.clock = int(state["clock"])
+        self.versions = [int(v) for v in state["versions"].tolist()]
+        self.staleness = Counter({int(k): int(v) for k, v in state["staleness"].items()})
+        self.dropped = int(state["dropped"])
+
     def done(self) -> None:
         """Drain in-flight pushes and tell every server this worker is finished."""
         if self._closed:
             return
-        while self._queue:
-            self._queue[0].wait()
+        self.drain()
         hs = [self.t.isend(_header(DONE, self.clock), self.layout.server_rank(k), tag=TAG_PUSH_HEAD)
               for k in range(self.layout.servers)]
         for h in hs:
@@ -344,20 +366,33 @@ class PSServer:
         self.dropped = 0
         self.updates = 0
         self.gradients = 0   # worker gradients that went into an update
+        self.pushes = [0] * n  # pushes handled per worker: all equal to N at step N's checkpoint
         self._outbox: deque = deque()
         self._sending: list = []
 
     # -- the loop ----------------------------------------------------------------------------------------
-    def serve(self) -> None:
+    def serve(self, checkpoint=None) -> None:
         """Answer pushes until every worker said it is done, then drain the replies.
 
         Per worker, messages are handled in order from a queue of [header receive, data receives]: as soon as
         a header's bytes are here (before its emulated delivery) the data receives and the next header receive
-        are posted, so consecutive pushes of one worker overlap their latency instead of paying α each."""
+        are posted, so consecutive pushes of one worker overlap their latency instead of paying α each.
+
+        `checkpoint=(every, total, save)`: the workers checkpoint after every `every`-th step before `total`,
+        each once its own pushes are answered; the server calls `save(step)` (which joins the workers'
+        checkpoint barriers) at the matching cut: every worker's `step` pushes handled and answered, none
+        beyond (the workers wait in the barrier), no update pending."""
         n = self.layout.workers
         rx = {w: deque([self._post_head(w)]) for w in range(n)}
+        if checkpoint is not None:
+            every, total, save = checkpoint
+            cut = (min(self.pushes) // every + 1) * every
         while rx or self._outbox or self._sending:
             progressed = False
+            if checkpoint is not None and cut < total and self._quiet_at(cut):
+                save(cut)
+                cut += every
+                progressed = True
             for w in list(rx):
                 q = rx[w]
                 last = q[-1]
@@ -403,7 +438,36 @@ class PSServer:
         self.staleness[tau] += 1
         return tau
 
+    def _quiet_at(self, step: int) -> bool:
+        """Every worker's `step` pushes handled and answered (replies delivered), nothing pending."""
+        return (all(p == step for p in self.pushes) and not self.pending and not self.waiting
+                and not self.fresh and not self._outbox and all(h.is_completed() for h in self._sending))
+
+    def state_dict(self) -> dict:
+        """The server's state at a checkpoint cut (`_quiet_at`): its shard of the global model, the optimizer
+        state (momentum), the update counters, the pushes handled per worker, and with a compressed downlink
+        the copy each worker holds (x - x̂_w is the server-side error-feedback residual)."""
+        if self.pending or self.waiting or self.fresh or self._outbox:
+            raise RuntimeError("PSServer.state_dict outside a checkpoint cut (updates or replies pending)")
+        return {"shard": self.flat_shard(), "optimizer": self.opt.state_dict(), "version": self.version,
+                "updates": self.updates, "gradients": self.gradients, "dropped": self.dropped,
+                "staleness": dict(self.staleness), "pushes": torch.tensor(self.pushes, dtype=torch.int64),
+                "held": [h.clone() for h in self.held] if self.held is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            self.shard.copy_(state["shard"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.version, self.updates = int(state["version"]), int(state["updates"])
+        self.gradients, self.dropped = int(state["gradients"]), int(state["dropped"])
+        self.staleness = Counter({int(k): int(v) for k, v in state["staleness"].items()})
+        self.pushes = [int(p) for p in state["pushes"].tolist()]
+        if self.held is not None:
+            for mine, saved in zip(self.held, state["held"]):
+                mine.copy_(saved)
+
     def _on_push(self, w: int, clock: int, base: int, tensors) -> None:
+        self.pushes[w] += 1
         g = self._decode(w, clock, tensors)
         if self.mode == "async":
             tau = self._record(base)

@@ -6,11 +6,12 @@ manifest, written last by rank 0 once every rank's file is in place: it is the c
 written to a temporary name and renamed, so a crash while writing leaves the previous checkpoint intact
 (rank files are staged as `rank-<r>.step-<s>.pt` and promoted only after the manifest commits; see `save`).
 Files are loaded with `torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary
-objects.
+objects. The manifest carries every rank file's sha256, checked on load: a damaged file is named, never loaded.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -46,27 +47,48 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((st[0], state["numpy"].numpy().astype(np.uint32), *st[2:]))
 
 
-def _atomic_save(obj, path: str) -> None:
+def _atomic_write(data: bytes, path: str) -> None:
     tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
+
+
+def _atomic_save(obj, path: str) -> str:
+    """Write `obj` to `path` atomically; returns the sha256 of the bytes written."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    _atomic_write(data, path)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _staged(directory: str, rank: int, step: int) -> str:
     return os.path.join(directory, f"rank-{rank}.step-{step}.pt")
 
 
+def _digest_file(directory: str, rank: int, step: int) -> str:
+    """Where a rank leaves the sha256 of its staged file for rank 0 to put in the manifest (removed after)."""
+    return os.path.join(directory, f"rank-{rank}.step-{step}.sha256")
+
+
 def save(directory: str, rank: int, world_size: int, step: int, cfg, state: dict, barrier) -> None:
     """Three phases, so a crash at any point leaves a loadable checkpoint: every rank stages
     `rank-<r>.step-<s>.pt`; after `barrier()` rank 0 commits the manifest (the commit point); after another
     barrier every rank promotes its staged file to `rank-<r>.pt` and drops stale staged ones. `load` reads the
-    staged file of the committed step when a crash came before its promotion."""
+    staged file of the committed step when a crash came before its promotion. Each rank leaves the sha256 of
+    its staged file in a sidecar, which rank 0 copies into the manifest."""
     os.makedirs(directory, exist_ok=True)
-    _atomic_save(state, _staged(directory, rank, step))
+    digest = _atomic_save(state, _staged(directory, rank, step))
+    _atomic_write(digest.encode(), _digest_file(directory, rank, step))
     barrier()
     if rank == 0:
+        sums = {}
+        for r in range(world_size):
+            with open(_digest_file(directory, r, step)) as f:
+                sums[str(r)] = f.read().strip()
         manifest = {"step": step, "world_size": world_size, "fingerprint": fingerprint(cfg),
-                    "algorithm": cfg.algorithm, "workload": cfg.workload}
+                    "algorithm": cfg.algorithm, "workload": cfg.workload, "sha256": sums}
         tmp = os.path.join(directory, MANIFEST + ".tmp")
         with open(tmp, "w") as f:
             json.dump(manifest, f)
@@ -77,6 +99,11 @@ def save(directory: str, rank: int, world_size: int, step: int, cfg, state: dict
         if name.startswith(f"rank-{rank}.") and (name.startswith(f"rank-{rank}.step-") or name.endswith(".tmp")):
             os.remove(os.path.join(directory, name))
     barrier()
+
+
+def exists(directory: str | None) -> bool:
+    """Whether `directory` holds a committed checkpoint (its manifest)."""
+    return bool(directory) and os.path.exists(os.path.join(directory, MANIFEST))
 
 
 def check(directory: str, world_size: int, cfg) -> dict:
@@ -104,21 +131,35 @@ def check(directory: str, world_size: int, cfg) -> dict:
 
 
 def load(directory: str, rank: int) -> dict:
-    """This rank's state of the committed step (staged file first: a crash may have come before promotion)."""
+    """This rank's state of the committed step (staged file first: a crash may have come before promotion),
+    after checking its sha256 against the manifest's (manifests written before checksums have none)."""
     try:
         with open(os.path.join(directory, MANIFEST)) as f:
-            step = json.load(f).get("step")
-    except (OSError, ValueError) as e:
+            manifest = json.load(f)
+        step = manifest.get("step")
+        want = (manifest.get("sha256") or {}).get(str(rank))
+    except (OSError, ValueError, AttributeError) as e:
         raise UserError(f"checkpoint manifest in {directory!r} is unreadable: {e}") from None
     path = _staged(directory, rank, step)
     if not os.path.exists(path):
         path = os.path.join(directory, f"rank-{rank}.pt")
     try:
-        state = torch.load(path, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any corruption is the same user-facing problem
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
         raise UserError(f"checkpoint file {path!r} is corrupt or unreadable: {type(e).__name__}: {e}") from None
+    got = hashlib.sha256(data).hexdigest()
+    try:
+        state = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any corruption is the same user-facing problem
+        state, error = None, f"{type(e).__name__}: {e}"
     found = state.get("step") if isinstance(state, dict) else None
-    if found != step:
+    if state is not None and found != step:  # a whole file of another step: a torn checkpoint, not bit rot
         raise UserError(f"checkpoint file {path!r} is from step {found}, the manifest says step {step}: "
                         f"the checkpoint is inconsistent")
+    if want is not None and got != want:
+        raise UserError(f"checkpoint file {path!r} is corrupt: its sha256 {got[:16]}... differs from the "
+                        f"manifest's {want[:16]}...")
+    if state is None:
+        raise UserError(f"checkpoint file {path!r} is corrupt or unreadable: {error}")
     return state

@@ -88,9 +88,14 @@ class TrainConfig:
             raise UserError("--checkpoint-every N needs N >= 1 and a directory (--out or --checkpoint-dir)")
         if self.nonfinite not in ("stop", "skip"):
             raise UserError(f"--nonfinite must be stop or skip, got {self.nonfinite!r}")
+        if self.nonfinite == "skip" and self.servers:  # the agreement is an all-reduce the servers never join
+            raise UserError("--nonfinite skip needs every rank to step; parameter-server runs (--servers) use "
+                            "--nonfinite stop")
         if self.checkpoint_every is not None and self.servers:
-            raise UserError("checkpoints of parameter-server runs (--servers) are not supported yet; "
-                            "checkpoint an all-reduce or gossip algorithm")
+            from ..algorithms.ps_sync import checkpointable_on_ps
+            if not checkpointable_on_ps(self.algorithm):
+                raise UserError(f"checkpoints of {self.algorithm} on the parameter server are not supported; "
+                                f"checkpointable there: bsp, ssp, asp, backup (or {self.algorithm} on all-reduce)")
         if self.resume is not None:
             from .checkpoint import check
             check(self.resume, self.workers + self.servers, self)
@@ -133,7 +138,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     workers = cfg.workers
     role = getattr(trainer.algorithm, "role", "worker")
     if role != "worker":  # e.g. a parameter server rank: serves until the workers are done
-        trainer.algorithm.serve()
+        _serve(cfg, rank, world_size, wl, trainer)
         return {"rank": rank, "role": role, "meter": trainer.transport.meter.to_dict(),
                 "metrics": trainer.metrics(), "trace": tracer.events}
     wrank = getattr(trainer.algorithm, "worker_rank", rank)
@@ -202,6 +207,24 @@ def _checkpoint(cfg, rank, world_size, step, trainer, loader, steps, evals, cloc
     state = {"step": step, "trainer": trainer.state_dict(), "loader": loader.state_dict(),
              "rng": checkpoint.rng_state(), "records": {"steps": steps, "evals": evals}, "clock": clock}
     checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
+
+
+def _serve(cfg, rank, world_size, wl, trainer) -> None:
+    """A server rank: restore its state on resume, then serve; with checkpoints, it joins each one at the
+    cut where every worker's pushes of that step are answered (PSServer.serve)."""
+    import torch.distributed as dist
+    from . import checkpoint
+    if cfg.resume:
+        state = checkpoint.load(cfg.resume, rank)
+        trainer.load_state_dict(state["trainer"])
+        checkpoint.set_rng_state(state["rng"])
+    if not cfg.checkpoint_every:
+        return trainer.algorithm.serve()
+
+    def save(step: int) -> None:
+        state = {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state()}
+        checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
+    trainer.algorithm.serve(checkpoint=(cfg.checkpoint_every, cfg.total_steps(wl), save))
 
 
 def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dict, list[dict]]:
@@ -304,7 +327,23 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
     import torch.distributed as dist
     if world_size != cfg.workers + cfg.servers:
         cfg.workers = world_size - cfg.servers
+    from . import checkpoint
+    if cfg.resume and not checkpoint.exists(cfg.resume):
+        # torchrun runs the same command on every (re)start: `--resume DIR` before DIR's first checkpoint
+        # starts fresh; an elastic restart after a failure then continues from the last checkpoint
+        if rank == 0:
+            print(f"thinwire: no checkpoint in {cfg.resume} yet: starting from step 0", file=sys.stderr)
+        cfg.resume = None
+    if (rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        # the restarted group would share the store with the failed one and may read its stale addresses
+        print("thinwire: warning: with --max-restarts, run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+              "(a restarted group may otherwise connect to the failed group's addresses; pytorch#135712)",
+              file=sys.stderr)
     cfg.validate()
+    if cfg.resume and rank == 0:
+        step = checkpoint.check(cfg.resume, world_size, cfg)["step"]
+        print(f"thinwire: resuming from the checkpoint in {cfg.resume} (step {step})", file=sys.stderr)
     t0 = _now()
     mine = train_worker(rank, world_size, cfg)
     blob = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
