@@ -18,7 +18,7 @@ demo: install
 	$(BIN)/thinwire compare --preset quick --out results/demo
 
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 clean:
 	rm -rf $(VENV) results build *.egg-info

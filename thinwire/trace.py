@@ -69,10 +69,13 @@ def nest(events: list[dict]) -> list[dict]:
 
 def write_chrome_trace(path: str, events_by_rank: list[list[dict]]) -> None:
     """Merge the workers' events into one trace file, written atomically."""
+    # times from the first event on, before nesting: shifting after it would round ts + dur differently
+    # (perf_counter in µs is ~1e10 after a few hours of uptime, where a float64 step is ~2e-6 µs)
+    t0 = min((e["ts"] for evs in events_by_rank for e in evs or [] if "ts" in e), default=0.0)
     events: list[dict] = []
     for rank, evs in enumerate(events_by_rank):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"worker {rank}"}})
-        evs = nest(evs or [])
+        evs = nest([dict(e, ts=e["ts"] - t0) if "ts" in e else e for e in evs or []])
         tids = sorted({e.get("tid", 0) for e in evs} | set(range(len(TRACKS))))
         for tid in tids:
             base = TRACKS[tid % LANE] if tid % LANE < len(TRACKS) else "other"
@@ -82,10 +85,6 @@ def write_chrome_trace(path: str, events_by_rank: list[list[dict]]) -> None:
             events.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid,
                            "args": {"sort_index": order * LANE + tid // LANE}})
         events.extend(evs)
-    t0 = min((e["ts"] for e in events if "ts" in e), default=0.0)
-    for e in events:
-        if "ts" in e:
-            e["ts"] -= t0
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
