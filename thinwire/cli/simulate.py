@@ -92,12 +92,7 @@ def plot(rows: list[dict], out: str) -> list[str]:
             ax.plot(*zip(*pts), marker="o", label=lab)
         ax.set(xlabel="one-way latency (ms)", ylabel="scalability (throughput / no-communication throughput)",
                title=f"Simulated scalability vs latency, {n0} workers", ylim=(0, 1.05))
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        paths.append(os.path.join(out, "scalability_vs_latency.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(fig, ax, os.path.join(out, "scalability_vs_latency.png")))
     if len(workers) > 1:
         l0 = lats[0] if lats else None
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -108,13 +103,18 @@ def plot(rows: list[dict], out: str) -> list[str]:
         where = "four world regions" if l0 is None else f"{l0 * 1e3:.0f} ms one-way"
         ax.set(xlabel="workers", ylabel="scalability", title=f"Simulated scalability vs workers ({where})",
                ylim=(0, 1.05))
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        paths.append(os.path.join(out, "scalability_vs_workers.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(fig, ax, os.path.join(out, "scalability_vs_workers.png")))
     return paths
+
+
+def _save(fig, ax, path: str) -> str:
+    import matplotlib.pyplot as plt
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def register(sub) -> None:
