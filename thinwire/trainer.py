@@ -4,47 +4,65 @@
     ...; loss.backward(); trainer.step(); opt.zero_grad()
     trainer.close()
 
-Keyword parameters are routed by name to the algorithm, the compressor and the memory (each gets the ones
-its constructor declares); a parameter none of them takes is an error at construction.
+Keyword parameters are routed by name to the algorithm, the compressor, the memory, the scheduler
+(`thinwire.sched.make`: schedule, bucket_mb, ...) and the transport (`allreduce`: the all-reduce algorithm);
+each gets the ones it declares, and a parameter none of them takes is an error at construction.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from . import algorithms
+from . import algorithms, sched
 from .comm import Transport
 from .compress import compressors, memories
 from .errors import UserError
+from .registry import call
 from .trace import NULL, Tracer
 
+SCHED_PARAMS = tuple(inspect.signature(sched.make).parameters)
+TRANSPORT_PARAMS = ("allreduce",)
 
-def _route(algorithm: str, compressor: str, memory: str, params: dict) -> tuple[dict, dict, dict]:
+
+def _route(algorithm: str, compressor: str, memory: str, params: dict) -> tuple[dict, ...]:
+    """(algorithm, compressor, memory, scheduler, transport) parameters, each taking the names it declares."""
     tables = [(algorithms.registry, algorithm), (compressors, compressor), (memories, memory)]
-    routed: list[dict] = [{}, {}, {}]
+    fixed = [SCHED_PARAMS, TRANSPORT_PARAMS]
+    routed: list[dict] = [{}, {}, {}, {}, {}]
     for key, value in params.items():
         takers = [i for i, (reg, name) in enumerate(tables) if isinstance(name, str) and reg.accepts(name, key)]
+        takers += [3 + i for i, names in enumerate(fixed) if key in names]
         if not takers:
-            valid = sorted({p for reg, name in tables if isinstance(name, str) for p in reg.parameters(name)})
+            valid = sorted({p for reg, name in tables if isinstance(name, str) for p in reg.parameters(name)}
+                           | {p for names in fixed for p in names})
             raise UserError(f"unknown parameter {key!r} for algorithm {algorithm!r}, compressor {compressor!r}, "
                             f"memory {memory!r}; valid: {', '.join(valid) or 'none'}")
         for i in takers:
             routed[i][key] = value
-    return routed[0], routed[1], routed[2]
+    return tuple(routed)
 
 
 def build_components(algorithm, compressor=None, memory=None, **params):
-    """Resolve defaults, route `params` by name and build (algorithm, compressor, memory); raises UserError
-    for unknown names, unknown parameters, bad values and invalid combinations (used before launching too)."""
-    alg_cls = algorithms.registry.lookup(algorithm) if isinstance(algorithm, str) else type(algorithm)
+    """Resolve defaults, route `params` by name and build (algorithm, compressor, memory, scheduler, transport
+    options); raises UserError for unknown names, unknown parameters, bad values and invalid combinations
+    (used before launching too)."""
+    alg_cls = (algorithms.registry.constructor(algorithm, params) if isinstance(algorithm, str)
+               else type(algorithm))
     compressor = compressor or getattr(alg_cls, "default_compressor", "none")
     memory = memory or getattr(alg_cls, "default_memory", "none")
-    alg_params, comp_params, mem_params = _route(algorithm, compressor, memory, params)
+    alg_params, comp_params, mem_params, sched_params, transport_params = _route(algorithm, compressor, memory,
+                                                                                 params)
     if not getattr(alg_cls, "compression", True) and (compressor not in ("none", None)):
         raise UserError(f"algorithm {alg_cls.name!r} does not exchange gradients through a compressor; "
                         f"drop --compressor or use one of: "
                         f"{', '.join(n for n in algorithms.names() if algorithms.registry.lookup(n).compression)}")
+    schedule = sched_params.get("schedule", "fusion")
+    if isinstance(schedule, str) and schedule not in getattr(alg_cls, "schedules", sched.SCHEDULES):
+        raise UserError(f"algorithm {alg_cls.name!r} does not run with schedule {schedule!r}; "
+                        f"valid: {', '.join(alg_cls.schedules)}")
     return (algorithms.get(algorithm, **alg_params), compressors.get(compressor, **comp_params),
-            memories.get(memory, **mem_params))
+            memories.get(memory, **mem_params), call(sched.make, "schedule", sched_params), transport_params)
 
 
 class Trainer:
@@ -61,21 +79,25 @@ class Trainer:
         if not self.parameters:
             raise UserError("the model has no trainable parameters")
         self.tracer = tracer or NULL
-        self.transport = transport or Transport(network=network, tracer=self.tracer)
-        if tracer is not None:
-            self.transport.tracer = tracer
-
         if nonfinite not in ("stop", "skip"):
             raise UserError(f"nonfinite must be 'stop' or 'skip', got {nonfinite!r}")
         self.nonfinite = nonfinite
         self.skipped_steps = 0
-        if nonfinite == "skip" and isinstance(algorithm, str) and algorithms.registry.accepts(algorithm, "schedule"):
+        if nonfinite == "skip":
             # every rank must agree to skip before any gradient is sent: no exchange during backward
             if params.get("schedule", "none") != "none":
                 raise UserError("nonfinite='skip' needs schedule='none' (gradients are checked on every rank "
                                 "before any is sent); use nonfinite='stop' with overlapping schedules")
             params["schedule"] = "none"
-        self.algorithm, self.compressor, self.memory = build_components(algorithm, compressor, memory, **params)
+        (self.algorithm, self.compressor, self.memory, self.scheduler,
+         transport_params) = build_components(algorithm, compressor, memory, **params)
+        self.transport = transport or Transport(network=network, tracer=self.tracer, **transport_params)
+        if transport is not None and "allreduce" in transport_params:
+            from .comm.collectives import parse
+            parse(transport_params["allreduce"], transport.world_size)
+            transport.allreduce = transport_params["allreduce"]
+        if tracer is not None:
+            self.transport.tracer = tracer
         self.step_count = 0
         self._check_models_match(values=not sync_initial_model)
         if sync_initial_model:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..comm.emulation import COLLECTIVE_SLOTS
 from ..net import Cost, Link
 from ..net import cost as netcost
-from . import cdsgd as cd
+from ..net import cdsgd as cd
 
 # compress + decompress time in memcpys of the input, measured by `thinwire bench compressors` (2^24 fp32,
 # this 2-core machine; see BENCHMARKS.md). Used when no calibration file exists.

@@ -65,8 +65,8 @@ class TrainConfig:
             raise UserError(f"--workers must be >= 1, got {self.workers}")
         if self.servers < 0:
             raise UserError(f"--servers must be >= 0, got {self.servers}")
-        arch = self.params.get("architecture") or algorithms.registry.lookup(self.algorithm).architectures[0]
-        if arch not in algorithms.registry.lookup(self.algorithm).architectures:
+        arch = self.params.get("architecture") or algorithms.architectures(self.algorithm)[0]
+        if arch not in algorithms.architectures(self.algorithm):
             algorithms.registry.lookup(self.algorithm)(architecture=arch)  # its own message (seed 000 Table II)
         if arch == "ps" and self.servers < 1:  # server ranks come beside the workers: world = workers + servers
             raise UserError(f"{self.algorithm} on the parameter server needs --servers K >= 1 "
@@ -124,13 +124,11 @@ def build_trainer(cfg: TrainConfig, wl, model, tracer=None):
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr or wl.lr,
                           momentum=wl.momentum if cfg.momentum is None else cfg.momentum)
     return Trainer(model, opt, algorithm=cfg.algorithm, compressor=cfg.compressor, memory=cfg.memory,
-                   tracer=tracer, nonfinite=cfg.nonfinite, **cfg.component_params())
+                   network=cfg.network, tracer=tracer, nonfinite=cfg.nonfinite, **cfg.component_params())
 
 
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Runs in every worker: train, evaluate at intervals, return this rank's records."""
-    from ..comm import set_default_network
-    set_default_network(cfg.network, cfg.seed)
     wl = workloads.get(cfg.workload)
     tracer = Tracer(rank, enabled=cfg.trace)
     model = wl.model(cfg.seed)
