@@ -29,6 +29,7 @@ class Algorithm:
     default_memory: ClassVar[str] = "none"
     schedules: ClassVar[tuple[str, ...]] = ("none", "wfbp", "fusion", "mgwfbp")   # priority applies bsp's update
     checks_finite: ClassVar[bool] = False       # its exchange checks every gradient bucket before sending it
+    overlaps_steps: bool = False                # its exchanges outlive the step that started them (DTS, CD-SGD)
 
     def __init__(self, architecture: str | None = None):
         arch = architecture or self.architectures[0]

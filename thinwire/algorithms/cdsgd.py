@@ -144,6 +144,7 @@ class CDSGD(BSP):
         self.local_lr = None if local_lr is None else float(local_lr)
         self.local_momentum = local_momentum
         self.local_update = local_update     # eq. 11: the next iteration computes on W^loc
+        self.overlaps_steps = local_update   # eq. 10's exchange is applied at the next iteration
         self.compress = compress             # Q is the compressor (with its memory) on non-correction iterations
 
     # -- wiring ----------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class DTS(Algorithm):
     """
 
     architectures = ("allreduce",)
+    overlaps_steps = True
 
     def __init__(self, delay: int = 4, period: int = 4, architecture: str | None = None):
         super().__init__(architecture)

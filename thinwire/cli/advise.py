@@ -9,7 +9,7 @@ from ..errors import UserError
 def run(args) -> int:
     from ..net import Link, parse_network
     from ..plan.advise import advise, format_table
-    from ..plan.calibrate import load_calibration, calibrate
+    from ..run.calibrate import calibrate, load_calibration
     from ..plan.costmodel import Scenario
     if args.calibrate:
         cal = calibrate(workers=args.workers if args.workers <= 4 else 2)

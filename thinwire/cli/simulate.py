@@ -34,14 +34,14 @@ def _numbers(text: str, what: str, unit: float = 1.0) -> list[float]:
 
 
 def run(args) -> int:
-    from ..net.link import _UNITS_BW, _number
+    from ..net import parse_bandwidth
     from ..plan.simulate import WORLD_LATENCY, SimConfig, simulate
     algorithms = _parse_algorithms(args.algorithms)
     workers = [int(w) for w in _numbers(args.workers, "--workers")]
     latencies = _numbers(args.latency, "--latency", 1e-3)
     if any(w < 1 or w > 65536 for w in workers):
         raise UserError("--workers values must be in 1..65536")
-    bandwidth = _number(args.bandwidth, _UNITS_BW, "bandwidth")
+    bandwidth = parse_bandwidth(args.bandwidth)
     rows = []
     for label, name, params in algorithms:
         for n in workers:

@@ -47,6 +47,7 @@ class Handle(Future):
         self._real: threading.Event | None = None  # set by the waiter thread (gloo point-to-point)
         self._real_at: float | None = None          # when the real op completed
         self._scheduled = threading.Event()
+        self._callbacks: list = []
         # a collective is delivered in issue order: gloo's two threads may finish the second collective first,
         # but the emulated wire is FIFO (the second queues behind the first, whichever callback fires first)
         self._ordered = tx and rx
@@ -81,8 +82,11 @@ class Handle(Future):
             self.transport._drain()
         else:
             with self._lock:
-                if not self._scheduled.is_set():
+                scheduled = not self._scheduled.is_set()
+                if scheduled:
                     self._schedule(self._real_at)
+            if scheduled:
+                self._fire()
 
     def _schedule(self, t_done: float) -> None:
         tx, rx, latency = self._flags
@@ -94,6 +98,31 @@ class Handle(Future):
         if self.deadline > t_done:
             tr.complete(self.kind + " (emulated)", t_done, self.deadline, "emulated")
         self._scheduled.set()
+
+    def _fire(self) -> None:
+        """Run the callbacks registered before the delivery time was known (no lock held)."""
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._deliver(fn)
+
+    def add_done_callback(self, fn) -> None:
+        """`fn(self)` once delivered: on the thread that saw the real op complete (gloo's), or a timer's at the
+        emulated delivery; no polling thread in between (a DDP hook's future completes as DDP's own would)."""
+        with self._lock:
+            if not self._scheduled.is_set():
+                self._callbacks.append(fn)
+                return
+        self._deliver(fn)
+
+    def _deliver(self, fn) -> None:
+        delay = self.deadline - _now()
+        if delay > 0:
+            timer = threading.Timer(delay, fn, args=(self,))
+            timer.daemon = True
+            timer.start()
+        else:
+            fn(self)
 
     def is_completed(self) -> bool:
         if self._done:
@@ -114,7 +143,7 @@ class Handle(Future):
                         self._real.wait()
                         if self._error is not None:
                             raise self._error
-                    else:
+                    elif self._real_at is None:   # (a work's own done-callback must not wait on it)
                         for w in self._works:
                             w.wait()
                     self._on_real_done()
@@ -180,10 +209,14 @@ class Transport:
 
     def _drain(self) -> None:
         """Put on the link, in issue order, every collective whose real part and predecessors are done."""
+        done = []
         with self._order_lock:
             while self._in_order and self._in_order[0]._real_at is not None:
                 h = self._in_order.popleft()
                 h._schedule(h._real_at)
+                done.append(h)
+        for h in done:
+            h._fire()
 
     # -- programs --------------------------------------------------------------------------------------
     def run(self, program, label: str = "exchange", background: bool | None = None,

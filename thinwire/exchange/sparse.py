@@ -27,14 +27,9 @@ import torch
 from ..compress import Payload
 from ..compress._sparse import SPARSE_COLLECTIVES as NAMES  # noqa: F401  (re-exported)
 from ..compress._sparse import check_collective as check
+from ..compress._sparse import is_sparse
 from ..errors import UserError
 from . import wire
-
-
-def is_sparse(compressor) -> bool:
-    """Top-k family: payloads of (index, value) pairs (randomk's shared-seed subset is summed by all-reduce)."""
-    from ..compress._sparse import SparseCompressor
-    return isinstance(getattr(compressor, "base", compressor), SparseCompressor)
 
 
 def contribution(compressor, c: torch.Tensor, key, step) -> tuple[torch.Tensor, torch.Tensor]:

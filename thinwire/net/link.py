@@ -82,6 +82,11 @@ def _number(text: str, units: dict, what: str) -> float:
     return float(m.group(1)) * units[m.group(2)]
 
 
+def parse_bandwidth(text: str) -> float:
+    """A bandwidth such as `200mbit`, `1gbit`, `50e6` (bits/s)."""
+    return _number(text, _UNITS_BW, "bandwidth")
+
+
 def parse_network(spec: "str | Link | None") -> Link:
     """A profile name (`lan`, `dc`, `cluster`, `wan`, `world`) or
     `custom:bandwidth=200mbit,latency=25ms,jitter=5ms,loss=0.01` (each key optional)."""
@@ -102,7 +107,7 @@ def parse_network(spec: "str | Link | None") -> Link:
                 raise UserError(f"malformed network {spec!r}: {item!r} is not key=value")
             key, value = (s.strip() for s in item.split("=", 1))
             if key == "bandwidth":
-                fields[key] = _number(value, _UNITS_BW, "bandwidth")
+                fields[key] = parse_bandwidth(value)
             elif key in ("latency", "jitter"):
                 fields[key] = _number(value, _UNITS_T, key)
             elif key == "loss":

@@ -65,8 +65,8 @@ class Scheduler:
         compresses = getattr(getattr(algorithm, "compressor", None), "name", "none") != "none"
         if self.pipelined is None:
             self.pipelined = self.overlap and compresses
-        if self.serial is None:
-            self.serial = self.overlap and transport.link.emulated
+        if self.serial is None:   # (exchanges that outlive their step, DTS's windows, run side by side as on gloo)
+            self.serial = self.overlap and transport.link.emulated and not algorithm.overlaps_steps
         transport.background = bool(self.pipelined)   # compress bucket b while b-1 is on the wire
         transport.serial = bool(self.serial)
         return self
