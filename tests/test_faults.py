@@ -83,6 +83,18 @@ if _spec:  # "rank:step:stampfile": that rank SIGKILLs itself when it fetches th
             os.kill(os.getpid(), signal.SIGKILL)
         return _orig(self)
     _wl.ShardLoader.next = _next
+_stall = os.environ.get("THINWIRE_STALL")
+if _stall:  # "rank:step": that rank's training thread blocks for good when it fetches that step's batch
+    import time
+    from thinwire.run import workloads as _wl2
+    _srank, _sstep = (int(v) for v in _stall.split(":"))
+    _orig2 = _wl2.ShardLoader.next
+    def _next2(self):
+        self._stall_n = getattr(self, "_stall_n", 0) + 1
+        if self.rank == _srank and self._stall_n == _sstep:
+            time.sleep(10**6)
+        return _orig2(self)
+    _wl2.ShardLoader.next = _next2
 '''
 STEPS, EVERY, NET = 80, 7, "custom:latency=10ms"   # >= 10 ms per step: a run outlives its first checkpoint
 RUN = ["train", "--workload", "linreg", "--workers", "2", "--steps", str(STEPS), "--network", NET, "--json",
@@ -138,6 +150,23 @@ def test_worker_killed_at_a_random_step_resumes_to_the_same_model(seed, uninterr
     _assert_nothing_left(tag)
     assert _check_intact(os.path.join(out, "checkpoint")) == (step - 1) // EVERY * EVERY
     _resume_and_compare(out, uninterrupted, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_stalled_training_thread_stops_the_cli_in_one_line(tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    tag = f"{os.getpid()}-stall"
+    env = {**ENV, "THINWIRE_STALL": "1:6", "THINWIRE_TEST_TAG": tag,
+           "PYTHONPATH": os.pathsep.join([str(hooks), ENV.get("PYTHONPATH", "")])}
+    r = _cli(["train", "--workload", "linreg", "--workers", "2", "--steps", "1000000", "--quiet",
+              "--progress-timeout", "2"], env=env)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("thinwire: rank 1 made no progress for "), r.stderr
+    assert "(stuck at step 5; others at step 6)" in lines[0], r.stderr
+    _assert_nothing_left(tag)
 
 
 def _children(parent: int) -> list[int]:
