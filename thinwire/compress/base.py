@@ -12,7 +12,8 @@ Each compressor declares its algebra so the exchange layer can pick the collecti
                If the ranks must first agree on something (a shared scale), `agree` returns a small tensor that
                is all-reduced with max and handed to `compress(..., agreed=...)`.
   "allgather"  every rank's payload is gathered (sizes may differ); `aggregate(payloads)` sums the contributions.
-  "majority"   sign payloads; the exchange takes the element-wise majority vote of the ranks' signs.
+  "majority"   the exchange returns the element-wise sign of `aggregate(payloads)`: for sign payloads the
+               majority vote of the ranks' signs (signsgd), for DeMo's `sign=true` the sign of the summed update.
   "custom"     the compressor runs its own communication: `exchange(transport, tensor, key, step, shapes)` is a
                program (a generator, see `thinwire.comm.engine`: it yields a future whenever it needs its
                result) returning `(sum over ranks, this rank's own contribution)`; the exchange divides by the
