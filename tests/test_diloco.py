@@ -1,0 +1,456 @@
+"""DiLoCo and Streaming DiLoCo (`diloco`): construction rules, the fragment schedule, exact equivalences on linreg
+(float64) across 4 gloo workers — outer lr 1 without momentum is local SGD (bsp at H = 1), a single-process replay
+of the paper's algorithm with outer Nesterov momentum and AdamW inner steps (fragments, overlap and mixing
+included) — the error-feedback invariant of compressed pseudo-gradients, bitwise resume, torchft's DiLoCo on the
+same model and data, training digits-mlp with AdamW, and the planner's costs of the family."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from thinwire import algorithms
+from thinwire.algorithms.diloco import split_fragments
+from thinwire.errors import UserError
+from thinwire.run import workloads
+
+N = 4
+
+
+# -- construction (single process) ----------------------------------------------------------------------------
+@pytest.mark.parametrize("params,match", [
+    ({"period": 0}, "period"), ({"period": 2.5}, "period"), ({"fragments": 0}, "fragments"),
+    ({"period": 10, "fragments": 4}, "multiple"), ({"period": 8, "fragments": 2, "overlap": 4}, "overlap"),
+    ({"overlap": -1}, "overlap"), ({"alpha": 1.5}, "alpha"), ({"outer_lr": 0.0}, "outer_lr"),
+    ({"outer_lr": float("nan")}, "outer_lr"), ({"outer_momentum": 1.0}, "outer_momentum"),
+    ({"outer_optimizer": "sgdx"}, "valid: .*adam"), ({"outer_optimizer": 3}, "outer_optimizer"),
+    ({"outer_optimizer": lambda ps: torch.optim.Adam(ps), "outer_lr": 0.1}, "not both"),
+    ({"architecture": "ps"}, "valid"),
+])
+def test_bad_parameters_fail_at_construction(params, match):
+    with pytest.raises(UserError, match=match):
+        algorithms.get("diloco", **params)
+
+
+def test_cli_strings_convert_and_defaults():
+    a = algorithms.get("diloco", period="20", outer_lr="0.5", outer_momentum="0", nesterov="false",
+                       fragments="4", overlap="2", alpha="0.5", outer_optimizer="SGD")
+    assert (a.period, a.outer_lr, a.outer_momentum, a.nesterov, a.fragments, a.overlap, a.alpha) == \
+        (20, 0.5, 0.0, False, 4, 2, 0.5)
+    d = algorithms.get("diloco")
+    assert (d.period, d.outer_lr, d.outer_momentum, d.nesterov, d.fragments, d.overlap, d.alpha) == \
+        (50, 0.7, 0.9, True, 1, 0, 0.0)
+    assert d.overlaps_steps is False and a.overlaps_steps is True
+    ps = [torch.zeros(3)]
+    assert isinstance(algorithms.get("diloco", outer_optimizer="adamw", outer_lr=0.3)._make_outer(ps),
+                      torch.optim.AdamW)
+    sgd = algorithms.get("diloco", outer_momentum=0.0)._make_outer(ps)   # Nesterov with μ = 0: plain SGD
+    assert sgd.param_groups[0]["nesterov"] is False and sgd.param_groups[0]["lr"] == 0.7
+
+
+def test_fragments_are_consecutive_balanced_and_cover_every_parameter():
+    assert split_fragments([64, 8, 64, 8], 2) == [[0, 1], [2, 3]]
+    assert split_fragments([10] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_fragments([1000, 1, 1, 1], 4) == [[0], [1], [2], [3]]      # each at least one parameter
+    assert split_fragments([5], 1) == [[0]]
+    for sizes, f in [([3, 100, 7, 7, 50, 1, 1, 80], 3), ([1] * 5, 5), ([9, 1, 9, 1, 9, 1], 2)]:
+        groups = split_fragments(sizes, f)
+        assert [i for g in groups for i in g] == list(range(len(sizes))) and all(groups)
+    with pytest.raises(UserError, match="at most the number of parameter tensors"):
+        split_fragments([5, 5], 3)
+
+
+def test_schedule_is_staggered_and_overlapped_like_torchft():
+    a = algorithms.get("diloco", period=8, fragments=4, overlap=1)
+    starts = {s: a.starting(s) for s in range(1, 25) if a.starting(s) is not None}
+    merges = {s: a.merging(s) for s in range(1, 25) if a.merging(s) is not None}
+    assert starts == {1: 0, 3: 1, 5: 2, 7: 3, 9: 0, 11: 1, 13: 2, 15: 3, 17: 0, 19: 1, 21: 2, 23: 3}
+    assert merges == {s + 1: f for s, f in starts.items()}          # τ = 1 step later, same fragment
+    plain = algorithms.get("diloco", period=5)
+    assert [s for s in range(1, 16) if plain.starting(s) is not None] == [5, 10, 15]
+    assert all(plain.starting(s) == plain.merging(s) for s in range(1, 16))
+
+
+# -- what runs in every worker -----------------------------------------------------------------------------------
+def _model(kind: str) -> torch.nn.Module:
+    if kind == "linreg":
+        return workloads.get("linreg").model(0)
+    torch.manual_seed(0)
+    if kind == "mlp":            # float64, 6 parameter tensors, on linreg's 16 inputs
+        return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                   torch.nn.Linear(8, 1)).double()
+    raise KeyError(kind)
+
+
+def _inner(model, kind: str):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _setup(rank, world, algorithm, params, model="linreg", inner="sgd", compressor=None, memory=None):
+    from thinwire import Trainer
+    wl = workloads.get("linreg")
+    m = _model(model)
+    opt = _inner(m, inner)
+    x, y = wl.shard(rank, world)
+    loader = workloads.ShardLoader(x, y, 16, seed=0, rank=rank)
+    return Trainer(m, opt, algorithm=algorithm, compressor=compressor, memory=memory, **params), m, loader
+
+
+def _steps(trainer, model, loader, n):
+    wl = workloads.get("linreg")
+    for _ in range(n):
+        xb, yb = loader.next()
+        wl.loss(model(xb), yb).backward()
+        trainer.step()
+        trainer.optimizer.zero_grad()
+
+
+def _run(rank, world, algorithm, params, steps, **kw):
+    tr, m, loader = _setup(rank, world, algorithm, params, **kw)
+    _steps(tr, m, loader, steps)
+    before = _flat(m)
+    tr.close()
+    return before, _flat(m), tr.metrics()
+
+
+NO_MOMENTUM = {"outer_lr": 1.0, "outer_momentum": 0.0}
+REPLAYS = {   # name -> (model, params, steps): outer Nesterov momentum, AdamW inner steps
+    "diloco H=3": ("linreg", {"period": 3}, 12),
+    "diloco H=4 mlp": ("mlp", {"period": 4, "outer_lr": 0.5, "outer_momentum": 0.8}, 14),
+    "streaming F=1": ("mlp", {"period": 4, "fragments": 1, "overlap": 0, "alpha": 0.0}, 14),
+    "streaming F=2 τ=1 α=.5": ("mlp", {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5}, 14),
+    "streaming F=3 τ=2": ("mlp", {"period": 9, "fragments": 3, "overlap": 2}, 20),
+    "streaming F=6 fusion": ("mlp", {"period": 12, "fragments": 6, "overlap": 1, "bucket_mb": 0.0005,
+                                 "first_bucket_mb": 0.0005}, 26),
+}
+
+
+def _equivalences(rank, world):
+    out = {"bsp": _run(rank, world, "bsp", {}, 12),
+           "diloco H=1": _run(rank, world, "diloco", {"period": 1, **NO_MOMENTUM}, 12),
+           "localsgd H=4": _run(rank, world, "localsgd", {"period": 4}, 10),
+           "diloco H=4": _run(rank, world, "diloco", {"period": 4, **NO_MOMENTUM}, 10),
+           "diloco H=4 none": _run(rank, world, "diloco", {"period": 4, **NO_MOMENTUM, "schedule": "none"}, 10)}
+    for name, (model, params, steps) in REPLAYS.items():
+        out[name] = _run(rank, world, "diloco", params, steps, model=model, inner="adamw")
+    return out
+
+
+# -- the single-process replay of the papers' algorithms -------------------------------------------------------
+def replay(model, params, steps, n=N):
+    """DiLoCo (Douillard et al. 2023, Alg. 1) / Streaming DiLoCo (2025, Alg. 1) for n workers in one process,
+    written from the papers: the outer step is Nesterov momentum written out (b ← μb + Δ; θ ← θ − lr(Δ + μb))."""
+    H, F = params["period"], params.get("fragments", 1)
+    tau, alpha = params.get("overlap", 0), params.get("alpha", 0.0)
+    lr, mu = params.get("outer_lr", 0.7), params.get("outer_momentum", 0.9)
+    wl = workloads.get("linreg")
+    models = [_model(model) for _ in range(n)]
+    opts = [_inner(m, "adamw") for m in models]
+    loaders = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
+    ps = [list(m.parameters()) for m in models]
+    theta = [p.detach().clone() for p in ps[0]]
+    buf = [None] * len(theta)
+    groups = split_fragments([t.numel() for t in theta], F)
+    K = H // F
+    pending = None
+    for t in range(1, steps + 1):
+        for r in range(n):
+            xb, yb = loaders[r].next()
+            wl.loss(models[r](xb), yb).backward()
+            opts[r].step()
+            opts[r].zero_grad()
+        with torch.no_grad():
+            if (t + tau) % K == 0:          # fragment f's outer gradient, averaged (sent τ steps before use)
+                f = ((t + tau) // K - 1) % F
+                pending = (f, {j: sum(theta[j] - ps[r][j] for r in range(n)) / n for j in groups[f]})
+            if t % K == 0:
+                f, delta = pending
+                for j in groups[f]:
+                    d = delta[j]
+                    buf[j] = d.clone() if buf[j] is None else mu * buf[j] + d
+                    theta[j] = theta[j] - lr * (d + mu * buf[j] if mu else d)
+                    for r in range(n):
+                        ps[r][j].copy_(alpha * ps[r][j] + (1 - alpha) * theta[j])
+    return [torch.cat([p.detach().reshape(-1) for p in ps[r]]) for r in range(n)]
+
+
+def close(a, b, tol=1e-10):
+    return torch.allclose(a, b, rtol=tol, atol=tol * 1e-2)
+
+
+def test_equivalences_and_replays_on_linreg(pool4):
+    results = pool4.run(_equivalences)
+    assert results[0]["bsp"][1].dtype == torch.float64
+    for r in results:
+        # outer lr 1, no momentum: θ ← θ − mean(θ − θ_i) = mean θ_i, i.e. model averaging (local SGD), and at
+        # H = 1 synchronous SGD (momentum of the inner SGD included); close() averages once more in both
+        assert close(r["diloco H=1"][0], r["bsp"][0]) and close(r["diloco H=1"][1], r["bsp"][1])
+        for name in ("diloco H=4", "diloco H=4 none"):
+            assert close(r[name][0], r["localsgd H=4"][0]) and close(r[name][1], r["localsgd H=4"][1]), name
+        assert r["diloco H=4"][2]["syncs"] == 3 and r["diloco H=1"][2]["syncs"] == 12
+    for name, (model, params, steps) in REPLAYS.items():
+        want = replay(model, params, steps)
+        for rank, r in enumerate(results):
+            assert close(r[name][0], want[rank]), (name, rank, float((r[name][0] - want[rank]).abs().max()))
+        afters = [r[name][1] for r in results]
+        assert all(torch.equal(afters[0], a) for a in afters[1:]), name     # close(): one model everywhere
+    # with mixing α > 0 the workers differ until close()
+    mixed = [r["streaming F=2 τ=1 α=.5"][0] for r in results]
+    assert not torch.equal(mixed[0], mixed[1])
+    assert results[0]["streaming F=6 fusion"][2]["schedule"]["buckets"] > 1      # pieces of several buckets
+    assert results[0]["streaming F=3 τ=2"][2]["fragment_params"] == [128, 8, 81]     # consecutive tensors
+
+
+# -- compressed pseudo-gradients: nothing lost, only delayed -------------------------------------------------
+EF_CASES = {   # name -> (compressor, memory, params)
+    "fp8": ("fp8", "residual", {}), "fp4": ("fp4", "residual", {"format": "e2m1", "chunk": 16}),
+    "topk": ("topk", "residual", {"ratio": 0.1}),
+    "sparseloco": ("sparseloco", "residual", {"chunk": 32, "topk": 4}),
+    "sparseloco decayed": ("sparseloco", "sparseloco", {"chunk": 32, "topk": 4, "beta": 0.9}),
+    "demo decayed": ("demo", "demo", {"chunk": 32, "topk": 4, "beta": 0.9}),
+}
+
+
+def _ef_invariant(rank, world):
+    out = {}
+    for name, (comp, mem, cparams) in EF_CASES.items():
+        tr, m, loader = _setup(rank, world, "diloco", {"period": 4, "fragments": 2, "overlap": 1, **NO_MOMENTUM,
+                                                       **cparams}, model="mlp", inner="adamw", compressor=comp,
+                               memory=mem)
+        alg = tr.algorithm
+        pieces = {alg._key(b, f): [i for i in b.members if alg.fragment_of[i] == f]
+                  for b in alg.scheduler.buckets for f in range(alg.fragments)}
+        theta = lambda members: torch.cat([alg.anchor[i].reshape(-1) for i in members]).clone()  # noqa: E731
+        theta0 = {k: theta(ms) for k, ms in pieces.items() if ms}
+        inputs: dict = {}
+        kept: dict = {}
+        start, update = alg.exchange.start, tr.memory.update
+
+        def recording(tensor, key=None, shapes=None, inplace=False, start=start, inputs=inputs):
+            inputs[key] = inputs.get(key, 0) + tensor.clone()       # Δ_i, what the worker meant to send
+            return start(tensor, key, shapes, inplace)
+
+        def remembering(tensor, key, sent, update=update, kept=kept, memory=tr.memory):
+            update(tensor, key, sent)
+            kept.setdefault(key, []).append(memory.residuals[key].clone())    # e after each sync
+        alg.exchange.start, tr.memory.update = recording, remembering
+        _steps(tr, m, loader, 10)       # syncs start at steps 1, 3, 5, 7, 9 (fragments 0, 1, 0, 1, 0)
+        tr.close()                      # fragment 1 moved since its merge at step 8: one last outer step
+        out[name] = {k: (inputs[k], kept[k], theta0[k], theta(pieces[k]), tr.memory.beta) for k in theta0}
+    return out
+
+
+def test_compressed_pseudo_gradients_keep_the_error_feedback_invariant(pool4):
+    """With outer lr 1 and no momentum θ moves by exactly the mean of what was sent. With e_t = β e_{t-1} + Δ_t − ŝ_t
+    (error feedback, β = 1: nothing lost, only delayed; β < 1: SparseLoCo's and DeMo's decay forgets a share),
+    Σ_t ŝ_t = Σ_t Δ_t − e_T − (1 − β) Σ_{t<T} e_t, so θ_0 − θ_T = mean_i of that."""
+    results = pool4.run(_ef_invariant)
+    for name in EF_CASES:
+        for key in results[0][name]:
+            def sent(r):
+                inputs, kept, *_, beta = r[name][key]
+                return inputs - kept[-1] - (1 - beta) * sum(kept[:-1])
+            want = sum(sent(r) for r in results) / len(results)
+            theta0, theta_t = results[0][name][key][2], results[0][name][key][3]
+            # (fp32 accumulation of the gathered contributions: float32 rounding of the mean)
+            assert close(theta0 - theta_t, want, 1e-6), (name, key, float((theta0 - theta_t - want).abs().max()))
+            assert any(r[name][key][1][-1].abs().max() > 0 for r in results), (name, key)   # something delayed
+            assert len(results[0][name][key][1]) == 3         # fragment 0 at steps 1, 5, 9 (merged at 10);
+            # fragment 1 at steps 3, 7 and in close()
+
+
+# -- checkpoints: a resumed run equals the uninterrupted one ----------------------------------------------------
+RESUME = {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5, "outer_lr": 0.7}
+
+
+def _resume(rank, world, at, steps):
+    kw = dict(model="mlp", inner="adamw", compressor="fp8", memory="residual")
+    whole = _run(rank, world, "diloco", RESUME, steps, **kw)
+    tr, m, loader = _setup(rank, world, "diloco", RESUME, **kw)
+    _steps(tr, m, loader, at)
+    in_flight = len(tr.algorithm._pending)
+    state, ls = copy.deepcopy(tr.state_dict()), loader.state_dict()
+    tr.close()
+    tr2, m2, loader2 = _setup(rank, world, "diloco", RESUME, **kw)
+    tr2.load_state_dict(state)
+    loader2.load_state_dict(ls)
+    _steps(tr2, m2, loader2, steps - at)
+    before = _flat(m2)
+    tr2.close()
+    wrong = None
+    try:
+        tr3, _, _ = _setup(rank, world, "diloco", {**RESUME, "period": 8}, **kw)
+        tr3.load_state_dict(state)
+    except UserError as e:
+        wrong = str(e)
+    return {"whole": whole[:2], "resumed": (before, _flat(m2)), "in_flight": in_flight, "wrong": wrong}
+
+
+def test_checkpoint_resume_with_a_fragment_in_flight(pool4):
+    for r in pool4.run(_resume, 5, 11):
+        assert r["in_flight"] > 0                      # step 5 started fragment 0's sync, merged at step 6
+        assert torch.equal(r["whole"][0], r["resumed"][0]) and torch.equal(r["whole"][1], r["resumed"][1])
+        assert r["wrong"] and "period" in r["wrong"]
+
+
+# -- training digits-mlp with AdamW inner steps; the CLI and compare names -----------------------------------
+def _digits(rank, world, params, steps, compressor=None):
+    from thinwire import Trainer
+    wl = workloads.get("digits-mlp")
+    model = wl.model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    x, y = wl.shard(rank, world)
+    loader = workloads.ShardLoader(x, y, 32, seed=0, rank=rank)
+    tr = Trainer(model, opt, algorithm="diloco", compressor=compressor, **params)
+    for _ in range(steps):
+        xb, yb = loader.next()
+        wl.loss(model(xb), yb).backward()
+        tr.step()
+        opt.zero_grad()
+    tr.close()
+    return {"accuracy": wl.evaluate(model), "model": _flat(model), "metrics": tr.metrics(),
+            "sent": tr.metrics()["bytes_sent"]}
+
+
+DIGITS = {  # name -> (params, compressor, fragment syncs in 120 steps and close())
+    "diloco H=10": ({"period": 10}, None, 12),
+    "streaming H=10 F=2 τ=1 fp8": ({"period": 10, "fragments": 2, "overlap": 1, "alpha": 0.5}, "fp8", 24 + 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DIGITS))
+def test_trains_digits_mlp_with_adamw(name, pool4):
+    params, compressor, syncs = DIGITS[name]
+    results = pool4.run(_digits, params, 120, compressor)
+    assert all(torch.equal(results[0]["model"], r["model"]) for r in results[1:])
+    print(name, "accuracy", results[0]["accuracy"], "bytes sent", results[0]["sent"])
+    assert results[0]["accuracy"] >= 0.93, results[0]["accuracy"]
+    assert results[0]["metrics"]["syncs"] == syncs
+
+
+def test_cli_flags_and_compare_cells_reach_diloco(pool2):
+    from thinwire.cli import build_parser, parse_extra
+    from thinwire.cli.train import config_from_args
+    from thinwire.run.presets import parse_cell
+    from thinwire.run.train import run_training
+    args, extra = build_parser().parse_known_args(
+        ["train", "--workload", "digits-mlp", "--algorithm", "diloco", "--workers", "2", "--steps", "12", "--period",
+         "4", "--outer-lr", "0.5", "--outer-momentum", "0.8", "--fragments", "2", "--overlap", "1", "--alpha",
+         "0.5", "--json"])
+    args.extra = parse_extra(extra)
+    cfg = config_from_args(args)
+    s = run_training(cfg, pool=pool2)
+    m = s["algorithm_metrics"]
+    assert (m["period"], m["fragments"], m["overlap"], m["alpha"]) == (4, 2, 1, 0.5)
+    # 6 fragment syncs merged at steps 2, 4, ..., 12; with α > 0 both fragments differ from θ: close() syncs both
+    assert "lr=0.5, momentum=0.8" in m["outer_optimizer"] and m["syncs"] == 6 + 2
+    cell = parse_cell("diloco:period=50,outer-lr=0.7,fragments=2+fp8")
+    assert cell.params == {"period": 50, "outer_lr": 0.7, "fragments": 2} and cell.compressor == "fp8"
+    args, extra = build_parser().parse_known_args(["train", "--algorithm", "diloco", "--period", "10",
+                                                   "--fragments", "3"])
+    args.extra = parse_extra(extra)
+    with pytest.raises(UserError, match="multiple of fragments"):
+        config_from_args(args).validate()
+
+
+# -- torchft's DiLoCo on the same model, data, seeds and settings ---------------------------------------------
+FT = {"period": 6, "fragments": 2, "overlap": 1, "alpha": 0.5, "outer_lr": 0.7, "outer_momentum": 0.9}
+FT_STEPS = 18
+
+
+def _ft_model():
+    torch.manual_seed(1)       # two layers of about equal size (136, 144): thinwire's fragments are the modules
+    return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 16)).double()
+
+
+def _ft_loss(model, xb, yb):
+    return torch.nn.functional.mse_loss(model(xb).mean(1), yb)
+
+
+def _ft_batches(rank, steps):
+    wl = workloads.get("linreg")
+    loader = workloads.ShardLoader(*wl.shard(rank, 2), 16, seed=0, rank=rank)
+    return [loader.next() for _ in range(steps)]
+
+
+def _thinwire_side(rank, world, params):
+    from thinwire import Trainer
+    model = _ft_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
+    tr = Trainer(model, opt, algorithm="diloco", **params)
+    out = []
+    for xb, yb in _ft_batches(rank, FT_STEPS):
+        _ft_loss(model, xb, yb).backward()
+        tr.step()
+        opt.zero_grad()
+        out.append(_flat(model))
+    tr.close()
+    return out, tr.algorithm.groups
+
+
+def _torchft_side(rank, world, lighthouse, params):
+    """One torchft replica group (one rank) per worker: its own TCPStore on 127.0.0.1, a Manager with
+    use_async_quorum=False, torchft's DiLoCo with one outer SGD per fragment (module)."""
+    import os
+    from datetime import timedelta
+    os.environ.setdefault("RUST_LOG", "warn")
+    import torch.distributed as dist
+    from torchft.local_sgd import DiLoCo as FTDiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from thinwire.run.launcher import _listen
+    fd, port = _listen("127.0.0.1", 0)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+    wait = timedelta(seconds=60)
+    manager = Manager(pg=ProcessGroupGloo(timeout=wait), load_state_dict=None, state_dict=None,
+                      min_replica_size=world, use_async_quorum=False, init_sync=False, replica_id=f"replica{rank}",
+                      store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                      hostname="127.0.0.1", timeout=wait, quorum_timeout=wait, connect_timeout=wait)
+    try:
+        model = _ft_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
+        fragments = [model[0], model[2]] if params["fragments"] == 2 else [model]
+        outer = [torch.optim.SGD(f.parameters(), lr=params["outer_lr"], momentum=params["outer_momentum"],
+                                 nesterov=params["outer_momentum"] > 0) for f in fragments]
+        out = []
+        with FTDiLoCo(manager, fragments, opt, outer, sync_every=params["period"],
+                      fragment_sync_delay=params["overlap"], fragment_update_alpha=params["alpha"]):
+            for xb, yb in _ft_batches(rank, FT_STEPS):
+                _ft_loss(model, xb, yb).backward()
+                opt.step()          # the step post-hook runs torchft's fragment schedule
+                opt.zero_grad()
+                out.append(_flat(model))
+        return out
+    finally:
+        manager.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("params", [FT, {**FT, "fragments": 1, "overlap": 0, "alpha": 0.0}],
+                         ids=["streaming F=2 τ=1 α=.5", "diloco H=6"])
+def test_equals_torchft_diloco(params, pool2, monkeypatch):
+    monkeypatch.setenv("RUST_LOG", "warn")      # the Lighthouse logs every quorum otherwise
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+    ours = pool2.run(_thinwire_side, params)
+    assert ours[0][1] == ([[0, 1], [2, 3]] if params["fragments"] == 2 else [[0, 1, 2, 3]])
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    try:
+        theirs = pool2.run(_torchft_side, lighthouse.address(), params)
+    finally:
+        lighthouse.shutdown()
+    worst = 0.0
+    for rank in range(2):
+        for step, (a, b) in enumerate(zip(ours[rank][0], theirs[rank])):
+            assert close(a, b, 1e-12), (rank, step + 1, float((a - b).abs().max()))
+            worst = max(worst, float((a - b).abs().max()))
+    print("largest difference to torchft over", FT_STEPS, "steps:", worst)
+    assert not torch.equal(ours[0][0][-1], ours[0][0][0])
