@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from thinwire import algorithms
-from thinwire.algorithms.diloco import split_fragments
+from thinwire.algorithms.diloco import fragment_bounds, segments
 from thinwire.errors import UserError
 from thinwire.run import workloads
 
@@ -50,16 +50,25 @@ def test_cli_strings_convert_and_defaults():
     assert sgd.param_groups[0]["nesterov"] is False and sgd.param_groups[0]["lr"] == 0.7
 
 
-def test_fragments_are_consecutive_balanced_and_cover_every_parameter():
-    assert split_fragments([64, 8, 64, 8], 2) == [[0, 1], [2, 3]]
-    assert split_fragments([10] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert split_fragments([1000, 1, 1, 1], 4) == [[0], [1], [2], [3]]      # each at least one parameter
-    assert split_fragments([5], 1) == [[0]]
-    for sizes, f in [([3, 100, 7, 7, 50, 1, 1, 80], 3), ([1] * 5, 5), ([9, 1, 9, 1, 9, 1], 2)]:
-        groups = split_fragments(sizes, f)
-        assert [i for g in groups for i in g] == list(range(len(sizes))) and all(groups)
-    with pytest.raises(UserError, match="at most the number of parameter tensors"):
-        split_fragments([5, 5], 3)
+def test_fragments_are_equal_element_ranges_cut_into_segments():
+    assert fragment_bounds(217, 3) == [0, 72, 144, 217] and fragment_bounds(144, 2) == [0, 72, 144]
+    assert fragment_bounds(5, 5) == [0, 1, 2, 3, 4, 5]
+    # parameters of 64, 8, 64, 8 elements in two fragments: each layer a fragment (torchft's modules)
+    assert segments([64, 8, 64, 8], [0, 72, 144]) == [(0, 0, 0, 64), (1, 0, 0, 8), (2, 1, 0, 64), (3, 1, 0, 8)]
+    # a tensor straddling a boundary is cut into one segment per fragment
+    assert segments([128, 8, 81], [0, 72, 144, 217]) == [(0, 0, 0, 72), (0, 1, 72, 128), (1, 1, 0, 8),
+                                                         (2, 1, 0, 8), (2, 2, 8, 81)]
+    for sizes, f in [([3, 100, 7, 7, 50, 1, 1, 80], 3), ([1] * 5, 5), ([9, 1, 9, 1, 9, 1], 4), ([1000], 7)]:
+        bounds = fragment_bounds(sum(sizes), f)
+        segs = segments(sizes, bounds)
+        for frag in range(f):   # every element once, every fragment within one element of T/F
+            assert sum(hi - lo for _, g, lo, hi in segs if g == frag) == bounds[frag + 1] - bounds[frag]
+            assert abs(bounds[frag + 1] - bounds[frag] - sum(sizes) / f) < 1
+        for i, n in enumerate(sizes):
+            mine = [(lo, hi) for j, _, lo, hi in segs if j == i]
+            assert mine[0][0] == 0 and mine[-1][1] == n and all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
+    with pytest.raises(UserError, match="at most the number of model parameters"):
+        fragment_bounds(2, 3)
 
 
 def test_schedule_is_staggered_and_overlapped_like_torchft():
@@ -156,9 +165,10 @@ def replay(model, params, steps, n=N):
     opts = [_inner(m, "adamw") for m in models]
     loaders = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
     ps = [list(m.parameters()) for m in models]
-    theta = [p.detach().clone() for p in ps[0]]
-    buf = [None] * len(theta)
-    groups = split_fragments([t.numel() for t in theta], F)
+    flat = lambda r: torch.cat([p.detach().reshape(-1) for p in ps[r]])     # noqa: E731
+    theta = flat(0).clone()                         # θ, the model flattened in model order
+    buf = torch.zeros_like(theta)
+    bounds = fragment_bounds(theta.numel(), F)      # F equal element ranges
     K = H // F
     pending = None
     for t in range(1, steps + 1):
@@ -170,16 +180,19 @@ def replay(model, params, steps, n=N):
         with torch.no_grad():
             if (t + tau) % K == 0:          # fragment f's outer gradient, averaged (sent τ steps before use)
                 f = ((t + tau) // K - 1) % F
-                pending = (f, {j: sum(theta[j] - ps[r][j] for r in range(n)) / n for j in groups[f]})
+                lo, hi = bounds[f], bounds[f + 1]
+                pending = (f, sum(theta[lo:hi] - flat(r)[lo:hi] for r in range(n)) / n)
             if t % K == 0:
-                f, delta = pending
-                for j in groups[f]:
-                    d = delta[j]
-                    buf[j] = d.clone() if buf[j] is None else mu * buf[j] + d
-                    theta[j] = theta[j] - lr * (d + mu * buf[j] if mu else d)
-                    for r in range(n):
-                        ps[r][j].copy_(alpha * ps[r][j] + (1 - alpha) * theta[j])
-    return [torch.cat([p.detach().reshape(-1) for p in ps[r]]) for r in range(n)]
+                f, d = pending
+                lo, hi = bounds[f], bounds[f + 1]
+                first = t <= H                  # torch.optim.SGD: the first buffer is the gradient itself
+                buf[lo:hi] = d if first else mu * buf[lo:hi] + d
+                theta[lo:hi] -= lr * (d + mu * buf[lo:hi] if mu else d)
+                for r in range(n):
+                    new = flat(r)
+                    new[lo:hi] = alpha * new[lo:hi] + (1 - alpha) * theta[lo:hi]
+                    torch.nn.utils.vector_to_parameters(new, ps[r])
+    return [flat(r) for r in range(n)]
 
 
 def close(a, b, tol=1e-10):
@@ -206,7 +219,7 @@ def test_equivalences_and_replays_on_linreg(pool4):
     mixed = [r["streaming F=2 τ=1 α=.5"][0] for r in results]
     assert not torch.equal(mixed[0], mixed[1])
     assert results[0]["streaming F=6 fusion"][2]["schedule"]["buckets"] > 1      # pieces of several buckets
-    assert results[0]["streaming F=3 τ=2"][2]["fragment_params"] == [128, 8, 81]     # consecutive tensors
+    assert results[0]["streaming F=3 τ=2"][2]["fragment_params"] == [72, 72, 73]     # tensors cut
 
 
 # -- compressed pseudo-gradients: nothing lost, only delayed -------------------------------------------------
@@ -226,9 +239,8 @@ def _ef_invariant(rank, world):
                                                        **cparams}, model="mlp", inner="adamw", compressor=comp,
                                memory=mem)
         alg = tr.algorithm
-        pieces = {alg._key(b, f): [i for i in b.members if alg.fragment_of[i] == f]
-                  for b in alg.scheduler.buckets for f in range(alg.fragments)}
-        theta = lambda members: torch.cat([alg.anchor[i].reshape(-1) for i in members]).clone()  # noqa: E731
+        pieces = {alg._key(b, f): alg.pieces(b, f) for b in alg.scheduler.buckets for f in range(alg.fragments)}
+        theta = lambda piece: torch.cat([alg.anchor[k].reshape(-1) for k in piece]).clone()  # noqa: E731
         theta0 = {k: theta(ms) for k, ms in pieces.items() if ms}
         inputs: dict = {}
         kept: dict = {}
@@ -367,12 +379,12 @@ FT_STEPS = 18
 
 
 def _ft_model():
-    torch.manual_seed(1)       # two layers of about equal size (136, 144): thinwire's fragments are the modules
-    return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 16)).double()
+    torch.manual_seed(1)       # two layers of 72 elements: thinwire's two fragments are the two modules
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)).double()
 
 
 def _ft_loss(model, xb, yb):
-    return torch.nn.functional.mse_loss(model(xb).mean(1), yb)
+    return torch.nn.functional.mse_loss(model(xb[:, :8]).mean(1), yb)
 
 
 def _ft_batches(rank, steps):
@@ -393,7 +405,7 @@ def _thinwire_side(rank, world, params):
         opt.zero_grad()
         out.append(_flat(model))
     tr.close()
-    return out, tr.algorithm.groups
+    return out, tr.algorithm.bounds
 
 
 def _torchft_side(rank, world, lighthouse, params):
@@ -441,7 +453,7 @@ def test_equals_torchft_diloco(params, pool2, monkeypatch):
     pytest.importorskip("torchft")
     from torchft._torchft import LighthouseServer
     ours = pool2.run(_thinwire_side, params)
-    assert ours[0][1] == ([[0, 1], [2, 3]] if params["fragments"] == 2 else [[0, 1, 2, 3]])
+    assert ours[0][1] == ([0, 72, 144] if params["fragments"] == 2 else [0, 144])
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
     try:
         theirs = pool2.run(_torchft_side, lighthouse.address(), params)

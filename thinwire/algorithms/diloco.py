@@ -15,10 +15,13 @@ error-feedback buffer in place of outer momentum, so pair it with `outer_momentu
 
 Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication: Towards a Distributed
 Free Lunch", arXiv 2501.18512, Algorithm 1 and §2.2–2.4) are three options of the same algorithm:
-- `fragments` F: the model's parameters in F fragments of consecutive parameters (model order, about equal element
-  counts, at least one parameter each; fragment 0 is the input side). Fragment p is synced every H steps, the
-  fragments staggered: one sync every K = H/F steps, fragments 0, 1, ..., F−1, 0, ... (§2.2). Each sync sends
-  1/F of the model, so the peak bytes per sync fall by about F while the average stays that of DiLoCo.
+- `fragments` F: the model's parameters, flattened in model order (fragment 0 is the input side), cut into F
+  consecutive ranges of equal element counts (⌊T f / F⌋ boundaries; a tensor may straddle two fragments: each
+  part is stepped and merged with its fragment). The paper cuts between layers of equal size; cutting elements
+  makes every fragment 1/F of the model whatever its layers, so the peak bytes per sync fall by F while the
+  average stays that of DiLoCo. Fragment p is synced every H steps, the fragments staggered: one sync every
+  K = H/F steps, fragments 0, 1, ..., F−1, 0, ... (§2.2). Where the boundaries fall between tensors (layers of
+  equal size) the fragments are torchft's per-module fragments.
 - `overlap` τ: the fragment's pseudo-gradient is taken (and its average starts) τ inner steps before the step
   that ends its period; the worker goes on training meanwhile and waits for the average only at that step
   (§2.3). 0 ≤ τ < K, so at most one fragment is in flight.
@@ -31,9 +34,12 @@ With F = 1, τ = 0, α = 0 this is DiLoCo. The schedule (the step that takes fra
 that merges it) is torchft's `DiLoCo(..., sync_every=H, fragment_sync_delay=τ, fragment_update_alpha=α)`.
 
 Like `localsgd`, on a step that takes a pseudo-gradient each bucket's inner step is taken as soon as backward
-hands the bucket over, and the pseudo-gradient of its parameters in the syncing fragment starts averaging at
-once, overlapped with the rest of backward. Exchange state (error-feedback residuals) is kept per piece of a
-bucket in one fragment, and follows a re-plan of the buckets (MG-WFBP).
+hands the bucket over, and the pseudo-gradient of its elements in the syncing fragment starts averaging at
+once, overlapped with the rest of backward. Exchange state (error-feedback residuals) is kept per piece (a
+bucket's elements in one fragment) and follows a re-plan of the buckets (MG-WFBP).
+θ is kept per segment (a parameter's elements in one fragment: the whole parameter, shaped like it, unless a
+fragment boundary cuts it, then a 1-D slice); the outer optimizer steps the segments, so any element-wise
+torch.optim optimizer works (a shape-aware one sees a cut parameter as 1-D slices).
 
 `close()` first merges a sync in flight, then takes one last outer step of every fragment whose parameters moved
 since its last merge into θ (as at the end of a period) and leaves every worker with θ: the same model everywhere.
@@ -58,25 +64,24 @@ from .base import Algorithm
 DEFAULT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 
 
-def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
-    """Parameter indices of `fragments` groups of consecutive parameters with about equal element counts (each
-    non-empty): parameter j joins the current group while its midpoint stays within the group's share."""
-    if fragments > len(sizes):
-        raise UserError(f"diloco fragments must be at most the number of parameter tensors ({len(sizes)}), got "
+def fragment_bounds(total: int, fragments: int) -> list[int]:
+    """The F + 1 boundaries of F consecutive element ranges of equal size (±1) over `total` elements."""
+    if fragments > total:
+        raise UserError(f"diloco fragments must be at most the number of model parameters ({total}), got "
                         f"{fragments}")
-    total = sum(sizes)
-    groups, start, acc = [], 0, 0
-    for f in range(fragments - 1):
-        share = total * (f + 1) / fragments
-        end = start + 1
-        acc += sizes[start]
-        while end < len(sizes) - (fragments - 1 - f) and acc + sizes[end] / 2 <= share:
-            acc += sizes[end]
-            end += 1
-        groups.append(list(range(start, end)))
-        start = end
-    groups.append(list(range(start, len(sizes))))
-    return groups
+    return [total * f // fragments for f in range(fragments + 1)]
+
+
+def segments(sizes: list[int], bounds: list[int]) -> list[tuple[int, int, int, int]]:
+    """(parameter, fragment, lo, hi): each parameter's elements [lo, hi) in each fragment, in model order."""
+    out, offset = [], 0
+    for i, n in enumerate(sizes):
+        for f in range(len(bounds) - 1):
+            lo, hi = max(bounds[f], offset), min(bounds[f + 1], offset + n)
+            if lo < hi:
+                out.append((i, f, lo - offset, hi - offset))
+        offset += n
+    return out
 
 
 def _outer_factory(outer_optimizer, outer_lr: float, outer_momentum: float, nesterov: bool) -> Callable:
@@ -144,20 +149,41 @@ class DiLoCo(Algorithm):
     # -- wiring ----------------------------------------------------------------------------------------
     def setup(self):
         self.exchange = self.make_exchange()
-        self.groups = split_fragments([p.numel() for p in self.params], self.fragments)
-        self.fragment_of = [0] * len(self.params)
-        for f, members in enumerate(self.groups):
-            for i in members:
-                self.fragment_of[i] = f
-        self.anchor = [p.detach().clone() for p in self.params]     # θ: the same on every worker
+        sizes = [p.numel() for p in self.params]
+        self.bounds = fragment_bounds(sum(sizes), self.fragments)
+        # θ per segment (a parameter's elements in one fragment): the same on every worker
+        self.segs = segments(sizes, self.bounds)
+        self.anchor = []
+        for i, f, lo, hi in self.segs:
+            p = self.params[i].detach()
+            whole = hi - lo == p.numel()
+            if not whole and not p.is_contiguous():
+                raise UserError(f"diloco: a fragment boundary cuts parameter {i} {tuple(p.shape)}, which is not "
+                                f"contiguous; use fewer fragments or a contiguous layout")
+            self.anchor.append(p.clone() if whole else p.reshape(-1)[lo:hi].clone())
+        self.by_param: list[list[int]] = [[] for _ in self.params]      # parameter -> its segments
+        self.by_fragment: list[list[int]] = [[] for _ in range(self.fragments)]
+        for k, (i, f, _, _) in enumerate(self.segs):
+            self.by_param[i].append(k)
+            self.by_fragment[f].append(k)
         self.outer = self._make_outer(self.anchor)
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise UserError(f"outer_optimizer must build a torch.optim.Optimizer, got {type(self.outer).__name__}")
         self.steps = 0                      # inner steps taken
         self.syncs = 0                      # fragment syncs merged (outer steps of one fragment)
-        self._pending: list = []            # (members, future of the mean pseudo-gradient) of the fragment in flight
+        self._pending: list = []            # (segments, future of their mean pseudo-gradient) in flight
         self._pending_fragment: int | None = None
         self._dirty = [False] * self.fragments   # the fragment's parameters differ from θ
+
+    def _local(self, k: int) -> torch.Tensor:
+        """Segment k of the worker's own parameters (a view, shaped like its θ)."""
+        i, _, lo, hi = self.segs[k]
+        p = self.params[i].detach()
+        return p if hi - lo == p.numel() else p.view(-1)[lo:hi]
+
+    def pieces(self, bucket, f: int) -> list[int]:
+        """The segments of the bucket's parameters in fragment f, in the bucket's order."""
+        return [k for i in bucket.members for k in self.by_param[i] if self.segs[k][1] == f]
 
     def attach(self, trainer) -> None:
         super().attach(trainer)
@@ -189,14 +215,14 @@ class DiLoCo(Algorithm):
         return bucket.key if self.fragments == 1 else f"{bucket.key}@{f}"
 
     def _start(self, bucket, f: int) -> None:
-        members = [i for i in bucket.members if self.fragment_of[i] == f]
-        if not members:
+        piece = self.pieces(bucket, f)
+        if not piece:
             return
         with torch.no_grad():      # Δ_i = θ − θ_i (DiLoCo Alg. 1 line 12), in the bucket's order
-            delta = torch.cat([(self.anchor[i] - self.params[i].detach()).reshape(-1) for i in members])
-        fut = self.exchange.start(delta, key=self._key(bucket, f), shapes=[tuple(self.params[i].shape)
-                                                                           for i in members])
-        self._pending.append((members, fut))
+            delta = torch.cat([(self.anchor[k] - self._local(k)).reshape(-1) for k in piece])
+        fut = self.exchange.start(delta, key=self._key(bucket, f), shapes=[tuple(self.anchor[k].shape)
+                                                                           for k in piece])
+        self._pending.append((piece, fut))
         self._pending_fragment = f
 
     def step(self):
@@ -217,23 +243,23 @@ class DiLoCo(Algorithm):
         """Wait for the fragments' averaged pseudo-gradients, step θ with the outer optimizer, then
         θ_local ← α θ_local + (1 − α) θ (Streaming DiLoCo §2.3; α = 0: θ, DiLoCo Alg. 1 line 3)."""
         with self.tracer.span("outer step", "communicate"):
-            for members, fut in self._pending:
+            for piece, fut in self._pending:
                 mean = fut.wait()
                 off = 0
-                for i in members:
-                    a = self.anchor[i]
+                for k in piece:
+                    a = self.anchor[k]
                     a.grad = mean[off:off + a.numel()].view_as(a)
                     off += a.numel()
             self._pending, self._pending_fragment = [], None
-            members = [i for f in fragments for i in self.groups[f]]
-            step_subset(self.outer, [self.anchor[i] for i in members])     # θ ← OuterOpt(θ, Δ) (Alg. 1 line 14)
-            for i in members:
-                a, p = self.anchor[i], self.params[i]
+            ks = [k for f in fragments for k in self.by_fragment[f]]
+            step_subset(self.outer, [self.anchor[k] for k in ks])      # θ ← OuterOpt(θ, Δ) (Alg. 1 line 14)
+            for k in ks:
+                a, local = self.anchor[k], self._local(k)
                 a.grad = None
                 if alpha == 0.0:
-                    p.copy_(a)
+                    local.copy_(a)
                 else:
-                    p.copy_(torch.lerp(a, p.detach(), alpha))     # θ + α (θ_local − θ), as torch's lerp
+                    local.copy_(torch.lerp(a, local, alpha))     # θ + α (θ_local − θ), as torch's lerp
             for f in fragments:
                 self._dirty[f] = alpha != 0.0
             self.syncs += len(fragments)
@@ -255,7 +281,7 @@ class DiLoCo(Algorithm):
         out: list[list[tuple[str, int]]] = [[] for _ in range(self.fragments)]
         for bucket in self.scheduler.buckets:
             for f in range(self.fragments):
-                n = sum(self.params[i].numel() for i in bucket.members if self.fragment_of[i] == f)
+                n = sum(self.anchor[k].numel() for k in self.pieces(bucket, f))
                 if n:
                     out[f].append((self._key(bucket, f), n))
         return out
@@ -273,8 +299,7 @@ class DiLoCo(Algorithm):
         return {**super().metrics(), "period": self.period, "fragments": self.fragments, "overlap": self.overlap,
                 "alpha": self.alpha, "outer_optimizer": self.outer_spec or
                 f"sgd(lr={self.outer_lr}, momentum={self.outer_momentum}, nesterov={self.nesterov})",
-                "syncs": self.syncs, "fragment_params": [sum(self.params[i].numel() for i in g)
-                                                         for g in self.groups]}
+                "syncs": self.syncs, "fragment_params": [b - a for a, b in zip(self.bounds, self.bounds[1:])]}
 
     def _config(self) -> dict:
         return {"period": self.period, "fragments": self.fragments, "overlap": self.overlap}
