@@ -226,6 +226,7 @@ def test_equivalences_and_replays_on_linreg(pool4):
 EF_CASES = {   # name -> (compressor, memory, params)
     "fp8": ("fp8", "residual", {}), "fp4": ("fp4", "residual", {"format": "e2m1", "chunk": 16}),
     "topk": ("topk", "residual", {"ratio": 0.1}),
+    "fp8 mgwfbp": ("fp8", "residual", {"schedule": "mgwfbp"}),
     "sparseloco": ("sparseloco", "residual", {"chunk": 32, "topk": 4}),
     "sparseloco decayed": ("sparseloco", "sparseloco", {"chunk": 32, "topk": 4, "beta": 0.9}),
     "demo decayed": ("demo", "demo", {"chunk": 32, "topk": 4, "beta": 0.9}),
@@ -233,50 +234,69 @@ EF_CASES = {   # name -> (compressor, memory, params)
 
 
 def _ef_invariant(rank, world):
+    """Per segment of θ (independent of the buckets, which MG-WFBP re-plans at step 3 with a sync in flight):
+    Σ Δ sent to the exchange, the memory's residual at the end (and Σ of the earlier ones), θ before and after."""
     out = {}
     for name, (comp, mem, cparams) in EF_CASES.items():
         tr, m, loader = _setup(rank, world, "diloco", {"period": 4, "fragments": 2, "overlap": 1, **NO_MOMENTUM,
                                                        **cparams}, model="mlp", inner="adamw", compressor=comp,
                                memory=mem)
         alg = tr.algorithm
-        pieces = {alg._key(b, f): alg.pieces(b, f) for b in alg.scheduler.buckets for f in range(alg.fragments)}
-        theta = lambda piece: torch.cat([alg.anchor[k].reshape(-1) for k in piece]).clone()  # noqa: E731
-        theta0 = {k: theta(ms) for k, ms in pieces.items() if ms}
-        inputs: dict = {}
+
+        def by_segment(flat, key):      # a piece's flat tensor, cut into its segments (the current buckets)
+            f = int(key.rsplit("@", 1)[1])
+            bucket = next(b for b in alg.scheduler.buckets if alg._key(b, f) == key)
+            parts = flat.split([alg.anchor[k].numel() for k in alg.pieces(bucket, f)])
+            return dict(zip(alg.pieces(bucket, f), parts))
+        theta0 = [a.reshape(-1).clone() for a in alg.anchor]
+        inputs = [torch.zeros_like(t) for t in theta0]
         kept: dict = {}
         start, update = alg.exchange.start, tr.memory.update
 
-        def recording(tensor, key=None, shapes=None, inplace=False, start=start, inputs=inputs):
-            inputs[key] = inputs.get(key, 0) + tensor.clone()       # Δ_i, what the worker meant to send
+        def recording(tensor, key=None, shapes=None, inplace=False, start=start):
+            for k, part in by_segment(tensor, key).items():
+                inputs[k] += part                    # Δ_i, what the worker meant to send
             return start(tensor, key, shapes, inplace)
 
-        def remembering(tensor, key, sent, update=update, kept=kept, memory=tr.memory):
+        def remembering(tensor, key, sent, update=update, memory=tr.memory):
             update(tensor, key, sent)
             kept.setdefault(key, []).append(memory.residuals[key].clone())    # e after each sync
         alg.exchange.start, tr.memory.update = recording, remembering
         _steps(tr, m, loader, 10)       # syncs start at steps 1, 3, 5, 7, 9 (fragments 0, 1, 0, 1, 0)
         tr.close()                      # fragment 1 moved since its merge at step 8: one last outer step
-        out[name] = {k: (inputs[k], kept[k], theta0[k], theta(pieces[k]), tr.memory.beta) for k in theta0}
+        last = [torch.zeros_like(t) for t in theta0]
+        earlier = [torch.zeros_like(t) for t in theta0]
+        for key, e in tr.memory.residuals.items():
+            for k, part in by_segment(e.reshape(-1), key).items():
+                last[k] += part
+            if key in kept:             # (keys of the final buckets; a re-planned run has β = 1)
+                for k, part in by_segment(sum(kept[key][:-1], torch.zeros_like(e)).reshape(-1), key).items():
+                    earlier[k] += part
+        out[name] = {"inputs": inputs, "last": last, "earlier": earlier, "theta0": theta0, "beta": tr.memory.beta,
+                     "theta": [a.reshape(-1).clone() for a in alg.anchor], "syncs": {k: len(v) for k, v in kept.items()},
+                     "buckets": len(alg.scheduler.buckets)}
     return out
 
 
 def test_compressed_pseudo_gradients_keep_the_error_feedback_invariant(pool4):
     """With outer lr 1 and no momentum θ moves by exactly the mean of what was sent. With e_t = β e_{t-1} + Δ_t − ŝ_t
     (error feedback, β = 1: nothing lost, only delayed; β < 1: SparseLoCo's and DeMo's decay forgets a share),
-    Σ_t ŝ_t = Σ_t Δ_t − e_T − (1 − β) Σ_{t<T} e_t, so θ_0 − θ_T = mean_i of that."""
+    Σ_t ŝ_t = Σ_t Δ_t − e_T − (1 − β) Σ_{t<T} e_t, so θ_0 − θ_T = mean_i of that, segment by segment."""
     results = pool4.run(_ef_invariant)
     for name in EF_CASES:
-        for key in results[0][name]:
-            def sent(r):
-                inputs, kept, *_, beta = r[name][key]
-                return inputs - kept[-1] - (1 - beta) * sum(kept[:-1])
-            want = sum(sent(r) for r in results) / len(results)
-            theta0, theta_t = results[0][name][key][2], results[0][name][key][3]
+        r0 = results[0][name]
+        for k in range(len(r0["theta0"])):
+            beta = r0["beta"]
+            want = sum(r[name]["inputs"][k] - r[name]["last"][k] - (1 - beta) * r[name]["earlier"][k]
+                       for r in results) / len(results)
+            got = r0["theta0"][k] - r0["theta"][k]
             # (fp32 accumulation of the gathered contributions: float32 rounding of the mean)
-            assert close(theta0 - theta_t, want, 1e-6), (name, key, float((theta0 - theta_t - want).abs().max()))
-            assert any(r[name][key][1][-1].abs().max() > 0 for r in results), (name, key)   # something delayed
-            assert len(results[0][name][key][1]) == 3         # fragment 0 at steps 1, 5, 9 (merged at 10);
-            # fragment 1 at steps 3, 7 and in close()
+            assert close(got, want, 1e-6), (name, k, float((got - want).abs().max()))
+            assert any(r[name]["last"][k].abs().max() > 0 for r in results), (name, k)   # something delayed
+        if "schedule" not in EF_CASES[name][2]:
+            # fragment 0 at steps 1, 5, 9 (merged at 10); fragment 1 at steps 3, 7 and in close()
+            assert sorted(r0["syncs"].values()) == [3, 3], r0["syncs"]
+    assert results[0]["fp8 mgwfbp"]["buckets"] < 6       # re-planned from one bucket per parameter
 
 
 # -- checkpoints: a resumed run equals the uninterrupted one ----------------------------------------------------
@@ -466,3 +486,90 @@ def test_equals_torchft_diloco(params, pool2, monkeypatch):
             worst = max(worst, float((a - b).abs().max()))
     print("largest difference to torchft over", FT_STEPS, "steps:", worst)
     assert not torch.equal(ours[0][0][-1], ours[0][0][0])
+
+
+# -- the planner: bytes per outer step, overlap of streaming syncs, the recommendation -------------------------
+def _scenario(**kw):
+    from thinwire.net import parse_network
+    from thinwire.plan.costmodel import Scenario
+    base = dict(params=1e6, compute_s=0.1, link=parse_network("wan"), workers=4)
+    base.update(kw)
+    return Scenario(**base)
+
+
+def test_cost_model_of_the_diloco_family():
+    from thinwire.net import parse_network, ring_allreduce
+    from thinwire.plan.costmodel import predict
+    s = _scenario()
+    plain = predict(s, "diloco", period=8)
+    local = predict(s, "localsgd", period=8)
+    assert plain.iteration_s == pytest.approx(local.iteration_s) and plain.bytes_per_step == pytest.approx(
+        local.bytes_per_step)
+    assert plain.bytes_per_sync == pytest.approx(ring_allreduce(s.link, 4, 4e6).sent)
+    for f in (2, 4, 8):     # a fragment per K = H/F steps: peak bytes / F, the same bytes per step
+        stream = predict(s, "diloco", period=8, fragments=f)
+        assert stream.bytes_per_sync == pytest.approx(plain.bytes_per_sync / f)
+        assert stream.bytes_per_step == pytest.approx(plain.bytes_per_step)
+        assert stream.iteration_s > plain.iteration_s        # F latencies where DiLoCo pays one
+    assert predict(s, "diloco", "fp8", period=8).bytes_per_sync < plain.bytes_per_sync / 1.9
+    # τ further inner steps hide a fragment's sync: fully when it is shorter than τ steps of compute
+    fast = _scenario(link=parse_network("custom:bandwidth=10gbit,latency=10ms"))
+    c_f = ring_allreduce(fast.link, 4, 4e6 / 4).time
+    assert c_f < 0.1
+    assert predict(fast, "diloco", period=8, fragments=4, overlap=1).iteration_s == pytest.approx(0.1)
+    assert predict(fast, "diloco", period=8, fragments=4).iteration_s == pytest.approx(0.1 + c_f / 2)
+
+
+@pytest.mark.parametrize("params", [{"period": 8}, {"period": 8, "fragments": 4, "overlap": 1},
+                                    {"period": 12, "fragments": 3, "overlap": 2}, {"period": 4, "overlap": 3}])
+def test_simulator_agrees_with_the_cost_model(params):
+    from thinwire.plan.costmodel import predict
+    from thinwire.plan.simulate import SimConfig, simulate
+    for latency in (0.05, 0.25):
+        from thinwire.net import Link
+        sim = simulate(SimConfig(workers=4, params=1e6, compute_s=0.1, compute_cv=0.0, bandwidth=100e6,
+                                 latency=latency, algorithm="diloco", collective="ring", steps=480, **params))
+        pred = predict(_scenario(link=Link(bandwidth=100e6, latency=latency)), "diloco", **params)
+        assert sim.iteration_s == pytest.approx(pred.iteration_s, rel=0.05), (params, latency)
+    with pytest.raises(UserError, match="fragments"):
+        SimConfig(algorithm="diloco", period=10, fragments=4).validate()
+
+
+def test_advise_recommends_period_fragments_and_bits_for_the_network(capsys):
+    from thinwire.cli import main
+    from thinwire.net import parse_network
+    from thinwire.plan.advise import recommend_diloco
+    from thinwire.plan.costmodel import predict
+    periods = []
+    for net in ("lan", "cluster", "wan", "world"):
+        s = _scenario(params=1.1e6, compute_s=0.03, link=parse_network(net))
+        rec = recommend_diloco(s, 0.9)
+        assert rec["reached"] and rec["scalability"] >= 0.9
+        # nothing smaller reaches the target: the same configuration one period down does not
+        got = predict(s, "diloco", rec["compressor"], period=rec["period"], fragments=rec["fragments"],
+                      overlap=rec["overlap"])
+        assert got.iteration_s == pytest.approx(rec["iteration_s"])
+        assert all(o["period"] >= rec["period"] for o in rec["options"] if o["reached"])
+        periods.append(rec["period"])
+    assert periods == sorted(periods) and periods[0] < periods[-1]     # thinner links need longer periods
+    # a long-latency, fast link with slow steps: hiding the sync behind inner steps allows a far smaller H
+    s = _scenario(compute_s=1.0, link=parse_network("custom:bandwidth=10gbit,latency=250ms"))
+    rec = recommend_diloco(s, 0.9)
+    plain = min(o["period"] for o in rec["options"] if o["reached"] and o["overlap"] == 0 and o["fragments"] == 1
+                and o["bits"] == 32)
+    assert rec["overlap"] > 0 and rec["period"] < plain
+    assert not recommend_diloco(_scenario(link=parse_network("custom:bandwidth=1kbit,latency=1s")), 0.99)["reached"]
+    assert main(["advise", "--model", "wide-mlp", "--network", "world", "--workers", "4", "--compute-ms", "30",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["diloco"]["reached"] and out["diloco"]["period"] > 1
+    rows = {r["config"]: r for r in out["ranking"]}
+    assert rows["diloco H=100 F=4 τ=1 fp4"]["bytes_per_sync"] < rows["diloco H=50"]["bytes_per_sync"] / 4
+    assert main(["advise", "--model", "wide-mlp", "--network", "wan", "--scalability", "0.95"]) == 0
+    assert "DiLoCo family: period H=" in capsys.readouterr().out
+    assert main(["advise", "--params", "1e6", "--scalability", "1.5"]) == 2
+    capsys.readouterr()
+    assert main(["simulate", "--algorithms", "diloco:period=8:fragments=2:overlap=1,diloco:period=8", "--workers",
+                 "4", "--latency", "50", "--steps", "40", "--json"]) == 0
+    sims = json.loads(capsys.readouterr().out)
+    assert len(sims) == 2 and all(0 < r["scalability"] <= 1 for r in sims)

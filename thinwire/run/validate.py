@@ -19,7 +19,10 @@ CONFIGS = {  # name -> (algorithm, parameters) as run by `thinwire train`
     "cdsgd": ("cdsgd", {"k": 5}),
     "localsgd": ("localsgd", {"period": 4}),
     "dts": ("dts", {"delay": 4, "period": 4}),
+    "diloco": ("diloco", {"period": 4}),
+    "streaming-diloco": ("diloco", {"period": 8, "fragments": 2, "overlap": 1}),
 }
+SEEDS = ("bsp", "bitsgd", "cdsgd", "localsgd", "dts")      # what tests/test_plan_validation.py checks
 WARMUP = {"dts": 16}   # steps before steady state: the first averages are applied (t−1)·p steps after launch
 
 
@@ -34,7 +37,7 @@ def measure(pool, workload: str, algorithm: str, params: dict, network: str, ste
     return statistics.mean(max(r["steps"][i]["step_s"] for r in results) for i in range(skip, steps))
 
 
-def compare(pool, workload: str = "digits-mlp", networks=("cluster", "wan"), names=tuple(CONFIGS),
+def compare(pool, workload: str = "digits-mlp", networks=("cluster", "wan"), names=SEEDS,
             steps: int = 48, workers: int = 4) -> list[dict]:
     """Rows of {network, config, measured_s, predicted_s, error, local_s} for each network × configuration."""
     from . import workloads
@@ -54,7 +57,7 @@ def compare(pool, workload: str = "digits-mlp", networks=("cluster", "wan"), nam
         for net in networks:
             s = Scenario(params=n_params, compute_s=local, link=parse_network(net), workers=workers,
                          handshake=True, x_memcpy=no_compression_cost)
-            predicted = predict(s, algorithm, **params).iteration_s
+            predicted = predict(s, algorithm, **params).iteration_s    # (diloco's overlap: its τ_o steps)
             rows.append({"network": net, "config": name, "measured_s": measured[net], "predicted_s": predicted,
                          "error": (predicted - measured[net]) / measured[net], "local_s": local})
     return rows

@@ -1,0 +1,99 @@
+"""`thinwire bench diloco`: the DiLoCo family's bytes per sync (peak bandwidth) and step times against the planner.
+
+    thinwire bench diloco                        # wide-mlp, 4 workers: bytes per sync, plain vs streaming, 32/8/4 bits
+    thinwire bench diloco --validate             # + predicted vs measured step times (digits-mlp, cluster and wan)
+
+Bytes per sync: each configuration trains `--steps` steps on `lan` (bytes do not depend on the link); the bytes a
+worker sent over those steps divided by the fragment syncs started in them (the largest step's bytes beside it: a
+sync overlapped with the next step may be counted on either), the cost model's `bytes_per_sync` beside it. Streaming DiLoCo sends 1/F of the model per sync (fragments are equal element ranges), F times as
+often: the peak falls by F, the bytes per step stay DiLoCo's. The validation runs each configuration as
+`thinwire.run.validate.compare` does for the seed algorithms (measured on `lan`, then on each network).
+"""
+from __future__ import annotations
+
+import json
+
+CASES = [  # label, compressor, parameters
+    ("diloco H=8", None, {"period": 8}),
+    ("streaming F=2 τ=1", None, {"period": 8, "fragments": 2, "overlap": 1}),
+    ("streaming F=4 τ=1", None, {"period": 8, "fragments": 4, "overlap": 1}),
+    ("streaming F=8", None, {"period": 8, "fragments": 8}),
+    ("diloco H=8 + fp8", "fp8", {"period": 8}),
+    ("streaming F=4 τ=1 + fp4", "fp4", {"period": 8, "fragments": 4, "overlap": 1}),
+]
+
+
+def bytes_per_sync(pool, workload: str, workers: int, steps: int) -> list[dict]:
+    from ...net import parse_network
+    from ...plan.costmodel import Scenario, predict
+    from .. import workloads
+    from ..train import TrainConfig, train_worker
+    n_params = workloads.get(workload).num_params()
+    rows = []
+    for label, comp, params in CASES:
+        cfg = TrainConfig(workload=workload, algorithm="diloco", workers=workers, network="lan", steps=steps,
+                          compressor=comp, params=dict(params), progress=False, eval_every=10 ** 6)
+        results = pool.run(train_worker, cfg, network="lan")
+        from ...algorithms import get
+        alg = get("diloco", **params)
+        syncs = sum(alg.starting(s) is not None for s in range(1, steps + 1))   # started within the steps
+        # a sync's bytes are counted when its collectives complete: on its step, or the next with overlap
+        sent = [sum(r["steps"][i]["bytes_sent"] for i in range(steps)) for r in results]
+        peak = max(max(r["steps"][i]["bytes_sent"] for i in range(steps)) for r in results)
+        s = Scenario(params=n_params, compute_s=0.0, link=parse_network("lan"), workers=workers)
+        pred = predict(s, "diloco", comp or "none", period=params["period"], fragments=params.get("fragments", 1),
+                       overlap=params.get("overlap", 0))
+        rows.append({"config": label, "compressor": comp, **params, "syncs": syncs,
+                     "bytes_per_sync": max(sent) / syncs, "peak_step_bytes": peak, "bytes_per_step": max(sent) / steps,
+                     "predicted_bytes_per_sync": pred.bytes_per_sync, "predicted_bytes_per_step": pred.bytes_per_step})
+    base = rows[0]["bytes_per_sync"]
+    for r in rows:
+        r["sync_vs_diloco"] = r["bytes_per_sync"] / base
+    return rows
+
+
+def run(args) -> int:
+    from ...errors import UserError
+    from ..launcher import Pool
+    from ..validate import compare
+    if args.steps < 8 or args.steps % 8:
+        raise UserError(f"--steps must be a multiple of 8 (the period of every configuration), got {args.steps}")
+    out = {}
+    with Pool(args.workers, timeout=900, start_timeout=600) as pool:
+        out["bytes_per_sync"] = rows = bytes_per_sync(pool, args.workload, args.workers, args.steps)
+        if not args.json:
+            print(f"{args.workload}, {args.workers} workers, {args.steps} steps (bytes one worker sends, the "
+                  f"busiest; close() not counted)")
+            print(f"{'configuration':<26} {'syncs':>5} {'B/sync':>10} {'predicted':>10} {'vs diloco':>9} "
+                  f"{'peak step B':>11} {'B/step':>9} {'predicted':>9}")
+            for r in rows:
+                print(f"{r['config']:<26} {r['syncs']:>5} {r['bytes_per_sync']:>10.0f} "
+                      f"{r['predicted_bytes_per_sync']:>10.0f} {r['sync_vs_diloco']:>9.3f} {r['peak_step_bytes']:>11.0f} "
+                      f"{r['bytes_per_step']:>9.0f} {r['predicted_bytes_per_step']:>9.0f}", flush=True)
+        if args.validate:
+            out["validate"] = val = compare(pool, workload="digits-mlp", networks=tuple(args.networks),
+                                            names=("diloco", "streaming-diloco"), steps=48, workers=args.workers)
+            if not args.json:
+                print("\npredicted vs measured step time (digits-mlp; compute measured on lan)")
+                for r in val:
+                    print(f"{r['network']:8s} {r['config']:18s} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
+                          f"{r['predicted_s'] * 1e3:8.1f} ms  error {r['error'] * 100:+6.1f}%", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("diloco", help="DiLoCo family: bytes per sync (plain vs streaming, bits), "
+                                             "predicted vs measured step times")
+    p.add_argument("--workload", default="wide-mlp")
+    p.add_argument("--workers", type=int, default=4, choices=range(2, 5), metavar="2..4")
+    p.add_argument("--steps", type=int, default=16, help="steps per configuration (a multiple of 8)")
+    p.add_argument("--validate", action="store_true", help="also predicted vs measured step times")
+    p.add_argument("--networks", nargs="+", default=["cluster", "wan"])
+    p.add_argument("--out", default=None, help="write the rows as JSON")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
