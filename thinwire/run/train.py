@@ -121,8 +121,7 @@ class TrainConfig:
 def build_trainer(cfg: TrainConfig, wl, model, tracer=None):
     """The Trainer for this configuration (used by the train loop and by the tests)."""
     from ..trainer import Trainer
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr or wl.lr,
-                          momentum=wl.momentum if cfg.momentum is None else cfg.momentum)
+    opt = wl.make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     return Trainer(model, opt, algorithm=cfg.algorithm, compressor=cfg.compressor, memory=cfg.memory,
                    tracer=tracer, nonfinite=cfg.nonfinite, **cfg.component_params())
 
