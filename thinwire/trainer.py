@@ -80,6 +80,11 @@ def check_on_failure(on_failure: str, algorithm) -> None:
         raise UserError(f"on_failure='continue' needs an algorithm whose averages stay meaningful over fewer "
                         f"workers; {algorithm.name!r} is not one; valid: {', '.join(valid)} "
                         f"(elsewhere: on_failure='stop' and resume from a checkpoint)")
+    from .comm.membership import MEMBERSHIP
+    if on_failure == "continue" and not MEMBERSHIP.watching:
+        raise UserError("on_failure='continue' needs thinwire's launcher to announce the survivors: start the "
+                        "workers with thinwire.launch(..., on_failure='continue') (thinwire train "
+                        "--on-failure continue); under torchrun use on_failure='stop' and --max-restarts")
 
 
 class Trainer:
