@@ -13,12 +13,15 @@ from thinwire.trainer import build_components
 
 
 def test_rules_and_parameter_routing():
-    assert "gossip" in algorithms.registry.lookup("bsp").architectures
+    from thinwire.algorithms.bsp import BSP
+    from thinwire.algorithms.dpsgd import BSPOnGossip
+    from thinwire.algorithms.ps_sync import PSBSP
+    assert algorithms.architectures("bsp") == ("allreduce", "ps", "gossip")
     assert algorithms.registry.accepts("bsp", "topology") and algorithms.registry.accepts("dpsgd", "topology")
-    alg, comp, mem = build_components("bsp", architecture="gossip", topology="ring", consensus_every="3")
-    assert alg.gossip.topology_name == "ring" and alg.gossip.consensus_every == 3
-    assert algorithms.get("bsp", architecture="gossip").gossip.topology_name == "complete"  # = all-reduce
-    assert algorithms.get("bsp").gossip is None and algorithms.get("bsp", architecture="ps").gossip is None
+    alg, comp, mem, *_ = build_components("bsp", architecture="gossip", topology="ring", consensus_every="3")
+    assert type(alg) is BSPOnGossip and alg.topology_name == "ring" and alg.consensus_every == 3
+    assert algorithms.get("bsp", architecture="gossip").topology_name == "complete"  # = all-reduce
+    assert type(algorithms.get("bsp")) is BSP and type(algorithms.get("bsp", architecture="ps")) is PSBSP
     assert build_components("dpsgd", topology="torus")[0].topology_name == "torus"   # others unchanged
     with pytest.raises(UserError, match="unknown parameter 'topology'.*valid"):
         build_components("localsgd", topology="ring")

@@ -11,7 +11,7 @@ import torch
 
 from thinwire.compress import compressors
 from thinwire.errors import UserError
-from thinwire.plan import cdsgd as tm
+from thinwire.net import cdsgd as tm
 
 LR, MOM, ETA_LOC, ALPHA, BATCH = 0.05, 0.5, 0.08, 0.5, 16
 
@@ -70,7 +70,7 @@ def test_cli_flags_reach_algorithm_and_compressor():
     args, extra = build_parser().parse_known_args(argv)
     args.extra = parse_extra(extra)
     cfg = config_from_args(args).validate()
-    alg, comp, mem = build_components(cfg.algorithm, cfg.compressor, cfg.memory, **cfg.params)
+    alg, comp, mem, *_ = build_components(cfg.algorithm, cfg.compressor, cfg.memory, **cfg.params)
     assert (alg.name, alg.k, alg.warmup, alg.local_lr) == ("cdsgd", 5, 20, 0.2)
     assert (comp.name, comp.threshold, mem.name) == ("threshold2bit", 0.01, "residual")
     with pytest.raises(UserError, match="k must be"):

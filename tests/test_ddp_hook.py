@@ -100,3 +100,38 @@ def test_ddp_topk_residual_trains_digits(pool2):
     (acc0, target), (acc1, _) = res
     assert acc0 == acc1            # DDP keeps the replicas identical
     assert acc0 >= target
+
+
+def _rebuild_worker(rank, world_size):
+    """top-k + residual as a DDP hook across DDP's bucket rebuild (after iteration 1): nothing a residual held
+    is dropped. lr 0 keeps the model fixed, so Σ_t aggregate_t + mean_r residual_r = mean_r Σ_t g_r,t."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 24),
+                              torch.nn.ReLU(), torch.nn.Linear(24, 5))
+    model = DDP(net, bucket_cap_mb=0.002)
+    state, hook = tw.ddp_hook("topk", memory="residual", ratio=0.2)
+    model.register_comm_hook(state, hook)
+    params = list(model.parameters())
+    local, agg = torch.zeros(sum(p.numel() for p in params)), torch.zeros(sum(p.numel() for p in params))
+    keys = []
+    for it in range(4):
+        g = torch.Generator().manual_seed(100 * it + rank)
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        local += torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params, retain_graph=True)])
+        model.zero_grad()
+        loss.backward()
+        agg += torch.cat([p.grad.reshape(-1) for p in params])
+        keys.append(sorted({state.slots[id(p)][0] for p in params}))
+    residual = torch.cat([state.memory.residuals[state.slots[id(p)][0]][o:o + p.numel()]
+                          for p in params for o in [state.slots[id(p)][1]]])
+    return local, agg, residual, keys
+
+
+def test_error_feedback_follows_ddps_bucket_rebuild(pool2):
+    out = pool2.run(_rebuild_worker)
+    local = sum(o[0] for o in out) / 2
+    residual = sum(o[2] for o in out) / 2
+    assert out[0][3][0] != out[0][3][-1]       # DDP rebuilt its buckets: the keys changed after iteration 1
+    assert torch.allclose(out[0][1] + residual, local, atol=1e-5)

@@ -83,6 +83,18 @@ if _spec:  # "rank:step:stampfile": that rank SIGKILLs itself when it fetches th
             os.kill(os.getpid(), signal.SIGKILL)
         return _orig(self)
     _wl.ShardLoader.next = _next
+_stall = os.environ.get("THINWIRE_STALL")
+if _stall:  # "rank:step": that rank's training thread blocks for good when it fetches that step's batch
+    import time
+    from thinwire.run import workloads as _wl2
+    _srank, _sstep = (int(v) for v in _stall.split(":"))
+    _orig2 = _wl2.ShardLoader.next
+    def _next2(self):
+        self._stall_n = getattr(self, "_stall_n", 0) + 1
+        if self.rank == _srank and self._stall_n == _sstep:
+            time.sleep(10**6)
+        return _orig2(self)
+    _wl2.ShardLoader.next = _next2
 '''
 STEPS, EVERY, NET = 80, 7, "custom:latency=10ms"   # >= 10 ms per step: a run outlives its first checkpoint
 RUN = ["train", "--workload", "linreg", "--workers", "2", "--steps", str(STEPS), "--network", NET, "--json",
@@ -138,6 +150,23 @@ def test_worker_killed_at_a_random_step_resumes_to_the_same_model(seed, uninterr
     _assert_nothing_left(tag)
     assert _check_intact(os.path.join(out, "checkpoint")) == (step - 1) // EVERY * EVERY
     _resume_and_compare(out, uninterrupted, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_stalled_training_thread_stops_the_cli_in_one_line(tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    tag = f"{os.getpid()}-stall"
+    env = {**ENV, "THINWIRE_STALL": "1:6", "THINWIRE_TEST_TAG": tag,
+           "PYTHONPATH": os.pathsep.join([str(hooks), ENV.get("PYTHONPATH", "")])}
+    r = _cli(["train", "--workload", "linreg", "--workers", "2", "--steps", "1000000", "--quiet",
+              "--progress-timeout", "2"], env=env)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("thinwire: rank 1 made no progress for "), r.stderr
+    assert "(stuck at step 5; others at step 6)" in lines[0], r.stderr
+    _assert_nothing_left(tag)
 
 
 def _children(parent: int) -> list[int]:
@@ -413,3 +442,70 @@ def test_stalling_link_deadlocks_no_asynchronous_algorithm(algorithm, params, po
     assert [len(o["steps"]) for o in out] == [10, 10]
     assert all(math.isfinite(o["final"]) for o in out)
     assert all(o["meter"]["total"]["emulated_s"] > 0.2 for o in out)  # the link did stall
+
+
+# -- 9. SIGTERM; planted checkpoints -----------------------------------------------------------------------
+@pytest.mark.slow
+def test_sigterm_ends_the_run_in_one_line_with_checkpoints_intact(tmp_path):
+    out, tag = str(tmp_path / "run"), f"{os.getpid()}-sigterm"
+    proc = subprocess.Popen(THINWIRE + RUN + ["--checkpoint-every", str(EVERY), "--out", out],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "THINWIRE_TEST_TAG": tag})
+    manifest = os.path.join(out, "checkpoint", checkpoint.MANIFEST)
+    deadline = time.monotonic() + 300
+    while not os.path.exists(manifest) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before its first checkpoint"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == ["thinwire: terminated (SIGTERM)"], err  # no leaked-semaphore warning
+    _assert_nothing_left(tag)
+    assert _check_intact(os.path.join(out, "checkpoint")) % EVERY == 0
+
+
+def _plant(ck: str, rank: int, obj) -> None:
+    """Replace a rank's file and make the manifest vouch for it (someone who can write the directory can)."""
+    path = os.path.join(ck, f"rank-{rank}.pt")
+    torch.save(obj, path)
+    with open(os.path.join(ck, checkpoint.MANIFEST)) as f:
+        manifest = json.load(f)
+    import hashlib
+    manifest["sha256"][str(rank)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    with open(os.path.join(ck, checkpoint.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+
+
+def test_planted_checkpoints_are_refused_in_one_line(pool2, tmp_path, capfd):
+    import argparse
+
+    from thinwire.cli import main
+    ck = str(tmp_path / "ck")
+    _ck_run(pool2, ck, 3)  # a checkpoint at step 2
+    _plant(ck, 1, {"step": 2, "trainer": argparse.Namespace(x=1)})
+    capfd.readouterr()
+    assert main(["train", "--workload", "linreg", "--workers", "2", "--steps", "4", "--resume", ck, "--quiet"]) == 2
+    err = capfd.readouterr().err  # the workers' output included
+    assert err.strip().splitlines() == [
+        f"thinwire: error: checkpoint file '{ck}/rank-1.pt' is refused: it refers to argparse.Namespace, which is "
+        f"not a tensor or a plain container (torch.load(weights_only=True) refused it; nothing in it was run)"], err
+    # a file of tensors that is no checkpoint; a raw pickle; a manifest of the wrong shape: one line each
+    _plant(ck, 1, torch.ones(3))
+    with pytest.raises(UserError, match=r"rank-1.pt' is not a thinwire checkpoint") as e:
+        checkpoint.load(ck, 1)
+    import pickle
+    with open(os.path.join(ck, "rank-0.pt"), "wb") as f:
+        pickle.dump({"step": 2}, f)
+    with open(os.path.join(ck, checkpoint.MANIFEST)) as f:
+        manifest = json.load(f)
+    manifest.pop("sha256")  # a manifest from before checksums: nothing vouches, torch.load decides
+    with open(os.path.join(ck, checkpoint.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(UserError, match=r"rank-0.pt' is refused: it holds something that is not a tensor") as e0:
+        checkpoint.load(ck, 0)
+    with open(os.path.join(ck, checkpoint.MANIFEST), "w") as f:
+        json.dump([manifest], f)
+    with pytest.raises(UserError, match="is not a thinwire manifest") as e2:
+        checkpoint.check(ck, 2, _linreg())
+    assert all(len(str(x.value).splitlines()) == 1 for x in (e, e0, e2))
+    assert capfd.readouterr().err == ""  # no warning from torch either

@@ -104,3 +104,86 @@ def test_port_in_use_is_a_user_error():
             tw.launch(_identity, world_size=1, args=(0,), port=s.getsockname()[1])
     finally:
         s.close()
+
+
+def _listening(pids: list[int]) -> list[str]:
+    """The local addresses (`ip:port`) of the TCP sockets these processes listen on, from /proc."""
+    import ipaddress
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        if not os.path.exists(table):
+            continue
+        for line in open(table).read().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexip, hexport = cols[1].split(":")
+            raw = bytes.fromhex(hexip)  # kernel byte order: 32-bit words, each little-endian
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append(f"{ipaddress.ip_address(raw)}:{int(hexport, 16)}")
+    return found
+
+
+def _gloo_listeners(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    dist.all_reduce(torch.ones(1))
+    return _listening([os.getpid()])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads listening sockets from Linux's /proc/net/tcp")
+def test_store_and_gloo_listen_on_loopback_only():
+    with tw.Pool(2) as pool:
+        store = _listening([os.getpid()])
+        workers = pool.run(_gloo_listeners)
+    assert f"127.0.0.1:{pool.port}" in store, store
+    addresses = store + [a for w in workers for a in w]
+    assert addresses and all(a.startswith("127.") for a in addresses), addresses
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"world_size": 513}, "at most 512"),
+    ({"world_size": 2, "progress_timeout": float("nan")}, "progress_timeout must be"),
+    ({"world_size": 2, "timeout": -1}, "timeout must be"),
+    ({"world_size": 2, "worker_init": 3}, "worker_init must be callable"),
+])
+def test_bad_pool_arguments_start_nothing(kwargs, message):
+    from unittest import mock
+
+    from thinwire.run import launcher
+
+    class Tripwire:  # were a check missing, nothing is spawned (513 workers would exhaust a small machine)
+        def __getattr__(self, name):
+            raise AssertionError(f"started despite bad input (multiprocessing {name})")
+    with mock.patch.object(launcher, "_ctx", Tripwire()), pytest.raises(UserError, match=message):
+        tw.Pool(**kwargs)
+
+
+def _enter(tag, rank, world_size):
+    os.environ["THINWIRE_INIT_TAG"] = f"{tag}-{rank}-{world_size}"
+
+
+def _read_tag(rank, world_size):
+    return os.environ.get("THINWIRE_INIT_TAG")
+
+
+def _init_fails(rank, world_size):
+    if rank == 1:
+        raise OSError("no such namespace")
+
+
+def test_worker_init_runs_in_each_worker_before_the_process_group():
+    import functools
+    assert tw.launch(_read_tag, 2, worker_init=functools.partial(_enter, "ns")) == ["ns-0-2", "ns-1-2"]
+    with pytest.raises(WorkerError, match="worker_init failed: OSError: no such namespace") as err:
+        tw.launch(_read_tag, 2, worker_init=_init_fails)
+    assert err.value.rank == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from thinwire.plan.validate import compare
+from thinwire.run.validate import compare
 
 
 @pytest.mark.slow

@@ -128,3 +128,88 @@ def test_jitter_and_loss_stalls_change_no_result_and_deadlock_nothing(pool2):
         stalled = pool2.run(_final_sha, algorithm, params, lossy)
         assert [c[0] for c in clean] == [s[0] for s in stalled], algorithm
         assert all(s[1] > 0.2 for s in stalled)  # at least one loss stall (≥ 200 ms) was emulated
+
+
+# -- the progress watchdog: a training thread that blocks while the process lives on -----------------------
+def _train_stalling(rank, world_size, cfg, bad_rank, at_step):
+    """train_worker whose `bad_rank` blocks for good when it fetches the batch of `at_step` (its heartbeat
+    thread beats on: the process is alive, only its training is stuck)."""
+    import time as _t
+
+    from thinwire.run import workloads
+    orig, calls = workloads.ShardLoader.next, [0]
+
+    def next_batch(self):
+        calls[0] += 1
+        if calls[0] == at_step:
+            _t.sleep(10**6)
+        return orig(self)
+    if rank == bad_rank:
+        workloads.ShardLoader.next = next_batch
+    try:
+        return train_worker(rank, world_size, cfg)
+    finally:
+        workloads.ShardLoader.next = orig
+
+
+def _slow_then_deadlocked(rank, world_size):
+    """Steps of >= 0.2 s, a pause of 3 s (within 50 median steps: not a stall), then both ranks wait on a
+    receive from each other: a stuck collective, no rank ahead."""
+    import time as _t
+    import torch.distributed as dist
+    from thinwire.run.launcher import report_progress
+    for step in range(1, 6):
+        _t.sleep(0.2)
+        report_progress(step)
+    _t.sleep(3.0)
+    report_progress(6)
+    dist.recv(torch.zeros(1), src=1 - rank)
+
+
+def test_a_stalled_training_thread_is_named_by_the_progress_watchdog():
+    from thinwire.run.launcher import NoProgressError, Pool
+    cfg = TrainConfig(workload="linreg", algorithm="bsp", workers=2, steps=10**6, progress=False)
+    pool = Pool(2, progress_timeout=2.0)
+    pids = pool.pids
+    with pytest.raises(NoProgressError) as err:
+        pool.run(_train_stalling, cfg, 1, 5)
+    assert err.value.rank == 1, str(err.value)
+    assert "rank 1 made no progress for" in str(err.value) and "(stuck at step 4; others at step 5)" in str(err.value)
+    assert len(str(err.value).splitlines()) == 1
+    assert pool._closed and not [p for p in pids if os.path.exists(f"/proc/{p}/status")
+                                 and "zombie" not in open(f"/proc/{p}/status").read()]
+
+
+def test_the_watchdog_scales_with_the_step_time_and_names_a_stuck_collective():
+    from thinwire.run.launcher import NoProgressError, Pool
+    pool = Pool(2, progress_timeout=1.0)
+    with pytest.raises(NoProgressError, match=r"no rank made progress for .* all at step 6\): a collective is "
+                                              r"stuck") as err:
+        pool.run(_slow_then_deadlocked)
+    assert err.value.rank == -1
+
+
+def test_a_resumed_run_counts_the_whole_run(pool2, tmp_path):
+    """Bytes, ops, emulated time and skipped steps of the segment before the checkpoint are in the resumed
+    run's summary (they were lost: 174 000 bytes reported instead of 348 000)."""
+    from thinwire.run.train import summarize
+    ck = str(tmp_path / "ck")
+    base = dict(workload="linreg", algorithm="bsp", workers=2, steps=8, progress=False,
+                network="custom:latency=1ms")
+    cfg = TrainConfig(checkpoint_every=4, checkpoint_dir=ck, **base)
+    whole = pool2.run(train_worker, cfg, network=cfg.network)
+    again = TrainConfig(resume=ck, checkpoint_every=6, checkpoint_dir=str(tmp_path / "ck2"), **base).validate()
+    resumed = pool2.run(train_worker, again, network=cfg.network)
+    s_whole, s_resumed = summarize(cfg, whole, 0.0)[0], summarize(again, resumed, 0.0)[0]
+    assert s_resumed["steps"] == 8 and s_resumed["bytes_sent_per_worker"] > 0
+    assert s_resumed["bytes_sent_per_worker"] == s_whole["bytes_sent_per_worker"]
+    assert s_resumed["emulated_comm_s"] == pytest.approx(s_whole["emulated_comm_s"], rel=1e-9)
+    for w, r in zip(whole, resumed):
+        assert r["meter"]["total"]["ops"] == w["meter"]["total"]["ops"]
+        assert {k: v["ops"] for k, v in r["meter"]["by_kind"].items()} == \
+            {k: v["ops"] for k, v in w["meter"]["by_kind"].items()}
+        assert r["metrics"]["bytes_sent"] == w["metrics"]["bytes_sent"]
+    # a checkpoint written by the resumed run counts from step 0 as well (a second resume stays whole)
+    third = TrainConfig(resume=str(tmp_path / "ck2"), **base).validate()
+    s_third = summarize(third, pool2.run(train_worker, third, network=cfg.network), 0.0)[0]
+    assert s_third["bytes_sent_per_worker"] == s_whole["bytes_sent_per_worker"]

@@ -347,3 +347,21 @@ def _start(pool):
 
 def _noop(rank, world_size):
     return rank
+
+
+def test_every_algorithm_exchanges_buckets_during_backward(pool2, tmp_path):
+    """dts, cdsgd and localsgd take the scheduler's path: a bucket's exchange starts from its gradient hook,
+    before the backward pass that produced it ends (the trace shows it)."""
+    from thinwire.run.train import TrainConfig, run_training
+    for algorithm, params in [("dts", {"delay": 2, "period": 2}), ("cdsgd", {"warmup": 2, "k": 2}),
+                              ("localsgd", {"period": 2})]:
+        cfg = TrainConfig(workload="digits-mlp", algorithm=algorithm, workers=2, network="custom:latency=2ms",
+                          steps=6, trace=True, progress=False,
+                          params={"schedule": "wfbp", "serial": False, "pipeline": False, **params})
+        summary = run_training(cfg, out=str(tmp_path / algorithm), pool=pool2.pool or _start(pool2))
+        with open(summary["trace"]) as f:
+            spans = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e["pid"] == 0]
+        bw = [e for e in spans if e["cat"] == "backward"]
+        comm = [e for e in spans if e["cat"] == "communicate"]
+        assert comm, algorithm
+        assert any(b["ts"] <= c["ts"] < b["ts"] + b["dur"] for b in bw for c in comm), algorithm

@@ -15,7 +15,7 @@ from .comm import Transport
 from .compress import compressors, memories
 from .errors import UserError, WorkerError
 from .net import Link, parse_network
-from .run.launcher import Pool, init, launch
+from .run.launcher import Pool, init, launch, report_progress
 from .trainer import Trainer
 
 __version__ = "0.1.0"
@@ -28,4 +28,4 @@ def ddp_hook(*args, **kwargs):
 
 
 __all__ = ["Link", "Pool", "Trainer", "Transport", "UserError", "WorkerError", "algorithms", "compressors",
-           "ddp_hook", "init", "launch", "memories", "parse_network"]
+           "ddp_hook", "init", "launch", "memories", "parse_network", "report_progress"]

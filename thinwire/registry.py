@@ -46,21 +46,41 @@ def _convert(value: Any, default: Any, annotation: Any) -> Any:
 class Registry:
     """A table of named constructors of one family (compressor, algorithm, workload, ...)."""
 
-    def __init__(self, family: str):
+    def __init__(self, family: str, variant_param: str | None = None, default_variant: Callable | None = None):
         self.family = family
         self._table: dict[str, Callable] = {}
         self.compose: Callable | None = None   # optional: builds the constructor of a composite "a+b" name
+        # one constructor per (name, value of `variant_param`), e.g. an algorithm per architecture
+        self.variant_param = variant_param
+        self.default_variant = default_variant      # constructor -> the variant value it is the default for
+        self._variants: dict[str, dict[str, Callable]] = {}
 
-    def register(self, name: str | None = None):
+    def register(self, name: str | None = None, variant: str | None = None):
+        """Register a constructor under `name`; with `variant`, the one `get(name, <variant_param>=variant)`
+        builds (the plain registration is the default variant)."""
         def deco(obj):
             key = name or getattr(obj, "name", None) or obj.__name__.lower()
-            if key in self._table and self._table[key] is not obj:
+            if variant is not None:
+                self._variants.setdefault(key, {})[variant] = obj
+            elif key in self._table and self._table[key] is not obj:
                 raise RuntimeError(f"{self.family} {key!r} registered twice")
-            self._table[key] = obj
-            if isinstance(obj, type) and not getattr(obj, "name", None):
+            else:
+                self._table[key] = obj
+            if isinstance(obj, type) and not vars(obj).get("name"):   # its own name, not a base class's
                 obj.name = key
             return obj
         return deco
+
+    def variants(self, name: str) -> dict[str, Callable]:
+        """The constructors registered for the variants of `name` (besides its default)."""
+        return dict(self._variants.get(name, {}))
+
+    def constructor(self, name: str, params: dict) -> Callable:
+        """The constructor `get(name, **params)` uses (the variant named by `params`, else the default)."""
+        ctor = self.lookup(name)
+        if self.variant_param is not None:
+            return self._variants.get(name, {}).get(params.get(self.variant_param), ctor)
+        return ctor
 
     def names(self) -> list[str]:
         return sorted(self._table)
@@ -76,11 +96,15 @@ class Registry:
         return self._table[name]
 
     def parameters(self, name: str) -> dict[str, Any]:
-        """The keyword parameters a constructor takes, with their defaults (None when required)."""
-        sig = inspect.signature(self.lookup(name))
-        return {p.name: (None if p.default is inspect.Parameter.empty else p.default)
-                for p in sig.parameters.values()
-                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
+        """The keyword parameters a constructor takes, with their defaults (None when required); with
+        variants, those of every variant (the default's defaults first)."""
+        out: dict[str, Any] = {}
+        for ctor in [self.lookup(name), *self._variants.get(name, {}).values()]:
+            sig = inspect.signature(ctor)
+            for p in sig.parameters.values():
+                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self":
+                    out.setdefault(p.name, None if p.default is inspect.Parameter.empty else p.default)
+        return out
 
     def accepts(self, name: str, param: str) -> bool:
         return param in self.parameters(name)
@@ -91,24 +115,21 @@ class Registry:
             if params:
                 raise UserError(f"parameters {sorted(params)} given with a ready-made {self.family} object")
             return name
-        ctor = self.lookup(name)
-        sig = inspect.signature(ctor)
-        valid = {p.name: p for p in sig.parameters.values() if p.name != "self"}
-        takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in valid.values())
-        kwargs = {}
-        for key, value in params.items():
-            if key not in valid and not takes_kwargs:
-                names = ", ".join(k for k, p in valid.items() if p.kind != p.VAR_KEYWORD) or "none"
-                raise UserError(f"{self.family} {name!r} has no parameter {key!r}; its parameters: {names}")
-            p = valid.get(key)
-            try:
-                kwargs[key] = _convert(value, p.default if p else None, p.annotation if p else None)
-            except UserError as e:
-                raise UserError(f"{self.family} {name!r} parameter {key!r}: {e}") from None
-        try:
-            return ctor(**kwargs)
-        except TypeError as e:
-            raise UserError(f"{self.family} {name!r}: {e}") from None
+        ctor = self.constructor(name, params)
+        if self.variant_param is not None:      # a parameter of another variant: say which one takes it
+            own = set(inspect.signature(ctor).parameters)
+            main = self.lookup(name)
+            everyone = {**({self.default_variant(main): main} if self.default_variant else {}),
+                        **self._variants.get(name, {})}
+            for key in params:
+                takers = [v for v, c in everyone.items() if c is not ctor and key in inspect.signature(c).parameters]
+                if key not in own and takers:
+                    mine = params.get(self.variant_param) or (self.default_variant(main) if self.default_variant
+                                                              else "default")
+                    raise UserError(f"{self.family} {name!r}: {key} is for {self.variant_param}={takers[0]} "
+                                    f"(--{self.variant_param} {takers[0]}); {self.variant_param} {mine!r} "
+                                    f"has no {key}")
+        return call(ctor, f"{self.family} {name!r}", params)
 
     def describe(self) -> list[dict]:
         rows = []
@@ -118,6 +139,28 @@ class Registry:
             doc = [line for line in inspect.cleandoc(own).splitlines() if line.strip()]
             rows.append({"name": key, "summary": doc[0] if doc else "", "parameters": self.parameters(key)})
         return rows
+
+
+def call(ctor: Callable, what: str, params: dict):
+    """`ctor(**params)` with CLI strings converted to the types its signature declares; an unknown parameter
+    or a bad value is a UserError naming `what` and its valid parameters."""
+    sig = inspect.signature(ctor)
+    valid = {p.name: p for p in sig.parameters.values() if p.name != "self"}
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in valid.values())
+    kwargs = {}
+    for key, value in params.items():
+        if key not in valid and not takes_kwargs:
+            names = ", ".join(k for k, p in valid.items() if p.kind != p.VAR_KEYWORD) or "none"
+            raise UserError(f"{what} has no parameter {key!r}; its parameters: {names}")
+        p = valid.get(key)
+        try:
+            kwargs[key] = _convert(value, p.default if p else None, p.annotation if p else None)
+        except UserError as e:
+            raise UserError(f"{what} parameter {key!r}: {e}") from None
+    try:
+        return ctor(**kwargs)
+    except TypeError as e:
+        raise UserError(f"{what}: {e}") from None
 
 
 def import_submodules(package_name: str, package_path) -> None:

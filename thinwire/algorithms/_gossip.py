@@ -89,6 +89,7 @@ class Gossip(Algorithm):
         return d
 
     def after_step(self) -> None:
+        self.scheduler.end_step()
         self.t += 1
         if self.consensus_every and self.t % self.consensus_every == 0:
             self.measure_consensus()
@@ -99,6 +100,7 @@ class Gossip(Algorithm):
     def close(self):
         self.drain()
         self.measure_consensus(set_average=self.final_average)
+        super().close()
 
     def state_dict(self):
         return {"t": self.t, "consensus": list(self.consensus)}
@@ -107,7 +109,7 @@ class Gossip(Algorithm):
         self.t, self.consensus = state["t"], list(state["consensus"])
 
     def metrics(self):
-        out = {"topology": self.topology_name, "spectral_gap": self.topology.spectral_gap()}
+        out = {**super().metrics(), "topology": self.topology_name, "spectral_gap": self.topology.spectral_gap()}
         if self.consensus:
             out["consensus_distance"] = self.consensus[-1][1]
             out["consensus_history"] = [list(c) for c in self.consensus]

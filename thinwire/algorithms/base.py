@@ -1,8 +1,13 @@
 """The interface every synchronization scheme / training algorithm implements.
 
-The Trainer builds the algorithm from its registered name and parameters, then calls `attach(trainer)`.
-After each backward pass the user calls `trainer.step()`, which calls `algorithm.step()`: the algorithm
-decides what to exchange (gradients, deltas, models), when to wait, and applies the optimizer update itself.
+The Trainer builds the algorithm from its registered name and parameters, then calls `attach(trainer)`, which
+calls `setup()` and attaches the trainer's scheduler (`thinwire.sched`) to the model. Every gradient then walks one
+path: during backward the scheduler hands each full bucket to `on_bucket(bucket)`, where the algorithm decides
+what to do with it at once — start its exchange (`self.exchange.start(...)`, which returns a future), accumulate it,
+take a local optimizer step of its parameters — while backward goes on with the earlier layers. After backward the
+user calls `trainer.step()`, which calls `step()`: it calls `self.scheduler.flush()` (the buckets backward did not
+hand over), waits only for what this step needs, applies the update, and ends with `self.scheduler.end_step()`.
+An algorithm that tolerates latency (DTS, CD-SGD) keeps futures across steps instead of waiting.
 `close()` drains in-flight communication and leaves every worker with the model the algorithm defines.
 """
 from __future__ import annotations
@@ -12,6 +17,8 @@ from typing import ClassVar
 import torch
 
 from ..errors import UserError
+from ..exchange import Exchange
+from ..sched import step_subset
 
 
 class Algorithm:
@@ -20,12 +27,18 @@ class Algorithm:
     compression: ClassVar[bool] = True          # whether it takes a compressor and memory
     default_compressor: ClassVar[str] = "none"
     default_memory: ClassVar[str] = "none"
+    schedules: ClassVar[tuple[str, ...]] = ("none", "wfbp", "fusion", "mgwfbp")   # priority applies bsp's update
+    checks_finite: ClassVar[bool] = False       # its exchange checks every gradient bucket before sending it
+    overlaps_steps: bool = False                # its exchanges outlive the step that started them (DTS, CD-SGD)
+    survives_failures: ClassVar[bool] = False   # its averages stay meaningful over fewer workers (recover())
 
     def __init__(self, architecture: str | None = None):
         arch = architecture or self.architectures[0]
         if arch not in self.architectures:
+            from . import architectures
+            valid = architectures(self.name) if self.name else self.architectures
             raise UserError(f"algorithm {self.name!r} does not run on architecture {arch!r}; "
-                            f"valid: {', '.join(self.architectures)}")
+                            f"valid: {', '.join(valid)}")
         self.architecture = arch
 
     # -- wiring ----------------------------------------------------------------------------------------
@@ -38,24 +51,51 @@ class Algorithm:
         self.rank = self.transport.rank
         self.world_size = self.transport.world_size
         self.tracer = trainer.tracer
-        if getattr(self, "allreduce", "gloo") != "gloo":  # an `allreduce=` parameter picks the algorithm
-            from ..comm.collectives import parse
-            parse(self.allreduce, self.world_size)
-            self.transport.allreduce = self.allreduce
+        self.compressor, self.memory = trainer.compressor, trainer.memory
+        self.scheduler = trainer.scheduler
+        self._exchanges: list[Exchange] = []
+        if self.scheduler.name not in self.schedules:
+            raise UserError(f"algorithm {self.name!r} does not run with schedule {self.scheduler.name!r}; "
+                            f"valid: {', '.join(self.schedules)}")
         self.setup()
+        self.scheduler.attach(self.model, self.params, self, self.transport, self.tracer, self.optimizer)
 
     def setup(self) -> None:
-        """Build exchanges and buffers (called once the trainer is wired)."""
+        """Build exchanges and buffers (called once the trainer is wired, before the scheduler attaches)."""
 
     # -- the step --------------------------------------------------------------------------------------
+    def on_bucket(self, bucket) -> None:
+        """Backward handed over a full bucket of gradients (`bucket.buffer`, `bucket.params`). Default: keep it."""
+
     def step(self) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Drain in-flight communication; leave models consistent."""
+        """Drain in-flight communication; leave models consistent. Subclasses call super().close() last."""
+        self.scheduler.close()
+
+    def recover(self) -> None:
+        """A worker was lost: the survivors hold the new rank 0's model and optimizer state and go on from here
+        (`Trainer._recover`); drop what the interrupted step had in flight."""
+        raise NotImplementedError(f"{self.name} does not survive a lost worker")
+
+    def rekey(self, old: list, new: list) -> None:
+        """The scheduler re-planned its buckets ((key, numel) lists): per-bucket exchange state follows."""
+        for ex in self.exchanges():
+            ex.rekey(old, new)
+
+    def make_exchange(self, compressor=None, memory=None) -> Exchange:
+        """An exchange on the trainer's transport (by default through the trainer's compressor and memory)."""
+        ex = Exchange(self.transport, self.compressor if compressor is None else compressor,
+                      self.memory if memory is None else memory)
+        self._exchanges.append(ex)
+        return ex
+
+    def exchanges(self) -> list[Exchange]:
+        return list(self._exchanges)
 
     def metrics(self) -> dict:
-        return {}
+        return {"schedule": self.scheduler.describe()}
 
     def state_dict(self) -> dict:
         return {}
@@ -64,24 +104,13 @@ class Algorithm:
         pass
 
     # -- helpers shared by the algorithms ----------------------------------------------------------------
-    def grads(self) -> list[torch.Tensor]:
-        """The gradients of the trainable parameters (zeros for a parameter that got none this step)."""
-        out = []
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            out.append(p.grad)
-        return out
-
-    def flat_grad(self) -> torch.Tensor:
-        return torch.cat([g.reshape(-1) for g in self.grads()])
-
-    def set_flat_grad(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for g in self.grads():
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
-            offset += n
+    def optimizer_step(self, params: list[torch.Tensor] | None = None) -> None:
+        """The user's optimizer: a full step, or a step of `params` only (a bucket, during backward)."""
+        with self.tracer.span("optimizer", "optimizer"):
+            if params is None:
+                self.optimizer.step()
+            else:
+                step_subset(self.optimizer, params)
 
     def flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
@@ -94,6 +123,6 @@ class Algorithm:
                 p.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
 
-    def optimizer_step(self) -> None:
-        with self.tracer.span("optimizer", "optimizer"):
-            self.optimizer.step()
+    def flat_grad(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params])

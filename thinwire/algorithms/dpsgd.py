@@ -44,3 +44,19 @@ class DPSGD(Gossip):
             self.gossip_step()
             self.optimizer_step()
         self.after_step()
+
+
+@register("bsp", variant="gossip")
+class BSPOnGossip(DPSGD):
+    """`bsp` on the gossip architecture is D-PSGD (seed 000 Table II/IV Gossip/BSP, Lian et al. [51]): each worker
+    averages its stepped model with its neighbours under the topology's mixing matrix (atc form). The default
+    topology is `complete` (W = 11ᵀ/n), on which the update is exactly the all-reduce one;
+    `topology=ring|torus|exponential|random` trades that for 2 or more peers per step."""
+
+    name = "bsp"
+
+    def __init__(self, architecture: str | None = None, topology: str = "complete", consensus_every: int = 0):
+        if topology not in DPSGD.topologies:
+            raise UserError(f"bsp on gossip does not run on topology {topology!r}; "
+                            f"valid: {', '.join(DPSGD.topologies)}")
+        super().__init__(topology=topology, consensus_every=consensus_every, architecture=architecture)

@@ -1,7 +1,8 @@
 """`dts`, `delayed`, `tsparse`: delayed and temporally sparse updates with error compensation (seed 004 §3).
 
 Every step a worker updates its model with its own gradient (seed 004 eq. 2) and keeps what it used; every
-`period` steps it launches the average of its window and goes on training; `delay` - 1 windows later it waits
+`period` steps it launches the average of its window, bucket by bucket as backward hands the buckets over, and
+goes on training; `delay` - 1 windows later it waits
 for that average and corrects the model by the difference between the average and what it used (eqs. 3, 4).
 The derivation of the momentum-SGD compensation (weights and momentum buffer) is in docs/dts.md.
 """
@@ -11,23 +12,10 @@ from collections import deque
 
 import torch
 
+from ..comm.engine import Ready
 from ..errors import UserError
-from ..exchange import Exchange
 from . import register
 from .base import Algorithm
-
-
-class _Ready:
-    """An average already received (restored from a checkpoint)."""
-
-    def __init__(self, value: torch.Tensor):
-        self.value = value
-
-    def wait(self) -> torch.Tensor:
-        return self.value
-
-    def is_completed(self) -> bool:
-        return True
 
 
 def _positive_int(name: str, value) -> int:
@@ -63,6 +51,8 @@ class DTS(Algorithm):
     """
 
     architectures = ("allreduce",)
+    overlaps_steps = True
+    survives_failures = True   # a lost worker's windows are dropped; the survivors average among themselves
 
     def __init__(self, delay: int = 4, period: int = 4, architecture: str | None = None):
         super().__init__(architecture)
@@ -82,95 +72,106 @@ class DTS(Algorithm):
         if len(momenta) != 1 or not 0.0 <= next(iter(momenta)) < 1.0:
             raise UserError(f"{self.name} needs one momentum in [0, 1) for all parameter groups, got {sorted(momenta)}")
         self.mu = next(iter(momenta))
-        self.exchange = Exchange(self.transport, self.trainer.compressor, self.trainer.memory)
+        self.exchange = self.make_exchange()
         # with p = 1 the discounted sum B equals C; with μ = 0 it is not needed
         self._two = self.mu > 0.0 and self.period > 1
         index = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
         self._gi = [index[id(p)] for p in self.params]          # parameter -> its group
-        self._by_group = [[k for k, gi in enumerate(self._gi) if gi == i] for i in range(len(opt.param_groups))]
         self.steps = 0
-        # [C_{k,j} | B_{k,j}]: the rate-weighted sum and the μ-discounted sum (momentum, p > 1) of this window's
-        # local gradients, one flat buffer (what is averaged) with per-parameter views
-        self._numel = sum(p.numel() for p in self.params)
-        self._new_accumulator()
-        self._flight: deque = deque()      # [window's last step, local [C|B], handle, ref rates, post factors]
+        # C_{k,j} and B_{k,j} of this window, per parameter: the rate-weighted sum and the μ-discounted sum
+        # (momentum, p > 1) of the local gradients. A bucket's [C|B] (interleaved element by element, so the
+        # exchange's per-bucket state follows a re-plan of buckets) is averaged at the window's last step.
+        self._c = [torch.zeros_like(p) for p in self.params]
+        self._b = [torch.zeros_like(p) for p in self.params] if self._two else None
+        self._in_window = 0
+        self._ref = None      # per group: the rate of the window's first step (C is sent in its units)
+        self._launched: list = []          # this step's bucket launches: (members, local [C|B], future)
+        self._flight: deque = deque()      # [window's last step, launches, ref rates, post factors]
         self.launched = self.applied = self.max_in_flight = 0
 
     def _rates(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    def _new_accumulator(self) -> None:
-        n = self._numel
-        self._acc = torch.zeros((2 if self._two else 1) * n, dtype=self.params[0].dtype)
-        self._views_c = self._views(self._acc[:n])
-        self._views_b = self._views(self._acc[n:]) if self._two else None
-        self._in_window = 0
-        self._ref = None      # per group: the rate of the window's first step (C is sent in its units)
-
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out, offset = [], 0
-        for p in self.params:
-            out.append(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return out
-
     # -- the step --------------------------------------------------------------------------------------
-
-    def step(self):
-        grads = self.grads()
+    def on_bucket(self, bucket):
+        """This step's gradients of the bucket into the window's sums; at the window's last step, the bucket's
+        average starts at once (overlapping the rest of backward)."""
         rates = self._rates()                   # the rates this step's optimizer update uses
         if self._ref is None:   # p = 1: C = g exactly (ratio 1), the rate may be 0; else a nonzero unit
             self._ref = list(rates) if self.period == 1 else [r if r != 0.0 else 1.0 for r in rates]
+        members = bucket.members
+        grads = bucket.views
         if self._two:
-            torch._foreach_mul_(self._views_b, self.mu)          # B <- μ B + g
-            torch._foreach_add_(self._views_b, grads)
-            source = self._views_b                               # C += (γ_s / γ_ref) B  (docs/dts.md)
+            bs = [self._b[i] for i in members]
+            torch._foreach_mul_(bs, self.mu)                     # B <- μ B + g
+            torch._foreach_add_(bs, grads)
+            source = bs                                          # C += (γ_s / γ_ref) B  (docs/dts.md)
         else:
             source = grads                                       # C += (γ_s / γ_ref) g
-        for gi, members in enumerate(self._by_group):
-            if members:
-                ratio = 1.0 if self.period == 1 else rates[gi] / self._ref[gi]
-                torch._foreach_add_([self._views_c[k] for k in members], [source[k] for k in members],
-                                    alpha=ratio)
+        for gi in sorted({self._gi[i] for i in members}):
+            ks = [k for k, i in enumerate(members) if self._gi[i] == gi]
+            ratio = 1.0 if self.period == 1 else rates[gi] / self._ref[gi]
+            torch._foreach_add_([self._c[members[k]] for k in ks], [source[k] for k in ks], alpha=ratio)
+        if self._in_window + 1 == self.period:
+            self._launch(bucket.members, bucket.key)
+
+    def _launch(self, members: list[int], key: str) -> None:
+        flat = torch.cat([self._c[i].reshape(-1) for i in members])
+        if self._two:
+            bflat = torch.cat([self._b[i].reshape(-1) for i in members])
+            flat = torch.stack([flat, bflat], dim=1).reshape(-1)      # [c0, b0, c1, b1, ...]
+        for i in members:
+            self._c[i].zero_()
+            if self._two:
+                self._b[i].zero_()
+        local = flat.clone()                    # kept: the exchange owns `flat` until it completes
+        self._launched.append((members, local, self.exchange.start(flat, key=key)))
+
+    def step(self):
+        self.scheduler.flush()                  # every bucket summed (and launched, at a window's end)
+        rates = self._rates()
         self._in_window += 1
         self.steps += 1
         if self._in_window == self.period:
-            self._launch()
+            self._close_window()
         self.optimizer_step()                       # seed 004 eq. 2: local gradient now
         if self.mu > 0.0:                           # momentum carries each in-flight window on: F += γ_s μ^{s-E}
             for entry in self._flight:
                 if entry[0] < self.steps:
                     decay = self.mu ** (self.steps - entry[0])
-                    entry[4] = [f + r * decay for f, r in zip(entry[4], rates)]
-        s, p = self.steps, self.period
-        if s % p == 0 and s // p >= self.delay:     # the average of window s/p - t + 1 is due
+                    entry[3] = [f + r * decay for f, r in zip(entry[3], rates)]
+        due = (self.delay - 1) * self.period       # the average of the window ending at E is applied at E+(t-1)p
+        while self._flight and self._flight[0][0] + due <= self.steps:
             self._apply_oldest()
         self.max_in_flight = max(self.max_in_flight, len(self._flight))   # in flight during compute
+        self.scheduler.end_step()
 
-    def _launch(self) -> None:
-        local = self._acc.clone()                   # kept: the exchange may use its tensor in place
-        handle = self.exchange.start(self._acc, key="dts")
-        self._flight.append([self.steps, local, handle, list(self._ref), [0.0] * len(self._ref)])
-        self._new_accumulator()
+    def _close_window(self) -> None:
+        self._flight.append([self.steps, self._launched, list(self._ref), [0.0] * len(self._ref)])
+        self._launched, self._ref, self._in_window = [], None, 0
         self.launched += 1
 
     def _apply_oldest(self) -> None:
         """Wait for the oldest average in flight and apply its compensation at the current step."""
-        end, local, handle, ref, post = self._flight.popleft()
-        err = handle.wait() - local
-        n = self._numel
-        err_c = err[:n]
-        err_b = err[n:] if self._two else err_c   # p = 1: C = g = B (the rate ratio is exactly 1)
-        self._compensate(err_c, err_b, self.steps - end, ref, post)
+        end, launches, ref, post = self._flight.popleft()
+        for members, local, fut in launches:
+            err = fut.wait() - local
+            if self._two:
+                err = err.view(-1, 2)
+                err_c, err_b = err[:, 0], err[:, 1]
+            else:
+                err_c = err_b = err       # p = 1: C = g = B (the rate ratio is exactly 1)
+            self._compensate(members, err_c, err_b, self.steps - end, ref, post)
         self.applied += 1
 
     @torch.no_grad()
-    def _compensate(self, err_c: torch.Tensor, err_b: torch.Tensor, age: int, ref: list[float],
-                    post: list[float]) -> None:
+    def _compensate(self, members: list[int], err_c: torch.Tensor, err_b: torch.Tensor, age: int,
+                    ref: list[float], post: list[float]) -> None:
         """w -= γ_ref (C̄ - C) + F (B̄ - B);  b += μ^Δ (B̄ - B)   (seed 004 eqs. 3-4; docs/dts.md)."""
         mu = self.mu
         offset = 0
-        for p, gi in zip(self.params, self._gi):
+        for i in members:
+            p, gi = self.params[i], self._gi[i]
             k = p.numel()
             ec = err_c[offset:offset + k].view_as(p)
             p.add_(ec, alpha=-ref[gi])
@@ -183,12 +184,29 @@ class DTS(Algorithm):
                     buf.add_(eb, alpha=mu ** age)
             offset += k
 
+    def recover(self):
+        """The windows in flight were averaged over the old group: dropped; the survivors restart from the new
+        rank 0's model and momentum with empty windows."""
+        for t in self._c + (self._b or []):
+            t.zero_()
+        self._launched, self._flight, self._ref = [], deque(), None
+        self._in_window = self.steps % self.period          # the current window goes on (from empty sums)
+
+    def rekey(self, old, new):
+        """Per-bucket exchange state is kept per element of [C|B] (two elements per parameter element when B
+        travels too)."""
+        f = 2 if self._two else 1
+        self.exchange.rekey([(k, f * n) for k, n in old], [(k, f * n) for k, n in new])
+
     def close(self):
         """Launch the partial last window, then apply every average in flight, in order."""
         if self._in_window > 0:
-            self._launch()
+            for bucket in self.scheduler.buckets:
+                self._launch(bucket.members, bucket.key)
+            self._close_window()
         while self._flight:
             self._apply_oldest()
+        super().close()
 
     # -- bookkeeping -----------------------------------------------------------------------------------
     def metrics(self):
@@ -199,13 +217,14 @@ class DTS(Algorithm):
         """Waits for the averages in flight and stores them as tensors: a resumed run continues exactly."""
         flight = []
         for entry in self._flight:
-            value = entry[2].wait()
-            entry[2] = _Ready(value)
-            flight.append({"end": entry[0], "local": entry[1].clone(), "average": value.clone(),
-                           "ref": list(entry[3]), "post": list(entry[4])})
+            launches = [(members, local, Ready(fut.wait())) for members, local, fut in entry[1]]
+            entry[1] = launches
+            flight.append({"end": entry[0], "launches": [(m, loc.clone(), fut.value.clone())
+                                                         for m, loc, fut in launches],
+                           "ref": list(entry[2]), "post": list(entry[3])})
         return {"delay": self.delay, "period": self.period, "steps": self.steps, "in_window": self._in_window,
-                "accumulated": self._acc.clone(), "ref": None if self._ref is None else list(self._ref),
-                "in_flight": flight,
+                "c": [t.clone() for t in self._c], "b": None if self._b is None else [t.clone() for t in self._b],
+                "ref": None if self._ref is None else list(self._ref), "in_flight": flight,
                 "counters": [self.launched, self.applied, self.max_in_flight],
                 "exchange": self.exchange.state_dict()}
 
@@ -214,10 +233,14 @@ class DTS(Algorithm):
             raise UserError(f"checkpoint has delay={state['delay']}, period={state['period']}; "
                             f"this {self.name} has delay={self.delay}, period={self.period}")
         self.steps, self._in_window = state["steps"], state["in_window"]
-        self._acc.copy_(state["accumulated"])
+        for mine, saved in zip(self._c, state["c"]):
+            mine.copy_(saved)
+        if self._b is not None:
+            for mine, saved in zip(self._b, state["b"]):
+                mine.copy_(saved)
         self._ref = None if state["ref"] is None else list(state["ref"])
-        self._flight = deque([f["end"], f["local"].clone(), _Ready(f["average"].clone()), list(f["ref"]),
-                              list(f["post"])] for f in state["in_flight"])
+        self._flight = deque([f["end"], [(list(m), loc.clone(), Ready(avg.clone())) for m, loc, avg in f["launches"]],
+                              list(f["ref"]), list(f["post"])] for f in state["in_flight"])
         self.launched, self.applied, self.max_in_flight = state["counters"]
         self.exchange.load_state_dict(state["exchange"])
 

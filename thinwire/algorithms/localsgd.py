@@ -14,93 +14,116 @@ buffers at every synchronisation (the paper's variant with global momentum; cost
 With H = 1 and no compressor, local SGD is exactly synchronous SGD (bsp), momentum included.
 `close()` averages the models once more if steps were taken since the last average: every worker ends with
 the same model.
+
+On the step that ends a period each bucket's local optimizer step is taken as soon as backward hands the bucket
+over (its gradients are final and no later backward work reads its parameters), and its delta starts averaging
+at once, overlapped with the rest of backward.
 """
 from __future__ import annotations
 
 import torch
 
 from ..errors import UserError
-from ..exchange import Exchange
 from . import register
-from .base import Algorithm
+from .bsp import BSP
 
 
 @register("localsgd")
-class LocalSGD(Algorithm):
+class LocalSGD(BSP):
     """Local SGD: H local steps, then average the models (the deltas go through the compressor)."""
 
     architectures = ("allreduce",)
+    schedules = ("none", "wfbp", "fusion", "mgwfbp")
+    checks_finite = False
 
-    def __init__(self, period: int = 4, average_momentum: bool = False, allreduce: str = "gloo",
-                 architecture: str | None = None):
+    def __init__(self, period: int = 4, average_momentum: bool = False, architecture: str | None = None):
         super().__init__(architecture)
-        if not isinstance(period, int) or period < 1:
-            raise UserError(f"localsgd period H must be an integer >= 1, got {period!r}; "
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise UserError(f"{self.name} period H must be an integer >= 1, got {period!r}; "
                             "H = 1 is synchronous SGD (bsp)")
         self.period = period
         self.average_momentum = bool(average_momentum)
-        self.allreduce = allreduce
         self.local_steps = 0
         self.syncs = 0
 
     def setup(self):
-        self.exchange = Exchange(self.transport, self.trainer.compressor, self.trainer.memory)
-        self.anchor = self.flat_params().clone()
-        self._momentum_exchange = None
-        if self.average_momentum:
-            self._momentum_exchange = Exchange(self.transport, "none", "none")
+        super().setup()
+        self.anchor = [p.detach().clone() for p in self.params]   # the last averaged model
+        self._momentum_exchange = self.make_exchange("none", "none") if self.average_momentum else None
+        self._momenta: dict[int, object] = {}
 
     # -- local steps and averaging ---------------------------------------------------------------------------
-    def local_step(self) -> None:
-        self.optimizer_step()
-        self.local_steps += 1
+    def syncing(self) -> bool:
+        """Whether this step ends a period (its models are averaged)."""
+        return self.local_steps + 1 >= self.period
+
+    def on_bucket(self, bucket):
+        if not self.syncing():
+            return
+        # the bucket's local step now (its parameters' gradients are final), then its delta x - x_anchor
+        # starts averaging while backward goes on with the earlier layers
+        self.optimizer_step(bucket.params)
+        self._start_average(bucket)
+        if self._momentum_exchange is not None:
+            bufs = [self.optimizer.state.get(p, {}).get("momentum_buffer") for p in bucket.params]
+            if all(b is not None for b in bufs):
+                self._momenta[bucket.index] = (bufs, self._momentum_exchange.start(bucket.flat(bufs),
+                                                                                  key=bucket.key))
+
+    def recover(self):
+        super().recover()
+        self._momenta.clear()
+        with torch.no_grad():
+            for a, p in zip(self.anchor, self.params):   # the survivors restart from the new rank 0's model
+                a.copy_(p)
+        self.local_steps = 0
+
+    def _start_average(self, bucket) -> None:
+        with torch.no_grad():
+            delta = bucket.flat([p - self.anchor[i] for p, i in zip(bucket.params, bucket.members)])
+        self.pending[bucket.index] = self.exchange.start(delta, key=bucket.key)
 
     def average(self) -> None:
-        """x ← x_anchor + mean_j C(x_j - x_anchor); the new anchor is the averaged model."""
-        with self.tracer.span("average models", "communicate"):
-            delta = self.flat_params() - self.anchor
-            mean = self.exchange.aggregate(delta, key="model")
-            self.anchor.add_(mean)
-            self.set_flat_params(self.anchor)
-            if self._momentum_exchange is not None:
-                bufs = self._momentum_buffers()
-                if bufs:
-                    flat = torch.cat([b.reshape(-1) for b in bufs])
-                    flat = self._momentum_exchange.aggregate(flat, key="momentum")
-                    offset = 0
-                    for b in bufs:
-                        b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                        offset += b.numel()
+        """x ← x_anchor + mean_j C(x_j - x_anchor), bucket by bucket; the new anchor is the averaged model."""
+        with self.tracer.span("average models", "communicate"), torch.no_grad():
+            for bucket in self.scheduler.buckets:
+                mean = self.pending.pop(bucket.index).wait()
+                for p, i, m in zip(bucket.params, bucket.members, bucket.split(mean)):
+                    self.anchor[i].add_(m)
+                    p.copy_(self.anchor[i])
+                if bucket.index in self._momenta:
+                    bufs, fut = self._momenta.pop(bucket.index)
+                    for b, m in zip(bufs, bucket.split(fut.wait())):
+                        b.copy_(m)
         self.local_steps = 0
         self.syncs += 1
 
-    def _momentum_buffers(self) -> list[torch.Tensor]:
-        out = []
-        for p in self.params:
-            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
-            if buf is not None:
-                out.append(buf)
-        return out
-
     def step(self):
-        self.local_step()
-        if self.local_steps >= self.period:
-            self.average()
+        self.scheduler.flush()
+        if self.syncing():
+            self.average()          # the local step of every bucket was taken when backward handed it over
+        else:
+            self.optimizer_step()
+            self.local_steps += 1
+        self.scheduler.end_step()
 
     def close(self):
-        if self.local_steps:
+        if self.local_steps:        # steps since the last average: one more average, no further local step
+            for bucket in self.scheduler.buckets:
+                self._start_average(bucket)
             self.average()
+        self.scheduler.close()
 
     def metrics(self):
-        return {"period": self.period, "syncs": self.syncs}
+        return {**super().metrics(), "period": self.period, "syncs": self.syncs}
 
     def state_dict(self):
-        return {"exchange": self.exchange.state_dict(), "anchor": self.anchor.clone(),
+        return {"exchange": self.exchange.state_dict(), "anchor": [a.clone() for a in self.anchor],
                 "local_steps": self.local_steps, "syncs": self.syncs}
 
     def load_state_dict(self, state):
         self.exchange.load_state_dict(state["exchange"])
-        self.anchor = state["anchor"].clone()
+        self.anchor = [a.clone() for a in state["anchor"]]
         self.local_steps, self.syncs = state["local_steps"], state["syncs"]
 
 
@@ -109,25 +132,37 @@ class PostLocalSGD(LocalSGD):
     """Post-local SGD (Lin, Stich, Jaggi [121]): synchronous SGD until step `switch`, then local SGD."""
 
     def __init__(self, switch: int = 100, period: int = 4, average_momentum: bool = False,
-                 allreduce: str = "gloo", architecture: str | None = None):
-        super().__init__(period, average_momentum, allreduce, architecture)
-        if not isinstance(switch, int) or switch < 0:
+                 architecture: str | None = None):
+        super().__init__(period, average_momentum, architecture)
+        if not isinstance(switch, int) or isinstance(switch, bool) or switch < 0:
             raise UserError(f"postlocalsgd switch must be a step number >= 0, got {switch!r}")
         self.switch = switch
         self.steps = 0
 
+    def synchronous(self) -> bool:
+        return self.steps < self.switch
+
+    def on_bucket(self, bucket):
+        if self.synchronous():      # phase 1: mini-batch SGD on the mean gradient (seed 000 eq. 6)
+            self.pending[bucket.index] = self.grad_exchange.start(bucket.buffer, bucket.key, shapes=bucket.shapes)
+        else:
+            super().on_bucket(bucket)
+
     def setup(self):
         super().setup()
-        self.grad_exchange = Exchange(self.transport, "none", "none")
+        self.grad_exchange = self.make_exchange("none", "none")
 
     def step(self):
-        self.steps += 1
-        if self.steps <= self.switch:  # phase 1: mini-batch SGD on the mean gradient (seed 000 eq. 6)
-            self.set_flat_grad(self.grad_exchange.aggregate(self.flat_grad(), key="grad"))
+        if self.synchronous():
+            self.scheduler.flush()
+            self.average_gradients()
             self.optimizer_step()
-            self.anchor = self.flat_params().clone()
-            return
-        super().step()
+            for a, p in zip(self.anchor, self.params):
+                a.copy_(p.detach())
+            self.scheduler.end_step()
+        else:
+            super().step()
+        self.steps += 1
 
     def metrics(self):
         return {**super().metrics(), "switch": self.switch}

@@ -20,7 +20,6 @@ class Local(Algorithm):
         super().__init__(architecture)
 
     def step(self):
+        self.scheduler.flush()
         self.optimizer_step()
-
-    def close(self):
-        """Nothing in flight; the models stay as they are (they differ between workers)."""
+        self.scheduler.end_step()

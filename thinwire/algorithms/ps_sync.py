@@ -1,5 +1,5 @@
-"""The algorithms that run on the parameter server (thinwire.comm.ps): the shared base class and the PS path of
-`bsp` (which `bsp` delegates to with architecture="ps").
+"""The algorithms that run on the parameter server (thinwire.comm.ps): the shared base class and `bsp` on the
+PS (the class the registry builds for `bsp` with architecture="ps").
 
 On a server rank the algorithm sets `role = "server"` and `serve()` runs the server until the workers are done;
 on a worker rank `role = "worker"`, `worker_rank` is its index among the workers, and `step()` pushes the
@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..comm.ps import PSLayout, PSServer, PSWorker
 from ..compress import compressors
 from ..errors import UserError
+from . import register
 from .base import Algorithm
 
 # Table II of seed 000: which architectures each PS-only scheme lacks, and what to use instead
@@ -67,12 +68,15 @@ class PSAlgorithm(Algorithm):
     def step(self) -> None:
         if self.worker is None:
             raise RuntimeError(f"rank {self.rank} is a parameter server: call serve(), not step()")
+        self.scheduler.flush()
         self.set_flat_params(self.worker.push_pull(self.flat_grad()))
+        self.scheduler.end_step()
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.done()
             self.set_flat_params(self.worker.params)  # the model answered to the last push
+        super().close()
 
     def metrics(self) -> dict:
         part = self.server if self.server is not None else self.worker
@@ -101,28 +105,15 @@ class PSAlgorithm(Algorithm):
 
 
 def checkpointable_on_ps(algorithm: str) -> bool:
-    """Whether `algorithm`'s parameter-server runs can be checkpointed: the ones built on PSAlgorithm, and
-    `bsp`, whose PS path is PSBSP (bsp_on_ps)."""
+    """Whether `algorithm`'s parameter-server runs can be checkpointed: the ones built on PSAlgorithm."""
     from . import registry
-    return algorithm == "bsp" or issubclass(registry.lookup(algorithm), PSAlgorithm)
+    return isinstance(registry.constructor(algorithm, {"architecture": "ps"}), type) and issubclass(
+        registry.constructor(algorithm, {"architecture": "ps"}), PSAlgorithm)
 
 
+@register("bsp", variant="ps")
 class PSBSP(PSAlgorithm):
     """`bsp` on the PS: the barrier is released when all workers' gradients are in (catalog §2.1.1); the
     server applies the mean (seed 000 eq. 6) and answers everyone with the new model."""
 
     name = "bsp"
-
-
-def bsp_on_ps(alg: Algorithm, servers: int, downlink_compressor: str = "none") -> None:
-    """Make a `bsp` instance run on the PS (called from its setup when architecture == "ps"): the PS methods
-    replace the all-reduce ones on that instance."""
-    ps = PSBSP("ps", servers=servers or 1, downlink_compressor=downlink_compressor)
-    ps.attach(alg.trainer)
-    alg._ps = ps
-    for attr in ("role", "server", "worker"):
-        setattr(alg, attr, getattr(ps, attr))
-    if ps.worker is not None:
-        alg.worker_rank = ps.worker_rank
-    for meth in ("serve", "step", "close", "metrics", "state_dict", "load_state_dict"):
-        setattr(alg, meth, getattr(ps, meth))

@@ -30,12 +30,14 @@ class SSP(PSAlgorithm):
     def step(self) -> None:
         if self.worker is None:
             raise RuntimeError(f"rank {self.rank} is a parameter server: call serve(), not step()")
+        self.scheduler.flush()
         self._inflight.append(self.worker.push_pull(self.flat_grad(), async_op=True))
         while len(self._inflight) > self.staleness:           # the answer to clock c - s is required
             self._inflight.popleft().wait()
         while self._inflight and self._inflight[0].is_completed():  # fresher answers already in: take them
             self._inflight.popleft().wait()
         self.set_flat_params(self.worker.params)               # the freshest model answered so far
+        self.scheduler.end_step()
 
     def state_dict(self) -> dict:
         state = super().state_dict()   # a worker drains its pushes in flight: all answered, applied in order

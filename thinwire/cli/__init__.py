@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import signal
 import sys
+import threading
 
 from ..errors import UserError, WorkerError
 
@@ -48,7 +50,27 @@ def parse_extra(tokens: list[str]) -> dict:
     return params
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an exception like Ctrl-C's: the stack unwinds, so pools stop their workers,
+    emulated networks are taken down and multiprocessing's resources are released (no leaked semaphores)."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up that follows is not interrupted again
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         parser = build_parser()
@@ -66,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerError as e:
         print(f"thinwire: {e}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("thinwire: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("thinwire: interrupted", file=sys.stderr)
         return 130

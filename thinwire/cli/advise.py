@@ -6,11 +6,29 @@ import json
 from ..errors import UserError
 
 
+MAX_PARAMS = 1e13          # ten trillion parameters
+MAX_COMPUTE_MS = 3.6e6     # one hour per iteration
+MAX_WORKERS = 2**20        # a cost model, not a launch: any cluster size
+
+
+def check_numbers(args) -> None:
+    """Every number of `advise` in its range, before any work (NaN and infinities included)."""
+    if args.params is not None and not 1 <= args.params <= MAX_PARAMS:
+        raise UserError(f"--params must be a number of parameters in 1..{MAX_PARAMS:g}, got {args.params}")
+    if not 0 < args.compute_ms <= MAX_COMPUTE_MS:
+        raise UserError(f"--compute-ms must be in (0, {MAX_COMPUTE_MS:g}] (one hour), got {args.compute_ms}")
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise UserError(f"--workers must be in 1..{MAX_WORKERS}, got {args.workers}")
+    if not 0 <= args.servers <= MAX_WORKERS:
+        raise UserError(f"--servers must be in 0..{MAX_WORKERS}, got {args.servers}")
+
+
 def run(args) -> int:
     from ..net import Link, parse_network
     from ..plan.advise import advise, format_table
-    from ..plan.calibrate import load_calibration, calibrate
+    from ..run.calibrate import calibrate, load_calibration
     from ..plan.costmodel import Scenario
+    check_numbers(args)
     if args.calibrate:
         cal = calibrate(workers=args.workers if args.workers <= 4 else 2)
         print(json.dumps(cal, indent=2) if args.json else f"calibration stored: {cal['path']}\n"
@@ -23,8 +41,6 @@ def run(args) -> int:
         params = args.params
     else:
         raise UserError("give --params N or --model WORKLOAD")
-    if params <= 0 or args.compute_ms <= 0 or args.workers < 1:
-        raise UserError("--params and --compute-ms must be > 0, --workers >= 1")
     if args.bandwidth is not None or args.latency is not None:
         link = parse_network("custom:" + ",".join(f"{k}={v}" for k, v in
                                                   (("bandwidth", args.bandwidth), ("latency", args.latency)) if v))

@@ -65,10 +65,26 @@ def _networks(text: str) -> list[str]:
     return out
 
 
+def check_numbers(args) -> None:
+    """The numbers of `compare` in their ranges, before any cell starts (NaN and infinities included)."""
+    from ..run.launcher import MAX_LOCAL_WORKERS
+    from ..run.train import MAX_SEED, check_int, check_number
+    if args.workers is not None:
+        check_int("--workers", args.workers, 1, MAX_LOCAL_WORKERS - 1)  # + 1 rank for a parameter server
+    if args.epochs is not None:
+        check_number("--epochs", args.epochs, 0, low_open=True)
+    if args.target is not None:
+        check_number("--target", args.target, 0, why=" (an accuracy in [0, 1], or a loss)")
+    if args.budget is not None:
+        check_number("--budget", args.budget, 0, low_open=True, why=" (seconds per cell)")
+    check_int("--seed", args.seed, 0, MAX_SEED)
+
+
 def config_from_args(args):
     from ..errors import UserError
     from ..run import presets
     from ..run.compare import CompareConfig
+    check_numbers(args)
     if args.preset:
         pr = presets.get(args.preset)
         cells, workload, workers, nets, budget = list(pr.cells), pr.workload, pr.workers, pr.networks, pr.budget_s
@@ -82,7 +98,8 @@ def config_from_args(args):
     return CompareConfig(workload=args.workload or workload, workers=args.workers or workers,
                          networks=_networks(args.network) if args.network else list(nets), cells=cells,
                          target=args.target if args.target is not None else target,
-                         budget_s=args.budget or budget, epochs=args.epochs or epochs, seed=args.seed,
+                         budget_s=args.budget if args.budget is not None else budget,
+                         epochs=args.epochs if args.epochs is not None else epochs, seed=args.seed,
                          trace=args.trace, netem=args.netem, preset=args.preset)
 
 
@@ -90,13 +107,16 @@ def run(args) -> int:
     import json
     from ..errors import UserError
     from ..run.compare import compare
+    from ..run.train import check_writable_dir
     if args.resume:
         if args.preset or args.algorithms or args.network:
             raise UserError("--resume DIR continues the matrix stored in DIR; give no --preset/--algorithms/--network")
+        check_writable_dir(args.resume, "--resume")
         out, results = args.resume, compare(None, args.resume, resume=True)
     else:
         cfg = config_from_args(args)
         out = args.out or "results/compare"
+        check_writable_dir(out, "--out")  # before the first cell: never lose the matrix to a bad path
         results = compare(cfg, out)
     if args.json:
         print(json.dumps(results, indent=1))

@@ -26,22 +26,50 @@ def _parse_algorithms(text: str) -> list[tuple[str, str, dict]]:
     return out
 
 
-def _numbers(text: str, what: str, unit: float = 1.0) -> list[float]:
+def _numbers(text: str, what: str, unit: float = 1.0, kind=float) -> list:
     try:
-        return [float(v.strip().removesuffix("ms")) * unit for v in text.split(",") if v.strip()]
+        values = [kind(v.strip().removesuffix("ms")) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise UserError(f"malformed {what} list {text!r}") from None
+        raise UserError(f"malformed {what} list {text!r}" + ("; e.g. 4,16,256" if kind is int else "")) from None
+    if not values:
+        raise UserError(f"{what} needs at least one value, got {text!r}")
+    return [v * unit for v in values] if kind is float else values
+
+
+MAX_WORKERS, MAX_STEPS, MAX_LATENCY_MS = 65536, 1_000_000, 60_000.0
+
+
+def check_numbers(args) -> None:
+    """Every number of `simulate` in its range before anything runs (NaN and infinities included)."""
+    from ..run.train import MAX_SEED, check_int, check_number
+    check_number("--params", args.params, 1, 1e13)
+    check_number("--compute-ms", args.compute_ms, 0, 3.6e6, low_open=True)
+    check_number("--compute-cv", args.compute_cv, 0, 10)
+    check_number("--straggler-prob", args.straggler_prob, 0, 1)
+    check_int("--steps", args.steps, 1, MAX_STEPS)
+    check_int("--servers", args.servers, 1, MAX_WORKERS)
+    check_int("--seed", args.seed, 0, MAX_SEED)
+    if args.out:
+        from ..run.train import check_writable_dir
+        check_writable_dir(args.out, "--out")
 
 
 def run(args) -> int:
-    from ..net.link import _UNITS_BW, _number
+    from ..net import parse_bandwidth
+    from ..net.link import MAX_BANDWIDTH, MIN_BANDWIDTH
     from ..plan.simulate import WORLD_LATENCY, SimConfig, simulate
+    check_numbers(args)
     algorithms = _parse_algorithms(args.algorithms)
-    workers = [int(w) for w in _numbers(args.workers, "--workers")]
-    latencies = _numbers(args.latency, "--latency", 1e-3)
-    if any(w < 1 or w > 65536 for w in workers):
-        raise UserError("--workers values must be in 1..65536")
-    bandwidth = _number(args.bandwidth, _UNITS_BW, "bandwidth")
+    workers = _numbers(args.workers, "--workers", kind=int)
+    latencies = _numbers(args.latency, "--latency")
+    if any(w < 1 or w > MAX_WORKERS for w in workers):
+        raise UserError(f"--workers values must be in 1..{MAX_WORKERS}")
+    if not all(0 <= v <= MAX_LATENCY_MS for v in latencies):  # NaN fails too
+        raise UserError(f"--latency values must be one-way milliseconds in 0..{MAX_LATENCY_MS:g}, got {args.latency!r}")
+    latencies = [v * 1e-3 for v in latencies]
+    bandwidth = parse_bandwidth(args.bandwidth)
+    if not MIN_BANDWIDTH <= bandwidth <= MAX_BANDWIDTH:
+        raise UserError(f"--bandwidth must be in 1kbit..10000gbit (1e3..1e13 bit/s), got {args.bandwidth!r}")
     rows = []
     for label, name, params in algorithms:
         for n in workers:

@@ -41,7 +41,9 @@ def config_from_args(args):
                        checkpoint_every=getattr(args, "checkpoint_every", None),
                        checkpoint_dir=getattr(args, "checkpoint_dir", None) or (
                            os.path.join(args.out, "checkpoint") if getattr(args, "out", None) else None),
-                       resume=getattr(args, "resume", None), nonfinite=getattr(args, "nonfinite", "stop"))
+                       resume=getattr(args, "resume", None), nonfinite=getattr(args, "nonfinite", "stop"),
+                       on_failure=getattr(args, "on_failure", "stop"),
+                       progress_timeout=getattr(args, "progress_timeout", None))
 
 
 def format_summary(s: dict) -> str:
@@ -58,6 +60,8 @@ def format_summary(s: dict) -> str:
         f"(uncompressed fp32 would be {s['nominal_bytes_per_worker'] / mb:.3f} MB)",
         f"  emulated comm     {s['emulated_comm_s']:.2f} s   (exposed, waited for: {s['exposed_comm_s']:.2f} s)",
     ]
+    for f in s.get("failures") or []:
+        lines.append(f"  lost workers      {f['lost']} at step {f['step']}: the survivors {f['members']} went on")
     am = s.get("algorithm_metrics") or {}
     if am.get("predicted_step_s") is not None and am.get("measured_step_s") is not None:  # seed 001 §3.3
         ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"
@@ -70,7 +74,9 @@ def format_summary(s: dict) -> str:
 def run(args) -> int:
     from ..errors import UserError
     from ..run.launcher import init, under_torchrun
-    from ..run.train import run_training, run_torchrun_worker
+    from ..run.train import check_writable_dir, run_training, run_torchrun_worker
+    if args.out:  # first: checkpoints go under it by default, and no result may be lost to it after training
+        check_writable_dir(args.out, "--out")
     cfg = config_from_args(args)
     if args.trace and not args.out:
         raise UserError("--trace needs --out DIR (the trace is written to DIR/trace.json)")
@@ -102,8 +108,14 @@ def register(sub) -> None:
                                                           "default OUT/checkpoint)")
     p.add_argument("--checkpoint-dir", help="where checkpoints go (default OUT/checkpoint)")
     p.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR (same configuration)")
+    p.add_argument("--on-failure", choices=["stop", "continue"], default="stop",
+                   help="a worker lost mid-run: stop the job (default), or continue with the survivors "
+                        "(bsp, localsgd, postlocalsgd, dts, ...: algorithms whose averages stay meaningful)")
     p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
                    help="NaN/Inf gradient: stop every rank (default) or skip the step on all ranks")
+    p.add_argument("--progress-timeout", type=float, metavar="S",
+                   help="stop the run, naming the rank, when no rank has advanced a step for S seconds (default "
+                        "300, raised to 50 median step times for slow steps)")
     p.add_argument("--trace", action="store_true", help="write a Chrome trace to OUT/trace.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -7,6 +7,9 @@ own α-β formula (seed 000 Table III; `thinwire.net.cost`) without any formula 
     transport.allreduce = "ring"        # or: recursive_doubling, tree, hierarchical[:m], torus[:X], gloo
     transport.all_reduce(t, op="mean")  # dispatched here when not "gloo"
 
+Each algorithm is a program (`thinwire.comm.engine`): it yields the messages of a round before the next, so
+an asynchronous all-reduce returns at once and its rounds run on the engine's thread while the caller computes.
+
 | name | steps | cost (thinwire.net.cost) | world sizes |
 | --- | --- | --- | --- |
 | `ring` | reduce-scatter + all-gather of n chunks | `ring_allreduce` | any |
@@ -56,47 +59,32 @@ def parse(spec: str, world_size: int) -> tuple[str, int | None]:
     return name, size
 
 
-def all_reduce(transport, tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
-               async_op: bool = False):
-    """All-reduce `tensor` in place across `transport`'s group with `algorithm`. Runs synchronously; with
-    `async_op` it returns a finished handle."""
+def all_reduce_program(transport, tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring"):
+    """(program) All-reduce `tensor` in place across `transport`'s group with `algorithm`."""
     if op not in _COMBINE:
         raise UserError(f"unknown reduce op {op!r}; valid: {', '.join(_COMBINE)}")
     name, size = parse(algorithm, transport.world_size)
     n = transport.world_size
     if n > 1:
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-        run = _ALGOS[name]
-        run(transport, flat, list(range(n)), transport.rank, _COMBINE[op], size)
+        yield from _ALGOS[name](transport, flat, list(range(n)), transport.rank, _COMBINE[op], size)
         if op == "mean":
             flat.div_(n)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
-    return Finished(tensor) if async_op else tensor
-
-
-class Finished:
-    """The handle of an operation that completed before it was returned."""
-
-    def __init__(self, result):
-        self._result = result
-
-    def wait(self):
-        return self._result
-
-    def is_completed(self) -> bool:
-        return True
+    return tensor
 
 
 # -- building blocks over a list of group ranks (`members`); `me` is this rank's index in it -----------------
-def _exchange(tp, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> None:
-    """Send one tensor and receive another at the same time (either may be None or empty)."""
+def _exchange(tp, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int):
+    """(program) Send one tensor and receive another at the same time (either may be None or empty)."""
     handles = []
     if send is not None and send.numel():
         handles.append(tp.isend(send, dst, tag=TAG))
     if recv is not None and recv.numel():
         handles.append(tp.irecv(recv, src, tag=TAG))
-    wait_all(handles)
+    for h in handles:   # each real completion is timestamped as it happens: waiting in turn costs nothing
+        yield h
 
 
 def wait_all(handles) -> list:
@@ -113,7 +101,7 @@ def _ring_reduce_scatter(tp, flat, members, me, combine) -> list[torch.Tensor]:
     for s in range(n - 1):
         send_i, recv_i = (me - s) % n, (me - s - 1) % n
         buf = torch.empty_like(chunks[recv_i])
-        _exchange(tp, chunks[send_i], right, buf, left)
+        yield from _exchange(tp, chunks[send_i], right, buf, left)
         combine(chunks[recv_i], buf)
     return chunks
 
@@ -124,13 +112,14 @@ def _ring_all_gather(tp, chunks, members, me) -> None:
     right, left = members[(me + 1) % n], members[(me - 1) % n]
     for s in range(n - 1):
         send_i, recv_i = (me + 1 - s) % n, (me - s) % n
-        _exchange(tp, chunks[send_i], right, chunks[recv_i], left)
+        yield from _exchange(tp, chunks[send_i], right, chunks[recv_i], left)
 
 
 def _ring(tp, flat, members, me, combine, _size=None) -> None:
     """Ring all-reduce: 2(n-1) α + 2(n-1)/n N β (seed 000 Table III)."""
     if len(members) > 1:
-        _ring_all_gather(tp, _ring_reduce_scatter(tp, flat, members, me, combine), members, me)
+        chunks = yield from _ring_reduce_scatter(tp, flat, members, me, combine)
+        yield from _ring_all_gather(tp, chunks, members, me)
 
 
 def _recursive_doubling(tp, flat, members, me, combine, _size=None) -> None:
@@ -139,21 +128,21 @@ def _recursive_doubling(tp, flat, members, me, combine, _size=None) -> None:
     n = len(members)
     p = 1 << (n.bit_length() - 1)
     if me >= p:
-        _exchange(tp, flat, members[me - p], None, 0)
-        _exchange(tp, None, 0, flat, members[me - p])
+        yield from _exchange(tp, flat, members[me - p], None, 0)
+        yield from _exchange(tp, None, 0, flat, members[me - p])
         return
     buf = torch.empty_like(flat)
     if me < n - p:
-        _exchange(tp, None, 0, buf, members[me + p])
+        yield from _exchange(tp, None, 0, buf, members[me + p])
         combine(flat, buf)
     mask = 1
     while mask < p:
         partner = members[me ^ mask]
-        _exchange(tp, flat, partner, buf, partner)
+        yield from _exchange(tp, flat, partner, buf, partner)
         combine(flat, buf)
         mask <<= 1
     if me < n - p:
-        _exchange(tp, flat, members[me + p], None, 0)
+        yield from _exchange(tp, flat, members[me + p], None, 0)
 
 
 def _tree_reduce(tp, flat, members, me, combine) -> None:
@@ -163,11 +152,11 @@ def _tree_reduce(tp, flat, members, me, combine) -> None:
     mask = 1
     while mask < n:
         if me & mask:
-            _exchange(tp, flat, members[me - mask], None, 0)
+            yield from _exchange(tp, flat, members[me - mask], None, 0)
             return
         if me + mask < n:
             buf = torch.empty_like(flat) if buf is None else buf
-            _exchange(tp, None, 0, buf, members[me + mask])
+            yield from _exchange(tp, None, 0, buf, members[me + mask])
             combine(flat, buf)
         mask <<= 1
 
@@ -180,19 +169,19 @@ def _tree_broadcast(tp, flat, members, me) -> None:
         mask <<= 1
     if me:
         low = me & -me
-        _exchange(tp, None, 0, flat, members[me - low])
+        yield from _exchange(tp, None, 0, flat, members[me - low])
         mask = low
     mask >>= 1
     while mask:
         if me + mask < n:
-            _exchange(tp, flat, members[me + mask], None, 0)
+            yield from _exchange(tp, flat, members[me + mask], None, 0)
         mask >>= 1
 
 
 def _tree(tp, flat, members, me, combine, _size=None) -> None:
     """Binary (binomial) tree: reduce then broadcast, 2 α log n + 2 N β log n (seed 000 Table III)."""
-    _tree_reduce(tp, flat, members, me, combine)
-    _tree_broadcast(tp, flat, members, me)
+    yield from _tree_reduce(tp, flat, members, me, combine)
+    yield from _tree_broadcast(tp, flat, members, me)
 
 
 def _hierarchical(tp, flat, members, me, combine, group_size=None) -> None:
@@ -201,10 +190,10 @@ def _hierarchical(tp, flat, members, me, combine, group_size=None) -> None:
     m = group_size or grid_shape(len(members))[1]
     g, i = divmod(me, m)
     group = members[g * m:(g + 1) * m]
-    _tree_reduce(tp, flat, group, i, combine)
+    yield from _tree_reduce(tp, flat, group, i, combine)
     if i == 0:
-        _ring(tp, flat, members[::m], g, combine)
-    _tree_broadcast(tp, flat, group, i)
+        yield from _ring(tp, flat, members[::m], g, combine)
+    yield from _tree_broadcast(tp, flat, group, i)
 
 
 def _torus(tp, flat, members, me, combine, width=None) -> None:
@@ -214,9 +203,9 @@ def _torus(tp, flat, members, me, combine, width=None) -> None:
     row, col = divmod(me, x)
     row_members = members[row * x:(row + 1) * x]
     col_members = members[col::x]
-    chunks = _ring_reduce_scatter(tp, flat, row_members, col, combine)
-    _ring(tp, chunks[(col + 1) % x], col_members, row, combine)
-    _ring_all_gather(tp, chunks, row_members, col)
+    chunks = yield from _ring_reduce_scatter(tp, flat, row_members, col, combine)
+    yield from _ring(tp, chunks[(col + 1) % x], col_members, row, combine)
+    yield from _ring_all_gather(tp, chunks, row_members, col)
 
 
 _ALGOS = {"ring": _ring, "recursive_doubling": _recursive_doubling, "tree": _tree,

@@ -12,10 +12,7 @@ from __future__ import annotations
 import random
 import threading
 
-from ..net import Cost, Link
-
-
-COLLECTIVE_SLOTS = 2  # ProcessGroupGloo's default number of worker threads
+from ..net import COLLECTIVE_SLOTS, Cost, Link
 
 
 class LinkClock:

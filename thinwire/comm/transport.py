@@ -20,18 +20,21 @@ from ..net import Cost, Link, p2p, parse_network, ring_allgather, ring_allreduce
 from ..trace import NULL, Tracer
 from .context import default_network, default_seed
 from .emulation import LinkClock
+from .engine import ENGINE, Future, Ready, in_program
+from .membership import MEMBERSHIP, PeerLost
 from .meter import Meter
 
 _now = time.perf_counter
 
 
-class Handle:
-    """An operation in flight. `wait()` returns its result once the real op is done and the link delivered."""
+class Handle(Future):
+    """An operation in flight: its result once the real op is done and the link delivered it."""
 
     def __init__(self, transport: "Transport", kind: str, works: Sequence, cost: Cost, result,
                  post: Callable | None = None, issued: float | None = None, tx: bool = True, rx: bool = True,
                  latency: bool = True):
         self.transport, self.kind, self.cost = transport, kind, cost
+        self.accounting = (transport.meter, transport.tracer, kind)
         self._works = list(works)
         self._result, self._post = result, post
         self._issued = _now() if issued is None else issued
@@ -39,11 +42,15 @@ class Handle:
         self.deadline: float | None = None
         self._done = False
         self._lock = threading.Lock()
+        self._once = threading.Lock()
         self._waiter: threading.Thread | None = None
         self._error: BaseException | None = None
         self._real: threading.Event | None = None  # set by the waiter thread (gloo point-to-point)
         self._real_at: float | None = None          # when the real op completed
         self._scheduled = threading.Event()
+        self._callbacks: list = []
+        self._real_event = threading.Event()          # the real op completed (or failed)
+        self.generation = MEMBERSHIP.generation      # the membership it was issued in
         # a collective is delivered in issue order: gloo's two threads may finish the second collective first,
         # but the emulated wire is FIFO (the second queues behind the first, whichever callback fires first)
         self._ordered = tx and rx
@@ -53,7 +60,7 @@ class Handle:
             self._on_real_done()
         else:  # timestamp the real completion as it happens (gloo's thread), so compute overlaps emulation
             try:
-                self._works[-1].get_future().add_done_callback(lambda _f: self._on_real_done())
+                self._works[-1].get_future().add_done_callback(self._on_future)
             except (RuntimeError, AttributeError):  # gloo point-to-point ops have no future: a waiter thread
                 # (the only one to wait on the work: a second wait() on a finished gloo p2p work never returns)
                 self._real = threading.Event()
@@ -70,16 +77,28 @@ class Handle:
         self._on_real_done()
         self._real.set()
 
+    def _on_future(self, fut) -> None:
+        """gloo's future completed: keep its error (the waiter must see it), then as any real completion."""
+        try:
+            fut.value()
+        except BaseException as e:  # noqa: BLE001 - raised by result()
+            self._error = e
+        self._on_real_done()
+
     def _on_real_done(self) -> None:
         with self._lock:
             if self._real_at is None:
                 self._real_at = _now()
+        self._real_event.set()
         if self._ordered:
             self.transport._drain()
         else:
             with self._lock:
-                if not self._scheduled.is_set():
+                scheduled = not self._scheduled.is_set()
+                if scheduled:
                     self._schedule(self._real_at)
+            if scheduled:
+                self._fire()
 
     def _schedule(self, t_done: float) -> None:
         tx, rx, latency = self._flags
@@ -92,47 +111,109 @@ class Handle:
             tr.complete(self.kind + " (emulated)", t_done, self.deadline, "emulated")
         self._scheduled.set()
 
+    def _fire(self) -> None:
+        """Run the callbacks registered before the delivery time was known (no lock held)."""
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._deliver(fn)
+
+    def add_done_callback(self, fn) -> None:
+        """`fn(self)` once delivered: on the thread that saw the real op complete (gloo's), or a timer's at the
+        emulated delivery; no polling thread in between (a DDP hook's future completes as DDP's own would)."""
+        with self._lock:
+            if not self._scheduled.is_set():
+                self._callbacks.append(fn)
+                return
+        self._deliver(fn)
+
+    def _deliver(self, fn) -> None:
+        delay = self.deadline - _now()
+        if delay > 0:
+            timer = threading.Timer(delay, fn, args=(self,))
+            timer.daemon = True
+            timer.start()
+        else:
+            fn(self)
+
     def is_completed(self) -> bool:
         if self._done:
             return True
         if self._real is not None:
-            if not self._real.is_set() or self._error is not None:
+            if not self._real.is_set():
                 return False
+            if self._error is not None:     # failed: complete, and result() raises the error
+                return True
         elif not all(w.is_completed() for w in self._works):
             return False
         self._on_real_done()
         return self._scheduled.is_set() and _now() >= self.deadline
 
-    def wait(self):
+    def result(self):
+        if not self._done and MEMBERSHIP.watching:   # a lost peer must not leave this wait blocked
+            try:
+                self._await_real()
+                return self._result_once()
+            except RuntimeError as e:
+                lost = e if isinstance(e, PeerLost) else MEMBERSHIP.wait_change(self.generation, 30.0)
+                if lost is not None:
+                    raise lost from (None if lost is e else e)
+                raise
+        return self._result_once()
+
+    def _await_real(self) -> None:
+        """Wait for the real op, checking every 0.1 s whether the launcher announced a lost worker."""
+        event = self._real if self._real is not None else self._real_event
+        while not event.wait(0.1):
+            lost = MEMBERSHIP.lost(self.generation)
+            if lost is not None:
+                raise lost
+
+    def _result_once(self):
         if not self._done:
-            t0 = _now()
-            if self._real is not None:
-                self._real.wait()
-                if self._error is not None:
-                    raise self._error
-            else:
-                for w in self._works:
-                    w.wait()
-            self._on_real_done()
-            self._scheduled.wait()   # an earlier collective still running: delivered after it
-            delay = self.deadline - _now()
-            if delay > 0:
-                time.sleep(delay)
-            t1 = _now()
-            self.transport.meter.add_wait(t1 - t0)
-            if t1 - t0 > 1e-4:
-                self.transport.tracer.complete("wait " + self.kind, t0, t1, "wait")
-            if self._post is not None:
-                self._result = self._post(self._result)
-            self._done = True
+            with self._once:        # one thread waits on the works (a gloo p2p work cannot be waited twice)
+                if not self._done:
+                    if self._real is not None:
+                        self._real.wait()
+                        if self._error is not None:
+                            raise self._error
+                    elif self._real_at is None:   # (a work's own done-callback must not wait on it)
+                        for w in self._works:
+                            w.wait()
+                    if self._error is not None:   # seen by the future's callback
+                        raise self._error
+                    self._on_real_done()
+                    self._scheduled.wait()   # an earlier collective still running: delivered after it
+                    delay = self.deadline - _now()
+                    if delay > 0:
+                        time.sleep(delay)
+                    if self._post is not None:
+                        self._result = self._post(self._result)
+                    self._done = True
         return self._result
+
+
+class _Work(Future):
+    """A raw torch.distributed work as a future (a size exchange folded into the next operation's cost)."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def result(self):
+        self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 class Transport:
     """Collectives and point-to-point ops on one process group, with a byte meter and network emulation.
 
-    Every op has a synchronous form (returns the result) and an `async_op=True` form (returns a `Handle`).
-    Tensors are used in place where torch.distributed does (all_reduce, broadcast, recv).
+    Every op has a synchronous form (returns the result) and an `async_op=True` form (returns a `Future`).
+    Tensors are used in place where torch.distributed does (all_reduce, broadcast, recv). Every op is issued
+    through the process's engine (`thinwire.comm.engine`), in the order ops and programs were submitted; inside
+    a program (`run`) ops are issued directly. `serial` and `background` are the options programs submitted
+    through `run` get by default (the scheduler sets them).
     """
 
     def __init__(self, group=None, network: "str | Link | None" = None, seed: int | None = None,
@@ -153,8 +234,19 @@ class Transport:
         from .collectives import parse as _parse_allreduce
         _parse_allreduce(allreduce, self.world_size)
         self.allreduce = allreduce  # "gloo" (native) or an algorithm of thinwire.comm.collectives
+        self.serial = False        # programs: one in flight at a time (each delivered before the next starts)
+        self.background = False    # programs: never on the caller's thread (compression off the training thread)
         self._in_order: collections.deque[Handle] = collections.deque()  # collectives not yet on the link
         self._order_lock = threading.Lock()
+
+    def regroup(self, group) -> None:
+        """Go on with `group` (the survivors of a lost worker): ranks renumbered, the old group's operations
+        in flight abandoned."""
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        with self._order_lock:
+            self._in_order.clear()
 
     def _enqueue(self, handle: Handle) -> None:
         with self._order_lock:
@@ -162,15 +254,31 @@ class Transport:
 
     def _drain(self) -> None:
         """Put on the link, in issue order, every collective whose real part and predecessors are done."""
+        done = []
         with self._order_lock:
             while self._in_order and self._in_order[0]._real_at is not None:
                 h = self._in_order.popleft()
                 h._schedule(h._real_at)
+                done.append(h)
+        for h in done:
+            h._fire()
 
-    # -- helpers ---------------------------------------------------------------------------------------
-    def _finish(self, kind, works, cost, result, post=None, async_op=False, issued=None, **flags):
-        h = Handle(self, kind, works, cost, result, post, issued=issued, **flags)
-        return h if async_op else h.wait()
+    # -- programs --------------------------------------------------------------------------------------
+    def run(self, program, label: str = "exchange", background: bool | None = None,
+            serial: bool | None = None):
+        """Submit a program (a generator of futures, see `thinwire.comm.engine`) to the engine; a `Task`."""
+        return ENGINE.submit(program, background=self.background if background is None else background,
+                             serial=self.serial if serial is None else serial,
+                             accounting=(self.meter, self.tracer, label))
+
+    def _op(self, program, kind: str, async_op: bool):
+        # never serial: a point-to-point send completes only once its peer posted the receive, which the
+        # peer's engine would hold back behind the send it issued first
+        fut = self.run(program, label=kind, background=False, serial=False).unwrap()
+        return fut if async_op else fut.wait()
+
+    def _handle(self, kind, works, cost, result, post=None, issued=None, **flags) -> Handle:
+        return Handle(self, kind, works, cost, result, post, issued=issued, **flags)
 
     def group_rank(self, global_rank: int) -> int:
         return dist.get_group_rank(self.group, global_rank) if self.group is not dist.group.WORLD else global_rank
@@ -181,25 +289,34 @@ class Transport:
     # -- collectives -----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
         """Sum (or mean, or max/min) `tensor` across ranks, in place. Costed as a ring all-reduce."""
+        return self._op(self.all_reduce_program(tensor, op), "all_reduce", async_op)
+
+    def all_reduce_program(self, tensor: torch.Tensor, op: str = "sum"):
+        """(program) `all_reduce`: returns its future; a point-to-point algorithm runs its rounds here."""
         ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                "min": dist.ReduceOp.MIN}
         if op not in ops:
             raise UserError(f"unknown reduce op {op!r}; valid: {', '.join(ops)}")
         if self.allreduce != "gloo":  # a point-to-point algorithm, costed message by message
-            from .collectives import all_reduce as _p2p_all_reduce
-            return _p2p_all_reduce(self, tensor, op, self.allreduce, async_op)
+            from .collectives import all_reduce_program
+            yield from all_reduce_program(self, tensor, op, self.allreduce)
+            return Ready(tensor)
         issued = _now()
         works = []
         if self.world_size > 1:
             works = [dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True)]
         cost = ring_allreduce(self.collective_link, self.world_size, tensor.numel() * tensor.element_size())
         post = (lambda t: t.div_(self.world_size)) if op == "mean" and self.world_size > 1 else None
-        return self._finish("all_reduce", works, cost, tensor, post, async_op, issued)
+        return self._handle("all_reduce", works, cost, tensor, post, issued)
 
     def all_gather(self, tensor: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False):
         """Gather a 1-D view of `tensor` from every rank; sizes may differ per rank (gloo's all_gather
         refuses uneven sizes, so blocks are padded to the largest; padding is counted as sent).
         `sizes`, when every rank already knows them, saves the size exchange. Returns a list by rank."""
+        return self._op(self.all_gather_program(tensor, sizes), "all_gather", async_op)
+
+    def all_gather_program(self, tensor: torch.Tensor, sizes: Sequence[int] | None = None):
+        """(program) `all_gather`: the size exchange (when sizes are unknown) is a round of its own."""
         issued = _now()
         flat = tensor.reshape(-1)
         n = self.world_size
@@ -208,7 +325,7 @@ class Transport:
             if n > 1:
                 mine = torch.tensor([flat.numel()], dtype=torch.int64)
                 got = [torch.empty_like(mine) for _ in range(n)]
-                dist.all_gather(got, mine, group=self.group)
+                yield _Work(dist.all_gather(got, mine, group=self.group, async_op=True))
                 sizes = [int(g.item()) for g in got]
                 cost_extra = ring_allgather(self.collective_link, n, 8)
             else:
@@ -218,47 +335,58 @@ class Transport:
             raise ValueError(f"all_gather sizes {sizes} do not match this rank's {flat.numel()} elements")
         largest = max(sizes) if sizes else 0
         if n == 1:
-            return self._finish("all_gather", [], cost_extra, [flat.clone()], None, async_op, issued)
+            return self._handle("all_gather", [], cost_extra, [flat.clone()], None, issued)
         block = flat if flat.numel() == largest else torch.cat([flat, flat.new_zeros(largest - flat.numel())])
         out = [block.new_empty(largest) for _ in range(n)]
         works = [dist.all_gather(out, block, group=self.group, async_op=True)]
         cost = ring_allgather(self.collective_link, n, largest * flat.element_size()) + cost_extra
         post = lambda blocks: [b[:s] for b, s in zip(blocks, sizes)]
-        return self._finish("all_gather", works, cost, out, post, async_op, issued)
+        return self._handle("all_gather", works, cost, out, post, issued)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from group rank `src`, in place. Costed as a binomial tree."""
-        issued = _now()
-        works = []
-        if self.world_size > 1:
-            works = [dist.broadcast(tensor, src=self.global_of(src), group=self.group, async_op=True)]
-        cost = tree_broadcast(self.collective_link, self.world_size, tensor.numel() * tensor.element_size(),
-                              self.rank, src)
-        return self._finish("broadcast", works, cost, tensor, None, async_op, issued)
+        def program():
+            issued = _now()
+            works = []
+            if self.world_size > 1:
+                works = [dist.broadcast(tensor, src=self.global_of(src), group=self.group, async_op=True)]
+            cost = tree_broadcast(self.collective_link, self.world_size, tensor.numel() * tensor.element_size(),
+                                  self.rank, src)
+            return self._handle("broadcast", works, cost, tensor, None, issued)
+            yield  # noqa: unreachable - makes this a program
+        return self._op(program(), "broadcast", async_op)
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            def program():
+                yield _Work(dist.barrier(group=self.group, async_op=True))
+            self._op(program(), "barrier", False)
 
     # -- point to point --------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: int = 0):
         """Send to group rank `dst`. The sender is done once its link has pushed the bytes out."""
-        issued = _now()
-        work = dist.isend(tensor.contiguous(), dst=self.global_of(dst), group=self.group, tag=tag)
-        c = p2p(self.link, tensor.numel() * tensor.element_size())
-        cost = Cost(c.latency, c.transfer, c.sent, 0.0)
-        return self._finish("send", [work], cost, tensor, None, async_op, issued, rx=False, latency=False)
+        def program():
+            issued = _now()
+            work = dist.isend(tensor.contiguous(), dst=self.global_of(dst), group=self.group, tag=tag)
+            c = p2p(self.link, tensor.numel() * tensor.element_size())
+            cost = Cost(c.latency, c.transfer, c.sent, 0.0)
+            return self._handle("send", [work], cost, tensor, None, issued, rx=False, latency=False)
+            yield  # noqa: unreachable - makes this a program
+        return self._op(program(), "send", async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: int = 0):
         """Receive from group rank `src` into `tensor`: delivered α + Nβ after the data is there."""
-        issued = _now()
-        work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
-        c = p2p(self.link, tensor.numel() * tensor.element_size())
-        cost = Cost(c.latency, c.transfer, 0.0, c.received)
-        return self._finish("recv", [work], cost, tensor, None, async_op, issued, tx=False)
+        def program():
+            issued = _now()
+            work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
+            c = p2p(self.link, tensor.numel() * tensor.element_size())
+            cost = Cost(c.latency, c.transfer, 0.0, c.received)
+            return self._handle("recv", [work], cost, tensor, None, issued, tx=False)
+            yield  # noqa: unreachable - makes this a program
+        return self._op(program(), "recv", async_op)
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Future:
         return self.send(tensor, dst, async_op=True, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Future:
         return self.recv(tensor, src, async_op=True, tag=tag)

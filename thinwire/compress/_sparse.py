@@ -140,3 +140,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     """Inverse of `pack_codes`: n codes as int64."""
     return bitpack.unpack(packed.reshape(-1), bits, n).to(torch.int64)
+
+
+def is_sparse(compressor) -> bool:
+    """Top-k family: payloads of (index, value) pairs (randomk's shared-seed subset is summed by all-reduce)."""
+    return isinstance(getattr(compressor, "base", compressor), SparseCompressor)

@@ -12,10 +12,12 @@ Each compressor declares its algebra so the exchange layer can pick the collecti
                If the ranks must first agree on something (a shared scale), `agree` returns a small tensor that
                is all-reduced with max and handed to `compress(..., agreed=...)`.
   "allgather"  every rank's payload is gathered (sizes may differ); `aggregate(payloads)` sums the contributions.
-  "majority"   sign payloads; the exchange takes the element-wise majority vote of the ranks' signs.
-  "custom"     the compressor runs its own communication: `exchange(transport, tensor, key, step, shapes)`
-               returns a handle whose `wait()` gives `(sum over ranks, this rank's own contribution)`;
-               the exchange divides by the world size and feeds the contribution to the memory (PowerSGD).
+  "majority"   the exchange returns the element-wise sign of `aggregate(payloads)`: for sign payloads the
+               majority vote of the ranks' signs (signsgd), for DeMo's `sign=true` the sign of the summed update.
+  "custom"     the compressor runs its own communication: `exchange(transport, tensor, key, step, shapes)` is a
+               program (a generator, see `thinwire.comm.engine`: it yields a future whenever it needs its
+               result) returning `(sum over ranks, this rank's own contribution)`; the exchange divides by the
+               world size and feeds the contribution to the memory (PowerSGD).
 Payloads of other ranks ("allgather", "majority") arrive as 1-D tensors of the same dtypes, in the same order,
 with THIS rank's `ctx`: a compressor must put in `ctx` only what every rank knows (shape, dtype, a shared seed's
 indices), never something about its own data. `fixed_size = True` says the payload size depends only on the
@@ -50,6 +52,23 @@ def regroup(state: dict, old: list[tuple[Any, int]], new: list[tuple[Any, int]])
         flat = torch.cat([d[k].reshape(-1) if k in d else held[0].new_zeros(n) for k, n in old])
         out[name] = {k: v for k, v in d.items() if k not in old_keys}
         out[name].update((k, t.clone()) for (k, _), t in zip(new, flat.split(sizes)))
+    return out
+
+
+def assemble(state: dict, key: Any, pieces: list[tuple[Any, int, int]]) -> dict:
+    """Per-key flat state for a new bucket `key` made of `pieces` = [(old key, lo, hi)] in order: each dict of
+    `state` holding 1-D tensors gets `key` → the concatenation of old[lo:hi] (zeros where the old key holds
+    nothing, or is None). The old keys stay (a DDP bucket rebuild: buckets of any order and size)."""
+    out = {}
+    for name, d in state.items():
+        flat = isinstance(d, dict) and d and all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in d.values())
+        if not flat:
+            out[name] = d
+            continue
+        like = next(iter(d.values()))
+        parts = [d[k][lo:hi] if k in d and d[k].numel() >= hi else like.new_zeros(hi - lo)
+                 for k, lo, hi in pieces]
+        out[name] = {**d, key: torch.cat(parts).clone()}
     return out
 
 

@@ -7,8 +7,8 @@ For each matrix M (a parameter of ndim ≥ 2 reshaped to a × b, after error fee
     Q = Mᵀ P̂;  Q ← Σ_ranks Q   second all-reduce
     mean over ranks ≈ P̂ Qᵀ / n,  this rank's own contribution = P̂ (Mᵀ P̂)ᵀ (what the memory subtracts)
 1-D tensors (biases, norms) and matrices too small to gain ((a + b) r ≥ a b) travel uncompressed in the first
-all-reduce. Both all-reduces run inside `exchange` (so inside `Exchange.start`): the second needs the first,
-and issuing it later from `wait()` could order collectives differently on different ranks. A flat tensor
+all-reduce. `exchange` is a program (`thinwire.comm.engine`): `Exchange.start` returns at once and both
+all-reduces run in order on the engine while the caller computes. A flat tensor
 (bucket, whole model) is split by `shapes`, the parameter shapes it is made of; without
 `shapes` a 1-D tensor is sent uncompressed. Aggregation is "custom": the compressor runs its two all-reduces.
 Use with `--memory powersgd` (its error feedback: e ← M − own contribution; the catalog's [!] notes that
@@ -38,19 +38,6 @@ def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
                 col -= prev @ (prev.t() @ col)
             col /= col.norm() + eps
     return p
-
-
-class _PowerHandle:
-    def __init__(self, first, finish):
-        self._first, self._finish, self._value = first, finish, None
-
-    def is_completed(self):
-        return self._value is not None or self._first.is_completed()
-
-    def wait(self):
-        if self._value is None:
-            self._value = self._finish(self._first.wait())
-        return self._value
 
 
 @compressors.register("powersgd")
@@ -86,52 +73,44 @@ class PowerSGD(Compressor):
         return mats
 
     def exchange(self, transport, tensor, key, step, shapes=None):
+        """(program) The two all-reduces; returns (sum over ranks, this rank's own contribution)."""
         x = tensor.reshape(-1).float()
         mats = self._layout(x.numel(), tensor.shape, shapes)
         self._seen[x.numel()] = [tuple(tensor.shape)] if shapes is None else [tuple(t) for t in shapes]
         dense_mask = torch.ones(x.numel(), dtype=torch.bool)
-        ps, qs = [], []
+        ps = []
         for off, a, b, r in mats:
             dense_mask[off:off + a * b] = False
             q = self.q.get((key, off, a, b, r)) if self.warm_start else None
             if q is None:
                 q = torch.randn(b, r, generator=generator(self.seed, "powersgd", key, off, 0 if self.warm_start
                                                           else step))
-            qs.append(q)
             ps.append(x[off:off + a * b].view(a, b) @ q)
         dense = x[dense_mask]
         buf = torch.cat([p.reshape(-1) for p in ps] + [dense])
-        first = transport.all_reduce(buf, op="sum", async_op=True)
+        summed = yield (yield from transport.all_reduce_program(buf, op="sum"))    # round 1: P (and the rest)
         n = transport.world_size
-
-        def finish(summed):
-            total = torch.empty_like(x)
-            local = torch.empty_like(x)
-            total[dense_mask] = summed[summed.numel() - dense.numel():]
-            local[dense_mask] = dense
-            hats, q_local, o = [], [], 0
-            for off, a, b, r in mats:
-                p_hat = orthogonalize(summed[o:o + a * r].view(a, r).clone())
-                o += a * r
-                hats.append(p_hat)
-                q_local.append(x[off:off + a * b].view(a, b).t() @ p_hat)
-            if mats:
-                qbuf = torch.cat([q.reshape(-1) for q in q_local])
-                transport.all_reduce(qbuf, op="sum")
-                o = 0
-                for (off, a, b, r), p_hat, ql in zip(mats, hats, q_local):
-                    q_sum = qbuf[o:o + b * r].view(b, r)
-                    o += b * r
-                    total[off:off + a * b] = (p_hat @ q_sum.t()).reshape(-1)
-                    local[off:off + a * b] = (p_hat @ ql.t()).reshape(-1)
-                    self.q[(key, off, a, b, r)] = q_sum / n       # warm start from the mean Q
-            return total.to(tensor.dtype).view(tensor.shape), local.to(tensor.dtype).view(tensor.shape)
-        # Both all-reduces are issued here, by the caller of start(), never later from wait(): the second one
-        # depends on the first, and issuing it from wait() could interleave it differently with other tensors'
-        # collectives on different ranks (a scheduler starts buckets on one thread and waits on another).
-        done = _PowerHandle(first, finish)
-        done.wait()
-        return done
+        total = torch.empty_like(x)
+        local = torch.empty_like(x)
+        total[dense_mask] = summed[summed.numel() - dense.numel():]
+        local[dense_mask] = dense
+        hats, q_local, o = [], [], 0
+        for off, a, b, r in mats:
+            p_hat = orthogonalize(summed[o:o + a * r].view(a, r).clone())
+            o += a * r
+            hats.append(p_hat)
+            q_local.append(x[off:off + a * b].view(a, b).t() @ p_hat)
+        if mats:
+            qbuf = torch.cat([q.reshape(-1) for q in q_local])
+            yield (yield from transport.all_reduce_program(qbuf, op="sum"))             # round 2: Q
+            o = 0
+            for (off, a, b, r), p_hat, ql in zip(mats, hats, q_local):
+                q_sum = qbuf[o:o + b * r].view(b, r)
+                o += b * r
+                total[off:off + a * b] = (p_hat @ q_sum.t()).reshape(-1)
+                local[off:off + a * b] = (p_hat @ ql.t()).reshape(-1)
+                self.q[(key, off, a, b, r)] = q_sum / n       # warm start from the mean Q
+        return total.to(tensor.dtype).view(tensor.shape), local.to(tensor.dtype).view(tensor.shape)
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         """One rank's own low-rank payload [P̂, Q] (or [tensor] when not compressible): the single-process

@@ -6,16 +6,21 @@
 `ddp_hook` returns `(state, hook)`, the two arguments `register_comm_hook` takes. The hook runs one
 `Exchange` per DDP bucket (key = the bucket's index and size; the bucket's parameter shapes are passed on, so
 PowerSGD compresses each weight matrix and sends biases uncompressed), through a thinwire `Transport` on DDP's
-process group, so bytes are metered (`state.meter`) and the emulated network applies. The hook returns an
-already-completed future: the exchange runs when DDP hands over the bucket, so thinwire's emulated delays are
-really spent inside backward (overlapped with the remaining backward work only as far as DDP's own bucket
-order allows). DDP rebuilds its buckets after the first iteration; their new keys start with fresh memory.
+process group, so bytes are metered (`state.meter`) and the emulated network applies. The hook returns a future
+that completes when the exchange does: backward goes on while the bucket is on the wire, as with DDP's own
+all-reduce (the identity compressor all-reduces DDP's bucket in place, as DDP does).
+
+DDP rebuilds its buckets after the first iteration (in the order gradients became ready). Per-bucket error
+feedback follows each parameter into its new bucket: the first time a bucket is seen, the memory's and the
+compressor's flat per-bucket state is assembled from the slices its parameters held in their old buckets
+(`thinwire.compress.base.assemble`), so nothing a residual held is dropped.
 """
 from __future__ import annotations
 
 import torch
 
 from ..compress import compressors, memories
+from ..compress.base import assemble
 from ..errors import UserError
 from .exchange import Exchange
 
@@ -29,6 +34,27 @@ class HookState:
         self.process_group, self.network = process_group, network
         self.collective, self.check_finite = collective, check_finite
         self.exchange: Exchange | None = None
+        self.slots: dict[int, tuple] = {}    # id(parameter) -> (bucket key, offset, numel) it was last sent under
+
+    def key_of(self, bucket) -> tuple:
+        """The bucket's key; a bucket seen for the first time takes over its parameters' flat state."""
+        key = ("bucket", bucket.index(), bucket.buffer().numel())
+        params = list(bucket.parameters())
+        layout, off, moved = [], 0, False
+        for p in params:
+            old = self.slots.get(id(p))
+            layout.append((old[0], old[1], old[1] + p.numel()) if old else (None, 0, p.numel()))
+            moved |= old is not None and old[:2] != (key, off)
+            off += p.numel()
+        if moved:       # a rebuilt bucket: carry its parameters' state over from their old buckets
+            ex = self.get_exchange()
+            for part in (ex.memory, ex.compressor):
+                part.load_state_dict(assemble(part.state_dict(), key, layout))
+        off = 0
+        for p in params:
+            self.slots[id(p)] = (key, off)
+            off += p.numel()
+        return key
 
     def get_exchange(self) -> Exchange:
         if self.exchange is None:
@@ -50,14 +76,21 @@ class HookState:
 
 
 def thinwire_hook(state, bucket):
-    """DDP comm hook: the mean of the bucket over ranks, through the state's compressor and memory."""
+    """DDP comm hook: the mean of the bucket over ranks, through the state's compressor and memory; a future
+    that completes when the exchange does."""
     buf = bucket.buffer()
     shapes = [tuple(p.shape) for p in bucket.parameters()]
     if sum(int(torch.Size(s).numel()) for s in shapes) != buf.numel():
         shapes = None
-    mean = state.get_exchange().aggregate(buf, key=("bucket", bucket.index(), buf.numel()), shapes=shapes)
+    task = state.get_exchange().start(buf, key=state.key_of(bucket), shapes=shapes, inplace=True)
     fut = torch.futures.Future()
-    fut.set_result(mean)
+
+    def done(f):
+        try:
+            fut.set_result(f.result())
+        except BaseException as e:  # noqa: BLE001 - DDP raises it when it waits for the bucket
+            fut.set_exception(e)
+    task.add_done_callback(done)
     return fut
 
 

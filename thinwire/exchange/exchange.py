@@ -12,11 +12,16 @@ The flow of one `start(tensor, key)` (GRACE's compensate → compress → update
      variable-size all-gather, then `compressor.aggregate` (e.g. `index_add_` of the sparse parts);
    - "majority": as all-gather, then the element-wise sign of the sum of the ranks' signs (a vote, not a mean);
    - "custom": the compressor communicates itself (PowerSGD: all-reduce P, orthogonalise, all-reduce Q);
-5. `handle.wait()` decompresses/aggregates and returns the mean over ranks (same shape and dtype).
+5. the future's `wait()` decompresses/aggregates and returns the mean over ranks (same shape and dtype).
 
-Steps 1–3 run in `start`; the collective is issued asynchronously and the decompression happens in `wait()`,
-so compute between the two overlaps the (emulated) transfer. ("custom" updates the memory in `wait()`, since
-PowerSGD's own contribution needs the all-reduced P.)
+`start` submits all of this as one program to the engine (`thinwire.comm.engine`) and returns its future at
+once: rounds that need an earlier round's result (a scale agreed by a max all-reduce, PowerSGD's second
+all-reduce, the rounds of a sparse collective) run on the engine's thread while the caller computes, and the
+decompression runs in `wait()`. The program reads `tensor` when it runs, which may be after `start` returns
+(the engine busy with earlier programs): the caller leaves it untouched until the future completes, or passes a
+copy. `inplace=True` lets the identity exchange all-reduce the tensor in place (a bucket, as DDP does).
+Every change of state (memory, compressor state, step counters) happens in the program, so it happens in
+submission order on every rank whatever the timing; only pure decompression is left to `wait()`.
 
 Granularity is the caller's: a parameter's gradient, a bucket or the whole flattened model, each under its own
 `key`; per-key state (residuals, PowerSGD's Q, shared seeds) follows the key. `shapes` (the parameter shapes a
@@ -35,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from ..comm import Transport
+from ..comm.engine import Ready
 from ..compress import Compressor, Memory, Payload, compressors, memories
 from ..compress.finite import NonFiniteError
 from ..errors import UserError
@@ -54,42 +60,6 @@ def allowed_collectives(compressor: Compressor) -> list[str]:
     if agg != "allgather":
         out.append("allgather")  # any non-custom payload can be gathered and aggregated one by one
     return out
-
-
-class _Done:
-    """A finished exchange (a result computed without waiting on the wire)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def wait(self):
-        return self.value
-
-    def is_completed(self):
-        return True
-
-
-class ExchangeHandle:
-    """An exchange in flight: `wait()` finishes the transport ops, then decompresses (once)."""
-
-    def __init__(self, handles: list, finish: Callable[[list], torch.Tensor], tracer=None):
-        self._handles, self._finish, self._tracer = handles, finish, tracer
-        self._value, self._done = None, False
-
-    def is_completed(self) -> bool:
-        return self._done or all(h.is_completed() for h in self._handles)
-
-    def wait(self) -> torch.Tensor:
-        if not self._done:
-            results = [h.wait() for h in self._handles]
-            if self._tracer is not None:
-                with self._tracer.span("decompress", "compress"):
-                    self._value = self._finish(results)
-            else:
-                self._value = self._finish(results)
-            self._done = True
-            self._handles, self._finish = [], None
-        return self._value
 
 
 def _backend(transport) -> str:
@@ -161,55 +131,60 @@ class Exchange:
         return sum(self.steps.values())
 
     # -- the exchange ----------------------------------------------------------------------------------
-    def start(self, tensor: torch.Tensor, key: Any = None, shapes=None):
+    @property
+    def identity(self) -> bool:
+        """Nothing compressed, nothing remembered: a plain all-reduce of the tensor."""
+        return (self.compressor.name == "none" and type(self.memory).compensate is Memory.compensate
+                and self.collective == "allreduce" and self.sparse is None)
+
+    def start(self, tensor: torch.Tensor, key: Any = None, shapes=None, inplace: bool = False):
+        """The mean over ranks of `tensor` (a future; see the module docstring)."""
+        return self.transport.run(self.program(tensor, key, shapes, inplace))
+
+    def program(self, tensor: torch.Tensor, key: Any = None, shapes=None, inplace: bool = False):
+        """(program) What `start` submits; `yield from` it inside another program."""
         x = tensor.detach()
         if x.numel() == 0:
-            return _Done(x.clone())
+            return Ready(x.clone())
         step = self.steps.get(key, 0)
         self.steps[key] = step + 1
         if self.check_finite:
             self._check_finite(x, key)
-        tracer = self.transport.tracer
-        comp, n = self.compressor, self.world_size
-        if self.collective == "custom":
-            with tracer.span("compress", "compress"):
-                c = self.memory.compensate(x, key)
-            inner = comp.exchange(self.transport, c, key, step, shapes)
-
-            def finish_custom(results):
-                total, local = results[0]
-                if self._memory_updates:
-                    self.memory.update(c, key, local)
-                return (total / n).to(x.dtype).reshape(x.shape)
-            return ExchangeHandle([inner], finish_custom, tracer)
-
-        if self.sparse is not None:   # a sparse collective: synchronous, returns (sum, this rank's share)
-            with tracer.span("compress", "compress"):
-                c = self.memory.compensate(x, key)
-            total, sent = self.sparse.run(c, key, step)
-            if self._memory_updates:
-                self.memory.update(c, key, sent)
-            return _Done((total / n).to(x.dtype).reshape(x.shape))
-
+        tr, comp, n = self.transport, self.compressor, self.world_size
+        tracer = tr.tracer
+        if self.identity:   # as DDP: the bucket itself is all-reduced (mean), no copy when allowed
+            buf = x if inplace and x.is_contiguous() else x.clone()
+            return (yield from tr.all_reduce_program(buf, op="mean"))
         with tracer.span("compress", "compress"):
             c = self.memory.compensate(x, key)
-            agreed = None
-            if self.collective == "allreduce":
-                agreed = comp.agree(c, key, step)
-                if agreed is not None:
-                    self.transport.all_reduce(agreed, op="max")
+        if self.collective == "custom":     # the compressor's own rounds: (sum over ranks, own contribution)
+            total, local = yield from comp.exchange(tr, c, key, step, shapes)
+            if self._memory_updates:        # state changes in the program, in the same order on every rank
+                self.memory.update(c, key, local)
+            return Ready((total / n).to(x.dtype).reshape(x.shape))
+        if self.sparse is not None:         # a sparse collective: (sum over ranks, this rank's share)
+            total, sent = yield from self.sparse.program(c, key, step)
+            if self._memory_updates:
+                self.memory.update(c, key, sent)
+            return Ready((total / n).to(x.dtype).reshape(x.shape))
+        agreed = None
+        if self.collective == "allreduce":
+            agreed = comp.agree(c, key, step)
+            if agreed is not None:      # the ranks agree on a scale first (a max all-reduce), then quantize
+                yield (yield from tr.all_reduce_program(agreed, op="max"))
+        with tracer.span("compress", "compress"):
             payload = comp.compress(c, key, step, agreed=agreed)
             if self._memory_updates:
                 self.memory.update(c, key, comp.decompress(payload))
         if self.collective == "allreduce":
-            return self._allreduce(payload, x, c)
-        return self._gather(payload, x)
+            return (yield from self._allreduce(payload, x, c))
+        return (yield from self._gather(payload, x))
 
     def aggregate(self, tensor: torch.Tensor, key: Any = None, shapes=None) -> torch.Tensor:
         return self.start(tensor, key, shapes).wait()
 
     # -- the collectives -------------------------------------------------------------------------------
-    def _allreduce(self, payload: Payload, x: torch.Tensor, c: torch.Tensor) -> ExchangeHandle:
+    def _allreduce(self, payload: Payload, x: torch.Tensor, c: torch.Tensor):
         comp, n, tr = self.compressor, self.world_size, self.transport
         p = comp.sum_payload(payload, n)
         ts = []
@@ -219,38 +194,39 @@ class Exchange:
             elif not t.is_contiguous() or _shares_storage(t, x) or _shares_storage(t, c):
                 t = t.contiguous().clone()
             ts.append(t)
-        if len(ts) > 1 and len({t.dtype for t in ts}) == 1:
+        if len(ts) > 1 and len({t.dtype for t in ts}) == 1:   # one all-reduce for tensors of one dtype
             flat = torch.cat([t.reshape(-1) for t in ts])
-            handles = [tr.all_reduce(flat, op="sum", async_op=True)]
-
-            def split(results):
-                out, off = [], 0
-                for t in ts:
-                    out.append(results[0][off:off + t.numel()].view(t.shape))
-                    off += t.numel()
-                return out
+            fut = yield from tr.all_reduce_program(flat, op="sum")
+            offsets = [0]
+            for t in ts:
+                offsets.append(offsets[-1] + t.numel())
+            summed = fut.then(lambda f: [f[a:b].view(t.shape) for a, b, t in zip(offsets, offsets[1:], ts)])
         else:
-            handles = [tr.all_reduce(t, op="sum", async_op=True) for t in ts]
-            split = list
+            futs = []
+            for t in ts:
+                futs.append((yield from tr.all_reduce_program(t, op="sum")))
+            summed = futs[0].then(lambda _: [f.result() for f in futs]) if futs else Ready([])
 
         def finish(results):
-            total = comp.decompress(Payload(split(results), p.ctx, p.extra))
-            return (total / n).to(x.dtype).reshape(x.shape)
-        return ExchangeHandle(handles, finish, tr.tracer)
+            with tr.tracer.span("decompress", "compress"):
+                total = comp.decompress(Payload(results, p.ctx, p.extra))
+                return (total / n).to(x.dtype).reshape(x.shape)
+        return summed.then(finish)
 
-    def _gather(self, payload: Payload, x: torch.Tensor) -> ExchangeHandle:
+    def _gather(self, payload: Payload, x: torch.Tensor):
         comp, n, tr = self.compressor, self.world_size, self.transport
         buf = wire.pack(payload.tensors)
         sizes = [buf.numel()] * n if comp.fixed_size else None
-        handle = tr.all_gather(buf, sizes=sizes, async_op=True)
+        fut = yield from tr.all_gather_program(buf, sizes=sizes)
         majority = self.collective == "majority"
 
-        def finish(results):
-            payloads = [Payload(wire.unpack(b), payload.ctx, payload.extra) for b in results[0]]
-            total = comp.aggregate(payloads)
-            out = torch.sign(total) if majority else total / n
-            return out.to(x.dtype).reshape(x.shape)
-        return ExchangeHandle([handle], finish, tr.tracer)
+        def finish(blocks):
+            with tr.tracer.span("decompress", "compress"):
+                payloads = [Payload(wire.unpack(b), payload.ctx, payload.extra) for b in blocks]
+                total = comp.aggregate(payloads)
+                out = torch.sign(total) if majority else total / n
+                return out.to(x.dtype).reshape(x.shape)
+        return fut.then(finish)
 
     def _check_finite(self, x: torch.Tensor, key: Any) -> None:
         if not x.is_floating_point():

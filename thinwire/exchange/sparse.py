@@ -27,14 +27,9 @@ import torch
 from ..compress import Payload
 from ..compress._sparse import SPARSE_COLLECTIVES as NAMES  # noqa: F401  (re-exported)
 from ..compress._sparse import check_collective as check
+from ..compress._sparse import is_sparse
 from ..errors import UserError
 from . import wire
-
-
-def is_sparse(compressor) -> bool:
-    """Top-k family: payloads of (index, value) pairs (randomk's shared-seed subset is summed by all-reduce)."""
-    from ..compress._sparse import SparseCompressor
-    return isinstance(getattr(compressor, "base", compressor), SparseCompressor)
 
 
 def contribution(compressor, c: torch.Tensor, key, step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,31 +55,32 @@ def merge(ia, va, ib, vb):
     return idx, vals
 
 
-def swap(tr, partner: int, buf: torch.Tensor) -> torch.Tensor:
-    """Exchange a uint8 buffer with `partner` (its size first, so sizes may differ)."""
+def swap(tr, partner: int, buf: torch.Tensor):
+    """(program) Exchange a uint8 buffer with `partner` (its size first, so sizes may differ)."""
     mine = torch.tensor([buf.numel()], dtype=torch.int64)
     theirs = torch.empty_like(mine)
     h = tr.isend(mine, partner)
-    tr.recv(theirs, partner)
-    h.wait()
+    yield tr.irecv(theirs, partner)
+    yield h
     out = torch.empty(int(theirs[0]), dtype=torch.uint8)
     h = tr.isend(buf, partner)
-    tr.recv(out, partner)
-    h.wait()
+    yield tr.irecv(out, partner)
+    yield h
     return out
 
 
-def send_buf(tr, dst: int, buf: torch.Tensor) -> None:
-    """One-way: a uint8 buffer to `dst`, its size first."""
-    tr.send(torch.tensor([buf.numel()], dtype=torch.int64), dst)
-    tr.send(buf, dst)
+def send_buf(tr, dst: int, buf: torch.Tensor):
+    """(program) One-way: a uint8 buffer to `dst`, its size first."""
+    yield tr.isend(torch.tensor([buf.numel()], dtype=torch.int64), dst)
+    yield tr.isend(buf, dst)
 
 
-def recv_buf(tr, src: int) -> torch.Tensor:
+def recv_buf(tr, src: int):
+    """(program) The buffer `send_buf` sends."""
     size = torch.empty(1, dtype=torch.int64)
-    tr.recv(size, src)
+    yield tr.irecv(size, src)
     out = torch.empty(int(size[0]), dtype=torch.uint8)
-    tr.recv(out, src)
+    yield tr.irecv(out, src)
     return out
 
 
@@ -104,7 +100,7 @@ def _set(idx, vals, extra: list) -> torch.Tensor:
 
 
 def gtopk(tr, compressor, c, key, step):
-    """gTop-k by recursive doubling over the largest power of two p ≤ n, extra ranks folded in and out."""
+    """(program) gTop-k by recursive doubling over the largest power of two p ≤ n, extra ranks folded in and out."""
     flat = c.reshape(-1)
     idx, vals = contribution(compressor, flat, key, step)
     k = idx.numel()
@@ -112,14 +108,14 @@ def gtopk(tr, compressor, c, key, step):
     n, rank = tr.world_size, tr.rank
     p = 1 << (n.bit_length() - 1)
     if rank >= p:                                        # extra rank: fold into rank − p, get the result back
-        send_buf(tr, rank - p, _set(idx, vals, [torch.tensor([k])]))
-        got = wire.unpack(recv_buf(tr, rank - p))
+        yield from send_buf(tr, rank - p, _set(idx, vals, [torch.tensor([k])]))
+        got = wire.unpack((yield from recv_buf(tr, rank - p)))
         idx, vals, alive = got[0].long(), got[1], unpack_bits(got[2], own_idx.numel())
     else:
         alive = torch.ones(idx.numel(), dtype=torch.bool)   # which of my own entries are still in my set
         extra = rank + p if rank + p < n else None
         if extra is not None:                            # fold: merge the extra rank's set, re-select
-            got = wire.unpack(recv_buf(tr, extra))
+            got = wire.unpack((yield from recv_buf(tr, extra)))
             e_idx, k = got[0].long(), max(k, int(got[2][0]))
             idx, vals = top(*merge(idx, vals, e_idx, got[1]), k)
             alive &= torch.isin(own_idx, idx)
@@ -127,7 +123,7 @@ def gtopk(tr, compressor, c, key, step):
         dist = 1
         while dist < p:
             partner = rank ^ dist
-            got = wire.unpack(swap(tr, partner, _set(idx, vals, [torch.tensor([k])])))
+            got = wire.unpack((yield from swap(tr, partner, _set(idx, vals, [torch.tensor([k])]))))
             oi, ov, ok = got[0].long(), got[1], int(got[2][0])
             k = max(k, ok)                               # symmetric: both partners use the same k
             idx, vals = top(*merge(idx, vals, oi, ov), k)
@@ -136,7 +132,7 @@ def gtopk(tr, compressor, c, key, step):
                 e_alive &= torch.isin(e_idx, idx)
             dist *= 2
         if extra is not None:                            # the result, and which of its entries survived
-            send_buf(tr, extra, _set(idx, vals, [pack_bits(e_alive)]))
+            yield from send_buf(tr, extra, _set(idx, vals, [pack_bits(e_alive)]))
     total = torch.zeros(flat.numel(), dtype=c.dtype)
     total[idx] = vals
     sent = torch.zeros(flat.numel(), dtype=c.dtype)
@@ -145,7 +141,7 @@ def gtopk(tr, compressor, c, key, step):
 
 
 def shared(tr, compressor, c, key, step):
-    """Shared-index top-k: the leader's indices, everyone's values at them, one dense all-reduce of k values."""
+    """(program) Shared-index top-k: the leader's indices, everyone's values at them, one dense all-reduce of k values."""
     flat = c.reshape(-1)
     leader = step % tr.world_size
     if tr.rank == leader:
@@ -153,14 +149,14 @@ def shared(tr, compressor, c, key, step):
         count = torch.tensor([idx.numel()], dtype=torch.int64)
     else:
         idx, count = None, torch.zeros(1, dtype=torch.int64)
-    tr.broadcast(count, src=leader)
+    yield tr.broadcast(count, src=leader, async_op=True)
     ids = idx.to(torch.int32) if idx is not None else torch.empty(int(count[0]), dtype=torch.int32)
-    tr.broadcast(ids, src=leader)
+    yield tr.broadcast(ids, src=leader, async_op=True)
     ids = ids.long()
     vals = flat[ids].clone()
     sent = torch.zeros(flat.numel(), dtype=c.dtype)
     sent[ids] = vals
-    tr.all_reduce(vals, op="sum")
+    yield (yield from tr.all_reduce_program(vals, op="sum"))
     total = torch.zeros(flat.numel(), dtype=c.dtype)
     total[ids] = vals
     return total.view(c.shape), sent.view(c.shape)
@@ -207,22 +203,23 @@ class Hierarchical:
         return self.contexts[k]
 
     def __call__(self, tr, compressor, c, key, step):
+        """(program) Dense inside the group, sparse between the leaders, broadcast back."""
         flat = c.reshape(-1)
         s = flat.clone()
-        self.group.all_reduce(s, op="sum")                 # dense reduce inside the group
+        yield (yield from self.group.all_reduce_program(s, op="sum"))   # dense reduce inside the group
         size = torch.zeros(1, dtype=torch.int64)
         if self.leaders is not None:
             payload = compressor.compress(s.view(c.shape), key, step)
             buf = wire.pack(payload.tensors)
-            bufs = self.leaders.all_gather(buf)          # sparse exchange between leaders
+            bufs = yield (yield from self.leaders.all_gather_program(buf))   # sparse exchange between leaders
             mine = self.leaders.rank
             blob = wire.pack([torch.tensor([len(bufs), mine, *[b.numel() for b in bufs]], dtype=torch.int64),
                               *bufs])
             size[0] = blob.numel()
-        self.group.broadcast(size, src=0)
+        yield self.group.broadcast(size, src=0, async_op=True)
         if self.leaders is None:
             blob = torch.empty(int(size[0]), dtype=torch.uint8)
-        self.group.broadcast(blob, src=0)                # every member gets the same bytes as its leader
+        yield self.group.broadcast(blob, src=0, async_op=True)   # every member gets its leader's bytes
         parts = wire.unpack(blob)
         head = parts[0].tolist()
         count, mine = head[0], head[1]
@@ -237,7 +234,8 @@ class Hierarchical:
 
 
 class SparseCollective:
-    """The chosen sparse collective bound to a transport and a compressor: `run(c, key, step)` → (total, sent)."""
+    """The chosen sparse collective bound to a transport and a compressor: the program
+    `program(c, key, step)` returns (total, sent)."""
 
     def __init__(self, name: str, transport, compressor):
         self.name = check(name)
@@ -248,8 +246,8 @@ class SparseCollective:
         self.transport, self.compressor = transport, compressor
         self._impl = {"gtopk": gtopk, "shared": shared}.get(name) or Hierarchical(transport)
 
-    def run(self, c: torch.Tensor, key, step: int):
+    def program(self, c: torch.Tensor, key, step: int):
         if self.transport.world_size == 1:
             d = self.compressor.decompress(self.compressor.compress(c, key, step)).to(c.dtype).view(c.shape)
             return d, d
-        return self._impl(self.transport, self.compressor, c, key, step)
+        return (yield from self._impl(self.transport, self.compressor, c, key, step))

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from .link import Link
 
+COLLECTIVE_SLOTS = 2  # gloo runs a process group's collectives on its two worker threads (ProcessGroupGloo's default)
+
 
 @dataclass(frozen=True)
 class Cost:

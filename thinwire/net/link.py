@@ -1,6 +1,7 @@
 """A network link: bandwidth, one-way latency, jitter and loss; named profiles and `custom:` specs."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, replace
 
@@ -22,10 +23,10 @@ class Link:
     name: str = "custom"
 
     def __post_init__(self):
-        if self.bandwidth is not None and not self.bandwidth > 0:
-            raise UserError(f"bandwidth must be > 0, got {self.bandwidth}")
-        if self.latency < 0 or self.jitter < 0:
-            raise UserError("latency and jitter must be >= 0")
+        if self.bandwidth is not None and not 0 < self.bandwidth < math.inf:
+            raise UserError(f"bandwidth must be a finite number > 0, got {self.bandwidth}")
+        if not (0 <= self.latency < math.inf and 0 <= self.jitter < math.inf):
+            raise UserError(f"latency and jitter must be finite and >= 0, got {self.latency}, {self.jitter}")
         if not 0 <= self.loss < 1:
             raise UserError(f"loss must be in [0, 1), got {self.loss}")
 
@@ -70,6 +71,10 @@ PROFILES: dict[str, tuple[float | None, float, str]] = {
     "world": (50e6, 150e-3, "across the world: 50 Mbit/s, 150 ms one-way"),
 }
 
+# what a `custom:` spec may ask for: beyond these, an emulated run would sit idle for hours
+MIN_BANDWIDTH, MAX_BANDWIDTH = 1e3, 1e13      # 1 kbit/s .. 10 Tbit/s
+MAX_LATENCY = 60.0                            # one-way latency and jitter (s); the Earth-Moon latency is 1.3 s
+
 _UNITS_BW = {"": 1, "bit": 1, "bps": 1, "kbit": 1e3, "kbps": 1e3, "mbit": 1e6, "mbps": 1e6,
              "gbit": 1e9, "gbps": 1e9, "k": 1e3, "m": 1e6, "g": 1e9}
 _UNITS_T = {"": 1e-3, "ms": 1e-3, "s": 1.0, "us": 1e-6}
@@ -80,6 +85,11 @@ def _number(text: str, units: dict, what: str) -> float:
     if not m or m.group(2) not in units:
         raise UserError(f"malformed {what} {text!r}; e.g. " + ("200mbit, 1gbit" if units is _UNITS_BW else "25ms, 0.1s"))
     return float(m.group(1)) * units[m.group(2)]
+
+
+def parse_bandwidth(text: str) -> float:
+    """A bandwidth such as `200mbit`, `1gbit`, `50e6` (bits/s)."""
+    return _number(text, _UNITS_BW, "bandwidth")
 
 
 def parse_network(spec: "str | Link | None") -> Link:
@@ -102,7 +112,7 @@ def parse_network(spec: "str | Link | None") -> Link:
                 raise UserError(f"malformed network {spec!r}: {item!r} is not key=value")
             key, value = (s.strip() for s in item.split("=", 1))
             if key == "bandwidth":
-                fields[key] = _number(value, _UNITS_BW, "bandwidth")
+                fields[key] = parse_bandwidth(value)
             elif key in ("latency", "jitter"):
                 fields[key] = _number(value, _UNITS_T, key)
             elif key == "loss":
@@ -114,5 +124,11 @@ def parse_network(spec: "str | Link | None") -> Link:
                 raise UserError(f"malformed network {spec!r}: unknown key {key!r}; valid: bandwidth, latency, jitter, loss")
         if not fields:
             raise UserError(f"malformed network {spec!r}; e.g. custom:bandwidth=200mbit,latency=25ms,jitter=5ms")
+        if "bandwidth" in fields and not MIN_BANDWIDTH <= fields["bandwidth"] <= MAX_BANDWIDTH:
+            raise UserError(f"bandwidth in {spec!r} must be in 1kbit..10000gbit (1e3..1e13 bit/s), "
+                            f"got {fields['bandwidth']:g} bit/s")
+        for key in ("latency", "jitter"):
+            if key in fields and not fields[key] <= MAX_LATENCY:
+                raise UserError(f"{key} in {spec!r} must be in 0..60s, got {fields[key]:g} s")
         return Link(name=spec, **fields)
     raise UserError(f"unknown network {spec!r}; valid: {', '.join(PROFILES)}, custom:bandwidth=...,latency=...,jitter=...,loss=...")

@@ -57,8 +57,22 @@ def _variants(comp: str, params: dict) -> list:
     return list(SPARSE_COLLECTIVES) if sparse else [None]
 
 
+def check_scenario(s: Scenario) -> None:
+    """A scenario the cost model can rank: finite, positive sizes and times (NaN would sort arbitrarily)."""
+    import math
+    if not 0 < s.params < math.inf:
+        raise UserError(f"params must be a finite number > 0, got {s.params}")
+    if not 0 <= s.compute_s < math.inf:
+        raise UserError(f"compute time must be a finite number of seconds >= 0, got {s.compute_s}")
+    if isinstance(s.workers, bool) or not isinstance(s.workers, int) or s.workers < 1:
+        raise UserError(f"workers must be an integer >= 1, got {s.workers!r}")
+    if isinstance(s.servers, bool) or not isinstance(s.servers, int) or s.servers < 0:
+        raise UserError(f"servers must be an integer >= 0, got {s.servers!r}")
+
+
 def advise(s: Scenario) -> list[Advice]:
     """Every candidate configuration (each sparse collective of a sparsifier a row of its own), fastest first."""
+    check_scenario(s)
     out = []
     for label, alg, comp, params, note in CANDIDATES:
         for collective in _variants(comp, params):

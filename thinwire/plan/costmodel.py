@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..comm.emulation import COLLECTIVE_SLOTS
-from ..net import Cost, Link
+from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cost as netcost
-from . import cdsgd as cd
+from ..net import cdsgd as cd
 
 # compress + decompress time in memcpys of the input, measured by `thinwire bench compressors` (2^24 fp32,
 # this 2-core machine; see BENCHMARKS.md). Used when no calibration file exists.
@@ -120,7 +119,7 @@ def is_sparse(compressor: str, **params) -> bool:
     if compressor == "none":
         return False
     from ..compress import compressors
-    from ..exchange.sparse import is_sparse as _is_sparse
+    from ..compress._sparse import is_sparse as _is_sparse
     return _is_sparse(compressors.get(compressor, **params))
 
 

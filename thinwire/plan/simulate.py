@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..comm.emulation import COLLECTIVE_SLOTS
 from ..errors import UserError
-from ..net import Cost, Link
+from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cost as netcost
 from .costmodel import COLLECTIVES, double_binary_tree_allreduce
 

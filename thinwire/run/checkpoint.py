@@ -14,7 +14,10 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
+import re
+import warnings
 
 import numpy as np
 import torch
@@ -24,7 +27,7 @@ from ..errors import UserError
 MANIFEST = "checkpoint.json"
 # configuration fields that may change between the interrupted and the resumed run
 _FREE = {"epochs", "steps", "progress", "trace", "eval_every", "target", "checkpoint_every", "checkpoint_dir",
-         "resume", "nonfinite"}
+         "resume", "nonfinite", "progress_timeout"}
 
 
 def fingerprint(cfg) -> str:
@@ -106,8 +109,8 @@ def exists(directory: str | None) -> bool:
     return bool(directory) and os.path.exists(os.path.join(directory, MANIFEST))
 
 
-def check(directory: str, world_size: int, cfg) -> dict:
-    """The manifest of `directory` if it fits this run; a UserError saying why not otherwise."""
+def _manifest(directory: str) -> dict:
+    """The manifest of `directory`, checked for shape (a planted or damaged one is refused in one line)."""
     path = os.path.join(directory, MANIFEST)
     try:
         with open(path) as f:
@@ -115,7 +118,43 @@ def check(directory: str, world_size: int, cfg) -> dict:
     except FileNotFoundError:
         raise UserError(f"no checkpoint in {directory!r} (missing {MANIFEST})") from None
     except (OSError, ValueError) as e:
-        raise UserError(f"checkpoint manifest {path!r} is unreadable: {e}") from None
+        raise UserError(f"checkpoint manifest {path!r} is unreadable: {_one_line(e)}") from None
+    ok = (isinstance(manifest, dict) and _is_int(manifest.get("step")) and manifest["step"] >= 0
+          and _is_int(manifest.get("world_size")) and isinstance(manifest.get("sha256", {}), dict))
+    if not ok:
+        raise UserError(f"checkpoint manifest {path!r} is not a thinwire manifest (it needs an integer step and "
+                        f"world_size, and sha256 by rank)")
+    return manifest
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _one_line(e: BaseException, limit: int = 160) -> str:
+    """The first line of an exception's message (torch's run to a dozen lines of advice)."""
+    text = (str(e).strip().splitlines() or [""])[0].strip()
+    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def _torch_load(data: bytes):
+    """(state, None), or (None, what is wrong with it) in one line. Only tensors and plain containers are built."""
+    try:
+        with warnings.catch_warnings():  # e.g. torch's warning about a pickle protocol it does not expect
+            warnings.simplefilter("ignore")
+            return torch.load(io.BytesIO(data), weights_only=True), None
+    except pickle.UnpicklingError as e:  # torch's several lines of advice on loading it unsafely: not for us
+        named = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f"it refers to {named.group(1)}, which is" if named else "it holds something that is"
+        return None, (f"is refused: {what} not a tensor or a plain container (torch.load(weights_only=True) "
+                      f"refused it; nothing in it was run)")
+    except Exception as e:  # noqa: BLE001 - any corruption is the same user-facing problem
+        return None, f"is corrupt or unreadable: {_one_line(e)}"
+
+
+def check(directory: str, world_size: int, cfg) -> dict:
+    """The manifest of `directory` if it fits this run; a UserError saying why not otherwise."""
+    manifest = _manifest(directory)
     if manifest.get("world_size") != world_size:
         raise UserError(f"checkpoint in {directory!r} is from {manifest.get('world_size')} ranks, "
                         f"this run has {world_size}")
@@ -132,14 +171,11 @@ def check(directory: str, world_size: int, cfg) -> dict:
 
 def load(directory: str, rank: int) -> dict:
     """This rank's state of the committed step (staged file first: a crash may have come before promotion),
-    after checking its sha256 against the manifest's (manifests written before checksums have none)."""
-    try:
-        with open(os.path.join(directory, MANIFEST)) as f:
-            manifest = json.load(f)
-        step = manifest.get("step")
-        want = (manifest.get("sha256") or {}).get(str(rank))
-    except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"checkpoint manifest in {directory!r} is unreadable: {e}") from None
+    after checking its sha256 against the manifest's (manifests written before checksums have none). Every
+    refusal is one line of thinwire's: a damaged file, one of another step, one that is no thinwire checkpoint
+    (objects beyond tensors and plain containers are refused by `weights_only=True` and never built)."""
+    manifest = _manifest(directory)
+    step, want = manifest["step"], manifest.get("sha256", {}).get(str(rank))
     path = _staged(directory, rank, step)
     if not os.path.exists(path):
         path = os.path.join(directory, f"rank-{rank}.pt")
@@ -147,13 +183,12 @@ def load(directory: str, rank: int) -> dict:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise UserError(f"checkpoint file {path!r} is corrupt or unreadable: {type(e).__name__}: {e}") from None
+        raise UserError(f"checkpoint file {path!r} is corrupt or unreadable: {_one_line(e)}") from None
     got = hashlib.sha256(data).hexdigest()
-    try:
-        state = torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any corruption is the same user-facing problem
-        state, error = None, f"{type(e).__name__}: {e}"
-    found = state.get("step") if isinstance(state, dict) else None
+    state, error = _torch_load(data)
+    if state is not None and not (isinstance(state, dict) and _is_int(state.get("step"))):
+        state, error = None, "is not a thinwire checkpoint (no dict with a step)"
+    found = state.get("step") if state is not None else None
     if state is not None and found != step:  # a whole file of another step: a torn checkpoint, not bit rot
         raise UserError(f"checkpoint file {path!r} is from step {found}, the manifest says step {step}: "
                         f"the checkpoint is inconsistent")
@@ -161,5 +196,5 @@ def load(directory: str, rank: int) -> dict:
         raise UserError(f"checkpoint file {path!r} is corrupt: its sha256 {got[:16]}... differs from the "
                         f"manifest's {want[:16]}...")
     if state is None:
-        raise UserError(f"checkpoint file {path!r} is corrupt or unreadable: {error}")
+        raise UserError(f"checkpoint file {path!r} {error}")
     return state

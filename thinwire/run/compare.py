@@ -221,8 +221,10 @@ def _servers(cell: presets.Cell) -> int:
     from .. import algorithms
     if "servers" in cell.params:
         return int(cell.params["servers"])
-    default = algorithms.registry.parameters(cell.algorithm).get("servers")
-    return int(default) if isinstance(default, int) and default > 0 else 0
+    if (cell.params.get("architecture") or algorithms.architectures(cell.algorithm)[0]) != "ps":
+        return 0
+    servers = algorithms.registry.parameters(cell.algorithm).get("servers")
+    return int(servers) if isinstance(servers, int) and servers > 0 else 1
 
 
 def nocomm_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:

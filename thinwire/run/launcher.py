@@ -5,25 +5,119 @@ values by rank. A `Pool` keeps the workers (and their process group) alive acros
 the tests use: starting 4 gloo workers costs seconds. If any worker raises, dies or stalls, every worker is
 stopped and a `WorkerError` names the rank and carries its traceback: nothing hangs, nothing is left behind.
 Under torchrun, call `init()` instead: it reads torchrun's environment and initialises the same way.
+
+What the launcher watches, quickest first:
+- a worker process that dies is named at once (with its exit code or signal);
+- liveness: each worker's heartbeat thread beats every 0.5 s; a process silent for `stall_timeout` (stopped,
+  or wedged as a whole) is named;
+- progress: a worker whose training loop calls `report_progress(step)` every step (`train_worker` does) is
+  watched on its steps. When no running rank has advanced for max(`progress_timeout`, 50 x the median step
+  time seen so far), the rank the others wait for (the lowest step) is named: `rank 2 made no progress for
+  95 s (stuck at step 41; others at step 42)`; a stuck collective shows as every rank at one step. This is
+  what catches a training thread that blocks while its heartbeat thread beats on;
+- the global deadline (`timeout`: 3600 s under `launch`, 600 s for a bare `Pool`) ends any run, the last resort.
+
+The rendezvous store listens on `host` only (127.0.0.1 by default: the launcher binds the socket there and
+hands it to `TCPStore`, whose own listener would bind every interface), and with a loopback `host` the
+workers' gloo sockets are pinned to the loopback interface (`GLOO_SOCKET_IFNAME=lo` unless already set).
+Nothing here authenticates: keep these ports off untrusted networks.
 """
 from __future__ import annotations
 
 import ctypes
+import ipaddress
+import math
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
+import socket
+import statistics
 import sys
 import time
 import traceback
+from collections import deque
 from datetime import timedelta
 
 from ..comm import set_default_network
+from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
 from ..net import parse_network
 
 _ctx = mp.get_context("spawn")
+
+MAX_LOCAL_WORKERS = 512     # processes on one machine: each holds an interpreter, torch and a copy of the model
+PROGRESS_TIMEOUT = 300.0    # the progress watchdog's bound (s) by default, ...
+PROGRESS_STEPS = 50         # ... raised to this many median step times when steps are slow
+
+_progress = None            # inside a launcher worker: (steps, times, rank), the shared arrays the watchdog reads
+
+
+def report_progress(step: int | None = None) -> None:
+    """Tell the launcher's watchdog that this rank has reached training step `step` (default: one more than
+    its last report). Call it once per step, best after the step's local computation and before the step's
+    communication waits (as `train_worker` does): then a rank that stopped computing is told apart from the
+    ranks waiting for it. Two stores into shared memory; a no-op outside a launcher worker (under torchrun,
+    in a plain process)."""
+    p = _progress
+    if p is None:
+        return
+    steps, times, rank = p
+    value = max(steps[rank], 0) + 1 if step is None else int(step)
+    times[rank] = time.monotonic()
+    steps[rank] = value
+
+
+class NoProgressError(WorkerError):
+    """The progress watchdog's verdict. Its message is the whole story; `rank` is the rank the others wait
+    for, or -1 when every rank is stuck at the same step (a stuck collective: no single rank to blame)."""
+
+    def __init__(self, rank: int, cause: str):
+        super().__init__(rank, cause)
+        self.args = (cause,)
+
+
+def check_world_size(world_size) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise UserError(f"world size must be an integer >= 1, got {world_size!r}")
+    if world_size > MAX_LOCAL_WORKERS:
+        raise UserError(f"world size must be at most {MAX_LOCAL_WORKERS} on one machine, got {world_size} "
+                        f"(each worker is a process with its own interpreter, torch runtime and copy of the "
+                        f"model); across machines run under torchrun")
+
+
+def _check_timeout(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise UserError(f"{name} must be a finite number of seconds > 0{' (or None: off)' if allow_none else ''}, "
+                        f"got {value!r}")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _listen(host: str, port: int) -> tuple[int, int]:
+    """A socket listening on `host`:`port` and on nothing wider, detached: (fd, port). `TCPStore` takes the fd
+    over (`master_listen_fd`); its own master listener would bind every interface (`*:PORT`)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} (port in use?): {e}") from None
+    bound = sock.getsockname()[1]
+    return sock.detach(), bound
 
 
 def _die_with_parent() -> None:
@@ -55,10 +149,34 @@ def _heartbeat(beats, rank: int, every: float = 0.5) -> None:
         time.sleep(every)
 
 
-def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results, beats):
+def _watch_membership(host: str, port: int, world_size: int) -> None:
+    """(daemon thread, on_failure="continue") hand the launcher's announcements of lost workers to
+    `thinwire.comm.membership`: generation g's surviving ranks are published under `thinwire/members/g`."""
+    import torch.distributed as dist
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(days=365))
+    generation = 0
+    while True:
+        key = f"thinwire/members/{generation + 1}"
+        store.wait([key])
+        generation += 1
+        MEMBERSHIP.announce(generation, [int(r) for r in store.get(key).decode().split(",")])
+
+
+def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results, beats, steps, times,
+                 worker_init, on_failure="stop"):
+    global _progress
     _die_with_parent()
+    try:
+        if worker_init is not None:  # first, on this (main) thread: e.g. enter a network namespace
+            worker_init(rank, world_size)
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
+        _report_and_exit(results, (rank, -1, "error", f"cannot start: worker_init failed: {type(e).__name__}: {e}",
+                                   traceback.format_exc()), 1)
+    if _is_loopback(host) and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too, not the host's address
     import threading
     threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True).start()
+    _progress = (steps, times, rank)
     import torch
     import torch.distributed as dist
     torch.set_num_threads(_threads_per_worker(world_size))
@@ -68,6 +186,9 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
                                 timeout=timedelta(seconds=timeout_s))
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
         _report_and_exit(results, (rank, -1, "error", f"cannot start: {e}", traceback.format_exc()), 1)
+    if on_failure == "continue":
+        MEMBERSHIP.watch(world_size)
+        threading.Thread(target=_watch_membership, args=(host, port, world_size), daemon=True).start()
     results.put((rank, -1, "ok", b"", ""))
     while True:
         task = tasks.get()
@@ -98,41 +219,73 @@ def _peer_failure(message: str) -> bool:
 
 
 class Pool:
-    """`world_size` workers with an initialised process group, running functions on request."""
+    """`world_size` workers with an initialised process group, running functions on request.
+
+    `worker_init(rank, world_size)`, if given (picklable: a module-level function or a `functools.partial` of
+    one), runs first in each worker, before the process group is initialised: e.g. to enter a network
+    namespace. `progress_timeout` (None: off) bounds the time without progress (see `report_progress`).
+
+    `on_failure="continue"`: a worker process that dies does not stop the others. The launcher announces the
+    survivors (a new membership generation in its store); a `Trainer(on_failure="continue")` in each survivor
+    forms a new group at its next synchronization point and goes on. `run` returns None for a lost rank and
+    `lost` names it. The pool's group has changed: it is closed after that run."""
 
     def __init__(self, world_size: int, backend: str = "gloo", host: str = "127.0.0.1", port: int = 0,
-                 timeout: float = 600.0, start_timeout: float = 120.0, stall_timeout: float = 60.0):
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise UserError(f"world size must be an integer >= 1, got {world_size!r}")
+                 timeout: float = 600.0, start_timeout: float = 120.0, stall_timeout: float = 60.0,
+                 progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop"):
+        check_world_size(world_size)
+        if on_failure not in ("stop", "continue"):
+            raise UserError(f"on_failure must be stop or continue, got {on_failure!r}")
+        self.on_failure = on_failure
+        self.lost: list[dict] = []          # workers lost and survived (on_failure="continue")
         if backend not in ("gloo", "nccl"):
             raise UserError(f"unknown backend {backend!r}; valid: gloo, nccl")
-        if not isinstance(port, int) or not 0 <= port < 65536:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise UserError(f"port must be in 0..65535, got {port!r}")
+        for name, value in (("timeout", timeout), ("start_timeout", start_timeout),
+                            ("stall_timeout", stall_timeout)):
+            _check_timeout(name, value)
+        _check_timeout("progress_timeout", progress_timeout, allow_none=True)
+        if worker_init is not None and not callable(worker_init):
+            raise UserError(f"worker_init must be callable, got {type(worker_init).__name__}")
         import torch.distributed as dist
         self.world_size, self.timeout, self.stall_timeout = world_size, timeout, stall_timeout
+        self.progress_timeout = progress_timeout
+        self._closed = True  # until there is something to close
+        fd, self.port = _listen(host, port)  # the store listens on `host` only
         try:  # the launcher hosts the rendezvous store: no free-port race
-            self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=timeout))
+            self._store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=timeout), master_listen_fd=fd)
         except (RuntimeError, OSError) as e:
-            raise UserError(f"cannot listen on {host}:{port} (port in use?): {e}") from None
-        self.port = self._store.port
+            os.close(fd)  # the store did not take it over
+            raise UserError(f"cannot listen on {host}:{self.port}: {e}") from None
         self._results = _ctx.Queue()
-        self._beats = _ctx.Array("d", world_size, lock=False)  # last heartbeat of each worker (monotonic)
+        self._beats = _ctx.Array("d", world_size, lock=False)   # last heartbeat of each worker (monotonic)
+        self._steps = _ctx.Array("q", world_size, lock=False)   # last step reported (-1: none in this run)
+        self._times = _ctx.Array("d", world_size, lock=False)   # when it was reported (monotonic)
         self._tasks = [_ctx.Queue() for _ in range(world_size)]
         self._procs = [_ctx.Process(target=_worker_main, name=f"thinwire-worker-{r}", daemon=True,
-                                    args=(r, world_size, backend, host, self.port, timeout,
-                                          self._tasks[r], self._results, self._beats))
+                                    args=(r, world_size, backend, host, self.port, timeout, self._tasks[r],
+                                          self._results, self._beats, self._steps, self._times, worker_init,
+                                          on_failure))
                        for r in range(world_size)]
         self._task_id = -1
+        self._gone: set[int] = set()
+        self._generation = 0
         self._closed = False
-        for p in self._procs:
-            p.start()
-        self._collect(-1, start_timeout)
+        try:
+            for p in self._procs:
+                p.start()
+            self._collect(-1, start_timeout)
+        except BaseException:  # Ctrl-C or SIGTERM while starting: leave nothing behind
+            self.close(force=True)
+            raise
 
     def _collect(self, task_id: int, timeout: float | None) -> list:
         got: dict[int, bytes] = {}
         errors: list[WorkerError] = []
         deadline = time.monotonic() + (timeout if timeout else self.timeout)
+        watch = _Watchdog(self._steps, self._times, self.progress_timeout) if task_id >= 0 else None
         while len(got) < self.world_size:
             try:
                 rank, tid, status, payload, tb = self._results.get(timeout=0.05)
@@ -146,18 +299,45 @@ class Pool:
             except queue.Empty:
                 pass
             dead = [r for r, p in enumerate(self._procs) if r not in got and p.exitcode is not None]
+            if dead and not errors and task_id >= 0 and self.on_failure == "continue":
+                self._announce_lost(dead)
+                dead = [r for r in dead if r not in self._gone]
             if errors or dead:
                 self._fail(self._root_cause(errors))
             now = time.monotonic()
-            silent = [r for r in range(self.world_size) if 0 < self._beats[r] < now - self.stall_timeout]
+            silent = [r for r in range(self.world_size)
+                      if r not in self._gone and 0 < self._beats[r] < now - self.stall_timeout]
             if silent:
                 self._fail(WorkerError(silent[0], f"stalled: no heartbeat for {now - self._beats[silent[0]]:.0f} s "
                                                   f"(the process is stopped or hung)"))
+            running = [r for r in range(self.world_size) if r not in got and r not in self._gone]
+            stuck = watch.check(now, running) if watch else None
+            if stuck is not None:
+                self._fail(stuck)
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in got]
                 self._fail(WorkerError(missing[0], f"stalled: no result within {timeout or self.timeout:.0f} s "
                                                    f"(ranks {missing} still running)"))
-        return [got[r] for r in range(self.world_size)]
+            if len(got) + len(self._gone) == self.world_size:
+                break
+        return [got.get(r) for r in range(self.world_size)]
+
+    def _announce_lost(self, dead: list[int]) -> None:
+        """on_failure="continue": publish the survivors as a new membership generation (once per loss)."""
+        new = [r for r in dead if r not in self._gone]
+        if not new:
+            return
+        for r in new:
+            code = self._procs[r].exitcode
+            why = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            self.lost.append({"rank": r, "reason": f"worker process died ({why})",
+                              "step": max(int(self._steps[r]), 0)})
+        self._gone.update(new)
+        members = [r for r in range(self.world_size) if r not in self._gone]
+        if not members:
+            self._fail(WorkerError(new[0], "every worker was lost"))
+        self._generation += 1
+        self._store.set(f"thinwire/members/{self._generation}", ",".join(map(str, members)))
 
     def _root_cause(self, errors: list[WorkerError], grace: float = 1.0) -> WorkerError:
         """When one worker fails, its peers soon fail too ("connection closed"): wait a moment, then name the
@@ -192,9 +372,15 @@ class Pool:
         parse_network(network)  # a bad profile is the caller's error, reported before any work starts
         self._task_id += 1
         blob = pickle.dumps((fn, args, network, seed))
+        for r in range(self.world_size):  # the last run's steps are not this run's progress
+            self._steps[r] = -1
+            self._times[r] = 0.0
         for q in self._tasks:
             q.put((self._task_id, blob))
-        return [pickle.loads(b) for b in self._collect(self._task_id, timeout)]
+        out = [None if b is None else pickle.loads(b) for b in self._collect(self._task_id, timeout)]
+        if self._gone:              # the survivors' group is not this pool's any more
+            self.close(force=True)
+        return out
 
     def close(self, force: bool = False) -> None:
         if self._closed:
@@ -216,6 +402,7 @@ class Pool:
         for q in self._tasks + [self._results]:
             q.close()
             q.cancel_join_thread()
+        self._store = None  # closes the listening socket
 
     @property
     def pids(self) -> list[int]:
@@ -228,12 +415,74 @@ class Pool:
         self.close(force=exc[0] is not None)
 
 
+class _Watchdog:
+    """Progress of one run, read from the workers' `report_progress` arrays at each poll of the launcher."""
+
+    def __init__(self, steps, times, bound: float | None):
+        self.steps, self.times, self.bound = steps, times, bound
+        self.seen: dict[int, tuple[int, float]] = {}   # rank -> (step, when) last seen
+        self.step_s: deque = deque(maxlen=4096)         # seconds per step, from successive reports
+
+    def limit(self) -> float:
+        median = statistics.median(self.step_s) if self.step_s else 0.0
+        return max(self.bound, PROGRESS_STEPS * median)
+
+    def check(self, now: float, running: list[int]) -> NoProgressError | None:
+        if self.bound is None:
+            return None
+        for r in running:
+            step = self.steps[r]
+            if step < 0:
+                continue
+            when = self.times[r]
+            old = self.seen.get(r)
+            if old is None or step != old[0]:
+                if old is not None and step > old[0]:
+                    self.step_s.append((when - old[1]) / (step - old[0]))
+                self.seen[r] = (step, when)
+        watched = [r for r in running if r in self.seen]  # ranks that report steps and are not done
+        if not watched:
+            return None
+        idle = now - max(self.seen[r][1] for r in watched)
+        if idle <= self.bound:
+            return None
+        limit = self.limit()
+        if idle <= limit:
+            return None
+        return self._verdict(now, watched, [r for r in running if r not in self.seen], limit)
+
+    def _verdict(self, now, watched, quiet, limit) -> NoProgressError:
+        at = {r: self.seen[r][0] for r in watched}
+        low = min(at.values())
+        behind = [r for r in watched if at[r] == low]
+        ahead = sorted({at[r] for r in watched if at[r] != low})
+        note = f"; ranks {quiet} report no steps" if quiet else ""
+        bound = f" (bound {limit:.0f} s: progress_timeout, --progress-timeout)"
+        if ahead:
+            others = f"step {ahead[0]}" if len(ahead) == 1 else f"steps {ahead[0]}-{ahead[-1]}"
+            who = f"rank {behind[0]}" if len(behind) == 1 else f"ranks {behind}"
+            since = now - max(self.seen[r][1] for r in behind)
+            return NoProgressError(behind[0], f"{who} made no progress for {since:.0f} s (stuck at step {low}; "
+                                              f"others at {others}{note}){bound}")
+        if len(watched) == 1 and not quiet:  # the only rank still running
+            r = watched[0]
+            return NoProgressError(r, f"rank {r} made no progress for {now - self.seen[r][1]:.0f} s (stuck at "
+                                      f"step {low}){bound}")
+        return NoProgressError(-1, f"no rank made progress for {now - max(self.seen[r][1] for r in watched):.0f} s "
+                                   f"(ranks {watched} all at step {low}{note}): a collective is stuck or every "
+                                   f"worker is blocked{bound}")
+
+
 def launch(fn, world_size: int, network="lan", backend: str = "gloo", args: tuple = (),
-           timeout: float | None = None, seed: int = 0, host: str = "127.0.0.1", port: int = 0) -> list:
+           timeout: float | None = None, seed: int = 0, host: str = "127.0.0.1", port: int = 0,
+           progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop") -> list:
     """Start `world_size` workers on `host`, run `fn(rank, world_size, *args)` in each under the emulated
-    `network`, and return their return values by rank. Raises `WorkerError` if any worker fails."""
+    `network`, and return their return values by rank. Raises `WorkerError` if any worker fails (with
+    `on_failure="continue"`, a lost worker's value is None and the others go on; see `Pool`); the run
+    may last `timeout` seconds (default 3600). See `Pool` for `progress_timeout` and `worker_init`."""
     parse_network(network)
-    with Pool(world_size, backend=backend, host=host, port=port, timeout=timeout or 3600.0) as pool:
+    with Pool(world_size, backend=backend, host=host, port=port, timeout=timeout or 3600.0,
+              progress_timeout=progress_timeout, worker_init=worker_init, on_failure=on_failure) as pool:
         return pool.run(fn, *args, network=network, seed=seed, timeout=timeout)
 
 

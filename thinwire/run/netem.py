@@ -40,7 +40,6 @@ TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
 MTU = 16000          # large packets: fewer for the user-space forwarder to move
 DATA_NET, CTL_NET = "10.232.0", "10.231.0"
-ENV = "THINWIRE_NETNS"
 
 
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -86,12 +85,11 @@ def _setns(path: str) -> None:
         os.close(fd)
 
 
-def _ns_worker_main(rank, *args):
-    """A launcher worker that first moves into its namespace and pins gloo to the shaped interface."""
-    _setns(f"/var/run/netns/{os.environ[ENV]}n{rank}")
+def enter_namespace(prefix: str, rank: int, world_size: int) -> None:
+    """The launcher's `worker_init` under emulation: move this worker into its namespace (before the process
+    group exists, so gloo's threads are born there) and pin gloo to the shaped interface."""
+    _setns(f"/var/run/netns/{prefix}n{rank}")
     os.environ["GLOO_SOCKET_IFNAME"] = "tw0"
-    from . import launcher
-    launcher._worker_main(rank, *args)
 
 
 def _cleanup_stale() -> None:
@@ -131,7 +129,8 @@ class Emulation:
     def __enter__(self):
         _cleanup_stale()
         self.netem_qdisc = has_netem_qdisc()  # recorded; the forwarder handles delay either way
-        self._old_term = signal.signal(signal.SIGTERM, _raise_exit)
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # else the caller's handler unwinds
+            self._old_term = signal.signal(signal.SIGTERM, _raise_exit)
         try:
             self._build()
         except BaseException:
@@ -197,18 +196,11 @@ class Emulation:
         """A launcher Pool whose workers live in namespaces 0..world-1."""
         if world > self.slots:
             raise UserError(f"--netem: {world} ranks but only {self.slots} namespaces")
-        from . import launcher
-        orig, old_env = launcher._worker_main, os.environ.get(ENV)
-        launcher._worker_main = _ns_worker_main  # the spawned workers start here (see _ns_worker_main)
-        os.environ[ENV] = self.prefix
-        try:
-            return launcher.Pool(world, host=f"{CTL_NET}.254", timeout=3600.0)
-        finally:
-            launcher._worker_main = orig
-            if old_env is None:
-                os.environ.pop(ENV, None)
-            else:
-                os.environ[ENV] = old_env
+        from functools import partial
+
+        from .launcher import Pool
+        return Pool(world, host=f"{CTL_NET}.254", timeout=3600.0,
+                    worker_init=partial(enter_namespace, self.prefix))
 
     def close(self) -> None:
         if self.forwarder is not None:

@@ -22,8 +22,59 @@ from ..errors import UserError
 from ..net import parse_network, ring_allreduce
 from ..trace import Tracer, write_chrome_trace
 from . import workloads
+from .launcher import report_progress
 
 _now = time.perf_counter
+MAX_SEED = 2**32 - 1   # seeds feed torch, Python and NumPy generators (NumPy's legacy seeding takes 32 bits)
+MAX_LR = 100.0
+
+
+def check_int(flag: str, value, low: int, high: int | None = None) -> None:
+    """`value` is an integer in low..high: else a UserError naming `flag` and the valid range."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+    if not ok:
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise UserError(f"{flag} must be {span}, got {value!r}" + ("" if isinstance(value, int) else " (an integer)"))
+
+
+def check_number(flag: str, value, low: float, high: float = math.inf, low_open: bool = False,
+                 why: str = "") -> None:
+    """`value` is a finite number in [low, high] ((low, high] with `low_open`): else a UserError naming `flag`
+    and the valid range (NaN and the infinities are never valid)."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and value <= high)
+    if not ok:
+        span = (f"> {low:g}" if low_open else f">= {low:g}") if high == math.inf else \
+            f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise UserError(f"{flag} must be a finite number {span}, got {value!r}{why}")
+
+
+def check_writable_dir(path, flag: str) -> None:
+    """`path` is a directory this process can write in, or one it can create: else a UserError naming `flag`.
+    Run before any worker starts, so that no result is lost to a bad path after training. Creates nothing
+    (a probe file in the nearest existing directory comes and goes)."""
+    import tempfile
+    if not isinstance(path, str) or not path.strip() or "\0" in path:
+        raise UserError(f"{flag} needs a directory name, got {path!r}")
+    probe, missing = os.path.abspath(path), []
+    while not os.path.lexists(probe):
+        probe, name = os.path.split(probe)
+        missing.append(name)
+    if not os.path.isdir(probe):
+        what = "names a file" if probe == os.path.abspath(path) else f"lies under the file {probe!r}"
+        raise UserError(f"{flag} {path!r} {what}, not a directory")
+    try:
+        longest = os.pathconf(probe, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    if any(len(name.encode()) > longest for name in missing):
+        raise UserError(f"{flag} {path!r}: a name in it is longer than {longest} bytes")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".thinwire-probe-")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise UserError(f"{flag} {path!r}: cannot write in {probe!r} ({e.strerror or e})") from None
 
 
 @dataclass
@@ -50,6 +101,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: str | None = None             # a checkpoint directory to continue from
     nonfinite: str = "stop"               # NaN/Inf in a gradient: "stop" every rank, or "skip" the step on all
+    on_failure: str = "stop"              # a lost worker: "stop" the job, or "continue" with the survivors
+    progress_timeout: float | None = None # the launcher's progress watchdog (s); None: its default
 
     def validate(self) -> "TrainConfig":
         from .. import algorithms
@@ -61,12 +114,16 @@ class TrainConfig:
         if self.memory is not None:
             memories.lookup(self.memory)
         parse_network(self.network)
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise UserError(f"--workers must be >= 1, got {self.workers}")
-        if self.servers < 0:
-            raise UserError(f"--servers must be >= 0, got {self.servers}")
-        arch = self.params.get("architecture") or algorithms.registry.lookup(self.algorithm).architectures[0]
-        if arch not in algorithms.registry.lookup(self.algorithm).architectures:
+        from .launcher import MAX_LOCAL_WORKERS, under_torchrun
+        check_int("--workers", self.workers, 1)
+        check_int("--servers", self.servers, 0)
+        check_int("--seed", self.seed, 0, MAX_SEED)
+        if self.workers + self.servers > MAX_LOCAL_WORKERS and not under_torchrun():
+            raise UserError(f"--workers + --servers must be at most {MAX_LOCAL_WORKERS} on one machine, got "
+                            f"{self.workers + self.servers} (each rank is a process with its own interpreter, "
+                            f"torch runtime and copy of the model); across machines run under torchrun")
+        arch = self.params.get("architecture") or algorithms.architectures(self.algorithm)[0]
+        if arch not in algorithms.architectures(self.algorithm):
             algorithms.registry.lookup(self.algorithm)(architecture=arch)  # its own message (seed 000 Table II)
         if arch == "ps" and self.servers < 1:  # server ranks come beside the workers: world = workers + servers
             raise UserError(f"{self.algorithm} on the parameter server needs --servers K >= 1 "
@@ -76,18 +133,24 @@ class TrainConfig:
                             f"asp, backup); {self.algorithm} runs on {arch}")
         if self.epochs is not None and self.steps is not None:
             raise UserError("give --epochs or --steps, not both")
-        if self.epochs is not None and not 0 < self.epochs < math.inf:
-            raise UserError(f"--epochs must be a finite number > 0, got {self.epochs}")
-        if self.steps is not None and self.steps < 1:
-            raise UserError(f"--steps must be >= 1, got {self.steps}")
-        for name in ("batch_size", "eval_every"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-        if self.checkpoint_every is not None and (self.checkpoint_every < 1 or not self.checkpoint_dir):
-            raise UserError("--checkpoint-every N needs N >= 1 and a directory (--out or --checkpoint-dir)")
+        if self.epochs is not None:
+            check_number("--epochs", self.epochs, 0, low_open=True)
+        for name in ("steps", "batch_size", "eval_every", "checkpoint_every"):
+            if getattr(self, name) is not None:
+                check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1)
+        if self.checkpoint_every is not None and not self.checkpoint_dir:
+            raise UserError("--checkpoint-every N needs a directory (--out or --checkpoint-dir)")
+        if self.target is not None:
+            check_number("--target", self.target, 0, why=" (an accuracy in [0, 1], or a loss)")
+        if self.progress_timeout is not None:
+            check_number("--progress-timeout", self.progress_timeout, 0, low_open=True, why=" (seconds)")
         if self.nonfinite not in ("stop", "skip"):
             raise UserError(f"--nonfinite must be stop or skip, got {self.nonfinite!r}")
+        if self.on_failure not in ("stop", "continue"):
+            raise UserError(f"--on-failure must be stop or continue, got {self.on_failure!r}")
+        if self.on_failure == "continue" and self.checkpoint_every:
+            raise UserError("--on-failure continue goes on with the survivors instead of restarting from a "
+                            "checkpoint; drop --checkpoint-every (or use --on-failure stop)")
         if self.nonfinite == "skip" and self.servers:  # the agreement is an all-reduce the servers never join
             raise UserError("--nonfinite skip needs every rank to step; parameter-server runs (--servers) use "
                             "--nonfinite stop")
@@ -99,8 +162,10 @@ class TrainConfig:
         if self.resume is not None:
             from .checkpoint import check
             check(self.resume, self.workers + self.servers, self)
-        if self.lr is not None and not 0 < self.lr < math.inf:
-            raise UserError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.checkpoint_dir is not None:
+            check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
+        if self.lr is not None:
+            check_number("--lr", self.lr, 0, MAX_LR, low_open=True, why=f" (plain SGD diverges far below {MAX_LR:g})")
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
         from ..trainer import build_components
@@ -123,13 +188,12 @@ def build_trainer(cfg: TrainConfig, wl, model, tracer=None):
     from ..trainer import Trainer
     opt = wl.make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     return Trainer(model, opt, algorithm=cfg.algorithm, compressor=cfg.compressor, memory=cfg.memory,
-                   tracer=tracer, nonfinite=cfg.nonfinite, **cfg.component_params())
+                   network=cfg.network, tracer=tracer, nonfinite=cfg.nonfinite, on_failure=cfg.on_failure,
+                   **cfg.component_params())
 
 
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Runs in every worker: train, evaluate at intervals, return this rank's records."""
-    from ..comm import set_default_network
-    set_default_network(cfg.network, cfg.seed)
     wl = workloads.get(cfg.workload)
     tracer = Tracer(rank, enabled=cfg.trace)
     model = wl.model(cfg.seed)
@@ -137,9 +201,9 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     workers = cfg.workers
     role = getattr(trainer.algorithm, "role", "worker")
     if role != "worker":  # e.g. a parameter server rank: serves until the workers are done
-        _serve(cfg, rank, world_size, wl, trainer)
-        return {"rank": rank, "role": role, "meter": trainer.transport.meter.to_dict(),
-                "metrics": trainer.metrics(), "trace": tracer.events}
+        before = _serve(cfg, rank, world_size, wl, trainer)
+        meter, metrics = _counted(trainer, before)
+        return {"rank": rank, "role": role, "meter": meter, "metrics": metrics, "trace": tracer.events}
     wrank = getattr(trainer.algorithm, "worker_rank", rank)
     x, y = wl.shard(wrank, workers)
     loader = workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=cfg.seed, rank=wrank)
@@ -153,6 +217,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     steps, evals = [], []
     clock = 0.0
     first = 1
+    before = None  # on resume: what the run counted before the checkpoint
     if cfg.resume:
         from . import checkpoint
         state = checkpoint.load(cfg.resume, rank)
@@ -161,6 +226,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         checkpoint.set_rng_state(state["rng"])
         steps, evals, clock = state["records"]["steps"], state["records"]["evals"], float(state["clock"])
         first = int(state["step"]) + 1
+        before = state.get("counted")
         if bar is not None:
             bar.update(first - 1)
     else:
@@ -172,6 +238,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             loss = wl.loss(model(xb), yb)
         with tracer.span("backward", "backward"):
             loss.backward()
+        report_progress(step)  # computed: the launcher's watchdog tells a stuck rank from those waiting on it
         traffic = trainer.step()
         trainer.optimizer.zero_grad(set_to_none=False)
         dt = _now() - t0
@@ -186,51 +253,81 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 clock += _now() - t1
             evals.append({"step": step, "t": clock, "value": wl.evaluate(model)})
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
-            _checkpoint(cfg, rank, world_size, step, trainer, loader, steps, evals, clock)
+            _checkpoint(cfg, rank, world_size, step, trainer, loader, steps, evals, clock, before)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
     if bar is not None:
         bar.close()
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.parameters])
+    meter, metrics = _counted(trainer, before)
     return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
             "model_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
-            "meter": trainer.transport.meter.to_dict(), "metrics": trainer.metrics(),
+            "meter": meter, "metrics": metrics,
             "trace": tracer.events, "num_params": sum(p.numel() for p in trainer.parameters),
             "dtype_bytes": trainer.parameters[0].element_size(), "train_s": clock}
 
 
-def _checkpoint(cfg, rank, world_size, step, trainer, loader, steps, evals, clock) -> None:
+def _checkpoint(cfg, rank, world_size, step, trainer, loader, steps, evals, clock, before) -> None:
     import torch.distributed as dist
     from . import checkpoint
     state = {"step": step, "trainer": trainer.state_dict(), "loader": loader.state_dict(),
-             "rng": checkpoint.rng_state(), "records": {"steps": steps, "evals": evals}, "clock": clock}
+             "rng": checkpoint.rng_state(), "records": {"steps": steps, "evals": evals}, "clock": clock,
+             "counted": _tally(trainer, before)}
     checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
 
 
-def _serve(cfg, rank, world_size, wl, trainer) -> None:
+def _counted(trainer, before: dict | None) -> tuple[dict, dict]:
+    """This rank's meter (bytes, ops, emulated and exposed time, by kind and in total) and metrics over the
+    whole run: on resume, what the checkpoint counted (`before`, from `_tally`) plus this segment's."""
+    meter, metrics = trainer.transport.meter.to_dict(), trainer.metrics()
+    if not before:
+        return meter, metrics
+    add = lambda a, b: {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+    old = before["meter"]
+    meter = {"total": add(old["total"], meter["total"]),
+             "by_kind": {k: add(old["by_kind"].get(k, {}), meter["by_kind"].get(k, {}))
+                         for k in old["by_kind"].keys() | meter["by_kind"].keys()}}
+    metrics.update({k: v for k, v in meter["total"].items() if k in metrics})
+    metrics["skipped_steps"] = metrics.get("skipped_steps", 0) + before.get("skipped_steps", 0)
+    return meter, metrics
+
+
+def _tally(trainer, before: dict | None) -> dict:
+    """What a checkpoint stores of the counters, so that a resumed run's summary counts the whole run."""
+    meter, metrics = _counted(trainer, before)
+    return {"meter": meter, "skipped_steps": metrics.get("skipped_steps", 0)}
+
+
+def _serve(cfg, rank, world_size, wl, trainer) -> dict | None:
     """A server rank: restore its state on resume, then serve; with checkpoints, it joins each one at the
-    cut where every worker's pushes of that step are answered (PSServer.serve)."""
+    cut where every worker's pushes of that step are answered (PSServer.serve). Returns what the checkpoint
+    it resumed from had counted (None: a fresh start)."""
     import torch.distributed as dist
     from . import checkpoint
+    before = None
     if cfg.resume:
         state = checkpoint.load(cfg.resume, rank)
         trainer.load_state_dict(state["trainer"])
         checkpoint.set_rng_state(state["rng"])
+        before = state.get("counted")
     if not cfg.checkpoint_every:
-        return trainer.algorithm.serve()
+        trainer.algorithm.serve()
+        return before
 
     def save(step: int) -> None:
-        state = {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state()}
+        state = {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
+                 "counted": _tally(trainer, before)}
         checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
     trainer.algorithm.serve(checkpoint=(cfg.checkpoint_every, cfg.total_steps(wl), save))
+    return before
 
 
 def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dict, list[dict]]:
     """Merge the workers' records: the summary and the per-step metrics rows."""
     wl = workloads.get(cfg.workload)
-    workers = [r for r in results if r["role"] == "worker"]
-    servers = [r for r in results if r["role"] != "worker"]
+    workers = [r for r in results if r is not None and r["role"] == "worker"]   # None: a lost worker
+    servers = [r for r in results if r is not None and r["role"] != "worker"]
     n_steps = len(workers[0]["steps"])
     rows = []
     for i in range(n_steps):
@@ -281,6 +378,8 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         "num_params": n_params,
         "model_sha256": workers[0].get("model_sha256"),  # rank 0's final model: resume equality checks
         "algorithm_metrics": workers[0]["metrics"],
+        # workers lost and survived (--on-failure continue): who, and the step the survivors went on from
+        "failures": workers[0]["metrics"].get("failures", []),
     }
     return summary, rows
 
@@ -288,14 +387,17 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
 def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
     """Launch the workers (or use `pool`), train, write `out/metrics.jsonl`, `out/summary.json`
     (and `out/trace.json` with `cfg.trace`), and return the summary."""
-    from .launcher import launch
+    from .launcher import PROGRESS_TIMEOUT, launch
+    if out:
+        check_writable_dir(out, "--out")  # before training: never lose the results to a bad path
     cfg.validate()
     world = cfg.workers + cfg.servers
     t0 = _now()
     if pool is not None:
         results = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed)
     else:
-        results = launch(train_worker, world, network=cfg.network, args=(cfg,), seed=cfg.seed)
+        results = launch(train_worker, world, network=cfg.network, args=(cfg,), seed=cfg.seed,
+                         progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT, on_failure=cfg.on_failure)
     wall = _now() - t0
     summary, rows = summarize(cfg, results, wall)
     if out:
@@ -339,6 +441,8 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
         print("thinwire: warning: with --max-restarts, run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
               "(a restarted group may otherwise connect to the failed group's addresses; pytorch#135712)",
               file=sys.stderr)
+    if out and rank == 0:
+        check_writable_dir(out, "--out")
     cfg.validate()
     if cfg.resume and rank == 0:
         step = checkpoint.check(cfg.resume, world_size, cfg)["step"]

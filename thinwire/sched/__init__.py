@@ -1,11 +1,12 @@
 """When each gradient enters the exchange: the "how to overlap" dimension (seed 000 §II-D, §VII).
 
     sched = thinwire.sched.make("fusion", bucket_mb=25)      # or "none" | "wfbp" | "mgwfbp" | "priority"
-    sched.attach(model, params, exchange, tracer)             # registers the hooks (setup)
-    loss.backward()                                           # full buckets start exchanging during backward
-    sched.wait_all()                                          # averaged gradients, in place in every p.grad
-    optimizer.step()
-    sched.close()                                             # drains, removes the hooks
+    sched.attach(model, params, algorithm, transport)         # registers the hooks (the Trainer does this)
+    loss.backward()                                           # full buckets go to algorithm.on_bucket(bucket)
+    sched.flush()                                             # (algorithm.step) the buckets backward did not
+    ...                                                       # (algorithm.step) wait, update
+    sched.end_step()
+    sched.close()                                             # removes the hooks
 
 Schedules:
 - `none`     no overlap: one bucket with every gradient, exchanged after backward.
@@ -13,19 +14,19 @@ Schedules:
 - `fusion`   WFBP + tensor fusion: buckets of `bucket_mb` in backward order (DDP/Horovod style; the default).
 - `mgwfbp`   WFBP + MG-WFBP merge planning from measured backward times and the link's α, β.
 - `priority` P3/ByteScheduler: chunks, input-side first, a credit window, and the update deferred to the next
-             forward, layer by layer. It applies the optimizer itself: `attach(..., optimizer=opt)`, then
-             `finish_step()` instead of `wait_all()` + `optimizer.step()`, and `flush()` before reading the model.
+             forward, layer by layer. It applies the optimizer itself (bsp only): `attach(..., optimizer=opt)`,
+             then `finish_step()` instead of the update, and `flush()` before reading the model.
 `serial=True` (default: on emulated links) keeps one collective in flight at a time, in bucket order, as a NCCL
 stream or Horovod's background thread does: each bucket pays its own start-up α, as the α-β model says.
-`pipeline=True` (default: on when the exchange compresses) compresses bucket b on a background thread while
-bucket b-1 is on the wire and backward goes on. Gradients are views into the bucket buffers (no copy).
+`pipeline=True` (default: on when the exchange compresses) compresses bucket b on the engine's thread while
+bucket b-1 is on the wire and backward goes on. Both are options of the transport's engine
+(`thinwire.comm.engine`). Gradients are views into the bucket buffers (no copy).
 """
 from __future__ import annotations
 
 from ..errors import UserError
 from .buckets import Buckets, assign
 from .mgwfbp import MGWFBP, merge_plan
-from .pipeline import Pipeline
 from .priority import Priority, priority_order, step_subset
 from .wfbp import Scheduler
 
@@ -54,5 +55,5 @@ def _named(s: Scheduler, name: str) -> Scheduler:
     return s
 
 
-__all__ = ["Buckets", "MGWFBP", "Pipeline", "Priority", "SCHEDULES", "Scheduler", "assign", "make",
+__all__ = ["Buckets", "MGWFBP", "Priority", "SCHEDULES", "Scheduler", "assign", "make",
            "merge_plan", "priority_order", "step_subset"]

@@ -67,12 +67,30 @@ def adopt_view(p: torch.Tensor, v: torch.Tensor) -> None:
 class Bucket:
     index: int
     members: list[int]                  # indices into the parameter list, backward order
-    buffer: torch.Tensor                # flat, contiguous
+    buffer: torch.Tensor                # flat, contiguous: the members' gradients
     views: list[torch.Tensor] = field(default_factory=list)   # per member, shaped like the parameter
+    params: list[torch.Tensor] = field(default_factory=list)  # the members themselves
+    key: str = ""                       # names the bucket's exchange state (residuals follow it)
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def shapes(self) -> list[tuple]:
+        return [tuple(p.shape) for p in self.params]
+
+    def flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Per-member tensors (parameters, momentum buffers...) as one flat tensor in the bucket's layout."""
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A flat tensor in the bucket's layout as per-member views shaped like the parameters."""
+        out, off = [], 0
+        for p in self.params:
+            out.append(flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        return out
 
 
 class Buckets:
@@ -93,7 +111,7 @@ class Buckets:
                 views.append(buf[off:off + p.numel()].view_as(p))
                 off += p.numel()
                 self.slot[members[k]] = (b, k)
-            self.buckets.append(Bucket(b, list(members), buf, views))
+            self.buckets.append(Bucket(b, list(members), buf, views, ps, f"bucket:{members[0]}-{members[-1]}"))
         with torch.no_grad():
             for i, p in enumerate(params):  # adopt existing gradients, then alias them
                 v = self.view(i)

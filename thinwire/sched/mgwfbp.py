@@ -81,9 +81,9 @@ class Profiled(Scheduler):
         if self.steps == self.profile_steps:
             self._finish_profile()
 
-    def _end_step(self) -> None:
+    def end_step(self) -> None:
         self._last_stamps = self._stamps
-        super()._end_step()
+        super().end_step()
 
     def _finish_profile(self) -> None:
         n = len(self.params)

@@ -84,9 +84,11 @@ class Priority(Profiled):
         self.chunk_mb, self.credit_mb = chunk_mb, credit_mb
 
     # -- layout: one flat gradient in forward order, two buffers, chunks --------------------------------
-    def attach(self, model, params, exchange, tracer=None, transport=None, optimizer=None):
+    def attach(self, model, params, algorithm, transport, tracer=None, optimizer=None):
         self.optimizer = optimizer
-        super().attach(model, params, exchange, tracer, transport)
+        self.exchange = algorithm.exchange       # priority decides the update too: bsp's exchange, per chunk
+        self._inplace = self.exchange.identity
+        super().attach(model, params, algorithm, transport, tracer)
         self._mods = []
         for m in model.modules():
             own = [self.index[id(p)] for p in m.parameters(recurse=False) if id(p) in self.index]
@@ -175,7 +177,7 @@ class Priority(Profiled):
                     busy -= self._complete(inflight.popleft(), result, done)
                 lo, hi = self.units[u]
                 with self.tracer.span(f"start chunk {u}", "compress", bytes=self.unit_bytes[u]):
-                    h = self.start_exchange(flat[lo:hi], f"chunk:{lo}-{hi}")
+                    h = self.exchange.start(flat[lo:hi], f"chunk:{lo}-{hi}", inplace=True)
                 inflight.append((u, h, self.unit_bytes[u]))
                 busy += self.unit_bytes[u]
             while inflight:
@@ -212,7 +214,7 @@ class Priority(Profiled):
             self.flat[self.cur].zero_()
             for i, p in enumerate(self.params):
                 p.grad = self._view(self.flat[self.cur], i)
-        self._end_step()
+        self.end_step()
 
     def _make_pre_hook(self, own: list[int]):
         def hook(module, args):
@@ -257,9 +259,6 @@ class Priority(Profiled):
         if self._error is not None:
             err, self._error = self._error, None
             raise err
-
-    def wait_all(self) -> None:
-        raise UserError("schedule 'priority' applies the update itself: call finish_step(), then flush()")
 
     def plan(self) -> None:
         ready_p = self.ready_times

@@ -1,13 +1,15 @@
 """Wait-free backprop (WFBP, catalog §2.5.2; Poseidon, S-Caffe) with tensor fusion: `Scheduler`.
 
 A post-accumulate-grad hook on every parameter marks its gradient ready during backward; as soon as every
-gradient of a bucket is ready the bucket's exchange starts, asynchronously (`Exchange.start(bucket, key)`),
-while backward goes on with the earlier layers. Buckets are launched strictly in bucket order (0, 1, ...) so
-every rank issues the same collectives in the same order even if its gradients become ready in another order.
-`wait_all()` launches what backward did not (parameters without a gradient this step count as zeros) and
-writes the averaged gradients in place into `p.grad`.
+gradient of a bucket is ready the bucket is handed to the algorithm (`algorithm.on_bucket(bucket)`), which
+decides what to do with it at once (start its exchange, accumulate it, take a local optimizer step of its
+parameters...), while backward goes on with the earlier layers. Buckets are handed over strictly in bucket order
+(0, 1, ...) so every rank starts the same exchanges in the same order even if its gradients become ready in
+another order. `flush()` (the algorithm's `step()` calls it first) hands over what backward did not (parameters
+without a gradient this step count as zeros); `end_step()` closes the step (MG-WFBP re-plans here).
 
-With `overlap=False` no hook is registered and everything is exchanged in `wait_all()` (no overlap).
+With `overlap=False` no hook is registered and every bucket is handed over in `flush()` (no overlap).
+`serial` and `pipeline` are options of the exchanges' programs (`thinwire.comm.engine`), set on the transport.
 """
 from __future__ import annotations
 
@@ -18,14 +20,13 @@ import torch
 from ..errors import UserError
 from ..trace import NULL
 from .buckets import Buckets, assign
-from .pipeline import Pipeline, wait_quietly
 
 _now = time.perf_counter
 MB = 1 << 20
 
 
 class Scheduler:
-    """Buckets + hooks + in-order launch. Subclasses change the bucket plan (MG-WFBP) or the update (priority)."""
+    """Buckets + hooks + in-order hand-over. Subclasses change the bucket plan (MG-WFBP) or the update (priority)."""
 
     name = "fusion"
     defers_update = False     # True: step() returns before the update; the next forward applies it
@@ -43,17 +44,17 @@ class Scheduler:
         # otherwise let concurrent collectives overlap their start-up latencies; loopback gloo keeps its own.
         self.serial = serial
         self._hooks: list = []
-        self.pipe: Pipeline | None = None
         self.steps = 0
 
     # -- wiring ----------------------------------------------------------------------------------------
-    def attach(self, model: torch.nn.Module, params, exchange, tracer=None, transport=None,
+    def attach(self, model: torch.nn.Module, params, algorithm, transport, tracer=None,
                optimizer=None) -> "Scheduler":
-        """Register the hooks. `optimizer` is used only by schedules that defer the update (priority)."""
+        """Register the hooks; `algorithm.on_bucket(bucket)` receives each full bucket. `optimizer` is used
+        only by schedules that apply the update themselves (priority)."""
         self.model = model
         self.params = list(params)
-        self.exchange = exchange
-        self.transport = transport or exchange.transport
+        self.algorithm = algorithm
+        self.transport = transport
         self.tracer = tracer or NULL
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self._stamps: list[float] | None = None
@@ -61,16 +62,13 @@ class Scheduler:
         if self.overlap:
             for p in self.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        # the identity exchange of a bucket is an in-place all-reduce (mean), as DDP's: no copy, no allocation
-        comp, mem = getattr(exchange, "compressor", None), getattr(exchange, "memory", None)
-        self._inplace = (getattr(comp, "name", "") == "none" and getattr(mem, "name", "") == "none"
-                         and getattr(exchange, "collective", "allreduce") in ("allreduce", "auto"))
+        compresses = getattr(getattr(algorithm, "compressor", None), "name", "none") != "none"
         if self.pipelined is None:
-            self.pipelined = self.overlap and getattr(exchange.compressor, "name", "none") != "none"
-        if self.serial is None:
-            self.serial = self.overlap and self.transport.link.emulated
-        if self.pipelined or self.serial:
-            self.pipe = Pipeline()
+            self.pipelined = self.overlap and compresses
+        if self.serial is None:   # (exchanges that outlive their step, DTS's windows, run side by side as on gloo)
+            self.serial = self.overlap and transport.link.emulated and not algorithm.overlaps_steps
+        transport.background = bool(self.pipelined)   # compress bucket b while b-1 is on the wire
+        transport.serial = bool(self.serial)
         return self
 
     def initial_groups(self) -> list[list[int]]:
@@ -85,21 +83,19 @@ class Scheduler:
         old = self.layout() if hasattr(self, "buckets") else None
         self.buckets = Buckets(self.params, groups)
         self.sizes = [len(b.members) for b in self.buckets]
-        self.keys = [f"bucket:{b.members[0]}-{b.members[-1]}" for b in self.buckets]
-        if old is not None and old != self.layout() and hasattr(self.exchange, "rekey"):
-            self.exchange.rekey(old, self.layout())   # a re-plan (MG-WFBP) keeps error-feedback residuals
+        self.keys = [b.key for b in self.buckets]
+        if old is not None and old != self.layout():
+            self.algorithm.rekey(old, self.layout())   # a re-plan (MG-WFBP) keeps error-feedback residuals
         self._reset()
 
     def layout(self) -> list[tuple[str, int]]:
         """(key, numel) of every bucket, in bucket order."""
-        return [(k, b.buffer.numel()) for k, b in zip(self.keys, self.buckets)]
+        return [(b.key, b.buffer.numel()) for b in self.buckets]
 
     def _reset(self) -> None:
         self._ready = [False] * len(self.params)
         self._count = [0] * len(self.sizes)
         self._next = 0
-        self._handles: dict[int, object] = {}
-        self._last = None
         self._began = False
 
     # -- backward --------------------------------------------------------------------------------------
@@ -116,7 +112,7 @@ class Scheduler:
         self.take(i)
 
     def take(self, i: int) -> None:
-        """Gradient i is final: into its bucket, and launch the buckets now complete (in bucket order)."""
+        """Gradient i is final: into its bucket, and hand over the buckets now complete (in bucket order)."""
         self.buckets.adopt(i)
         self._ready[i] = True
         b = self.buckets.slot[i][0]
@@ -129,40 +125,15 @@ class Scheduler:
 
     def _launch_ready(self) -> None:
         while self._next < len(self.sizes) and self._count[self._next] == self.sizes[self._next]:
-            self._launch(self._next)
+            bucket = self.buckets.buckets[self._next]
             self._next += 1
-
-    def _launch(self, b: int) -> None:
-        buf, key = self.buckets.buckets[b].buffer, self.keys[b]
-        if self.pipe is not None:
-            self.pipe.submit(b, lambda: self._start(b, buf, key))
-        else:
-            self._handles[b] = self._start(b, buf, key)
-
-    def _start(self, b: int, buf: torch.Tensor, key: str):
-        if self.serial and self._last is not None:
-            wait_quietly(self._last)     # the previous bucket's collective is delivered first
-        self._last = self._issue(b, buf, key)
-        return self._last
-
-    def _issue(self, b: int, buf: torch.Tensor, key: str):
-        with self.tracer.span(f"start bucket {b}", "compress", bytes=buf.numel() * buf.element_size()):
-            shapes = [tuple(self.params[i].shape) for i in self.buckets.buckets[b].members]
-            return self.start_exchange(buf, key, shapes=shapes)   # PowerSGD compresses each matrix
-
-    def start_exchange(self, buf: torch.Tensor, key: str, shapes=None):
-        """`Exchange.start(buf, key)`; for the identity compressor, the same all-reduce issued in place."""
-        if self._inplace:
-            if getattr(self.exchange, "check_finite", False) and hasattr(self.exchange, "_check_finite"):
-                self.exchange._check_finite(buf, key)    # the exchange's NaN/Inf policy, kept
-            return self.transport.all_reduce(buf, op="mean", async_op=True)
-        if shapes is None:
-            return self.exchange.start(buf, key)
-        return self.exchange.start(buf, key, shapes=shapes)
+            with self.tracer.span(f"bucket {bucket.index}", "compress", bytes=bucket.nbytes):
+                self.algorithm.on_bucket(bucket)
 
     # -- the step --------------------------------------------------------------------------------------
-    def start_all(self) -> None:
-        """Launch every bucket backward has not: missing gradients count as zeros (or as p.grad if set)."""
+    def flush(self) -> None:
+        """Hand over every bucket backward has not: missing gradients count as zeros (or as p.grad if set)."""
+        self._began = True
         for b in range(self._next, len(self.sizes)):
             for i in self.buckets.buckets[b].members:
                 if not self._ready[i]:
@@ -171,39 +142,20 @@ class Scheduler:
             self._count[b] = self.sizes[b]
         self._launch_ready()
 
-    def wait_all(self) -> None:
-        """Averaged gradients, in place in every `p.grad`."""
-        self.start_all()
-        if self.pipe is not None:
-            t0 = _now()
-            self._handles.update(self.pipe.drain())   # blocked on earlier buckets' transfers: exposed time
-            t1 = _now()
-            if t1 - t0 > 1e-4:
-                self.transport.meter.add_wait(t1 - t0)
-                self.tracer.complete("wait (queued buckets)", t0, t1, "wait")
-        for b, bucket in enumerate(self.buckets.buckets):
-            res = self._handles[b].wait()
-            if res.data_ptr() != bucket.buffer.data_ptr():
-                bucket.buffer.copy_(res.reshape(-1))
-        self._end_step()
-
-    def _end_step(self) -> None:
+    def end_step(self) -> None:
+        """The step is over (the algorithm applied what it needed)."""
         self.steps += 1
         self._reset()
         self.after_step()
 
     def after_step(self) -> None:
-        """Called after each step's exchange completed (MG-WFBP re-plans its buckets here)."""
+        """Called after each step (MG-WFBP re-plans its buckets here)."""
 
     def close(self) -> None:
-        if self._began or self._handles:
-            self.wait_all()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self.pipe is not None:
-            self.pipe.close()
-            self.pipe = None
+        self.transport.serial = self.transport.background = False
 
     def describe(self) -> dict:
         return {"schedule": self.name, "buckets": len(self.sizes),

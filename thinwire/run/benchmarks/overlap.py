@@ -1,11 +1,13 @@
 """`thinwire bench overlap`: what scheduling buys (issue 7), and the "no tax" check against PyTorch DDP.
 
 For each world size and network it trains, in ONE launch, alternating round by round, copies of the same model
-under: no communication (compute only), PyTorch DDP (default buckets), thinwire `bsp` with schedule `none`
+under: no communication (compute only), PyTorch DDP (default buckets), the same DDP model with thinwire's
+identity comm hook (`ddp+hook`: `register_comm_hook(*tw.ddp_hook("none"))`), thinwire `bsp` with schedule `none`
 (exchange after backward), `wfbp` (one exchange per parameter, FIFO), `fusion` (WFBP + 25 MB buckets, the
 default), `mgwfbp`, `priority`, and `fp16` compression without and with the compress/communicate pipeline.
 It reports the median step time and the exposed (waited-for) communication per step of each, and on `lan`
-`no_tax_ratio` = thinwire `fusion` step time / DDP step time (medians over all alternating rounds).
+`no_tax_ratio` = thinwire `fusion` step time / DDP step time and `hook_ratio` = `ddp+hook` / DDP (medians over
+all alternating rounds): what a DDP user pays for adopting thinwire in one line.
 
 DDP does not go through thinwire's Transport, so under an emulated profile it would run at loopback speed:
 DDP is measured on `lan` only. Its exposed communication is estimated as its step time minus the
@@ -62,6 +64,11 @@ def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if name == "ddp":
             runs[name] = (DDP(model), opt, None)
+        elif name == "ddp+hook":
+            from ...exchange.ddp import ddp_hook
+            ddp = DDP(model)
+            ddp.register_comm_hook(*ddp_hook("none"))
+            runs[name] = (ddp, opt, None)
         elif name == "compute":
             runs[name] = (model, opt, None)
         else:
@@ -117,7 +124,7 @@ def measure(workers: int, network: str, rounds: int, steps: int, warmup: int, po
     from ..launcher import Pool
     link = parse_network(network)
     widths = (784, 512, 512, 10) if link.emulated else (784, 2048, 2048, 10)
-    names = (["compute", "ddp"] if not link.emulated else ["compute"]) + list(VARIANTS)
+    names = (["compute", "ddp", "ddp+hook"] if not link.emulated else ["compute"]) + list(VARIANTS)
     own = pool is None
     pool = pool or Pool(workers)
     try:
@@ -133,20 +140,23 @@ def measure(workers: int, network: str, rounds: int, steps: int, warmup: int, po
         wait = [statistics.fmean(r["waits"][name][i] for r in res) for i in range(len(per_step))]
         rows[name] = {"step_ms": 1e3 * statistics.median(per_step), "exposed_ms": 1e3 * statistics.median(wait)}
     compute = rows["compute"]["step_ms"]
-    if "ddp" in rows:
-        rows["ddp"]["exposed_ms"] = max(0.0, rows["ddp"]["step_ms"] - compute)
-        rows["ddp"]["exposed_estimated"] = True
+    for name in ("ddp", "ddp+hook"):
+        if name in rows:
+            rows[name]["exposed_ms"] = max(0.0, rows[name]["step_ms"] - compute)
+            rows[name]["exposed_estimated"] = True
     out = {"workers": workers, "network": network, "model": "MLP " + "-".join(map(str, widths)),
            "params": n_params, "rounds": rounds, "steps_per_round": steps, "variants": rows}
     if "ddp" in rows:
         out["no_tax_ratio"] = rows["fusion"]["step_ms"] / rows["ddp"]["step_ms"]
-        per_round = []
-        for k in range(rounds):
-            sl = slice(k * steps, (k + 1) * steps)
-            f = statistics.median(max(r["times"]["fusion"][sl][i] for r in res) for i in range(steps))
-            d = statistics.median(max(r["times"]["ddp"][sl][i] for r in res) for i in range(steps))
-            per_round.append(f / d)
-        out["no_tax_ratio_per_round"] = per_round
+        out["hook_ratio"] = rows["ddp+hook"]["step_ms"] / rows["ddp"]["step_ms"]
+        for key, name in (("no_tax_ratio_per_round", "fusion"), ("hook_ratio_per_round", "ddp+hook")):
+            per_round = []
+            for k in range(rounds):
+                sl = slice(k * steps, (k + 1) * steps)
+                f = statistics.median(max(r["times"][name][sl][i] for r in res) for i in range(steps))
+                d = statistics.median(max(r["times"]["ddp"][sl][i] for r in res) for i in range(steps))
+                per_round.append(f / d)
+            out[key] = per_round
     if link.emulated:   # the α-β prediction for one all-reduce per step vs one per parameter
         one = ring_allreduce(link, workers, n_params * 4).time
         per_layer = sum(ring_allreduce(link, workers, s * 4).time
@@ -202,7 +212,8 @@ def _fmt(r: dict) -> str:
         est = " (step - compute)" if v.get("exposed_estimated") else ""
         lines.append(f"  {name:<15} {v['step_ms']:>9.1f} {v['exposed_ms']:>16.1f}{est}")
     if "no_tax_ratio" in r:
-        lines.append(f"  no_tax_ratio (fusion / ddp) = {r['no_tax_ratio']:.3f}")
+        lines.append(f"  no_tax_ratio (fusion / ddp) = {r['no_tax_ratio']:.3f}   "
+                     f"hook_ratio (ddp+hook / ddp) = {r['hook_ratio']:.3f}")
     if "predicted_comm_ms" in r:
         p = r["predicted_comm_ms"]
         lines.append(f"  α-β prediction: one bucket {p['one_bucket']:.0f} ms, per-parameter FIFO "
@@ -235,7 +246,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"results": results,
                           "no_tax_ratio": {str(r["workers"]): r["no_tax_ratio"] for r in results
-                                           if "no_tax_ratio" in r}}, indent=2))
+                                           if "no_tax_ratio" in r},
+                          "hook_ratio": {str(r["workers"]): r["hook_ratio"] for r in results
+                                         if "hook_ratio" in r}}, indent=2))
     return 0
 
 

@@ -1,0 +1,71 @@
+"""Layers point down only (DESIGN.md): every import inside `thinwire/` goes to the module's own package, to a
+package it depends on, or to the shared utilities; an upward import fails here, naming the file and line."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import thinwire
+
+ROOT = pathlib.Path(thinwire.__file__).parent
+UTILITIES = {"errors", "registry", "trace", "__main__"}
+# package -> the packages it may import (DESIGN.md's "depends on", transitively closed)
+BELOW: dict[str, set[str]] = {"net": set(), "comm": {"net"}, "compress": {"net"}}
+BELOW["exchange"] = {"comm", "compress"} | BELOW["comm"] | BELOW["compress"]
+BELOW["sched"] = {"exchange"} | BELOW["exchange"]
+BELOW["algorithms"] = {"sched"} | BELOW["sched"]
+BELOW["trainer"] = {"algorithms"} | BELOW["algorithms"]
+BELOW["plan"] = {"net", "compress"}
+BELOW["run"] = {"trainer", "plan"} | BELOW["trainer"]
+BELOW["cli"] = {"run"} | BELOW["run"]
+
+
+def _layer(module: str) -> str | None:
+    """'thinwire.comm.engine' -> 'comm'; the top-level package and the utilities have no layer."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    return None if parts[1] in UTILITIES else parts[1]
+
+
+def _imports(path: pathlib.Path, module: str):
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+            for name in names:
+                yield node.lineno, name
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    upward = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = "thinwire." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+        mine = _layer(module)
+        if mine is None:
+            continue
+        for line, target in _imports(path, module):
+            if not target.startswith("thinwire."):
+                continue
+            theirs = _layer(target)
+            if theirs is None or theirs == mine or theirs in BELOW[mine]:
+                continue
+            upward.append(f"{path.relative_to(ROOT.parent)}:{line} ({mine}) imports {target} ({theirs})")
+    assert not upward, "imports from a layer above:\n" + "\n".join(upward)
+
+
+def test_every_layer_is_known():
+    layers = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    layers |= {p.stem for p in ROOT.glob("*.py") if p.stem not in UTILITIES | {"__init__"}}
+    assert layers == set(BELOW), layers ^ set(BELOW)

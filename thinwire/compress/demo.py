@@ -1,0 +1,124 @@
+"""`demo`: DeMo, Decoupled Momentum Optimization (Peng, Quesnelle, Kingma et al. 2024, arXiv 2411.19870), as a
+memory and a compressor.
+
+The paper's Algorithm 1 on each worker, with g the local gradient, β the momentum decay, chunk size s, k kept:
+    m ← β m + g                              accumulate the gradient in the local momentum      (memory `demo`)
+    q ← ExtractFastComponents(m, s, k)       DCT-II of each s-chunk, top-k |coefficient| per chunk (compressor)
+    m ← m − q                                 what is sent leaves the momentum                   (memory `demo`)
+    Q ← Synchronize(q)                        all-gather of every worker's sparse coefficients
+    x ← x − η sign(Q)                         the signed update (the optimizer's step; see `sign`)
+The momentum is decoupled: each worker keeps its own, and only its fast components (largest DCT coefficients)
+travel. The memory is error feedback with decay (`residual` with beta = β: m_new = (β m + g) − D(C(β m + g))), so
+sent + kept = β m + g exactly: nothing is lost, the slow components stay and grow until they are sent.
+
+The transform: the flattened tensor is cut into chunks of `chunk` elements (the tail gets its own size) and each is
+multiplied by the orthonormal DCT-II basis C[u, j] = c_u cos(π (2j + 1) u / (2s)), c_0 = √(1/s), c_u = √(2/s)
+(precomputed once per size: one matmul, no FFT); the inverse is the transpose. The reference code transforms 2-D
+blocks of weight matrices; here 1-D chunks of the flat tensor, so any tensor or bucket works the same way.
+Payload: in-chunk indices (ceil(log2 chunk) bits each, packed) and the kept coefficients in the tensor's dtype.
+Aggregation "allgather": every rank's coefficients are summed in fp32 in coefficient space, then one inverse DCT
+(the reference averages coinciding coefficients instead; a sum keeps the exchange's mean = mean of contributions).
+`sign=True` makes the exchange return sign(Σ_ranks IDCT(q)) ("majority" collective: the element-wise sign of the
+aggregate) so a plain SGD step with lr η applies DeMo's signed update; `decompress` still gives this rank's own
+IDCT(q), which is what the memory subtracts. `sign=true` is for exchanged gradients (bsp, the DDP hook); where
+models or pseudo-gradients are averaged (localsgd, dts, diloco) keep `sign=false`, and a parameter server averages
+the decompressed contributions whatever the flag. The paper scales g by η inside the momentum; here the optimizer's
+lr scales the step instead (the same update under `sign=True` at a constant lr).
+Use it with an optimizer without momentum (`--momentum 0`): the momentum lives in the memory.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import UserError
+from . import compressors, memories
+from ._chunks import Layouts, check_chunk, check_topk, index_nbytes, pack_index, unpack_index
+from .base import Compressor, Payload
+from .finite import check_tensor
+from .residual import Residual
+
+_BASES: dict[int, torch.Tensor] = {}
+
+
+def dct_basis(n: int) -> torch.Tensor:
+    """(n, n) orthonormal DCT-II matrix C (row u = frequency u): coefficients = C @ x, x = C.T @ coefficients."""
+    c = _BASES.get(n)
+    if c is None:
+        j = torch.arange(n, dtype=torch.float64)
+        u = j.view(-1, 1)
+        c = torch.cos(math.pi * (2 * j + 1) * u / (2 * n)) * math.sqrt(2.0 / n)
+        c[0] = math.sqrt(1.0 / n)
+        c = _BASES[n] = c.to(torch.float32)
+    return c
+
+
+def chunked_dct(x: torch.Tensor, layout, inverse: bool = False) -> torch.Tensor:
+    """The DCT-II (or its inverse) of every chunk of flat fp32 `x`, one matmul per group of equal chunks."""
+    out = torch.empty_like(x)
+    for start, rows, width, _ in layout.groups:
+        block, c = x[start:start + rows * width].view(rows, width), dct_basis(width)
+        torch.matmul(block, c if inverse else c.T, out=out[start:start + rows * width].view(rows, width))
+    return out
+
+
+@compressors.register("demo")
+class DeMo(Compressor):
+    """DeMo: chunked DCT-II, top-k coefficients per chunk (indices + values); sum, inverse DCT (sign=true: its sign)."""
+
+    unbiased = False
+    linear = False
+    randomness = "none"
+    aggregation = "allgather"
+    fixed_size = True         # the payload size depends only on the shape
+
+    def __init__(self, chunk: int = 64, topk: int = 4, sign: bool = False):
+        self.chunk = check_chunk("demo", chunk)
+        self.topk = check_topk("demo", topk, self.chunk)
+        self.sign = bool(sign)
+        if self.sign:
+            self.aggregation = "majority"       # the exchange returns sign(aggregate)
+        self.layouts = Layouts(self.chunk, self.topk)
+
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        flat = tensor.reshape(-1)
+        check_tensor(flat, self.name, key)
+        lay = self.layouts(flat.numel())
+        coeff = chunked_dct(flat.to(torch.float32), lay)
+        local, vals = lay.topk(coeff)
+        vdtype = tensor.dtype if tensor.is_floating_point() else torch.float32
+        return Payload([*pack_index(local, self.chunk), vals.to(vdtype)],
+                       ctx={"shape": tensor.shape, "dtype": tensor.dtype, "numel": flat.numel()})
+
+    def _coefficients(self, payloads):
+        """(Σ over payloads of their sparse coefficients, dense fp32; the layout)."""
+        lay = self.layouts(payloads[0].ctx["numel"])
+        pos, vals = [], []
+        for p in payloads:
+            local, used = unpack_index(p.tensors, lay.kept, self.chunk)
+            pos.append(lay.positions(local))
+            vals.append(p.tensors[used].reshape(-1).to(torch.float32))
+        return torch.zeros(lay.n).index_add_(0, torch.cat(pos), torch.cat(vals)), lay
+
+    def aggregate(self, payloads):
+        coeff, lay = self._coefficients(payloads)
+        ctx = payloads[0].ctx
+        return chunked_dct(coeff, lay, inverse=True).to(ctx["dtype"]).view(ctx["shape"])
+
+    def decompress(self, payload):
+        return self.aggregate([payload])
+
+    def nominal_bits(self, numel):
+        lay = self.layouts(numel)
+        return (8 * index_nbytes(lay.kept, self.chunk) + 32.0 * lay.kept) / max(numel, 1)
+
+
+@memories.register("demo")
+class DeMoMemory(Residual):
+    """DeMo's decoupled momentum: m ← β m + g before compression, m ← m − sent after (error feedback with decay)."""
+
+    def __init__(self, beta: float = 0.999):
+        if not 0 <= beta < 1:
+            raise UserError(f"demo memory: beta (the momentum decay) must be in [0, 1), got {beta}")
+        super().__init__(beta=beta, gamma=1.0)
