@@ -563,8 +563,12 @@ def test_advise_recommends_period_fragments_and_bits_for_the_network(capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["diloco"]["reached"] and out["diloco"]["period"] > 1
+    assert out["ranking"][0]["algorithm"] == "diloco"        # a thin, far link: the family ranks first
     rows = {r["config"]: r for r in out["ranking"]}
     assert rows["diloco H=100 F=4 τ=1 fp4"]["bytes_per_sync"] < rows["diloco H=50"]["bytes_per_sync"] / 4
+    assert main(["advise", "--model", "wide-mlp", "--network", "lan", "--workers", "4", "--compute-ms", "30",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranking"][0]["algorithm"] == "bsp"   # nothing to save on a lan
     assert main(["advise", "--model", "wide-mlp", "--network", "wan", "--scalability", "0.95"]) == 0
     assert "DiLoCo family: period H=" in capsys.readouterr().out
     assert main(["advise", "--params", "1e6", "--scalability", "1.5"]) == 2

@@ -18,10 +18,10 @@ from ..net import cdsgd as cd
 
 # compress + decompress time in memcpys of the input, measured by `thinwire bench compressors` (2^24 fp32,
 # this 2-core machine; see BENCHMARKS.md). Used when no calibration file exists.
-# The DiLoCo family's (fp8 15, fp4 26, demo 44, sparseloco 38): `thinwire bench compressors --clock cpu --only ...`
-# on 2026-11-23, machine loaded (load average 17), so indicative.
-DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "fp8": 15.0, "fp4": 26.0, "demo": 44.0,
-                    "sparseloco": 38.0, "onebit": 6.0, "signsgd": 4.0,
+# The DiLoCo family's (fp8 14, fp4 21, demo 28, sparseloco 19): `thinwire bench compressors` on 2026-11-23,
+# machine loaded, so indicative.
+DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "fp8": 14.0, "fp4": 21.0, "demo": 28.0,
+                    "sparseloco": 19.0, "onebit": 6.0, "signsgd": 4.0,
                     "signum": 4.0, "efsignsgd": 5.0, "qsgd": 8.0, "terngrad": 7.0, "natural": 6.0,
                     "threshold2bit": 6.0, "randomk": 4.0, "topk": 12.0, "threshold": 8.0, "dgc": 12.0,
                     "gaussiank": 10.0, "powersgd": 10.0, "countsketch": 8.0, "stc": 12.0, "qsparse": 12.0}
