@@ -22,7 +22,6 @@ CONFIGS = {  # name -> (algorithm, parameters) as run by `thinwire train`
     "diloco": ("diloco", {"period": 4}),
     "streaming-diloco": ("diloco", {"period": 8, "fragments": 2, "overlap": 1}),
 }
-SEEDS = ("bsp", "bitsgd", "cdsgd", "localsgd", "dts")      # what tests/test_plan_validation.py checks
 WARMUP = {"dts": 16}   # steps before steady state: the first averages are applied (t−1)·p steps after launch
 
 
@@ -37,7 +36,7 @@ def measure(pool, workload: str, algorithm: str, params: dict, network: str, ste
     return statistics.mean(max(r["steps"][i]["step_s"] for r in results) for i in range(skip, steps))
 
 
-def compare(pool, workload: str = "digits-mlp", networks=("cluster", "wan"), names=SEEDS,
+def compare(pool, workload: str = "digits-mlp", networks=("cluster", "wan"), names=tuple(CONFIGS),
             steps: int = 48, workers: int = 4) -> list[dict]:
     """Rows of {network, config, measured_s, predicted_s, error, local_s} for each network × configuration."""
     from . import workloads
