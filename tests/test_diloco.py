@@ -577,3 +577,22 @@ def test_advise_recommends_period_fragments_and_bits_for_the_network(capsys):
                  "4", "--latency", "50", "--steps", "40", "--json"]) == 0
     sims = json.loads(capsys.readouterr().out)
     assert len(sims) == 2 and all(0 < r["scalability"] <= 1 for r in sims)
+
+
+def test_bench_crossover_measures_every_family_against_a_baseline_of_the_same_run(pool4, capsys):
+    from thinwire.cli import main
+    from thinwire.run.benchmarks.diloco import CROSSOVER, crossover, format_crossover
+    net = "custom:bandwidth=1gbit,latency=1ms"
+    rows = crossover(pool4, "digits-mlp", 4, 8, (net,))
+    assert [r["config"] for r in rows] == ["local"] + [c[0] for c in CROSSOVER]
+    by = {r["config"]: r for r in rows}
+    assert by["bsp"]["vs_bsp"] == 1.0 and all(r["vs_local"] == r["step_s"] / rows[0]["step_s"] for r in rows)
+    n = 9610 * 4 * 2 * 3 / 4                      # digits-mlp's ring all-reduce: bytes one worker sends
+    assert by["bsp"]["bytes_per_step"] == pytest.approx(n, rel=1e-3)
+    assert by["diloco H=8"]["bytes_per_step"] == pytest.approx(n / 8, rel=1e-3)      # one sync in 8 steps
+    assert by["diloco H=8 + fp8"]["bytes_per_step"] < by["diloco H=8"]["bytes_per_step"] / 1.9
+    text = format_crossover(rows, "accuracy")
+    assert "fastest per network" in text and net in text
+    assert main(["bench", "diloco", "--crossover-steps", "12"]) == 2
+    assert main(["bench", "diloco", "--crossover-networks", "nowhere"]) == 2
+    capsys.readouterr()

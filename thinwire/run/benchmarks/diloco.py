@@ -1,7 +1,6 @@
 """`thinwire bench diloco`: the DiLoCo family's bytes per sync (peak bandwidth) and step times against the planner.
 
     thinwire bench diloco                        # wide-mlp, 4 workers: bytes per sync, plain vs streaming, 32/8/4 bits
-    thinwire bench diloco --validate             # + predicted vs measured step times (digits-mlp, cluster and wan)
     thinwire bench diloco --crossover            # + bsp vs diloco vs streaming as bandwidth and latency vary
 
 Crossover: `local` (no communication) is measured first, on `lan`, in the same run; then every configuration of
@@ -13,9 +12,10 @@ per step, the accuracy reached and the time to the workload's target; then the f
 
 Bytes per sync: each configuration trains `--steps` steps on `lan` (bytes do not depend on the link); the bytes a
 worker sent over those steps divided by the fragment syncs started in them (the largest step's bytes beside it: a
-sync overlapped with the next step may be counted on either), the cost model's `bytes_per_sync` beside it. Streaming DiLoCo sends 1/F of the model per sync (fragments are equal element ranges), F times as
-often: the peak falls by F, the bytes per step stay DiLoCo's. The validation runs each configuration as
-`thinwire.run.validate.compare` does for the seed algorithms (measured on `lan`, then on each network).
+sync overlapped with the next step may be counted on either), the cost model's `bytes_per_sync` beside it.
+Streaming DiLoCo sends 1/F of the model per sync (fragments are equal element ranges), F times as often: the peak
+falls by F, the bytes per step stay DiLoCo's. Predicted against measured step times: `thinwire bench costmodel
+--configs diloco,streaming-diloco` (as for the seed algorithms).
 """
 from __future__ import annotations
 
@@ -128,7 +128,6 @@ def bytes_per_sync(pool, workload: str, workers: int, steps: int) -> list[dict]:
 def run(args) -> int:
     from ...errors import UserError
     from ..launcher import Pool
-    from ..validate import compare
     if args.steps < 8 or args.steps % 8:
         raise UserError(f"--steps must be a multiple of 8 (the period of every configuration), got {args.steps}")
     if args.crossover_steps < 8 or args.crossover_steps % 8:
@@ -146,16 +145,9 @@ def run(args) -> int:
                   f"{'peak step B':>11} {'B/step':>9} {'predicted':>9}")
             for r in rows:
                 print(f"{r['config']:<26} {r['syncs']:>5} {r['bytes_per_sync']:>10.0f} "
-                      f"{r['predicted_bytes_per_sync']:>10.0f} {r['sync_vs_diloco']:>9.3f} {r['peak_step_bytes']:>11.0f} "
+                      f"{r['predicted_bytes_per_sync']:>10.0f} {r['sync_vs_diloco']:>9.3f} "
+                      f"{r['peak_step_bytes']:>11.0f} "
                       f"{r['bytes_per_step']:>9.0f} {r['predicted_bytes_per_step']:>9.0f}", flush=True)
-        if args.validate:
-            out["validate"] = val = compare(pool, workload="digits-mlp", networks=tuple(args.networks),
-                                            names=("diloco", "streaming-diloco"), steps=48, workers=args.workers)
-            if not args.json:
-                print("\npredicted vs measured step time (digits-mlp; compute measured on lan)")
-                for r in val:
-                    print(f"{r['network']:8s} {r['config']:18s} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
-                          f"{r['predicted_s'] * 1e3:8.1f} ms  error {r['error'] * 100:+6.1f}%", flush=True)
         if args.crossover:
             from .. import workloads
             out["crossover"] = cross = crossover(pool, args.crossover_workload, args.workers, args.crossover_steps,
@@ -174,12 +166,10 @@ def run(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("diloco", help="DiLoCo family: bytes per sync (plain vs streaming, bits), "
-                                             "predicted vs measured step times")
+                                             "bsp vs diloco vs streaming across networks")
     p.add_argument("--workload", default="wide-mlp")
     p.add_argument("--workers", type=int, default=4, choices=range(2, 5), metavar="2..4")
     p.add_argument("--steps", type=int, default=16, help="steps per configuration (a multiple of 8)")
-    p.add_argument("--validate", action="store_true", help="also predicted vs measured step times")
-    p.add_argument("--networks", nargs="+", default=["cluster", "wan"])
     p.add_argument("--crossover", action="store_true",
                    help="also bsp vs diloco vs streaming as bandwidth and latency vary (ratios to local, bsp)")
     p.add_argument("--crossover-workload", default="digits-mlp")
