@@ -143,8 +143,8 @@ def recommend_diloco(s: Scenario, target: float = 0.9) -> dict:
 def format_diloco(rec: dict) -> str:
     mb = 1e6
     bits = "32-bit" if rec["compressor"] == "none" else f"{rec['compressor']} ({rec['bits']}-bit)"
-    stream = (f"{rec['fragments']} fragments, overlap {rec['overlap']}" if rec["fragments"] > 1 or rec["overlap"]
-              else "no fragments")
+    stream = (f"{rec['fragments']} fragments" if rec["fragments"] > 1 else "no fragments") + (
+        f", overlap {rec['overlap']}" if rec["overlap"] else "")
     head = (f"DiLoCo family: period H={rec['period']}, {stream}, {bits} outer gradients -> scalability "
             f"{rec['scalability']:.3f}" + ("" if rec["reached"] else f" (target {rec['target']} not reached)"))
     return (head + f"\n  {rec['bytes_per_sync'] / mb:.3f} MB per sync (plain DiLoCo at H={rec['period']}: "
