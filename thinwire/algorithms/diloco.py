@@ -113,6 +113,7 @@ class DiLoCo(Algorithm):
     architectures = ("allreduce",)
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
     checks_finite = False
+    survives_failures = True   # θ and the outer optimizer are replicated; the mean over fewer workers stays a mean
 
     def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,
@@ -274,6 +275,21 @@ class DiLoCo(Algorithm):
                     self._start(bucket, f)
             self._merge(due, 0.0)
         super().close()
+
+    @torch.no_grad()
+    def recover(self):
+        """A worker was lost: the sync in flight is dropped; θ and the outer optimizer's state are taken from the
+        new rank 0 (a sync that completed on some survivors only cannot leave them apart), the survivors'
+        inner models (broadcast by the Trainer) differ from θ, and the schedule goes on from the agreed step."""
+        self._pending, self._pending_fragment = [], None
+        for a in self.anchor:
+            a.grad = None
+            self.transport.broadcast(a, src=0)
+            for v in self.outer.state.get(a, {}).values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    self.transport.broadcast(v, src=0)
+        self.steps = self.trainer.failures[-1]["step"]
+        self._dirty = [True] * self.fragments
 
     # -- buckets re-planned (MG-WFBP): per-piece exchange state follows ------------------------------------
     def _piece_layout(self) -> list[list[tuple[str, int]]]:
