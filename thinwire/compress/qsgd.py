@@ -25,10 +25,13 @@ def bucket_norms(flat: torch.Tensor, bucket: int, ord: float) -> torch.Tensor:
     """fp32 norm of each bucket of `bucket` elements (the last may be shorter)."""
     n = flat.numel()
     full = (n // bucket) * bucket
-    parts = [torch.linalg.vector_norm(flat[:full].view(-1, bucket), ord=ord, dim=1, dtype=torch.float32)]
+    wide = flat.dtype == torch.float64      # vector_norm never narrows its input: a float64 norm, then fp32
+    dt = None if wide else torch.float32
+    parts = [torch.linalg.vector_norm(flat[:full].view(-1, bucket), ord=ord, dim=1, dtype=dt)]
     if full < n:
-        parts.append(torch.linalg.vector_norm(flat[full:], ord=ord, dtype=torch.float32).reshape(1))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+        parts.append(torch.linalg.vector_norm(flat[full:], ord=ord, dtype=dt).reshape(1))
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return out.float() if wide else out
 
 
 def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int, offset: int) -> torch.Tensor:
