@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..comm.engine import Future
-from ..compress import Payload
+from ..compress import Memory, Payload
 from ..errors import UserError
 from . import wire
 from .exchange import Exchange
@@ -61,7 +61,6 @@ class NeighborExchange(Exchange):
 
     @property
     def identity(self) -> bool:
-        from ..compress import Memory
         return self.compressor.name == "none" and type(self.memory).compensate is Memory.compensate
 
     def start(self, tensor: torch.Tensor, key: Any = None, dsts=(), srcs=()):
