@@ -415,7 +415,8 @@ def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
         first = (ok or rs)[0]
         name = "accuracy" if first.get("metric", "accuracy") == "accuracy" else "loss"
         ttt = [r.get("time_to_target_s") if r.get("time_to_target_s") is not None else math.inf for r in ok]
-        entry = {"label": label, "network": network, "peer": first.get("peer"), "metric": first.get("metric"),
+        entry = {"label": label, "network": network, "peer": first.get("peer"),
+                 "algorithm": (first.get("cell") or {}).get("algorithm"), "metric": first.get("metric"),
                  "target": first.get("target"), "seeds": len(rs), "ok": len(ok),
                  "reached": sum(1 for t in ttt if t < math.inf),
                  "ttt_median": statistics.median(ttt) if ttt else None,

@@ -43,7 +43,8 @@ def table(entries: list[dict], seeds: int) -> list[str]:
              f"MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for i, e in enumerate(rank(entries), 1):
-        kind = "peer" if e.get("peer") else "thinwire"
+        kind = ("thinwire" if not e.get("peer") else
+                "torchft peer" if str(e.get("algorithm")).startswith("torchft") else "PyTorch peer")
         if e.get("status") != "ok":
             lines.append(f"| — | `{e['label']}` | {kind} | {e.get('ran_with') or ''} | {e['status']}: "
                          f"{e.get('error', '')} | | | | | | | | |")
