@@ -79,6 +79,22 @@ def test_race_schedule_evaluates_every_two_percent_of_the_clock_and_lands_on_the
         assert s1 - s0 == max(1, math.floor(EVAL_PRECISION * t0 / step_time)) or s1 * tau >= budget - 1e-9
         assert (s1 - s0) * tau <= max(tau, EVAL_PRECISION * t0) * (1 + 1e-9)   # the reading's error bound
     assert len(evals) < 500   # not every step: 3000 steps in all
+    # an evaluation that costs 10 steps' time comes at most every 40 steps: a quarter of the training time at most
+    from thinwire.run.loop import EVAL_OVERHEAD
+    s = Schedule(cfg, wl, total=None, workers=1)
+    s.evaluated(0, 0.1, 0.0, eval_s=10 * tau)
+    s.evaluated(1, 0.1, tau, eval_s=10 * tau)
+    assert s.next - 1 == math.ceil(10 / EVAL_OVERHEAD - 1e-9)
+    # a metric on its way to the target: evaluations close in on the crossing (few of them), read within 2 %
+    s = Schedule(TrainConfig(workload="digits-mlp", stop_at_target=True, target=0.9), wl, total=None, workers=1)
+    s.evaluated(0, 0.0, 0.0, eval_s=10 * tau)
+    seen = []
+    while True:
+        step = s.next
+        seen.append(step)
+        if s.evaluated(step, 0.001 * step, step * tau, eval_s=10 * tau)[0] == "target":
+            break
+    assert 900 <= step <= 900 * (1 + EVAL_PRECISION) + 1 and len(seen) < 60
     # the target stops it at the first evaluation that reaches it; step 0 never does
     s = Schedule(TrainConfig(workload="digits-mlp", stop_at_target=True, target=0.5), wl, total=100, workers=1)
     assert s.evaluated(0, 0.9, 0.0)[0] is None
@@ -127,7 +143,8 @@ def test_peers_run_the_same_loop(pool2):
     the race's stop, and the same trajectory as thinwire's bsp for plain DDP."""
     from thinwire.run.peers import optional_missing
     from thinwire.run.train import summarize
-    base = dict(workload="digits-mlp", workers=2, steps=60, target=0.8, stop_at_target=True, progress=False)
+    base = dict(workload="digits-mlp", workers=2, steps=60, target=0.8, stop_at_target=True, progress=False,
+                eval_every=1)  # every step: the stop is at the first step on target, whatever the timing
     got = {}
     names = ["bsp", "ddp", "ddp-hierarchical"] + ([] if optional_missing("torchft-diloco") else ["torchft-diloco"])
     for name in names:

@@ -48,6 +48,9 @@ def register(sub) -> None:
                    help="seconds of training time every cell gets (evaluations excluded; default: the preset's)")
     p.add_argument("--seeds", type=int, help="run every cell with this many seeds (median and range in the report; "
                                              "default: the preset's, else 1)")
+    p.add_argument("--eval-every", type=int, metavar="N",
+                   help="evaluate every N steps instead of the race's cadence (closing in on the target, 2 %% of the "
+                        "clock near it): the step a cell stops at no longer depends on timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="output directory (default results/compare)")
     p.add_argument("--trace", action="store_true", help="write a Chrome trace per thinwire cell")
@@ -86,6 +89,8 @@ def check_numbers(args) -> None:
         check_number("--budget", args.budget, 0, low_open=True, why=" (seconds of training time per cell)")
     if getattr(args, "seeds", None) is not None:
         check_int("--seeds", args.seeds, 1, 100)
+    if getattr(args, "eval_every", None) is not None:
+        check_int("--eval-every", args.eval_every, 1)
     check_int("--seed", args.seed, 0, MAX_SEED)
 
 
@@ -115,7 +120,8 @@ def config_from_args(args):
                          budget_s=args.budget if args.budget is not None else budget,
                          epochs=args.epochs if args.epochs is not None else epochs, seed=args.seed,
                          seeds=getattr(args, "seeds", None) or seeds, trace=args.trace, netem=args.netem,
-                         preset=args.preset, notes=notes, tensorboard=getattr(args, "tensorboard", None))
+                         preset=args.preset, notes=notes, tensorboard=getattr(args, "tensorboard", None),
+                         eval_every=getattr(args, "eval_every", None))
 
 
 def run(args) -> int:

@@ -428,6 +428,8 @@ def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
                   "predicted_time_to_target_s", "train_s", "steps"):
             entry[k] = _median(r.get(k) for r in ok)
         entry["stop_reasons"] = sorted({r.get("stop_reason") for r in ok if r.get("stop_reason")})
+        entry["ttt_resolution"] = _median(r["time_to_target_resolution_s"] / r["time_to_target_s"] for r in ok
+                                          if r.get("time_to_target_resolution_s") and r.get("time_to_target_s"))
         out.append(entry)
     order = {n: i for i, n in enumerate(networks)}
     out.sort(key=lambda e: order.get(e["network"], 99))

@@ -22,10 +22,17 @@ same steps and then *agrees*: one all-gather of (metric, clock) per evaluation o
 ranks of its own (not the training's group, outside the meter and the clock), so every rank computes the same
 mean metric (the mean `summarize` reports) and the same clock (the slowest worker's), and takes the same
 decision: stop at the target (`stop_at_target`), stop when the clock reached the budget (`budget_s`), or go on.
-Its cadence comes from the step time: after an evaluation at step s and clock t, with τ the mean step time since
-the previous one, the next is ⌊EVAL_PRECISION · t / τ⌋ steps later (at least 1; no later than the step where
-the budget runs out). The evaluation that first reaches the target therefore comes at most EVAL_PRECISION · t
-plus one step after the true crossing: the time to target is read to within 2 % (plus one step) from above.
+Its cadence comes from the step time. After an evaluation at step s and clock t, with τ the mean step time since
+the previous one, the next comes ⌊max(EVAL_PRECISION · t, ahead) / τ⌋ steps later (at least 1, and no later than
+the step where the budget runs out), where `ahead` is
+- half the time the metric needs to reach the target at its current rate (linear through the last two agreed
+  evaluations), at most max(FAR · t, e / EVAL_OVERHEAD): evaluations close in on the crossing, few while it is
+  far (e is the evaluation's own time, the slowest rank's);
+- else (no race to a target, or the metric is not moving toward it) e / EVAL_OVERHEAD: evaluations then cost at
+  most a quarter of the training time.
+Near the crossing the interval is 2 % of the clock, so the evaluation that first reaches the target comes at most
+2 % (or one step) after the true crossing, unless the metric jumped there faster than its trend; `summarize`
+reports that interval with every reading (`time_to_target_resolution_s`), so each one carries its own accuracy.
 """
 from __future__ import annotations
 
@@ -44,7 +51,9 @@ from . import workloads
 from .launcher import report_progress
 
 _now = time.perf_counter
-EVAL_PRECISION = 0.02   # in a race, evaluations come every 2 % of the training clock (see the module's doc)
+EVAL_PRECISION = 0.02   # in a race, evaluations come every 2 % of the training clock (see the module's doc) ...
+EVAL_OVERHEAD = 0.25    # ... or far from the target: evaluations cost at most a quarter of the training time ...
+FAR = 0.25              # ... or half-way to the predicted crossing, at most a quarter of the clock ahead
 
 
 # -- steppers ---------------------------------------------------------------------------------------------
@@ -229,27 +238,30 @@ class Schedule:
         self.stop_at_target = bool(cfg.stop_at_target)
         self.next = 1 if self.race else self.every
         self.last = (0, 0.0)    # (step, agreed clock) of the last evaluation
+        self.seen = None        # (agreed clock, agreed metric) of the last evaluation
 
     def due(self, step: int) -> bool:
         if step == self.total:
             return True
         return step == self.next if self.race else step % self.every == 0
 
-    def agree(self, value: float, clock: float) -> tuple[float, float]:
-        """(mean metric over the worker ranks, the slowest worker's clock): the same numbers on every rank."""
+    def agree(self, value: float, clock: float, eval_s: float) -> tuple[float, float, float]:
+        """(mean metric over the worker ranks, the slowest worker's clock, the slowest evaluation): the same
+        numbers on every rank (all ranks compute them from the same all-gathered list, in rank order)."""
         import torch.distributed as dist
         if self.group is None or dist.get_world_size(self.group) == 1:
-            return value, clock
-        mine = torch.tensor([value, clock], dtype=torch.float64)
+            return value, clock, eval_s
+        mine = torch.tensor([value, clock, eval_s], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(every, mine, group=self.group)
-        return statistics.fmean(float(v[0]) for v in every), max(float(v[1]) for v in every)
+        return (statistics.fmean(float(v[0]) for v in every), max(float(v[1]) for v in every),
+                max(float(v[2]) for v in every))
 
-    def evaluated(self, step: int, value: float, clock: float) -> tuple[str | None, dict]:
-        """After the evaluation at `step`: (why to stop or None, what to add to its record)."""
+    def evaluated(self, step: int, value: float, clock: float, eval_s: float = 0.0) -> tuple[str | None, dict]:
+        """After the evaluation at `step` (which took `eval_s`): (why to stop or None, what to add to its record)."""
         if not self.race:
             return ("steps" if step == self.total else None), {}
-        mean, t = self.agree(value, clock)
+        mean, t, e = self.agree(value, clock, eval_s)
         stop = None
         if step > 0 and self.stop_at_target and math.isfinite(mean) and self.wl.reached(mean, self.target):
             stop = "target"
@@ -264,19 +276,30 @@ class Schedule:
         elif tau <= 0:
             gap = 1
         else:
-            gap = max(1, math.floor(EVAL_PRECISION * t / tau))
-            if self.budget is not None:
-                gap = min(gap, max(1, math.ceil((self.budget - t) / tau)))
+            gap = max(1, math.floor(max(EVAL_PRECISION * t, self._ahead(t, mean, e)) / tau))
+            if self.budget is not None:  # land on the budget; the slower of the recent and the mean step time
+                gap = min(gap, max(1, math.ceil((self.budget - t) / max(tau, t / step))))
         self.next = step + gap if self.total is None else min(step + gap, self.total)
-        self.last = (step, t)
+        self.last, self.seen = (step, t), (t, mean)
         return stop, {"agreed": mean, "agreed_t": t}
 
+    def _ahead(self, t: float, mean: float, e: float) -> float:
+        """How far ahead (training time) the next evaluation may come, beyond 2 % of the clock (module doc)."""
+        if self.stop_at_target and self.seen is not None and t > self.seen[0] and math.isfinite(mean):
+            rate = (mean - self.seen[1]) / (t - self.seen[0])
+            left = (self.target - mean) / rate if rate else -1.0
+            if left > 0:
+                return min(left / 2, max(FAR * t, e / EVAL_OVERHEAD))
+        return e / EVAL_OVERHEAD
+
     def state_dict(self) -> dict:
-        return {"next": self.next, "last_step": self.last[0], "last_t": self.last[1]}
+        return {"next": self.next, "last_step": self.last[0], "last_t": self.last[1],
+                "seen": list(self.seen) if self.seen else None}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state:
             self.next, self.last = int(state["next"]), (int(state["last_step"]), float(state["last_t"]))
+            self.seen = tuple(state["seen"]) if state.get("seen") else None
 
 
 # -- TensorBoard ------------------------------------------------------------------------------------------
@@ -364,8 +387,9 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             if bar is not None:
                 bar.update(first - 1)
         else:
+            t1 = _now()
             rec = {"step": 0, "t": 0.0, "value": wl.evaluate(stepper.module)}
-            rec.update(schedule.evaluated(0, rec["value"], 0.0)[1])
+            rec.update(schedule.evaluated(0, rec["value"], 0.0, _now() - t1)[1])
             evals.append(rec)
             if board is not None:
                 board.evaluation(rec)
@@ -393,8 +417,9 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                     t1 = _now()
                     stepper.close()
                     clock += _now() - t1
+                t1 = _now()
                 ev = {"step": step, "t": clock, "value": wl.evaluate(stepper.module)}
-                stop, agreed = schedule.evaluated(step, ev["value"], clock)
+                stop, agreed = schedule.evaluated(step, ev["value"], clock, _now() - t1)
                 ev.update(agreed)
                 evals.append(ev)
                 if board is not None:

@@ -39,21 +39,22 @@ def _ttt(e: dict, seeds: int) -> str:
 
 def table(entries: list[dict], seeds: int) -> list[str]:
     name, _ = _metric(entries[0])
-    lines = [f"| rank | contestant | kind | ran with | time to target (s) | best {name} | final {name} | step (ms) | "
-             f"MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) |",
-             "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [f"| rank | contestant | kind | ran with | time to target (s) | read within | best {name} | final {name} | "
+             f"step (ms) | MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) |",
+             "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for i, e in enumerate(rank(entries), 1):
         kind = ("thinwire" if not e.get("peer") else
                 "torchft peer" if str(e.get("algorithm")).startswith("torchft") else "PyTorch peer")
         if e.get("status") != "ok":
             lines.append(f"| — | `{e['label']}` | {kind} | {e.get('ran_with') or ''} | {e['status']}: "
-                         f"{e.get('error', '')} | | | | | | | | |")
+                         f"{e.get('error', '')} | | | | | | | | | |")
             continue
         noise = " ≈" if e.get("within_noise_of_best") else ""
         ratio = e.get("compression_ratio")
         pred = e.get("predicted_step_time_s")
         lines.append(
             f"| {i}{noise} | `{e['label']}` | {kind} | {e.get('ran_with') or ''} | {_ttt(e, seeds)} | "
+            f"{_fmt(None if e.get('ttt_resolution') is None else 100 * e['ttt_resolution'], '.1f')}{'' if e.get('ttt_resolution') is None else ' %'} | "
             f"{_fmt(e.get('best_' + name), '.3f')} | {_fmt(e.get('final_' + name), '.3f')} | "
             f"{_fmt(e['step_time_s'] * 1e3 if e.get('step_time_s') else None, '.0f')} | "
             f"{_fmt(e['bytes_sent_per_worker_per_step'] / 1e6 if e.get('bytes_sent_per_worker_per_step') is not None else None, '.3f')} | "
@@ -142,8 +143,10 @@ def write_report(results: dict, path: str) -> None:
         "- Every row is a contestant: its own training runs (one per seed), with the same workload, data shards, "
         "batch size and learning rate as every other row.",
         "- **time to target**: training time (evaluations excluded) until the mean test metric of the workers first "
-        "reached the target, read at evaluations that come every 2 % of the training clock (so at most 2 % + one "
-        "step late). With several seeds: median [min–max] and seeds that reached it; a seed that missed counts as "
+        "reached the target, read at the evaluation that first saw it; evaluations close in on the crossing and come "
+        "every 2 % of the training clock near it (`thinwire/run/loop.py`). **read within**: the interval before that "
+        "evaluation, as a share of the time to target — the true crossing lies in it (median over seeds). "
+        "With several seeds: median [min–max] and seeds that reached it; a seed that missed counts as "
         "never. Rows rank by it, then by best metric. **≈** marks a contestant within noise of the winner: the "
         "ranges of time to target overlap.",
         "- **not reached**: the cell spent its budget (`budget`) or its steps (`steps`) first; *predicted* is the "

@@ -262,7 +262,8 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         if row["step"] in by_step:
             row[wl.metric if wl.metric == "accuracy" else "test_loss"] = by_step[row["step"]]["value"]
     target = cfg.target if cfg.target is not None else wl.target
-    hit = next((e for e in evals if e["step"] > 0 and wl.reached(e["value"], target)), None)
+    at = next((i for i, e in enumerate(evals) if e["step"] > 0 and wl.reached(e["value"], target)), None)
+    hit = None if at is None else evals[at]
     n_params = workers[0]["num_params"]
     nominal_step = ring_allreduce(parse_network("lan"), len(workers), n_params * 4).sent
     sent = [w["meter"]["total"]["bytes_sent"] for w in workers]
@@ -279,6 +280,8 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         ("final_accuracy" if wl.metric == "accuracy" else "final_loss"): final,
         ("best_accuracy" if wl.metric == "accuracy" else "best_loss"): best,
         "time_to_target_s": hit["t"] if hit else None, "steps_to_target": hit["step"] if hit else None,
+        # the true crossing lies in the interval before the evaluation that saw it: the reading's resolution
+        "time_to_target_resolution_s": hit["t"] - evals[at - 1]["t"] if hit and at > 0 else None,
         "stop_reason": workers[0].get("stopped", "steps"), "budget_s": cfg.budget_s,
         "bytes_sent_per_worker": statistics.fmean(sent),
         "bytes_sent_per_worker_per_step": statistics.fmean(sent) / max(1, n_steps),
