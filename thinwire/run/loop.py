@@ -103,13 +103,7 @@ class Stepper:
 
 def make_optimizer(cfg, wl, parameters) -> torch.optim.Optimizer:
     """The workload's optimizer (or `cfg.optimizer` by name) with `cfg.lr` / `cfg.momentum` over it."""
-    make = getattr(wl, "make_optimizer", None)
-    if make is not None:
-        return make(parameters, lr=cfg.lr, momentum=cfg.momentum, optimizer=getattr(cfg, "optimizer", None))
-    if getattr(cfg, "optimizer", None) not in (None, "sgd"):
-        raise UserError(f"workload {wl.name} trains with sgd only, got optimizer {cfg.optimizer!r}")
-    return torch.optim.SGD(parameters, lr=cfg.lr or wl.lr, momentum=wl.momentum if cfg.momentum is None
-                           else cfg.momentum)
+    return wl.make_optimizer(parameters, lr=cfg.lr, momentum=cfg.momentum, optimizer=getattr(cfg, "optimizer", None))
 
 
 def build_trainer(cfg, wl, model, tracer=None):
@@ -117,7 +111,8 @@ def build_trainer(cfg, wl, model, tracer=None):
     from ..trainer import Trainer
     return Trainer(model, make_optimizer(cfg, wl, model.parameters()), algorithm=cfg.algorithm,
                    compressor=cfg.compressor, memory=cfg.memory, network=cfg.network, tracer=tracer,
-                   nonfinite=cfg.nonfinite, **cfg.component_params())
+                   nonfinite=cfg.nonfinite, on_failure=getattr(cfg, "on_failure", "stop"),
+                   **cfg.component_params())
 
 
 class TrainerStepper(Stepper):
