@@ -181,7 +181,7 @@ def test_cli_rejects_bad_input():
         config_from_args(argparse.Namespace(**base))
     cfg = config_from_args(argparse.Namespace(**{**base, "preset": "quick", "network": "lan,wan", "workers": 2}))
     assert cfg.networks == ["lan", "wan"] and cfg.workers == 2
-    assert cfg.workload == presets.workload_of(presets.get("quick"))[0] and cfg.budget_s == presets.get("quick").budget_s
+    assert cfg.workload == presets.get("quick").workload and cfg.budget_s == presets.get("quick").budget_s
     cfg = config_from_args(argparse.Namespace(**{**base, "preset": "world", "seeds": 2}))
     assert cfg.seeds == 2 and config_from_args(argparse.Namespace(**{**base, "preset": "world"})).seeds == 3
 
@@ -320,10 +320,8 @@ def test_presets_name_the_papers_matrices():
     world = presets.get("world")
     assert world.seeds == 3 and world.networks == ["world"]
     assert set(presets.PEERS) <= {presets.parse_cell(c).algorithm for c in world.cells}
-    # a preset whose workload is not registered yet runs its stand-in, with a note
-    wl, target, notes = presets.workload_of(quick)
     from thinwire.run import workloads
-    assert (wl == quick.workload) == (quick.workload in workloads.registry) and (notes == []) == (wl == quick.workload)
+    assert all(p.workload in workloads.registry for p in presets.PRESETS.values())
 
 
 # -- real-network mode -----------------------------------------------------------------------------------------

@@ -99,14 +99,13 @@ def config_from_args(args):
     from ..run import presets
     from ..run.compare import CompareConfig
     check_numbers(args)
-    notes: list = []
     if args.preset:
         pr = presets.get(args.preset)
         cells, workers, nets, budget, epochs, seeds = (list(pr.cells), pr.workers, pr.networks, pr.budget_s,
                                                        pr.epochs, pr.seeds)
-        workload, target, notes = presets.workload_of(pr)
+        workload, target = pr.workload, pr.target
         if args.workload and args.workload != workload:
-            target, notes = None, []  # the preset's target is for its own workload
+            target = None  # the preset's target is for its own workload
     else:
         if not args.algorithms:
             raise UserError("give --algorithms a,b,... or --preset NAME "
@@ -120,7 +119,7 @@ def config_from_args(args):
                          budget_s=args.budget if args.budget is not None else budget,
                          epochs=args.epochs if args.epochs is not None else epochs, seed=args.seed,
                          seeds=getattr(args, "seeds", None) or seeds, trace=args.trace, netem=args.netem,
-                         preset=args.preset, notes=notes, tensorboard=getattr(args, "tensorboard", None),
+                         preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
                          eval_every=getattr(args, "eval_every", None))
 
 

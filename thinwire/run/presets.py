@@ -54,8 +54,6 @@ class Preset:
     epochs: float | None = None   # an upper bound on the steps of a cell (None: the budget and the target only)
     target: float | None = None   # None: the workload's
     seeds: int = 1
-    fallback: str | None = None   # the workload to run while `workload` is not registered (with a note)
-    fallback_target: float | None = None
 
 
 def _kv(text: str, spec: str) -> dict:
@@ -158,17 +156,14 @@ def _registered_everything() -> list:
     return [n for n in algorithms.names() if n not in skip] + list(PEERS)
 
 
-# The LM workload's stand-in while it is not registered (branch `workloads`): the communication-heavy MLP.
-_LM, _LM_FALLBACK = "stdlib-lm", "wide-mlp"
-_SGD, _SGD_FALLBACK = "mnist1d-resnet", "mnist1d-cnn"
-_DIGITS_TARGET = 0.9
+_LM, _SGD = "stdlib-lm", "mnist1d-resnet"   # the language model (AdamW) and the momentum-SGD CNN workloads
 
 PRESETS: dict[str, Preset] = {
     "quick": Preset(
         _LM, 4, ["world"],
         ["bsp", "ddp", "ddp-postlocalsgd", "bsp+topk:ratio=0.01,memory=residual", "localsgd", "dts", "cdsgd",
          "diloco", "torchft-diloco"],
-        budget_s=45, target=2.6, fallback=_LM_FALLBACK, fallback_target=_DIGITS_TARGET,
+        budget_s=45, target=2.6,
         doc="make demo (under 10 minutes): the byte-level LM (1.1 M params) on `world` (50 Mbit/s, 150 ms "
             "one-way), 4 workers, 45 s of training per cell, target validation loss 2.6: bsp, PyTorch DDP, "
             "PyTorch's post-local SGD (the best PyTorch option on a wide-area link), top-k 1 % with error "
@@ -178,7 +173,7 @@ PRESETS: dict[str, Preset] = {
         _SGD, 4, [f"custom:bandwidth=1gbit,latency={ms}ms" for ms in (0, 100, 250, 500, 1000)],
         ["bsp", "delayed:delay=4", "tsparse:period=4", "dts:delay=4,period=4",
          "dts:delay=4,period=4+dgc:ratio=0.001,memory=residual"],
-        budget_s=150, fallback=_SGD_FALLBACK,
+        budget_s=150,
         doc="seed 004 Fig. 3 / Table 1: bsp, delayed update (t=4), temporally sparse update (p=4) and DTS (t=4, "
             "p=4) with and without DGC (0.1 %), momentum SGD, one-way latency 0-1000 ms at 1 Gbit/s; compute per "
             "step about the one-way latency at 250 ms, as in the paper (300 ms of compute, 277 ms of latency). "
@@ -186,7 +181,7 @@ PRESETS: dict[str, Preset] = {
     "paper-cdsgd": Preset(
         _SGD, 4, ["cluster", "wan"],
         ["ssgd", "bitsgd", "odsgd", "cdsgd:k=2", "cdsgd:k=5", "cdsgd:k=10", "cdsgd:k=20"],
-        budget_s=150, fallback=_SGD_FALLBACK,
+        budget_s=150,
         doc="seed 001 §4: S-SGD, BIT-SGD (2-bit threshold quantization), OD-SGD (local update) and CD-SGD with "
             "k = 2, 5, 10, 20 on the momentum-SGD workload"),
     "world": Preset(
@@ -194,7 +189,7 @@ PRESETS: dict[str, Preset] = {
         ["bsp", "bsp+fp16", "bsp+topk:ratio=0.01,memory=residual", "bsp+powersgd:rank=4,memory=powersgd",
          "localsgd", "dts", "cdsgd", "dpsgd", "diloco", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-postlocalsgd",
          "ddp-hierarchical", "torchft-diloco"],
-        budget_s=150, target=2.25, seeds=3, fallback=_LM_FALLBACK, fallback_target=_DIGITS_TARGET,
+        budget_s=150, target=2.25, seeds=3,
         doc="the headline: every family on `world` (50 Mbit/s, 150 ms one-way) against PyTorch's options and "
             "torchft's DiLoCo, the LM workload, 4 workers, 3 seeds, 150 s of training per cell. The "
             "parameter-server family is left out: 4 workers and a server make 5 processes"),
@@ -208,15 +203,6 @@ def get(name: str) -> Preset:
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; valid: {', '.join(list(PRESETS) + ['full'])}")
     return PRESETS[name]
-
-
-def workload_of(pr: Preset) -> tuple[str, float | None, list[str]]:
-    """(workload, target, notes): the preset's workload, or its stand-in while that is not registered."""
-    from . import workloads
-    if pr.workload in workloads.registry or pr.fallback is None:
-        return pr.workload, pr.target, []
-    return pr.fallback, pr.fallback_target, [f"workload {pr.workload} is not registered (yet): running "
-                                             f"{pr.fallback} in its place"]
 
 
 def names() -> list[str]:
