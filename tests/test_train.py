@@ -183,6 +183,17 @@ def test_peer_configurations_are_checked_before_launch():
         TrainConfig(algorithm="ddp-hierarchical", params={"group": 3}, **base).validate()
 
 
+def test_a_race_refuses_on_failure_continue():
+    """The race's stop is agreed over every worker rank: surviving a lost worker is for fixed-length runs."""
+    from thinwire.errors import UserError
+    base = dict(workload="digits-mlp", workers=2, steps=4, progress=False, on_failure="continue")
+    for race in ({"budget_s": 10.0}, {"stop_at_target": True}):
+        with pytest.raises(UserError, match="--on-failure continue trains a fixed number of steps"):
+            TrainConfig(algorithm="bsp", **race, **base).validate()
+    with pytest.raises(UserError, match="is a peer: --on-failure stop only"):
+        TrainConfig(algorithm="ddp", **base).validate()
+
+
 def test_torchft_missing_is_one_line_naming_the_extra(monkeypatch):
     from thinwire.errors import UserError
     from thinwire.run import presets, torchft_peer

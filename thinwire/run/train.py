@@ -166,6 +166,10 @@ class TrainConfig:
         if self.on_failure == "continue" and self.checkpoint_every:
             raise UserError("--on-failure continue goes on with the survivors instead of restarting from a "
                             "checkpoint; drop --checkpoint-every (or use --on-failure stop)")
+        if self.on_failure == "continue" and (self.budget_s is not None or self.stop_at_target):
+            # the race's stop is agreed over every worker rank (run/loop.py Schedule): a lost one would hang it
+            raise UserError("--on-failure continue trains a fixed number of steps; drop --budget and "
+                            "--stop-at-target (or use --on-failure stop)")
         if self.nonfinite == "skip" and self.servers:  # the agreement is an all-reduce the servers never join
             raise UserError("--nonfinite skip needs every rank to step; parameter-server runs (--servers) use "
                             "--nonfinite stop")
@@ -217,6 +221,9 @@ class TrainConfig:
         if self.nonfinite != "stop":
             raise UserError(f"{self.algorithm} is a peer: --nonfinite stop only (its all-reduce runs inside "
                             f"backward, before any agreement to skip)")
+        if self.on_failure != "stop":
+            raise UserError(f"{self.algorithm} is a peer: --on-failure stop only (survivors regroup in thinwire's "
+                            f"Trainer)")
         if self.epochs is not None and self.steps is not None:
             raise UserError("give --epochs or --steps, not both")
         for name in ("steps", "batch_size", "eval_every"):
