@@ -121,7 +121,7 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
     wl = workloads.get(workload)
     out = replace(cell, params=dict(cell.params))
     why: list[str] = []
-    own = getattr(wl, "optimizer", "sgd")
+    own = wl.optimizer
     if not cell.peer and cell.algorithm in presets.SGD_ONLY and cell.optimizer is None and own != "sgd":
         out.optimizer = "sgd"
         why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {own})")

@@ -196,7 +196,7 @@ class TrainConfig:
         if self.budget_s is not None:
             check_number("--budget", self.budget_s, 0, low_open=True, why=" (seconds of training time)")
         if self.optimizer is not None:
-            valid = tuple(getattr(workloads, "OPTIMIZERS", {"sgd": None}))
+            valid = tuple(workloads.OPTIMIZERS)
             if self.optimizer not in valid:
                 raise UserError(f"--optimizer must be one of {', '.join(valid)}, got {self.optimizer!r}")
         if self.tensorboard is not None:
