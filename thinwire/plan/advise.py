@@ -167,3 +167,67 @@ def format_table(rows: list[Advice], s: Scenario) -> str:
         lines.append(f"{i:>4}  {a.label:<26} {p.collective:<12} {p.iteration_s * 1e3:>8.1f}ms {p.scalability:>11.3f} "
                      f"{p.bytes_per_step / mb:>9.2f}  {a.note}")
     return "\n".join(lines)
+
+
+# -- defaults that suit the network ---------------------------------------------------------------------------
+# The parameters the planner picks for an algorithm named without them, each with its candidates, least stale
+# first. Staleness is what costs accuracy: steps between a gradient and its global application ((t-1)p + p for DTS,
+# the period of model averaging, CD-SGD's k steps between full-precision corrections).
+TUNABLE = {
+    "dts": {"delay": (1, 2, 3, 4, 6, 8), "period": (1, 2, 4, 8, 16)},
+    "delayed": {"delay": (1, 2, 3, 4, 6, 8, 12, 16, 20)},
+    "tsparse": {"period": (1, 2, 4, 8, 16, 32)},
+    "localsgd": {"period": (1, 2, 4, 8, 16, 32, 64, 128)},
+    "postlocalsgd": {"period": (1, 2, 4, 8, 16, 32, 64, 128)},
+    "cdsgd": {"k": (1, 2, 5, 10, 20)},
+}
+WITHIN = 0.25   # the least stale setting whose predicted step is within 25 % of the fastest candidate's
+
+
+def _staleness(algorithm: str, p: dict) -> float:
+    if algorithm in ("dts", "delayed", "tsparse"):
+        t, period = int(p.get("delay", 1)), int(p.get("period", 1))
+        return (t - 1) * period + period
+    return float(p.get("period", p.get("k", 1)))
+
+
+def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str = "none",
+         as_algorithm: str | None = None) -> tuple[dict, str]:
+    """Parameters of `algorithm` that suit scenario `s`, for the tunable ones `given` leaves out, and why in a
+    few words ({} and "" when there is nothing to pick). `as_algorithm`: plan it as this one (an algorithm of the
+    same communication pattern: a peer's model averaging as `localsgd`, DiLoCo's outer sync as `localsgd`).
+
+    Rule: among the candidate settings (TUNABLE), the least stale one whose predicted step time
+    (`costmodel.predict`) is within WITHIN of the fastest candidate's: as fast as the network allows, with as
+    little staleness (hence accuracy risk) as that speed needs."""
+    given = dict(given or {})
+    plan_as = as_algorithm or algorithm
+    grid = TUNABLE.get(plan_as, {})
+    free = {k: v for k, v in grid.items() if k not in given}
+    if not free:
+        return {}, ""
+    check_scenario(s)
+    fixed = {k: v for k, v in given.items() if k in ("delay", "period", "k", "ratio", "rank", "levels", "threshold")}
+    combos = [{}]
+    for name, values in free.items():
+        combos = [{**c, name: v} for c in combos for v in values]
+    if plan_as == "dts":
+        combos = [c for c in combos if (c.get("delay", fixed.get("delay")), c.get("period", fixed.get("period")))
+                  != (1, 1)] or combos  # t = p = 1 is bsp
+    scored = []
+    for c in combos:
+        try:
+            pred = predict(s, plan_as, compressor, **{**fixed, **c})
+        except (KeyError, UserError, TypeError, ValueError):
+            continue
+        scored.append((pred.iteration_s, _staleness(plan_as, {**fixed, **c}), c))
+    if not scored:
+        return {}, ""
+    fastest = min(t for t, _, _ in scored)
+    step, _, pick = min((x for x in scored if x[0] <= fastest * (1 + WITHIN)), key=lambda x: (x[1], x[0]))
+    link = s.link
+    bw = "unlimited" if link.bandwidth is None else f"{link.bandwidth / 1e6:g} Mbit/s"
+    why = (f"planner: {link.name} ({bw}, {link.latency * 1e3:g} ms), {s.params / 1e6:.2g} M params, compute "
+           f"{s.compute_s * 1e3:.0f} ms/step; least stale within {WITHIN:.0%} of the fastest predicted step "
+           f"({step * 1e3:.0f} ms)")
+    return pick, why
