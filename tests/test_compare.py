@@ -306,7 +306,7 @@ def test_presets_name_the_papers_matrices():
     quick = presets.get("quick")
     assert quick.workload == "stdlib-lm" and quick.networks in (["world"], ["wan"]) and quick.budget_s
     names = {presets.parse_cell(c).algorithm for c in quick.cells}
-    assert {"bsp", "ddp", "localsgd", "dts", "cdsgd", "diloco", "torchft-diloco"} <= names
+    assert {"bsp", "ddp", "localsgd", "diloco", "torchft-diloco"} <= names
     assert names & {"ddp-postlocalsgd", "ddp-powersgd", "ddp-hierarchical"}
     assert any(presets.parse_cell(c).memory for c in quick.cells)   # a compressor with error feedback
     dts = presets.get("paper-dts")

@@ -161,17 +161,18 @@ _LM, _SGD = "stdlib-lm", "mnist1d-resnet"   # the language model (AdamW) and the
 PRESETS: dict[str, Preset] = {
     "quick": Preset(
         _LM, 4, ["world"],
-        ["bsp", "ddp", "ddp-postlocalsgd:warmup=0", "bsp+topk:ratio=0.01,memory=residual", "localsgd", "dts",
-         "cdsgd", "diloco", "torchft-diloco"],
+        ["bsp", "ddp", "ddp-postlocalsgd:warmup=0", "bsp+topk:ratio=0.01,memory=residual", "localsgd", "diloco",
+         "torchft-diloco"],
         budget_s=40, target=2.8,
         doc="make demo (under 10 minutes): the byte-level LM (1.1 M params) on `world` (50 Mbit/s, 150 ms "
             "one-way), 4 workers, 40 s of training per cell, target validation loss 2.8 (looser than the "
-            "workload's 2.25 so that eight cells fit in 10 minutes on 2 loaded cores: local SGD reached 2.8 after "
-            "~24 s of training at a load average of 10): bsp, PyTorch DDP, PyTorch's post-local SGD (the best "
+            "workload's 2.25 so that the cells fit in 10 minutes on 2 loaded cores: local SGD reached 2.8 after "
+            "~24 s of training at a load average of 10): seven cells: bsp, PyTorch DDP, PyTorch's post-local SGD (the best "
             "PyTorch option on a wide-area link; no warm-up: its default 8 synchronous steps cost 24 of the 40 s "
             "here, and without them it is PyTorch's local SGD, thinwire's `localsgd`'s counterpart), top-k 1 % "
-            "with error feedback, local SGD, DTS, CD-SGD, DiLoCo (once registered) and torchft's DiLoCo; periods "
-            "and delays picked by the planner for the network"),
+            "with error feedback, local SGD, DiLoCo and torchft's DiLoCo; periods picked by the planner for the "
+            "network. DTS and CD-SGD step momentum SGD (their compensation and local update are derived for it) "
+            "and race on the SGD workload in `paper-dts` and `paper-cdsgd`"),
     "paper-dts": Preset(
         _SGD, 4, [f"custom:bandwidth=1gbit,latency={ms}ms" for ms in (0, 100, 250, 500, 1000)],
         ["bsp", "delayed:delay=4", "tsparse:period=4", "dts:delay=4,period=4",
