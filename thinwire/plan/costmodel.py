@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cost as netcost
+from ..net.cost import double_binary_tree_allreduce  # noqa: F401  (re-exported: plan.simulate)
 from ..net import cdsgd as cd
 
 # compress + decompress time in memcpys of the input, measured by `thinwire bench compressors` (2^24 fp32,
@@ -23,14 +24,6 @@ DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "onebit"
                     "threshold2bit": 6.0, "randomk": 4.0, "topk": 12.0, "threshold": 8.0, "dgc": 12.0,
                     "gaussiank": 10.0, "powersgd": 10.0, "countsketch": 8.0, "stc": 12.0, "qsparse": 12.0}
 MEMCPY_BYTES_PER_S = 9.0e9  # one fp32 memcpy moves 4 bytes per element (measured ~7 ms for 2^24 elements)
-
-
-def double_binary_tree_allreduce(link: Link, n: int, nbytes: float) -> Cost:
-    """Double binary trees (seed 000 §IV-B [148], NCCL ≥ 2.4): two complementary trees each carry half the
-    data, pipelined: logarithmic latency 2⌈log2 n⌉α and full bandwidth, ≈ 2Nβ per rank."""
-    r = math.ceil(math.log2(n)) if n > 1 else 0
-    moved = 2 * nbytes if n > 1 else 0.0
-    return Cost(2 * r * link.alpha, moved * link.beta, moved, moved)
 
 
 def ps_push_pull(link: Link, n: int, nbytes: float, servers: int = 1, down_bytes: float | None = None) -> Cost:
@@ -47,8 +40,7 @@ def gossip_exchange(link: Link, degree: int, nbytes: float) -> Cost:
     return Cost(link.alpha, degree * nbytes * link.beta, degree * nbytes, degree * nbytes)
 
 
-COLLECTIVES = dict(netcost.ALLREDUCE)
-COLLECTIVES["double_binary_tree"] = double_binary_tree_allreduce
+COLLECTIVES = dict(netcost.ALLREDUCE)   # every one of them runs: thinwire.comm.collectives, --allreduce NAME
 
 
 @dataclass
