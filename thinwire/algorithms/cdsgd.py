@@ -55,7 +55,7 @@ class _TimedCompressor(Compressor):
 
     def __init__(self, inner: Compressor):
         self.inner, self.seconds = inner, 0.0
-        for attr in ("name", "unbiased", "linear", "randomness", "aggregation", "fixed_size"):
+        for attr in ("name", "unbiased", "linear", "randomness", "aggregation", "fixed_size", "pick_by_bytes"):
             setattr(self, attr, getattr(inner, attr))
 
     def __getattr__(self, attr):  # anything else (a custom exchange, parameters) is the inner compressor's
@@ -87,6 +87,9 @@ class _TimedCompressor(Compressor):
 
     def nominal_bits(self, numel):
         return self.inner.nominal_bits(numel)
+
+    def summed_bits(self, numel, world_size):
+        return self.inner.summed_bits(numel, world_size)
 
     def state_dict(self):
         return self.inner.state_dict()

@@ -1,7 +1,8 @@
 """The cost model: predicted iteration time of every algorithm from compute τ, the link and the payload.
 
-Collectives cost what `thinwire.net.cost` says (seed 000 Table III and §IV-B); a compressor costs its payload
-bits (its own `nominal_bits`, from its algebra) and its compression time (a multiple of one memcpy of the
+Collectives cost what `thinwire.net.cost` says (seed 000 Table III and §IV-B); a compressor costs the bits
+its exchange really sends at the scenario's world size (`Compressor.wire_bits`: all-gather of packed codes or
+all-reduce of widened levels, whichever the exchange picks) and its compression time (a multiple of one memcpy of the
 tensor: measured by `thinwire bench compressors` / `thinwire advise --calibrate`, else a default table measured
 on our machine); an algorithm's iteration time combines them as its schedule does. Scalability is the
 throughput relative to the same workers with no communication: τ / iteration time (seed 004's definition,
@@ -124,7 +125,8 @@ def exchange_collective(s: Scenario, compressor: str = "none", sparse_collective
     comp = compressors.get(compressor, **params)
     if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
         return sparse_collective
-    return s.collective if comp.aggregation in ("allreduce", "custom") else "allgather"
+    coll, _ = comp.wire_bits(int(s.params), s.workers, s.collective)
+    return s.collective if coll in ("allreduce", "custom") else "allgather"
 
 
 def exchange_cost(s: Scenario, compressor: str = "none", sparse_collective: str | None = None,
@@ -137,8 +139,9 @@ def exchange_cost(s: Scenario, compressor: str = "none", sparse_collective: str 
     comp = compressors.get(compressor, **params)
     if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
         return sparse_exchange_cost(s, comp, sparse_collective)
-    payload = comp.nominal_bits(int(s.params)) * s.params / 8
-    if comp.aggregation in ("allreduce", "custom"):
+    coll, bits = comp.wire_bits(int(s.params), s.workers, s.collective)   # what the exchange picks and sends
+    payload = bits * s.params / 8
+    if coll in ("allreduce", "custom"):
         return s.allreduce(payload)
     return netcost.ring_allgather(s.collective_link, s.workers, payload)   # allgather and majority vote
 
