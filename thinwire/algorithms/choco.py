@@ -75,7 +75,7 @@ class CHOCO(Gossip):
             parts, offset = [], 0
             for c, t in zip(heads[j].tolist(), tensors):
                 nb = int(c) * t.element_size()
-                part = bodies[j][offset:offset + nb].view(t.dtype)
+                part = bodies[j][offset:offset + nb].clone().view(t.dtype)   # copied: an aligned start
                 parts.append(part.view(t.shape) if part.numel() == t.numel() else part)
                 offset += nb
             out[j] = Payload(parts, payload.ctx, dict(payload.extra))
