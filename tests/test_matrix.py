@@ -62,9 +62,8 @@ def test_every_valid_cell_constructs_and_steps(pool4):
             got = [rank_out[i] for rank_out in res]
             name = f"{cell['algorithm']}/{cell['architecture']}/{cell['compressor']}"
             kinds = {g[0] for g in got}
-            if kinds == {"refused"}:
-                if not ("valid" in got[0][1] or "one of" in got[0][1] or " use " in got[0][1]):
-                    failures.append((name, "refusal names no alternative", got[0][1]))
+            if "refused" in kinds:      # refusals belong to construction (TrainConfig.validate), before launch
+                failures.append((name, "refused only in the workers", got[0][1]))
                 continue
             if kinds != {"ok"}:
                 failures.append((name, got))

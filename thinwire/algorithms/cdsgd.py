@@ -152,11 +152,14 @@ class CDSGD(BSP):
         self.compress = compress             # Q is the compressor (with its memory) on non-correction iterations
 
     # -- wiring ----------------------------------------------------------------------------------------
-    def setup(self):
-        _sgd_hyper(self.optimizer)
-        if not self.compress and self.compressor.name != "none":
+    def check_components(self, compressor, memory):
+        if not self.compress and compressor.name != "none":
             raise UserError(f"{self.name} exchanges full-precision gradients; drop --compressor "
                             f"(compressed: cdsgd, bitsgd)")
+
+    def setup(self):
+        _sgd_hyper(self.optimizer)
+        self.check_components(self.compressor, self.memory)
         self.plain = self.make_exchange("none", "none")
         self.timed = _TimedCompressor(self.compressor) if self.compress else None
         self.quant = self.make_exchange(self.timed, self.memory) if self.compress else None

@@ -41,13 +41,19 @@ class CHOCO(Gossip):
 
     def gossip_setup(self):
         comp, mem = self.trainer.compressor, self.trainer.memory
+        self.check_components(comp, mem)
+        self.compressor = comp
+        self._gossip_state()
+
+    def check_components(self, comp, mem):
         if getattr(comp, "aggregation", "allreduce") == "custom":
             raise UserError(f"compressor {comp.name!r} runs its own collective and cannot be gossiped; "
                             "use a payload compressor (e.g. topk, randomk, qsgd, fp16, signsgd)")
         if getattr(mem, "name", "none") != "none":
             raise UserError(f"choco's public copies are its error feedback: drop --memory {mem.name} "
                             "(valid: none)")
-        self.compressor = comp
+
+    def _gossip_state(self):
         self.peers = self.topology.neighbors(self.rank)
         x0 = self.flat_params().clone()
         self.hat_self = x0.clone()

@@ -8,7 +8,8 @@ workload's target, bytes sent per worker per step, and whether it reached the ta
     thinwire bench matrix [--workload digits-mlp] [--workers 4] [--only-algorithms bsp,dts]
                           [--only-compressors topk,qsgd] [--epochs E] [--out rows.json] [--markdown table.md]
 
-Parameter-server cells run with `--servers 1` beside the workers (a second pool of workers + 1 ranks).
+Parameter-server cells run with `--servers 1` beside `--ps-workers` workers (default `--workers`; a second
+pool of workers + 1 ranks). A cell whose run fails is reported with its error and the next starts afresh.
 Algorithms that take no compressor are run once (compressor "none").
 """
 from __future__ import annotations
@@ -43,16 +44,20 @@ def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
             cls = algs.registry.constructor(alg, {"architecture": arch})
             names = (compressors or comps.names()) if cls.compression else ["none"]
             for comp in names:
-                memory = natural_memory(comp)
                 servers = 1 if arch == "ps" else 0
                 params = {} if arch == algs.architectures(alg)[0] else {"architecture": arch}
-                cfg = TrainConfig(algorithm=alg, workers=workers, compressor=comp, memory=memory,
-                                  servers=servers, params=params, progress=False)
-                try:
-                    cfg.validate()
-                    refused = None
-                except UserError as e:
-                    refused = str(e)
+                # its natural memory, else none (an algorithm with its own error feedback, e.g. choco, refuses one)
+                for memory in dict.fromkeys([natural_memory(comp), "none"]):
+                    cfg = TrainConfig(algorithm=alg, workers=workers, compressor=comp, memory=memory,
+                                      servers=servers, params=params, progress=False)
+                    try:
+                        cfg.validate()
+                        refused = None
+                        break
+                    except UserError as e:
+                        refused = refused if memory == "none" and refused else str(e)
+                if refused:
+                    memory = natural_memory(comp)
                 out.append({"algorithm": alg, "architecture": arch, "compressor": comp, "memory": memory,
                             "servers": servers, "params": params, "refused": refused})
     return out
@@ -95,9 +100,13 @@ def run(args) -> int:
         todo = [r for r in rows if r["servers"] == servers and not r["refused"]]
         if not todo:
             continue
-        with Pool(args.workers + servers, timeout=900, start_timeout=600) as pool:
+        pool = None
+        try:
             for r in todo:
-                cfg = config(r, args.workload, args.workers, epochs=args.epochs, seed=args.seed)
+                workers = args.ps_workers or args.workers if servers else args.workers
+                cfg = config(r, args.workload, workers, epochs=args.epochs, seed=args.seed)
+                if pool is None or pool._closed:         # a failed run closes its pool: a fresh one
+                    pool = Pool(workers + servers, timeout=900, start_timeout=600)
                 try:
                     s = run_training(cfg, pool=pool)
                 except Exception as e:                 # a cell that breaks is reported, the others go on
@@ -112,6 +121,9 @@ def run(args) -> int:
                                               f"  {r['bytes_per_step'] / 1e3:.1f} kB/step")
                     print(f"{r['algorithm']:12s} {r['architecture']:9s} {r['compressor']:13s} {r['memory']:10s} "
                           f"{what}", flush=True)
+        finally:
+            if pool is not None:
+                pool.close()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
@@ -127,6 +139,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("matrix", help="every algorithm x compressor (natural memory) at its defaults")
     p.add_argument("--workload", default="digits-mlp")
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--ps-workers", type=int, default=None,
+                   help="workers beside the one server in parameter-server cells (default: --workers)")
     p.add_argument("--epochs", type=float, default=None, help="default: the workload's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only-algorithms", default="", help="comma-separated algorithm names")
