@@ -82,7 +82,7 @@ def markdown(rows: list[dict]) -> str:
         elif "final" not in r:
             lines.append(f"{head} – | not run | – | – | |")
         else:
-            lines.append(f"{head} {r['final']:.4f} | {'yes' if r['reached'] else '**no**'} | "
+            lines.append(f"{head} {r['final']:.4f} | {'yes' if r['reached'] or r['steps_to_target'] is not None else '**no**'} | "
                          f"{r['steps_to_target'] if r['steps_to_target'] is not None else '–'} | "
                          f"{r['bytes_per_step'] / 1e3:.1f} | |")
     return "\n".join(lines) + "\n"
@@ -113,7 +113,7 @@ def run(args) -> int:
                     r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
                 else:
                     r["final"] = s.get("final_accuracy", s.get("final_loss"))
-                    r["reached"] = wl.reached(r["final"])
+                    r["reached"] = wl.reached(r["final"]) or s["steps_to_target"] is not None   # at an evaluation
                     r["steps_to_target"] = s["steps_to_target"]
                     r["bytes_per_step"] = s["bytes_sent_per_worker_per_step"]
                 if not args.json:
