@@ -63,8 +63,10 @@ def build_components(algorithm, compressor=None, memory=None, **params):
     if isinstance(schedule, str) and schedule not in getattr(alg_cls, "schedules", sched.SCHEDULES):
         raise UserError(f"algorithm {alg_cls.name!r} does not run with schedule {schedule!r}; "
                         f"valid: {', '.join(alg_cls.schedules)}")
-    return (algorithms.get(algorithm, **alg_params), compressors.get(compressor, **comp_params),
-            memories.get(memory, **mem_params), call(sched.make, "schedule", sched_params), transport_params)
+    alg, comp, mem = (algorithms.get(algorithm, **alg_params), compressors.get(compressor, **comp_params),
+                      memories.get(memory, **mem_params))
+    alg.check_components(comp, mem)      # invalid pairings are refused here, before any worker starts
+    return alg, comp, mem, call(sched.make, "schedule", sched_params), transport_params
 
 
 ON_FAILURE = ("stop", "continue")

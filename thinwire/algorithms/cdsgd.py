@@ -55,7 +55,7 @@ class _TimedCompressor(Compressor):
 
     def __init__(self, inner: Compressor):
         self.inner, self.seconds = inner, 0.0
-        for attr in ("name", "unbiased", "linear", "randomness", "aggregation", "fixed_size"):
+        for attr in ("name", "unbiased", "linear", "randomness", "aggregation", "fixed_size", "pick_by_bytes"):
             setattr(self, attr, getattr(inner, attr))
 
     def __getattr__(self, attr):  # anything else (a custom exchange, parameters) is the inner compressor's
@@ -87,6 +87,9 @@ class _TimedCompressor(Compressor):
 
     def nominal_bits(self, numel):
         return self.inner.nominal_bits(numel)
+
+    def summed_bits(self, numel, world_size):
+        return self.inner.summed_bits(numel, world_size)
 
     def state_dict(self):
         return self.inner.state_dict()
@@ -149,11 +152,14 @@ class CDSGD(BSP):
         self.compress = compress             # Q is the compressor (with its memory) on non-correction iterations
 
     # -- wiring ----------------------------------------------------------------------------------------
-    def setup(self):
-        _sgd_hyper(self.optimizer)
-        if not self.compress and self.compressor.name != "none":
+    def check_components(self, compressor, memory):
+        if not self.compress and compressor.name != "none":
             raise UserError(f"{self.name} exchanges full-precision gradients; drop --compressor "
                             f"(compressed: cdsgd, bitsgd)")
+
+    def setup(self):
+        _sgd_hyper(self.optimizer)
+        self.check_components(self.compressor, self.memory)
         self.plain = self.make_exchange("none", "none")
         self.timed = _TimedCompressor(self.compressor) if self.compress else None
         self.quant = self.make_exchange(self.timed, self.memory) if self.compress else None

@@ -39,10 +39,16 @@ class CHOCO(Gossip):
                             "valid: ring, torus, exponential, complete")
         self.gamma = float(gamma)
 
-    def setup(self):
-        if getattr(self.memory, "name", "none") != "none":
-            raise UserError(f"choco's public copies are its error feedback: drop --memory {self.memory.name} "
+    def check_components(self, comp, mem):
+        if getattr(comp, "aggregation", "allreduce") == "custom":
+            raise UserError(f"compressor {comp.name!r} runs its own collective and cannot be gossiped; "
+                            "use a payload compressor (e.g. topk, randomk, qsgd, fp16, signsgd)")
+        if getattr(mem, "name", "none") != "none":
+            raise UserError(f"choco's public copies are its error feedback: drop --memory {mem.name} "
                             "(valid: none)")
+
+    def setup(self):
+        self.check_components(self.compressor, self.memory)
         super().setup()
 
     def gossip_setup(self):

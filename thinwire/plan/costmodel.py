@@ -1,7 +1,8 @@
 """The cost model: predicted iteration time of every algorithm from compute τ, the link and the payload.
 
-Collectives cost what `thinwire.net.cost` says (seed 000 Table III and §IV-B); a compressor costs its payload
-bits (its own `nominal_bits`, from its algebra) and its compression time (a multiple of one memcpy of the
+Collectives cost what `thinwire.net.cost` says (seed 000 Table III and §IV-B); a compressor costs the bits
+its exchange really sends at the scenario's world size (`Compressor.wire_bits`: all-gather of packed codes or
+all-reduce of widened levels, whichever the exchange picks) and its compression time (a multiple of one memcpy of the
 tensor: measured by `thinwire bench compressors` / `thinwire advise --calibrate`, else a default table measured
 on our machine); an algorithm's iteration time combines them as its schedule does. Scalability is the
 throughput relative to the same workers with no communication: τ / iteration time (seed 004's definition,
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cost as netcost
+from ..net.cost import double_binary_tree_allreduce  # noqa: F401  (re-exported: plan.simulate)
 from ..net import cdsgd as cd
 
 # compress + decompress time in memcpys of the input, measured by `thinwire bench compressors` (2^24 fp32,
@@ -26,14 +28,6 @@ DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "fp8": 1
                     "threshold2bit": 6.0, "randomk": 4.0, "topk": 12.0, "threshold": 8.0, "dgc": 12.0,
                     "gaussiank": 10.0, "powersgd": 10.0, "countsketch": 8.0, "stc": 12.0, "qsparse": 12.0}
 MEMCPY_BYTES_PER_S = 9.0e9  # one fp32 memcpy moves 4 bytes per element (measured ~7 ms for 2^24 elements)
-
-
-def double_binary_tree_allreduce(link: Link, n: int, nbytes: float) -> Cost:
-    """Double binary trees (seed 000 §IV-B [148], NCCL ≥ 2.4): two complementary trees each carry half the
-    data, pipelined: logarithmic latency 2⌈log2 n⌉α and full bandwidth, ≈ 2Nβ per rank."""
-    r = math.ceil(math.log2(n)) if n > 1 else 0
-    moved = 2 * nbytes if n > 1 else 0.0
-    return Cost(2 * r * link.alpha, moved * link.beta, moved, moved)
 
 
 def ps_push_pull(link: Link, n: int, nbytes: float, servers: int = 1, down_bytes: float | None = None) -> Cost:
@@ -50,8 +44,7 @@ def gossip_exchange(link: Link, degree: int, nbytes: float) -> Cost:
     return Cost(link.alpha, degree * nbytes * link.beta, degree * nbytes, degree * nbytes)
 
 
-COLLECTIVES = dict(netcost.ALLREDUCE)
-COLLECTIVES["double_binary_tree"] = double_binary_tree_allreduce
+COLLECTIVES = dict(netcost.ALLREDUCE)   # every one of them runs: thinwire.comm.collectives, --allreduce NAME
 
 
 @dataclass
@@ -135,7 +128,8 @@ def exchange_collective(s: Scenario, compressor: str = "none", sparse_collective
     comp = compressors.get(compressor, **params)
     if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
         return sparse_collective
-    return s.collective if comp.aggregation in ("allreduce", "custom") else "allgather"
+    coll, _ = comp.wire_bits(int(s.params), s.workers, s.collective)
+    return s.collective if coll in ("allreduce", "custom") else "allgather"
 
 
 def exchange_cost(s: Scenario, compressor: str = "none", sparse_collective: str | None = None,
@@ -148,8 +142,9 @@ def exchange_cost(s: Scenario, compressor: str = "none", sparse_collective: str 
     comp = compressors.get(compressor, **params)
     if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
         return sparse_exchange_cost(s, comp, sparse_collective)
-    payload = comp.nominal_bits(int(s.params)) * s.params / 8
-    if comp.aggregation in ("allreduce", "custom"):
+    coll, bits = comp.wire_bits(int(s.params), s.workers, s.collective)   # what the exchange picks and sends
+    payload = bits * s.params / 8
+    if coll in ("allreduce", "custom"):
         return s.allreduce(payload)
     return netcost.ring_allgather(s.collective_link, s.workers, payload)   # allgather and majority vote
 
