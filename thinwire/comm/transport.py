@@ -48,6 +48,7 @@ class Handle(Future):
         self._real_at: float | None = None          # when the real op completed
         self._scheduled = threading.Event()
         self._callbacks: list = []
+        self._arrival: list = []                    # on_arrival callbacks
         # a collective is delivered in issue order: gloo's two threads may finish the second collective first,
         # but the emulated wire is FIFO (the second queues behind the first, whichever callback fires first)
         self._ordered = tx and rx
@@ -76,8 +77,10 @@ class Handle(Future):
 
     def _on_real_done(self) -> None:
         with self._lock:
-            if self._real_at is None:
+            first = self._real_at is None
+            if first:
                 self._real_at = _now()
+                arrivals, self._arrival = self._arrival, []
         if self._ordered:
             self.transport._drain()
         else:
@@ -87,6 +90,23 @@ class Handle(Future):
                     self._schedule(self._real_at)
             if scheduled:
                 self._fire()
+        if first:
+            for fn in arrivals:
+                fn(self)
+
+    def arrived(self) -> bool:
+        """Whether the real operation finished (a receive's buffer holds the data), whatever its emulated delivery
+        time: a receiver may post the receive that follows (a message's body after its header) without paying
+        the link's latency twice."""
+        return self._real_at is not None
+
+    def on_arrival(self, fn) -> None:
+        """`fn(self)` once the real operation finished (see `arrived`): on the thread that saw it, or now."""
+        with self._lock:
+            if self._real_at is None:
+                self._arrival.append(fn)
+                return
+        fn(self)
 
     def _schedule(self, t_done: float) -> None:
         tx, rx, latency = self._flags

@@ -135,6 +135,9 @@ class CountSketch(Compressor):
         table = doubled[:, 0].sub_(doubled[:, 1])    # S[j, b] = sum of s_j(i) g_i over h_j(i) = b
         return Payload([table.reshape(-1)], ctx=(tensor.shape, tensor.dtype, d, key))
 
+    def context(self, shape, dtype, key=None, step=0):
+        return (torch.Size(shape), dtype, torch.Size(shape).numel(), key)   # the hashes follow (seed, key)
+
     def decompress(self, payload):
         shape, dtype, d, key = payload.ctx
         slots, signs, c, nb = self._hash(key, d)
