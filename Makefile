@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-fast clean
 
 install: $(STAMP)
 
@@ -19,6 +19,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
+
+# the inner loop: everything but the long end-to-end runs and the tests of killed or stalled processes
+test-fast: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not processes" tests
 
 clean:
 	rm -rf $(VENV) results build *.egg-info

@@ -1,5 +1,6 @@
-"""Shared fixtures. Starting gloo workers costs seconds, so each test module keeps one pool per world size
-(`pool2`, `pool4`) and runs many checks inside it; a pool whose run failed is restarted on next use."""
+"""Shared fixtures. Starting gloo workers costs seconds, so the whole session keeps one pool per world size
+(`pool2`, `pool4`) and every module runs its checks inside them; a pool whose run failed is restarted on next
+use."""
 from __future__ import annotations
 
 import os
@@ -29,15 +30,27 @@ class LazyPool:
             self._pool.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pool2():
     p = LazyPool(2)
     yield p
     p.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pool4():
     p = LazyPool(4)
     yield p
     p.close()
+
+
+# Modules whose tests kill, stall or restart worker processes (or start processes of their own): the property
+# they test is the process boundary. `make test` runs them; `make test-fast` (the inner loop) leaves them out.
+PROCESS_MODULES = {"test_faults", "test_survive", "test_reliability", "test_reliability_ps", "test_launcher",
+                   "test_torchrun"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in PROCESS_MODULES:
+            item.add_marker(pytest.mark.processes)

@@ -18,6 +18,8 @@ import torch
 
 from . import algorithms, sched
 from .comm import Transport
+from .comm.engine import ENGINE
+from .comm.membership import PeerLost
 from .compress import compressors, memories
 from .errors import UserError
 from .registry import call
@@ -74,11 +76,31 @@ def build_components(algorithm, compressor=None, memory=None, **params):
             memories.get(memory, **mem_params), call(sched.make, "schedule", sched_params), transport_params)
 
 
+ON_FAILURE = ("stop", "continue")
+
+
+def check_on_failure(on_failure: str, algorithm) -> None:
+    """`continue` only for algorithms whose averages stay meaningful over a smaller group."""
+    if on_failure not in ON_FAILURE:
+        raise UserError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
+    if on_failure == "continue" and not getattr(algorithm, "survives_failures", False):
+        valid = sorted(n for n in algorithms.names()
+                       if getattr(algorithms.registry.lookup(n), "survives_failures", False))
+        raise UserError(f"on_failure='continue' needs an algorithm whose averages stay meaningful over fewer "
+                        f"workers; {algorithm.name!r} is not one; valid: {', '.join(valid)} "
+                        f"(elsewhere: on_failure='stop' and resume from a checkpoint)")
+    from .comm.membership import MEMBERSHIP
+    if on_failure == "continue" and not MEMBERSHIP.watching:
+        raise UserError("on_failure='continue' needs thinwire's launcher to announce the survivors: start the "
+                        "workers with thinwire.launch(..., on_failure='continue') (thinwire train "
+                        "--on-failure continue); under torchrun use on_failure='stop' and --max-restarts")
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm="bsp",
                  compressor=None, memory=None, transport: Transport | None = None, network=None,
                  tracer: Tracer | None = None, sync_initial_model: bool = True, nonfinite: str = "stop",
-                 **params):
+                 on_failure: str = "stop", **params):
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -100,6 +122,10 @@ class Trainer:
             params["schedule"] = "none"
         (self.algorithm, self.compressor, self.memory, self.scheduler,
          transport_params) = build_components(algorithm, compressor, memory, **params)
+        check_on_failure(on_failure, self.algorithm)
+        self.on_failure = on_failure
+        self.failures: list[dict] = []   # workers lost and survived (on_failure="continue")
+        self._behind = 0                 # steps to skip to rejoin the survivors' step after a loss
         self.transport = transport or Transport(network=network, tracer=self.tracer, **transport_params)
         if transport is not None and "allreduce" in transport_params:
             from .comm.collectives import parse
@@ -150,7 +176,25 @@ class Trainer:
 
         A NaN or Inf gradient is never applied: with `nonfinite="stop"` (default) this rank raises and the
         launcher stops every rank; with `nonfinite="skip"` the ranks agree through one small all-reduce per step
-        (it costs a round trip of latency) and all skip the step."""
+        (it costs a round trip of latency) and all skip the step.
+
+        With `on_failure="continue"`, a worker lost at this step (the launcher announces it) leaves the
+        survivors to form a new group here and go on from the new rank 0's model (`_recover`)."""
+        if self._behind:                 # rejoining the survivors' step count after a loss: nothing applied
+            self._behind -= 1
+            self.scheduler._reset()
+            self.step_count += 1
+            return self.transport.meter.mark_step()
+        try:
+            self._step()
+        except PeerLost as lost:
+            if self.on_failure != "continue":
+                raise
+            self._recover(lost)
+        self.step_count += 1
+        return self.transport.meter.mark_step()
+
+    def _step(self) -> None:
         # algorithms whose exchange checks every bucket before sending it (during backward) are not re-checked:
         # their gradients may be in flight, being reduced in place
         checked = self.nonfinite == "stop" and getattr(self.algorithm, "checks_finite", False)
@@ -164,20 +208,46 @@ class Trainer:
                     if p.grad is not None:
                         p.grad.zero_()
                 self.skipped_steps += 1
-                return self.transport.meter.mark_step()
+                self.scheduler._reset()
+                return
         elif bad:
             from .compress.finite import NonFiniteError
             raise NonFiniteError(f"rank {self.transport.rank}: NaN or Inf in the gradient at step "
                                  f"{self.step_count + 1}; nothing was applied (policy nonfinite=stop)")
         self.algorithm.step()
-        self.step_count += 1
-        return self.transport.meter.mark_step()
+
+    def _recover(self, lost: PeerLost) -> None:
+        """The survivors of `lost` form a new group and go on: the interrupted step is abandoned everywhere,
+        every survivor takes the new rank 0's model and optimizer state, and a survivor that got less far
+        skips the steps it is behind (so every rank's loop issues the same operations again)."""
+        import torch.distributed as dist
+        ENGINE.abandon(lost)
+        group = dist.new_group(lost.members, use_local_synchronization=True)
+        self.transport.regroup(group)
+        self.scheduler._reset()
+        at = torch.tensor([float(self.step_count + 1)], dtype=torch.float64)
+        dist.all_reduce(at, op=dist.ReduceOp.MAX, group=group)
+        self._behind = int(at.item()) - (self.step_count + 1)
+        self._broadcast_model()
+        state = [self.optimizer.state_dict() if self.transport.rank == 0 else None]
+        dist.broadcast_object_list(state, src=self.transport.global_of(0), group=group)
+        self.optimizer.load_state_dict(state[0])
+        self.algorithm.recover()
+        self.failures.append({"lost": lost.lost, "step": int(at.item()), "members": lost.members})
 
     def close(self) -> None:
-        self.algorithm.close()
+        try:
+            self.algorithm.close()
+        except PeerLost as lost:         # lost while draining: survive it, then drain the survivors' way
+            if self.on_failure != "continue":
+                raise
+            self._recover(lost)
+            self.algorithm.close()
 
     def metrics(self) -> dict:
         out = {"steps": self.step_count, "skipped_steps": self.skipped_steps, **self.transport.meter.totals()}
+        if self.failures:
+            out["failures"] = list(self.failures)
         out.update(self.algorithm.metrics())
         return out
 

@@ -30,6 +30,7 @@ class Algorithm:
     schedules: ClassVar[tuple[str, ...]] = ("none", "wfbp", "fusion", "mgwfbp")   # priority applies bsp's update
     checks_finite: ClassVar[bool] = False       # its exchange checks every gradient bucket before sending it
     overlaps_steps: bool = False                # its exchanges outlive the step that started them (DTS, CD-SGD)
+    survives_failures: ClassVar[bool] = False   # its averages stay meaningful over fewer workers (recover())
 
     def __init__(self, architecture: str | None = None):
         arch = architecture or self.architectures[0]
@@ -72,6 +73,11 @@ class Algorithm:
     def close(self) -> None:
         """Drain in-flight communication; leave models consistent. Subclasses call super().close() last."""
         self.scheduler.close()
+
+    def recover(self) -> None:
+        """A worker was lost: the survivors hold the new rank 0's model and optimizer state and go on from here
+        (`Trainer._recover`); drop what the interrupted step had in flight."""
+        raise NotImplementedError(f"{self.name} does not survive a lost worker")
 
     def rekey(self, old: list, new: list) -> None:
         """The scheduler re-planned its buckets ((key, numel) lists): per-bucket exchange state follows."""

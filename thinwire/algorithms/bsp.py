@@ -18,6 +18,7 @@ class BSP(Algorithm):
     architectures = ("allreduce",)
     schedules = ("none", "wfbp", "fusion", "mgwfbp", "priority")
     checks_finite = True      # each bucket is checked (Exchange._check_finite) before it is sent
+    survives_failures = True  # the mean over fewer workers is still the mean gradient
 
     def __init__(self, architecture: str | None = None):
         super().__init__(architecture)
@@ -40,6 +41,9 @@ class BSP(Algorithm):
             res = self.pending.pop(bucket.index).wait()
             if res.data_ptr() != bucket.buffer.data_ptr():
                 bucket.buffer.copy_(res.reshape(-1))
+
+    def recover(self):
+        self.pending.clear()
 
     def step(self):
         if self.scheduler.defers_update:   # priority: the next forward applies the update, layer by layer

@@ -132,6 +132,7 @@ class CDSGD(BSP):
     checks_finite = False
     default_compressor = "threshold2bit"
     default_memory = "residual"
+    survives_failures = False
 
     def __init__(self, architecture: str | None = None, k: int = 5, warmup: int = 10,
                  local_lr: float | None = None, local_momentum: bool = True, *, local_update: bool = True,

@@ -52,6 +52,7 @@ class DTS(Algorithm):
 
     architectures = ("allreduce",)
     overlaps_steps = True
+    survives_failures = True   # a lost worker's windows are dropped; the survivors average among themselves
 
     def __init__(self, delay: int = 4, period: int = 4, architecture: str | None = None):
         super().__init__(architecture)
@@ -139,8 +140,8 @@ class DTS(Algorithm):
                 if entry[0] < self.steps:
                     decay = self.mu ** (self.steps - entry[0])
                     entry[3] = [f + r * decay for f, r in zip(entry[3], rates)]
-        s, p = self.steps, self.period
-        if s % p == 0 and s // p >= self.delay:     # the average of window s/p - t + 1 is due
+        due = (self.delay - 1) * self.period       # the average of the window ending at E is applied at E+(t-1)p
+        while self._flight and self._flight[0][0] + due <= self.steps:
             self._apply_oldest()
         self.max_in_flight = max(self.max_in_flight, len(self._flight))   # in flight during compute
         self.scheduler.end_step()
@@ -182,6 +183,14 @@ class DTS(Algorithm):
                 if buf is not None:
                     buf.add_(eb, alpha=mu ** age)
             offset += k
+
+    def recover(self):
+        """The windows in flight were averaged over the old group: dropped; the survivors restart from the new
+        rank 0's model and momentum with empty windows."""
+        for t in self._c + (self._b or []):
+            t.zero_()
+        self._launched, self._flight, self._ref = [], deque(), None
+        self._in_window = self.steps % self.period          # the current window goes on (from empty sums)
 
     def rekey(self, old, new):
         """Per-bucket exchange state is kept per element of [C|B] (two elements per parameter element when B

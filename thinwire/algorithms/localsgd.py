@@ -71,6 +71,14 @@ class LocalSGD(BSP):
                 self._momenta[bucket.index] = (bufs, self._momentum_exchange.start(bucket.flat(bufs),
                                                                                   key=bucket.key))
 
+    def recover(self):
+        super().recover()
+        self._momenta.clear()
+        with torch.no_grad():
+            for a, p in zip(self.anchor, self.params):   # the survivors restart from the new rank 0's model
+                a.copy_(p)
+        self.local_steps = 0
+
     def _start_average(self, bucket) -> None:
         with torch.no_grad():
             delta = bucket.flat([p - self.anchor[i] for p, i in zip(bucket.params, bucket.members)])

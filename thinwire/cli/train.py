@@ -43,6 +43,7 @@ def config_from_args(args):
                        checkpoint_dir=getattr(args, "checkpoint_dir", None) or (
                            os.path.join(args.out, "checkpoint") if getattr(args, "out", None) else None),
                        resume=getattr(args, "resume", None), nonfinite=getattr(args, "nonfinite", "stop"),
+                       on_failure=getattr(args, "on_failure", "stop"),
                        progress_timeout=getattr(args, "progress_timeout", None))
 
 
@@ -60,6 +61,8 @@ def format_summary(s: dict) -> str:
         f"(uncompressed fp32 would be {s['nominal_bytes_per_worker'] / mb:.3f} MB)",
         f"  emulated comm     {s['emulated_comm_s']:.2f} s   (exposed, waited for: {s['exposed_comm_s']:.2f} s)",
     ]
+    for f in s.get("failures") or []:
+        lines.append(f"  lost workers      {f['lost']} at step {f['step']}: the survivors {f['members']} went on")
     am = s.get("algorithm_metrics") or {}
     if am.get("predicted_step_s") is not None and am.get("measured_step_s") is not None:  # seed 001 §3.3
         ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"
@@ -106,6 +109,9 @@ def register(sub) -> None:
                                                           "default OUT/checkpoint)")
     p.add_argument("--checkpoint-dir", help="where checkpoints go (default OUT/checkpoint)")
     p.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR (same configuration)")
+    p.add_argument("--on-failure", choices=["stop", "continue"], default="stop",
+                   help="a worker lost mid-run: stop the job (default), or continue with the survivors "
+                        "(bsp, localsgd, postlocalsgd, dts, ...: algorithms whose averages stay meaningful)")
     p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
                    help="NaN/Inf gradient: stop every rank (default) or skip the step on all ranks")
     p.add_argument("--progress-timeout", type=float, metavar="S",

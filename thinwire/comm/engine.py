@@ -288,6 +288,16 @@ class Engine:
                     resume = (None, e)
             self._advance(task, program, serial, resume, on_caller=False)
 
+    def abandon(self, error: BaseException) -> None:
+        """Fail every queued program with `error` (their group is gone: a lost peer); the running one fails
+        by itself at its next wait."""
+        with self._cv:
+            queued, self._queue = list(self._queue), collections.deque()
+            self._barrier = None
+        for task, program, _serial, _pending in queued:
+            program.close()
+            task._finish(error=error)
+
     def idle(self) -> bool:
         with self._cv:
             return not self._busy and not self._queue

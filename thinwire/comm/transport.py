@@ -21,6 +21,7 @@ from ..trace import NULL, Tracer
 from .context import default_network, default_seed
 from .emulation import LinkClock
 from .engine import ENGINE, Future, Ready, in_program
+from .membership import MEMBERSHIP, PeerLost
 from .meter import Meter
 
 _now = time.perf_counter
@@ -49,6 +50,8 @@ class Handle(Future):
         self._scheduled = threading.Event()
         self._callbacks: list = []
         self._arrival: list = []                    # on_arrival callbacks
+        self._real_event = threading.Event()          # the real op completed (or failed)
+        self.generation = MEMBERSHIP.generation      # the membership it was issued in
         # a collective is delivered in issue order: gloo's two threads may finish the second collective first,
         # but the emulated wire is FIFO (the second queues behind the first, whichever callback fires first)
         self._ordered = tx and rx
@@ -58,7 +61,7 @@ class Handle(Future):
             self._on_real_done()
         else:  # timestamp the real completion as it happens (gloo's thread), so compute overlaps emulation
             try:
-                self._works[-1].get_future().add_done_callback(lambda _f: self._on_real_done())
+                self._works[-1].get_future().add_done_callback(self._on_future)
             except (RuntimeError, AttributeError):  # gloo point-to-point ops have no future: a waiter thread
                 # (the only one to wait on the work: a second wait() on a finished gloo p2p work never returns)
                 self._real = threading.Event()
@@ -75,12 +78,21 @@ class Handle(Future):
         self._on_real_done()
         self._real.set()
 
+    def _on_future(self, fut) -> None:
+        """gloo's future completed: keep its error (the waiter must see it), then as any real completion."""
+        try:
+            fut.value()
+        except BaseException as e:  # noqa: BLE001 - raised by result()
+            self._error = e
+        self._on_real_done()
+
     def _on_real_done(self) -> None:
         with self._lock:
             first = self._real_at is None
             if first:
                 self._real_at = _now()
                 arrivals, self._arrival = self._arrival, []
+        self._real_event.set()
         if self._ordered:
             self.transport._drain()
         else:
@@ -148,14 +160,36 @@ class Handle(Future):
         if self._done:
             return True
         if self._real is not None:
-            if not self._real.is_set() or self._error is not None:
+            if not self._real.is_set():
                 return False
+            if self._error is not None:     # failed: complete, and result() raises the error
+                return True
         elif not all(w.is_completed() for w in self._works):
             return False
         self._on_real_done()
         return self._scheduled.is_set() and _now() >= self.deadline
 
     def result(self):
+        if not self._done and MEMBERSHIP.watching:   # a lost peer must not leave this wait blocked
+            try:
+                self._await_real()
+                return self._result_once()
+            except RuntimeError as e:
+                lost = e if isinstance(e, PeerLost) else MEMBERSHIP.wait_change(self.generation, 30.0)
+                if lost is not None:
+                    raise lost from (None if lost is e else e)
+                raise
+        return self._result_once()
+
+    def _await_real(self) -> None:
+        """Wait for the real op, checking every 0.1 s whether the launcher announced a lost worker."""
+        event = self._real if self._real is not None else self._real_event
+        while not event.wait(0.1):
+            lost = MEMBERSHIP.lost(self.generation)
+            if lost is not None:
+                raise lost
+
+    def _result_once(self):
         if not self._done:
             with self._once:        # one thread waits on the works (a gloo p2p work cannot be waited twice)
                 if not self._done:
@@ -166,6 +200,8 @@ class Handle(Future):
                     elif self._real_at is None:   # (a work's own done-callback must not wait on it)
                         for w in self._works:
                             w.wait()
+                    if self._error is not None:   # seen by the future's callback
+                        raise self._error
                     self._on_real_done()
                     self._scheduled.wait()   # an earlier collective still running: delivered after it
                     delay = self.deadline - _now()
@@ -222,6 +258,15 @@ class Transport:
         self.background = False    # programs: never on the caller's thread (compression off the training thread)
         self._in_order: collections.deque[Handle] = collections.deque()  # collectives not yet on the link
         self._order_lock = threading.Lock()
+
+    def regroup(self, group) -> None:
+        """Go on with `group` (the survivors of a lost worker): ranks renumbered, the old group's operations
+        in flight abandoned."""
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        with self._order_lock:
+            self._in_order.clear()
 
     def _enqueue(self, handle: Handle) -> None:
         with self._order_lock:

@@ -230,11 +230,9 @@ def _servers(cell: presets.Cell) -> int:
 def nocomm_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """The scalability reference when no `local` algorithm is registered: the same model, data shard, batch
     and optimizer, never communicating. Returns `train_worker`'s records (evaluated only at the end)."""
-    import torch
     wl = workloads.get(cfg.workload)
     model = wl.model(cfg.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr or wl.lr,
-                          momentum=wl.momentum if cfg.momentum is None else cfg.momentum)
+    opt = wl.make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     x, y = wl.shard(rank, world_size)
     loader = workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=cfg.seed, rank=rank)
     steps, clock = [], 0.0

@@ -41,6 +41,7 @@ from collections import deque
 from datetime import timedelta
 
 from ..comm import set_default_network
+from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
 from ..net import parse_network
 
@@ -148,8 +149,21 @@ def _heartbeat(beats, rank: int, every: float = 0.5) -> None:
         time.sleep(every)
 
 
+def _watch_membership(host: str, port: int, world_size: int) -> None:
+    """(daemon thread, on_failure="continue") hand the launcher's announcements of lost workers to
+    `thinwire.comm.membership`: generation g's surviving ranks are published under `thinwire/members/g`."""
+    import torch.distributed as dist
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(days=365))
+    generation = 0
+    while True:
+        key = f"thinwire/members/{generation + 1}"
+        store.wait([key])
+        generation += 1
+        MEMBERSHIP.announce(generation, [int(r) for r in store.get(key).decode().split(",")])
+
+
 def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results, beats, steps, times,
-                 worker_init):
+                 worker_init, on_failure="stop"):
     global _progress
     _die_with_parent()
     try:
@@ -172,6 +186,9 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
                                 timeout=timedelta(seconds=timeout_s))
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
         _report_and_exit(results, (rank, -1, "error", f"cannot start: {e}", traceback.format_exc()), 1)
+    if on_failure == "continue":
+        MEMBERSHIP.watch(world_size)
+        threading.Thread(target=_watch_membership, args=(host, port, world_size), daemon=True).start()
     results.put((rank, -1, "ok", b"", ""))
     while True:
         task = tasks.get()
@@ -206,12 +223,21 @@ class Pool:
 
     `worker_init(rank, world_size)`, if given (picklable: a module-level function or a `functools.partial` of
     one), runs first in each worker, before the process group is initialised: e.g. to enter a network
-    namespace. `progress_timeout` (None: off) bounds the time without progress (see `report_progress`)."""
+    namespace. `progress_timeout` (None: off) bounds the time without progress (see `report_progress`).
+
+    `on_failure="continue"`: a worker process that dies does not stop the others. The launcher announces the
+    survivors (a new membership generation in its store); a `Trainer(on_failure="continue")` in each survivor
+    forms a new group at its next synchronization point and goes on. `run` returns None for a lost rank and
+    `lost` names it. The pool's group has changed: it is closed after that run."""
 
     def __init__(self, world_size: int, backend: str = "gloo", host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 600.0, start_timeout: float = 120.0, stall_timeout: float = 60.0,
-                 progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None):
+                 progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop"):
         check_world_size(world_size)
+        if on_failure not in ("stop", "continue"):
+            raise UserError(f"on_failure must be stop or continue, got {on_failure!r}")
+        self.on_failure = on_failure
+        self.lost: list[dict] = []          # workers lost and survived (on_failure="continue")
         if backend not in ("gloo", "nccl"):
             raise UserError(f"unknown backend {backend!r}; valid: gloo, nccl")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
@@ -240,9 +266,12 @@ class Pool:
         self._tasks = [_ctx.Queue() for _ in range(world_size)]
         self._procs = [_ctx.Process(target=_worker_main, name=f"thinwire-worker-{r}", daemon=True,
                                     args=(r, world_size, backend, host, self.port, timeout, self._tasks[r],
-                                          self._results, self._beats, self._steps, self._times, worker_init))
+                                          self._results, self._beats, self._steps, self._times, worker_init,
+                                          on_failure))
                        for r in range(world_size)]
         self._task_id = -1
+        self._gone: set[int] = set()
+        self._generation = 0
         self._closed = False
         try:
             for p in self._procs:
@@ -270,21 +299,45 @@ class Pool:
             except queue.Empty:
                 pass
             dead = [r for r, p in enumerate(self._procs) if r not in got and p.exitcode is not None]
+            if dead and not errors and task_id >= 0 and self.on_failure == "continue":
+                self._announce_lost(dead)
+                dead = [r for r in dead if r not in self._gone]
             if errors or dead:
                 self._fail(self._root_cause(errors))
             now = time.monotonic()
-            silent = [r for r in range(self.world_size) if 0 < self._beats[r] < now - self.stall_timeout]
+            silent = [r for r in range(self.world_size)
+                      if r not in self._gone and 0 < self._beats[r] < now - self.stall_timeout]
             if silent:
                 self._fail(WorkerError(silent[0], f"stalled: no heartbeat for {now - self._beats[silent[0]]:.0f} s "
                                                   f"(the process is stopped or hung)"))
-            stuck = watch.check(now, [r for r in range(self.world_size) if r not in got]) if watch else None
+            running = [r for r in range(self.world_size) if r not in got and r not in self._gone]
+            stuck = watch.check(now, running) if watch else None
             if stuck is not None:
                 self._fail(stuck)
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in got]
                 self._fail(WorkerError(missing[0], f"stalled: no result within {timeout or self.timeout:.0f} s "
                                                    f"(ranks {missing} still running)"))
-        return [got[r] for r in range(self.world_size)]
+            if len(got) + len(self._gone) == self.world_size:
+                break
+        return [got.get(r) for r in range(self.world_size)]
+
+    def _announce_lost(self, dead: list[int]) -> None:
+        """on_failure="continue": publish the survivors as a new membership generation (once per loss)."""
+        new = [r for r in dead if r not in self._gone]
+        if not new:
+            return
+        for r in new:
+            code = self._procs[r].exitcode
+            why = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            self.lost.append({"rank": r, "reason": f"worker process died ({why})",
+                              "step": max(int(self._steps[r]), 0)})
+        self._gone.update(new)
+        members = [r for r in range(self.world_size) if r not in self._gone]
+        if not members:
+            self._fail(WorkerError(new[0], "every worker was lost"))
+        self._generation += 1
+        self._store.set(f"thinwire/members/{self._generation}", ",".join(map(str, members)))
 
     def _root_cause(self, errors: list[WorkerError], grace: float = 1.0) -> WorkerError:
         """When one worker fails, its peers soon fail too ("connection closed"): wait a moment, then name the
@@ -324,7 +377,10 @@ class Pool:
             self._times[r] = 0.0
         for q in self._tasks:
             q.put((self._task_id, blob))
-        return [pickle.loads(b) for b in self._collect(self._task_id, timeout)]
+        out = [None if b is None else pickle.loads(b) for b in self._collect(self._task_id, timeout)]
+        if self._gone:              # the survivors' group is not this pool's any more
+            self.close(force=True)
+        return out
 
     def close(self, force: bool = False) -> None:
         if self._closed:
@@ -419,13 +475,14 @@ class _Watchdog:
 
 def launch(fn, world_size: int, network="lan", backend: str = "gloo", args: tuple = (),
            timeout: float | None = None, seed: int = 0, host: str = "127.0.0.1", port: int = 0,
-           progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None) -> list:
+           progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop") -> list:
     """Start `world_size` workers on `host`, run `fn(rank, world_size, *args)` in each under the emulated
-    `network`, and return their return values by rank. Raises `WorkerError` if any worker fails; the run
+    `network`, and return their return values by rank. Raises `WorkerError` if any worker fails (with
+    `on_failure="continue"`, a lost worker's value is None and the others go on; see `Pool`); the run
     may last `timeout` seconds (default 3600). See `Pool` for `progress_timeout` and `worker_init`."""
     parse_network(network)
     with Pool(world_size, backend=backend, host=host, port=port, timeout=timeout or 3600.0,
-              progress_timeout=progress_timeout, worker_init=worker_init) as pool:
+              progress_timeout=progress_timeout, worker_init=worker_init, on_failure=on_failure) as pool:
         return pool.run(fn, *args, network=network, seed=seed, timeout=timeout)
 
 

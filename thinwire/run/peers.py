@@ -128,8 +128,6 @@ def _build(cfg, wl, model):
     """(DDP model, optimizer, description of the configuration) for the peer `cfg.algorithm`."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
-    lr = cfg.lr or wl.lr
-    momentum = wl.momentum if cfg.momentum is None else cfg.momentum
     name, p = cfg.algorithm, cfg.params
     model_mb = sum(t.numel() * t.element_size() for t in model.parameters()) / 2 ** 20
     if name == "ddp-powersgd":
@@ -158,7 +156,7 @@ def _build(cfg, wl, model):
             desc = f"post_localSGD_hook, period {int(p.get('period', 8))}, warm-up {warmup} steps"
         else:
             raise ValueError(f"unknown peer {name!r}")
-    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
+    opt = wl.make_optimizer(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     if name == "ddp-postlocalsgd":
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
         from torch.distributed.optim import PostLocalSGDOptimizer

@@ -101,6 +101,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: str | None = None             # a checkpoint directory to continue from
     nonfinite: str = "stop"               # NaN/Inf in a gradient: "stop" every rank, or "skip" the step on all
+    on_failure: str = "stop"              # a lost worker: "stop" the job, or "continue" with the survivors
     progress_timeout: float | None = None # the launcher's progress watchdog (s); None: its default
 
     def validate(self) -> "TrainConfig":
@@ -146,6 +147,11 @@ class TrainConfig:
             check_number("--progress-timeout", self.progress_timeout, 0, low_open=True, why=" (seconds)")
         if self.nonfinite not in ("stop", "skip"):
             raise UserError(f"--nonfinite must be stop or skip, got {self.nonfinite!r}")
+        if self.on_failure not in ("stop", "continue"):
+            raise UserError(f"--on-failure must be stop or continue, got {self.on_failure!r}")
+        if self.on_failure == "continue" and self.checkpoint_every:
+            raise UserError("--on-failure continue goes on with the survivors instead of restarting from a "
+                            "checkpoint; drop --checkpoint-every (or use --on-failure stop)")
         if self.nonfinite == "skip" and self.servers:  # the agreement is an all-reduce the servers never join
             raise UserError("--nonfinite skip needs every rank to step; parameter-server runs (--servers) use "
                             "--nonfinite stop")
@@ -197,10 +203,10 @@ class TrainConfig:
 def build_trainer(cfg: TrainConfig, wl, model, tracer=None):
     """The Trainer for this configuration (used by the train loop and by the tests)."""
     from ..trainer import Trainer
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr or wl.lr,
-                          momentum=wl.momentum if cfg.momentum is None else cfg.momentum)
+    opt = wl.make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     return Trainer(model, opt, algorithm=cfg.algorithm, compressor=cfg.compressor, memory=cfg.memory,
-                   network=cfg.network, tracer=tracer, nonfinite=cfg.nonfinite, **cfg.component_params())
+                   network=cfg.network, tracer=tracer, nonfinite=cfg.nonfinite, on_failure=cfg.on_failure,
+                   **cfg.component_params())
 
 
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
@@ -337,8 +343,8 @@ def _serve(cfg, rank, world_size, wl, trainer) -> dict | None:
 def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dict, list[dict]]:
     """Merge the workers' records: the summary and the per-step metrics rows."""
     wl = workloads.get(cfg.workload)
-    workers = [r for r in results if r["role"] == "worker"]
-    servers = [r for r in results if r["role"] != "worker"]
+    workers = [r for r in results if r is not None and r["role"] == "worker"]   # None: a lost worker
+    servers = [r for r in results if r is not None and r["role"] != "worker"]
     n_steps = len(workers[0]["steps"])
     rows = []
     for i in range(n_steps):
@@ -389,6 +395,8 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         "num_params": n_params,
         "model_sha256": workers[0].get("model_sha256"),  # rank 0's final model: resume equality checks
         "algorithm_metrics": workers[0]["metrics"],
+        # workers lost and survived (--on-failure continue): who, and the step the survivors went on from
+        "failures": workers[0]["metrics"].get("failures", []),
     }
     return summary, rows
 
@@ -406,7 +414,7 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
         results = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed)
     else:
         results = launch(train_worker, world, network=cfg.network, args=(cfg,), seed=cfg.seed,
-                         progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT)
+                         progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT, on_failure=cfg.on_failure)
     wall = _now() - t0
     summary, rows = summarize(cfg, results, wall)
     if out:

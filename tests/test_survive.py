@@ -1,0 +1,96 @@
+"""`on_failure="continue"`: a worker killed mid-run; the survivors form a new group at their next
+synchronization point, finish, reach the target and agree on the model (issue 18)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+
+import pytest
+import torch
+
+import thinwire as tw
+from thinwire.errors import UserError
+from thinwire.run import workloads
+
+KILL_RANK, KILL_STEP = 2, 40
+
+
+def _train(rank, world_size, algorithm, params, steps):
+    wl = workloads.get("digits-mlp")
+    model = wl.model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=wl.lr, momentum=wl.momentum)
+    trainer = tw.Trainer(model, opt, algorithm=algorithm, on_failure="continue", **params)
+    loader = workloads.ShardLoader(*wl.shard(rank, world_size), wl.batch_size, seed=0, rank=rank)
+    for step in range(1, steps + 1):
+        if rank == KILL_RANK and step == KILL_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)        # lost mid-run, without a word
+        x, y = loader.next()
+        wl.loss(model(x), y).backward()
+        trainer.step()
+        opt.zero_grad()
+    trainer.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"sha": hashlib.sha256(flat.numpy().tobytes()).hexdigest(), "flat": flat, "accuracy": wl.evaluate(model),
+            "failures": trainer.metrics().get("failures"), "steps": trainer.step_count}
+
+
+@pytest.mark.parametrize("algorithm,params", [("bsp", {}), ("localsgd", {"period": 4}),
+                                              ("dts", {"delay": 2, "period": 2})])
+def test_survivors_finish_reach_the_target_and_agree(algorithm, params):
+    steps = 120
+    out = tw.launch(_train, 4, args=(algorithm, params, steps), on_failure="continue",
+                    network="custom:latency=1ms", timeout=600)
+    assert out[KILL_RANK] is None                              # lost
+    survivors = [o for r, o in enumerate(out) if r != KILL_RANK]
+    if algorithm == "dts":   # DTS's compensation leaves float rounding between ranks (issue 17, being fixed)
+        assert all(torch.allclose(o["flat"], survivors[0]["flat"], atol=1e-5) for o in survivors)
+    else:
+        assert len({o["sha"] for o in survivors}) == 1, algorithm  # the same model everywhere
+    for o in survivors:
+        assert o["steps"] == steps
+        assert o["accuracy"] >= workloads.get("digits-mlp").target, (algorithm, o["accuracy"])
+        assert o["failures"] and o["failures"][0]["lost"] == [KILL_RANK]
+        assert o["failures"][0]["members"] == [0, 1, 3]
+        assert KILL_STEP <= o["failures"][0]["step"] <= KILL_STEP + 2
+
+
+def test_continue_only_where_averages_stay_meaningful(pool2):
+    assert pool2.run(_refused)[0].startswith("on_failure='continue' needs")
+
+
+def _refused(rank, world_size):
+    m = torch.nn.Linear(2, 1)
+    try:
+        tw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1), algorithm="cdsgd", on_failure="continue")
+    except UserError as e:
+        return str(e)
+    return "accepted"
+
+
+def _skip_beside_background_exchanges(rank, world_size, algorithm):
+    """`nonfinite="skip"` agrees through an all-reduce every step while CD-SGD's exchange of the previous
+    step is still in flight: both go through the one engine, in one order on every rank (issue 18, finding 1:
+    before, the agreement raced CD-SGD's background thread: gloo 'collective mismatch' or a hang)."""
+    wl = workloads.get("linreg")
+    model = wl.model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    trainer = tw.Trainer(model, opt, algorithm=algorithm, nonfinite="skip", warmup=2)
+    loader = workloads.ShardLoader(*wl.shard(rank, world_size), 16, seed=0, rank=rank)
+    for step in range(30):
+        x, y = loader.next()
+        if step == 11 and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")                 # one NaN step: every rank skips it
+        wl.loss(model(x), y).backward()
+        trainer.step()
+        opt.zero_grad()
+    trainer.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), trainer.skipped_steps
+
+
+@pytest.mark.parametrize("algorithm", ["cdsgd", "odsgd"])
+def test_nonfinite_skip_beside_cdsgd_exchanges(pool2, algorithm):
+    out = pool2.run(_skip_beside_background_exchanges, algorithm, network="custom:latency=3ms")
+    assert out[0][1] == out[1][1] == 1
+    assert torch.equal(out[0][0], out[1][0]) and torch.isfinite(out[0][0]).all()

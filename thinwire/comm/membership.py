@@ -1,0 +1,61 @@
+"""Who is still in the job: the membership a worker learns from its launcher when a worker is lost.
+
+With `on_failure="continue"` the launcher does not stop the job when a worker dies: it publishes the new
+membership (the surviving original ranks, generation 1, 2, ...) in its rendezvous store, and a watcher thread in
+every worker hands it to `announce`. From then on, a wait on an operation of the old group raises `PeerLost`
+(at once if it was blocked, or as soon as its error shows), and the `Trainer` forms a new group of the
+survivors at that synchronization point and goes on (`thinwire.trainer.Trainer.step`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from ..errors import WorkerError
+
+
+class PeerLost(WorkerError):
+    """A worker of this group was lost; `members` are the surviving original ranks of `generation`."""
+
+    def __init__(self, generation: int, members: list[int], lost: list[int]):
+        self.generation, self.members, self.lost = generation, list(members), list(lost)
+        super().__init__(lost[0] if lost else -1, f"lost worker(s) {lost}; continuing with ranks {members} "
+                                                  f"(membership generation {generation})")
+
+
+class _Membership:
+    def __init__(self):
+        self.world: list[int] | None = None   # the original ranks, once a launcher publishes changes (watching)
+        self.generation = 0
+        self.members: list[int] = []
+        self._changed = threading.Condition()
+
+    @property
+    def watching(self) -> bool:
+        return self.world is not None
+
+    def watch(self, world_size: int) -> None:
+        self.world, self.members = list(range(world_size)), list(range(world_size))
+
+    def announce(self, generation: int, members: list[int]) -> None:
+        with self._changed:
+            if generation > self.generation:
+                self.generation, self.members = generation, list(members)
+                self._changed.notify_all()
+
+    def lost(self, since: int) -> PeerLost | None:
+        """The change since membership generation `since`, if any."""
+        if self.generation <= since:
+            return None
+        return PeerLost(self.generation, self.members, sorted(set(self.world or []) - set(self.members)))
+
+    def wait_change(self, since: int, timeout: float) -> PeerLost | None:
+        """Wait up to `timeout` s for a change after `since` (an operation failed: was a peer lost?)."""
+        end = time.monotonic() + timeout
+        with self._changed:
+            while self.generation <= since and time.monotonic() < end:
+                self._changed.wait(min(0.1, max(0.0, end - time.monotonic())))
+        return self.lost(since)
+
+
+MEMBERSHIP = _Membership()
