@@ -265,20 +265,8 @@ class StalenessAware:
         self._tau_count += len(taus)
         group = self.server_opt.param_groups[0]
         group["lr"] = self._lr * self.lr_factor(taus)
-        import os
-        exp = os.environ.get("TW_EXP", "")
         if "momentum" in group and self._mu:
             group["momentum"] = self.server_momentum()
-            if exp == "keep_tau":   # keep the long-run step γ/τ/(1-μ)
-                group["lr"] *= (1 - group["momentum"]) / (1 - self._mu)
-            elif exp == "keep":     # keep the long-run step γ/(1-μ)
-                group["lr"] = self._lr * (1 - group["momentum"]) / (1 - self._mu)
-            elif exp == "pow":
-                tau = self._tau_sum / max(1, self._tau_count)
-                group["momentum"] = self._mu ** (tau + 1)
-            elif exp == "zero":
-                group["momentum"] = 0.0
-                group["lr"] = self._lr * self.lr_factor(taus) / (1 - self._mu)
             if not group["momentum"]:     # plain SGD now: a later momentum step starts a fresh buffer
                 self.server_opt.state.get(param, {}).pop("momentum_buffer", None)
         super().server_update(b, param, mean, info)
