@@ -161,10 +161,9 @@ def test_two_servers_shard_the_model(pool4):
 
 @pytest.mark.slow
 def test_asp_converges_on_digits_and_reports_staleness(pool4):
-    # asynchrony adds implicit momentum (stale gradients), so the server's SGD momentum is lowered to 0.5;
-    # with the workload's 0.9 asp reaches only ~0.66 in these 84 steps (docs/benchmarks/ps.md)
-    cfg = TrainConfig(workload="digits-mlp", algorithm="asp", workers=3, servers=1, network="lan",
-                      epochs=6, momentum=0.5, progress=False)
+    # the defaults (the workload's momentum 0.9; no --servers): the staleness-aware rate and the server's momentum
+    # net of asynchrony's implicit one train it (0.96 measured; at 0.9 without them it ended at 0.16, issue 17)
+    cfg = TrainConfig(workload="digits-mlp", algorithm="asp", workers=3, network="lan", progress=False)
     s = run_training(cfg, pool=pool4)
     assert s["servers"] == 1 and s["workers"] == 3
     assert s["final_accuracy"] >= 0.88
