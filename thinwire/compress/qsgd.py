@@ -25,10 +25,11 @@ def bucket_norms(flat: torch.Tensor, bucket: int, ord: float) -> torch.Tensor:
     """fp32 norm of each bucket of `bucket` elements (the last may be shorter)."""
     n = flat.numel()
     full = (n // bucket) * bucket
-    parts = [torch.linalg.vector_norm(flat[:full].view(-1, bucket), ord=ord, dim=1, dtype=torch.float32)]
+    dt = torch.promote_types(flat.dtype, torch.float32)     # (a float64 input is not narrowed inside the norm)
+    parts = [torch.linalg.vector_norm(flat[:full].view(-1, bucket), ord=ord, dim=1, dtype=dt)]
     if full < n:
-        parts.append(torch.linalg.vector_norm(flat[full:], ord=ord, dtype=torch.float32).reshape(1))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+        parts.append(torch.linalg.vector_norm(flat[full:], ord=ord, dtype=dt).reshape(1))
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).float()
 
 
 def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int, offset: int) -> torch.Tensor:
