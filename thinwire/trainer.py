@@ -232,8 +232,9 @@ class Trainer:
         state = [self.optimizer.state_dict() if self.transport.rank == 0 else None]
         dist.broadcast_object_list(state, src=self.transport.global_of(0), group=group)
         self.optimizer.load_state_dict(state[0])
-        self.algorithm.recover()
+        # "step": the step every survivor has counted once this one ends (and behind ranks skipped theirs)
         self.failures.append({"lost": lost.lost, "step": int(at.item()), "members": lost.members})
+        self.algorithm.recover()
 
     def close(self) -> None:
         try:

@@ -111,7 +111,7 @@ def register(sub) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR (same configuration)")
     p.add_argument("--on-failure", choices=["stop", "continue"], default="stop",
                    help="a worker lost mid-run: stop the job (default), or continue with the survivors "
-                        "(bsp, localsgd, postlocalsgd, dts, ...: algorithms whose averages stay meaningful)")
+                        "(bsp, localsgd, postlocalsgd, dts, diloco, ...: algorithms whose averages stay meaningful)")
     p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
                    help="NaN/Inf gradient: stop every rank (default) or skip the step on all ranks")
     p.add_argument("--progress-timeout", type=float, metavar="S",

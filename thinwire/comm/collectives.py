@@ -87,12 +87,6 @@ def _exchange(tp, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None
         yield h
 
 
-def wait_all(handles) -> list:
-    """Wait for several handles whose transfers run at the same time (the Transport timestamps each real
-    completion as it happens, so waiting one after another does not serialise their emulated transfers)."""
-    return [h.wait() for h in handles]
-
-
 def _ring_reduce_scatter(tp, flat, members, me, combine) -> list[torch.Tensor]:
     """After n-1 steps, member `me` holds the reduced chunk (me + 1) % n. Returns the chunk views."""
     n = len(members)

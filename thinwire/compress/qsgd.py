@@ -25,11 +25,13 @@ def bucket_norms(flat: torch.Tensor, bucket: int, ord: float) -> torch.Tensor:
     """fp32 norm of each bucket of `bucket` elements (the last may be shorter)."""
     n = flat.numel()
     full = (n // bucket) * bucket
-    dt = torch.promote_types(flat.dtype, torch.float32)     # (a float64 input is not narrowed inside the norm)
+    wide = flat.dtype == torch.float64      # vector_norm never narrows its input: a float64 norm, then fp32
+    dt = None if wide else torch.float32
     parts = [torch.linalg.vector_norm(flat[:full].view(-1, bucket), ord=ord, dim=1, dtype=dt)]
     if full < n:
         parts.append(torch.linalg.vector_norm(flat[full:], ord=ord, dtype=dt).reshape(1))
-    return (torch.cat(parts) if len(parts) > 1 else parts[0]).float()
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return out.float() if wide else out
 
 
 def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int, offset: int) -> torch.Tensor:
@@ -96,10 +98,6 @@ class QSGD(Compressor):
         levels = widen(codes, max(2 * self.levels, world_size * self.levels)).sub_(self.levels)
         ctx["summed"] = True
         return Payload([levels], ctx=ctx)
-
-    def context(self, shape, dtype, key=None, step=0):
-        # not agreed (the scale travels in the payload) and not summed
-        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel(), "summed": False}
 
     def decompress(self, payload):
         ctx = payload.ctx

@@ -32,7 +32,16 @@ CANDIDATES = [
     ("asp (1 server)", "asp", "none", {}, "stale gradients: often converges worse (seed 000 §III-C)"),
     ("ssp", "ssp", "none", {}, "bounded staleness: converges at O(1/sqrt T) (seed 000 §III-B)"),
     ("dpsgd ring", "dpsgd", "none", {"degree": 2}, "decentralized: consensus error shrinks with the spectral gap"),
+    ("diloco H=50", "diloco", "none", {"period": 50}, "DiLoCo (outer Nesterov on the averaged pseudo-gradient): near-synchronous quality at H 50-500 on LMs, drift grows with H (Douillard et al. 2023)"),
+    ("diloco H=100 + fp8", "diloco", "fp8", {"period": 100}, "8-bit outer gradients, fp32 accumulation: no measurable loss in Streaming DiLoCo (2025)"),
+    ("diloco H=100 F=4 τ=1 fp4", "diloco", "fp4", {"period": 100, "fragments": 4, "overlap": 1}, "Streaming DiLoCo: 1/4 of the model per sync, each hidden behind one inner step; 4-bit e3m0 outer gradients as in the paper"),
 ]
+
+# what `recommend_diloco` searches: periods (ascending), outer-gradient bits, fragments, overlap
+DILOCO_PERIODS = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, 64, 80, 100, 128, 200, 250, 500, 1000)
+DILOCO_BITS = (("none", 32), ("fp8", 8), ("fp4", 4))
+DILOCO_FRAGMENTS = (1, 2, 4, 8)
+DILOCO_OVERLAP = (0, 1, 2)
 
 
 @dataclass
@@ -44,14 +53,17 @@ class Advice:
     def row(self) -> dict:
         p = self.prediction
         return {"config": self.label, "algorithm": p.name, "collective": p.collective, "iteration_s": p.iteration_s,
-                "scalability": p.scalability, "bytes_per_step": p.bytes_per_step, "note": self.note}
+                "scalability": p.scalability, "bytes_per_step": p.bytes_per_step,
+                **({"bytes_per_sync": p.bytes_per_sync} if p.bytes_per_sync else {}), "note": self.note}
 
 
 def _variants(comp: str, params: dict) -> list:
     """A sparsifying compressor runs on each sparse collective (all-gather, gTop-k, shared-index, hierarchical);
     every other configuration on the one collective its algebra allows."""
     try:
-        sparse = is_sparse(comp, **{k: v for k, v in params.items() if k != "overlap"})
+        from ..compress import compressors
+        own = {k: v for k, v in params.items() if comp == "none" or compressors.accepts(comp, k)}
+        sparse = is_sparse(comp, **own)     # (the algorithm's parameters, e.g. diloco's period, are not its own)
     except (KeyError, UserError):
         return []
     return list(SPARSE_COLLECTIVES) if sparse else [None]
@@ -89,6 +101,58 @@ def advise(s: Scenario) -> list[Advice]:
             out.append(Advice(label, pred, note + SPARSE_NOTES.get(collective or "", "")))
     out.sort(key=lambda a: a.prediction.iteration_s)
     return out
+
+
+def recommend_diloco(s: Scenario, target: float = 0.9) -> dict:
+    """H, fragments, overlap and bits of the DiLoCo family for this network: the smallest period H whose predicted
+    scalability reaches `target` (the DiLoCo paper's quality falls as H grows, so H is kept as small as the
+    network allows), then the most bits (quantization is the next risk), the fewest fragments and the least
+    overlap (staleness). Streaming (fragments, overlap) wins where hiding a fragment's sync behind inner steps
+    lets a smaller H reach the target. Returns the choice with its prediction, whether the target was reached,
+    and the best option per (bits, fragments, overlap)."""
+    check_scenario(s)
+    if not 0 < target <= 1:
+        raise UserError(f"target scalability must be in (0, 1], got {target}")
+    options = []
+    for comp, bits in DILOCO_BITS:
+        for f in DILOCO_FRAGMENTS:
+            for lag in DILOCO_OVERLAP:
+                best = None
+                for h in DILOCO_PERIODS:
+                    if h % f or lag >= h // f:
+                        continue
+                    pred = predict(s, "diloco", comp, period=h, fragments=f, overlap=lag)
+                    best = (h, pred)
+                    if pred.scalability >= target:
+                        break
+                if best is not None:
+                    h, pred = best
+                    options.append({"period": h, "fragments": f, "overlap": lag, "compressor": comp, "bits": bits,
+                                    "reached": pred.scalability >= target, "iteration_s": pred.iteration_s,
+                                    "scalability": pred.scalability, "bytes_per_sync": pred.bytes_per_sync,
+                                    "bytes_per_step": pred.bytes_per_step})
+    reached = [o for o in options if o["reached"]]
+    if reached:
+        choice = min(reached, key=lambda o: (o["period"], -o["bits"], o["fragments"], o["overlap"]))
+    else:
+        choice = max(options, key=lambda o: (o["scalability"], o["bits"], -o["fragments"]))
+    plain = predict(s, "diloco", "none", period=choice["period"])
+    return {"target": target, **choice, "plain_bytes_per_sync": plain.bytes_per_sync, "options": options}
+
+
+def format_diloco(rec: dict) -> str:
+    mb = 1e6
+    bits = "32-bit" if rec["compressor"] == "none" else f"{rec['compressor']} ({rec['bits']}-bit)"
+    stream = (f"{rec['fragments']} fragments" if rec["fragments"] > 1 else "no fragments") + (
+        f", overlap {rec['overlap']}" if rec["overlap"] else "")
+    head = (f"DiLoCo family: period H={rec['period']}, {stream}, {bits} outer gradients -> scalability "
+            f"{rec['scalability']:.3f}" + ("" if rec["reached"] else f" (target {rec['target']} not reached)"))
+    return (head + f"\n  {rec['bytes_per_sync'] / mb:.3f} MB per sync (plain DiLoCo at H={rec['period']}: "
+            f"{rec['plain_bytes_per_sync'] / mb:.3f} MB), {rec['bytes_per_step'] / mb:.4f} MB per step; "
+            f"`--algorithm diloco --period {rec['period']}"
+            + (f" --fragments {rec['fragments']}" if rec["fragments"] > 1 else "")
+            + (f" --overlap {rec['overlap']}" if rec["overlap"] else "")
+            + ("" if rec["compressor"] == "none" else f" --compressor {rec['compressor']}") + "`")
 
 
 def format_table(rows: list[Advice], s: Scenario) -> str:

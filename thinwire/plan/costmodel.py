@@ -10,7 +10,7 @@ measured against the no-communication limit).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cost as netcost
@@ -18,7 +18,10 @@ from ..net import cdsgd as cd
 
 # compress + decompress time in memcpys of the input, measured by `thinwire bench compressors` (2^24 fp32,
 # this 2-core machine; see BENCHMARKS.md). Used when no calibration file exists.
-DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "onebit": 6.0, "signsgd": 4.0,
+# The DiLoCo family's (fp8 14, fp4 21, demo 28, sparseloco 19): `thinwire bench compressors` on 2026-11-23,
+# machine loaded, so indicative.
+DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "fp8": 14.0, "fp4": 21.0, "demo": 28.0,
+                    "sparseloco": 19.0, "onebit": 6.0, "signsgd": 4.0,
                     "signum": 4.0, "efsignsgd": 5.0, "qsgd": 8.0, "terngrad": 7.0, "natural": 6.0,
                     "threshold2bit": 6.0, "randomk": 4.0, "topk": 12.0, "threshold": 8.0, "dgc": 12.0,
                     "gaussiank": 10.0, "powersgd": 10.0, "countsketch": 8.0, "stc": 12.0, "qsparse": 12.0}
@@ -159,6 +162,7 @@ class Prediction:
     bytes_per_step: float
     note: str = ""
     collective: str = ""   # what carries the exchange: ring|tree|... all-reduce, allgather, gtopk, ..., ps, gossip
+    bytes_per_sync: float = 0.0   # the DiLoCo family: bytes one worker sends per (fragment) sync, the peak burst
 
     @property
     def scalability(self) -> float:
@@ -172,7 +176,11 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     localsgd: τ + C/H; ssp/asp: each worker τ + its push/pull, bounded below by the servers' link (incast);
     dpsgd / gossip: τ + α + dNβ; dts / delayed / tsparse (seed 004 §3): a window of p steps launches one
     exchange, waited t−1 steps later: τ + max(0, C − (t−1)τ)/p, bounded below by C/(2p) (gloo runs two
-    collectives at a time) and by the link's occupancy C_β/p. `sparse_collective=` (a top-k-family compressor)
+    collectives at a time) and by the link's occupancy C_β/p. diloco (`period` H, `fragments` F, `overlap`
+    τ_o): every K = H/F steps one fragment of N/F parameters is averaged (its exchange C_F, compression δ_F),
+    started τ_o steps before it is waited for: τ + max(0, δ_F + C_F − τ_o τ)/K; F = 1, τ_o = 0 is localsgd's
+    τ + (δ + C)/H (`overlap=τ_o`, an int, for diloco). Its peak, the bytes of one sync, is `bytes_per_sync`
+    (1/F of DiLoCo's). `sparse_collective=` (a top-k-family compressor)
     picks the sparse collective of its exchange; the prediction's `collective` names what carries it.
     """
     pred = _predict(s, algorithm, compressor, overlap, **p)
@@ -211,6 +219,16 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
     if algorithm in ("localsgd", "postlocalsgd"):
         h = int(p.get("period", p.get("H", 4)))
         return Prediction(algorithm, tau + (delta + comm.time) / h, tau, sent / h)
+    if algorithm == "diloco":
+        # diloco's own `overlap` (τ_o inner steps, an int) arrives as predict's `overlap` argument (WFBP's flag
+        # for the others: diloco's exchange starts during backward only on its sync steps, which τ_o covers)
+        h, f, lag = int(p.get("period", 50)), int(p.get("fragments", 1)), int(overlap)
+        k = max(1, h // f)
+        sf = replace(s, params=s.params / f)    # one fragment: 1/F of the model, through the same exchange
+        cf = exchange_cost(sf, compressor, p.get("sparse_collective"),
+                           **{k_: v for k_, v in p.items() if k_ in ("ratio", "rank", "levels", "threshold", "bucket")})
+        exposed = max(0.0, sf.compress_s(compressor) + cf.time - lag * tau)   # hidden by τ_o further inner steps
+        return Prediction(algorithm, tau + exposed / k, tau, cf.sent / k, bytes_per_sync=cf.sent)
     if algorithm in ("asp", "ssp", "backup"):
         ps = ps_push_pull(s.link, s.workers, comm.sent if compressor != "none" else s.nbytes, s.servers,
                           down_bytes=s.nbytes)
@@ -238,4 +256,4 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
 
 
 PLANNED = ("bsp", "bitsgd", "odsgd", "cdsgd", "localsgd", "postlocalsgd", "ssp", "asp", "backup", "dpsgd",
-           "choco", "sgp", "adpsgd", "dts", "delayed", "tsparse", "local")
+           "choco", "sgp", "adpsgd", "dts", "delayed", "tsparse", "local", "diloco")
