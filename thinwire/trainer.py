@@ -6,7 +6,9 @@
 
 Keyword parameters are routed by name to the algorithm, the compressor, the memory, the scheduler
 (`thinwire.sched.make`: schedule, bucket_mb, ...) and the transport (`allreduce`: the all-reduce algorithm);
-each gets the ones it declares, and a parameter none of them takes is an error at construction.
+each gets the ones it declares, and a parameter none of them takes is an error at construction. On the parameter
+server, `downlink_<name>` is parameter <name> of the downlink compressor (`downlink_compressor="qsgd",
+downlink_levels=3`; gathered into the algorithm's `downlink_params`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,13 @@ TRANSPORT_PARAMS = ("allreduce",)
 
 def _route(algorithm: str, compressor: str, memory: str, params: dict) -> tuple[dict, ...]:
     """(algorithm, compressor, memory, scheduler, transport) parameters, each taking the names it declares."""
+    params = dict(params)
+    if isinstance(algorithm, str) and algorithms.registry.accepts(algorithm, "downlink_params"):
+        down = {k: params.pop(k) for k in list(params)
+                if k.startswith("downlink_") and k not in ("downlink_compressor", "downlink_params")}
+        if down:   # the downlink compressor's own parameters (it names the valid ones)
+            params["downlink_params"] = {**(params.get("downlink_params") or {}),
+                                         **{k[len("downlink_"):]: v for k, v in down.items()}}
     tables = [(algorithms.registry, algorithm), (compressors, compressor), (memories, memory)]
     fixed = [SCHED_PARAMS, TRANSPORT_PARAMS]
     routed: list[dict] = [{}, {}, {}, {}, {}]

@@ -14,7 +14,8 @@ def add_run_options(p) -> None:
     p.add_argument("--workload", default="digits-mlp", help="workload name (see `thinwire list`)")
     p.add_argument("--algorithm", default="bsp", help="algorithm name (see `thinwire list`)")
     p.add_argument("--workers", type=int, default=4, help="number of worker processes (default 4)")
-    p.add_argument("--servers", type=int, default=0, help="parameter-server ranks (algorithms on the PS)")
+    p.add_argument("--servers", type=int, default=None,
+                   help="parameter-server ranks (algorithms on the PS; default 1 there)")
     p.add_argument("--network", default="lan",
                    help="lan, dc, cluster, wan, world or custom:bandwidth=200mbit,latency=25ms,jitter=5ms")
     g = p.add_mutually_exclusive_group()

@@ -51,6 +51,7 @@ class Handle(Future):
         self._real_at: float | None = None          # when the real op completed
         self._scheduled = threading.Event()
         self._callbacks: list = []
+        self._arrival: list = []                    # on_arrival callbacks
         self._real_event = threading.Event()          # the real op completed (or failed)
         self.generation = MEMBERSHIP.generation      # the membership it was issued in
         # a collective is delivered in issue order: gloo's two threads may finish the second collective first,
@@ -89,8 +90,10 @@ class Handle(Future):
 
     def _on_real_done(self) -> None:
         with self._lock:
-            if self._real_at is None:
+            first = self._real_at is None
+            if first:
                 self._real_at = _now()
+                arrivals, self._arrival = self._arrival, []
         self._real_event.set()
         if self._ordered:
             self.transport._drain()
@@ -101,6 +104,23 @@ class Handle(Future):
                     self._schedule(self._real_at)
             if scheduled:
                 self._fire()
+        if first:
+            for fn in arrivals:
+                fn(self)
+
+    def arrived(self) -> bool:
+        """Whether the real operation finished (a receive's buffer holds the data), whatever its emulated delivery
+        time: a receiver may post the receive that follows (a message's body after its header) without paying
+        the link's latency twice."""
+        return self._real_at is not None
+
+    def on_arrival(self, fn) -> None:
+        """`fn(self)` once the real operation finished (see `arrived`): on the thread that saw it, or now."""
+        with self._lock:
+            if self._real_at is None:
+                self._arrival.append(fn)
+                return
+        fn(self)
 
     def _schedule(self, t_done: float) -> None:
         tx, rx, latency = self._flags

@@ -20,7 +20,9 @@ Each compressor declares its algebra so the exchange layer can pick the collecti
                world size and feeds the contribution to the memory (PowerSGD).
 Payloads of other ranks ("allgather", "majority") arrive as 1-D tensors of the same dtypes, in the same order,
 with THIS rank's `ctx`: a compressor must put in `ctx` only what every rank knows (shape, dtype, a shared seed's
-indices), never something about its own data. `fixed_size = True` says the payload size depends only on the
+indices), never something about its own data. A rank that decodes without having compressed (a parameter server
+decoding pushes, a worker decoding the server's compressed reply) asks `context(shape, dtype, key, step)` for the
+ctx `compress` would have made: computed from what every rank knows, without compressing, touching no state. `fixed_size = True` says the payload size depends only on the
 tensor's shape, so a gather can skip the size exchange.
 `sum_payload` may also pre-scale (fp16 divides by the world size before the sum, as PyTorch's
 `fp16_compress_hook` does, so the fp16 sum cannot overflow), as long as `decompress` of the summed payload still
@@ -138,6 +140,14 @@ class Compressor:
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         raise NotImplementedError
+
+    def context(self, shape, dtype: torch.dtype, key: Any = None, step: int = 0) -> Any:
+        """The `ctx` that `compress` gives the payload of a tensor of `shape` and `dtype` under (key, step),
+        without its data (no compression, no change of state): what a receiver that did not compress decodes a
+        payload with. Default: (shape, dtype, numel), the convention of most compressors; a compressor whose
+        ctx holds something else (a shared seed's indices, a pre-scale) overrides it."""
+        shape = torch.Size(shape)
+        return (shape, dtype, shape.numel())
 
     def agree(self, tensor: torch.Tensor, key: Any = None, step: int = 0) -> torch.Tensor | None:
         """("allreduce" only) a small tensor all ranks must agree on (all-reduced with max) before compressing."""

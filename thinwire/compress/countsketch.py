@@ -199,6 +199,9 @@ class CountSketch(Compressor):
             return Payload([table, flat[self._heavy(table, key, d)]], ctx=ctx)
         return Payload([table], ctx=ctx)
 
+    def context(self, shape, dtype, key=None, step=0):
+        return (torch.Size(shape), dtype, torch.Size(shape).numel(), key)   # the hashes follow (seed, key)
+
     def decompress(self, payload):
         shape, dtype, d, key = payload.ctx
         if self._dense(d):

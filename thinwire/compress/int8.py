@@ -89,6 +89,9 @@ class Int8(Compressor):
     def sum_payload(self, payload, world_size):
         return Payload([widen(payload.tensors[0], LEVELS * world_size)], ctx=payload.ctx)
 
+    def context(self, shape, dtype, key=None, step=0):
+        return {"shape": torch.Size(shape), "dtype": dtype}      # not agreed: the scale travels in the payload
+
     def decompress(self, payload):
         ctx = payload.ctx
         s = float(payload.tensors[1]) if len(payload.tensors) > 1 else ctx["scale"]

@@ -104,6 +104,10 @@ class QSGD(Compressor):
         ctx["summed"] = True
         return Payload([levels], ctx=ctx)
 
+    def context(self, shape, dtype, key=None, step=0):
+        # not agreed (the scale travels in the payload) and not summed
+        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel(), "summed": False}
+
     def decompress(self, payload):
         ctx = payload.ctx
         norms = ctx["norms"] if "norms" in ctx else payload.tensors[1]

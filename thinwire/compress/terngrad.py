@@ -78,6 +78,10 @@ class TernGrad(Compressor):
         codes = unpack(payload.tensors[0], 2, ctx["numel"])
         return Payload([widen(codes, max(2, world_size)).sub_(1)], ctx=ctx)
 
+    def context(self, shape, dtype, key=None, step=0):
+        # not agreed (the scale travels in the payload) and not summed
+        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel(), "summed": False}
+
     def decompress(self, payload):
         ctx = payload.ctx
         s = float(payload.tensors[1]) if len(payload.tensors) > 1 else ctx["scale"]

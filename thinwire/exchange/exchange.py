@@ -178,10 +178,7 @@ class Exchange:
             agreed = comp.agree(c, key, step)
             if agreed is not None:      # the ranks agree on a scale first (a max all-reduce), then quantize
                 yield (yield from tr.all_reduce_program(agreed, op="max"))
-        with tracer.span("compress", "compress"):
-            payload = comp.compress(c, key, step, agreed=agreed)
-            if self._memory_updates:
-                self.memory.update(c, key, comp.decompress(payload))
+        payload = self._compress(c, key, step, agreed)
         if collective == "allreduce":
             return (yield from self._allreduce(payload, x, c))
         return (yield from self._gather(payload, x))
@@ -197,6 +194,20 @@ class Exchange:
 
     def aggregate(self, tensor: torch.Tensor, key: Any = None, shapes=None) -> torch.Tensor:
         return self.start(tensor, key, shapes).wait()
+
+    def encode(self, tensor: torch.Tensor, key: Any, step: int) -> Payload:
+        """This rank's contribution alone, with no agreement among ranks (a push to a parameter server):
+        compensate -> compress -> update the memory; the payload."""
+        with self.transport.tracer.span("compress", "compress"):
+            c = self.memory.compensate(tensor, key)
+        return self._compress(c, key, step)
+
+    def _compress(self, c: torch.Tensor, key: Any, step: int, agreed=None) -> Payload:
+        with self.transport.tracer.span("compress", "compress"):
+            payload = self.compressor.compress(c, key, step, agreed=agreed)
+            if self._memory_updates:
+                self.memory.update(c, key, self.compressor.decompress(payload))
+        return payload
 
     # -- the collectives -------------------------------------------------------------------------------
     def _allreduce(self, payload: Payload, x: torch.Tensor, c: torch.Tensor):

@@ -93,7 +93,7 @@ class TrainConfig:
     target: float | None = None
     compressor: str | None = None
     memory: str | None = None
-    servers: int = 0
+    servers: int | None = None            # parameter-server ranks; None: the algorithm's default on the PS, else 0
     params: dict = field(default_factory=dict)
     trace: bool = False
     progress: bool = True
@@ -129,13 +129,14 @@ class TrainConfig:
         parse_network(self.network)
         from .launcher import MAX_LOCAL_WORKERS, under_torchrun
         check_int("--workers", self.workers, 1)
+        arch = self.architecture()
+        self.resolve_servers()
         check_int("--servers", self.servers, 0)
         check_int("--seed", self.seed, 0, MAX_SEED)
         if self.workers + self.servers > MAX_LOCAL_WORKERS and not under_torchrun():
             raise UserError(f"--workers + --servers must be at most {MAX_LOCAL_WORKERS} on one machine, got "
                             f"{self.workers + self.servers} (each rank is a process with its own interpreter, "
                             f"torch runtime and copy of the model); across machines run under torchrun")
-        arch = self.params.get("architecture") or algorithms.architectures(self.algorithm)[0]
         if arch not in algorithms.architectures(self.algorithm):
             algorithms.registry.lookup(self.algorithm)(architecture=arch)  # its own message (seed 000 Table II)
         if arch == "ps" and self.servers < 1:  # server ranks come beside the workers: world = workers + servers
@@ -176,8 +177,10 @@ class TrainConfig:
         if self.checkpoint_every is not None and self.servers:
             from ..algorithms.ps_sync import checkpointable_on_ps
             if not checkpointable_on_ps(self.algorithm):
+                from ..algorithms import names
+                ok = [n for n in names() if n in ("bsp", "ssp", "asp", "backup") or checkpointable_on_ps(n)]
                 raise UserError(f"checkpoints of {self.algorithm} on the parameter server are not supported; "
-                                f"checkpointable there: bsp, ssp, asp, backup (or {self.algorithm} on all-reduce)")
+                                f"checkpointable there: {', '.join(ok)} (or {self.algorithm} on all-reduce)")
         if self.resume is not None:
             from .checkpoint import check
             check(self.resume, self.workers + self.servers, self)
@@ -215,6 +218,7 @@ class TrainConfig:
         if self.compressor or self.memory or self.servers:
             raise UserError(f"{self.algorithm} is a peer (PyTorch's or torchft's own): it takes no thinwire "
                             f"--compressor, --memory or --servers")
+        self.servers = 0
         if self.checkpoint_every is not None or self.resume is not None:
             raise UserError(f"checkpoints are written by thinwire's algorithms; {self.algorithm} is a peer "
                             f"(run it without --checkpoint-every / --resume)")
@@ -235,6 +239,20 @@ class TrainConfig:
             raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
         check_peer(self.algorithm, self.params, self.workers)
         return self
+
+    def architecture(self) -> str:
+        from .. import algorithms
+        return self.params.get("architecture") or algorithms.architectures(self.algorithm)[0]
+
+    def resolve_servers(self) -> int:
+        """`servers` omitted (None): the algorithm's default on the parameter server (what `thinwire list`
+        shows, 1), else 0."""
+        if self.servers is None:
+            from .. import algorithms
+            default = algorithms.registry.parameters(self.algorithm).get("servers")
+            on_ps = self.architecture() == "ps"
+            self.servers = (default if isinstance(default, int) and default > 0 else 1) if on_ps else 0
+        return self.servers
 
     def component_params(self) -> dict:
         """The parameters routed to the algorithm, compressor and memory (`--servers` included)."""
@@ -358,7 +376,7 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
     """Under torchrun: train as one worker of the job; rank 0 gathers the records (as JSON, never pickle)
     and writes the outputs. Returns the summary on rank 0, None elsewhere."""
     import torch.distributed as dist
-    if world_size != cfg.workers + cfg.servers:
+    if world_size != cfg.workers + cfg.resolve_servers():
         cfg.workers = world_size - cfg.servers
     from . import checkpoint
     if cfg.resume and not checkpoint.exists(cfg.resume):
