@@ -64,9 +64,9 @@ class Algorithm:
         """Raise UserError (naming what to use instead) if this algorithm cannot run with `compressor` and
         `memory`; called at construction, before any worker starts. The parameter server's links cannot carry a
         compressor that runs its own collective."""
-        if self.architecture == "ps":
-            from ..comm.ps import check_compressor
-            check_compressor(compressor)
+        if self.architecture == "ps" and compressor is not None:
+            from ..exchange.ps import check_uplink
+            check_uplink(compressor)
 
     def setup(self) -> None:
         """Build exchanges and buffers (called once the trainer is wired, before the scheduler attaches)."""
