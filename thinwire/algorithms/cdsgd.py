@@ -157,6 +157,7 @@ class CDSGD(BSP):
 
     # -- wiring ----------------------------------------------------------------------------------------
     def check_components(self, compressor, memory):
+        super().check_components(compressor, memory)
         if not self.compress and compressor.name != "none":
             raise UserError(f"{self.name} exchanges full-precision gradients; drop --compressor "
                             f"(compressed: cdsgd, bitsgd)")
