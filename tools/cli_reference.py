@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's thinwire, installed or not
 
 MARKER = "<!-- cli-reference -->"
 
