@@ -24,6 +24,8 @@ def test_rules_and_parameter_routing():
     assert type(algorithms.get("bsp")) is BSP and type(algorithms.get("bsp", architecture="ps")) is PSBSP
     assert build_components("dpsgd", topology="torus")[0].topology_name == "torus"   # others unchanged
     with pytest.raises(UserError, match="unknown parameter 'topology'.*valid"):
+        build_components("dts", topology="ring")
+    with pytest.raises(UserError, match="topology is for architecture=gossip"):   # localsgd has a gossip form
         build_components("localsgd", topology="ring")
     with pytest.raises(UserError, match="architecture=gossip"):
         algorithms.get("bsp", topology="ring")                   # all-reduce has no topology

@@ -37,6 +37,33 @@ def test_cost_formulas_of_hierarchical_and_torus():
     assert torus_allreduce(link, 8, N, 4).time == pytest.approx(8 * a + 1.5 * N * b + 0.25 * N * b)
     assert torus_allreduce(link, 8, N, 8).time == pytest.approx(ring_allreduce(link, 8, N).time)
     assert set(P2P) == set(ALLREDUCE)
+    # recursive halving (Rabenseifner) on 8: 2·3α + 2·7/8 Nβ; on 6 the 2 extra ranks fold in and out: + 2(α + Nβ)
+    assert ALLREDUCE["recursive_halving"](link, 8, N).time == pytest.approx(6 * a + 1.75 * N * b)
+    assert ALLREDUCE["recursive_halving"](link, 6, N).time == pytest.approx(4 * a + 1.5 * N * b + 2 * (a + N * b))
+    # double binary tree on 8 (height 3), 4 blocks per half: 2·3α + 2·(4 + 2)/4 Nβ
+    assert ALLREDUCE["double_binary_tree"](link, 8, N, blocks=4).time == pytest.approx(6 * a + 3 * N * b)
+    from thinwire.plan.costmodel import COLLECTIVES
+    assert all(COLLECTIVES[name] is ALLREDUCE[name] for name in P2P)   # the planner costs what runs
+
+
+def test_double_binary_trees_are_complementary():
+    from thinwire.comm.collectives import double_trees
+    for n in range(2, 20):
+        trees = double_trees(n)
+        inner = [{i for i, (_, kids) in enumerate(t) if kids} for t in trees]
+        assert not inner[0] & inner[1], n              # an inner node of one tree is a leaf of the other
+        for t in trees:
+            roots = [i for i, (parent, _) in enumerate(t) if parent is None]
+            assert len(roots) == 1 and all(len(kids) <= 2 for _, kids in t)
+            depth = {roots[0]: 0}
+            todo = [roots[0]]
+            while todo:
+                i = todo.pop()
+                for c in t[i][1]:
+                    assert t[c][0] == i
+                    depth[c] = depth[i] + 1
+                    todo.append(c)
+            assert len(depth) == n and max(depth.values()) == n.bit_length() - 1   # height ⌊log2 n⌋
 
 
 def _equal_to_gloo(rank, n):
@@ -88,7 +115,8 @@ def _odd_world(rank, n):
     if rank == 3:
         return None
     out = []
-    for algo in ["ring", "recursive_doubling", "tree", "torus", "hierarchical:3"]:
+    for algo in ["ring", "recursive_doubling", "recursive_halving", "tree", "double_binary_tree", "torus",
+                 "hierarchical:3"]:
         tp = Transport(group=g, allreduce=algo)
         x = torch.arange(7, dtype=torch.float64) * (rank + 1)
         tp.all_reduce(x)

@@ -1,15 +1,20 @@
 """`thinwire compare`: cell specs and presets (pure logic), a tiny matrix end to end on lan with 2 real gloo
-workers (thinwire cells and PyTorch peers), interruption/resume, and the real-network mode (root only)."""
+workers (thinwire cells, PyTorch peers, torchft's DiLoCo where installed), the race's semantics (the same budget of
+training time for every cell, no step count cutting a fast cell, the stop at the target, seeds), the defaults the
+planner picks, interruption/resume, and the real-network mode (root only)."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import time
 
 import pytest
 
 from thinwire.cli.compare import _networks, split_cells
 from thinwire.errors import UserError
+from thinwire.net import parse_network
 from thinwire.run import compare as cmp
 from thinwire.run import presets
 
@@ -54,14 +59,22 @@ def test_strict_cells_raise_and_presets_skip_with_notes():
 
 
 # -- end to end ------------------------------------------------------------------------------------------------
-CELLS = ["bsp", "bsp+fp16", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-postlocalsgd:period=2,warmup=2"]
+def _torchft() -> bool:
+    from thinwire.run.peers import optional_missing
+    return optional_missing("torchft-diloco") is None
+
+
+CELLS = ["bsp", "bsp+fp16", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-postlocalsgd:period=2,warmup=2",
+         "ddp-hierarchical:period=4,local_period=2,group=1,warmup=2"] + (["torchft-diloco:period=4"] if _torchft()
+                                                                         else [])
 
 
 @pytest.fixture(scope="module")
 def matrix(pool2, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("cmp"))
+    # evaluations every step: the step a cell stops at is then the first on target, whatever the timing
     cfg = cmp.CompareConfig(workload="digits-mlp", workers=2, networks=["lan"], cells=CELLS, epochs=1.0,
-                            target=0.5)
+                            target=0.8, eval_every=1)
     t0 = time.perf_counter()
     results = cmp.compare(cfg, out, progress=False, pool=pool2)
     return out, results, time.perf_counter() - t0
@@ -90,9 +103,19 @@ def test_matrix_end_to_end(matrix):
     assert by["bsp+fp16"]["bytes_sent_per_worker_per_step"] == pytest.approx(nominal / 2, rel=0.05)
     assert by["ddp-powersgd"]["bytes_sent_per_worker_per_step"] < nominal / 2
     assert by["ddp-postlocalsgd:period=2,warmup=2"]["bytes_sent_per_worker_per_step"] < nominal
+    assert by["ddp-hierarchical:period=4,local_period=2,group=1,warmup=2"]["bytes_sent_per_worker_per_step"] < nominal
+    if _torchft():  # one fp32 bucket of the model every 4 steps, through the wrapped process group
+        r = by["torchft-diloco:period=4"]
+        assert r["bytes_sent_per_worker"] == pytest.approx(r["steps"] // 4 * nominal)
+        assert "torchft" in r["algorithm_metrics"]["peer"]
     assert all(by[p]["peer"] for p in ("ddp", "ddp-fp16", "ddp-powersgd")) and not by["bsp"]["peer"]
     # the same workload, seed and shards: plain DDP and thinwire's bsp train the same model
     assert by["ddp"]["final_accuracy"] == pytest.approx(by["bsp"]["final_accuracy"], abs=0.02)
+    assert by["ddp"]["steps_to_target"] == by["bsp"]["steps_to_target"]
+    for r in on_disk["cells"]:  # the race: each cell stopped at the first evaluation on target, or at its bound
+        assert r["stop_reason"] in ("target", "steps") and r["config"]["stop_at_target"]
+        if r["stop_reason"] == "target":
+            assert r["steps"] == r["steps_to_target"] and r["best_accuracy"] >= 0.8
 
 
 def test_report_and_plots(matrix):
@@ -116,11 +139,11 @@ def test_interrupted_matrix_keeps_cells_and_resumes(matrix, pool2, tmp_path, mon
     real = cmp.Harness.run_cell
     calls = []
 
-    def interrupt_on_third(self, cell, network):
+    def interrupt_on_third(self, cell, network, seed=None):
         calls.append(cmp.cell_key(cell.label, network))
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(self, cell, network)
+        return real(self, cell, network, seed)
 
     monkeypatch.setattr(cmp.Harness, "run_cell", interrupt_on_third)
     os.makedirs(out, exist_ok=True)
@@ -157,7 +180,148 @@ def test_cli_rejects_bad_input():
     with pytest.raises(UserError, match="--algorithms"):
         config_from_args(argparse.Namespace(**base))
     cfg = config_from_args(argparse.Namespace(**{**base, "preset": "quick", "network": "lan,wan", "workers": 2}))
-    assert cfg.networks == ["lan", "wan"] and cfg.workers == 2 and cfg.workload == "wide-mlp"
+    assert cfg.networks == ["lan", "wan"] and cfg.workers == 2
+    assert cfg.workload == presets.get("quick").workload and cfg.budget_s == presets.get("quick").budget_s
+    cfg = config_from_args(argparse.Namespace(**{**base, "preset": "world", "seeds": 2}))
+    assert cfg.seeds == 2 and config_from_args(argparse.Namespace(**{**base, "preset": "world"})).seeds == 3
+
+
+# -- the race ----------------------------------------------------------------------------------------------------
+def test_every_cell_gets_the_same_budget_and_a_fast_cell_is_not_cut_off_by_steps(pool2, tmp_path):
+    """A slow-per-step cell (bsp behind 30 ms of emulated latency) and a fast one (`local`: no communication) with
+    an unreachable target: both train until the first evaluation whose (agreed) training clock reached the same
+    budget; the fast one runs far more steps than the workload's epochs would have allowed."""
+    from thinwire.run.train import TrainConfig
+    from thinwire.run.workloads import get
+    budget = 2.0
+    cfg = cmp.CompareConfig(workload="digits-mlp", workers=2, networks=["custom:latency=30ms"],
+                            cells=["bsp", "local"], budget_s=budget, target=1.01)
+    res = cmp.compare(cfg, str(tmp_path), progress=False, pool=pool2)
+    by = {r["label"]: r for r in res["cells"]}
+    for r in by.values():
+        assert r["status"] == "ok" and r["config"]["budget_s"] == budget and r["stop_reason"] == "budget"
+        ts = [p[0] for p in r["curve"]]  # the evaluations' training clocks (the slowest worker's)
+        assert ts[-2] < budget <= ts[-1] <= r["train_s"]
+    old_bound = TrainConfig(workload="digits-mlp", workers=2).total_steps(get("digits-mlp"))
+    assert by["local"]["steps"] > max(old_bound, 5 * by["bsp"]["steps"])
+    report = open(tmp_path / "report.md").read()
+    assert f"same budget of {budget:g} s of training time" in report and "not reached (budget)" in report
+
+
+def test_seeds_give_median_range_and_noise(pool2, tmp_path):
+    """Two seeds per cell: a row per seed, the summary's median and range, the stop at the target, the same
+    trajectory for bsp and DDP seed by seed, and the report's statement about noise."""
+    cfg = cmp.CompareConfig(workload="digits-mlp", workers=2, networks=["lan"], cells=["bsp", "ddp"], epochs=2.0,
+                            target=0.8, seeds=2, seed=3, eval_every=1)
+    res = cmp.compare(cfg, str(tmp_path), progress=False, pool=pool2)
+    rows = {(r["label"], r["seed"]): r for r in res["cells"]}
+    assert set(rows) == {("bsp", 3), ("bsp", 4), ("ddp", 3), ("ddp", 4)}
+    for (label, seed), r in rows.items():
+        assert r["key"] == cmp.cell_key(label, "lan", seed) and r["config"]["seed"] == seed
+        assert r["stop_reason"] == "target" and r["steps"] == r["steps_to_target"]
+        assert r["steps_to_target"] == rows["bsp", seed]["steps_to_target"]  # DDP = bsp, step by step
+    for e in res["summary"]:
+        ttt = sorted(rows[e["label"], s]["time_to_target_s"] for s in (3, 4))
+        assert e["seeds"] == e["reached"] == 2
+        assert (e["ttt_min"], e["ttt_max"]) == (ttt[0], ttt[1]) and e["ttt_median"] == pytest.approx(sum(ttt) / 2)
+    best, other = cmp.rank(res["summary"])
+    assert other["within_noise_of_best"] == (other["ttt_min"] <= best["ttt_max"])
+    report = open(tmp_path / "report.md").read()
+    assert "median over 2 seeds" in report and ("Within noise of it" in report or "outside the seed" in report)
+
+
+def test_predicted_time_to_target_of_a_cell_out_of_budget():
+    """A cell that ran out of budget gets the steps to target of the same trajectory elsewhere in the matrix
+    (the same settings and seed on another network; or an exact synchronous-SGD cell) × its own step time."""
+    def row(label, network, alg, steps_to_target, step_s, seed=0, params=None, compressor=None):
+        return {"label": label, "network": network, "seed": seed, "status": "ok", "step_time_s": step_s,
+                "steps_to_target": steps_to_target, "time_to_target_s": None if steps_to_target is None else 1.0,
+                "cell": {"algorithm": alg, "compressor": compressor, "memory": None, "params": params or {},
+                         "optimizer": None}}
+    rows = [row("bsp", "lan", "bsp", 40, 0.01), row("bsp", "world", "bsp", None, 2.0),
+            row("ddp", "world", "ddp", None, 1.5), row("dts", "world", "dts", None, 0.3, params={"delay": 2}),
+            row("dts", "lan", "dts", 60, 0.01, params={"delay": 3}), row("bsp", "world", "bsp", None, 2.0, seed=1)]
+    cmp.predict_missing(rows)
+    assert rows[1]["predicted_time_to_target_s"] == pytest.approx(40 * 2.0) and "`bsp` on lan" in rows[1]["prediction_basis"]
+    assert rows[2]["predicted_time_to_target_s"] == pytest.approx(40 * 1.5)   # DDP: exact synchronous SGD as bsp
+    assert "predicted_time_to_target_s" not in rows[3]   # other settings: another trajectory, no prediction
+    assert "predicted_time_to_target_s" not in rows[5]   # another seed
+    assert "predicted_time_to_target_s" not in rows[0]   # reached: measured, not predicted
+
+
+def test_noise_is_overlapping_ranges():
+    def e(label, ttts):
+        finite = [t for t in ttts if t is not None]
+        vals = [t if t is not None else math.inf for t in ttts]
+        return {"label": label, "network": "wan", "status": "ok", "metric": "accuracy", "best_accuracy": 0.9,
+                "seeds": len(ttts), "ok": len(ttts), "reached": len(finite), "ttt_median": statistics.median(vals),
+                "ttt_min": min(vals), "ttt_max": max(vals)}
+    rows = []
+    for label, ttts in (("a", [10, 11, 12]), ("b", [11.5, 13, 14]), ("c", [20, 21, 22]), ("d", [None, None, 9])):
+        for i, t in enumerate(ttts):
+            rows.append({"label": label, "network": "wan", "seed": i, "status": "ok", "metric": "accuracy",
+                         "time_to_target_s": t, "best_accuracy": 0.9, "cell": {}})
+    out = {x["label"]: x for x in cmp.aggregate(rows, ["wan"])}
+    assert [x["label"] for x in cmp.rank(list(out.values()))] == ["a", "b", "c", "d"]  # d: 1/3 seeds reached
+    assert out["b"]["within_noise_of_best"] and not out["c"]["within_noise_of_best"]
+    assert out["d"]["within_noise_of_best"]  # [9, ∞] overlaps [10, 12]: one good seed is not a verdict
+    assert (out["a"]["ttt_median"], out["a"]["ttt_min"], out["a"]["ttt_max"]) == (11, 10, 12)
+
+
+# -- defaults that suit the network ---------------------------------------------------------------------------------
+def test_defaults_are_picked_for_the_network_and_stated():
+    cell = presets.parse_cell("localsgd")
+    lan, why_lan = cmp.tune_cell(cell, "cluster", "wide-mlp", 4, compute_s=0.05)
+    wan, why_wan = cmp.tune_cell(cell, "world", "wide-mlp", 4, compute_s=0.05)
+    assert lan.params["period"] < wan.params["period"] and cell.params == {}   # the cell itself is untouched
+    assert "planner: world" in why_wan[0] and "M params" in why_wan[0] and why_wan[0].startswith("period=")
+    dts, why = cmp.tune_cell(presets.parse_cell("dts:delay=2"), "world", "wide-mlp", 4, compute_s=0.05)
+    assert dts.params["delay"] == 2 and "period" in dts.params and why[0].startswith("period=")  # given ones stay
+    peer, _ = cmp.tune_cell(presets.parse_cell("ddp-postlocalsgd"), "world", "wide-mlp", 4, compute_s=0.05)
+    assert peer.params["period"] == wan.params["period"]   # planned as the same model averaging
+    same, why = cmp.tune_cell(presets.parse_cell("localsgd:period=8"), "world", "wide-mlp", 4, compute_s=0.05)
+    assert same.params == {"period": 8} and why == []
+    assert cmp.tune_cell(presets.parse_cell("bsp"), "world", "wide-mlp", 4, compute_s=0.05) == (presets.parse_cell("bsp"), [])
+
+
+def test_sgd_only_algorithms_run_with_sgd_on_another_optimizer(monkeypatch):
+    from thinwire.run import workloads
+    real = workloads.get
+    monkeypatch.setattr(workloads, "get", lambda name: _Adam(real(name)))
+    cell, why = cmp.tune_cell(presets.parse_cell("dts"), "world", "wide-mlp", 4, compute_s=0.05)
+    assert cell.optimizer == "sgd" and why[0].startswith("optimizer=sgd: dts compensates SGD only")
+    cell, why = cmp.tune_cell(presets.parse_cell("localsgd"), "world", "wide-mlp", 4, compute_s=0.05)
+    assert cell.optimizer is None
+
+
+class _Adam:
+    def __init__(self, wl):
+        self._wl, self.optimizer = wl, "adamw"
+
+    def __getattr__(self, name):
+        return getattr(self._wl, name)
+
+
+def test_presets_name_the_papers_matrices():
+    quick = presets.get("quick")
+    assert quick.workload == "stdlib-lm" and quick.networks in (["world"], ["wan"]) and quick.budget_s
+    names = {presets.parse_cell(c).algorithm for c in quick.cells}
+    assert {"bsp", "ddp", "localsgd", "diloco", "torchft-diloco"} <= names
+    assert names & {"ddp-postlocalsgd", "ddp-powersgd", "ddp-hierarchical"}
+    assert any(presets.parse_cell(c).memory for c in quick.cells)   # a compressor with error feedback
+    dts = presets.get("paper-dts")
+    lat = [parse_network(n).latency for n in dts.networks]
+    assert lat[0] == 0 and max(lat) == pytest.approx(1.0) and 0.25 in [round(x, 3) for x in lat]
+    assert {presets.parse_cell(c).algorithm for c in dts.cells} == {"bsp", "delayed", "tsparse", "dts"}
+    assert any(presets.parse_cell(c).compressor == "dgc" for c in dts.cells)
+    cd = presets.get("paper-cdsgd")
+    assert {"ssgd", "bitsgd", "odsgd", "cdsgd"} == {presets.parse_cell(c).algorithm for c in cd.cells}
+    assert sorted(presets.parse_cell(c).params["k"] for c in cd.cells if "k=" in c) == [2, 5, 10, 20]
+    world = presets.get("world")
+    assert world.seeds == 3 and world.networks == ["world"]
+    assert set(presets.PEERS) <= {presets.parse_cell(c).algorithm for c in world.cells}
+    from thinwire.run import workloads
+    assert all(p.workload in workloads.registry for p in presets.PRESETS.values())
 
 
 # -- real-network mode -----------------------------------------------------------------------------------------

@@ -347,16 +347,22 @@ def test_fp16_overflow_and_bad_parameters():
 def test_bench_covers_every_registered_compressor(tmp_path):
     from thinwire.run.benchmarks.compressors import _table, bench, plot
     result = bench(4096, compressors.names(), repeat=1)
-    assert set(result) == {"numel", "memcpy_ms", "compressors"} and result["memcpy_ms"] > 0
+    assert set(result) == {"numel", "world_size", "memcpy_ms", "compressors"} and result["memcpy_ms"] > 0
     assert [r["name"] for r in result["compressors"]] == compressors.names()
     keys = {"name", "compress_ms", "decompress_ms", "x_memcpy", "payload_bytes", "bits_per_element",
-            "nominal_bits_per_element"}
+            "nominal_bits_per_element", "wire_bits_per_element", "collective"}
     for row in result["compressors"]:
         if row["name"] in QUANTIZERS:
             assert set(row) == keys, row
             assert row["payload_bytes"] == payload_bytes(row["name"], 4096)
             nominal = row["nominal_bits_per_element"]
             assert abs(row["bits_per_element"] - nominal) <= 0.03 * nominal
+    # what goes on the wire at 4 ranks: qsgd's 4-bit codes travel as 8-bit summed levels (all-reduce beats
+    # the all-gather there); terngrad's 2-bit codes are gathered
+    rows = {r["name"]: r for r in result["compressors"]}
+    assert rows["qsgd"]["collective"] == "allreduce"
+    assert rows["qsgd"]["wire_bits_per_element"] == pytest.approx(8 + 32 * 8 / 4096)
+    assert rows["terngrad"]["collective"] == "allgather" and rows["terngrad"]["wire_bits_per_element"] == 2 + 32 / 4096
     assert "qsgd" in _table(result)
     plot(result, str(tmp_path / "c.png"))
     assert (tmp_path / "c.png").stat().st_size > 1000

@@ -162,7 +162,7 @@ def test_stc_and_qsparse_payloads_are_packed():
 
 def test_countsketch_is_linear_and_recovers_heavy_hitters():
     d = 4096
-    c = tw.compressors.get("countsketch", ratio=0.25, rows=5)
+    c = tw.compressors.get("countsketch", ratio=0.25, rows=5, heavy=0)
     a, b = torch.randn(d) * 0.01, torch.randn(d) * 0.01
     pa, pb, pab = (c.compress(t, key="g") for t in (a, b, a + b))
     assert torch.allclose(pa.tensors[0] + pb.tensors[0], pab.tensors[0], atol=1e-6)     # S(a)+S(b) = S(a+b)
@@ -170,6 +170,28 @@ def test_countsketch_is_linear_and_recovers_heavy_hitters():
     est = c.decompress(c.compress(a, key="g"))
     assert torch.allclose(est[[3, 100, 2000]], a[[3, 100, 2000]], atol=0.1)
     assert c.compress(a, key="g").nbytes == 5 * next_prime(math.ceil(0.25 * d / 5)) * 4
+
+
+def test_countsketch_heavy_hitter_recovery_single_process():
+    """heavy > 0: the sketch and the exact values at the top heavy·d coordinates of its estimate (Sketched-SGD's
+    second round); tiny tensors go dense; heavy = 0 is the one-round linear sketch."""
+    d = 4096
+    x = torch.randn(d, generator=torch.Generator().manual_seed(3)) * 0.01
+    x[[3, 100, 2000]] = torch.tensor([5.0, -4.0, 3.0])
+    c = tw.compressors.get("countsketch", ratio=0.25, rows=5, heavy=0.01)
+    assert c.aggregation == "custom" and not c.unbiased
+    p = c.compress(x, key="g")
+    y = c.decompress(p)
+    support = y != 0
+    assert int(support.sum()) == 40 and bool(support[[3, 100, 2000]].all())
+    assert torch.equal(y[support], x[support])                       # exact values, not estimates
+    assert p.nbytes * 8 / d == pytest.approx(c.nominal_bits(d))
+    assert c.nominal_bits(d) == 32 * (5 * next_prime(math.ceil(0.25 * d / 5)) + 40) / d
+    tiny = torch.randn(8)                                            # 5·2 + 1 floats >= 8: dense
+    assert torch.equal(c.decompress(c.compress(tiny, key="t")), tiny) and c.nominal_bits(8) == 32.0
+    assert tw.compressors.get("countsketch", heavy=0).aggregation == "allreduce"
+    with pytest.raises(UserError):
+        tw.compressors.get("countsketch", heavy=1.5)
 
 
 def test_powersgd_single_process():
@@ -328,7 +350,8 @@ def test_countsketch_structured_hash_is_the_sketch_and_unbiased_with_one_row():
         assert torch.allclose((ref[:, 0] - ref[:, 1]).reshape(-1), p.tensors[0], atol=1e-4)
     trials, d = 600, 400
     x = torch.randn(d, generator=torch.Generator().manual_seed(10))
-    est = torch.stack([tw.compressors.get("countsketch", ratio=0.2, rows=1, seed=s).decompress(
-        tw.compressors.get("countsketch", ratio=0.2, rows=1, seed=s).compress(x, key="k")) for s in range(trials)])
+    est = torch.stack([tw.compressors.get("countsketch", ratio=0.2, rows=1, heavy=0, seed=s).decompress(
+        tw.compressors.get("countsketch", ratio=0.2, rows=1, heavy=0, seed=s).compress(x, key="k"))
+        for s in range(trials)])
     se = math.sqrt(float(x.pow(2).sum()) / next_prime(80) / trials)   # Var <= ||x||^2 / c per estimate
     assert float((est.mean(0) - x).abs().max()) < 5 * se

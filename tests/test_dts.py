@@ -337,6 +337,102 @@ def test_learning_rate_schedule_exact(pool4):
         assert close(sim[0], replay(gbars, m, lrs)), (a, params, m)
 
 
+WD = 0.05
+DECAYED = [("dts", {"delay": 2, "period": 3}, 0.9), ("delayed", {"delay": 3}, 0.9), ("tsparse", {"period": 4}, 0.9),
+           ("dts", {"delay": 3, "period": 2}, 0.0), ("delayed", {"delay": 2}, 0.0)]
+
+
+def _decayed(rank, world):
+    """Runs with weight decay (folded into the compensation), and a float32 model without it (bitwise equal
+    models after close())."""
+    out = {}
+    for a, params, m in DECAYED:
+        tr, model, loader = _trainer(rank, world, a, params, m, weight_decay=WD)
+        _steps(tr, model, loader, STEPS)
+        tr.close()
+        out[f"{a}{sorted(params.items())}{m}"] = _flat(model)
+    wl = workloads.get("digits-mlp")
+    for a, params in (("dts", {"delay": 2, "period": 2}), ("delayed", {"delay": 3}), ("tsparse", {"period": 3})):
+        from thinwire import Trainer
+        model = wl.model(0)
+        opt = torch.optim.SGD(model.parameters(), lr=wl.lr, momentum=0.9)
+        tr = Trainer(model, opt, algorithm=a, **params)
+        loader = workloads.ShardLoader(*wl.shard(rank, world), wl.batch_size, seed=0, rank=rank)
+        for _ in range(9):
+            xb, yb = loader.next()
+            wl.loss(model(xb), yb).backward()
+            tr.step()
+            opt.zero_grad()
+        tr.close()
+        out[f"fp32 {a}"] = (_flat(model), torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
+                                                      for p in model.parameters()]))
+    return out
+
+
+def simulate_decay(world, steps, mu, t, p, lam, lr=LR):
+    """As `simulate`, with weight decay λ (PyTorch: b ← μ b + g + λ w, w ← w − γ b): the difference e_i makes
+    at step i, (Δw, Δb) = (−γ_i e_i, e_i), is carried step by step, Δb' = μ Δb + λ Δw, Δw' = Δw − γ Δb'."""
+    loaders = _loaders(world)
+    w = [_w0() for _ in range(world)]
+    b = [torch.zeros_like(w[0]) for _ in range(world)]
+    grads = []
+
+    def compensate(k, s):
+        for i in range((k - 1) * p + 1, min(k * p, steps) + 1):
+            gbar = sum(grads[i - 1]) / world
+            for j in range(world):
+                e = gbar - grads[i - 1][j]
+                dw, db = -lr * e, e
+                for _ in range(i + 1, s + 1):
+                    db = mu * db + lam * dw
+                    dw = dw - lr * db
+                w[j] += dw
+                b[j] += db
+
+    applied = 0
+    for s in range(1, steps + 1):
+        batches = [ld.next() for ld in loaders]
+        gs = [_grad(w[j], *batches[j]) for j in range(world)]
+        grads.append(gs)
+        for j in range(world):
+            b[j] = mu * b[j] + gs[j] + lam * w[j]
+            w[j] = w[j] - lr * b[j]
+        if s % p == 0 and s // p >= t:
+            applied += 1
+            compensate(applied, s)
+    for k in range(applied + 1, -(-steps // p) + 1):
+        compensate(k, steps)
+    return w, [sum(g) / world for g in grads]
+
+
+def replay_decay(gbars, mu, lam, lr=LR):
+    w, b = _w0(), torch.zeros_like(_w0())
+    for g in gbars:
+        b = mu * b + g + lam * w
+        w = w - lr * b
+    return w
+
+
+def test_weight_decay_folded_into_the_compensation(pool4):
+    """Weight decay couples the weights into the momentum buffer: the compensation carries a window's difference
+    with the 2×2 step matrices [[1 − γλ, −γμ], [λ, μ]] (docs/dts.md), so every worker ends with the model
+    synchronous momentum SGD with weight decay reaches on the averaged gradients (before: the workers ended
+    apart, up to 6.6e-2 on digits-mlp). And close() leaves bitwise-identical float32 models and buffers."""
+    res = pool4.run(_decayed)
+    for a, params, m in DECAYED:
+        runs = [r[f"{a}{sorted(params.items())}{m}"] for r in res]
+        t, p = params.get("delay", 1), params.get("period", 1)
+        sim, gbars = simulate_decay(N, STEPS, m, t, p, WD)
+        assert all(close(runs[j], sim[j], 1e-10) for j in range(N)), (a, params, m)
+        assert close(sim[0], replay_decay(gbars, m, WD), 1e-10), (a, params, m)
+        assert not close(replay_decay(gbars, m, WD), replay_decay(gbars, m, 0.0), 1e-6)   # λ mattered
+    for a in ("dts", "delayed", "tsparse"):
+        w0, b0 = res[0][f"fp32 {a}"]
+        assert w0.dtype == torch.float32
+        for r in res[1:]:
+            assert torch.equal(r[f"fp32 {a}"][0], w0) and torch.equal(r[f"fp32 {a}"][1], b0), a
+
+
 def test_accuracy_benchmark_table():
     """`thinwire bench dts-accuracy`'s table: Δ vs bsp per momentum, in percentage points."""
     from thinwire.run.benchmarks.dts_accuracy import markdown

@@ -76,9 +76,21 @@ def semantics_worker(rank, world_size):
     b = Exchange(Transport(), tw.compressors.get("randomk", ratio=0.1), collective="allgather").aggregate(y, "y")
     out["randomk_paths"] = float((a - b).abs().max())
     # countsketch: the all-reduced sketch's estimate equals the estimate of the sketch of the sum
-    cs = tw.compressors.get("countsketch", ratio=0.5, rows=1)
+    cs = tw.compressors.get("countsketch", ratio=0.5, rows=1, heavy=0)
     out["countsketch"] = Exchange(Transport(), cs).aggregate(y, "cs")
     out["y"] = y
+    # countsketch + residual (heavy-hitter recovery, two rounds): the aggregate is the exact mean of the ranks'
+    # compensated values on the k coordinates picked from the summed sketch, zero elsewhere, and the residual
+    # keeps the rest (bounded; before: the dense median estimate grew it to ~1e5·|g| within 5 steps)
+    memory = tw.memories.get("residual")
+    ex = Exchange(Transport(), "countsketch", memory)
+    hh = []
+    for step in range(8):
+        gt = torch.randn(3000, generator=g) * torch.linspace(0.01, 1, 3000)
+        c = gt + memory.residuals.get("g", torch.zeros(3000))
+        agg = ex.aggregate(gt, "g")
+        hh.append((c, agg, float(gt.norm()), float(memory.residuals["g"].norm())))
+    out["countsketch_ef"] = hh
     # powersgd's result = P̂ Qᵀ for the mean matrix when every rank holds the same M (rank-r exact case)
     m = torch.randn(40, 2, generator=torch.Generator().manual_seed(7)) @ torch.randn(
         2, 30, generator=torch.Generator().manual_seed(8))
@@ -130,10 +142,21 @@ def test_exchange_semantics(pool4):
         assert r["async"] and r["resume"]
         assert "non-finite" in r["nan"] and "'bad'" in r["nan"]
     # countsketch linearity across ranks: the all-reduced sketch decodes like the sketch of the mean
-    cs = tw.compressors.get("countsketch", ratio=0.5, rows=1)
+    cs = tw.compressors.get("countsketch", ratio=0.5, rows=1, heavy=0)
     mean_y = torch.stack([r["y"] for r in res]).mean(0)
     want = cs.decompress(cs.compress(mean_y, key="cs"))
     assert torch.allclose(res[0]["countsketch"], want, atol=1e-5)
+    k = num_kept(0.01, 3000)
+    for step in range(8):
+        mean_c = sum(r["countsketch_ef"][step][0] for r in res) / n
+        agg = res[0]["countsketch_ef"][step][1]
+        support = agg != 0
+        assert int(support.sum()) == k                          # the heavy coordinates, the same on every rank
+        assert torch.allclose(agg[support], mean_c[support], atol=1e-5)
+        assert all(torch.equal(r["countsketch_ef"][step][1], agg) for r in res)
+        for r in res:
+            _, _, g_norm, e_norm = r["countsketch_ef"][step]
+            assert e_norm <= (step + 1) * 1.01 * g_norm         # the residual is what was not sent: bounded
     for comp in ("topk", "powersgd", "dgc"):
         total_in = sum(r[f"ef_{comp}"][0] for r in res) / n
         resid = sum(r[f"ef_{comp}"][2] for r in res) / n
@@ -159,6 +182,12 @@ def bytes_worker(rank, world_size):
     m = torch.randn(200, 100)
     Exchange(t, tw.compressors.get("powersgd", rank=3)).aggregate(m, "m")
     out["powersgd"] = t.meter.totals()["bytes_sent"]
+    for name in ("qsgd", "terngrad", "int8"):           # quantizers on their default path
+        t = Transport()
+        ex = Exchange(t, name)
+        ex.aggregate(x, "x")
+        out[name] = (t.meter.totals()["bytes_sent"], ex.collective_for(x.numel()),
+                     len(ex.compressor.compress(x, "x", 0).tensors))
     return out
 
 
@@ -181,6 +210,93 @@ def test_bytes_on_the_wire_match_payloads(pool4):
     largest = max(r["threshold"][2] for r in res)
     for r in res:
         assert r["threshold"][0] == (n - 1) * (largest + 8)
+    # quantizers: the meter's bytes are what nominal_bits says at this world size, on the collective picked
+    # (before: nominal_bits said 4.06 and 2 bits for qsgd and terngrad while 8-bit summed levels travelled)
+    d = 100_000
+    for r in res:
+        for name, want in (("qsgd", "allreduce"), ("terngrad", "allgather"), ("int8", "allgather")):
+            sent, coll, count = r[name]
+            bits = tw.compressors.get(name).nominal_bits(d, world_size=n)
+            assert coll == want, name
+            if coll == "allreduce":
+                assert sent == pytest.approx(ring * bits * d / 8), name
+            else:           # the packed payload and its wire header, to n - 1 peers
+                assert sent == pytest.approx((n - 1) * (bits * d / 8 + 4 + 8 * count)), name
+        assert r["qsgd"][0] == pytest.approx(ring * (d + 4 * math.ceil(d / 512)))       # 8-bit levels + norms
+        assert r["terngrad"][0] == (n - 1) * (math.ceil(d / 4) + 4 + 4 + 16)           # 2-bit codes + scale
+
+
+class CountingTransport:
+    """`world_size` ranks that all hold this process's tensor, in one process: each collective returns what that
+    many equal contributions give, and its bytes are counted with the Transport's own cost functions (a ring:
+    gloo's all-reduce and all-gather), so the exchange's program runs as it would at that world size."""
+
+    def __init__(self, world_size):
+        from thinwire.trace import NULL
+        self.world_size, self.rank, self.allreduce, self.tracer = world_size, 0, "gloo", NULL
+        self.sent, self.summed = 0.0, []
+
+    def run(self, program, **_):
+        from thinwire.comm.engine import Future, Ready, run_nested
+        out = run_nested(program)
+        return out if isinstance(out, Future) else Ready(out)
+
+    def all_reduce_program(self, t, op="sum"):
+        from thinwire.comm.engine import Ready
+        from thinwire.net import Link, ring_allreduce
+        self.sent += ring_allreduce(Link(), self.world_size, t.numel() * t.element_size()).sent
+        self.summed.append(t.dtype)
+        if op in ("sum", "mean"):
+            t.mul_(self.world_size)
+        if op == "mean":
+            t.div_(self.world_size)
+        return Ready(t)
+        yield  # noqa: unreachable - a program
+
+    def all_gather_program(self, t, sizes=None):
+        from thinwire.comm.engine import Ready
+        from thinwire.net import Link, ring_allgather
+        self.sent += ring_allgather(Link(), self.world_size, t.numel() * t.element_size()).sent
+        return Ready([t.reshape(-1).clone() for _ in range(self.world_size)])
+        yield  # noqa: unreachable - a program
+
+
+@pytest.mark.parametrize("world", [4, 19, 200])
+def test_quantizer_wire_bits_at_any_world_size(world):
+    """qsgd, terngrad, int8 on their default paths at 4, 19 and 200 ranks: the exchange picks the collective that
+    sends fewer bytes, sums in the type `nominal_bits(d, world_size)` counts (at 19 ranks qsgd's levels need
+    int16, which gloo sums as int32: as many bytes as fp32), and the counted bytes are those bits."""
+    d = 3000
+    x = torch.randn(d, generator=torch.Generator().manual_seed(0))
+    want = {4: {"qsgd": ("allreduce", torch.int8), "terngrad": ("allgather", None), "int8": ("allgather", None)},
+            19: {"qsgd": ("allreduce", torch.int32), "terngrad": ("allreduce", torch.int8),
+                 "int8": ("allreduce", torch.int32)},
+            200: {"qsgd": ("allreduce", torch.int32), "terngrad": ("allreduce", torch.int32),
+                  "int8": ("allreduce", torch.int32)}}[world]
+    for name, (coll, dtype) in want.items():
+        tp = CountingTransport(world)
+        ex = Exchange(tp, name)
+        comp = ex.compressor
+        assert ex.collective_for(d) == coll == comp.wire_bits(d, world)[0], name
+        y = ex.aggregate(x, "x")
+        bits = comp.nominal_bits(d, world_size=world)
+        ring_ar, ring_ag = 2 * (world - 1) / world, world - 1
+        if coll == "allreduce":
+            assert tp.summed[-1] == dtype, name      # the widened levels, after the agreed scale's max
+            assert tp.sent == pytest.approx(ring_ar * bits * d / 8), name
+            assert bits > comp.nominal_bits(d) + 3.9     # more than the packed codes
+        else:
+            count = len(comp.compress(x, "x", 0).tensors)
+            assert tp.sent == pytest.approx(ring_ag * (bits * d / 8 + 4 + 8 * count)), name
+            assert bits == comp.nominal_bits(d)
+        # every rank holding x: the mean is this rank's own quantized x (no overflow of the widened sum)
+        scale = float(x.abs().max()) if name != "qsgd" else float(x.norm())
+        assert float((y - x).abs().max()) <= scale, name
+        # the other collective would have sent more (or as much)
+        other = "allgather" if coll == "allreduce" else "allreduce"
+        forced = Exchange(CountingTransport(world), comp, collective=other)
+        forced.aggregate(x, "x")
+        assert forced.transport.sent >= tp.sent * 0.999, name
 
 
 def test_construction_errors():

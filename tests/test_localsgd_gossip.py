@@ -55,7 +55,8 @@ def test_invalid_parameters_fail_at_construction():
                          ("dpsgd", {"topology": "star"}), ("dpsgd", {"variant": "xyz"}),
                          ("adpsgd", {"topology": "complete"}), ("choco", {"gamma": 0.0}),
                          ("choco", {"topology": "random"}), ("sgp", {"consensus_every": -1}),
-                         ("localsgd", {"architecture": "gossip"}), ("dpsgd", {"architecture": "ps"})]:
+                         ("localsgd", {"architecture": "gossip", "topology": "star"}),
+                         ("localsgd", {"architecture": "gossip", "period": 0}), ("dpsgd", {"architecture": "ps"})]:
         with pytest.raises(UserError, match="valid|must"):
             algorithms.get(name, **params)
 

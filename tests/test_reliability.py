@@ -12,7 +12,7 @@ from thinwire.errors import UserError, WorkerError
 from thinwire.run.train import TrainConfig, train_worker
 
 # algorithms whose trajectory depends on timing (asynchronous by design), or that run server ranks
-TIMING_DEPENDENT = {"asp", "adpsgd", "backup", "ssp"}
+TIMING_DEPENDENT = {"asp", "backup", "ssp"}
 
 
 def resumable():

@@ -45,7 +45,11 @@ def _server(results):
     # every piece of PS state: server momentum, worker error feedback, server-side downlink residual
     ("bsp", {"architecture": "ps", "downlink_compressor": "topk"}, {"compressor": "topk", "memory": "residual"}),
     ("ssp", {"staleness": 0}, {}),
-], ids=["bsp-ps", "bsp-ps-topk-both-ways", "ssp-s0"])
+    # CD-SGD on the PS: the server's momentum, the workers' W, W_prev and residuals, the k-step rule's counter
+    ("cdsgd", {"architecture": "ps", "k": 2, "warmup": 2}, {}),
+    # local SGD on the PS: the server's model, the workers' anchors; the cut counts pushes, one per period
+    ("localsgd", {"architecture": "ps", "period": 3}, {}),
+], ids=["bsp-ps", "bsp-ps-topk-both-ways", "ssp-s0", "cdsgd-ps", "localsgd-ps"])
 def test_ps_resume_reproduces_the_uninterrupted_run_bitwise(pool3, tmp_path, algorithm, params, extra):
     base = dict(PS, algorithm=algorithm, params=params, **extra)
     ck, again = str(tmp_path / "ck"), str(tmp_path / "again")
@@ -59,7 +63,8 @@ def test_ps_resume_reproduces_the_uninterrupted_run_bitwise(pool3, tmp_path, alg
     resumed = _run(pool3, resume=ck, checkpoint_every=3, checkpoint_dir=again, **base)
     assert _sha(resumed) == _sha(whole)
     assert [len(r["steps"]) for r in resumed if r["role"] == "worker"] == [10, 10]
-    assert _server(resumed)["ps_updates"] == _server(whole)["ps_updates"] == 10
+    pushes = -(-10 // params.get("period", 1))     # local SGD: every period, and once more at close()
+    assert _server(resumed)["ps_updates"] == _server(whole)["ps_updates"] == pushes
     assert checkpoint.check(again, 3, TrainConfig(**base))["step"] == 9
 
 
@@ -100,10 +105,13 @@ def test_checkpoint_checksum_names_the_corrupt_file(pool3, tmp_path):
 
 
 def test_ps_checkpoint_refused_only_where_unsupported():
-    with pytest.raises(UserError, match="cdsgd on the parameter server are not supported"):
-        TrainConfig(workload="linreg", algorithm="cdsgd", workers=2, servers=1, steps=4, progress=False,
-                    params={"architecture": "ps"}, checkpoint_every=2, checkpoint_dir="unused").validate()
-    TrainConfig(**dict(PS, algorithm="asp"), checkpoint_every=2, checkpoint_dir="unused").validate()
+    # every algorithm on the PS checkpoints now (CD-SGD and its set were refused before: the server's shard and
+    # momentum were not saved)
+    for algorithm in ("bsp", "cdsgd", "odsgd", "bitsgd", "ssgd", "localsgd"):
+        TrainConfig(**dict(PS, algorithm=algorithm, params={"architecture": "ps"}), checkpoint_every=2,
+                    checkpoint_dir="unused").validate()
+    for algorithm in ("asp", "ssp", "backup"):
+        TrainConfig(**dict(PS, algorithm=algorithm), checkpoint_every=2, checkpoint_dir="unused").validate()
     with pytest.raises(UserError, match="nonfinite skip needs every rank"):  # it hung: servers never step
         TrainConfig(**dict(PS, algorithm="asp"), nonfinite="skip").validate()
 

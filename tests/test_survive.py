@@ -36,7 +36,8 @@ def _train(rank, world_size, algorithm, params, steps):
 
 
 @pytest.mark.parametrize("algorithm,params", [("bsp", {}), ("localsgd", {"period": 4}),
-                                              ("dts", {"delay": 2, "period": 2})])
+                                              ("dts", {"delay": 2, "period": 2}),
+                                              ("diloco", {"period": 4, "outer_lr": 0.6, "outer_momentum": 0.5})])
 def test_survivors_finish_reach_the_target_and_agree(algorithm, params):
     steps = 120
     out = tw.launch(_train, 4, args=(algorithm, params, steps), on_failure="continue",

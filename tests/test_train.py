@@ -1,6 +1,7 @@
 """`thinwire train` end to end: bsp reaches the target, bytes match the model size, wan costs what α-β says."""
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -51,3 +52,180 @@ def test_run_training_writes_outputs(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 20
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+
+
+# -- the one loop: every stepper, the race's schedule and agreement, TensorBoard --------------------------------
+def test_race_schedule_evaluates_every_two_percent_of_the_clock_and_lands_on_the_budget():
+    """In one process (no agreement needed): with a constant step time τ the gap after an evaluation at clock t is
+    max(1, ⌊0.02 t / τ⌋) steps, so a reading is at most 2 % (+ one step) late; the gap never runs past the step
+    where the budget is spent, and the stop comes at the first evaluation whose clock reached the budget."""
+    from thinwire.run.loop import EVAL_PRECISION, Schedule
+    wl = get("digits-mlp")
+    tau, budget = 0.01, 30.0
+    cfg = TrainConfig(workload="digits-mlp", budget_s=budget, stop_at_target=True, target=2.0)  # never reached
+    s = Schedule(cfg, wl, total=None, workers=1)
+    assert s.evaluated(0, 0.1, 0.0)[0] is None and s.next == 1
+    step, evals = 0, []
+    while True:
+        step = s.next
+        stop, agreed = s.evaluated(step, 0.1, step * tau)
+        evals.append((step, agreed["agreed_t"]))
+        if stop:
+            break
+    assert stop == "budget" and evals[-2][1] < budget <= evals[-1][1] <= budget + tau + 1e-9
+    evals = [(0, 0.0)] + evals
+    for (sp, tp), (s0, t0), (s1, _) in zip(evals, evals[1:-2], evals[2:-1]):
+        step_time = (t0 - tp) / (s0 - sp)   # the mean step time since the previous evaluation, as the loop sees it
+        assert s1 - s0 == max(1, math.floor(EVAL_PRECISION * t0 / step_time)) or s1 * tau >= budget - 1e-9
+        assert (s1 - s0) * tau <= max(tau, EVAL_PRECISION * t0) * (1 + 1e-9)   # the reading's error bound
+    assert len(evals) < 500   # not every step: 3000 steps in all
+    # an evaluation that costs 10 steps' time comes at most every 40 steps: a quarter of the training time at most
+    from thinwire.run.loop import EVAL_OVERHEAD
+    s = Schedule(cfg, wl, total=None, workers=1)
+    s.evaluated(0, 0.1, 0.0, eval_s=10 * tau)
+    s.evaluated(1, 0.1, tau, eval_s=10 * tau)
+    assert s.next - 1 == math.ceil(10 / EVAL_OVERHEAD - 1e-9)
+    # a metric on its way to the target: evaluations close in on the crossing (few of them), read within 2 %
+    s = Schedule(TrainConfig(workload="digits-mlp", stop_at_target=True, target=0.9), wl, total=None, workers=1)
+    s.evaluated(0, 0.0, 0.0, eval_s=10 * tau)
+    seen = []
+    while True:
+        step = s.next
+        seen.append(step)
+        if s.evaluated(step, 0.001 * step, step * tau, eval_s=10 * tau)[0] == "target":
+            break
+    assert 900 <= step <= 900 * (1 + EVAL_PRECISION) + 1 and len(seen) < 60
+    # the target stops it at the first evaluation that reaches it; step 0 never does
+    s = Schedule(TrainConfig(workload="digits-mlp", stop_at_target=True, target=0.5), wl, total=100, workers=1)
+    assert s.evaluated(0, 0.9, 0.0)[0] is None
+    assert s.evaluated(1, 0.4, 0.01)[0] is None and s.evaluated(2, 0.6, 0.02)[0] == "target"
+    # without a race: every eval_every steps and the last, no agreement
+    s = Schedule(TrainConfig(workload="digits-mlp", eval_every=5), wl, total=12, workers=1)
+    assert [k for k in range(1, 13) if s.due(k)] == [5, 10, 12]
+
+
+def _stopping(rank, world_size, cfg):
+    """train_worker, recording the steps it reported to the launcher's watchdog."""
+    from thinwire.run import loop
+    seen, orig = [], loop.report_progress
+    loop.report_progress = lambda step=None: (seen.append(step), orig(step))
+    try:
+        out = train_worker(rank, world_size, cfg)
+    finally:
+        loop.report_progress = orig
+    out["reported"] = seen
+    return out
+
+
+def test_the_stop_is_decided_alike_on_every_rank_from_the_mean_metric(pool2):
+    """Local SGD with a long period: the ranks' models (and metrics) differ, yet both stop at the same evaluation,
+    the first whose mean over the ranks reached the target; summarize reads the time to target there."""
+    from thinwire.run.train import summarize
+    cfg = TrainConfig(workload="digits-mlp", algorithm="localsgd", workers=2, epochs=4, target=0.85,
+                      stop_at_target=True, params={"period": 50}, progress=False).validate()
+    out = pool2.run(_stopping, cfg)
+    assert [o["stopped"] for o in out] == ["target", "target"]
+    assert len(out[0]["steps"]) == len(out[1]["steps"]) < cfg.total_steps(get("digits-mlp"))
+    assert [e["agreed"] for e in out[0]["evals"]] == [e["agreed"] for e in out[1]["evals"]]
+    assert any(a["value"] != b["value"] for a, b in zip(out[0]["evals"], out[1]["evals"]))  # the ranks do differ
+    agreed = [e["agreed"] for e in out[0]["evals"][1:]]
+    assert agreed[-1] >= 0.85 > max(agreed[:-1])
+    for e in out[0]["evals"]:
+        assert e["agreed"] == pytest.approx(statistics.fmean([e["value"], next(
+            x for x in out[1]["evals"] if x["step"] == e["step"])["value"]]))
+    s, _ = summarize(cfg, out, 0.0)
+    assert s["stop_reason"] == "target" and s["time_to_target_s"] == out[0]["evals"][-1]["agreed_t"]
+    assert out[0]["reported"] == list(range(1, len(out[0]["steps"]) + 1))
+
+
+def test_peers_run_the_same_loop(pool2):
+    """PyTorch's DDP peers (and torchft's DiLoCo where installed) run the one loop: same records, progress reports,
+    the race's stop, and the same trajectory as thinwire's bsp for plain DDP."""
+    from thinwire.run.peers import optional_missing
+    from thinwire.run.train import summarize
+    base = dict(workload="digits-mlp", workers=2, steps=60, target=0.8, stop_at_target=True, progress=False,
+                eval_every=1)  # every step: the stop is at the first step on target, whatever the timing
+    got = {}
+    names = ["bsp", "ddp", "ddp-hierarchical"] + ([] if optional_missing("torchft-diloco") else ["torchft-diloco"])
+    for name in names:
+        params = {"period": 4, "local_period": 2, "group": 1, "warmup": 2} if name == "ddp-hierarchical" else \
+            {"period": 4} if name == "torchft-diloco" else {}
+        cfg = TrainConfig(algorithm=name, params=params, **base).validate()
+        out = pool2.run(_stopping, cfg)
+        got[name] = (summarize(cfg, out, 0.0)[0], out)
+        assert [o["stopped"] for o in out] == ["target"] * 2, name
+        assert out[0]["reported"] == list(range(1, len(out[0]["steps"]) + 1)), name
+    s_bsp, s_ddp = got["bsp"][0], got["ddp"][0]
+    assert s_ddp["steps_to_target"] == s_bsp["steps_to_target"]
+    assert s_ddp["bytes_sent_per_worker"] == pytest.approx(s_bsp["bytes_sent_per_worker"])
+    nominal = s_bsp["nominal_bytes_per_worker_per_step"]
+    s = got["ddp-hierarchical"][0]
+    assert s["bytes_sent_per_worker_per_step"] < nominal
+    assert "HierarchicalModelAverager" in s["algorithm_metrics"]["peer"]
+    if "torchft-diloco" in got:
+        s = got["torchft-diloco"][0]
+        syncs = s["steps"] // 4
+        # one bucket of the whole model every 4 steps, counted as the ring all-reduce the Transport counts
+        assert s["bytes_sent_per_worker"] == pytest.approx(syncs * nominal)
+        assert s["algorithm_metrics"]["syncs"] == syncs
+
+
+def test_peer_configurations_are_checked_before_launch():
+    from thinwire.errors import UserError
+    base = dict(workload="digits-mlp", workers=2, steps=4, progress=False)
+    with pytest.raises(UserError, match="takes period, warmup, not rank"):
+        TrainConfig(algorithm="ddp-postlocalsgd", params={"rank": 2}, **base).validate()
+    with pytest.raises(UserError, match="checkpoints are written by thinwire"):
+        TrainConfig(algorithm="ddp", checkpoint_every=2, checkpoint_dir="/tmp", **base).validate()
+    with pytest.raises(UserError, match="takes no thinwire --compressor"):
+        TrainConfig(algorithm="ddp", compressor="topk", **base).validate()
+    with pytest.raises(UserError, match="group .3. must divide"):
+        TrainConfig(algorithm="ddp-hierarchical", params={"group": 3}, **base).validate()
+
+
+def test_a_race_refuses_on_failure_continue():
+    """The race's stop is agreed over every worker rank: surviving a lost worker is for fixed-length runs."""
+    from thinwire.errors import UserError
+    base = dict(workload="digits-mlp", workers=2, steps=4, progress=False, on_failure="continue")
+    for race in ({"budget_s": 10.0}, {"stop_at_target": True}):
+        with pytest.raises(UserError, match="--on-failure continue trains a fixed number of steps"):
+            TrainConfig(algorithm="bsp", **race, **base).validate()
+    with pytest.raises(UserError, match="is a peer: --on-failure stop only"):
+        TrainConfig(algorithm="ddp", **base).validate()
+
+
+def test_torchft_missing_is_one_line_naming_the_extra(monkeypatch):
+    from thinwire.errors import UserError
+    from thinwire.run import presets, torchft_peer
+    monkeypatch.setattr(torchft_peer.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"thinwire\[peers\]"):
+        TrainConfig(workload="digits-mlp", algorithm="torchft-diloco", workers=2, steps=4).validate()
+    cells, notes = presets.resolve(["bsp", "torchft-diloco"], strict=False)
+    assert [c.label for c in cells] == ["bsp"] and any("thinwire[peers]" in n for n in notes)
+
+
+def test_tensorboard_scalars(pool2, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = str(tmp_path / "tb")
+    cfg = TrainConfig(workload="linreg", algorithm="bsp", workers=2, steps=12, eval_every=4, progress=False,
+                      network="custom:latency=1ms", tensorboard=board)
+    s = run_training(cfg, pool=pool2)
+    acc = EventAccumulator(board)
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "comm/bytes_sent", "comm/exposed_s", "comm/emulated_s", "eval/loss"} <= tags
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 13))
+    assert [e.step for e in acc.Scalars("eval/loss")] == [0, 4, 8, 12]
+    assert acc.Scalars("eval/loss")[-1].value == pytest.approx(s["final_loss"], rel=1e-6)  # bsp: ranks agree
+    assert all(e.value > 0 for e in acc.Scalars("comm/bytes_sent"))
+
+
+def test_tensorboard_without_the_extra_is_one_line(monkeypatch):
+    import importlib.util
+
+    from thinwire.errors import UserError
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(UserError, match=r"thinwire\[tensorboard\]"):
+        TrainConfig(workload="linreg", tensorboard="/tmp/tb").validate()

@@ -101,6 +101,49 @@ def test_emulated_time_follows_alpha_beta_and_overlaps_compute(pool2):
         assert out["emulated"] > 3 * p
 
 
+def _one_to_three(rank, world_size, nbytes):
+    """Rank 0 sends `nbytes` to ranks 1, 2, 3 at once; everyone reports when it was done (host clock)."""
+    import torch.distributed as dist
+    t = Transport()
+    x = torch.full((nbytes // 4,), float(rank))
+    for peer in range(1, world_size):      # warm-up: connections, not measured
+        if rank == 0:
+            t.send(torch.zeros(1), peer)
+        elif rank == peer:
+            t.recv(torch.zeros(1), 0)
+    dist.barrier()
+    t0 = torch.tensor([time.perf_counter()], dtype=torch.float64)
+    dist.broadcast(t0, 0)
+    if rank == 0:
+        hs = [t.isend(x, peer) for peer in range(1, world_size)]
+        for h in hs:
+            h.wait()
+        done, ok = time.perf_counter(), True
+    else:
+        buf = torch.empty_like(x)
+        t.recv(buf, 0)
+        done, ok = time.perf_counter(), torch.equal(buf, torch.zeros_like(buf))
+    return done - float(t0), ok, t.meter.totals()["bytes_sent"]
+
+
+def test_one_to_many_sends_charge_the_senders_link(pool4):
+    """A rank sending to three peers at once pushes the messages out one after another: its last byte leaves
+    after three transfer times, and no receiver has its data before the sender pushed it out (before the fix
+    the sender finished at ~3 transfers while every receiver had its data after ~1)."""
+    nbytes, link = 1_000_000, parse_network("custom:bandwidth=80mbit,latency=10ms")
+    out = pool4.run(_one_to_three, nbytes, network="custom:bandwidth=80mbit,latency=10ms")
+    transfer = nbytes * link.beta
+    sender = out[0][0]
+    received = sorted(o[0] for o in out[1:])
+    assert all(o[1] for o in out)
+    assert out[0][2] == 3 * nbytes + 4 * 3      # the data (and the warm-up), not the 8-byte timestamps
+    assert sender >= 3 * transfer
+    # the i-th message out of the sender's link reaches its receiver no earlier than i transfers + α
+    for i, t in enumerate(received, start=1):
+        assert t >= i * transfer + link.alpha - 1e-3, (i, received, sender)
+    assert received[-1] >= sender
+
+
 def test_link_profiles_and_custom_specs():
     wan = parse_network("wan")
     assert wan.bandwidth == 100e6 and wan.latency == 0.05 and wan.beta == pytest.approx(8e-8)

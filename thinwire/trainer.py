@@ -6,7 +6,9 @@
 
 Keyword parameters are routed by name to the algorithm, the compressor, the memory, the scheduler
 (`thinwire.sched.make`: schedule, bucket_mb, ...) and the transport (`allreduce`: the all-reduce algorithm);
-each gets the ones it declares, and a parameter none of them takes is an error at construction.
+each gets the ones it declares, and a parameter none of them takes is an error at construction. On the parameter
+server, `downlink_<name>` is parameter <name> of the downlink compressor (`downlink_compressor="qsgd",
+downlink_levels=3`; gathered into the algorithm's `downlink_params`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,13 @@ TRANSPORT_PARAMS = ("allreduce",)
 
 def _route(algorithm: str, compressor: str, memory: str, params: dict) -> tuple[dict, ...]:
     """(algorithm, compressor, memory, scheduler, transport) parameters, each taking the names it declares."""
+    params = dict(params)
+    if isinstance(algorithm, str) and algorithms.registry.accepts(algorithm, "downlink_params"):
+        down = {k: params.pop(k) for k in list(params)
+                if k.startswith("downlink_") and k not in ("downlink_compressor", "downlink_params")}
+        if down:   # the downlink compressor's own parameters (it names the valid ones)
+            params["downlink_params"] = {**(params.get("downlink_params") or {}),
+                                         **{k[len("downlink_"):]: v for k, v in down.items()}}
     tables = [(algorithms.registry, algorithm), (compressors, compressor), (memories, memory)]
     fixed = [SCHED_PARAMS, TRANSPORT_PARAMS]
     routed: list[dict] = [{}, {}, {}, {}, {}]
@@ -63,8 +72,10 @@ def build_components(algorithm, compressor=None, memory=None, **params):
     if isinstance(schedule, str) and schedule not in getattr(alg_cls, "schedules", sched.SCHEDULES):
         raise UserError(f"algorithm {alg_cls.name!r} does not run with schedule {schedule!r}; "
                         f"valid: {', '.join(alg_cls.schedules)}")
-    return (algorithms.get(algorithm, **alg_params), compressors.get(compressor, **comp_params),
-            memories.get(memory, **mem_params), call(sched.make, "schedule", sched_params), transport_params)
+    alg, comp, mem = (algorithms.get(algorithm, **alg_params), compressors.get(compressor, **comp_params),
+                      memories.get(memory, **mem_params))
+    alg.check_components(comp, mem)      # invalid pairings are refused here, before any worker starts
+    return alg, comp, mem, call(sched.make, "schedule", sched_params), transport_params
 
 
 ON_FAILURE = ("stop", "continue")
@@ -223,8 +234,9 @@ class Trainer:
         state = [self.optimizer.state_dict() if self.transport.rank == 0 else None]
         dist.broadcast_object_list(state, src=self.transport.global_of(0), group=group)
         self.optimizer.load_state_dict(state[0])
-        self.algorithm.recover()
+        # "step": the step every survivor has counted once this one ends (and behind ranks skipped theirs)
         self.failures.append({"lost": lost.lost, "step": int(at.item()), "members": lost.members})
+        self.algorithm.recover()
 
     def close(self) -> None:
         try:

@@ -1,4 +1,10 @@
-"""What the gossip family shares: a topology, neighbour exchange over isend/irecv, the consensus distance.
+"""What the gossip family shares: a topology, the neighbour exchange per bucket, mixing, the consensus distance.
+
+Every gossip algorithm walks the scheduler's path: backward hands each full bucket to `on_bucket`, where the
+algorithm takes the bucket's local step if its rule steps before mixing (atc) and starts the bucket's
+`NeighborExchange` (`thinwire/exchange/gossip.py`: compressed with the trainer's compressor where the algorithm
+takes one, one wire format, point to point); `step()` waits for the buckets and mixes. So gossip gets wait-free
+backprop, fusion and MG-WFBP like bsp does.
 
 Consensus distance (seed 000 §II-B, §VIII): mean_i ‖x_i - x̄‖², the spread of the workers' models around their
 average. Measuring it costs communication (one all-reduce of the model and one of a scalar), which goes through
@@ -13,12 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.collectives import wait_all
 from ..comm.topology import NAMES, Topology
 from ..errors import UserError
+from ..exchange.gossip import NeighborExchange
 from .base import Algorithm
-
-TAG = 7200
 
 
 class Gossip(Algorithm):
@@ -42,34 +46,44 @@ class Gossip(Algorithm):
     def setup(self):
         from ..comm.context import default_seed
         self.topology = Topology(self.topology_name, self.world_size, seed=default_seed())
+        self.exchange = NeighborExchange(self.transport, self.compressor, self.memory)
+        self._exchanges.append(self.exchange)
+        self.pending: dict[int, object] = {}   # bucket index -> the future of its neighbour exchange
         self.gossip_setup()
 
     def gossip_setup(self) -> None:
         """Per-algorithm state (called once the trainer is wired)."""
 
-    # -- neighbour exchange ----------------------------------------------------------------------------------
-    def start_exchange(self, send: torch.Tensor, dsts: list[int], srcs: list[int]) -> tuple[list, dict]:
-        """isend `send` to every rank of `dsts`, irecv a tensor like it from every rank of `srcs`."""
-        handles = [self.transport.isend(send, d, tag=TAG) for d in dsts]
-        bufs = {}
-        for s in srcs:
-            bufs[s] = torch.empty_like(send)
-            handles.append(self.transport.irecv(bufs[s], s, tag=TAG))
-        return handles, bufs
+    # -- per bucket --------------------------------------------------------------------------------------------
+    def send(self, bucket, tensor: torch.Tensor, dsts: list[int], srcs: list[int]) -> None:
+        """Start the bucket's neighbour exchange of `tensor` (which it then owns)."""
+        self.pending[bucket.index] = self.exchange.start(tensor, bucket.key, dsts, srcs)
 
-    def exchange(self, send: torch.Tensor, dsts: list[int], srcs: list[int]) -> dict[int, torch.Tensor]:
-        handles, bufs = self.start_exchange(send, dsts, srcs)
-        wait_all(handles)
-        return bufs
+    def received(self, bucket) -> dict[int, torch.Tensor]:
+        """{rank: tensor} of the bucket's exchange (this rank's own included), once it arrived."""
+        return self.pending.pop(bucket.index).wait()
 
-    def mix(self, x: torch.Tensor, got: dict[int, torch.Tensor], step: int) -> torch.Tensor:
+    def mix(self, got: dict[int, torch.Tensor], step: int) -> torch.Tensor:
         """Σ_j W_ij x_j over this rank and its neighbours, in rank order (deterministic)."""
         W = self.topology.matrix(step)
         i = self.rank
-        out = torch.zeros_like(x)
-        for j in sorted([i, *got]):
-            out.add_(x if j == i else got[j], alpha=float(W[i, j]))
+        out = torch.zeros_like(got[i])
+        for j in sorted(got):
+            out.add_(got[j], alpha=float(W[i, j]))
         return out
+
+    @staticmethod
+    def assign(bucket, flat: torch.Tensor) -> None:
+        """The bucket's parameters ← a flat tensor in its layout."""
+        with torch.no_grad():
+            for p, v in zip(bucket.params, bucket.split(flat)):
+                p.copy_(v)
+
+    @staticmethod
+    def flat_of(bucket) -> torch.Tensor:
+        """A copy of the bucket's parameters, flat in its layout."""
+        with torch.no_grad():
+            return bucket.flat([p.detach() for p in bucket.params])
 
     # -- consensus --------------------------------------------------------------------------------------------
     def average_model(self) -> torch.Tensor:
@@ -102,14 +116,19 @@ class Gossip(Algorithm):
         self.measure_consensus(set_average=self.final_average)
         super().close()
 
+    def spectral_gap(self) -> float:
+        """The spectral gap of the mixing this algorithm does (the symmetric W here)."""
+        return self.topology.spectral_gap()
+
     def state_dict(self):
-        return {"t": self.t, "consensus": list(self.consensus)}
+        return {"t": self.t, "consensus": list(self.consensus), "exchange": self.exchange.state_dict()}
 
     def load_state_dict(self, state):
         self.t, self.consensus = state["t"], list(state["consensus"])
+        self.exchange.load_state_dict(state["exchange"])
 
     def metrics(self):
-        out = {**super().metrics(), "topology": self.topology_name, "spectral_gap": self.topology.spectral_gap()}
+        out = {**super().metrics(), "topology": self.topology_name, "spectral_gap": self.spectral_gap()}
         if self.consensus:
             out["consensus_distance"] = self.consensus[-1][1]
             out["consensus_history"] = [list(c) for c in self.consensus]

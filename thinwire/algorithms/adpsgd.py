@@ -1,76 +1,125 @@
 """`adpsgd`: asynchronous decentralized parallel SGD (Lian et al. [216]; catalog §2.2.3 (c)).
 
 AD-PSGD's worker loop: read the model x̂_i and compute g = ∇F_i(x̂_i); atomically average with one peer,
-x_i, x_j ← (x_i + x_j)/2; apply x_i ← x_i - γ g. The gradient is computed on the model read *before* the
-averaging, so the averaging runs while the gradient is computed: no global barrier, each worker waits only for
-its current peer.
+x_i, x_j ← (x_i + x_j)/2; apply x_i ← x_i - γ g. The gradients are computed on a model read before averagings
+still in flight were applied (its staleness is bounded, [216] Assumption 1), and a worker waits for nobody's
+computation: in [216] a communication thread averages while the compute thread goes on.
 
-Here, deadlock-free and deterministic: peers are a matching drawn per step (topology `random`: a random perfect
-matching from (seed, step); `ring`: alternating even/odd edges), so every pair posts its isend/irecv together and
-nobody waits for a third worker. At the end of step t a worker sends its model x_{t+1} to the peer of step t+1;
-the exchange travels while step t+1's gradient is computed on x_{t+1}; step t+1 then sets
-x ← (x_{t+1} + x_peer)/2 (the atomic pairwise average, bitwise identical on both peers) and applies the gradient.
-`close()` completes the last exchange, then measures consensus and averages (see _gossip).
+Here, deterministic and deadlock-free: averagings start every `staleness` = τ steps with the partner of a
+matching (topology `random`: a random perfect matching drawn from (seed, round); `ring`: alternating even/odd
+edges), so every pair posts its sends and receives together. At a pairing step s each bucket, as backward hands
+it over, takes its optimizer step and its parameters x_i^s go to the partner (`NeighborExchange`); the exchange
+completes in the background while the worker runs the next τ steps on its own; at step s + τ, before that step's
+own update of the bucket, the average arrives as the correction
+    x_i ← x_i + (x_j^s - x_i^s) / 2        (the atomic pairwise average of the step-s models, [216] step 2)
+so x_i = (x_i^s + x_j^s)/2 + the worker's own updates since s, and the partners' corrections are exact opposites
+(Σ_i x_i is unchanged, as by the atomic average). A worker blocks only on an averaging still in flight τ steps
+after it started (bounded staleness, in logical steps, so runs are reproducible); τ = 1 is the averaging
+overlapped with one step's compute. One averaging is in flight per worker at a time: a second one started
+before the first is applied would correct the same disagreement twice (the delayed recurrence
+d_{t+1} = d_t - d_{t-τ} of two partners does not converge). The reported spectral gap is that of the matchings
+it averages with (`Topology.pairwise_gap`), per averaging. `close()` applies the last averaging, then measures
+consensus and averages (see _gossip).
 """
 from __future__ import annotations
 
+import torch
+
+from ..errors import UserError
 from . import register
 from ._gossip import Gossip
 
 
 @register("adpsgd")
 class ADPSGD(Gossip):
-    """AD-PSGD: pairwise model averaging overlapped with the next gradient (random or ring matching)."""
+    """AD-PSGD: pairwise model averaging in the background, applied `staleness` steps later (random or ring)."""
 
     compression = False
     topologies = ("random", "ring")
+    overlaps_steps = True         # an averaging outlives the step that started it
 
-    def __init__(self, topology: str = "random", consensus_every: int = 0, final_average: bool = True,
-                 architecture: str | None = None):
+    def __init__(self, topology: str = "random", staleness: int = 2, consensus_every: int = 0,
+                 final_average: bool = True, architecture: str | None = None):
         super().__init__(topology, consensus_every, final_average, architecture)
-        self.pending = None
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 1:
+            raise UserError(f"adpsgd staleness must be an integer >= 1 (steps an averaging runs in the "
+                            f"background before it is applied), got {staleness!r}")
+        self.staleness = staleness
         self.pairings = 0
 
     def gossip_setup(self):
-        self._start(0)
+        self.inflight: dict[int, tuple] = {}            # bucket index -> (members, x_i^s, future, partner)
+        self.corrections: dict[int, torch.Tensor] = {}  # parameter index -> its (x_j^s - x_i^s)/2, arrived
 
-    def _start(self, step: int) -> None:
-        peer = self.topology.matching(step)[self.rank]
-        if peer < 0:
-            self.pending = None
-            return
-        snap = self.flat_params().clone()
-        handles, bufs = self.start_exchange(snap, [peer], [peer])
-        self.pending = (handles, snap, bufs[peer])
+    def pairing(self) -> bool:
+        """Whether an averaging is applied and the next one starts at this step."""
+        return self.t % self.staleness == 0
 
-    def _finish(self) -> None:
-        if self.pending is None:
+    def partner(self) -> int:
+        return self.topology.matching(self.t // self.staleness)[self.rank]
+
+    def on_bucket(self, bucket):
+        if not self.pairing():
             return
-        from ..comm.collectives import wait_all
-        handles, snap, theirs = self.pending
-        wait_all(handles)
-        self.set_flat_params((snap + theirs) / 2)  # the atomic pairwise average
-        self.pending = None
-        self.pairings += 1
+        self.apply(bucket.members)          # the averaging started τ steps ago, for these parameters
+        self.optimizer_step(bucket.params)
+        peer = self.partner()
+        if peer >= 0:
+            snap = self.flat_of(bucket)
+            self.inflight[bucket.index] = (bucket.members, snap, self.exchange.start(snap, bucket.key, [peer], [peer]),
+                                           peer)
 
     def step(self):
-        self._finish()
-        self.optimizer_step()
+        self.scheduler.flush()
+        if self.pairing():
+            self.pairings += self.partner() >= 0
+        else:
+            self.optimizer_step()
         self.after_step()
-        self._start(self.t)
+
+    # -- averagings in flight ----------------------------------------------------------------------------------
+    def resolve(self, members=None) -> None:
+        """Wait for the averagings in flight that cover `members` (all: None) and keep their corrections."""
+        want = None if members is None else set(members)
+        for b, (mem, snap, fut, peer) in list(self.inflight.items()):
+            if want is not None and want.isdisjoint(mem):
+                continue
+            del self.inflight[b]
+            half = (fut.wait()[peer] - snap).div_(2)
+            off = 0
+            for i in mem:
+                n = self.params[i].numel()
+                self.corrections[i] = half[off:off + n].view_as(self.params[i])
+                off += n
+
+    def apply(self, members) -> None:
+        self.resolve(members)
+        with torch.no_grad():
+            for i in members:
+                c = self.corrections.pop(i, None)
+                if c is not None:
+                    self.params[i].add_(c)
 
     def drain(self):
-        self._finish()
+        self.apply(range(len(self.params)))
+
+    def rekey(self, old, new):
+        self.resolve()                      # the buckets change: keep the arrived corrections per parameter
+        super().rekey(old, new)
+
+    def spectral_gap(self) -> float:
+        return self.topology.pairwise_gap()
 
     def metrics(self):
-        return {**super().metrics(), "pairings": self.pairings}
+        return {**super().metrics(), "pairings": self.pairings, "staleness": self.staleness}
 
     def state_dict(self):
-        """Completes the exchange in flight (every rank calls this at the same step) and starts it again."""
-        self._finish()
-        self._start(self.t)
-        return {**super().state_dict(), "pairings": self.pairings}
+        """Waits for the averaging in flight (every rank calls this at the same step) and keeps its correction."""
+        self.resolve()
+        return {**super().state_dict(), "pairings": self.pairings,
+                "corrections": {i: c.clone() for i, c in self.corrections.items()}}
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
         self.pairings = state["pairings"]
+        self.corrections = {i: c.clone() for i, c in state["corrections"].items()}

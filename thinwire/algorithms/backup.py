@@ -4,21 +4,23 @@ from __future__ import annotations
 
 from ..errors import UserError
 from . import register
-from .ps_sync import PSAlgorithm
+from .ps_sync import PSBSP
 
 
 @register("backup")
-class Backup(PSAlgorithm):
+class Backup(PSBSP):
     """Of the n + n_b workers (`--workers` counts all of them, `backups` is n_b), the server averages the first
-    n fresh gradients of each round, x_{t+1} = x_t - γ (1/n) Σ_{i∈A_t} G_i(x_t) (catalog §2.1.2), and answers
-    those n at once; a gradient computed on an older model arrives late and is dropped (its worker gets the
-    current model). Dropped gradients are counted (`dropped` in the metrics)."""
+    n fresh pushes of each bucket's round, x_{t+1} = x_t - γ (1/n) Σ_{i∈A_t} G_i(x_t) (catalog §2.1.2), and answers
+    those n at once; a push computed on an older model arrives late and is dropped (its worker gets the current
+    model). Rounds are per bucket (as BytePS's keys): A_t is the first n arrivals of that bucket. Dropped pushes
+    of the first bucket are counted (`dropped` in the metrics)."""
 
-    mode = "backup"
+    name = "backup"
+    rule = "backup"
 
     def __init__(self, architecture: str | None = None, backups: int = 1, servers: int = 1,
-                 downlink_compressor: str = "none"):
-        super().__init__(architecture, servers, downlink_compressor)
+                 downlink_compressor: str = "none", downlink_params: dict | None = None):
+        super().__init__(architecture, servers, downlink_compressor, downlink_params)
         if not isinstance(backups, int) or isinstance(backups, bool) or backups < 0:
             raise UserError(f"backup needs backups (n_b) >= 0, got {backups!r}")
         self.backups = backups
@@ -29,6 +31,3 @@ class Backup(PSAlgorithm):
             raise UserError(f"backups={self.backups} leaves no gradient to wait for with {workers} workers; "
                             f"valid: 0..{workers - 1}")
         super().setup()
-
-    def server_options(self):
-        return {"mode": "backup", "backups": self.backups}

@@ -60,6 +60,14 @@ class Algorithm:
         self.setup()
         self.scheduler.attach(self.model, self.params, self, self.transport, self.tracer, self.optimizer)
 
+    def check_components(self, compressor, memory) -> None:
+        """Raise UserError (naming what to use instead) if this algorithm cannot run with `compressor` and
+        `memory`; called at construction, before any worker starts. The parameter server's links cannot carry a
+        compressor that runs its own collective."""
+        if self.architecture == "ps" and compressor is not None:
+            from ..exchange.ps import check_uplink
+            check_uplink(compressor)
+
     def setup(self) -> None:
         """Build exchanges and buffers (called once the trainer is wired, before the scheduler attaches)."""
 

@@ -41,11 +41,12 @@ import time
 
 import torch
 
-from ..compress import Compressor, Memory, Payload
+from ..compress import Compressor
 from ..errors import UserError
 from ..net import cdsgd as time_model
 from . import register
 from .bsp import BSP
+from .ps_sync import PSMixin
 
 _now = time.perf_counter
 
@@ -55,7 +56,7 @@ class _TimedCompressor(Compressor):
 
     def __init__(self, inner: Compressor):
         self.inner, self.seconds = inner, 0.0
-        for attr in ("name", "unbiased", "linear", "randomness", "aggregation", "fixed_size"):
+        for attr in ("name", "unbiased", "linear", "randomness", "aggregation", "fixed_size", "pick_by_bytes"):
             setattr(self, attr, getattr(inner, attr))
 
     def __getattr__(self, attr):  # anything else (a custom exchange, parameters) is the inner compressor's
@@ -82,11 +83,17 @@ class _TimedCompressor(Compressor):
     def agree(self, tensor, key=None, step=0):
         return self.inner.agree(tensor, key, step)
 
+    def context(self, shape, dtype, key=None, step=0):
+        return self.inner.context(shape, dtype, key, step)
+
     def sum_payload(self, payload, world_size):
         return self.inner.sum_payload(payload, world_size)
 
     def nominal_bits(self, numel):
         return self.inner.nominal_bits(numel)
+
+    def summed_bits(self, numel, world_size):
+        return self.inner.summed_bits(numel, world_size)
 
     def state_dict(self):
         return self.inner.state_dict()
@@ -149,11 +156,14 @@ class CDSGD(BSP):
         self.compress = compress             # Q is the compressor (with its memory) on non-correction iterations
 
     # -- wiring ----------------------------------------------------------------------------------------
-    def setup(self):
-        _sgd_hyper(self.optimizer)
-        if not self.compress and self.compressor.name != "none":
+    def check_components(self, compressor, memory):
+        if not self.compress and compressor.name != "none":
             raise UserError(f"{self.name} exchanges full-precision gradients; drop --compressor "
                             f"(compressed: cdsgd, bitsgd)")
+
+    def setup(self):
+        _sgd_hyper(self.optimizer)
+        self.check_components(self.compressor, self.memory)
         self.plain = self.make_exchange("none", "none")
         self.timed = _TimedCompressor(self.compressor) if self.compress else None
         self.quant = self.make_exchange(self.timed, self.memory) if self.compress else None
@@ -208,8 +218,7 @@ class CDSGD(BSP):
         self._stamp(compressed)
         self._compressed_steps += compressed
         if not self.local_update:          # S-SGD / BIT-SGD: the model is W, bsp's step (eqs. 1, 5)
-            self.average_gradients()
-            self.optimizer_step()
+            self._synchronous_update(hyper)
         elif formal:                       # eq. 11 now; eq. 10 of this step is applied at the next one
             self._apply_global(self.prev, hyper)                   # W_i: the previous exchange only
             self._set_model(self._local(hyper))
@@ -224,6 +233,11 @@ class CDSGD(BSP):
         self.counter += formal
         self._last_end = _now()
         self.scheduler.end_step()
+
+    def _synchronous_update(self, hyper: dict) -> None:
+        """W_{i+1} = W_i − η·mean_j Q_j(g_{i,j}), waited for in this step (eqs. 1, 5)."""
+        self.average_gradients()
+        self.optimizer_step()
 
     def _take_pending(self) -> dict:
         return {b.index: (b.members, self.pending[b.index]) for b in self.scheduler.buckets}
@@ -350,3 +364,84 @@ class SSGD(CDSGD):
 
     def __init__(self, architecture: str | None = None):
         super().__init__(architecture, k=1, warmup=0, local_update=False, compress=False)
+
+
+# -- the parameter server (seed 001 §3.2) --------------------------------------------------------------------
+@register("cdsgd", variant="ps")
+class PSCDSGD(PSMixin, CDSGD):
+    """CD-SGD on the parameter server (seed 001 §3.2): each bucket is pushed as backward hands it over, compressed
+    (Q_j, with the worker's memory) or not by the k-step rule, the header naming the codec; the server applies the
+    worker's optimizer to mean_j Q_j(g_{i,j}) (eq. 10) and answers W_{i+1}; the workers keep W^loc (eq. 11) and
+    take the answer at the next iteration, as on all-reduce. `bitsgd`, `odsgd` and `ssgd` on the PS are this class
+    with their options."""
+
+    def __init__(self, architecture: str | None = None, k: int = 5, warmup: int = 10,
+                 local_lr: float | None = None, local_momentum: bool = True, servers: int = 1,
+                 downlink_compressor: str = "none", downlink_params: dict | None = None, *,
+                 local_update: bool = True, compress: bool = True):
+        CDSGD.__init__(self, architecture, k, warmup, local_lr, local_momentum, local_update=local_update,
+                       compress=compress)
+        self._ps_init(servers, downlink_compressor, downlink_params)
+
+    def step(self):
+        self._worker_only()
+        super().step()
+
+    def _apply_global(self, exchanges: dict, h: dict) -> None:
+        """W_{i+1}: the server's answer (it applied eq. 10 with the optimizer)."""
+        if not exchanges:
+            return
+        self.W_prev = [w.clone() for w in self.W]
+        with self.tracer.span("global update", "optimizer"), torch.no_grad():
+            for members, fut in exchanges.values():
+                answer = fut.wait()
+                off = 0
+                for i in members:
+                    W = self.W[i]
+                    W.copy_(answer[off:off + W.numel()].view_as(W))
+                    off += W.numel()
+        self.worker.commit()
+
+    def _synchronous_update(self, hyper: dict) -> None:
+        self._apply_global(self._take_pending(), hyper)
+        self.pending = {}
+
+
+@register("bitsgd", variant="ps")
+class PSBitSGD(PSCDSGD):
+    """BIT-SGD on the parameter server (seed 001 eq. 5): every push compressed, every step waits for its answer."""
+
+    def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
+                 downlink_params: dict | None = None):
+        super().__init__(architecture, k=0, warmup=0, servers=servers, downlink_compressor=downlink_compressor,
+                         downlink_params=downlink_params, local_update=False)
+
+
+@register("odsgd", variant="ps")
+class PSODSGD(PSCDSGD):
+    """OD-SGD on the parameter server (seed 001 eqs. 3–4): full-precision pushes, W^loc while the answer travels."""
+
+    compression = False
+    default_compressor = "none"
+    default_memory = "none"
+
+    def __init__(self, architecture: str | None = None, warmup: int = 10, local_lr: float | None = None,
+                 local_momentum: bool = True, servers: int = 1, downlink_compressor: str = "none",
+                 downlink_params: dict | None = None):
+        super().__init__(architecture, k=1, warmup=warmup, local_lr=local_lr, local_momentum=local_momentum,
+                         servers=servers, downlink_compressor=downlink_compressor, downlink_params=downlink_params,
+                         compress=False)
+
+
+@register("ssgd", variant="ps")
+class PSSSGD(PSCDSGD):
+    """S-SGD on the parameter server (seed 001 eq. 1): bsp on the PS, with seed 001's time model measured."""
+
+    compression = False
+    default_compressor = "none"
+    default_memory = "none"
+
+    def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
+                 downlink_params: dict | None = None):
+        super().__init__(architecture, k=1, warmup=0, servers=servers, downlink_compressor=downlink_compressor,
+                         downlink_params=downlink_params, local_update=False, compress=False)

@@ -8,19 +8,19 @@ E‖Q(x) - x‖² ≤ (1 - ω)‖x‖²) and consensus step size γ (`gamma`):
     x̂_j^{t+1} = x̂_j^t + q_j^t   for j ∈ N_i ∪ {i}
     x_i^{t+1} = x_i^{t+1/2} + γ Σ_j w_ij (x̂_j^{t+1} - x̂_i^{t+1})
 The copies x̂ start at the common initial model (every worker starts from rank 0's). The x̂ are CHOCO's own error
-feedback, so it takes no memory. A compressed message is a small header (the element count of each payload
-tensor, so sizes may vary per step) followed by the payload bytes: two messages per neighbour per step.
+feedback, so it takes no memory. Per bucket, during backward: the bucket's optimizer step, then q of the bucket
+goes to the neighbours through the `NeighborExchange` (any payload compressor, the one wire format, sizes first
+when they vary); `step()` updates the copies and applies the consensus step. The copies are kept per parameter,
+so they do not depend on the bucket layout.
 With compressor `none` and γ = 1, CHOCO is D-PSGD (atc). `close()` measures consensus and averages (see _gossip).
 """
 from __future__ import annotations
 
 import torch
 
-from ..comm.collectives import wait_all
-from ..compress import Payload
 from ..errors import UserError
 from . import register
-from ._gossip import TAG, Gossip
+from ._gossip import Gossip
 
 
 @register("choco")
@@ -39,74 +39,61 @@ class CHOCO(Gossip):
                             "valid: ring, torus, exponential, complete")
         self.gamma = float(gamma)
 
-    def gossip_setup(self):
-        comp, mem = self.trainer.compressor, self.trainer.memory
+    def check_components(self, comp, mem):
         if getattr(comp, "aggregation", "allreduce") == "custom":
             raise UserError(f"compressor {comp.name!r} runs its own collective and cannot be gossiped; "
                             "use a payload compressor (e.g. topk, randomk, qsgd, fp16, signsgd)")
         if getattr(mem, "name", "none") != "none":
             raise UserError(f"choco's public copies are its error feedback: drop --memory {mem.name} "
                             "(valid: none)")
-        self.compressor = comp
-        self.peers = self.topology.neighbors(self.rank)
-        x0 = self.flat_params().clone()
-        self.hat_self = x0.clone()
-        self.hat = {j: x0.clone() for j in self.peers}
 
-    def _send_recv(self, payload: Payload) -> dict[int, Payload]:
-        tp = self.transport
-        tensors = [t.contiguous() for t in payload.tensors]
-        header = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
-        body = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors] or [torch.empty(0, dtype=torch.uint8)])
-        hs = [tp.isend(header, j, tag=TAG) for j in self.peers]
-        if body.numel():
-            hs += [tp.isend(body, j, tag=TAG + 1) for j in self.peers]
-        heads = {j: torch.empty_like(header) for j in self.peers}
-        wait_all([tp.irecv(heads[j], j, tag=TAG) for j in self.peers])
-        bodies, rh = {}, []
-        for j in self.peers:
-            nbytes = sum(int(c) * t.element_size() for c, t in zip(heads[j].tolist(), tensors))
-            bodies[j] = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                rh.append(tp.irecv(bodies[j], j, tag=TAG + 1))
-        wait_all(hs + rh)
-        out = {}
-        for j in self.peers:
-            parts, offset = [], 0
-            for c, t in zip(heads[j].tolist(), tensors):
-                nb = int(c) * t.element_size()
-                part = bodies[j][offset:offset + nb].view(t.dtype)
-                parts.append(part.view(t.shape) if part.numel() == t.numel() else part)
-                offset += nb
-            out[j] = Payload(parts, payload.ctx, dict(payload.extra))
-        return out
+    def setup(self):
+        self.check_components(self.compressor, self.memory)
+        super().setup()
+
+    def gossip_setup(self):
+        self.peers = self.topology.neighbors(self.rank)
+        x0 = [p.detach().clone() for p in self.params]
+        self.hat_self = [x.clone() for x in x0]
+        self.hat = {j: [x.clone() for x in x0] for j in self.peers}
+
+    def on_bucket(self, bucket):
+        self.optimizer_step(bucket.params)
+        with torch.no_grad():
+            diff = bucket.flat([p - self.hat_self[i] for p, i in zip(bucket.params, bucket.members)])
+        self.send(bucket, diff, self.peers, self.peers)
 
     def step(self):
-        self.optimizer_step()
-        x = self.flat_params().clone()
-        with self.tracer.span("compress", "compress"):
-            payload = self.compressor.compress(x - self.hat_self, key="choco", step=self.t)
-            q = self.compressor.decompress(payload).reshape(-1).to(x.dtype)
-        got = self._send_recv(payload)
-        self.hat_self.add_(q)
+        self.scheduler.flush()
         W = self.topology.matrix()
-        correction = torch.zeros_like(x)
-        for j in sorted(got):
-            self.hat[j].add_(self.compressor.decompress(got[j]).reshape(-1).to(x.dtype))
-            correction.add_(self.hat[j] - self.hat_self, alpha=float(W[self.rank, j]))
-        x.add_(correction, alpha=self.gamma)
-        self.set_flat_params(x)
+        i = self.rank
+        with torch.no_grad():
+            for bucket in self.scheduler.buckets:
+                q = self.received(bucket)
+                hat_self = bucket.flat([self.hat_self[k] for k in bucket.members]).add_(q[i])
+                correction = torch.zeros_like(hat_self)
+                for j in sorted(self.peers):
+                    hat_j = bucket.flat([self.hat[j][k] for k in bucket.members]).add_(q[j])
+                    correction.add_(hat_j - hat_self, alpha=float(W[i, j]))
+                    self._store(self.hat[j], bucket, hat_j)
+                self._store(self.hat_self, bucket, hat_self)
+                x = self.flat_of(bucket).add_(correction, alpha=self.gamma)
+                self.assign(bucket, x)
         self.after_step()
+
+    @staticmethod
+    def _store(copies: list[torch.Tensor], bucket, flat: torch.Tensor) -> None:
+        for k, v in zip(bucket.members, bucket.split(flat)):
+            copies[k].copy_(v)
 
     def metrics(self):
         return {**super().metrics(), "gamma": self.gamma}
 
     def state_dict(self):
-        return {**super().state_dict(), "hat_self": self.hat_self.clone(),
-                "hat": {j: h.clone() for j, h in self.hat.items()}, "compressor": self.compressor.state_dict()}
+        return {**super().state_dict(), "hat_self": [h.clone() for h in self.hat_self],
+                "hat": {j: [h.clone() for h in hs] for j, hs in self.hat.items()}}
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
-        self.hat_self = state["hat_self"].clone()
-        self.hat = {j: h.clone() for j, h in state["hat"].items()}
-        self.compressor.load_state_dict(state["compressor"])
+        self.hat_self = [h.clone() for h in state["hat_self"]]
+        self.hat = {j: [h.clone() for h in hs] for j, hs in state["hat"].items()}

@@ -1,4 +1,5 @@
-"""`dpsgd`: decentralized parallel SGD (Lian et al. [51]; seed 000 §IV-C, catalog §2.2.3 (a)) — BSP on gossip.
+"""`dpsgd`: decentralized parallel SGD (Lian et al. [51]; seed 000 §IV-C, catalog §2.2.3 (a)) — BSP on gossip;
+and local SGD on gossip.
 
 Each step every worker takes its local step and averages with its neighbours under the mixing matrix W of the
 topology (symmetric, doubly stochastic):
@@ -7,8 +8,14 @@ topology (symmetric, doubly stochastic):
     lian (the form of [51], catalog [SUPP]):
         x_{i,t+1} = Σ_j W_ij x_{j,t} - γ G_i(x_{i,t})
 On the complete graph (W = 11ᵀ/n) the atc form is exactly synchronous SGD (bsp), momentum included.
-Neighbour exchange: isend/irecv of the whole model to/from each neighbour (32 N n_peers bits per step,
-seed 000 Table IV Gossip/BSP). `close()` measures the consensus distance and averages the models (see _gossip).
+Per bucket, during backward: atc takes the bucket's local step as soon as backward hands the bucket over (its
+gradients are final and no later backward work reads its parameters) and sends the stepped parameters to the
+neighbours; lian sends the parameters the gradients were computed on. `step()` mixes every bucket and (lian)
+then applies the own gradient. 32 N n_peers bits per step (seed 000 Table IV Gossip/BSP). `close()` measures
+the consensus distance and averages the models (see _gossip).
+
+`localsgd` on gossip (seed 000 Table II, Gossip/Local SGD): H local steps, then one gossip averaging step (the
+atc mixing above) over the topology; with H = 1 it is D-PSGD, on the complete graph local SGD on all-reduce.
 """
 from __future__ import annotations
 
@@ -30,18 +37,22 @@ class DPSGD(Gossip):
             raise UserError(f"dpsgd variant must be one of: atc, lian; got {variant!r}")
         self.variant = variant
 
-    def gossip_step(self) -> None:
+    def on_bucket(self, bucket):
+        if self.variant == "atc":          # adapt: the bucket's local step now, then combine its stepped model
+            self.optimizer_step(bucket.params)
         peers = self.topology.neighbors(self.rank, self.t)
-        x = self.flat_params().clone()
-        got = self.exchange(x, peers, peers)
-        self.set_flat_params(self.mix(x, got, self.t))
+        self.send(bucket, self.flat_of(bucket), peers, peers)
+
+    def combine(self) -> None:
+        """x ← Σ_j W_ij x_j, bucket by bucket."""
+        with self.tracer.span("mix", "communicate"):
+            for bucket in self.scheduler.buckets:
+                self.assign(bucket, self.mix(self.received(bucket), self.t))
 
     def step(self):
-        if self.variant == "atc":
-            self.optimizer_step()
-            self.gossip_step()
-        else:  # mix the models the gradients were computed on, then apply the own gradient
-            self.gossip_step()
+        self.scheduler.flush()
+        self.combine()
+        if self.variant == "lian":         # mix the models the gradients were computed on, then the own gradient
             self.optimizer_step()
         self.after_step()
 
@@ -60,3 +71,54 @@ class BSPOnGossip(DPSGD):
             raise UserError(f"bsp on gossip does not run on topology {topology!r}; "
                             f"valid: {', '.join(DPSGD.topologies)}")
         super().__init__(topology=topology, consensus_every=consensus_every, architecture=architecture)
+
+
+@register("localsgd", variant="gossip")
+class LocalSGDOnGossip(DPSGD):
+    """Local SGD on gossip (seed 000 Table II): H local steps, then a gossip averaging step over the topology,
+    x_i ← Σ_j W_ij x_j (D-PSGD's atc mixing, every H-th step). The default topology is `complete`, on which the
+    averaging is exact model averaging (= `localsgd` on all-reduce)."""
+
+    name = "localsgd"
+
+    def __init__(self, period: int = 4, topology: str = "complete", consensus_every: int = 0,
+                 final_average: bool = True, architecture: str | None = None):
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise UserError(f"localsgd period H must be an integer >= 1, got {period!r}; H = 1 is D-PSGD")
+        if topology not in DPSGD.topologies:
+            raise UserError(f"localsgd on gossip does not run on topology {topology!r}; "
+                            f"valid: {', '.join(DPSGD.topologies)}")
+        super().__init__(topology=topology, consensus_every=consensus_every, final_average=final_average,
+                         architecture=architecture)
+        self.period = period
+        self.local_steps = 0
+        self.syncs = 0
+
+    def syncing(self) -> bool:
+        """Whether this step ends a period (its models are mixed)."""
+        return self.local_steps + 1 >= self.period
+
+    def on_bucket(self, bucket):
+        if self.syncing():
+            super().on_bucket(bucket)
+
+    def step(self):
+        if not self.syncing():
+            self.scheduler.flush()
+            self.optimizer_step()
+            self.local_steps += 1
+            self.after_step()
+            return
+        super().step()
+        self.local_steps = 0
+        self.syncs += 1
+
+    def metrics(self):
+        return {**super().metrics(), "period": self.period, "syncs": self.syncs}
+
+    def state_dict(self):
+        return {**super().state_dict(), "local_steps": self.local_steps, "syncs": self.syncs}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.local_steps, self.syncs = state["local_steps"], state["syncs"]

@@ -18,6 +18,17 @@ from . import register
 from .base import Algorithm
 
 
+_IDENTITY = ((1.0, 0.0), (0.0, 1.0))
+
+
+def _carry(m, rate: float, decay: float, mu: float):
+    """S M for one more step at `rate`: S = [[1 - γλ, -γμ], [λ, μ]] maps a difference (Δw, Δb) of the state
+    before the step to the one after it (b' = μ b + g + λ w, w' = w - γ b'; docs/dts.md)."""
+    (a, b), (c, d) = m
+    s00, s01, s10, s11 = 1.0 - rate * decay, -rate * mu, decay, mu
+    return ((s00 * a + s01 * c, s00 * b + s01 * d), (s10 * a + s11 * c, s10 * b + s11 * d))
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserError(f"{name} must be an integer >= 1, got {value!r}")
@@ -45,8 +56,15 @@ class DTS(Algorithm):
     (docs/dts.md). With μ = 0 only C (= Σ γ_r g_r) is sent, for p = 1 only g (C = γ_s g, B = g); otherwise
     C and B together. C travels in units of the window's first rate (gradient units at a constant rate).
 
+    Weight decay λ (per group) couples w into b: B <- μ B + g - λ C inside the window, and the difference a
+    window makes is carried from E to s by the product M of the per-step 2×2 matrices
+    [[1 - γ_r λ, -γ_r μ], [λ, μ]] acting on (Δw, Δb):  (Δw, Δb) = M (-(C̄ - C), B̄ - B)  (docs/dts.md; with
+    λ = 0, M = [[1, -F], [0, μ^Δ]], the form above).
+
     `close()` launches the partial last window, waits for every average in flight and applies them all at
-    the last step (Δ counted from each window's last step), so every worker ends with the same model.
+    the last step (Δ counted from each window's last step): every worker then holds the same model up to
+    float rounding (the compensations start from each worker's own weights), and rank 0's model and momentum
+    buffers are broadcast so that the models are bitwise identical.
     What is averaged can go through any compressor and memory of the Trainer (seed 004 §4.3 uses DGC).
     """
 
@@ -72,6 +90,7 @@ class DTS(Algorithm):
         if len(momenta) != 1 or not 0.0 <= next(iter(momenta)) < 1.0:
             raise UserError(f"{self.name} needs one momentum in [0, 1) for all parameter groups, got {sorted(momenta)}")
         self.mu = next(iter(momenta))
+        self._decay = [float(g.get("weight_decay", 0.0)) for g in opt.param_groups]   # λ per group
         self.exchange = self.make_exchange()
         # with p = 1 the discounted sum B equals C; with μ = 0 it is not needed
         self._two = self.mu > 0.0 and self.period > 1
@@ -101,13 +120,20 @@ class DTS(Algorithm):
             self._ref = list(rates) if self.period == 1 else [r if r != 0.0 else 1.0 for r in rates]
         members = bucket.members
         grads = bucket.views
+        decayed = [i for i in members if self._decay[self._gi[i]] != 0.0 and self._in_window > 0]
         if self._two:
             bs = [self._b[i] for i in members]
-            torch._foreach_mul_(bs, self.mu)                     # B <- μ B + g
+            torch._foreach_mul_(bs, self.mu)                     # B <- μ B + g (- λ C with weight decay)
             torch._foreach_add_(bs, grads)
             source = bs                                          # C += (γ_s / γ_ref) B  (docs/dts.md)
+        elif decayed:
+            source = [g.clone() for g in grads]                  # B = g - λ C, this step's only
         else:
             source = grads                                       # C += (γ_s / γ_ref) g
+        for k, i in enumerate(members):                          # C in units of γ_ref: λ γ_ref C
+            gi = self._gi[i]
+            if i in decayed:
+                source[k].sub_(self._c[i], alpha=self._decay[gi] * self._ref[gi])
         for gi in sorted({self._gi[i] for i in members}):
             ks = [k for k, i in enumerate(members) if self._gi[i] == gi]
             ratio = 1.0 if self.period == 1 else rates[gi] / self._ref[gi]
@@ -135,11 +161,10 @@ class DTS(Algorithm):
         if self._in_window == self.period:
             self._close_window()
         self.optimizer_step()                       # seed 004 eq. 2: local gradient now
-        if self.mu > 0.0:                           # momentum carries each in-flight window on: F += γ_s μ^{s-E}
-            for entry in self._flight:
-                if entry[0] < self.steps:
-                    decay = self.mu ** (self.steps - entry[0])
-                    entry[3] = [f + r * decay for f, r in zip(entry[3], rates)]
+        mu = self.mu                                # this step carries each in-flight window on: M <- S_s M
+        for entry in self._flight:
+            if entry[0] < self.steps:
+                entry[3] = [_carry(m, r, lam, mu) for m, r, lam in zip(entry[3], rates, self._decay)]
         due = (self.delay - 1) * self.period       # the average of the window ending at E is applied at E+(t-1)p
         while self._flight and self._flight[0][0] + due <= self.steps:
             self._apply_oldest()
@@ -147,7 +172,7 @@ class DTS(Algorithm):
         self.scheduler.end_step()
 
     def _close_window(self) -> None:
-        self._flight.append([self.steps, self._launched, list(self._ref), [0.0] * len(self._ref)])
+        self._flight.append([self.steps, self._launched, list(self._ref), [_IDENTITY] * len(self._ref)])
         self._launched, self._ref, self._in_window = [], None, 0
         self.launched += 1
 
@@ -166,22 +191,26 @@ class DTS(Algorithm):
 
     @torch.no_grad()
     def _compensate(self, members: list[int], err_c: torch.Tensor, err_b: torch.Tensor, age: int,
-                    ref: list[float], post: list[float]) -> None:
-        """w -= γ_ref (C̄ - C) + F (B̄ - B);  b += μ^Δ (B̄ - B)   (seed 004 eqs. 3-4; docs/dts.md)."""
+                    ref: list[float], post: list) -> None:
+        """(Δw, Δb) = M (-γ_ref (C̄ - C), B̄ - B): with λ = 0, w -= γ_ref (C̄ - C) + F (B̄ - B) and
+        b += μ^Δ (B̄ - B)   (seed 004 eqs. 3-4; docs/dts.md)."""
         mu = self.mu
         offset = 0
         for i in members:
             p, gi = self.params[i], self._gi[i]
+            (ww, wb), (bw, bb) = post[gi]
             k = p.numel()
             ec = err_c[offset:offset + k].view_as(p)
-            p.add_(ec, alpha=-ref[gi])
+            p.add_(ec, alpha=-ref[gi] * ww)
+            buf = self.optimizer.state[p].get("momentum_buffer") if mu > 0.0 else None
+            if buf is not None and bw != 0.0:
+                buf.add_(ec, alpha=-ref[gi] * bw)
             if mu > 0.0:
                 eb = err_b[offset:offset + k].view_as(p)
-                if post[gi] != 0.0:
-                    p.add_(eb, alpha=-post[gi])
-                buf = self.optimizer.state[p].get("momentum_buffer")
+                if wb != 0.0:
+                    p.add_(eb, alpha=wb)
                 if buf is not None:
-                    buf.add_(eb, alpha=mu ** age)
+                    buf.add_(eb, alpha=bb)
             offset += k
 
     def recover(self):
@@ -206,7 +235,27 @@ class DTS(Algorithm):
             self._close_window()
         while self._flight:
             self._apply_oldest()
+        self._same_everywhere()
         super().close()
+
+    @torch.no_grad()
+    def _same_everywhere(self) -> None:
+        """After the last compensation every worker holds the same model up to float rounding (each corrected
+        its own weights): rank 0's parameters and momentum buffers make them bitwise identical (one broadcast,
+        at close only, like the Trainer's initial one not counted as training traffic)."""
+        if self.world_size == 1:
+            return
+        import torch.distributed as dist
+        tensors = list(self.params)
+        if self.mu > 0.0:
+            tensors += [b for b in (self.optimizer.state[p].get("momentum_buffer") for p in self.params)
+                        if b is not None]
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        dist.broadcast(flat, src=self.transport.global_of(0), group=self.transport.group)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     # -- bookkeeping -----------------------------------------------------------------------------------
     def metrics(self):
@@ -240,7 +289,8 @@ class DTS(Algorithm):
                 mine.copy_(saved)
         self._ref = None if state["ref"] is None else list(state["ref"])
         self._flight = deque([f["end"], [(list(m), loc.clone(), Ready(avg.clone())) for m, loc, avg in f["launches"]],
-                              list(f["ref"]), list(f["post"])] for f in state["in_flight"])
+                              list(f["ref"]), [tuple(tuple(row) for row in m) for m in f["post"]]]
+                             for f in state["in_flight"])
         self.launched, self.applied, self.max_in_flight = state["counters"]
         self.exchange.load_state_dict(state["exchange"])
 

@@ -26,6 +26,7 @@ import torch
 from ..errors import UserError
 from . import register
 from .bsp import BSP
+from .ps_sync import PSMixin
 
 
 @register("localsgd")
@@ -173,3 +174,43 @@ class PostLocalSGD(LocalSGD):
     def load_state_dict(self, state):
         super().load_state_dict(state)
         self.steps = state["steps"]
+
+
+@register("localsgd", variant="ps")
+class PSLocalSGD(PSMixin, LocalSGD):
+    """Local SGD on the parameter server (seed 000 Table II, PS / Local SGD): H local steps on every worker, then
+    each worker pushes its model delta x_i - x (bucket by bucket, as backward hands the bucket over, through the
+    compressor and memory) and the server averages them, x <- x + (1/n) Σ_i C(x_i - x) (the corrected eq. 9,
+    catalog Appendix B item 3), and answers x, which every worker continues from. Momentum stays local
+    (per-worker buffers, as on all-reduce)."""
+
+    def __init__(self, period: int = 4, architecture: str | None = None, servers: int = 1,
+                 downlink_compressor: str = "none", downlink_params: dict | None = None):
+        LocalSGD.__init__(self, period, False, architecture)
+        self._ps_init(servers, downlink_compressor, downlink_params)
+
+    def server_setup(self) -> None:
+        """(server) Averaging needs no optimizer."""
+
+    def server_update(self, b, param, mean, info) -> None:
+        with torch.no_grad():
+            param.add_(mean)          # x <- x + mean_i C(x_i - x)
+
+    def pushes_at(self, step: int) -> int:
+        return step // self.period
+
+    def step(self):
+        self._worker_only()
+        super().step()
+
+    def average(self) -> None:
+        """Every worker continues from the server's average (its answer), bucket by bucket."""
+        with self.tracer.span("average models", "communicate"), torch.no_grad():
+            for bucket in self.scheduler.buckets:
+                answer = self.pending.pop(bucket.index).wait()
+                for p, i, m in zip(bucket.params, bucket.members, bucket.split(answer)):
+                    self.anchor[i].copy_(m)
+                    p.copy_(m)
+        self.worker.commit()
+        self.local_steps = 0
+        self.syncs += 1

@@ -1,18 +1,26 @@
-"""The algorithms that run on the parameter server (thinwire.comm.ps): the shared base class and `bsp` on the
-PS (the class the registry builds for `bsp` with architecture="ps").
+"""The algorithms on the parameter server: `PSMixin` (the roles every one of them shares) and `bsp` on the PS.
 
-On a server rank the algorithm sets `role = "server"` and `serve()` runs the server until the workers are done;
-on a worker rank `role = "worker"`, `worker_rank` is its index among the workers, and `step()` pushes the
-gradient and loads the parameters it is answered with (the server runs the optimizer).
+One class per (algorithm, architecture): `bsp` on the PS is `PSBSP` (registered with variant "ps"), `ssp`, `asp`
+and `backup` derive from it, `cdsgd`/`odsgd`/`bitsgd` (cdsgd.py) and `localsgd` (localsgd.py) mix `PSMixin` into
+their all-reduce class. On a server rank the algorithm sets `role = "server"` and `serve()` runs the server
+(`thinwire.exchange.ps.PSServer`) until the workers are done; on a worker rank `role = "worker"`, its exchanges
+are `PSExchange`s (a bucket's push starts when backward hands the bucket over, `on_bucket`), and `step()` waits
+for the answers its rule needs. Every rank builds the same buckets (the scheduler's, from the same model and
+bucket size; `mgwfbp` and `priority` re-plan or reorder them and do not run here); the server owns slice k of each.
 """
 from __future__ import annotations
 
-from ..comm.ps import PSLayout, PSServer, PSWorker
+import torch
+
 from ..compress import compressors
 from ..errors import UserError
+from ..exchange.ps import PSExchange, PSServer, PSWorker, downlink_scale
+from ..comm.ps import PSLayout
+from ..sched import step_subset
 from . import register
 from .base import Algorithm
 
+PS_SCHEDULES = ("none", "wfbp", "fusion")
 # Table II of seed 000: which architectures each PS-only scheme lacks, and what to use instead
 _ALTERNATIVES = {
     "allreduce": "for all-reduce use bsp or localsgd",
@@ -26,94 +34,250 @@ def check_ps_architecture(name: str, architecture: str | None) -> None:
         raise UserError(f"{name} runs on the parameter server only (architecture=ps); {alt}")
 
 
-class PSAlgorithm(Algorithm):
-    """Base of the PS algorithms: builds the layout, and the server or worker end, at setup."""
+def clone_optimizer(template: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:
+    """The worker's optimizer (its class and param_groups[0] hyper-parameters) over the server's slices."""
+    group = {k: v for k, v in template.param_groups[0].items() if k != "params"}
+    try:
+        return type(template)(params, **group)
+    except TypeError:
+        return torch.optim.SGD(params, lr=group["lr"], momentum=group.get("momentum", 0.0),
+                               weight_decay=group.get("weight_decay", 0.0))
+
+
+class PSMixin:
+    """The parameter-server roles of an algorithm; mixed in before its base class (an all-reduce algorithm's class,
+    or `Algorithm`). The base class's `setup()` makes its exchanges with `make_exchange` as usual: here they are
+    `PSExchange`s, one codec each (a server decodes a push with the compressor of the exchange that made it).
+    Class attributes: `rule` (the server's: "sync", "async", "backup"). The server applies `server_update`
+    (default: the worker's optimizer on the mean gradient, seed 000 eq. 6)."""
 
     architectures = ("ps",)
-    mode = "sync"
+    schedules = PS_SCHEDULES
+    rule = "sync"
+    backups = 0
 
-    def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none"):
-        check_ps_architecture(self.name or type(self).__name__.lower(), architecture)
-        super().__init__(architecture)
+    def _ps_init(self, servers, downlink_compressor: str = "none", downlink_params: dict | None = None) -> None:
         if not isinstance(servers, int) or isinstance(servers, bool) or servers < 1:
-            raise UserError(f"{self.name} needs servers >= 1 parameter-server ranks (--servers K), got {servers}")
+            raise UserError(f"{self.name} needs servers >= 1 parameter-server ranks (--servers K), got {servers!r}")
+        if downlink_params is not None and not isinstance(downlink_params, dict):
+            raise UserError(f"downlink_params must be a dict of the downlink compressor's parameters (or give "
+                            f"them as downlink_<name>), got {downlink_params!r}")
         self.servers = servers
-        self.downlink = compressors.get(downlink_compressor)  # raises naming the valid compressors
+        self.downlink = compressors.get(downlink_compressor, **(downlink_params or {}))   # names the valid ones
+        if self.downlink.name == "none":
+            self.downlink, self.downlink_scale = None, 1.0
+        else:
+            self.downlink_scale = downlink_scale(self.downlink)   # contractive, or refused here
         self.role = "worker"
         self.server = self.worker = None
 
-    def server_options(self) -> dict:
-        """Keyword arguments of PSServer for this algorithm's rule (mode, staleness, backups, lr_scale)."""
-        return {"mode": self.mode}
+    # -- wiring --------------------------------------------------------------------------------------------
+    def make_exchange(self, compressor=None, memory=None) -> PSExchange:
+        ex = PSExchange(self.transport, self.compressor if compressor is None else compressor,
+                        self.memory if memory is None else memory, codec=len(self._exchanges))
+        self._exchanges.append(ex)
+        return ex
 
-    def setup(self) -> None:
-        flat = self.flat_params()
-        self.layout = PSLayout(flat.numel(), self.world_size, self.servers)
+    def attach(self, trainer) -> None:
+        super().attach(trainer)            # setup(), then the scheduler builds its buckets
+        buckets = self.scheduler.buckets
+        keys = [b.key for b in buckets]
+        with torch.no_grad():
+            initial = [b.flat([p.detach() for p in b.params]) for b in buckets]
+        self.layout = PSLayout(sum(x.numel() for x in initial), self.world_size, self.servers)
         if self.layout.is_server(self.rank):
             self.role = "server"
-            self.server = PSServer(self.transport, self.layout, flat, self.optimizer,
-                                   compressor=self.trainer.compressor, downlink=self.downlink,
-                                   **self.server_options())
+            k = self.layout.shard_of(self.rank)
+            params = []
+            for x in initial:
+                lo, hi = self.layout.slices(x.numel())[k]
+                params.append(torch.nn.Parameter(x[lo:hi].clone()))
+            self.server = PSServer(self.transport, self.layout, keys, params,
+                                   [ex.compressor for ex in self._exchanges], self.server_update, rule=self.rule,
+                                   backups=self.backups, downlink=self.downlink, downlink_scale=self.downlink_scale)
+            self.server_setup()
         else:
             self.worker_rank = self.rank
-            self.worker = PSWorker(self.transport, self.layout, flat, compressor=self.trainer.compressor,
-                                   memory=self.trainer.memory, downlink=self.downlink)
+            self.worker = PSWorker(self.transport, self.layout, keys, initial, self.downlink)
+            for ex in self._exchanges:
+                ex.bind(self.worker)
+
+    # -- the server ----------------------------------------------------------------------------------------
+    def server_setup(self) -> None:
+        """(server) The state `server_update` needs: the worker's optimizer over this server's slices."""
+        self.server_opt = clone_optimizer(self.optimizer, [p for p in self.server.params if p.numel()])
+
+    def server_update(self, b: int, param: torch.nn.Parameter, mean: torch.Tensor, info: dict) -> None:
+        """(server) Apply the aggregated gradient of bucket b's slice: the optimizer's step."""
+        param.grad = mean
+        step_subset(self.server_opt, [param])
+
+    def pushes_at(self, step: int) -> int:
+        """The pushes of each bucket a worker has made after `step` steps (the server's checkpoint cut)."""
+        return step
 
     def serve(self, checkpoint=None) -> None:
         """Run the server; `checkpoint=(every, total, save)` joins the workers' checkpoints (PSServer.serve)."""
         if self.server is None:
             raise RuntimeError(f"rank {self.rank} is a worker, not a server")
-        self.server.serve(checkpoint=checkpoint)
+        self.server.serve(checkpoint, self.pushes_at)
 
-    def step(self) -> None:
+    # -- the worker ----------------------------------------------------------------------------------------
+    def _worker_only(self) -> None:
         if self.worker is None:
             raise RuntimeError(f"rank {self.rank} is a parameter server: call serve(), not step()")
-        self.scheduler.flush()
-        self.set_flat_params(self.worker.push_pull(self.flat_grad()))
-        self.scheduler.end_step()
+
+    def load_answer(self, bucket, flat: torch.Tensor) -> None:
+        """The server's answer for a bucket into its parameters."""
+        with torch.no_grad():
+            for p, piece in zip(bucket.params, bucket.split(flat)):
+                p.copy_(piece)
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.done()
-            self.set_flat_params(self.worker.params)  # the model answered to the last push
-        super().close()
+        if self.server is not None:
+            self.scheduler.close()
+            return
+        super().close()                    # the algorithm's own end (drain, last average...)
+        self.worker.done()
 
     def metrics(self) -> dict:
         part = self.server if self.server is not None else self.worker
-        return {"architecture": "ps", "servers": self.servers, **(part.metrics() if part else {})}
+        return {**super().metrics(), "architecture": "ps", "servers": self.servers,
+                **(part.metrics() if part else {})}
 
     def state_dict(self) -> dict:
-        """A consistent cut of this rank's end of the PS. A worker first waits for the answers to its pushes
-        in flight (a checkpoint is a quiescent point: every worker checkpoints at the same step, so the server
-        answers them all); a server is called at that cut (PSServer.serve). The downlink compressor's own
-        state travels with either end; the uplink compressor and the worker's memory are the trainer's."""
-        down = self.downlink.state_dict()
+        """A consistent cut of this rank's end. A worker first waits for what its step waits for (a checkpoint is
+        a quiescent point: every worker checkpoints at the same step, so the servers answer them all); a server is
+        called at that cut (PSServer.serve). The worker's memory and compressor are the trainer's."""
         if self.server is not None:
-            return {"server": self.server.state_dict(), "downlink": down}
-        if self.worker is None:
-            return {}
-        self.worker.drain()
-        return {"worker": self.worker.state_dict(), "downlink": down}
+            opt = getattr(self, "server_opt", None)
+            return {"server": self.server.state_dict(), "optimizer": None if opt is None else opt.state_dict()}
+        state = super().state_dict()
+        return {**state, "worker": self.worker.state_dict(),
+                "ps_exchanges": [ex.state_dict() for ex in self._exchanges]}
 
     def load_state_dict(self, state: dict) -> None:
-        if "downlink" in state:
-            self.downlink.load_state_dict(state["downlink"])
         if self.server is not None:
             self.server.load_state_dict(state["server"])
-        elif self.worker is not None:
-            self.worker.load_state_dict(state["worker"])
+            if state.get("optimizer") is not None:
+                self.server_opt.load_state_dict(state["optimizer"])
+            return
+        super().load_state_dict(state)
+        self.worker.load_state_dict(state["worker"])
+        for ex, saved in zip(self._exchanges, state["ps_exchanges"]):
+            ex.load_state_dict(saved)
 
 
 def checkpointable_on_ps(algorithm: str) -> bool:
-    """Whether `algorithm`'s parameter-server runs can be checkpointed: the ones built on PSAlgorithm."""
+    """Whether `algorithm`'s parameter-server runs can be checkpointed: the ones built on PSMixin."""
     from . import registry
-    return isinstance(registry.constructor(algorithm, {"architecture": "ps"}), type) and issubclass(
-        registry.constructor(algorithm, {"architecture": "ps"}), PSAlgorithm)
+    ctor = registry.constructor(algorithm, {"architecture": "ps"})
+    return isinstance(ctor, type) and issubclass(ctor, PSMixin)
 
 
 @register("bsp", variant="ps")
-class PSBSP(PSAlgorithm):
-    """`bsp` on the PS: the barrier is released when all workers' gradients are in (catalog §2.1.1); the
-    server applies the mean (seed 000 eq. 6) and answers everyone with the new model."""
+class PSBSP(PSMixin, Algorithm):
+    """`bsp` on the PS: a bucket's round is released when every worker's push of it is in (catalog §2.1.1); the
+    server applies the worker's optimizer to the mean (seed 000 eq. 6) and answers everyone with the new slice.
+    Each bucket is pushed as soon as backward hands it over; `step()` waits for every answer."""
 
     name = "bsp"
+    checks_finite = True      # each bucket is checked (Exchange._check_finite) before it is pushed
+
+    def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
+                 downlink_params: dict | None = None):
+        check_ps_architecture(self.name or type(self).__name__.lower(), architecture)
+        Algorithm.__init__(self, architecture)
+        self._ps_init(servers, downlink_compressor, downlink_params)
+
+    def setup(self) -> None:
+        self.exchange = self.make_exchange()
+        self.pending: dict[int, object] = {}
+
+    def on_bucket(self, bucket) -> None:
+        self.pending[bucket.index] = self.exchange.start(bucket.buffer, bucket.key)
+
+    def step(self) -> None:
+        self._worker_only()
+        self.scheduler.flush()
+        self.wait_answers()
+        self.scheduler.end_step()
+
+    def wait_answers(self) -> None:
+        """Every bucket's answer into the model (the server ran the optimizer)."""
+        for bucket in self.scheduler.buckets:
+            self.load_answer(bucket, self.pending.pop(bucket.index).wait())
+        self.worker.commit()
+
+    def close(self) -> None:
+        if self.worker is not None and self.scheduler._began:   # a backward without its step: answered, kept
+            self.scheduler.flush()
+            self.wait_answers()
+            self.scheduler.end_step()
+        super().close()
+
+
+class StalenessAware:
+    """(mixed in before PSBSP) The step sizes of the asynchronous family (ssp, asp), set from the staleness τ the
+    server observes (updates of a bucket applied between the model a gradient was computed on and its own):
+    - `scale="staleness"` (default): the rate γ/⟨τ⟩ for a gradient of (mean) staleness τ ≥ 1, γ at τ = 0
+      (Zhang, Gupta, Lian, Liu 2016, "Staleness-aware async-SGD for distributed deep learning", §3: α/⟨τ⟩);
+      `"mean"`: γ/n per gradient; `"full"`: γ.
+    - `implicit_momentum=True` (default): asynchrony with staleness τ acts as momentum 1 − 1/(τ + 1) of its own
+      (Mitliagkas, Zhang, Hadjis, Ré 2016, "Asynchrony begets momentum", Theorem 2: M queued workers give
+      1 − 1/M); composed with the optimizer's μ_e the total is 1 − (1 − μ_e)/(τ + 1), so the server's SGD runs
+      μ_e = max(0, 1 − (1 − μ)(τ̄ + 1)) to keep the total at the configured μ (τ̄: the mean staleness seen so
+      far). Without it the stale gradients of `ssp`/`asp` at μ = 0.9 oscillate and diverge (issue 17).
+    """
+
+    SCALES = ("staleness", "mean", "full")
+
+    def _staleness_init(self, scale: str, implicit_momentum: bool) -> None:
+        if scale not in self.SCALES:
+            raise UserError(f"{self.name} scale must be one of {', '.join(self.SCALES)}, got {scale!r}")
+        if not isinstance(implicit_momentum, bool):
+            raise UserError(f"{self.name} implicit_momentum must be true or false, got {implicit_momentum!r}")
+        self.scale, self.implicit_momentum = scale, implicit_momentum
+
+    def lr_factor(self, taus: list[int]) -> float:
+        if self.scale == "mean":
+            return 1.0 / self.layout.workers
+        if self.scale == "full" or not taus:
+            return 1.0
+        return 1.0 / max(1.0, sum(taus) / len(taus))
+
+    def server_setup(self) -> None:
+        super().server_setup()
+        group = self.server_opt.param_groups[0]
+        self._lr, self._mu = group["lr"], group.get("momentum", 0.0)
+        self._tau_sum = self._tau_count = 0
+
+    def server_momentum(self) -> float:
+        """The optimizer momentum the server runs now (see the class docstring)."""
+        if not self.implicit_momentum or not self._tau_count:
+            return self._mu
+        tau = self._tau_sum / self._tau_count
+        return max(0.0, 1.0 - (1.0 - self._mu) * (tau + 1.0))
+
+    def server_update(self, b, param, mean, info) -> None:
+        taus = info["taus"]
+        self._tau_sum += sum(taus)
+        self._tau_count += len(taus)
+        group = self.server_opt.param_groups[0]
+        group["lr"] = self._lr * self.lr_factor(taus)
+        if "momentum" in group and self._mu:
+            group["momentum"] = self.server_momentum()
+            if not group["momentum"]:     # plain SGD now: a later momentum step starts a fresh buffer
+                self.server_opt.state.get(param, {}).pop("momentum_buffer", None)
+        super().server_update(b, param, mean, info)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.server is not None:
+            state["tau"] = (self._tau_sum, self._tau_count)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.server is not None and "tau" in state:
+            self._tau_sum, self._tau_count = state["tau"]

@@ -1,4 +1,4 @@
-"""`ssp`: stale-synchronous parallel SGD on the parameter server (Ho et al.; seed 000 §III-B, eq. 7 with the
+"""`ssp`: stale-synchronous parallel SGD on the parameter server (Ho et al. 2013; seed 000 §III-B, eq. 7 with the
 catalog's erratum: the guaranteed-visible sum stops at k = t - s - 1; catalog §2.1.3)."""
 from __future__ import annotations
 
@@ -6,44 +6,75 @@ from collections import deque
 
 from ..errors import UserError
 from . import register
-from .ps_sync import PSAlgorithm
+from .ps_sync import PSBSP, StalenessAware
 
 
 @register("ssp")
-class SSP(PSAlgorithm):
-    """Workers run up to s clocks ahead. The server applies clock c's update, the mean of the n workers'
-    clock-c gradients (seed 000 eq. 6), when the last of them arrives, and answers each clock-c push with the
-    model that includes it. A worker keeps up to s pushes in flight: after pushing clock c it waits only for
-    the answer to clock c - s and computes on the freshest model it has, which holds every update of clocks
-    <= c - s (the SSP read rule, catalog §2.1.3 [SUPP]); the round trip of the other s overlaps its compute.
-    s = 0 is exactly `bsp` on the PS. The staleness τ <= s of every applied gradient (model versions between
-    the one it was computed on and the one it was applied to) is recorded."""
+class SSP(StalenessAware, PSBSP):
+    """Workers run up to s clocks ahead. The server applies a bucket's clock-c update, the mean of the n workers'
+    clock-c gradients (seed 000 eq. 6), when the last of them arrives, and answers each with the slice that
+    includes it. A worker keeps up to s clocks in flight: after pushing clock c it waits only for the answers to
+    clock c - s, so the model it holds has every update of clocks <= c - s (the SSP read rule, catalog §2.1.3
+    [SUPP]), and computes on seed 000 eq. 7:
+        x_{i,c+1} = x_0 - γ Σ_{k<=c-s} Σ_j G_{j,k} - γ Σ_{k=c-s+1}^{c} G_{i,k} - γ Σ_{(j,k) ∈ S} G_{j,k}
+    i.e. the server's model as answered (first and third terms) plus this worker's own updates the server has not
+    answered yet (second term), each as the server will apply it: -(γ_τ/n)·G_{i,k}, γ_τ the staleness-aware rate
+    of `StalenessAware` (its momentum part is the server's alone). s = 0 is exactly `bsp` on the PS. The
+    staleness τ <= s of every applied gradient is recorded."""
 
-    def __init__(self, architecture: str | None = None, staleness: int = 2, servers: int = 1,
-                 downlink_compressor: str = "none"):
-        super().__init__(architecture, servers, downlink_compressor)
+    name = "ssp"
+
+    def __init__(self, architecture: str | None = None, staleness: int = 2, scale: str = "staleness",
+                 implicit_momentum: bool = True, servers: int = 1, downlink_compressor: str = "none",
+                 downlink_params: dict | None = None):
+        super().__init__(architecture, servers, downlink_compressor, downlink_params)
         if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
             raise UserError(f"ssp staleness bound must be an integer >= 0, got {staleness!r}")
         self.staleness = staleness
-        self._inflight: deque = deque()
+        self._staleness_init(scale, implicit_momentum)
+        self._window: deque = deque()    # clocks in flight: ({bucket index: (answer, own gradient)}, τ)
 
-    def step(self) -> None:
-        if self.worker is None:
-            raise RuntimeError(f"rank {self.rank} is a parameter server: call serve(), not step()")
+    def on_bucket(self, bucket):
+        g = bucket.buffer.clone()        # the push outlives the step; eq. 7's own term needs it
+        self.pending[bucket.index] = (self.exchange.start(g, bucket.key), g)
+
+    def step(self):
+        self._worker_only()
         self.scheduler.flush()
-        self._inflight.append(self.worker.push_pull(self.flat_grad(), async_op=True))
-        while len(self._inflight) > self.staleness:           # the answer to clock c - s is required
-            self._inflight.popleft().wait()
-        while self._inflight and self._inflight[0].is_completed():  # fresher answers already in: take them
-            self._inflight.popleft().wait()
-        self.set_flat_params(self.worker.params)               # the freshest model answered so far
+        self._window.append((self.pending, len(self._window)))
+        self.pending = {}
+        while len(self._window) > self.staleness:                 # the answers to clock c - s are required
+            self._finish()
+        while self._window and all(f.is_completed() for f, _ in self._window[0][0].values()):
+            self._finish()                                         # fresher answers already in: take them
+        self._load_model()
         self.scheduler.end_step()
 
+    def _finish(self) -> None:
+        clock, _ = self._window.popleft()
+        for fut, _ in clock.values():
+            fut.wait()
+
+    def _load_model(self) -> None:
+        """Seed 000 eq. 7: the freshest answers plus this worker's own updates not answered yet."""
+        lr, n = self.optimizer.param_groups[0]["lr"], self.layout.workers
+        for bucket in self.scheduler.buckets:
+            x = self.worker.held[bucket.index].clone()
+            for clock, tau in self._window:
+                x.add_(clock[bucket.index][1], alpha=-lr * self.lr_factor([tau]) / n)
+            self.load_answer(bucket, x)
+        self.worker.commit()
+
     def state_dict(self) -> dict:
-        state = super().state_dict()   # a worker drains its pushes in flight: all answered, applied in order
-        self._inflight.clear()         # so the run goes on as a resumed one would, from an empty window
-        return state
+        if self.worker is not None:     # a quiescent point: every answer in, the model the server's
+            while self._window:
+                self._finish()
+            self._load_model()
+        return super().state_dict()
 
     def close(self) -> None:
-        self._inflight.clear()
-        super().close()   # PSWorker.done() drains the pushes still in flight
+        if self.worker is not None:
+            while self._window:
+                self._finish()
+            self._load_model()          # the last answer: the server's model
+        super().close()

@@ -21,11 +21,13 @@ def check_numbers(args) -> None:
         raise UserError(f"--workers must be in 1..{MAX_WORKERS}, got {args.workers}")
     if not 0 <= args.servers <= MAX_WORKERS:
         raise UserError(f"--servers must be in 0..{MAX_WORKERS}, got {args.servers}")
+    if not 0 < args.scalability <= 1:
+        raise UserError(f"--scalability must be in (0, 1], got {args.scalability}")
 
 
 def run(args) -> int:
     from ..net import Link, parse_network
-    from ..plan.advise import advise, format_table
+    from ..plan.advise import advise, format_diloco, format_table, recommend_diloco
     from ..run.calibrate import calibrate, load_calibration
     from ..plan.costmodel import Scenario
     check_numbers(args)
@@ -50,12 +52,14 @@ def run(args) -> int:
     s = Scenario(params=params, compute_s=args.compute_ms / 1e3, link=link, workers=args.workers,
                  servers=args.servers, collective=args.collective, x_memcpy=cal.get("x_memcpy", {}) if cal else {})
     rows = advise(s)
+    diloco = recommend_diloco(s, args.scalability)
     if args.json:
         print(json.dumps({"scenario": {"params": params, "compute_s": s.compute_s, "network": link.to_dict(),
                                        "workers": s.workers, "servers": s.servers, "collective": s.collective},
-                          "ranking": [a.row() for a in rows]}, indent=2))
+                          "ranking": [a.row() for a in rows], "diloco": diloco}, indent=2))
     else:
         print(format_table(rows, s))
+        print(format_diloco(diloco))
     return 0
 
 
@@ -71,6 +75,8 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--servers", type=int, default=1, help="parameter servers for PS algorithms")
     p.add_argument("--collective", default="ring", choices=sorted(COLLECTIVES), help="all-reduce algorithm")
+    p.add_argument("--scalability", type=float, default=0.9,
+                   help="the DiLoCo family's recommendation: smallest period H reaching this scalability (0.9)")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's loopback α, β and store them")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -1,8 +1,9 @@
-"""`thinwire compare`: which algorithm wins on your network — a matrix of (contestant × network) training runs,
-thinwire's algorithms against PyTorch's own options, with results.json, report.md and PNG plots in --out DIR.
+"""`thinwire compare`: which algorithm wins on your network — a race to the target of (contestant × network × seed)
+training runs, thinwire's algorithms against PyTorch's own options and torchft's DiLoCo, each with the same budget of
+training time, with results.json, report.md and PNG plots in --out DIR.
 
   thinwire compare --preset quick --out results/demo
-  thinwire compare --workload digits-mlp --algorithms bsp,dts:delay=4,period=4,ddp --network lan,wan
+  thinwire compare --workload digits-mlp --algorithms bsp,dts,ddp --network lan,wan --budget 60 --seeds 3
   thinwire compare --algorithms "bsp; bsp+topk:ratio=0.01,memory=residual" --network wan --workers 4
   thinwire compare --resume results/demo            # run the cells an interrupted matrix is missing
 """
@@ -40,12 +41,21 @@ def register(sub) -> None:
     p.add_argument("--network", help="comma-separated profiles (lan, dc, cluster, wan, world, custom:...; "
                                      "separate custom specs with ';')")
     p.add_argument("--workers", type=int, help="workers per cell (default: the preset's, else 4)")
-    p.add_argument("--epochs", type=float, help="epochs per cell (default: the workload's)")
-    p.add_argument("--target", type=float, help="accuracy target (default: the workload's)")
-    p.add_argument("--budget", type=float, help="seconds a cell may run before it is stopped (default: the preset's)")
+    p.add_argument("--epochs", type=float, help="an upper bound on the epochs of a cell (default: none with a budget, "
+                                                "else the workload's)")
+    p.add_argument("--target", type=float, help="the target metric, accuracy or loss (default: the workload's)")
+    p.add_argument("--budget", type=float, metavar="S",
+                   help="seconds of training time every cell gets (evaluations excluded; default: the preset's)")
+    p.add_argument("--seeds", type=int, help="run every cell with this many seeds (median and range in the report; "
+                                             "default: the preset's, else 1)")
+    p.add_argument("--eval-every", type=int, metavar="N",
+                   help="evaluate every N steps instead of the race's cadence (closing in on the target, 2 %% of the "
+                        "clock near it): the step a cell stops at no longer depends on timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="output directory (default results/compare)")
     p.add_argument("--trace", action="store_true", help="write a Chrome trace per thinwire cell")
+    p.add_argument("--tensorboard", metavar="DIR", help="TensorBoard scalars per cell under DIR/<cell> (loss, metric, "
+                                                        "bytes, exposed communication; extra thinwire[tensorboard])")
     p.add_argument("--resume", metavar="DIR", help="continue the matrix in DIR (its cells that are not done)")
     p.add_argument("--netem", action="store_true",
                    help="real-network mode (Linux, root): workers in network namespaces, links shaped for real")
@@ -76,7 +86,11 @@ def check_numbers(args) -> None:
     if args.target is not None:
         check_number("--target", args.target, 0, why=" (an accuracy in [0, 1], or a loss)")
     if args.budget is not None:
-        check_number("--budget", args.budget, 0, low_open=True, why=" (seconds per cell)")
+        check_number("--budget", args.budget, 0, low_open=True, why=" (seconds of training time per cell)")
+    if getattr(args, "seeds", None) is not None:
+        check_int("--seeds", args.seeds, 1, 100)
+    if getattr(args, "eval_every", None) is not None:
+        check_int("--eval-every", args.eval_every, 1)
     check_int("--seed", args.seed, 0, MAX_SEED)
 
 
@@ -87,20 +101,26 @@ def config_from_args(args):
     check_numbers(args)
     if args.preset:
         pr = presets.get(args.preset)
-        cells, workload, workers, nets, budget = list(pr.cells), pr.workload, pr.workers, pr.networks, pr.budget_s
-        epochs, target = pr.epochs, pr.target
+        cells, workers, nets, budget, epochs, seeds = (list(pr.cells), pr.workers, pr.networks, pr.budget_s,
+                                                       pr.epochs, pr.seeds)
+        workload, target = pr.workload, pr.target
+        if args.workload and args.workload != workload:
+            target = None  # the preset's target is for its own workload
     else:
         if not args.algorithms:
             raise UserError("give --algorithms a,b,... or --preset NAME "
                             f"({', '.join(presets.names())})")
         cells, workload, workers, nets = split_cells(args.algorithms), "digits-mlp", 4, ["wan"]
         budget = epochs = target = None
+        seeds = 1
     return CompareConfig(workload=args.workload or workload, workers=args.workers or workers,
                          networks=_networks(args.network) if args.network else list(nets), cells=cells,
                          target=args.target if args.target is not None else target,
                          budget_s=args.budget if args.budget is not None else budget,
                          epochs=args.epochs if args.epochs is not None else epochs, seed=args.seed,
-                         trace=args.trace, netem=args.netem, preset=args.preset)
+                         seeds=getattr(args, "seeds", None) or seeds, trace=args.trace, netem=args.netem,
+                         preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
+                         eval_every=getattr(args, "eval_every", None))
 
 
 def run(args) -> int:

@@ -14,7 +14,8 @@ def add_run_options(p) -> None:
     p.add_argument("--workload", default="digits-mlp", help="workload name (see `thinwire list`)")
     p.add_argument("--algorithm", default="bsp", help="algorithm name (see `thinwire list`)")
     p.add_argument("--workers", type=int, default=4, help="number of worker processes (default 4)")
-    p.add_argument("--servers", type=int, default=0, help="parameter-server ranks (algorithms on the PS)")
+    p.add_argument("--servers", type=int, default=None,
+                   help="parameter-server ranks (algorithms on the PS; default 1 there)")
     p.add_argument("--network", default="lan",
                    help="lan, dc, cluster, wan, world or custom:bandwidth=200mbit,latency=25ms,jitter=5ms")
     g = p.add_mutually_exclusive_group()
@@ -28,6 +29,7 @@ def add_run_options(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, help="evaluate every N steps (default: twice per epoch)")
     p.add_argument("--target", type=float, help="accuracy (or loss) target (default: the workload's)")
+    p.add_argument("--optimizer", help="sgd or adamw instead of the workload's own optimizer")
 
 
 def config_from_args(args):
@@ -43,17 +45,21 @@ def config_from_args(args):
                            os.path.join(args.out, "checkpoint") if getattr(args, "out", None) else None),
                        resume=getattr(args, "resume", None), nonfinite=getattr(args, "nonfinite", "stop"),
                        on_failure=getattr(args, "on_failure", "stop"),
-                       progress_timeout=getattr(args, "progress_timeout", None))
+                       progress_timeout=getattr(args, "progress_timeout", None),
+                       budget_s=getattr(args, "budget", None), stop_at_target=bool(getattr(args, "stop_at_target", False)),
+                       optimizer=getattr(args, "optimizer", None), tensorboard=getattr(args, "tensorboard", None))
 
 
 def format_summary(s: dict) -> str:
     metric = "final_accuracy" if s["metric"] == "accuracy" else "final_loss"
     ttt = f"{s['time_to_target_s']:.2f} s (step {s['steps_to_target']})" if s["time_to_target_s"] is not None \
         else "not reached"
+    stop = {"target": ", stopped at the target", "budget": f", stopped at the budget of {s.get('budget_s')} s"}.get(
+        s.get("stop_reason"), "")
     mb = 1e6
     lines = [
         f"{s['algorithm']} on {s['workload']}, {s['workers']} workers, network {s['network']}",
-        f"  steps             {s['steps']}   (median step {s['step_time_s'] * 1e3:.1f} ms)",
+        f"  steps             {s['steps']}   (median step {s['step_time_s'] * 1e3:.1f} ms{stop})",
         f"  {metric:<17} {s[metric]:.4f}   (target {s['target']}, reached: {ttt})",
         f"  wall time         {s['wall_s']:.2f} s   (training {s['train_s']:.2f} s)",
         f"  bytes sent/worker {s['bytes_sent_per_worker'] / mb:.3f} MB   "
@@ -110,12 +116,18 @@ def register(sub) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR (same configuration)")
     p.add_argument("--on-failure", choices=["stop", "continue"], default="stop",
                    help="a worker lost mid-run: stop the job (default), or continue with the survivors "
-                        "(bsp, localsgd, postlocalsgd, dts, ...: algorithms whose averages stay meaningful)")
+                        "(bsp, localsgd, postlocalsgd, dts, diloco, ...: algorithms whose averages stay meaningful)")
     p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
                    help="NaN/Inf gradient: stop every rank (default) or skip the step on all ranks")
     p.add_argument("--progress-timeout", type=float, metavar="S",
                    help="stop the run, naming the rank, when no rank has advanced a step for S seconds (default "
                         "300, raised to 50 median step times for slow steps)")
+    p.add_argument("--budget", type=float, metavar="S",
+                   help="stop after S seconds of training time (evaluations excluded; decided on every rank alike)")
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="stop at the first evaluation whose mean metric over the workers reaches the target")
+    p.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard scalars to DIR (loss, metric, bytes, "
+                                                        "exposed communication per step; extra thinwire[tensorboard])")
     p.add_argument("--trace", action="store_true", help="write a Chrome trace to OUT/trace.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -4,7 +4,8 @@ Every message goes through `Transport.isend`/`irecv`, so the meter counts each a
 emulated link charges α + Nβ per message on this rank's queue: the emulated time of each algorithm follows its
 own α-β formula (seed 000 Table III; `thinwire.net.cost`) without any formula being applied here.
 
-    transport.allreduce = "ring"        # or: recursive_doubling, tree, hierarchical[:m], torus[:X], gloo
+    transport.allreduce = "ring"        # or: recursive_doubling, recursive_halving, tree, double_binary_tree,
+                                        #     hierarchical[:m], torus[:X], gloo
     transport.all_reduce(t, op="mean")  # dispatched here when not "gloo"
 
 Each algorithm is a program (`thinwire.comm.engine`): it yields the messages of a round before the next, so
@@ -14,7 +15,9 @@ an asynchronous all-reduce returns at once and its rounds run on the engine's th
 | --- | --- | --- | --- |
 | `ring` | reduce-scatter + all-gather of n chunks | `ring_allreduce` | any |
 | `recursive_doubling` | exchange full vectors with rank ⊕ 2^r | `recursive_doubling_allreduce` | any (with n not a power of two the extra ranks fold into partners first: ⌊log2 n⌋ + 2 rounds, above the formula's ⌈log2 n⌉) |
+| `recursive_halving` | reduce-scatter by recursive halving, all-gather by recursive doubling (Rabenseifner) | `recursive_halving_allreduce` | any (n not a power of two: the extra ranks fold into partners first, +2(α + Nβ), in the formula) |
 | `tree` | binomial reduce to rank 0, binomial broadcast | `tree_allreduce` | any |
+| `double_binary_tree` | two complementary in-order binary trees, each reduces then broadcasts half, pipelined in blocks | `double_binary_tree_allreduce` | any |
 | `hierarchical[:m]` | tree reduce in groups of m, ring among leaders, tree broadcast | `hierarchical_allreduce` | m divides n |
 | `torus[:X]` | ring reduce-scatter on rows of X, ring all-reduce on columns, ring all-gather on rows | `torus_allreduce` | X divides n |
 
@@ -26,10 +29,12 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from ..net.cost import grid_shape
+from ..net.cost import grid_shape, tree_blocks
 
-ALGORITHMS = ("gloo", "ring", "recursive_doubling", "tree", "hierarchical", "torus")
+ALGORITHMS = ("gloo", "ring", "recursive_doubling", "recursive_halving", "tree", "double_binary_tree",
+              "hierarchical", "torus")
 TAG = 7100  # keeps collective messages apart from other point-to-point traffic (gossip)
+TREE_TAGS = (7110, 7111, 7112, 7113)   # double binary tree: (tree, phase) each on its own tag
 
 _COMBINE = {"sum": torch.Tensor.add_, "mean": torch.Tensor.add_,
             "max": lambda a, b: torch.maximum(a, b, out=a), "min": lambda a, b: torch.minimum(a, b, out=a)}
@@ -87,12 +92,6 @@ def _exchange(tp, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None
         yield h
 
 
-def wait_all(handles) -> list:
-    """Wait for several handles whose transfers run at the same time (the Transport timestamps each real
-    completion as it happens, so waiting one after another does not serialise their emulated transfers)."""
-    return [h.wait() for h in handles]
-
-
 def _ring_reduce_scatter(tp, flat, members, me, combine) -> list[torch.Tensor]:
     """After n-1 steps, member `me` holds the reduced chunk (me + 1) % n. Returns the chunk views."""
     n = len(members)
@@ -143,6 +142,124 @@ def _recursive_doubling(tp, flat, members, me, combine, _size=None) -> None:
         mask <<= 1
     if me < n - p:
         yield from _exchange(tp, flat, members[me + p], None, 0)
+
+
+def _recursive_halving(tp, flat, members, me, combine, _size=None) -> None:
+    """Rabenseifner's all-reduce (Thakur, Rabenseifner, Gropp 2005 §4.4; seed 000 [145]) over p = 2^⌊log2 n⌋
+    ranks, the vector cut into p blocks: log p rounds of reduce-scatter by recursive halving (exchange half of
+    the blocks still held with me ⊕ p/2, me ⊕ p/4, ..., keep the half on my side, add the partner's copy of
+    it), after which rank me holds block me summed; then log p rounds of all-gather by recursive doubling.
+    2 log p α + 2 (p−1)/p N β. Each block is summed by one rank and copied: identical on every rank. The
+    n − p extra ranks fold into ranks 0..n−p−1 first and get the result back (as `_recursive_doubling`)."""
+    n = len(members)
+    p = 1 << (n.bit_length() - 1)
+    if me >= p:
+        yield from _exchange(tp, flat, members[me - p], None, 0)
+        yield from _exchange(tp, None, 0, flat, members[me - p])
+        return
+    if me < n - p:
+        buf = torch.empty_like(flat)
+        yield from _exchange(tp, None, 0, buf, members[me + p])
+        combine(flat, buf)
+    at = [0]
+    for part in flat.tensor_split(p):
+        at.append(at[-1] + part.numel())
+
+    def blocks(lo: int, hi: int) -> torch.Tensor:
+        return flat[at[lo]:at[hi]]
+    lo, hi, mask = 0, p, p >> 1
+    while mask:                                 # reduce-scatter: [lo, hi) holds 2·mask blocks
+        mid = lo + mask
+        keep, give = ((mid, hi), (lo, mid)) if me & mask else ((lo, mid), (mid, hi))
+        mine = blocks(*keep)
+        buf = torch.empty_like(mine)
+        partner = members[me ^ mask]
+        yield from _exchange(tp, blocks(*give), partner, buf, partner)
+        combine(mine, buf)
+        (lo, hi), mask = keep, mask >> 1
+    mask = 1
+    while mask < p:                             # all-gather: [lo, hi) holds mask blocks, summed
+        other = (lo - mask, lo) if me & mask else (hi, hi + mask)
+        partner = members[me ^ mask]
+        yield from _exchange(tp, blocks(lo, hi), partner, blocks(*other), partner)
+        lo, hi, mask = min(lo, other[0]), max(hi, other[1]), mask << 1
+    if me < n - p:
+        yield from _exchange(tp, flat, members[me + p], None, 0)
+
+
+def inorder_tree(n: int, position) -> list[tuple[int | None, list[int]]]:
+    """(parent, children) of each of n members in the in-order binary tree on positions 1..n (`position(i)`:
+    member i's position): position x with lowest set bit h has children x − h/2 and the first of x + h/2,
+    x + h/4, ... that is ≤ n; odd positions are leaves; the root is the largest power of two ≤ n; height
+    ⌊log2 n⌋ (Sanders, Speck, Träff 2009 §3)."""
+    member = {position(i): i for i in range(n)}
+    out = [(None, []) for _ in range(n)]
+    for x in range(1, n + 1):
+        h = x & -x
+        kids = []
+        if h > 1:
+            kids.append(x - h // 2)
+            step = h // 2
+            while step and x + step > n:
+                step //= 2
+            if step:
+                kids.append(x + step)
+        i = member[x]
+        out[i] = (out[i][0], [member[c] for c in kids])
+        for c in kids:
+            out[member[c]] = (i, out[member[c]][1])
+    return out
+
+
+def double_trees(n: int) -> list[list[tuple[int | None, list[int]]]]:
+    """The two complementary trees of the double binary tree (Sanders, Speck, Träff 2009 §3; NCCL ≥ 2.4): tree 0
+    puts member i at position i + 1 (even members are its leaves); tree 1 mirrors it (n even: position n − i)
+    or shifts it by one (n odd), so the inner nodes of one tree are leaves of the other."""
+    second = (lambda i: n - i) if n % 2 == 0 else (lambda i: (i + 1) % n + 1)
+    return [inorder_tree(n, lambda i: i + 1), inorder_tree(n, second)]
+
+
+def _double_binary_tree(tp, flat, members, me, combine, _size=None) -> None:
+    """Double binary tree all-reduce (seed 000 §IV-B [148]): the vector's two halves are reduced up and then
+    broadcast down two complementary binary trees, each half cut into k blocks that follow one another through
+    the tree (pipelined): 2 d α + 2 (k + d − 1)/k N β (`thinwire.net.cost.double_binary_tree_allreduce`).
+    A rank is an inner node of at most one tree: its blocks of the other tree (where it is a leaf) go up at once,
+    and in its own tree it adds its children's block j to its own and passes it up as soon as they are in, so
+    no wait of one tree holds the other back. Once a tree's root holds the sums, block j goes down the same way.
+    Each block is summed once (at its tree's root) and copied: identical on every rank."""
+    n = len(members)
+    k = tree_blocks(flat.numel() * flat.element_size())
+    parts = [half.tensor_split(k) for half in flat.tensor_split(2)]
+    links = [tree[me] for tree in double_trees(n)]     # per tree: (parent, children) of this rank
+    blocks = [[j for j in range(k) if parts[t][j].numel()] for t in (0, 1)]
+    inner = [t for t in (0, 1) if links[t][1]]          # at most one
+    up, down = TREE_TAGS[0::2], TREE_TAGS[1::2]
+    got = {(t, j, c): torch.empty_like(parts[t][j]) for t in inner for j in blocks[t] for c in links[t][1]}
+    got = {key: (tp.irecv(buf, members[key[2]], tag=up[key[0]]), buf) for key, buf in got.items()}
+    sends = [tp.isend(parts[t][j], members[links[t][0]], tag=up[t])            # where a leaf: all at once
+             for t in (0, 1) if t not in inner and links[t][0] is not None for j in blocks[t]]
+    for t in inner:                                     # reduce along this rank's own tree, block by block
+        parent, children = links[t]
+        for j in blocks[t]:
+            for c in children:
+                h, buf = got[t, j, c]
+                yield h
+                combine(parts[t][j], buf)
+            if parent is not None:
+                sends.append(tp.isend(parts[t][j], members[parent], tag=up[t]))
+    for h in sends:                                     # the blocks sent up are received into next
+        yield h
+    recvs = {(t, j): tp.irecv(parts[t][j], members[links[t][0]], tag=down[t])
+             for t in (0, 1) if links[t][0] is not None for j in blocks[t]}
+    sends = []
+    for t in inner:                                     # broadcast along this rank's own tree
+        parent, children = links[t]
+        for j in blocks[t]:
+            if parent is not None:
+                yield recvs.pop((t, j))
+            sends += [tp.isend(parts[t][j], members[c], tag=down[t]) for c in children]
+    for h in [*recvs.values(), *sends]:
+        yield h
 
 
 def _tree_reduce(tp, flat, members, me, combine) -> None:
@@ -208,5 +325,5 @@ def _torus(tp, flat, members, me, combine, width=None) -> None:
     yield from _ring_all_gather(tp, chunks, row_members, col)
 
 
-_ALGOS = {"ring": _ring, "recursive_doubling": _recursive_doubling, "tree": _tree,
-          "hierarchical": _hierarchical, "torus": _torus}
+_ALGOS = {"ring": _ring, "recursive_doubling": _recursive_doubling, "recursive_halving": _recursive_halving,
+          "tree": _tree, "double_binary_tree": _double_binary_tree, "hierarchical": _hierarchical, "torus": _torus}

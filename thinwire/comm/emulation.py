@@ -6,6 +6,14 @@ does not occupy the link. Collectives run at most `COLLECTIVE_SLOTS` at a time, 
 collectives on its two worker threads (a third in flight waits for a thread; under the real-network mode, three
 in flight took far longer than one). Jitter and loss add to an operation's delivery time but never reorder
 deliveries on one link.
+
+Point-to-point messages are charged on both ends: a send occupies the sender's link from the moment it is
+issued (`schedule(issued, ..., tx only)`: a rank sending to three peers at once pushes the three messages out one
+after another), and the message carries the time its last byte left the sender's link, so the receiver's link
+carries it in a window that cannot end before that time (`not_before`): no receiver gets its data before the
+sender pushed it out, whatever the receiver's own link is doing (`Transport.send` / `recv`). The time is the
+host's monotonic clock (`time.perf_counter`), which every process of one host shares: emulated links model
+ranks that really run on one host.
 """
 from __future__ import annotations
 
@@ -26,13 +34,16 @@ class LinkClock:
         self._rng = random.Random(seed * 100003 + rank)  # timing only: never touches results
         self._lock = threading.Lock()
 
-    def schedule(self, ready: float, cost: Cost, tx: bool = True, rx: bool = True, latency: bool = True) -> float:
-        """Delivery time (perf_counter clock) of an op whose real part completed at `ready`."""
+    def schedule(self, ready: float, cost: Cost, tx: bool = True, rx: bool = True, latency: bool = True,
+                 not_before: float = 0.0) -> float:
+        """Delivery time (perf_counter clock) of an op whose real part completed at `ready`. `not_before`: the
+        transfer on this link cannot end before it (a received message's last byte left its sender then)."""
         link = self.link
         if not link.emulated:
             return ready
         with self._lock:
-            start = max(ready, self.tx_free if tx else 0.0, self.rx_free if rx else 0.0)
+            start = max(ready, self.tx_free if tx else 0.0, self.rx_free if rx else 0.0,
+                        not_before - cost.transfer)
             if tx and rx and len(self._collectives) >= COLLECTIVE_SLOTS:  # all of gloo's threads are busy
                 start = max(start, self._collectives[-COLLECTIVE_SLOTS])
             busy_until = start + cost.transfer

@@ -32,8 +32,10 @@ class Handle(Future):
 
     def __init__(self, transport: "Transport", kind: str, works: Sequence, cost: Cost, result,
                  post: Callable | None = None, issued: float | None = None, tx: bool = True, rx: bool = True,
-                 latency: bool = True):
+                 latency: bool = True, reserved: float | None = None, not_before: Callable | None = None):
         self.transport, self.kind, self.cost = transport, kind, cost
+        self._reserved = reserved        # a send: its slot on the link, taken when it was issued
+        self._not_before = not_before    # a receive: when its last byte left the sender (read off the message)
         self.accounting = (transport.meter, transport.tracer, kind)
         self._works = list(works)
         self._result, self._post = result, post
@@ -49,6 +51,7 @@ class Handle(Future):
         self._real_at: float | None = None          # when the real op completed
         self._scheduled = threading.Event()
         self._callbacks: list = []
+        self._arrival: list = []                    # on_arrival callbacks
         self._real_event = threading.Event()          # the real op completed (or failed)
         self.generation = MEMBERSHIP.generation      # the membership it was issued in
         # a collective is delivered in issue order: gloo's two threads may finish the second collective first,
@@ -87,8 +90,10 @@ class Handle(Future):
 
     def _on_real_done(self) -> None:
         with self._lock:
-            if self._real_at is None:
+            first = self._real_at is None
+            if first:
                 self._real_at = _now()
+                arrivals, self._arrival = self._arrival, []
         self._real_event.set()
         if self._ordered:
             self.transport._drain()
@@ -99,10 +104,32 @@ class Handle(Future):
                     self._schedule(self._real_at)
             if scheduled:
                 self._fire()
+        if first:
+            for fn in arrivals:
+                fn(self)
+
+    def arrived(self) -> bool:
+        """Whether the real operation finished (a receive's buffer holds the data), whatever its emulated delivery
+        time: a receiver may post the receive that follows (a message's body after its header) without paying
+        the link's latency twice."""
+        return self._real_at is not None
+
+    def on_arrival(self, fn) -> None:
+        """`fn(self)` once the real operation finished (see `arrived`): on the thread that saw it, or now."""
+        with self._lock:
+            if self._real_at is None:
+                self._arrival.append(fn)
+                return
+        fn(self)
 
     def _schedule(self, t_done: float) -> None:
         tx, rx, latency = self._flags
-        self.deadline = self.transport.clock.schedule(t_done, self.cost, tx=tx, rx=rx, latency=latency)
+        if self._reserved is not None:
+            self.deadline = max(self._reserved, t_done)
+        else:
+            after = self._not_before() if self._not_before is not None else 0.0
+            self.deadline = self.transport.clock.schedule(t_done, self.cost, tx=tx, rx=rx, latency=latency,
+                                                          not_before=after)
         self.transport.meter.record(self.kind, self.cost.sent, self.cost.received,
                                     real_s=t_done - self._issued, emulated_s=self.deadline - t_done)
         tr = self.transport.tracer
@@ -364,24 +391,46 @@ class Transport:
 
     # -- point to point --------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: int = 0):
-        """Send to group rank `dst`. The sender is done once its link has pushed the bytes out."""
+        """Send to group rank `dst`. The sender's link pushes the bytes out from the moment the send is issued,
+        behind what it is already sending; the sender is done once they are out. On an emulated link the
+        message carries that moment (8 bytes, not counted as traffic) so the receiver cannot have the data
+        before it (`thinwire.comm.emulation`)."""
         def program():
             issued = _now()
-            work = dist.isend(tensor.contiguous(), dst=self.global_of(dst), group=self.group, tag=tag)
             c = p2p(self.link, tensor.numel() * tensor.element_size())
             cost = Cost(c.latency, c.transfer, c.sent, 0.0)
-            return self._handle("send", [work], cost, tensor, None, issued, rx=False, latency=False)
+            data, out = tensor.contiguous(), None
+            if self.link.emulated:
+                out = self.clock.schedule(issued, cost, tx=True, rx=False, latency=False)
+                stamp = torch.tensor([out], dtype=torch.float64).view(torch.uint8)
+                data = torch.cat([data.reshape(-1).view(torch.uint8), stamp])
+            work = dist.isend(data, dst=self.global_of(dst), group=self.group, tag=tag)
+            return self._handle("send", [work], cost, tensor, None, issued, rx=False, latency=False,
+                                reserved=out)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "send", async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: int = 0):
-        """Receive from group rank `src` into `tensor`: delivered α + Nβ after the data is there."""
+        """Receive from group rank `src` into `tensor`: delivered α + Nβ after the data is there, and (emulated)
+        no earlier than α after the sender's link pushed its last byte out."""
         def program():
             issued = _now()
-            work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
-            c = p2p(self.link, tensor.numel() * tensor.element_size())
+            nbytes = tensor.numel() * tensor.element_size()
+            c = p2p(self.link, nbytes)
             cost = Cost(c.latency, c.transfer, 0.0, c.received)
-            return self._handle("recv", [work], cost, tensor, None, issued, tx=False)
+            if not self.link.emulated:
+                work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
+                return self._handle("recv", [work], cost, tensor, None, issued, tx=False)
+            buf = torch.empty(nbytes + 8, dtype=torch.uint8)    # the data, then the sender's push-out time
+            work = dist.irecv(buf, src=self.global_of(src), group=self.group, tag=tag)
+
+            def pushed_out() -> float:
+                return float(buf[nbytes:].clone().view(torch.float64))
+
+            def unpack(t: torch.Tensor) -> torch.Tensor:
+                t.reshape(-1).view(torch.uint8).copy_(buf[:nbytes])
+                return t
+            return self._handle("recv", [work], cost, tensor, unpack, issued, tx=False, not_before=pushed_out)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "recv", async_op)
 

@@ -95,6 +95,7 @@ class SparseCompressor(Compressor):
     unbiased = False
     linear = False
     aggregation = "allgather"
+    index_slot = 1            # the position of the index tensor in the payload
 
     def select(self, flat: torch.Tensor, key: Any, step: int) -> torch.Tensor:
         """Indices (int64) of the coordinates to send."""

@@ -20,11 +20,24 @@ Each compressor declares its algebra so the exchange layer can pick the collecti
                world size and feeds the contribution to the memory (PowerSGD).
 Payloads of other ranks ("allgather", "majority") arrive as 1-D tensors of the same dtypes, in the same order,
 with THIS rank's `ctx`: a compressor must put in `ctx` only what every rank knows (shape, dtype, a shared seed's
-indices), never something about its own data. `fixed_size = True` says the payload size depends only on the
+indices), never something about its own data. A rank that decodes without having compressed (a parameter server
+decoding pushes, a worker decoding the server's compressed reply) asks `context(shape, dtype, key, step)` for the
+ctx `compress` would have made: computed from what every rank knows, without compressing, touching no state. `fixed_size = True` says the payload size depends only on the
 tensor's shape, so a gather can skip the size exchange.
 `sum_payload` may also pre-scale (fp16 divides by the world size before the sum, as PyTorch's
 `fp16_compress_hook` does, so the fp16 sum cannot overflow), as long as `decompress` of the summed payload still
 returns the sum of the contributions (it records the scale in `ctx`).
+
+Wire bits. `nominal_bits(numel)` is the payload as `compress` makes it (packed codes: what an all-gather
+carries). A linear quantizer summed by all-reduce sends something else: its levels widened so that the sum of
+`world_size` of them fits (`sum_payload`; gloo sums no int16, so those travel as int32) plus the scale agreed
+first. `summed_bits(numel, world_size)` is that, and `wire_bits(numel, world_size, allreduce)` the collective the
+exchange really picks at that world size with its bits: a linear compressor whose `pick_by_bytes` is set may go
+either way, and `pick_collective` takes the one that puts fewer bytes on this rank's wire (the α-β counts of
+`thinwire.net.cost`: all-reduce 2(n−1)/n of the summed payload on a ring, all-gather n−1 packed payloads), the
+compressor's natural one on a tie. QSGD (4-bit codes, 8-bit summed levels) is gathered on 2–3 ranks and
+all-reduced from 4; TernGrad (2-bit codes, 8-bit sums) is gathered up to 7 ranks; int8 (int32 sums) from 8 ranks
+is all-reduced.
 """
 from __future__ import annotations
 
@@ -32,6 +45,36 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+
+GLOO_SUM_WIDEN = {torch.int16: torch.int32, torch.bool: torch.uint8}   # gloo's all-reduce has no int16 / bool sum
+PICKABLE = ("allreduce", "allgather")
+
+
+def pick_collective(compressor: "Compressor", numel: int, world_size: int, allreduce: str = "ring") -> str:
+    """The collective an exchange of `numel` elements through `compressor` runs at `world_size` ranks with the
+    all-reduce algorithm `allreduce` ("gloo" is a ring): for a linear compressor that lets the exchange choose
+    (`pick_by_bytes`), all-reduce of the summed payload or all-gather of the packed one, whichever sends fewer
+    bytes per rank (ties: the natural one); otherwise its natural collective."""
+    natural = compressor.aggregation
+    if (world_size <= 1 or numel <= 0 or not compressor.linear or natural not in PICKABLE
+            or not getattr(compressor, "pick_by_bytes", False)):
+        return natural
+    from ..net.cost import ALLREDUCE, ring_allgather
+    from ..net.link import Link
+    name = allreduce.partition(":")[0]
+    unit = Link()
+    ar = ALLREDUCE["ring" if name == "gloo" else name](unit, world_size,
+                                                      compressor.summed_bits(numel, world_size) * numel / 8).sent
+    ag = ring_allgather(unit, world_size, compressor.nominal_bits(numel) * numel / 8).sent
+    if natural == "allreduce":
+        return "allgather" if ag < ar else "allreduce"
+    return "allreduce" if ar < ag else "allgather"
+
+
+def summed_itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element an integer tensor of `dtype` takes on the wire when all-reduce sums it (gloo)."""
+    return torch.empty(0, dtype=GLOO_SUM_WIDEN.get(dtype, dtype)).element_size()
 
 
 def regroup(state: dict, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> dict:
@@ -90,12 +133,21 @@ class Compressor:
     randomness: ClassVar[str] = "none"
     aggregation: ClassVar[str] = "allreduce"
     fixed_size: ClassVar[bool] = False
+    pick_by_bytes: ClassVar[bool] = False   # (linear) the exchange may all-gather or all-reduce, whichever is smaller
 
     def compress(self, tensor: torch.Tensor, key: Any = None, step: int = 0, agreed=None) -> Payload:
         raise NotImplementedError
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         raise NotImplementedError
+
+    def context(self, shape, dtype: torch.dtype, key: Any = None, step: int = 0) -> Any:
+        """The `ctx` that `compress` gives the payload of a tensor of `shape` and `dtype` under (key, step),
+        without its data (no compression, no change of state): what a receiver that did not compress decodes a
+        payload with. Default: (shape, dtype, numel), the convention of most compressors; a compressor whose
+        ctx holds something else (a shared seed's indices, a pre-scale) overrides it."""
+        shape = torch.Size(shape)
+        return (shape, dtype, shape.numel())
 
     def agree(self, tensor: torch.Tensor, key: Any = None, step: int = 0) -> torch.Tensor | None:
         """("allreduce" only) a small tensor all ranks must agree on (all-reduced with max) before compressing."""
@@ -113,8 +165,19 @@ class Compressor:
         return out
 
     def nominal_bits(self, numel: int) -> float:
-        """Bits per element the method nominally sends (for benchmarks and the planner)."""
+        """Bits per element of the payload as `compress` makes it (what an all-gather carries)."""
         return 32.0
+
+    def summed_bits(self, numel: int, world_size: int) -> float:
+        """("allreduce") bits per element this rank puts into all-reduces at `world_size` ranks: the payload as
+        `sum_payload` widens it (as gloo sums it) plus what `agree` all-reduces first. Default: the payload."""
+        return self.nominal_bits(numel)
+
+    def wire_bits(self, numel: int, world_size: int, allreduce: str = "ring") -> tuple[str, float]:
+        """(collective, bits per element of this rank's contribution on it): what an exchange of `numel`
+        elements really sends at `world_size` ranks (`pick_collective`), for benchmarks and the planner."""
+        coll = pick_collective(self, numel, world_size, allreduce)
+        return coll, (self.summed_bits(numel, world_size) if coll == "allreduce" else self.nominal_bits(numel))
 
     def state_dict(self) -> dict:
         return {}

@@ -74,7 +74,7 @@ class Coded(Compressor):
     # -- indices (sparsifiers) -----------------------------------------------------------------------
     def _encode_indices(self, p: Payload) -> tuple[list[torch.Tensor], int]:
         ts = p.tensors
-        pos = next(i for i, t in enumerate(ts) if t.dtype in (torch.int16, torch.int32, torch.int64))
+        pos = self.base.index_slot
         idx = ts[pos].reshape(-1).to(torch.int64)
         k = idx.numel()
         order = torch.sort(idx, stable=True)
@@ -107,6 +107,12 @@ class Coded(Compressor):
             return Payload(self._encode_levels(p), ctx={"base": p.ctx})
         ts, pos = self._encode_indices(p)
         return Payload(ts, ctx={"base": p.ctx, "pos": pos, "numel": tensor.numel()})
+
+    def context(self, shape, dtype, key=None, step=0):
+        base = self.base.context(shape, dtype, key, step)
+        if self.mode == "levels":
+            return {"base": base}
+        return {"base": base, "pos": self.base.index_slot, "numel": torch.Size(shape).numel()}
 
     def decode(self, payload: Payload) -> Payload:
         """The compressor's own payload back, exactly."""

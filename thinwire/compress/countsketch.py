@@ -1,11 +1,28 @@
-"""`countsketch`: a Count Sketch of the tensor (seed 002 §4.3.3; catalog 3.5 [O]), linear so all-reduce sums it.
+"""`countsketch`: a Count Sketch of the tensor (seed 002 §4.3.3; catalog 3.5 [O]) with heavy-hitter recovery.
 
 r rows × c columns; row j has a bucket hash h_j: [d] → [c] and a sign hash s_j: [d] → {±1}, drawn from a seed
 shared by every rank (seed, key); pairwise independent, and structured so that inserting and querying sweep
 memory in order (see `_hash`). Insert: S[j, h_j(i)] += s_j(i) g_i; query: ĝ_i = median_j s_j(i) S[j, h_j(i)].
 Because S(g₁) + S(g₂) = S(g₁ + g₂), the all-reduced sketch is the sketch of the sum and its query estimates the
-sum. Wire size r·c floats (c = the first prime ≥ ratio·d / r), independent of the number of ranks. With one row the estimate
-is unbiased; with several the median is not (but is far less noisy). Pair with `--memory residual`.
+sum. c = the first prime ≥ ratio·d / r.
+
+Heavy-hitter recovery (`heavy` > 0, the default): the exchange takes the two rounds of Sketched-SGD (Ivkin et al.,
+NeurIPS 2019, Algorithm 1 / §4: workers sketch their error-accumulated vectors, the sketches are summed, the
+heavy coordinates of the sum are found by querying the summed sketch, then the workers' exact values at those
+coordinates are summed in a second round; FetchSGD, Rothchild et al., ICML 2020, Algorithm 1 line
+"Δ = Top-k(U(S_e))", notes the same second round for exact values): round 1 all-reduces the sketches (r·c
+floats), every rank queries the summed sketch and takes the same k = heavy·d coordinates of largest |estimate|,
+round 2 all-reduces this rank's exact values there (k floats). The aggregate is exact on those k coordinates and
+zero elsewhere, and this rank's contribution (what the memory subtracts) is its own values there, so with
+`--memory residual` (its pairing: Sketched-SGD's error accumulation) the residual keeps exactly what was not sent
+and stays bounded like top-k's. Tensors too small to gain (r·c + k ≥ d) are all-reduced exactly.
+Aggregation "custom" then (two all-reduces; the single-process `compress` makes the sketch and this rank's own
+values at the top-k of its own estimate). Wire: 32 (r·c + k) / d bits per element.
+
+`heavy=0`: the plain one-round sketch, linear, summed by all-reduce, decoded to the dense median estimate of
+every coordinate (unbiased with one row). Its estimate errs on every coordinate by ~‖g‖/√c, so do not pair it
+with error feedback: the residual then accumulates that error (the dense estimate is not a contraction) and
+training diverges (the defect of issue 17).
 The hashes are drawn once per (key, size) and cached as int32 table slots (rows·d·4 bytes: 192 MB for 2^24
 elements and 3 rows).
 """
@@ -17,7 +34,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._sparse import check_ratio, generator
+from ._sparse import check_ratio, generator, num_kept
 from .base import Compressor, Payload
 
 
@@ -47,19 +64,26 @@ def next_prime(n: int) -> int:
 
 @compressors.register("countsketch")
 class CountSketch(Compressor):
-    """Count Sketch (rows × ~ratio·d/rows table, shared hashes): linear, summed by all-reduce; median query."""
+    """Count Sketch (rows × ~ratio·d/rows table, shared hashes); heavy > 0: the exact top heavy·d coordinates of
+    the summed sketch's estimate in a second all-reduce (Sketched-SGD); heavy = 0: one linear all-reduce."""
 
     linear = True
     randomness = "shared"
     aggregation = "allreduce"
     fixed_size = True
 
-    def __init__(self, ratio: float = 0.1, rows: int = 3, seed: int = 0):
+    def __init__(self, ratio: float = 0.1, rows: int = 3, heavy: float = 0.01, seed: int = 0):
         self.ratio = check_ratio(ratio)
         if not isinstance(rows, int) or rows < 1:
             raise UserError(f"rows must be an integer >= 1, got {rows}")
-        self.rows, self.seed = rows, seed
-        self.unbiased = rows == 1
+        if not 0 <= heavy <= 1:
+            raise UserError(f"countsketch: heavy (the fraction of coordinates recovered exactly, 0 for the plain "
+                            f"sketch) must be in [0, 1], got {heavy}")
+        self.rows, self.seed, self.heavy = rows, seed, float(heavy)
+        if self.heavy > 0:      # two rounds: the sketch, then the exact heavy coordinates (not summable alone)
+            self.aggregation, self.linear, self.unbiased = "custom", False, False
+        else:
+            self.unbiased = rows == 1
         self._hashes: dict = {}
         self._z = torch.empty(0)
         self._est = torch.empty(0)
@@ -123,22 +147,76 @@ class CountSketch(Compressor):
         z[d:].zero_()
         return z
 
+    def _sketch(self, flat: torch.Tensor, key) -> torch.Tensor:
+        """The r·c table of fp32 `flat` (1-D)."""
+        slots, signs, c, nb = self._hash(key, flat.numel())
+        doubled = torch.zeros(self.rows, 2, c)
+        for j in range(self.rows):                   # one scatter-add per hash function (rows is small)
+            doubled.view(-1).index_add_(0, slots[j], self._signed(flat, signs, j, c, nb))
+        return doubled[:, 0].sub_(doubled[:, 1]).reshape(-1)   # S[j, b] = sum of s_j(i) g_i over h_j(i) = b
+
+    def _dense(self, d: int) -> bool:
+        """Heavy recovery of d elements sends r·c + k floats: no gain over the tensor itself."""
+        return self.heavy > 0 and self.rows * self.columns(d) + num_kept(self.heavy, d) >= d
+
+    def _heavy(self, table: torch.Tensor, key, d: int) -> torch.Tensor:
+        """The k = heavy·d coordinates of largest |estimate| of the sketch `table`, ascending (every rank
+        querying the same summed table gets the same ones)."""
+        est = self._estimate(table, key, d)
+        return torch.topk(est.abs(), num_kept(self.heavy, d), sorted=False).indices.sort().values
+
+    def exchange(self, transport, tensor, key, step, shapes=None):
+        """(program, heavy > 0) Round 1: all-reduce the sketches; every rank takes the same heavy coordinates
+        of the summed sketch's estimate; round 2: all-reduce the exact values there. Returns (sum over ranks,
+        this rank's own contribution), exact on the heavy coordinates, zero elsewhere (Sketched-SGD)."""
+        flat = tensor.reshape(-1).float()
+        d = flat.numel()
+        if self._dense(d):
+            total = flat.clone()
+            yield (yield from transport.all_reduce_program(total, op="sum"))
+            return total.to(tensor.dtype).view(tensor.shape), tensor
+        table = self._sketch(flat, key)
+        yield (yield from transport.all_reduce_program(table, op="sum"))             # round 1: the sketch
+        idx = self._heavy(table, key, d)
+        vals = flat[idx]
+        local = torch.zeros_like(flat).index_copy_(0, idx, vals)
+        yield (yield from transport.all_reduce_program(vals, op="sum"))              # round 2: exact values
+        total = torch.zeros_like(flat).index_copy_(0, idx, vals)
+        return total.to(tensor.dtype).view(tensor.shape), local.to(tensor.dtype).view(tensor.shape)
+
     def compress(self, tensor, key=None, step=0, agreed=None):
+        """The sketch (heavy = 0); with heavy recovery, one rank's own two rounds: the sketch and its exact
+        values at the top-k of its own estimate (the single-process form, for benchmarks and tests)."""
         flat = tensor.reshape(-1)
         if flat.dtype != torch.float32:
             flat = flat.float()
         d = flat.numel()
-        slots, signs, c, nb = self._hash(key, d)
-        doubled = torch.zeros(self.rows, 2, c)
-        for j in range(self.rows):                   # one scatter-add per hash function (rows is small)
-            doubled.view(-1).index_add_(0, slots[j], self._signed(flat, signs, j, c, nb))
-        table = doubled[:, 0].sub_(doubled[:, 1])    # S[j, b] = sum of s_j(i) g_i over h_j(i) = b
-        return Payload([table.reshape(-1)], ctx=(tensor.shape, tensor.dtype, d, key))
+        ctx = (tensor.shape, tensor.dtype, d, key)
+        if self._dense(d):
+            return Payload([flat.clone()], ctx=ctx)
+        table = self._sketch(flat, key)
+        if self.heavy > 0:
+            return Payload([table, flat[self._heavy(table, key, d)]], ctx=ctx)
+        return Payload([table], ctx=ctx)
+
+    def context(self, shape, dtype, key=None, step=0):
+        return (torch.Size(shape), dtype, torch.Size(shape).numel(), key)   # the hashes follow (seed, key)
 
     def decompress(self, payload):
         shape, dtype, d, key = payload.ctx
+        if self._dense(d):
+            return payload.tensors[0].to(dtype).view(shape)
+        table = payload.tensors[0]
+        if self.heavy > 0:
+            idx = self._heavy(table, key, d)
+            out = torch.zeros(d).index_copy_(0, idx, payload.tensors[1].float())
+            return out.to(dtype).view(shape)
+        return self._estimate(table, key, d).to(dtype).view(shape)
+
+    def _estimate(self, table: torch.Tensor, key, d: int) -> torch.Tensor:
+        """ĝ_i = median_j s_j(i) S[j, h_j(i)] for every i (a fresh fp32 tensor)."""
         slots, signs, c, nb = self._hash(key, d)
-        table = payload.tensors[0].reshape(self.rows, 1, c).float()
+        table = table.reshape(self.rows, 1, c).float()
         signed = torch.cat([table, -table], dim=1).view(-1)     # [S_j, -S_j] per row, as the slots index it
         if self._est.numel() < self.rows * nb * c:   # reused: a fresh rows·d tensor page-faults on every call
             self._est = torch.empty(self.rows * nb * c)
@@ -147,13 +225,19 @@ class CountSketch(Compressor):
             torch.index_select(signed, 0, slots[j], out=est[j])
             if signs is not None:
                 est[j].view(nb, c).mul_(signs[j])
-        return _median_rows(est[:, :d]).to(dtype).view(shape)
+        return _median_rows(est[:, :d])
 
     def aggregate(self, payloads):
+        if self.heavy > 0:        # (gathered: each rank's own heavy coordinates, one by one)
+            return super().aggregate(payloads)
         total = payloads[0].tensors[0].reshape(-1).clone()
         for p in payloads[1:]:
             total += p.tensors[0].reshape(-1)
         return self.decompress(Payload([total], payloads[0].ctx))
 
     def nominal_bits(self, numel):
-        return 32.0 * self.rows * self.columns(numel) / max(1, numel)
+        """32 r·c / d for the sketch, + 32 k / d for the heavy coordinates' values (32 when too small to gain)."""
+        if self._dense(numel):
+            return 32.0
+        k = num_kept(self.heavy, numel) if self.heavy > 0 else 0
+        return 32.0 * (self.rows * self.columns(numel) + k) / max(1, numel)

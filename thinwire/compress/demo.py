@@ -101,6 +101,9 @@ class DeMo(Compressor):
             vals.append(p.tensors[used].reshape(-1).to(torch.float32))
         return torch.zeros(lay.n).index_add_(0, torch.cat(pos), torch.cat(vals)), lay
 
+    def context(self, shape, dtype, key=None, step=0):
+        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}
+
     def aggregate(self, payloads):
         coeff, lay = self._coefficients(payloads)
         ctx = payloads[0].ctx

@@ -32,6 +32,9 @@ class _Cast(Compressor):
         check_tensor(half, self.name, key)        # also catches values that overflowed the 16-bit range
         return Payload([half], ctx=(tensor.shape, tensor.dtype, 1.0))
 
+    def context(self, shape, dtype, key=None, step=0):
+        return (torch.Size(shape), dtype, 1.0)      # 1.0: not pre-scaled by `sum_payload`
+
     def decompress(self, payload):
         shape, dtype, mult = payload.ctx
         out = payload.tensors[0].to(torch.float32)

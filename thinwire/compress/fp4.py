@@ -70,6 +70,9 @@ class FP4(Compressor):
         return Payload([pack(codes, 4, inplace=True), amax], ctx={"shape": tensor.shape, "dtype": tensor.dtype,
                                                                   "numel": n})
 
+    def context(self, shape, dtype, key=None, step=0):
+        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}
+
     def _decode32(self, payload) -> torch.Tensor:
         packed, amax = payload.tensors
         vals = decode(packed, 4, payload.ctx["numel"], self._values)    # one table lookup per byte

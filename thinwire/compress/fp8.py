@@ -58,6 +58,9 @@ class FP8(Compressor):
         q = y.to(self.dtype8).view(torch.uint8)
         return Payload([q, scales], ctx={"shape": tensor.shape, "dtype": tensor.dtype, "numel": n})
 
+    def context(self, shape, dtype, key=None, step=0):
+        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}
+
     def _decode32(self, payload) -> torch.Tensor:
         q, scales = payload.tensors
         vals = q.reshape(-1).view(self.dtype8).to(torch.float32)

@@ -6,7 +6,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from .base import Compressor, Payload
+from .base import Compressor, Payload, summed_itemsize
 from .finite import check_scale
 from .rounding import Uniforms, stochastic_codes
 
@@ -20,31 +20,44 @@ def _maxabs(flat: torch.Tensor) -> torch.Tensor:
     return torch.maximum(-lo, hi).float().reshape(1)
 
 
+def widened(total: int) -> torch.dtype:
+    """The narrowest signed integer type holding every value in [-total, total]."""
+    return torch.int8 if total <= 127 else torch.int16 if total <= 32767 else torch.int32
+
+
 def widen(levels: torch.Tensor, total: int) -> torch.Tensor:
     """Integer `levels` in the narrowest signed type holding every value in [-total, total]: for a sum of
-    world_size levels in [-s, s], total = world_size * s (this type is what all-reduce puts on the wire)."""
-    dtype = torch.int8 if total <= 127 else torch.int16 if total <= 32767 else torch.int32
-    return levels.to(dtype)
+    world_size levels in [-s, s], total = world_size * s (this type, as gloo sums it, is what all-reduce puts on
+    the wire: `summed_level_bits`)."""
+    return levels.to(widened(total))
+
+
+def summed_level_bits(total: int) -> int:
+    """Bits per level on the wire when levels summing to at most `total` are all-reduced (gloo: int16 as int32)."""
+    return 8 * summed_itemsize(widened(total))
 
 
 @compressors.register("int8")
 class Int8(Compressor):
-    """8 bits per element plus one fp32 scale. "allgather" (default): each rank sends its int8 levels and its
-    own scale. "allreduce": the ranks agree on the largest max-abs and the levels are summed in a widened integer
-    type; the sum of two ranks already needs int16, which gloo sums as int32 (4 bytes per element on the wire:
-    no saving over fp32), hence not the default."""
+    """8 bits per element plus one fp32 scale. "allgather": each rank sends its int8 levels and its own scale
+    ((n−1)·8 bits per element leave each rank on a ring). "allreduce": the ranks agree on the largest max-abs and
+    the levels are summed in a widened integer type; the sum of two ranks already needs int16, which gloo sums as
+    int32 (2(n−1)/n·32 bits per element). "auto" (default): all-gather, all-reduce where that sends fewer bytes
+    (from 8 ranks on a ring: `pick_collective`)."""
 
     unbiased = False
     linear = True
     randomness = "none"
     aggregation = "allgather"
     fixed_size = True         # the payload size depends only on the shape
+    pick_by_bytes = True
 
-    def __init__(self, stochastic: bool = False, aggregation: str = "allgather", seed: int = 0):
-        if aggregation not in ("allreduce", "allgather"):
-            raise UserError(f"int8: aggregation must be one of allreduce, allgather; got {aggregation!r}")
+    def __init__(self, stochastic: bool = False, aggregation: str = "auto", seed: int = 0):
+        if aggregation not in ("auto", "allreduce", "allgather"):
+            raise UserError(f"int8: aggregation must be one of auto, allreduce, allgather; got {aggregation!r}")
         self.stochastic = bool(stochastic)
-        self.aggregation = aggregation
+        self.aggregation = "allgather" if aggregation == "auto" else aggregation
+        self.pick_by_bytes = aggregation == "auto"
         self.unbiased = self.stochastic
         self.randomness = "local" if self.stochastic else "none"
         self.uniforms = Uniforms(seed)
@@ -76,14 +89,23 @@ class Int8(Compressor):
     def sum_payload(self, payload, world_size):
         return Payload([widen(payload.tensors[0], LEVELS * world_size)], ctx=payload.ctx)
 
+    def context(self, shape, dtype, key=None, step=0):
+        return {"shape": torch.Size(shape), "dtype": dtype}      # not agreed: the scale travels in the payload
+
     def decompress(self, payload):
         ctx = payload.ctx
         s = float(payload.tensors[1]) if len(payload.tensors) > 1 else ctx["scale"]
         out = payload.tensors[0].to(torch.float32).mul_(s / LEVELS)
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
-    def nominal_bits(self, numel):
+    def nominal_bits(self, numel, world_size=None):
+        """Packed: 8 bits per element and the scale; at `world_size` ranks: what the exchange sends there."""
+        if world_size is not None:
+            return self.wire_bits(numel, world_size)[1]
         return 8.0 + 32.0 / max(numel, 1)
+
+    def summed_bits(self, numel, world_size):
+        return summed_level_bits(LEVELS * world_size) + 32.0 / max(numel, 1)     # levels + the agreed max-abs
 
     def state_dict(self):
         return {"uniforms": self.uniforms.state_dict()}

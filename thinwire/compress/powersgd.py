@@ -131,6 +131,10 @@ class PowerSGD(Compressor):
             self.q[(key, 0, a, b, r)] = q
         return Payload([p_hat, q], ctx=(tensor.shape, tensor.dtype, (a, b, r)))
 
+    def context(self, shape, dtype, key=None, step=0):
+        mats = self._layout(torch.Size(shape).numel(), shape, None)
+        return (torch.Size(shape), dtype, mats[0][1:] if mats else None)
+
     def decompress(self, payload):
         shape, dtype, dims = payload.ctx
         if dims is None:

@@ -2,9 +2,11 @@
 s|g_i|/||g|| to the levels {0, 1/s, ..., 1} (s intervals: erratum 4 of the catalog), the norm taken per bucket.
 Sign and level travel as one code in [0, 2s], packed to ceil(log2(2s + 1)) bits, plus one fp32 norm per bucket.
 
-"allreduce" (default): the ranks agree on the per-bucket max of their norms (the levels stay unbiased, since
+"allreduce": the ranks agree on the per-bucket max of their norms (the levels stay unbiased, since
 |g_i| <= agreed norm), and the signed levels are summed in an integer type wide enough for world_size of them;
-that widened type is what crosses the wire then. "allgather": the packed codes and norms of each rank travel.
+that widened type is what crosses the wire then (8 bits up to 127/s ranks, then int16, which gloo sums as int32).
+"allgather": the packed codes and norms of each rank travel. "auto" (default): all-reduce unless the all-gather
+sends fewer bytes at the world size (with s = 7, 4-bit codes: gathered on 2–3 ranks; `pick_collective`).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from . import compressors
 from .base import Compressor, Payload
 from .bitpack import pack, unpack
 from .finite import check_scale
-from .int8 import widen
+from .int8 import summed_level_bits, widen
 from .rounding import Uniforms, stochastic_codes
 
 
@@ -25,10 +27,13 @@ def bucket_norms(flat: torch.Tensor, bucket: int, ord: float) -> torch.Tensor:
     """fp32 norm of each bucket of `bucket` elements (the last may be shorter)."""
     n = flat.numel()
     full = (n // bucket) * bucket
-    parts = [torch.linalg.vector_norm(flat[:full].view(-1, bucket), ord=ord, dim=1, dtype=torch.float32)]
+    wide = flat.dtype == torch.float64      # vector_norm never narrows its input: a float64 norm, then fp32
+    dt = None if wide else torch.float32
+    parts = [torch.linalg.vector_norm(flat[:full].view(-1, bucket), ord=ord, dim=1, dtype=dt)]
     if full < n:
-        parts.append(torch.linalg.vector_norm(flat[full:], ord=ord, dtype=torch.float32).reshape(1))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+        parts.append(torch.linalg.vector_norm(flat[full:], ord=ord, dtype=dt).reshape(1))
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return out.float() if wide else out
 
 
 def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int, offset: int) -> torch.Tensor:
@@ -51,8 +56,9 @@ class QSGD(Compressor):
     randomness = "local"
     aggregation = "allreduce"
     fixed_size = True         # the payload size depends only on the shape
+    pick_by_bytes = True
 
-    def __init__(self, levels: int = 7, bucket: int = 512, norm: str = "l2", aggregation: str = "allreduce",
+    def __init__(self, levels: int = 7, bucket: int = 512, norm: str = "l2", aggregation: str = "auto",
                  seed: int = 0):
         if not 1 <= levels <= 127:
             raise UserError(f"qsgd: levels (s, the number of intervals) must be in 1..127, got {levels}")
@@ -60,9 +66,11 @@ class QSGD(Compressor):
             raise UserError(f"qsgd: bucket must be >= 1 element, got {bucket}")
         if norm not in ("l2", "max"):
             raise UserError(f"qsgd: norm must be one of l2, max; got {norm!r}")
-        if aggregation not in ("allreduce", "allgather"):
-            raise UserError(f"qsgd: aggregation must be one of allreduce, allgather; got {aggregation!r}")
-        self.levels, self.bucket, self.norm, self.aggregation = int(levels), int(bucket), norm, aggregation
+        if aggregation not in ("auto", "allreduce", "allgather"):
+            raise UserError(f"qsgd: aggregation must be one of auto, allreduce, allgather; got {aggregation!r}")
+        self.levels, self.bucket, self.norm = int(levels), int(bucket), norm
+        self.aggregation = "allreduce" if aggregation == "auto" else aggregation
+        self.pick_by_bytes = aggregation == "auto"
         self.bits = math.ceil(math.log2(2 * self.levels + 1))
         self.uniforms = Uniforms(seed)
 
@@ -96,6 +104,10 @@ class QSGD(Compressor):
         ctx["summed"] = True
         return Payload([levels], ctx=ctx)
 
+    def context(self, shape, dtype, key=None, step=0):
+        # not agreed (the scale travels in the payload) and not summed
+        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel(), "summed": False}
+
     def decompress(self, payload):
         ctx = payload.ctx
         norms = ctx["norms"] if "norms" in ctx else payload.tensors[1]
@@ -111,8 +123,16 @@ class QSGD(Compressor):
             out = scale_buckets(levels, factors, self.bucket, 0)
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
-    def nominal_bits(self, numel):
+    def nominal_bits(self, numel, world_size=None):
+        """Packed: the codes and one fp32 norm per bucket; at `world_size` ranks: what the exchange sends there."""
+        if world_size is not None:
+            return self.wire_bits(numel, world_size)[1]
         return self.bits + 32.0 * math.ceil(numel / self.bucket) / max(numel, 1)
+
+    def summed_bits(self, numel, world_size):
+        """The signed levels widened for world_size of them, plus the norms agreed first (a max all-reduce)."""
+        total = max(2 * self.levels, world_size * self.levels)
+        return summed_level_bits(total) + 32.0 * math.ceil(numel / self.bucket) / max(numel, 1)
 
     def state_dict(self):
         return {"uniforms": self.uniforms.state_dict()}

@@ -35,6 +35,7 @@ def qsgd_levels(v: torch.Tensor, s: int, gen: torch.Generator | None = None) -> 
 class QSparse(SparseCompressor):
     """Top-k then QSGD of the values (s levels), scaled by 1/(1+β_{k,s}) as in Qsparse-local-SGD."""
 
+    index_slot = 0            # indices first
     fixed_size = True
 
     def __init__(self, ratio: float = 0.01, levels: int = 7, seed: int = 0, sparse_collective: str = "allgather"):

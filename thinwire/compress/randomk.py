@@ -65,6 +65,11 @@ class RandomK(Compressor):
         idx = sample_without_replacement(d, k, generator(self.seed, key, step))
         return Payload([flat.index_select(0, idx)], ctx=(tensor.shape, tensor.dtype, d, idx))
 
+    def context(self, shape, dtype, key=None, step=0):
+        d = torch.Size(shape).numel()   # the indices every rank draws from the shared seed
+        return (torch.Size(shape), dtype, d, sample_without_replacement(d, num_kept(self.ratio, d),
+                                                                       generator(self.seed, key, step)))
+
     def decompress(self, payload):
         shape, dtype, d, idx = payload.ctx
         vals = payload.tensors[0].reshape(-1).to(dtype)

@@ -73,6 +73,9 @@ class SparseLoCo(Compressor):
         vals = levels[2 * lay.row_of() + codes.bitwise_and(1)]
         return lay.positions(local), torch.where(codes.bitwise_right_shift(1).bool(), -vals, vals)
 
+    def context(self, shape, dtype, key=None, step=0):
+        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}
+
     def aggregate(self, payloads):
         ctx = payloads[0].ctx
         lay = self.layouts(ctx["numel"])

@@ -17,6 +17,7 @@ from .base import Payload
 class STC(SparseCompressor):
     """Sparse ternary compression: top-k positions, values μ·sign with one shared mean magnitude μ."""
 
+    index_slot = 0            # indices first
     fixed_size = True
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, sparse_collective: str = "allgather"):

@@ -2,9 +2,14 @@
 g to +-c sigma (c = 2.5, sigma the tensor's standard deviation), so s = min(max|g|, c sigma). Ternary values travel
 as 2-bit codes (4 per byte) plus one fp32 scale per tensor.
 
-"allreduce" (default, "scaler sharing"): the ranks agree on the max of their scales, and the ternary values are
-summed in an integer type wide enough for world_size of them (that type crosses the wire). "allgather": each rank
-sends its packed codes and its own scale.
+"allreduce" ("scaler sharing"): the ranks agree on the max of their scales, and the ternary values are summed in
+an integer type wide enough for world_size of them (that type crosses the wire: 8 bits up to 127 ranks).
+"allgather": each rank sends its packed codes and its own scale. "auto" (default): all-reduce unless the
+all-gather sends fewer bytes at the world size (2-bit codes: gathered up to 7 ranks on a ring; `pick_collective`).
+
+Bias: E[C(g)] is the *clipped* gradient clamp(g, −cσ, cσ), not g (TernGrad's own clipping, [63] §3.2): the
+compressor is unbiased only with `clip=0`, and says so (`unbiased` is `clip == 0`). Clipping trades that bias
+on the few outliers for a smaller scale s and so a smaller variance s·|g_i| − g_i² on every other element.
 """
 from __future__ import annotations
 
@@ -15,24 +20,28 @@ from . import compressors
 from .base import Compressor, Payload
 from .bitpack import decode, pack, unpack
 from .finite import check_scale
-from .int8 import widen
+from .int8 import summed_level_bits, widen
 from .rounding import Uniforms, stochastic_codes
 
 
 @compressors.register("terngrad")
 class TernGrad(Compressor):
-    unbiased = True           # unbiased for the clipped gradient (clip=0 disables clipping)
+    unbiased = False          # unbiased for the clipped gradient only: True with clip=0 (see the module docstring)
     linear = True
     randomness = "local"
     aggregation = "allreduce"
     fixed_size = True         # the payload size depends only on the shape
+    pick_by_bytes = True
 
-    def __init__(self, clip: float = 2.5, aggregation: str = "allreduce", seed: int = 0):
+    def __init__(self, clip: float = 2.5, aggregation: str = "auto", seed: int = 0):
         if clip < 0:
             raise UserError(f"terngrad: clip (in standard deviations, 0 for none) must be >= 0, got {clip}")
-        if aggregation not in ("allreduce", "allgather"):
-            raise UserError(f"terngrad: aggregation must be one of allreduce, allgather; got {aggregation!r}")
-        self.clip, self.aggregation = float(clip), aggregation
+        if aggregation not in ("auto", "allreduce", "allgather"):
+            raise UserError(f"terngrad: aggregation must be one of auto, allreduce, allgather; got {aggregation!r}")
+        self.clip = float(clip)
+        self.unbiased = self.clip == 0
+        self.aggregation = "allreduce" if aggregation == "auto" else aggregation
+        self.pick_by_bytes = aggregation == "auto"
         self.uniforms = Uniforms(seed)
 
     def _scale(self, flat: torch.Tensor) -> torch.Tensor:
@@ -69,6 +78,10 @@ class TernGrad(Compressor):
         codes = unpack(payload.tensors[0], 2, ctx["numel"])
         return Payload([widen(codes, max(2, world_size)).sub_(1)], ctx=ctx)
 
+    def context(self, shape, dtype, key=None, step=0):
+        # not agreed (the scale travels in the payload) and not summed
+        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel(), "summed": False}
+
     def decompress(self, payload):
         ctx = payload.ctx
         s = float(payload.tensors[1]) if len(payload.tensors) > 1 else ctx["scale"]
@@ -78,8 +91,14 @@ class TernGrad(Compressor):
             out = decode(payload.tensors[0], 2, ctx["numel"], [-s, 0.0, s, 0.0])   # (code - 1) s, by table
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
-    def nominal_bits(self, numel):
+    def nominal_bits(self, numel, world_size=None):
+        """Packed: 2-bit codes and the scale; at `world_size` ranks: what the exchange sends there."""
+        if world_size is not None:
+            return self.wire_bits(numel, world_size)[1]
         return 2.0 + 32.0 / max(numel, 1)
+
+    def summed_bits(self, numel, world_size):
+        return summed_level_bits(max(2, world_size)) + 32.0 / max(numel, 1)    # levels + the agreed scale
 
     def state_dict(self):
         return {"uniforms": self.uniforms.state_dict()}

@@ -7,7 +7,9 @@ The flow of one `start(tensor, key)` (GRACE's compensate → compress → update
 3. `memory.update(compensated, key, sent)` with `sent` = this rank's own decompressed contribution;
 4. the collective the compressor's algebra allows:
    - "allreduce": payload tensors summed element-wise (widened or pre-scaled by `sum_payload` so the sum
-     cannot overflow; tensors of one dtype are fused into one all-reduce);
+     cannot overflow; tensors of one dtype are fused into one all-reduce); with `collective="auto"` a quantizer
+     whose packed codes are narrower than its summed levels (qsgd, terngrad, int8) is all-gathered instead when
+     that sends fewer bytes at this world size (`collective_for`);
    - "allgather": each rank's payload packed into ONE uint8 buffer with a small header (`wire.pack`), one
      variable-size all-gather, then `compressor.aggregate` (e.g. `index_add_` of the sparse parts);
    - "majority": as all-gather, then the element-wise sign of the sum of the ranks' signs (a vote, not a mean);
@@ -42,13 +44,13 @@ import torch
 from ..comm import Transport
 from ..comm.engine import Ready
 from ..compress import Compressor, Memory, Payload, compressors, memories
+from ..compress.base import GLOO_SUM_WIDEN as _GLOO_WIDEN, pick_collective
 from ..compress.finite import NonFiniteError
 from ..errors import UserError
 from . import sparse as _sparse
 from . import wire
 
 COLLECTIVES = ("auto", "allreduce", "allgather", "majority", "custom")
-_GLOO_WIDEN = {torch.int16: torch.int32, torch.bool: torch.uint8}   # gloo all-reduce has no int16 / bool sum
 
 
 def allowed_collectives(compressor: Compressor) -> list[str]:
@@ -59,6 +61,8 @@ def allowed_collectives(compressor: Compressor) -> list[str]:
     out = [agg]
     if agg != "allgather":
         out.append("allgather")  # any non-custom payload can be gathered and aggregated one by one
+    elif compressor.linear:
+        out.append("allreduce")  # a linear payload can be summed (int8: at 8 ranks or more it sends fewer bytes)
     return out
 
 
@@ -99,6 +103,7 @@ class Exchange:
         if collective not in COLLECTIVES:
             raise UserError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
         allowed = allowed_collectives(self.compressor)
+        self.auto = collective == "auto" and self.compressor.pick_by_bytes
         if collective == "auto":
             collective = allowed[0]
         if collective not in allowed:
@@ -167,21 +172,42 @@ class Exchange:
             if self._memory_updates:
                 self.memory.update(c, key, sent)
             return Ready((total / n).to(x.dtype).reshape(x.shape))
+        collective = self.collective_for(x.numel())
         agreed = None
-        if self.collective == "allreduce":
+        if collective == "allreduce":
             agreed = comp.agree(c, key, step)
             if agreed is not None:      # the ranks agree on a scale first (a max all-reduce), then quantize
                 yield (yield from tr.all_reduce_program(agreed, op="max"))
-        with tracer.span("compress", "compress"):
-            payload = comp.compress(c, key, step, agreed=agreed)
-            if self._memory_updates:
-                self.memory.update(c, key, comp.decompress(payload))
-        if self.collective == "allreduce":
+        payload = self._compress(c, key, step, agreed)
+        if collective == "allreduce":
             return (yield from self._allreduce(payload, x, c))
         return (yield from self._gather(payload, x))
 
+    def collective_for(self, numel: int) -> str:
+        """The collective an exchange of `numel` elements runs: the one named at construction, or with "auto"
+        for a quantizer that may go either way, the one sending fewer bytes at this world size
+        (`thinwire.compress.base.pick_collective`: all-gather of packed codes or all-reduce of widened levels).
+        Every rank computes the same from the same size."""
+        if not self.auto:
+            return self.collective
+        return pick_collective(self.compressor, numel, self.world_size, getattr(self.transport, "allreduce", "gloo"))
+
     def aggregate(self, tensor: torch.Tensor, key: Any = None, shapes=None) -> torch.Tensor:
         return self.start(tensor, key, shapes).wait()
+
+    def encode(self, tensor: torch.Tensor, key: Any, step: int) -> Payload:
+        """This rank's contribution alone, with no agreement among ranks (a push to a parameter server):
+        compensate -> compress -> update the memory; the payload."""
+        with self.transport.tracer.span("compress", "compress"):
+            c = self.memory.compensate(tensor, key)
+        return self._compress(c, key, step)
+
+    def _compress(self, c: torch.Tensor, key: Any, step: int, agreed=None) -> Payload:
+        with self.transport.tracer.span("compress", "compress"):
+            payload = self.compressor.compress(c, key, step, agreed=agreed)
+            if self._memory_updates:
+                self.memory.update(c, key, self.compressor.decompress(payload))
+        return payload
 
     # -- the collectives -------------------------------------------------------------------------------
     def _allreduce(self, payload: Payload, x: torch.Tensor, c: torch.Tensor):

@@ -57,6 +57,47 @@ def recursive_doubling_allreduce(link: Link, n: int, nbytes: float) -> Cost:
     return Cost(r * link.alpha, r * nbytes * link.beta, r * nbytes, r * nbytes)
 
 
+def recursive_halving_allreduce(link: Link, n: int, nbytes: float) -> Cost:
+    """Rabenseifner's all-reduce (seed 000 [145]; Thakur, Rabenseifner, Gropp 2005 §4.4): reduce-scatter by
+    recursive halving, then all-gather by recursive doubling, over p = 2^⌊log2 n⌋ ranks:
+    2 log2(p) α + 2 (p−1)/p N β (bandwidth-optimal like the ring, logarithmic latency like doubling). With n not a
+    power of two the n − p extra ranks first fold their vector into a partner and get the result back:
+    + 2 (α + N β) on the critical path (thinwire.comm.collectives does this, as its recursive doubling)."""
+    if n <= 1:
+        return ZERO
+    p = 1 << (n.bit_length() - 1)
+    r = _log2(p)
+    moved = 2 * (p - 1) / p * nbytes
+    cost = Cost(2 * r * link.alpha, moved * link.beta, moved, moved)
+    if p != n:
+        cost = cost + Cost(2 * link.alpha, 2 * nbytes * link.beta, nbytes, nbytes)
+    return cost
+
+
+TREE_BLOCK_BYTES = 65536     # double binary tree: each half is cut into blocks of about this size ...
+TREE_MAX_BLOCKS = 8          # ... and at most this many (each block is one message per tree edge)
+
+
+def tree_blocks(nbytes: float) -> int:
+    """Blocks per half of the double binary tree's pipeline for a message of `nbytes`."""
+    return max(1, min(TREE_MAX_BLOCKS, math.ceil(nbytes / 2 / TREE_BLOCK_BYTES)))
+
+
+def double_binary_tree_allreduce(link: Link, n: int, nbytes: float, blocks: int | None = None) -> Cost:
+    """Double binary trees (seed 000 §IV-B [148], Sanders, Speck, Träff 2009; NCCL ≥ 2.4): two complementary
+    in-order binary trees of height d = ⌊log2 n⌋ (a leaf of one is an inner node of the other) each reduce then
+    broadcast half of the data, pipelined in k blocks. Per phase each rank sends and receives about one block
+    per tree per step (2 · N/2k bytes), so a phase takes d α + (k + d − 1) N/k β (the pipeline fills in d
+    steps, then one block per step):  2 d α + 2 (k + d − 1)/k N β  in all (k = `tree_blocks(N)`), which tends
+    to the "full bandwidth and logarithmic latency" 2 d α + 2 N β of the survey as k grows."""
+    if n <= 1:
+        return ZERO
+    d = n.bit_length() - 1
+    k = blocks or tree_blocks(nbytes)
+    moved = 2 * nbytes
+    return Cost(2 * d * link.alpha, 2 * (k + d - 1) / k * nbytes * link.beta, moved, moved)
+
+
 def tree_allreduce(link: Link, n: int, nbytes: float) -> Cost:
     """Binary tree (reduce then broadcast): 2 α log n + 2 N β log n (seed 000 Table III)."""
     r = _log2(n)
@@ -82,7 +123,9 @@ def tree_broadcast(link: Link, n: int, nbytes: float, rank: int = 0, root: int =
 ALLREDUCE = {
     "ring": ring_allreduce,
     "recursive_doubling": recursive_doubling_allreduce,
+    "recursive_halving": recursive_halving_allreduce,
     "tree": tree_allreduce,
+    "double_binary_tree": double_binary_tree_allreduce,
 }
 
 

@@ -32,7 +32,16 @@ CANDIDATES = [
     ("asp (1 server)", "asp", "none", {}, "stale gradients: often converges worse (seed 000 §III-C)"),
     ("ssp", "ssp", "none", {}, "bounded staleness: converges at O(1/sqrt T) (seed 000 §III-B)"),
     ("dpsgd ring", "dpsgd", "none", {"degree": 2}, "decentralized: consensus error shrinks with the spectral gap"),
+    ("diloco H=50", "diloco", "none", {"period": 50}, "DiLoCo (outer Nesterov on the averaged pseudo-gradient): near-synchronous quality at H 50-500 on LMs, drift grows with H (Douillard et al. 2023)"),
+    ("diloco H=100 + fp8", "diloco", "fp8", {"period": 100}, "8-bit outer gradients, fp32 accumulation: no measurable loss in Streaming DiLoCo (2025)"),
+    ("diloco H=100 F=4 τ=1 fp4", "diloco", "fp4", {"period": 100, "fragments": 4, "overlap": 1}, "Streaming DiLoCo: 1/4 of the model per sync, each hidden behind one inner step; 4-bit e3m0 outer gradients as in the paper"),
 ]
+
+# what `recommend_diloco` searches: periods (ascending), outer-gradient bits, fragments, overlap
+DILOCO_PERIODS = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, 64, 80, 100, 128, 200, 250, 500, 1000)
+DILOCO_BITS = (("none", 32), ("fp8", 8), ("fp4", 4))
+DILOCO_FRAGMENTS = (1, 2, 4, 8)
+DILOCO_OVERLAP = (0, 1, 2)
 
 
 @dataclass
@@ -44,14 +53,17 @@ class Advice:
     def row(self) -> dict:
         p = self.prediction
         return {"config": self.label, "algorithm": p.name, "collective": p.collective, "iteration_s": p.iteration_s,
-                "scalability": p.scalability, "bytes_per_step": p.bytes_per_step, "note": self.note}
+                "scalability": p.scalability, "bytes_per_step": p.bytes_per_step,
+                **({"bytes_per_sync": p.bytes_per_sync} if p.bytes_per_sync else {}), "note": self.note}
 
 
 def _variants(comp: str, params: dict) -> list:
     """A sparsifying compressor runs on each sparse collective (all-gather, gTop-k, shared-index, hierarchical);
     every other configuration on the one collective its algebra allows."""
     try:
-        sparse = is_sparse(comp, **{k: v for k, v in params.items() if k != "overlap"})
+        from ..compress import compressors
+        own = {k: v for k, v in params.items() if comp == "none" or compressors.accepts(comp, k)}
+        sparse = is_sparse(comp, **own)     # (the algorithm's parameters, e.g. diloco's period, are not its own)
     except (KeyError, UserError):
         return []
     return list(SPARSE_COLLECTIVES) if sparse else [None]
@@ -91,6 +103,58 @@ def advise(s: Scenario) -> list[Advice]:
     return out
 
 
+def recommend_diloco(s: Scenario, target: float = 0.9) -> dict:
+    """H, fragments, overlap and bits of the DiLoCo family for this network: the smallest period H whose predicted
+    scalability reaches `target` (the DiLoCo paper's quality falls as H grows, so H is kept as small as the
+    network allows), then the most bits (quantization is the next risk), the fewest fragments and the least
+    overlap (staleness). Streaming (fragments, overlap) wins where hiding a fragment's sync behind inner steps
+    lets a smaller H reach the target. Returns the choice with its prediction, whether the target was reached,
+    and the best option per (bits, fragments, overlap)."""
+    check_scenario(s)
+    if not 0 < target <= 1:
+        raise UserError(f"target scalability must be in (0, 1], got {target}")
+    options = []
+    for comp, bits in DILOCO_BITS:
+        for f in DILOCO_FRAGMENTS:
+            for lag in DILOCO_OVERLAP:
+                best = None
+                for h in DILOCO_PERIODS:
+                    if h % f or lag >= h // f:
+                        continue
+                    pred = predict(s, "diloco", comp, period=h, fragments=f, overlap=lag)
+                    best = (h, pred)
+                    if pred.scalability >= target:
+                        break
+                if best is not None:
+                    h, pred = best
+                    options.append({"period": h, "fragments": f, "overlap": lag, "compressor": comp, "bits": bits,
+                                    "reached": pred.scalability >= target, "iteration_s": pred.iteration_s,
+                                    "scalability": pred.scalability, "bytes_per_sync": pred.bytes_per_sync,
+                                    "bytes_per_step": pred.bytes_per_step})
+    reached = [o for o in options if o["reached"]]
+    if reached:
+        choice = min(reached, key=lambda o: (o["period"], -o["bits"], o["fragments"], o["overlap"]))
+    else:
+        choice = max(options, key=lambda o: (o["scalability"], o["bits"], -o["fragments"]))
+    plain = predict(s, "diloco", "none", period=choice["period"])
+    return {"target": target, **choice, "plain_bytes_per_sync": plain.bytes_per_sync, "options": options}
+
+
+def format_diloco(rec: dict) -> str:
+    mb = 1e6
+    bits = "32-bit" if rec["compressor"] == "none" else f"{rec['compressor']} ({rec['bits']}-bit)"
+    stream = (f"{rec['fragments']} fragments" if rec["fragments"] > 1 else "no fragments") + (
+        f", overlap {rec['overlap']}" if rec["overlap"] else "")
+    head = (f"DiLoCo family: period H={rec['period']}, {stream}, {bits} outer gradients -> scalability "
+            f"{rec['scalability']:.3f}" + ("" if rec["reached"] else f" (target {rec['target']} not reached)"))
+    return (head + f"\n  {rec['bytes_per_sync'] / mb:.3f} MB per sync (plain DiLoCo at H={rec['period']}: "
+            f"{rec['plain_bytes_per_sync'] / mb:.3f} MB), {rec['bytes_per_step'] / mb:.4f} MB per step; "
+            f"`--algorithm diloco --period {rec['period']}"
+            + (f" --fragments {rec['fragments']}" if rec["fragments"] > 1 else "")
+            + (f" --overlap {rec['overlap']}" if rec["overlap"] else "")
+            + ("" if rec["compressor"] == "none" else f" --compressor {rec['compressor']}") + "`")
+
+
 def format_table(rows: list[Advice], s: Scenario) -> str:
     mb = 1e6
     lines = [f"{s.params / 1e6:.1f} M params, compute {s.compute_s * 1e3:.0f} ms/iteration, {s.workers} workers, "
@@ -103,3 +167,67 @@ def format_table(rows: list[Advice], s: Scenario) -> str:
         lines.append(f"{i:>4}  {a.label:<26} {p.collective:<12} {p.iteration_s * 1e3:>8.1f}ms {p.scalability:>11.3f} "
                      f"{p.bytes_per_step / mb:>9.2f}  {a.note}")
     return "\n".join(lines)
+
+
+# -- defaults that suit the network ---------------------------------------------------------------------------
+# The parameters the planner picks for an algorithm named without them, each with its candidates, least stale
+# first. Staleness is what costs accuracy: steps between a gradient and its global application ((t-1)p + p for DTS,
+# the period of model averaging, CD-SGD's k steps between full-precision corrections).
+TUNABLE = {
+    "dts": {"delay": (1, 2, 3, 4, 6, 8), "period": (1, 2, 4, 8, 16)},
+    "delayed": {"delay": (1, 2, 3, 4, 6, 8, 12, 16, 20)},
+    "tsparse": {"period": (1, 2, 4, 8, 16, 32)},
+    "localsgd": {"period": (1, 2, 4, 8, 16, 32, 64, 128)},
+    "postlocalsgd": {"period": (1, 2, 4, 8, 16, 32, 64, 128)},
+    "cdsgd": {"k": (1, 2, 5, 10, 20)},
+}
+WITHIN = 0.25   # the least stale setting whose predicted step is within 25 % of the fastest candidate's
+
+
+def _staleness(algorithm: str, p: dict) -> float:
+    if algorithm in ("dts", "delayed", "tsparse"):
+        t, period = int(p.get("delay", 1)), int(p.get("period", 1))
+        return (t - 1) * period + period
+    return float(p.get("period", p.get("k", 1)))
+
+
+def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str = "none",
+         as_algorithm: str | None = None) -> tuple[dict, str]:
+    """Parameters of `algorithm` that suit scenario `s`, for the tunable ones `given` leaves out, and why in a
+    few words ({} and "" when there is nothing to pick). `as_algorithm`: plan it as this one (an algorithm of the
+    same communication pattern: a peer's model averaging as `localsgd`, DiLoCo's outer sync as `localsgd`).
+
+    Rule: among the candidate settings (TUNABLE), the least stale one whose predicted step time
+    (`costmodel.predict`) is within WITHIN of the fastest candidate's: as fast as the network allows, with as
+    little staleness (hence accuracy risk) as that speed needs."""
+    given = dict(given or {})
+    plan_as = as_algorithm or algorithm
+    grid = TUNABLE.get(plan_as, {})
+    free = {k: v for k, v in grid.items() if k not in given}
+    if not free:
+        return {}, ""
+    check_scenario(s)
+    fixed = {k: v for k, v in given.items() if k in ("delay", "period", "k", "ratio", "rank", "levels", "threshold")}
+    combos = [{}]
+    for name, values in free.items():
+        combos = [{**c, name: v} for c in combos for v in values]
+    if plan_as == "dts":
+        combos = [c for c in combos if (c.get("delay", fixed.get("delay")), c.get("period", fixed.get("period")))
+                  != (1, 1)] or combos  # t = p = 1 is bsp
+    scored = []
+    for c in combos:
+        try:
+            pred = predict(s, plan_as, compressor, **{**fixed, **c})
+        except (KeyError, UserError, TypeError, ValueError):
+            continue
+        scored.append((pred.iteration_s, _staleness(plan_as, {**fixed, **c}), c))
+    if not scored:
+        return {}, ""
+    fastest = min(t for t, _, _ in scored)
+    step, _, pick = min((x for x in scored if x[0] <= fastest * (1 + WITHIN)), key=lambda x: (x[1], x[0]))
+    link = s.link
+    bw = "unlimited" if link.bandwidth is None else f"{link.bandwidth / 1e6:g} Mbit/s"
+    why = (f"planner: {link.name} ({bw}, {link.latency * 1e3:g} ms), {s.params / 1e6:.2g} M params, compute "
+           f"{s.compute_s * 1e3:.0f} ms/step; least stale within {WITHIN:.0%} of the fastest predicted step "
+           f"({step * 1e3:.0f} ms)")
+    return pick, why

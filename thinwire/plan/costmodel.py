@@ -1,7 +1,8 @@
 """The cost model: predicted iteration time of every algorithm from compute τ, the link and the payload.
 
-Collectives cost what `thinwire.net.cost` says (seed 000 Table III and §IV-B); a compressor costs its payload
-bits (its own `nominal_bits`, from its algebra) and its compression time (a multiple of one memcpy of the
+Collectives cost what `thinwire.net.cost` says (seed 000 Table III and §IV-B); a compressor costs the bits
+its exchange really sends at the scenario's world size (`Compressor.wire_bits`: all-gather of packed codes or
+all-reduce of widened levels, whichever the exchange picks) and its compression time (a multiple of one memcpy of the
 tensor: measured by `thinwire bench compressors` / `thinwire advise --calibrate`, else a default table measured
 on our machine); an algorithm's iteration time combines them as its schedule does. Scalability is the
 throughput relative to the same workers with no communication: τ / iteration time (seed 004's definition,
@@ -10,27 +11,23 @@ measured against the no-communication limit).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cost as netcost
+from ..net.cost import double_binary_tree_allreduce  # noqa: F401  (re-exported: plan.simulate)
 from ..net import cdsgd as cd
 
 # compress + decompress time in memcpys of the input, measured by `thinwire bench compressors` (2^24 fp32,
 # this 2-core machine; see BENCHMARKS.md). Used when no calibration file exists.
-DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "onebit": 6.0, "signsgd": 4.0,
+# The DiLoCo family's (fp8 14, fp4 21, demo 28, sparseloco 19): `thinwire bench compressors` on 2026-11-23,
+# machine loaded, so indicative.
+DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "fp8": 14.0, "fp4": 21.0, "demo": 28.0,
+                    "sparseloco": 19.0, "onebit": 6.0, "signsgd": 4.0,
                     "signum": 4.0, "efsignsgd": 5.0, "qsgd": 8.0, "terngrad": 7.0, "natural": 6.0,
                     "threshold2bit": 6.0, "randomk": 4.0, "topk": 12.0, "threshold": 8.0, "dgc": 12.0,
                     "gaussiank": 10.0, "powersgd": 10.0, "countsketch": 8.0, "stc": 12.0, "qsparse": 12.0}
 MEMCPY_BYTES_PER_S = 9.0e9  # one fp32 memcpy moves 4 bytes per element (measured ~7 ms for 2^24 elements)
-
-
-def double_binary_tree_allreduce(link: Link, n: int, nbytes: float) -> Cost:
-    """Double binary trees (seed 000 §IV-B [148], NCCL ≥ 2.4): two complementary trees each carry half the
-    data, pipelined: logarithmic latency 2⌈log2 n⌉α and full bandwidth, ≈ 2Nβ per rank."""
-    r = math.ceil(math.log2(n)) if n > 1 else 0
-    moved = 2 * nbytes if n > 1 else 0.0
-    return Cost(2 * r * link.alpha, moved * link.beta, moved, moved)
 
 
 def ps_push_pull(link: Link, n: int, nbytes: float, servers: int = 1, down_bytes: float | None = None) -> Cost:
@@ -47,8 +44,7 @@ def gossip_exchange(link: Link, degree: int, nbytes: float) -> Cost:
     return Cost(link.alpha, degree * nbytes * link.beta, degree * nbytes, degree * nbytes)
 
 
-COLLECTIVES = dict(netcost.ALLREDUCE)
-COLLECTIVES["double_binary_tree"] = double_binary_tree_allreduce
+COLLECTIVES = dict(netcost.ALLREDUCE)   # every one of them runs: thinwire.comm.collectives, --allreduce NAME
 
 
 @dataclass
@@ -132,7 +128,8 @@ def exchange_collective(s: Scenario, compressor: str = "none", sparse_collective
     comp = compressors.get(compressor, **params)
     if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
         return sparse_collective
-    return s.collective if comp.aggregation in ("allreduce", "custom") else "allgather"
+    coll, _ = comp.wire_bits(int(s.params), s.workers, s.collective)
+    return s.collective if coll in ("allreduce", "custom") else "allgather"
 
 
 def exchange_cost(s: Scenario, compressor: str = "none", sparse_collective: str | None = None,
@@ -145,8 +142,9 @@ def exchange_cost(s: Scenario, compressor: str = "none", sparse_collective: str 
     comp = compressors.get(compressor, **params)
     if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
         return sparse_exchange_cost(s, comp, sparse_collective)
-    payload = comp.nominal_bits(int(s.params)) * s.params / 8
-    if comp.aggregation in ("allreduce", "custom"):
+    coll, bits = comp.wire_bits(int(s.params), s.workers, s.collective)   # what the exchange picks and sends
+    payload = bits * s.params / 8
+    if coll in ("allreduce", "custom"):
         return s.allreduce(payload)
     return netcost.ring_allgather(s.collective_link, s.workers, payload)   # allgather and majority vote
 
@@ -159,6 +157,7 @@ class Prediction:
     bytes_per_step: float
     note: str = ""
     collective: str = ""   # what carries the exchange: ring|tree|... all-reduce, allgather, gtopk, ..., ps, gossip
+    bytes_per_sync: float = 0.0   # the DiLoCo family: bytes one worker sends per (fragment) sync, the peak burst
 
     @property
     def scalability(self) -> float:
@@ -172,7 +171,11 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     localsgd: τ + C/H; ssp/asp: each worker τ + its push/pull, bounded below by the servers' link (incast);
     dpsgd / gossip: τ + α + dNβ; dts / delayed / tsparse (seed 004 §3): a window of p steps launches one
     exchange, waited t−1 steps later: τ + max(0, C − (t−1)τ)/p, bounded below by C/(2p) (gloo runs two
-    collectives at a time) and by the link's occupancy C_β/p. `sparse_collective=` (a top-k-family compressor)
+    collectives at a time) and by the link's occupancy C_β/p. diloco (`period` H, `fragments` F, `overlap`
+    τ_o): every K = H/F steps one fragment of N/F parameters is averaged (its exchange C_F, compression δ_F),
+    started τ_o steps before it is waited for: τ + max(0, δ_F + C_F − τ_o τ)/K; F = 1, τ_o = 0 is localsgd's
+    τ + (δ + C)/H (`overlap=τ_o`, an int, for diloco). Its peak, the bytes of one sync, is `bytes_per_sync`
+    (1/F of DiLoCo's). `sparse_collective=` (a top-k-family compressor)
     picks the sparse collective of its exchange; the prediction's `collective` names what carries it.
     """
     pred = _predict(s, algorithm, compressor, overlap, **p)
@@ -211,6 +214,16 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
     if algorithm in ("localsgd", "postlocalsgd"):
         h = int(p.get("period", p.get("H", 4)))
         return Prediction(algorithm, tau + (delta + comm.time) / h, tau, sent / h)
+    if algorithm == "diloco":
+        # diloco's own `overlap` (τ_o inner steps, an int) arrives as predict's `overlap` argument (WFBP's flag
+        # for the others: diloco's exchange starts during backward only on its sync steps, which τ_o covers)
+        h, f, lag = int(p.get("period", 50)), int(p.get("fragments", 1)), int(overlap)
+        k = max(1, h // f)
+        sf = replace(s, params=s.params / f)    # one fragment: 1/F of the model, through the same exchange
+        cf = exchange_cost(sf, compressor, p.get("sparse_collective"),
+                           **{k_: v for k_, v in p.items() if k_ in ("ratio", "rank", "levels", "threshold", "bucket")})
+        exposed = max(0.0, sf.compress_s(compressor) + cf.time - lag * tau)   # hidden by τ_o further inner steps
+        return Prediction(algorithm, tau + exposed / k, tau, cf.sent / k, bytes_per_sync=cf.sent)
     if algorithm in ("asp", "ssp", "backup"):
         ps = ps_push_pull(s.link, s.workers, comm.sent if compressor != "none" else s.nbytes, s.servers,
                           down_bytes=s.nbytes)
@@ -238,4 +251,4 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
 
 
 PLANNED = ("bsp", "bitsgd", "odsgd", "cdsgd", "localsgd", "postlocalsgd", "ssp", "asp", "backup", "dpsgd",
-           "choco", "sgp", "adpsgd", "dts", "delayed", "tsparse", "local")
+           "choco", "sgp", "adpsgd", "dts", "delayed", "tsparse", "local", "diloco")

@@ -52,6 +52,8 @@ class SimConfig:
     seed: int = 0
     bytes_per_param: int = 4
     compression: float = 1.0           # payload / uncompressed size (for compressed schedules)
+    fragments: int = 1                 # diloco: fragments synced in turn, one every period/fragments steps
+    overlap: int = 0                   # diloco: inner steps a fragment's sync overlaps before it is waited for
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> "SimConfig":
@@ -63,6 +65,9 @@ class SimConfig:
             raise UserError(f"unknown collective {self.collective!r}; valid: auto, {', '.join(sorted(COLLECTIVES))}")
         if self.delay < 1 or self.period < 1 or self.k < 1 or self.staleness < 0:
             raise UserError("delay, period and k must be >= 1, staleness >= 0")
+        if self.fragments < 1 or self.period % self.fragments or not 0 <= self.overlap < self.period // self.fragments:
+            raise UserError(f"diloco needs fragments >= 1 dividing period and 0 <= overlap < period/fragments; got "
+                            f"period={self.period}, fragments={self.fragments}, overlap={self.overlap}")
         return self
 
 
@@ -149,6 +154,24 @@ def _dts(c, cfg, comm, delay=None, period=None):
     return f.max()
 
 
+def _diloco(c, cfg, comm):
+    """DiLoCo / Streaming DiLoCo: every K = period/fragments steps one fragment (`comm` is its exchange) starts
+    when the last worker has taken its pseudo-gradient and is waited for `overlap` steps later; one fragment
+    in flight at a time, the transfers queued on the link."""
+    k, lag = cfg.period // cfg.fragments, cfg.overlap
+    f = np.zeros(cfg.workers)
+    link_free, due = 0.0, {}
+    for s in range(cfg.steps):
+        f += c[s]
+        if (s + 1 + lag) % k == 0:
+            start = max(f.max(), link_free)
+            link_free = start + comm.transfer
+            due[s + lag] = start + comm.time
+        if s in due:
+            f = np.maximum(f, due.pop(s))
+    return f.max()
+
+
 def _cdsgd(c, cfg, comm, comm_full=None, k=None):
     """Seed 001 eqs. 6–7: iteration i+1 computes while iteration i communicates; the local update of
     iteration i needs W_i, i.e. the exchange of iteration i−1. Every k-th exchange is full precision."""
@@ -207,7 +230,7 @@ SCHEDULES = {
     "local": _local, "bsp": _bsp, "localsgd": _localsgd, "dts": _dts,
     "delayed": lambda c, cfg, comm: _dts(c, cfg, comm, period=1),
     "tsparse": lambda c, cfg, comm: _dts(c, cfg, comm, delay=1),
-    "cdsgd": _cdsgd, "odsgd": lambda c, cfg, comm: _cdsgd(c, cfg, comm, k=1),
+    "cdsgd": _cdsgd, "odsgd": lambda c, cfg, comm: _cdsgd(c, cfg, comm, k=1), "diloco": _diloco,
     "asp": lambda c, cfg, comm: _ps(c, cfg, comm), "ssp": lambda c, cfg, comm: _ps(c, cfg, comm, cfg.staleness),
 }
 
@@ -230,7 +253,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     rng = np.random.default_rng(cfg.seed)
     c = _compute_times(cfg, rng)
     nbytes = cfg.params * cfg.bytes_per_param
-    comm = _collective_cost(cfg, nbytes * cfg.compression)
+    comm = _collective_cost(cfg, nbytes * cfg.compression / (cfg.fragments if cfg.algorithm == "diloco" else 1))
     full = _collective_cost(cfg, nbytes)
     if cfg.algorithm in ("cdsgd",):
         total = _cdsgd(c, cfg, comm, comm_full=full)

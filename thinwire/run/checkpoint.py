@@ -27,7 +27,7 @@ from ..errors import UserError
 MANIFEST = "checkpoint.json"
 # configuration fields that may change between the interrupted and the resumed run
 _FREE = {"epochs", "steps", "progress", "trace", "eval_every", "target", "checkpoint_every", "checkpoint_dir",
-         "resume", "nonfinite", "progress_timeout"}
+         "resume", "nonfinite", "progress_timeout", "budget_s", "stop_at_target", "tensorboard"}
 
 
 def fingerprint(cfg) -> str:

@@ -1,20 +1,41 @@
-"""The harness behind `thinwire compare`: every (contestant × network) cell is its own training run on the same
-workload, seed, data shards and workers; the results go to `DIR/results.json` after each cell, then
-`DIR/report.md` and PNG plots are drawn from it.
+"""The harness behind `thinwire compare`: a race to the target. Every (contestant × network × seed) cell is its own
+training run on the same workload, data shards and workers; the results go to `DIR/results.json` after each cell,
+then `DIR/report.md` and PNG plots are drawn from it.
 
-- A thinwire cell runs `thinwire.run.train.run_training` (exactly what `thinwire train` runs); a PyTorch peer
-  runs `thinwire.run.peers.peer_worker` and is summarised by the same `summarize`, so both have the same fields.
-- Worker processes are kept alive across cells (one pool per world size) and restarted after a failed cell.
-- Scalability = throughput / throughput of the same workers doing no communication at all (algorithm `local`
-  if registered, else a plain local-SGD loop measured here): the DTS issue's definition for a shared machine.
-- `--budget S` stops a cell that runs longer than S seconds (recorded as `timeout`, the matrix goes on).
-- Interrupted runs keep the cells already done (results.json is rewritten after every cell); `resume` runs the
-  missing (or failed) cells of a matrix directory.
+**The race.** Every cell runs `thinwire.run.train.run_training` (the one loop of `thinwire.run.loop`, whatever its
+stepper: thinwire's Trainer, a PyTorch DDP peer, torchft's DiLoCo) with the same budget of *training time*
+(`budget_s`, evaluations excluded) and stops at the first evaluation whose mean metric over the workers reaches
+the target, or when the budget is spent, or at the step bound (`epochs` / `steps`, none by default when a budget
+is given): a cell that is fast per step is never cut off by a step count. Evaluations come every 2 % of the
+training clock (`thinwire.run.loop.EVAL_PRECISION`, from the step time), so time to target is read to within
+2 % (plus one step); every worker rank takes the same stop decision (one all-gather of metric and clock per
+evaluation, outside the meter and the clock).
+
+**A cell out of budget** is reported with its best metric and, where the matrix allows, a *predicted* time to
+target: its steps to target measured elsewhere in the same matrix (the same contestant, settings and seed on
+another network, where thinwire's trajectories are the same step by step; or an exact synchronous-SGD cell — bsp,
+ssgd, ddp — of the same seed for another exact one) times this cell's own median step time.
+
+**Seeds** (`seeds` > 1): every cell runs with seeds seed, seed+1, ...; the report gives the median and the range
+(min–max) per contestant, and says two contestants are *within noise* of each other when their ranges of time to
+target overlap (a seed that missed the target counts as +∞): a rule that is conservative with 3 seeds.
+
+**Defaults that suit the network.** Parameters a cell leaves out are picked by the planner for the network, the
+workload's size and the measured compute time (`thinwire.plan.advise.tune`); algorithms that compensate SGD only
+run with SGD on a workload whose optimizer is another. The report states each cell's parameters and why.
+
+- Scalability = throughput / throughput of the same workers doing no communication (the registered algorithm
+  `local`, a short run measured first, which also gives the compute time per step for the planner).
+- Worker processes are kept alive across cells (one pool per world size) and restarted after a failed cell; a
+  cell whose wall time exceeds 4 × budget + 600 s is stopped and recorded as `timeout`.
+- Interrupted runs keep the cells already done; `resume` runs the missing (or failed) cells of a matrix directory.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -22,10 +43,12 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import UserError, WorkerError
 from ..net import parse_network
 from . import presets, workloads
-from .train import TrainConfig, _atomic_write, run_training, summarize
+from .train import TrainConfig, _atomic_write, check_int, run_training
 
 _now = time.perf_counter
 RESULTS = "results.json"
+EXACT_SGD = ("bsp", "ssgd", "ddp")
+BASELINE_STEPS = 20   # the same trajectory step by step (ddp up to float rounding)
 
 
 @dataclass
@@ -35,13 +58,17 @@ class CompareConfig:
     networks: list = field(default_factory=lambda: ["wan"])
     cells: list = field(default_factory=lambda: ["bsp"])        # specs (strings or dicts)
     target: float | None = None
-    budget_s: float | None = None
-    epochs: float | None = None
+    budget_s: float | None = None      # seconds of training time per cell (evaluations excluded)
+    epochs: float | None = None        # an upper bound on a cell's steps (None with a budget: no bound)
     seed: int = 0
+    seeds: int = 1                     # every cell runs with seeds seed .. seed + seeds - 1
     trace: bool = False
     netem: bool = False
     preset: str | None = None
     notes: list = field(default_factory=list)
+    tensorboard: str | None = None     # DIR: TensorBoard scalars per cell under DIR/<cell>
+    steps: int | None = None           # an upper bound in steps instead of epochs
+    eval_every: int | None = None      # a fixed evaluation cadence instead of the race's
 
     def validate(self) -> "CompareConfig":
         workloads.registry.lookup(self.workload)
@@ -53,11 +80,21 @@ class CompareConfig:
             raise UserError(f"--workers must be >= 1, got {self.workers}")
         if self.budget_s is not None and not self.budget_s > 0:
             raise UserError(f"--budget must be > 0 seconds, got {self.budget_s}")
+        check_int("--seeds", self.seeds, 1, 100)
+        if self.epochs is not None and self.steps is not None:
+            raise UserError("give --epochs or --steps, not both")
+        if self.tensorboard is not None:
+            from .loop import check_tensorboard
+            check_tensorboard(self.tensorboard)
         return self
 
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.seed, self.seed + self.seeds))
 
-def cell_key(label: str, network: str) -> str:
-    return f"{label} @ {network}"
+
+def cell_key(label: str, network: str, seed: int | None = None) -> str:
+    return f"{label} @ {network}" + ("" if seed is None else f" #seed {seed}")
 
 
 class _PoolView:
@@ -71,6 +108,42 @@ class _PoolView:
         limit = self.timeout or timeout
         extra = {} if limit is None else {"timeout": limit}
         return self.pool.run(fn, *args, network="lan" if self.netem else network, seed=seed, **extra)
+
+
+def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
+              compute_s: float | None) -> tuple[presets.Cell, list[str]]:
+    """The cell with the parameters it leaves out picked for `network` (and SGD for an algorithm that
+    compensates SGD only, on a workload whose optimizer is another); the reasons, one per decision."""
+    from .. import algorithms
+    from ..plan.advise import TUNABLE, tune
+    from ..plan.costmodel import Scenario
+    from .peers import PEER_AS, PEER_PARAMS
+    wl = workloads.get(workload)
+    out = replace(cell, params=dict(cell.params))
+    why: list[str] = []
+    own = wl.optimizer
+    if not cell.peer and cell.algorithm in presets.SGD_ONLY and cell.optimizer is None and own != "sgd":
+        out.optimizer = "sgd"
+        why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {own})")
+    plan_as = PEER_AS[cell.algorithm][0] if cell.peer else ("localsgd" if cell.algorithm == "diloco"
+                                                            else cell.algorithm)
+    if plan_as not in TUNABLE:
+        return out, why
+    takes = (lambda k: k in PEER_PARAMS[cell.algorithm]) if cell.peer else \
+        (lambda k: algorithms.registry.accepts(cell.algorithm, k))
+    if not any(takes(k) and k not in out.params for k in TUNABLE[plan_as]):
+        return out, why
+    if compute_s is None:
+        why.append("defaults: no compute time was measured for the planner")
+        return out, why
+    s = Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=workers,
+                 handshake=True)
+    pick, reason = tune(plan_as, s, out.params, compressor=out.compressor or "none")
+    pick = {k: v for k, v in pick.items() if takes(k)}
+    if pick:
+        out.params.update(pick)
+        why.append(f"{', '.join(f'{k}={v}' for k, v in pick.items())}: {reason}")
+    return out, why
 
 
 class Harness:
@@ -104,54 +177,53 @@ class Harness:
             p.close(force=True)
         self._pools.clear()
 
-    # -- one cell ------------------------------------------------------------------------------------
-    def train_config(self, cell: presets.Cell, network: str) -> TrainConfig:
-        c = self.cfg
-        return TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
-                           epochs=c.epochs, seed=c.seed, target=c.target, compressor=cell.compressor,
-                           memory=cell.memory, params=dict(cell.params), trace=c.trace and not cell.peer,
-                           progress=False, servers=0 if cell.peer else _servers(cell))
+    def wall_limit(self) -> float | None:
+        """The wall time a cell may take before it is stopped as `timeout` (start-up and evaluations included)."""
+        return None if self.cfg.budget_s is None else 4 * self.cfg.budget_s + 600
 
-    def run_cell(self, cell: presets.Cell, network: str) -> dict:
-        tc = self.train_config(cell, network)
+    # -- one cell ------------------------------------------------------------------------------------
+    def train_config(self, cell: presets.Cell, network: str, seed: int | None = None) -> TrainConfig:
+        c = self.cfg
+        board = None
+        if c.tensorboard:
+            board = os.path.join(c.tensorboard, _slug(cell_key(cell.label, network, seed if c.seeds > 1 else None)))
+        return TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
+                           epochs=c.epochs, steps=c.steps, seed=c.seed if seed is None else seed, target=c.target,
+                           compressor=cell.compressor, memory=cell.memory, params=dict(cell.params),
+                           trace=c.trace and not cell.peer, progress=False,
+                           servers=0 if cell.peer else _servers(cell), budget_s=c.budget_s, stop_at_target=True,
+                           optimizer=cell.optimizer, tensorboard=board, eval_every=c.eval_every)
+
+    def run_cell(self, cell: presets.Cell, network: str, seed: int | None = None) -> dict:
+        tc = self.train_config(cell, network, seed)
         if self.cfg.netem:  # the real, shaped link delays the traffic: no in-process emulation on top
             tc = replace(tc, network="lan")
         world = tc.workers + tc.servers
-        view = _PoolView(self.pool(world, network), self.cfg.budget_s, self.cfg.netem)
-        celldir = os.path.join(self.out, "cells", _slug(cell_key(cell.label, network)))
-        t0 = _now()
-        if cell.peer:
-            from .peers import peer_worker
-            results = view.run(peer_worker, tc, network=network, seed=tc.seed)
-            summary, rows = summarize(tc, results, _now() - t0)
-            summary["network"] = network
-            os.makedirs(celldir, exist_ok=True)
-            _atomic_write(os.path.join(celldir, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
-            _atomic_write(os.path.join(celldir, "summary.json"), json.dumps(summary, indent=2) + "\n")
-        else:
-            summary = run_training(tc, out=celldir, pool=view)
-            summary["network"] = network
+        view = _PoolView(self.pool(world, network), self.wall_limit(), self.cfg.netem)
+        key = cell_key(cell.label, network, seed if self.cfg.seeds > 1 else None)
+        celldir = os.path.join(self.out, "cells", _slug(key))
+        summary = run_training(tc, out=celldir, pool=view)
+        summary["network"] = network
         summary["curve"] = _curve(celldir, summary["metric"], summary["bytes_sent_per_worker"])
         return summary
 
-    # -- the no-communication reference (scalability) -------------------------------------------------
+    # -- the no-communication reference (scalability, and the compute time the planner needs) ------------
     def baseline(self) -> dict:
-        from .. import algorithms
-        wl = workloads.get(self.cfg.workload)
-        probe = TrainConfig(workload=self.cfg.workload, workers=self.cfg.workers, epochs=self.cfg.epochs)
-        tc = TrainConfig(workload=self.cfg.workload, algorithm="bsp", workers=self.cfg.workers, network="lan",
-                         steps=min(probe.total_steps(wl), 24), seed=self.cfg.seed, progress=False)  # a rate only
-        view = _PoolView(self.pool(self.cfg.workers, "lan"), self.cfg.budget_s, self.cfg.netem)
-        if "local" in algorithms.registry:
-            tc.algorithm = "local"
-            s = run_training(tc, pool=view)
-            how = "thinwire algorithm `local` (no communication)"
-        else:
-            results = view.run(nocomm_worker, tc, network="lan", seed=tc.seed)
-            s = summarize(tc, results, 0.0)[0]
-            how = "plain local SGD, no communication (measured by the harness)"
-        return {"throughput_samples_s": s["throughput_samples_s"], "step_time_s": s["step_time_s"],
-                "how": how}
+        """`local` for 2 × BASELINE_STEPS steps; the rate and the median step time of the second half (the first
+        steps pay warm-up)."""
+        from .loop import train_worker
+        from .train import summarize
+        c = self.cfg
+        tc = TrainConfig(workload=c.workload, algorithm="local", workers=c.workers, network="lan",
+                         steps=2 * BASELINE_STEPS, seed=c.seed, progress=False)
+        view = _PoolView(self.pool(c.workers, "lan"), self.wall_limit(), c.netem)
+        _, rows = summarize(tc, view.run(train_worker, tc.validate(), network="lan", seed=c.seed), 0.0)
+        late = [r["step_s"] for r in rows[BASELINE_STEPS:]]
+        wl = workloads.get(c.workload)
+        return {"throughput_samples_s": len(late) * wl.batch_size * c.workers / sum(late),
+                "step_time_s": statistics.median(late),
+                "how": f"thinwire algorithm `local` (no communication), steps {BASELINE_STEPS + 1}-"
+                       f"{2 * BASELINE_STEPS} of a short run"}
 
     # -- the matrix ----------------------------------------------------------------------------------
     def run(self, results: dict, progress: bool = True) -> dict:
@@ -161,7 +233,8 @@ class Harness:
             if n not in results["notes"]:
                 results["notes"].append(n)
                 self.log(f"note: {n}")
-        todo = [(c, n) for n in cfg.networks for c in cells]
+        many = cfg.seeds > 1
+        todo = [(c, n, s) for n in cfg.networks for c in cells for s in cfg.seed_list]
         done = {r["key"] for r in results["cells"] if r.get("status") == "ok"}
         results["cells"] = [r for r in results["cells"] if r.get("status") == "ok"]
         bar = None
@@ -178,23 +251,29 @@ class Harness:
                 write()
                 if bar is not None:
                     bar.update(1)
-            for cell, network in todo:
-                key = cell_key(cell.label, network)
+            tuned: dict = {}
+            for cell, network, seed in todo:
+                key = cell_key(cell.label, network, seed if many else None)
                 if key in done:
                     continue
                 if bar is not None:
                     bar.set_description(f"compare: {key}")
+                if (cell.label, network) not in tuned:
+                    tuned[cell.label, network] = tune_cell(cell, network, cfg.workload, cfg.workers,
+                                                           results["baseline"].get("step_time_s"))
+                ran, why = tuned[cell.label, network]
                 t0 = _now()
-                row = {"key": key, "label": cell.label, "network": network, "peer": cell.peer,
-                       "cell": cell.to_dict(), "config": asdict(self.train_config(cell, network))}
+                row = {"key": key, "label": cell.label, "network": network, "seed": seed, "peer": cell.peer,
+                       "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
+                       "config": asdict(self.train_config(ran, network, seed))}
                 try:
-                    row.update(self.run_cell(cell, network))
+                    row.update(self.run_cell(ran, network, seed if many else None))
                     row["status"] = "ok"
                 except WorkerError as e:
                     stalled = "stalled" in str(e)
                     row["status"] = "timeout" if stalled else "failed"
-                    row["error"] = (f"stopped after the budget of {cfg.budget_s:.0f} s" if stalled
-                                    else str(e).splitlines()[0][:300])
+                    row["error"] = (f"stopped after {self.wall_limit():.0f} s of wall time" if stalled and
+                                    self.wall_limit() else str(e).splitlines()[0][:300])
                 except UserError as e:
                     row["status"], row["error"] = "failed", str(e)
                 row["cell_wall_s"] = _now() - t0
@@ -210,10 +289,19 @@ class Harness:
         finally:
             if bar is not None:
                 bar.close()
-            results["cells"].sort(key=lambda r: [n for n in cfg.networks].index(r["network"])
-                                  if r["network"] in cfg.networks else 99)
+            order = {n: i for i, n in enumerate(cfg.networks)}
+            results["cells"].sort(key=lambda r: order.get(r["network"], 99))
             write()
         return results
+
+
+def _ran_with(cell: presets.Cell) -> str:
+    parts = [f"{k}={v}" for k, v in cell.params.items()]
+    if cell.compressor:
+        parts.insert(0, f"compressor={cell.compressor}" + (f", memory={cell.memory}" if cell.memory else ""))
+    if cell.optimizer:
+        parts.append(f"optimizer={cell.optimizer}")
+    return ", ".join(parts) or "defaults"
 
 
 def _servers(cell: presets.Cell) -> int:
@@ -225,34 +313,6 @@ def _servers(cell: presets.Cell) -> int:
         return 0
     servers = algorithms.registry.parameters(cell.algorithm).get("servers")
     return int(servers) if isinstance(servers, int) and servers > 0 else 1
-
-
-def nocomm_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    """The scalability reference when no `local` algorithm is registered: the same model, data shard, batch
-    and optimizer, never communicating. Returns `train_worker`'s records (evaluated only at the end)."""
-    wl = workloads.get(cfg.workload)
-    model = wl.model(cfg.seed)
-    opt = wl.make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    x, y = wl.shard(rank, world_size)
-    loader = workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=cfg.seed, rank=rank)
-    steps, clock = [], 0.0
-    for step in range(1, cfg.total_steps(wl) + 1):
-        t0 = _now()
-        xb, yb = loader.next()
-        loss = wl.loss(model(xb), yb)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        dt = _now() - t0
-        clock += dt
-        steps.append({"step": step, "loss": loss.item(), "t": clock, "step_s": dt, "bytes_sent": 0.0,
-                      "emulated_s": 0.0, "wait_s": 0.0})
-    value = wl.evaluate(model)
-    return {"rank": rank, "role": "worker", "steps": steps,
-            "evals": [{"step": 0, "t": 0.0, "value": value}, {"step": len(steps), "t": clock, "value": value}],
-            "final": value, "meter": {"total": {"bytes_sent": 0.0, "emulated_s": 0.0, "wait_s": 0.0}},
-            "metrics": {}, "trace": [], "num_params": sum(p.numel() for p in model.parameters()),
-            "dtype_bytes": 4, "train_s": clock}
 
 
 def _curve(celldir: str, metric: str, total_sent: float | None = None) -> list:
@@ -271,24 +331,20 @@ def _curve(celldir: str, metric: str, total_sent: float | None = None) -> list:
     return pts
 
 
-_PEER_AS = {"ddp": ("bsp", "none"), "ddp-fp16": ("bsp", "fp16"), "ddp-powersgd": ("bsp", "powersgd"),
-            "ddp-postlocalsgd": ("localsgd", "none")}
-
-
 def predict_step_time(row: dict, cfg: CompareConfig, compute_s: float | None) -> float | None:
     """The planner's predicted iteration time (`thinwire.plan.costmodel.predict`) from the model size, this
     network and the measured no-communication step time; None where the planner has no model for the cell."""
-    try:
-        from ..plan.costmodel import Scenario, predict
-    except ImportError:
-        return None
+    from ..plan.costmodel import Scenario, predict
+    from .peers import PEER_AS
     c = row["cell"]
     if compute_s is None:
         return None
-    algorithm, compressor = _PEER_AS.get(c["algorithm"], (c["algorithm"], c["compressor"] or "none"))
+    algorithm, compressor = PEER_AS.get(c["algorithm"], (c["algorithm"], c["compressor"] or "none"))
     params = dict(c["params"])
     if c["algorithm"] == "ddp-powersgd":
         params = {"rank": params.get("rank", 4)}
+    elif c["peer"]:
+        params = {k: v for k, v in params.items() if k == "period"}
     try:
         s = Scenario(params=workloads.get(cfg.workload).num_params(), compute_s=compute_s,
                      link=parse_network(row["network"]), workers=cfg.workers, handshake=True)
@@ -308,13 +364,115 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig) -> None:
     row["predicted_step_time_s"] = predict_step_time(row, cfg, baseline.get("step_time_s")) if ok else None
 
 
+# -- across cells: predictions for cells out of budget, and the seeds' statistics --------------------------------
+def _same_run(a: dict, b: dict) -> bool:
+    """Whether rows a and b train the same trajectory step by step (the network changes time only)."""
+    ca, cb = a["cell"], b["cell"]
+    if a.get("seed") != b.get("seed") or ca.get("optimizer") != cb.get("optimizer"):
+        return False
+    if (ca["algorithm"], ca["compressor"], ca["memory"], ca["params"]) == \
+            (cb["algorithm"], cb["compressor"], cb["memory"], cb["params"]):
+        return True
+    exact = lambda c: c["algorithm"] in EXACT_SGD and not c["compressor"] and not c["params"]
+    return exact(ca) and exact(cb)
+
+
+def predict_missing(rows: list[dict]) -> None:
+    """For every cell that ran out of budget (or steps) before the target: `predicted_time_to_target_s` = the
+    steps to target of the same trajectory elsewhere in the matrix × this cell's median step time, with the
+    basis in words (None where the matrix has no such reference)."""
+    reached = [r for r in rows if r.get("status") == "ok" and r.get("steps_to_target")]
+    for r in rows:
+        r.pop("predicted_time_to_target_s", None)
+        r.pop("prediction_basis", None)
+        if r.get("status") != "ok" or r.get("time_to_target_s") is not None or not r.get("step_time_s"):
+            continue
+        refs = [x for x in reached if x is not r and _same_run(r, x)]
+        if not refs:
+            continue
+        ref = min(refs, key=lambda x: x["steps_to_target"])
+        r["predicted_time_to_target_s"] = ref["steps_to_target"] * r["step_time_s"]
+        r["prediction_basis"] = (f"{ref['steps_to_target']} steps to target of `{ref['label']}` on "
+                                 f"{ref['network']} (the same trajectory) × this cell's median step "
+                                 f"{r['step_time_s'] * 1e3:.0f} ms")
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
+    """One entry per (contestant, network): the seeds' median and range of time to target (a seed that missed
+    it counts as +∞), how many reached it, medians of the other figures, and which contestants are within noise
+    of the best one (ranges overlap)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["label"], r["network"]), []).append(r)
+    out = []
+    for (label, network), rs in groups.items():
+        ok = [r for r in rs if r.get("status") == "ok"]
+        first = (ok or rs)[0]
+        name = "accuracy" if first.get("metric", "accuracy") == "accuracy" else "loss"
+        ttt = [r.get("time_to_target_s") if r.get("time_to_target_s") is not None else math.inf for r in ok]
+        entry = {"label": label, "network": network, "peer": first.get("peer"),
+                 "algorithm": (first.get("cell") or {}).get("algorithm"), "metric": first.get("metric"),
+                 "target": first.get("target"), "seeds": len(rs), "ok": len(ok),
+                 "reached": sum(1 for t in ttt if t < math.inf),
+                 "ttt_median": statistics.median(ttt) if ttt else None,
+                 "ttt_min": min(ttt) if ttt else None, "ttt_max": max(ttt) if ttt else None,
+                 "ran_with": first.get("ran_with"), "why": first.get("why", []),
+                 "status": "ok" if ok else first.get("status"), "error": None if ok else first.get("error")}
+        for k in ("best_" + name, "final_" + name, "step_time_s", "bytes_sent_per_worker_per_step",
+                  "compression_ratio", "exposed_comm_s", "scalability", "predicted_step_time_s",
+                  "predicted_time_to_target_s", "train_s", "steps"):
+            entry[k] = _median(r.get(k) for r in ok)
+        entry["stop_reasons"] = sorted({r.get("stop_reason") for r in ok if r.get("stop_reason")})
+        entry["ttt_resolution"] = _median(r["time_to_target_resolution_s"] / r["time_to_target_s"] for r in ok
+                                          if r.get("time_to_target_resolution_s") and r.get("time_to_target_s"))
+        out.append(entry)
+    order = {n: i for i, n in enumerate(networks)}
+    out.sort(key=lambda e: order.get(e["network"], 99))
+    for n in {e["network"] for e in out}:
+        here = rank([e for e in out if e["network"] == n])
+        if not here or here[0]["status"] != "ok":
+            continue
+        best = here[0]
+        for e in here:  # defined when the best reached the target: do the ranges of time to target overlap?
+            e["within_noise_of_best"] = (None if not best["reached"] else
+                                         e is not best and e["status"] == "ok" and e["ttt_min"] is not None
+                                         and max(e["ttt_min"], best["ttt_min"]) <= min(e["ttt_max"], best["ttt_max"]))
+    return out
+
+
+def rank(entries: list[dict]) -> list[dict]:
+    """Contestants that reached the target in most seeds first, by median time to target; then the rest by their
+    median best metric; failures last."""
+    def key(e):
+        if e.get("status") != "ok":
+            return (2, math.inf, 0.0)
+        up = e.get("metric", "accuracy") == "accuracy"
+        best = e.get("best_accuracy" if up else "best_loss") or 0.0
+        if e["reached"] * 2 > e["ok"] and e["ttt_median"] is not None:
+            return (0, e["ttt_median"], -best if up else best)
+        return (1, -best if up else best, e.get("train_s") or 0.0)
+    return sorted(entries, key=key)
+
+
+def finish(results: dict) -> None:
+    """The cross-cell fields: predictions for cells out of budget, then the per-contestant summary."""
+    predict_missing(results["cells"])
+    results["summary"] = aggregate(results["cells"], results["matrix"]["networks"])
+
+
 def _one_line(r: dict) -> str:
     if r["status"] != "ok":
         return f"  {r['key']}: {r['status']} ({r.get('error', '')})"
     acc = r.get("final_accuracy", r.get("final_loss"))
-    ttt = f"target in {r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "target not reached"
-    return (f"  {r['key']}: {r['metric']} {acc:.3f}, {ttt}, {r['bytes_sent_per_worker_per_step'] / 1e6:.3f} MB/step, "
-            f"step {r['step_time_s'] * 1e3:.0f} ms")
+    ttt = (f"target in {r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else
+           f"target not reached ({r.get('stop_reason')} after {r['train_s']:.1f} s)")
+    return (f"  {r['key']} [{r.get('ran_with')}]: {r['metric']} {acc:.3f}, {ttt}, "
+            f"{r['bytes_sent_per_worker_per_step'] / 1e6:.3f} MB/step, step {r['step_time_s'] * 1e3:.0f} ms")
 
 
 def _slug(text: str) -> str:
@@ -322,7 +480,7 @@ def _slug(text: str) -> str:
 
 
 def new_results(cfg: CompareConfig) -> dict:
-    return {"version": 1, "matrix": asdict(cfg), "baseline": None, "cells": [], "notes": list(cfg.notes),
+    return {"version": 2, "matrix": asdict(cfg), "baseline": None, "cells": [], "notes": list(cfg.notes),
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
@@ -332,7 +490,8 @@ def load(out: str) -> tuple[CompareConfig, dict]:
         raise UserError(f"nothing to resume: {path} does not exist")
     with open(path) as f:
         results = json.load(f)
-    return CompareConfig(**results["matrix"]), results
+    known = set(CompareConfig.__dataclass_fields__)
+    return CompareConfig(**{k: v for k, v in results["matrix"].items() if k in known}), results
 
 
 def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress: bool = True, log=None,
@@ -362,6 +521,7 @@ def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress:
             env.__exit__(None, None, None)
         results["matrix_wall_s"] = results.get("matrix_wall_s", 0.0) + (_now() - t0)
         if results["cells"]:
+            finish(results)
             _atomic_write(os.path.join(out, RESULTS), json.dumps(results, indent=1) + "\n")
             results["plots"] = plot_all(results, out)
             write_report(results, os.path.join(out, "report.md"))

@@ -1,24 +1,25 @@
-"""PyTorch's own options, run as peers in the same matrix: what a user would pick instead of thinwire.
+"""PyTorch's own options (and torchft's DiLoCo), run as peers in the same matrix: what a user would pick instead
+of thinwire. Each is a *stepper* of the one training loop (`thinwire.run.loop`), so a peer trains the same
+workload with the same seed, data shards, batch size, optimizer settings, evaluations, race rules and records as
+thinwire's cells, and `thinwire train --algorithm ddp` runs one on its own.
 
 | peer | what runs |
 | --- | --- |
 | `ddp` | `DistributedDataParallel`, gradients all-reduced in fp32 (`allreduce_hook`, the same as DDP's built-in) |
 | `ddp-fp16` | DDP + `fp16_compress_hook` (gradients cast to fp16 for the all-reduce) |
 | `ddp-powersgd` | DDP + `powerSGD_hook` (rank 4, error feedback, warm start, compression from step 2). gloo crashes with it when DDP has several buckets, so `bucket_cap_mb` is set large enough for a single bucket |
-| `ddp-postlocalsgd` | DDP + `post_localSGD_hook` + `PostLocalSGDOptimizer` with a `PeriodicModelAverager` (period 8, after `warmup` synchronous steps) |
-
-Every peer trains the same workload with the same seed, the same data shards, batch size, learning rate and
-momentum as thinwire's cells, and returns the same records as `thinwire.run.train.train_worker`, so the summary
-has the same fields.
+| `ddp-postlocalsgd` | DDP + `post_localSGD_hook` + `PostLocalSGDOptimizer` with a `PeriodicModelAverager` (`period` 8, after `warmup` 8 synchronous steps) |
+| `ddp-hierarchical` | the same with PyTorch's `HierarchicalModelAverager`: groups of `group` workers average every `local_period` steps, all workers every `period` |
+| `torchft-diloco` | torchft's `DiLoCo` (`thinwire.run.torchft_peer`; optional extra `thinwire[peers]`) |
 
 **Same network, accounted the same way.** Peers do not use thinwire's Transport, so inside the peer's worker
-`torch.distributed.all_reduce` (which all four of PyTorch's hooks and its model averager call) is wrapped for the
+`torch.distributed.all_reduce` (which all of PyTorch's hooks and its model averagers call) is wrapped for the
 run: the real all-reduce runs on the gloo group, then completes no earlier than the emulated link delivers it —
 the same α-β ring all-reduce cost and the same per-rank link queue (`LinkClock`) the Transport charges. Bytes are
 counted from each all-reduced tensor (its elements × element size, i.e. the model size under the known algorithm:
 fp32, fp16, PowerSGD's P and Q factors plus its uncompressed vectors, the averaged parameters) with the ring
 all-reduce's bytes sent per worker, as the Transport counts its own. Under `--netem` the link is the real (shaped)
-network and the wrapper only counts.
+network and the wrapper only counts. torchft's process group is wrapped the same way (`torchft_peer.py`).
 """
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..comm import LinkClock, default_network
+from ..comm import LinkClock
 from ..comm.context import default_seed
-from ..net import ring_allreduce
-from . import workloads
+from ..errors import UserError
+from ..net import parse_network, ring_allreduce
+from .loop import Stepper, make_optimizer
 
 _now = time.perf_counter
 
@@ -40,14 +42,61 @@ PEER_PARAMS: dict[str, tuple[str, ...]] = {
     "ddp-fp16": (),
     "ddp-powersgd": ("rank",),
     "ddp-postlocalsgd": ("period", "warmup"),
+    "ddp-hierarchical": ("period", "local_period", "group", "warmup"),
+    "torchft-diloco": ("period", "outer_lr", "outer_momentum", "nesterov", "fragments", "fragment_sync_delay",
+                       "fragment_update_alpha", "quantize"),
 }
+# what the planner and the defaults see each peer as: (thinwire algorithm, compressor)
+PEER_AS = {"ddp": ("bsp", "none"), "ddp-fp16": ("bsp", "fp16"), "ddp-powersgd": ("bsp", "powersgd"),
+           "ddp-postlocalsgd": ("localsgd", "none"), "ddp-hierarchical": ("localsgd", "none"),
+           "torchft-diloco": ("localsgd", "none")}
+
+
+def optional_missing(name: str) -> str | None:
+    """Why peer `name` cannot run here (its optional extra is not installed), or None."""
+    if name == "torchft-diloco":
+        from .torchft_peer import missing
+        return missing()
+    return None
+
+
+def check_peer(name: str, params: dict, workers: int) -> None:
+    """A UserError (one line) for parameters the peer does not take or cannot run with."""
+    bad = [k for k in params if k not in PEER_PARAMS[name]]
+    if bad:
+        takes = ", ".join(PEER_PARAMS[name]) or "no parameters"
+        raise UserError(f"peer {name!r} takes {takes}, not {', '.join(bad)}")
+    why = optional_missing(name)
+    if why:
+        raise UserError(why)
+    ints = {k: v for k, v in params.items() if k in ("rank", "period", "warmup", "local_period", "group",
+                                                     "fragments", "fragment_sync_delay")}
+    for k, v in ints.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if k in ("warmup", "fragment_sync_delay") else 1):
+            raise UserError(f"{name}: {k} must be an integer >= {0 if k in ('warmup', 'fragment_sync_delay') else 1}"
+                            f", got {v!r}")
+    if name == "ddp-hierarchical":
+        period, local, group = _hierarchy(params, workers)
+        if not (local < period and period % local == 0):
+            raise UserError(f"ddp-hierarchical: local_period ({local}) must divide period ({period}) and be smaller")
+        if workers % group or group >= workers:
+            raise UserError(f"ddp-hierarchical: group ({group}) must divide the {workers} workers and be smaller "
+                            f"(HierarchicalModelAverager's subgroups)")
+    if name == "torchft-diloco":
+        from .torchft_peer import check
+        check(params)
+
+
+def _hierarchy(params: dict, workers: int) -> tuple[int, int, int]:
+    period = int(params.get("period", 8))
+    return period, int(params.get("local_period", max(1, period // 4))), int(params.get("group", max(1, workers // 2)))
 
 
 class _Counter:
     """Wraps `torch.distributed.all_reduce` for one peer run: counted and delivered by the emulated link."""
 
-    def __init__(self, rank: int):
-        self.link = default_network()
+    def __init__(self, rank: int, link):
+        self.link = link
         self.clock = LinkClock(self.link, rank, default_seed())
         self.bytes_sent = 0.0
         self.emulated_s = 0.0
@@ -124,8 +173,10 @@ class _Work:
         return self.work.get_future().then(done)
 
 
-def _build(cfg, wl, model):
-    """(DDP model, optimizer, description of the configuration) for the peer `cfg.algorithm`."""
+
+
+def _build(cfg, wl, model, workers: int):
+    """(DDP model, optimizer, description of the configuration) for the DDP peer `cfg.algorithm`."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
     name, p = cfg.algorithm, cfg.params
@@ -146,60 +197,85 @@ def _build(cfg, wl, model):
         elif name == "ddp-fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
             desc = "fp16_compress_hook"
-        elif name == "ddp-postlocalsgd":
+        elif name in ("ddp-postlocalsgd", "ddp-hierarchical"):
             from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (PostLocalSGDState,
                                                                                       post_localSGD_hook)
             warmup = int(p.get("warmup", 8))
             state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
                                       post_local_gradient_allreduce=False)
             ddp.register_comm_hook(state, post_localSGD_hook)
-            desc = f"post_localSGD_hook, period {int(p.get('period', 8))}, warm-up {warmup} steps"
+            if name == "ddp-postlocalsgd":
+                desc = f"post_localSGD_hook + PeriodicModelAverager, period {int(p.get('period', 8))}, " \
+                       f"warm-up {warmup} steps"
+            else:
+                period, local, group = _hierarchy(p, workers)
+                desc = (f"post_localSGD_hook + HierarchicalModelAverager: groups of {group} every {local} steps, "
+                        f"all {workers} every {period}, warm-up {warmup} steps")
         else:
-            raise ValueError(f"unknown peer {name!r}")
-    opt = wl.make_optimizer(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    if name == "ddp-postlocalsgd":
-        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+            raise ValueError(f"unknown DDP peer {name!r}")
+    opt = make_optimizer(cfg, wl, ddp.parameters())
+    if name in ("ddp-postlocalsgd", "ddp-hierarchical"):
         from torch.distributed.optim import PostLocalSGDOptimizer
-        averager = PeriodicModelAverager(period=int(p.get("period", 8)), warmup_steps=int(p.get("warmup", 8)))
+        warmup = int(p.get("warmup", 8))
+        if name == "ddp-postlocalsgd":
+            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+            averager = PeriodicModelAverager(period=int(p.get("period", 8)), warmup_steps=warmup)
+        else:
+            from collections import OrderedDict
+
+            from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import \
+                HierarchicalModelAverager
+            period, local, group = _hierarchy(p, workers)
+            averager = HierarchicalModelAverager(OrderedDict([(local, group), (period, workers)]),
+                                                 warmup_steps=warmup)
         opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
     return ddp, opt, desc
 
 
-def peer_worker(rank: int, world_size: int, cfg) -> dict:
-    """One PyTorch peer run in a worker (cfg: a `TrainConfig` whose `algorithm` is a peer name); returns the
-    records `train_worker` returns."""
-    wl = workloads.get(cfg.workload)
-    torch.manual_seed(cfg.seed)
-    model = wl.model(cfg.seed)
-    x, y = wl.shard(rank, world_size)
-    loader = workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=cfg.seed, rank=rank)
-    total = cfg.total_steps(wl)
-    eval_every = cfg.eval_every or max(1, wl.steps_per_epoch(world_size, cfg.batch_size) // 2)
-    with _Counter(rank) as counter:
-        ddp, opt, desc = _build(cfg, wl, model)
-        steps, evals, clock = [], [], 0.0
-        evals.append({"step": 0, "t": 0.0, "value": wl.evaluate(model)})
-        before = counter.totals()
-        for step in range(1, total + 1):
-            t0 = _now()
-            xb, yb = loader.next()
-            loss = wl.loss(ddp(xb), yb)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            dt = _now() - t0
-            clock += dt
-            now = counter.totals()
-            steps.append({"step": step, "loss": loss.item(), "t": clock, "step_s": dt,
-                          "bytes_sent": now["bytes_sent"] - before["bytes_sent"],
-                          "emulated_s": now["emulated_s"] - before["emulated_s"],
-                          "wait_s": now["wait_s"] - before["wait_s"]})
-            before = now
-            if step % eval_every == 0 or step == total:
-                evals.append({"step": step, "t": clock, "value": wl.evaluate(model)})
-        totals = counter.totals()
-    del ddp
-    return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
-            "meter": {"total": totals}, "metrics": {"peer": desc}, "trace": [],
-            "num_params": sum(p.numel() for p in model.parameters()),
-            "dtype_bytes": next(model.parameters()).element_size(), "train_s": clock}
+def finite_or_raise(parameters, rank: int, step: int) -> None:
+    """The NaN/Inf policy `stop` for a peer: a non-finite gradient is never applied; this rank raises (the
+    launcher then stops every rank)."""
+    if any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in parameters):
+        from ..compress.finite import NonFiniteError
+        raise NonFiniteError(f"rank {rank}: NaN or Inf in the gradient at step {step}; nothing was applied "
+                             f"(policy nonfinite=stop)")
+
+
+class DDPStepper(Stepper):
+    """A PyTorch DDP peer: DDP's comm hook all-reduces during backward; `step()` is the optimizer's step (and,
+    for post-local SGD, its model averager's). Traffic is what `_Counter` saw this step."""
+
+    def __init__(self, cfg, wl, rank: int, world_size: int):
+        self.counter = _Counter(rank, parse_network(cfg.network))
+        self.counter.__enter__()
+        module = wl.model(cfg.seed)
+        ddp, self.optimizer, self.desc = _build(cfg, wl, module, world_size)
+        super().__init__(ddp, module, rank)
+        self.rank, self.steps = rank, 0
+        self._before = self.counter.totals()
+
+    def step(self) -> dict:
+        self.steps += 1
+        finite_or_raise(self.parameters, self.rank, self.steps)
+        self.optimizer.step()
+        now = self.counter.totals()
+        out = {k: now[k] - self._before[k] for k in ("bytes_sent", "emulated_s", "wait_s")}
+        self._before = now
+        return out
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def counted(self, before) -> tuple[dict, dict]:
+        return {"total": self.counter.totals()}, {"peer": self.desc}
+
+    def shutdown(self) -> None:
+        self.counter.__exit__(None, None, None)
+        self.model = None  # DDP's reducer goes with it
+
+
+def make_peer(cfg, wl, rank: int, world_size: int) -> Stepper:
+    if cfg.algorithm == "torchft-diloco":
+        from .torchft_peer import TorchftDiLoCoStepper
+        return TorchftDiLoCoStepper(cfg, wl, rank, world_size, _Counter)
+    return DDPStepper(cfg, wl, rank, world_size)

@@ -2,6 +2,7 @@
 networks) time to target vs network. thinwire's contestants are solid lines, PyTorch peers dashed."""
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -86,13 +87,15 @@ def _ttt(results: dict, path: str) -> str:
     style = _style(results)
     nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
     fig, ax = plt.subplots(figsize=(8.5, 5.2))
-    reached = [r["time_to_target_s"] for r in results["cells"] if r.get("time_to_target_s")]
+    entries = results.get("summary") or []   # per contestant and network: the median over seeds
+    med = lambda e: e["ttt_median"] if e.get("reached") and e.get("ttt_median") not in (None, math.inf) else None
+    reached = [med(e) for e in entries if med(e)]
     ceiling = max(reached) * 1.6 if reached else 1.0
     for label in style:
         ys, miss = [], []
         for i, n in enumerate(nets):
-            r = next((c for c in results["cells"] if c["label"] == label and c["network"] == n), None)
-            v = r.get("time_to_target_s") if r and r.get("status") == "ok" else None
+            r = next((e for e in entries if e["label"] == label and e["network"] == n), None)
+            v = med(r) if r and r.get("status") == "ok" else None
             ys.append(v if v is not None else float("nan"))
             if r is not None and v is None:
                 miss.append(i)
@@ -119,7 +122,8 @@ def _ttt(results: dict, path: str) -> str:
     ax.set_xticks(range(len(nets)), [n.replace("custom:", "").replace(",", "\n") for n in nets])
     ax.set_xlim(-0.3, len(nets) - 0.7)
     ax.set_xlabel("network")
-    ax.set_title("Time to reach the target accuracy on each network")
+    ax.set_title("Time to reach the target on each network" + (" (median over seeds)"
+                                                                if results["matrix"].get("seeds", 1) > 1 else ""))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
@@ -136,16 +140,16 @@ def plot_all(results: dict, out: str) -> dict:
         return {}
     m = results["matrix"]
     sub = f"{m['workload']}, {m['workers']} workers"
+    metric = next((r.get("metric") for r in results["cells"] if r.get("metric")), "accuracy")
+    better = "up and to the left is better" if metric == "accuracy" else "down and to the left is better"
+    name = "accuracy" if metric == "accuracy" else "loss"
     plots = {
-        "accuracy vs training time": _curves(results, os.path.join(out, "accuracy_vs_time.png"), 0,
-                                             "training time (s)",
-                                             f"Test accuracy vs training time\n{sub}; up and to the left is better",
-                                             log_x=False),
-        "accuracy vs bytes sent": _curves(results, os.path.join(out, "accuracy_vs_bytes.png"), 1,
-                                          "MB sent per worker so far (log scale)",
-                                          f"Test accuracy vs bytes each worker sent\n{sub}; "
-                                          "up and to the left is better",
-                                          log_x=True),
+        f"{name} vs training time": _curves(results, os.path.join(out, "accuracy_vs_time.png"), 0,
+                                            "training time (s)",
+                                            f"Test {name} vs training time\n{sub}; {better}", log_x=False),
+        f"{name} vs bytes sent": _curves(results, os.path.join(out, "accuracy_vs_bytes.png"), 1,
+                                         "MB sent per worker so far (log scale)",
+                                         f"Test {name} vs bytes each worker sent\n{sub}; {better}", log_x=True),
     }
     if len({r["network"] for r in results["cells"]}) > 1:
         plots["time to target vs network"] = _ttt(results, os.path.join(out, "time_to_target_vs_network.png"))

@@ -1,12 +1,14 @@
 """Named comparison matrices for `thinwire compare --preset NAME`, and the cell-spec grammar.
 
 A cell spec names one contestant:  `ALGO[:k=v,...][+COMPRESSOR[:k=v,...]]`, e.g. `bsp`,
-`dts:delay=4,period=4`, `bsp+topk:ratio=0.01,memory=residual` (`memory=` picks the error-feedback memory), or a
-PyTorch peer (`ddp`, `ddp-fp16`, `ddp-powersgd`, `ddp-postlocalsgd`, see `thinwire.run.peers`). A cell may also be
-a dict `{"algorithm": ..., "compressor": ..., "memory": ..., "params": {...}, "label": ...}`.
+`dts:delay=4,period=4`, `bsp+topk:ratio=0.01,memory=residual` (`memory=` picks the error-feedback memory,
+`optimizer=sgd|adamw` the optimizer instead of the workload's own), or a peer (`ddp`, `ddp-fp16`,
+`ddp-powersgd`, `ddp-postlocalsgd`, `ddp-hierarchical`, `torchft-diloco`; see `thinwire.run.peers`). A cell may also
+be a dict `{"algorithm": ..., "compressor": ..., "memory": ..., "params": {...}, "label": ...}`.
 
-Algorithms and compressors are registered by other modules; a preset names what the seed papers compare and
-`resolve` keeps only what is registered now, with a note for each thing it leaves out (never an error).
+Algorithms and compressors are registered by other modules; a preset names what the papers compare and `resolve`
+keeps only what is registered (and installed) now, with a note for each thing it leaves out (never an error).
+Parameters a cell leaves out are picked by the harness for the network (`thinwire.plan.advise.tune`).
 """
 from __future__ import annotations
 
@@ -14,18 +16,23 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from ..registry import _convert
+from .peers import PEER_PARAMS, optional_missing
 
-PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "ddp-postlocalsgd")
+PEERS = tuple(PEER_PARAMS)
+# algorithms whose update compensates plain or momentum SGD only (DTS's eqs. 2-4, CD-SGD's local update; their
+# setup refuses another optimizer): on a workload whose optimizer is not SGD, a cell of theirs runs with SGD
+SGD_ONLY = ("dts", "delayed", "tsparse", "cdsgd", "bitsgd", "odsgd", "ssgd")
 
 
 @dataclass
 class Cell:
-    """One contestant (its network is added by the harness)."""
+    """One contestant (its network and seed are added by the harness)."""
     label: str
     algorithm: str
     compressor: str | None = None
     memory: str | None = None
     params: dict = field(default_factory=dict)
+    optimizer: str | None = None
 
     @property
     def peer(self) -> bool:
@@ -33,7 +40,7 @@ class Cell:
 
     def to_dict(self) -> dict:
         return {"label": self.label, "algorithm": self.algorithm, "compressor": self.compressor,
-                "memory": self.memory, "params": dict(self.params), "peer": self.peer}
+                "memory": self.memory, "params": dict(self.params), "optimizer": self.optimizer, "peer": self.peer}
 
 
 @dataclass
@@ -42,10 +49,11 @@ class Preset:
     workers: int
     networks: list[str]
     cells: list
-    budget_s: float          # per cell: a cell running longer is stopped and recorded as timed out
+    budget_s: float          # per cell: seconds of training time (evaluations excluded), the same for every cell
     doc: str = ""
-    epochs: float | None = None
+    epochs: float | None = None   # an upper bound on the steps of a cell (None: the budget and the target only)
     target: float | None = None   # None: the workload's
+    seeds: int = 1
 
 
 def _kv(text: str, spec: str) -> dict:
@@ -69,7 +77,8 @@ def parse_cell(spec) -> Cell:
                             f"got {sorted(spec)}")
         params = dict(spec.get("params") or {})
         label = spec.get("label") or _label(spec["algorithm"], spec.get("compressor"), spec.get("memory"), params)
-        return Cell(label, spec["algorithm"], spec.get("compressor"), spec.get("memory"), params)
+        optimizer = params.pop("optimizer", None)
+        return Cell(label, spec["algorithm"], spec.get("compressor"), spec.get("memory"), params, optimizer)
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(f"a cell is a spec like 'bsp+topk:ratio=0.01,memory=residual' or a dict, got {spec!r}")
     spec = spec.strip()
@@ -82,7 +91,8 @@ def parse_cell(spec) -> Cell:
         params.update(_kv(comp_kv, spec))
         compressor = compressor.strip() or None
     memory = params.pop("memory", None)
-    return Cell(spec, algo.strip(), compressor, memory, params)
+    optimizer = params.pop("optimizer", None)
+    return Cell(spec, algo.strip(), compressor, memory, params, optimizer)
 
 
 def _label(algorithm, compressor, memory, params) -> str:
@@ -105,15 +115,24 @@ def check(cell: Cell, strict: bool) -> tuple[Cell | None, list[str]]:
             raise UserError(msg)
         notes.append(msg)
 
+    if cell.optimizer is not None:
+        from . import workloads
+        valid = tuple(workloads.OPTIMIZERS)
+        if cell.optimizer not in valid:
+            raise UserError(f"{cell.label}: optimizer must be one of {', '.join(valid)}, got {cell.optimizer!r}")
     if cell.peer:
-        from .peers import PEER_PARAMS
+        why = optional_missing(cell.algorithm)
+        if why:
+            if strict:
+                raise UserError(why)
+            return None, [f"skipped {cell.label}: {why}"]
         bad = [k for k in cell.params if k not in PEER_PARAMS[cell.algorithm]]
         if bad:
             takes = ", ".join(PEER_PARAMS[cell.algorithm]) or "no parameters"
             problem(f"{cell.label}: peer {cell.algorithm!r} takes {takes}, not {', '.join(bad)}")
             cell.params = {k: v for k, v in cell.params.items() if k not in bad}
         if cell.compressor or cell.memory:
-            raise UserError(f"{cell.label}: PyTorch peers take no thinwire compressor")
+            raise UserError(f"{cell.label}: peers take no thinwire compressor")
         return cell, notes
     for reg, name, what in ((algorithms.registry, cell.algorithm, "algorithm"),
                             (compressors, cell.compressor, "compressor"), (memories, cell.memory, "memory")):
@@ -137,31 +156,54 @@ def _registered_everything() -> list:
     return [n for n in algorithms.names() if n not in skip] + list(PEERS)
 
 
+_LM, _SGD = "stdlib-lm", "mnist1d-resnet"   # the language model (AdamW) and the momentum-SGD CNN workloads
+
 PRESETS: dict[str, Preset] = {
     "quick": Preset(
-        "wide-mlp", 4, ["wan"],
-        ["bsp", "bsp+topk:ratio=0.01,memory=residual", "localsgd:period=8", "cdsgd", "dts:delay=4,period=4",
-         *PEERS],
-        budget_s=150, target=0.9,
-        doc="make demo: the communication-heavy MLP (1.1 M params) on a 100 Mbit/s, 50 ms wide-area link, "
-            "4 workers; thinwire's main algorithms against PyTorch's own options"),
-    "paper-cdsgd": Preset(
-        "digits-mlp", 4, ["cluster", "wan"],
-        ["ssgd", "bsp", "bitsgd", "odsgd", "cdsgd"], budget_s=300,
-        doc="seed 001 §4: synchronous SGD, 2-bit quantization (BIT-SGD), local update (OD-SGD) and CD-SGD"),
+        _LM, 4, ["world"],
+        ["bsp", "ddp", "ddp-postlocalsgd:warmup=0", "bsp+topk:ratio=0.01,memory=residual", "localsgd", "diloco",
+         "torchft-diloco"],
+        budget_s=40, target=2.8,
+        doc="make demo (under 10 minutes): the byte-level LM (1.1 M params) on `world` (50 Mbit/s, 150 ms "
+            "one-way), 4 workers, 40 s of training per cell, target validation loss 2.8 (looser than the "
+            "workload's 2.25 so that the cells fit in 10 minutes on 2 loaded cores: local SGD reached 2.8 after "
+            "~24 s of training at a load average of 10): seven cells: bsp, PyTorch DDP, PyTorch's post-local SGD (the best "
+            "PyTorch option on a wide-area link; no warm-up: its default 8 synchronous steps cost 24 of the 40 s "
+            "here, and without them it is PyTorch's local SGD, thinwire's `localsgd`'s counterpart), top-k 1 % "
+            "with error feedback, local SGD, DiLoCo and torchft's DiLoCo; periods picked by the planner for the "
+            "network. DTS and CD-SGD step momentum SGD (their compensation and local update are derived for it) "
+            "and race on the SGD workload in `paper-dts` and `paper-cdsgd`"),
     "paper-dts": Preset(
-        "wide-mlp", 4, ["custom:bandwidth=100mbit,latency=0ms", "custom:bandwidth=100mbit,latency=50ms",
-                        "custom:bandwidth=100mbit,latency=250ms"],
-        ["bsp", "delayed", "dts:delay=4,period=1", "tsparse", "dts:delay=1,period=4", "dts:delay=4,period=4"],
-        budget_s=300,
-        doc="seed 004 Fig. 3: bsp, delayed update, temporally sparse update and DTS across latencies"),
+        _SGD, 4, [f"custom:bandwidth=1gbit,latency={ms}ms" for ms in (0, 100, 250, 500, 1000)],
+        ["bsp", "delayed:delay=4", "tsparse:period=4", "dts:delay=4,period=4",
+         "dts:delay=4,period=4+dgc:ratio=0.001,memory=residual"],
+        budget_s=150,
+        doc="seed 004 Fig. 3 / Table 1: bsp, delayed update (t=4), temporally sparse update (p=4) and DTS (t=4, "
+            "p=4) with and without DGC (0.1 %), momentum SGD, one-way latency 0-1000 ms at 1 Gbit/s; compute per "
+            "step about the one-way latency at 250 ms, as in the paper (300 ms of compute, 277 ms of latency). "
+            "Read scalability and the final metric per cell (the paper: DTS 0.72 vs SSGD 0.008)"),
+    "paper-cdsgd": Preset(
+        _SGD, 4, ["cluster", "wan"],
+        ["ssgd", "bitsgd", "odsgd", "cdsgd:k=2", "cdsgd:k=5", "cdsgd:k=10", "cdsgd:k=20"],
+        budget_s=150,
+        doc="seed 001 §4: S-SGD, BIT-SGD (2-bit threshold quantization), OD-SGD (local update) and CD-SGD with "
+            "k = 2, 5, 10, 20 on the momentum-SGD workload"),
+    "world": Preset(
+        _LM, 4, ["world"],
+        ["bsp", "bsp+fp16", "bsp+topk:ratio=0.01,memory=residual", "bsp+powersgd:rank=4,memory=powersgd",
+         "localsgd", "dts", "cdsgd", "dpsgd", "diloco", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-postlocalsgd",
+         "ddp-hierarchical", "torchft-diloco"],
+        budget_s=150, target=2.25, seeds=3,
+        doc="the headline: every family on `world` (50 Mbit/s, 150 ms one-way) against PyTorch's options and "
+            "torchft's DiLoCo, the LM workload, 4 workers, 3 seeds, 150 s of training per cell. The "
+            "parameter-server family is left out: 4 workers and a server make 5 processes"),
 }
 
 
 def get(name: str) -> Preset:
     if name == "full":
-        return Preset("digits-mlp", 4, ["wan"], _registered_everything(), budget_s=300,
-                      doc="every registered algorithm with its defaults, plus the PyTorch peers")
+        return Preset("digits-mlp", 4, ["wan"], _registered_everything(), budget_s=120,
+                      doc="every registered algorithm with its defaults, plus the peers")
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; valid: {', '.join(list(PRESETS) + ['full'])}")
     return PRESETS[name]

@@ -1,27 +1,16 @@
-"""`report.md` of a `thinwire compare` matrix: a ranked table per network, the winner named, a short verdict."""
+"""`report.md` of a `thinwire compare` matrix: a ranked table per network (median and range over seeds), the
+winner named with what is within noise of it, the parameters each contestant ran with and why."""
 from __future__ import annotations
 
 import math
 
 from ..net import parse_network
+from .compare import rank
 
 
 def _metric(r: dict) -> tuple[str, bool]:
     """(name of the metric, higher is better)."""
     return ("accuracy", True) if r.get("metric", "accuracy") == "accuracy" else ("loss", False)
-
-
-def rank(rows: list[dict]) -> list[dict]:
-    """Cells that reached the target first, fastest first; then the rest by best metric; failures last."""
-    def key(r):
-        if r.get("status") != "ok":
-            return (2, math.inf, 0.0)
-        name, up = _metric(r)
-        best = r.get(f"best_{name}") or 0.0
-        if r.get("time_to_target_s") is not None:
-            return (0, r["time_to_target_s"], -best if up else best)
-        return (1, -best if up else best, r.get("train_s") or 0.0)
-    return sorted(rows, key=key)
 
 
 def _fmt(v, spec, none="—"):
@@ -36,54 +25,83 @@ def _link(network: str) -> str:
     return f"`{network}` ({bw}, {link.latency * 1e3:g} ms one-way)"
 
 
-def table(rows: list[dict]) -> list[str]:
-    name, _ = _metric(rows[0])
-    lines = [f"| rank | contestant | kind | time to target (s) | final {name} | best {name} | step (ms) | "
-             f"MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) |",
-             "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for i, r in enumerate(rank(rows), 1):
-        kind = "PyTorch peer" if r.get("peer") else "thinwire"
-        if r.get("status") != "ok":
-            lines.append(f"| — | `{r['label']}` | {kind} | {r['status']}: {r.get('error', '')} "
-                         f"| | | | | | | | |")
+def _ttt(e: dict, seeds: int) -> str:
+    """Time to target of a contestant: median [range] and seeds that reached it; or why it has none."""
+    if e["reached"] == 0:
+        pred = e.get("predicted_time_to_target_s")
+        why = "/".join(e.get("stop_reasons") or []) or "stopped"
+        return f"not reached ({why})" + (f"; predicted {pred:.0f}" if pred is not None else "")
+    span = lambda v: "∞" if v is None or math.isinf(v) else f"{v:.3g}"
+    if seeds == 1:
+        return span(e["ttt_median"])
+    return f"{span(e['ttt_median'])} [{span(e['ttt_min'])}–{span(e['ttt_max'])}] {e['reached']}/{e['ok']}"
+
+
+def table(entries: list[dict], seeds: int) -> list[str]:
+    name, _ = _metric(entries[0])
+    lines = [f"| rank | contestant | kind | ran with | time to target (s) | read within | best {name} | final {name} | "
+             f"step (ms) | MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) |",
+             "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for i, e in enumerate(rank(entries), 1):
+        kind = ("thinwire" if not e.get("peer") else
+                "torchft peer" if str(e.get("algorithm")).startswith("torchft") else "PyTorch peer")
+        if e.get("status") != "ok":
+            lines.append(f"| — | `{e['label']}` | {kind} | {e.get('ran_with') or ''} | {e['status']}: "
+                         f"{e.get('error', '')} | | | | | | | | | |")
             continue
-        ttt = _fmt(r.get("time_to_target_s"), ".1f", "not reached")
-        ratio = r.get("compression_ratio")
+        noise = " ≈" if e.get("within_noise_of_best") else ""
+        ratio = e.get("compression_ratio")
+        pred = e.get("predicted_step_time_s")
         lines.append(
-            f"| {i} | `{r['label']}` | {kind} | {ttt} | {_fmt(r.get('final_' + name), '.3f')} | "
-            f"{_fmt(r.get('best_' + name), '.3f')} | {_fmt(r['step_time_s'] * 1e3, '.0f')} | "
-            f"{r['bytes_sent_per_worker_per_step'] / 1e6:.3f} | {_fmt(ratio, '.1f')}× | "
-            f"{_fmt(r.get('exposed_comm_s'), '.1f')} | {_fmt(r.get('scalability'), '.2f')} | "
-            f"{_fmt(None if r.get('predicted_step_time_s') is None else r['predicted_step_time_s'] * 1e3, '.0f')} |")
+            f"| {i}{noise} | `{e['label']}` | {kind} | {e.get('ran_with') or ''} | {_ttt(e, seeds)} | "
+            f"{_fmt(None if e.get('ttt_resolution') is None else 100 * e['ttt_resolution'], '.1f')}{'' if e.get('ttt_resolution') is None else ' %'} | "
+            f"{_fmt(e.get('best_' + name), '.3f')} | {_fmt(e.get('final_' + name), '.3f')} | "
+            f"{_fmt(e['step_time_s'] * 1e3 if e.get('step_time_s') else None, '.0f')} | "
+            f"{_fmt(e['bytes_sent_per_worker_per_step'] / 1e6 if e.get('bytes_sent_per_worker_per_step') is not None else None, '.3f')} | "
+            f"{_fmt(ratio, '.1f')}× | {_fmt(e.get('exposed_comm_s'), '.1f')} | {_fmt(e.get('scalability'), '.2f')} | "
+            f"{_fmt(None if pred is None else pred * 1e3, '.0f')} |")
     return lines
 
 
-def verdict(rows: list[dict]) -> str:
-    ok = [r for r in rank(rows) if r.get("status") == "ok"]
+def verdict(entries: list[dict], seeds: int, budget) -> str:
+    ok = [e for e in rank(entries) if e.get("status") == "ok"]
     if not ok:
         return "No contestant finished on this network."
     name, _ = _metric(ok[0])
     w = ok[0]
     target = w.get("target")
-    if w.get("time_to_target_s") is None:
-        return (f"**No contestant reached the target {name} {target}** within its training budget; "
-                f"`{w['label']}` came closest (best {name} {w['best_' + name]:.3f}). "
-                f"Train longer (`--epochs`) or lower the target (`--target`).")
-    parts = [f"**Winner: `{w['label']}`**, {name} {target} after {w['time_to_target_s']:.1f} s of training "
-             f"({w['bytes_sent_per_worker_per_step'] / 1e6:.3f} MB sent per worker per step)."]
+    if not w["reached"]:
+        spent = f"within its budget of {budget:g} s of training" if budget else "within its steps"
+        return (f"**No contestant reached the target {name} {target}** {spent}; `{w['label']}` came closest "
+                f"(best {name} {w['best_' + name]:.3f}). Give a larger `--budget`, or a looser `--target`.")
+    span = lambda v: "∞" if math.isinf(v) else f"{v:.3g}"
+    over = f" (median over {seeds} seeds, range {span(w['ttt_min'])}–{span(w['ttt_max'])} s)" if seeds > 1 else ""
+    parts = [f"**Winner: `{w['label']}`**, {name} {target} after {w['ttt_median']:.3g} s of training{over} "
+             f"({w['bytes_sent_per_worker_per_step'] / 1e6:.3f} MB sent per worker per step; ran with "
+             f"{w.get('ran_with') or 'defaults'})."]
+    if seeds > 1:
+        close = [e["label"] for e in ok if e.get("within_noise_of_best")]
+        parts.append(f"Within noise of it (ranges of time to target overlap): {', '.join(f'`{c}`' for c in close)}."
+                     if close else "No other contestant's range overlaps the winner's: the win is outside the "
+                                   "seed-to-seed noise measured here.")
+    else:
+        parts.append("One seed: the margins are not tested against seed noise (`--seeds 3` does).")
 
     def vs(other, what):
         if other is None or other is w:
             return
-        if other.get("time_to_target_s") is None:
-            parts.append(f"{what} (`{other['label']}`) did not reach it in {other['train_s']:.1f} s "
-                         f"(best {name} {other['best_' + name]:.3f}).")
+        if not other["reached"]:
+            pred = other.get("predicted_time_to_target_s")
+            tail = f"; predicted {pred:.0f} s, {pred / w['ttt_median']:.1f}× the winner's" if pred else ""
+            parts.append(f"{what[0].upper() + what[1:]} (`{other['label']}`) did not reach it in {other['train_s']:.1f} s "
+                         f"(best {name} {other['best_' + name]:.3f}{tail}).")
         else:
-            parts.append(f"That is {other['time_to_target_s'] / w['time_to_target_s']:.1f}× faster than "
-                         f"{what[0].lower() + what[1:]} (`{other['label']}`, {other['time_to_target_s']:.1f} s).")
-    vs(next((r for r in ok if r["label"] == "bsp"), None), "Synchronous SGD")
-    vs(next((r for r in ok if r.get("peer")), None), "The best PyTorch option")
-    missed = [r["label"] for r in ok if r.get("time_to_target_s") is None]
+            parts.append(f"That is {other['ttt_median'] / w['ttt_median']:.1f}× faster than "
+                         f"{what} (`{other['label']}`, {other['ttt_median']:.1f} s).")
+    vs(next((e for e in ok if e["label"] == "bsp"), None), "synchronous SGD")
+    vs(next((e for e in ok if e["label"] == "ddp"), None), "PyTorch DDP")
+    vs(next((e for e in ok if e.get("peer") and e["label"] != "ddp"), None), "the best other peer")
+    missed = [e["label"] for e in ok if not e["reached"]]
     if missed:
         parts.append(f"Not reaching the target: {', '.join(f'`{m}`' for m in missed)}.")
     return " ".join(parts)
@@ -91,26 +109,50 @@ def verdict(rows: list[dict]) -> str:
 
 def write_report(results: dict, path: str) -> None:
     m = results["matrix"]
-    rows = results["cells"]
-    nets = [n for n in m["networks"] if any(r["network"] == n for r in rows)]
+    seeds = m.get("seeds", 1)
+    entries = results.get("summary") or []
+    nets = [n for n in m["networks"] if any(e["network"] == n for e in entries)]
     base = results.get("baseline") or {}
     lines = [f"# thinwire compare: {m['workload']}, {m['workers']} workers", ""]
     mode = ("real network: each worker in its own network namespace, rate shaped by `tbf`, delay by thinwire's "
             "user-space forwarder (`--netem`)" if m.get("netem") else
             "in-process emulation: every transfer completes no earlier than the emulated link delivers it")
-    lines += [f"Networks: {', '.join(_link(n) for n in nets)}. Network mode: {mode}."
-              + (f" Preset `{m['preset']}`." if m.get("preset") else ""), ""]
+    budget = m.get("budget_s")
+    race = (f"every cell had the same budget of {budget:g} s of training time (evaluations excluded)" if budget else
+            "no time budget: every cell ran to the target or its step bound")
+    seeds_txt = f"{seeds} seeds each (seed {m['seed']}–{m['seed'] + seeds - 1})" if seeds > 1 else f"seed {m['seed']}"
+    lines += [f"Networks: {', '.join(_link(n) for n in nets)}. Network mode: {mode}. The race: {race}, stopping at "
+              f"the target; {seeds_txt}." + (f" Preset `{m['preset']}`." if m.get("preset") else ""), ""]
     for n in nets:
-        here = [r for r in rows if r["network"] == n]
-        lines += [f"## {_link(n)}", "", verdict(here), ""] + table(here) + [""]
+        here = [e for e in entries if e["network"] == n]
+        lines += [f"## {_link(n)}", "", verdict(here, seeds, budget), ""] + table(here, seeds) + [""]
+    lines += ["## Parameters and why", ""]
+    for e in entries:
+        why = "; ".join(e.get("why") or []) or "as given (or the algorithm's defaults)"
+        lines.append(f"- `{e['label']}` on `{e['network']}`: {e.get('ran_with') or 'defaults'} — {why}")
+    preds = [r for r in results["cells"] if r.get("prediction_basis")]
+    if preds:
+        lines += ["", "## Predicted times to target", ""]
+        lines += [f"- `{r['key']}`: {r['predicted_time_to_target_s']:.0f} s, predicted from {r['prediction_basis']}"
+                  for r in preds]
     plots = results.get("plots") or {}
     if plots:
-        lines += ["## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()] + [""]
+        lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()]
     lines += [
-        "## How to read this", "",
-        "- Every row is its own training run: same workload, seed, data shards, batch size and learning rate.",
+        "", "## How to read this", "",
+        "- Every row is a contestant: its own training runs (one per seed), with the same workload, data shards, "
+        "batch size and learning rate as every other row.",
         "- **time to target**: training time (evaluations excluded) until the mean test metric of the workers first "
-        "reached the target; rows are ranked by it, then by best metric.",
+        "reached the target, read at the evaluation that first saw it; evaluations close in on the crossing and come "
+        "every 2 % of the training clock near it (`thinwire/run/loop.py`). **read within**: the interval before that "
+        "evaluation, as a share of the time to target — the true crossing lies in it (median over seeds). "
+        "With several seeds: median [min–max] and seeds that reached it; a seed that missed counts as "
+        "never. Rows rank by it, then by best metric. **≈** marks a contestant within noise of the winner: the "
+        "ranges of time to target overlap.",
+        "- **not reached**: the cell spent its budget (`budget`) or its steps (`steps`) first; *predicted* is the "
+        "steps to target of the same trajectory elsewhere in this matrix times this cell's step time (see above).",
+        "- **ran with**: the parameters the cell ran with; those a cell did not give were picked by the planner "
+        "for this network (see *Parameters and why*).",
         "- **MB sent / worker / step**: bytes each worker actually put on the wire per step; **fp32 ÷ sent**: how "
         "many times fewer bytes than an uncompressed fp32 ring all-reduce of the gradients every step.",
         "- **exposed comm**: time the workers waited for communication (not hidden behind compute).",
@@ -118,12 +160,14 @@ def write_report(results: dict, path: str) -> None:
         f"({_fmt(base.get('throughput_samples_s'), '.0f')} samples/s here, {base.get('how', 'not measured')}); "
         "1.0 means communication costs nothing.",
         "- **predicted step**: thinwire's planner's prediction, where it has one.",
-        "- PyTorch peers run PyTorch's own DDP hooks / post-local SGD; their all-reduces face the same emulated link "
-        "and are counted with the same ring all-reduce accounting (see `thinwire/run/peers.py`). "
-        "`ddp-powersgd` runs with a single DDP bucket (bucket_cap_mb above the model size): with several buckets "
-        "PyTorch's powerSGD_hook fails on gloo.",
+        "- Peers run PyTorch's own DDP hooks and model averagers, or torchft's DiLoCo; their all-reduces face the "
+        "same emulated link and are counted with the same ring all-reduce accounting (see `thinwire/run/peers.py`, "
+        "`thinwire/run/torchft_peer.py`). `ddp-powersgd` runs with a single DDP bucket (bucket_cap_mb above the "
+        "model size): with several buckets PyTorch's powerSGD_hook fails on gloo. torchft's quantized all-reduce "
+        "needs Triton (a GPU): on this CPU it sends full precision.",
     ]
-    peers = {r["label"]: r.get("algorithm_metrics", {}).get("peer") for r in rows if r.get("peer")}
+    peers = {e["label"]: r.get("algorithm_metrics", {}).get("peer") for e in entries if e.get("peer")
+             for r in results["cells"] if r["label"] == e["label"] and r.get("status") == "ok"}
     if any(peers.values()):
         lines += ["", "Peer configurations: " + "; ".join(f"`{k}`: {v}" for k, v in peers.items() if v) + "."]
     if results.get("notes"):

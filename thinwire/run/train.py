@@ -1,5 +1,6 @@
-"""One training run: the per-worker loop (`train_worker`) and the launcher side (`run_training`) that
-assembles the workers' records into per-step metrics (JSON Lines) and a summary (JSON).
+"""One training run: its configuration (`TrainConfig`), the launcher side (`run_training`) that assembles the
+workers' records into per-step metrics (JSON Lines) and a summary (JSON). The per-worker loop is
+`thinwire.run.loop.train_worker` (re-exported here), the same for thinwire's algorithms and the peers.
 
 Clocks: `wall_s` is the whole run as the launcher saw it (start-up included); each worker's training clock
 counts the steps only (evaluations are paused out of it), and `time_to_target_s` is read off that clock.
@@ -7,7 +8,6 @@ Accuracy is the mean over workers of each worker's own model (identical models f
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -20,9 +20,9 @@ import torch
 
 from ..errors import UserError
 from ..net import parse_network, ring_allreduce
-from ..trace import Tracer, write_chrome_trace
+from ..trace import write_chrome_trace
 from . import workloads
-from .launcher import report_progress
+from .loop import build_trainer, make_optimizer, train_worker  # noqa: F401  (the loop's public names, here too)
 
 _now = time.perf_counter
 MAX_SEED = 2**32 - 1   # seeds feed torch, Python and NumPy generators (NumPy's legacy seeding takes 32 bits)
@@ -93,7 +93,7 @@ class TrainConfig:
     target: float | None = None
     compressor: str | None = None
     memory: str | None = None
-    servers: int = 0
+    servers: int | None = None            # parameter-server ranks; None: the algorithm's default on the PS, else 0
     params: dict = field(default_factory=dict)
     trace: bool = False
     progress: bool = True
@@ -103,11 +103,24 @@ class TrainConfig:
     nonfinite: str = "stop"               # NaN/Inf in a gradient: "stop" every rank, or "skip" the step on all
     on_failure: str = "stop"              # a lost worker: "stop" the job, or "continue" with the survivors
     progress_timeout: float | None = None # the launcher's progress watchdog (s); None: its default
+    budget_s: float | None = None         # a race: stop when the training clock reaches this (agreed by all)
+    stop_at_target: bool = False          # a race: stop at the first evaluation whose mean metric is on target
+    optimizer: str | None = None          # the workload's own by default; "sgd" / "adamw" by name
+    tensorboard: str | None = None        # a directory for TensorBoard scalars (worker rank 0 writes them)
+
+    @property
+    def peer(self) -> bool:
+        """A PyTorch / torchft peer (`thinwire.run.peers`) rather than a thinwire algorithm."""
+        from .peers import PEER_PARAMS
+        return self.algorithm in PEER_PARAMS
 
     def validate(self) -> "TrainConfig":
         from .. import algorithms
         from ..compress import compressors, memories
         workloads.registry.lookup(self.workload)
+        self._check_race()
+        if self.peer:
+            return self._validate_peer()
         algorithms.registry.lookup(self.algorithm)
         if self.compressor is not None:
             compressors.lookup(self.compressor)
@@ -116,13 +129,14 @@ class TrainConfig:
         parse_network(self.network)
         from .launcher import MAX_LOCAL_WORKERS, under_torchrun
         check_int("--workers", self.workers, 1)
+        arch = self.architecture()
+        self.resolve_servers()
         check_int("--servers", self.servers, 0)
         check_int("--seed", self.seed, 0, MAX_SEED)
         if self.workers + self.servers > MAX_LOCAL_WORKERS and not under_torchrun():
             raise UserError(f"--workers + --servers must be at most {MAX_LOCAL_WORKERS} on one machine, got "
                             f"{self.workers + self.servers} (each rank is a process with its own interpreter, "
                             f"torch runtime and copy of the model); across machines run under torchrun")
-        arch = self.params.get("architecture") or algorithms.architectures(self.algorithm)[0]
         if arch not in algorithms.architectures(self.algorithm):
             algorithms.registry.lookup(self.algorithm)(architecture=arch)  # its own message (seed 000 Table II)
         if arch == "ps" and self.servers < 1:  # server ranks come beside the workers: world = workers + servers
@@ -138,6 +152,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "eval_every", "checkpoint_every"):
             if getattr(self, name) is not None:
                 check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1)
+        if self.checkpoint_every is not None and self.servers and self.total_steps(workloads.get(self.workload)) is None:
+            raise UserError("checkpoints on the parameter server need a step bound: give --steps or --epochs")
         if self.checkpoint_every is not None and not self.checkpoint_dir:
             raise UserError("--checkpoint-every N needs a directory (--out or --checkpoint-dir)")
         if self.target is not None:
@@ -151,14 +167,20 @@ class TrainConfig:
         if self.on_failure == "continue" and self.checkpoint_every:
             raise UserError("--on-failure continue goes on with the survivors instead of restarting from a "
                             "checkpoint; drop --checkpoint-every (or use --on-failure stop)")
+        if self.on_failure == "continue" and (self.budget_s is not None or self.stop_at_target):
+            # the race's stop is agreed over every worker rank (run/loop.py Schedule): a lost one would hang it
+            raise UserError("--on-failure continue trains a fixed number of steps; drop --budget and "
+                            "--stop-at-target (or use --on-failure stop)")
         if self.nonfinite == "skip" and self.servers:  # the agreement is an all-reduce the servers never join
             raise UserError("--nonfinite skip needs every rank to step; parameter-server runs (--servers) use "
                             "--nonfinite stop")
         if self.checkpoint_every is not None and self.servers:
             from ..algorithms.ps_sync import checkpointable_on_ps
             if not checkpointable_on_ps(self.algorithm):
+                from ..algorithms import names
+                ok = [n for n in names() if n in ("bsp", "ssp", "asp", "backup") or checkpointable_on_ps(n)]
                 raise UserError(f"checkpoints of {self.algorithm} on the parameter server are not supported; "
-                                f"checkpointable there: bsp, ssp, asp, backup (or {self.algorithm} on all-reduce)")
+                                f"checkpointable there: {', '.join(ok)} (or {self.algorithm} on all-reduce)")
         if self.resume is not None:
             from .checkpoint import check
             check(self.resume, self.workers + self.servers, self)
@@ -172,155 +194,78 @@ class TrainConfig:
         build_components(self.algorithm, self.compressor, self.memory, **self.component_params())  # before launch
         return self
 
+    def _check_race(self) -> None:
+        """Numbers and paths of the race and logging options, and the optimizer's name."""
+        if self.budget_s is not None:
+            check_number("--budget", self.budget_s, 0, low_open=True, why=" (seconds of training time)")
+        if self.optimizer is not None:
+            valid = tuple(workloads.OPTIMIZERS)
+            if self.optimizer not in valid:
+                raise UserError(f"--optimizer must be one of {', '.join(valid)}, got {self.optimizer!r}")
+        if self.tensorboard is not None:
+            from .loop import check_tensorboard
+            check_tensorboard(self.tensorboard)
+
+    def _validate_peer(self) -> "TrainConfig":
+        """A peer: its own parameters only; no thinwire compressor, servers or checkpoints."""
+        from .launcher import MAX_LOCAL_WORKERS, under_torchrun
+        from .peers import check_peer
+        check_int("--workers", self.workers, 1)
+        check_int("--seed", self.seed, 0, MAX_SEED)
+        if self.workers > MAX_LOCAL_WORKERS and not under_torchrun():
+            raise UserError(f"--workers must be at most {MAX_LOCAL_WORKERS} on one machine, got {self.workers}")
+        parse_network(self.network)
+        if self.compressor or self.memory or self.servers:
+            raise UserError(f"{self.algorithm} is a peer (PyTorch's or torchft's own): it takes no thinwire "
+                            f"--compressor, --memory or --servers")
+        self.servers = 0
+        if self.checkpoint_every is not None or self.resume is not None:
+            raise UserError(f"checkpoints are written by thinwire's algorithms; {self.algorithm} is a peer "
+                            f"(run it without --checkpoint-every / --resume)")
+        if self.nonfinite != "stop":
+            raise UserError(f"{self.algorithm} is a peer: --nonfinite stop only (its all-reduce runs inside "
+                            f"backward, before any agreement to skip)")
+        if self.on_failure != "stop":
+            raise UserError(f"{self.algorithm} is a peer: --on-failure stop only (survivors regroup in thinwire's "
+                            f"Trainer)")
+        if self.epochs is not None and self.steps is not None:
+            raise UserError("give --epochs or --steps, not both")
+        for name in ("steps", "batch_size", "eval_every"):
+            if getattr(self, name) is not None:
+                check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1)
+        if self.lr is not None:
+            check_number("--lr", self.lr, 0, MAX_LR, low_open=True)
+        if self.momentum is not None and not 0 <= self.momentum < 1:
+            raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
+        check_peer(self.algorithm, self.params, self.workers)
+        return self
+
+    def architecture(self) -> str:
+        from .. import algorithms
+        return self.params.get("architecture") or algorithms.architectures(self.algorithm)[0]
+
+    def resolve_servers(self) -> int:
+        """`servers` omitted (None): the algorithm's default on the parameter server (what `thinwire list`
+        shows, 1), else 0."""
+        if self.servers is None:
+            from .. import algorithms
+            default = algorithms.registry.parameters(self.algorithm).get("servers")
+            on_ps = self.architecture() == "ps"
+            self.servers = (default if isinstance(default, int) and default > 0 else 1) if on_ps else 0
+        return self.servers
+
     def component_params(self) -> dict:
         """The parameters routed to the algorithm, compressor and memory (`--servers` included)."""
         return {**self.params, "servers": self.servers} if self.servers else dict(self.params)
 
-    def total_steps(self, wl: workloads.Workload) -> int:
+    def total_steps(self, wl: workloads.Workload) -> int | None:
+        """The step bound: --steps, else --epochs, else (a race with a budget) none, else the workload's epochs."""
         if self.steps is not None:
             return self.steps
+        if self.epochs is None and self.budget_s is not None:
+            return None
         epochs = self.epochs if self.epochs is not None else wl.epochs
         return max(1, math.ceil(epochs * wl.steps_per_epoch(self.workers, self.batch_size)))
-
-
-def build_trainer(cfg: TrainConfig, wl, model, tracer=None):
-    """The Trainer for this configuration (used by the train loop and by the tests)."""
-    from ..trainer import Trainer
-    opt = wl.make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    return Trainer(model, opt, algorithm=cfg.algorithm, compressor=cfg.compressor, memory=cfg.memory,
-                   network=cfg.network, tracer=tracer, nonfinite=cfg.nonfinite, on_failure=cfg.on_failure,
-                   **cfg.component_params())
-
-
-def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    """Runs in every worker: train, evaluate at intervals, return this rank's records."""
-    wl = workloads.get(cfg.workload)
-    tracer = Tracer(rank, enabled=cfg.trace)
-    model = wl.model(cfg.seed)
-    trainer = build_trainer(cfg, wl, model, tracer)
-    workers = cfg.workers
-    role = getattr(trainer.algorithm, "role", "worker")
-    if role != "worker":  # e.g. a parameter server rank: serves until the workers are done
-        before = _serve(cfg, rank, world_size, wl, trainer)
-        meter, metrics = _counted(trainer, before)
-        return {"rank": rank, "role": role, "meter": meter, "metrics": metrics, "trace": tracer.events}
-    wrank = getattr(trainer.algorithm, "worker_rank", rank)
-    x, y = wl.shard(wrank, workers)
-    loader = workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=cfg.seed, rank=wrank)
-    total = cfg.total_steps(wl)
-    eval_every = cfg.eval_every or max(1, wl.steps_per_epoch(workers, cfg.batch_size) // 2)
-    bar = None
-    if cfg.progress and wrank == 0 and not os.environ.get("THINWIRE_NO_PROGRESS"):
-        from tqdm import tqdm
-        bar = tqdm(total=total, desc=f"{cfg.algorithm} on {cfg.network}", unit="step", file=sys.stderr,
-                   leave=False, dynamic_ncols=True)
-    steps, evals = [], []
-    clock = 0.0
-    first = 1
-    before = None  # on resume: what the run counted before the checkpoint
-    if cfg.resume:
-        from . import checkpoint
-        state = checkpoint.load(cfg.resume, rank)
-        trainer.load_state_dict(state["trainer"])
-        loader.load_state_dict(state["loader"])
-        checkpoint.set_rng_state(state["rng"])
-        steps, evals, clock = state["records"]["steps"], state["records"]["evals"], float(state["clock"])
-        first = int(state["step"]) + 1
-        before = state.get("counted")
-        if bar is not None:
-            bar.update(first - 1)
-    else:
-        evals.append({"step": 0, "t": 0.0, "value": wl.evaluate(model)})
-    for step in range(first, total + 1):
-        t0 = _now()
-        xb, yb = loader.next()
-        with tracer.span("forward", "forward"):
-            loss = wl.loss(model(xb), yb)
-        with tracer.span("backward", "backward"):
-            loss.backward()
-        report_progress(step)  # computed: the launcher's watchdog tells a stuck rank from those waiting on it
-        traffic = trainer.step()
-        trainer.optimizer.zero_grad(set_to_none=False)
-        dt = _now() - t0
-        clock += dt
-        steps.append({"step": step, "loss": loss.item(), "t": clock, "step_s": dt,
-                      "bytes_sent": traffic["bytes_sent"], "emulated_s": traffic["emulated_s"],
-                      "wait_s": traffic["wait_s"]})
-        if step % eval_every == 0 or step == total:
-            if step == total:
-                t1 = _now()
-                trainer.close()
-                clock += _now() - t1
-            evals.append({"step": step, "t": clock, "value": wl.evaluate(model)})
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
-            _checkpoint(cfg, rank, world_size, step, trainer, loader, steps, evals, clock, before)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-    if bar is not None:
-        bar.close()
-    flat = torch.cat([p.detach().reshape(-1) for p in trainer.parameters])
-    meter, metrics = _counted(trainer, before)
-    return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
-            "model_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
-            "meter": meter, "metrics": metrics,
-            "trace": tracer.events, "num_params": sum(p.numel() for p in trainer.parameters),
-            "dtype_bytes": trainer.parameters[0].element_size(), "train_s": clock}
-
-
-def _checkpoint(cfg, rank, world_size, step, trainer, loader, steps, evals, clock, before) -> None:
-    import torch.distributed as dist
-    from . import checkpoint
-    state = {"step": step, "trainer": trainer.state_dict(), "loader": loader.state_dict(),
-             "rng": checkpoint.rng_state(), "records": {"steps": steps, "evals": evals}, "clock": clock,
-             "counted": _tally(trainer, before)}
-    checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
-
-
-def _counted(trainer, before: dict | None) -> tuple[dict, dict]:
-    """This rank's meter (bytes, ops, emulated and exposed time, by kind and in total) and metrics over the
-    whole run: on resume, what the checkpoint counted (`before`, from `_tally`) plus this segment's."""
-    meter, metrics = trainer.transport.meter.to_dict(), trainer.metrics()
-    if not before:
-        return meter, metrics
-    add = lambda a, b: {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
-    old = before["meter"]
-    meter = {"total": add(old["total"], meter["total"]),
-             "by_kind": {k: add(old["by_kind"].get(k, {}), meter["by_kind"].get(k, {}))
-                         for k in old["by_kind"].keys() | meter["by_kind"].keys()}}
-    metrics.update({k: v for k, v in meter["total"].items() if k in metrics})
-    metrics["skipped_steps"] = metrics.get("skipped_steps", 0) + before.get("skipped_steps", 0)
-    return meter, metrics
-
-
-def _tally(trainer, before: dict | None) -> dict:
-    """What a checkpoint stores of the counters, so that a resumed run's summary counts the whole run."""
-    meter, metrics = _counted(trainer, before)
-    return {"meter": meter, "skipped_steps": metrics.get("skipped_steps", 0)}
-
-
-def _serve(cfg, rank, world_size, wl, trainer) -> dict | None:
-    """A server rank: restore its state on resume, then serve; with checkpoints, it joins each one at the
-    cut where every worker's pushes of that step are answered (PSServer.serve). Returns what the checkpoint
-    it resumed from had counted (None: a fresh start)."""
-    import torch.distributed as dist
-    from . import checkpoint
-    before = None
-    if cfg.resume:
-        state = checkpoint.load(cfg.resume, rank)
-        trainer.load_state_dict(state["trainer"])
-        checkpoint.set_rng_state(state["rng"])
-        before = state.get("counted")
-    if not cfg.checkpoint_every:
-        trainer.algorithm.serve()
-        return before
-
-    def save(step: int) -> None:
-        state = {"step": step, "trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
-                 "counted": _tally(trainer, before)}
-        checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
-    trainer.algorithm.serve(checkpoint=(cfg.checkpoint_every, cfg.total_steps(wl), save))
-    return before
 
 
 def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dict, list[dict]]:
@@ -340,14 +285,16 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
     evals = []
     for i in range(len(workers[0]["evals"])):
         per = [w["evals"][i] for w in workers]
-        evals.append({"step": per[0]["step"], "t": max(p["t"] for p in per),
-                      "value": statistics.fmean(p["value"] for p in per)})
+        # in a race the ranks agreed on the mean and the clock (and stopped on them): the same numbers here
+        evals.append({"step": per[0]["step"], "t": per[0].get("agreed_t", max(p["t"] for p in per)),
+                      "value": per[0].get("agreed", statistics.fmean(p["value"] for p in per))})
     by_step = {e["step"]: e for e in evals}
     for row in rows:
         if row["step"] in by_step:
             row[wl.metric if wl.metric == "accuracy" else "test_loss"] = by_step[row["step"]]["value"]
     target = cfg.target if cfg.target is not None else wl.target
-    hit = next((e for e in evals if e["step"] > 0 and wl.reached(e["value"], target)), None)
+    at = next((i for i, e in enumerate(evals) if e["step"] > 0 and wl.reached(e["value"], target)), None)
+    hit = None if at is None else evals[at]
     n_params = workers[0]["num_params"]
     nominal_step = ring_allreduce(parse_network("lan"), len(workers), n_params * 4).sent
     sent = [w["meter"]["total"]["bytes_sent"] for w in workers]
@@ -364,6 +311,9 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         ("final_accuracy" if wl.metric == "accuracy" else "final_loss"): final,
         ("best_accuracy" if wl.metric == "accuracy" else "best_loss"): best,
         "time_to_target_s": hit["t"] if hit else None, "steps_to_target": hit["step"] if hit else None,
+        # the true crossing lies in the interval before the evaluation that saw it: the reading's resolution
+        "time_to_target_resolution_s": hit["t"] - evals[at - 1]["t"] if hit and at > 0 else None,
+        "stop_reason": workers[0].get("stopped", "steps"), "budget_s": cfg.budget_s,
         "bytes_sent_per_worker": statistics.fmean(sent),
         "bytes_sent_per_worker_per_step": statistics.fmean(sent) / max(1, n_steps),
         "nominal_bytes_per_worker": nominal_step * n_steps,
@@ -426,7 +376,7 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
     """Under torchrun: train as one worker of the job; rank 0 gathers the records (as JSON, never pickle)
     and writes the outputs. Returns the summary on rank 0, None elsewhere."""
     import torch.distributed as dist
-    if world_size != cfg.workers + cfg.servers:
+    if world_size != cfg.workers + cfg.resolve_servers():
         cfg.workers = world_size - cfg.servers
     from . import checkpoint
     if cfg.resume and not checkpoint.exists(cfg.resume):

@@ -19,6 +19,8 @@ CONFIGS = {  # name -> (algorithm, parameters) as run by `thinwire train`
     "cdsgd": ("cdsgd", {"k": 5}),
     "localsgd": ("localsgd", {"period": 4}),
     "dts": ("dts", {"delay": 4, "period": 4}),
+    "diloco": ("diloco", {"period": 4}),
+    "streaming-diloco": ("diloco", {"period": 8, "fragments": 2, "overlap": 1}),
 }
 WARMUP = {"dts": 16}   # steps before steady state: the first averages are applied (t−1)·p steps after launch
 
@@ -54,7 +56,7 @@ def compare(pool, workload: str = "digits-mlp", networks=("cluster", "wan"), nam
         for net in networks:
             s = Scenario(params=n_params, compute_s=local, link=parse_network(net), workers=workers,
                          handshake=True, x_memcpy=no_compression_cost)
-            predicted = predict(s, algorithm, **params).iteration_s
+            predicted = predict(s, algorithm, **params).iteration_s    # (diloco's overlap: its τ_o steps)
             rows.append({"network": net, "config": name, "measured_s": measured[net], "predicted_s": predicted,
                          "error": (predicted - measured[net]) / measured[net], "local_s": local})
     return rows

@@ -3,9 +3,13 @@ against one memcpy of the same input measured in the same run, with its payload 
 and nominal). Times are medians of `--repeat` runs after one warm-up; the input is a (N/1024, 1024) matrix when
 1024 divides N (PowerSGD compresses matrices), else a vector. Each compressor goes through the common interface
 only: `compress(x, key, step)` then `decompress(payload)`; a compressor that fails is reported with its error.
+Bits per element: the payload as compressed (actual, and its `nominal_bits`), and what the exchange really puts
+on the wire per rank's contribution at `--world-size` ranks on the collective it picks there
+(`Compressor.wire_bits`: a quantizer's all-reduce sums levels widened for that many ranks, e.g. qsgd's 4-bit
+codes as 8-bit levels from 4 ranks and 32-bit ones from 19).
 
     thinwire bench compressors [--numel 16777216] [--json] [--only qsgd,terngrad] [--repeat 5] [--out DIR]
-                               [--clock wall|cpu]
+                               [--clock wall|cpu] [--world-size 4]
 
 `--out DIR` also writes DIR/compressors.json and DIR/compressors.png (x memcpy per compressor, bits per element).
 
@@ -25,7 +29,8 @@ def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: str = "wall") -> dict:
+def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: str = "wall",
+          world_size: int = 4) -> dict:
     """`clock="cpu"` times with this process's CPU time (all its threads) instead of the wall clock: on a machine
     shared with other jobs it leaves out the time this process waits for a core, so the ratios to memcpy stay
     meaningful (memory-bandwidth contention still shows)."""
@@ -69,23 +74,28 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
             row["payload_bytes"] = int(payload.nbytes)
             row["bits_per_element"] = payload.nbytes * 8.0 / max(numel, 1)
             row["nominal_bits_per_element"] = float(comp.nominal_bits(numel))
+            row["collective"], wire = comp.wire_bits(numel, world_size)
+            row["wire_bits_per_element"] = float(wire)
             del payload
         except Exception as exc:          # report and go on: one broken compressor must not hide the others
             row["error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)
-    return {"numel": numel, "memcpy_ms": memcpy_ms, "compressors": rows}
+    return {"numel": numel, "world_size": world_size, "memcpy_ms": memcpy_ms, "compressors": rows}
 
 
 def _table(result: dict) -> str:
-    lines = [f"numel {result['numel']}, memcpy {result['memcpy_ms']:.2f} ms (medians)",
+    n = result.get("world_size", 4)
+    lines = [f"numel {result['numel']}, memcpy {result['memcpy_ms']:.2f} ms (medians); wire: per rank's "
+             f"contribution at {n} ranks",
              f"{'compressor':<14}{'compress ms':>12}{'decomp. ms':>12}{'x memcpy':>10}{'payload B':>12}"
-             f"{'bits/el':>9}{'nominal':>9}"]
+             f"{'bits/el':>9}{'nominal':>9}{'wire':>9}  collective"]
     for r in result["compressors"]:
         if "error" in r:
             lines.append(f"{r['name']:<14}error: {r['error']}")
             continue
         lines.append(f"{r['name']:<14}{r['compress_ms']:>12.2f}{r['decompress_ms']:>12.2f}{r['x_memcpy']:>10.2f}"
-                     f"{r['payload_bytes']:>12d}{r['bits_per_element']:>9.4f}{r['nominal_bits_per_element']:>9.4f}")
+                     f"{r['payload_bytes']:>12d}{r['bits_per_element']:>9.4f}{r['nominal_bits_per_element']:>9.4f}"
+                     f"{r['wire_bits_per_element']:>9.4f}  {r['collective']}")
     return "\n".join(lines)
 
 
@@ -113,6 +123,8 @@ def plot(result: dict, path: str) -> None:
     a.legend()
     b.bar(names, [r["bits_per_element"] for r in rows], label="actual")
     b.scatter(names, [r["nominal_bits_per_element"] for r in rows], color="k", marker="_", s=200, label="nominal")
+    b.scatter(names, [r["wire_bits_per_element"] for r in rows], color="r", marker="x",
+              label=f"on the wire at {result.get('world_size', 4)} ranks")
     b.set_yscale("log")
     b.set_ylabel("bits per element")
     b.legend()
@@ -129,9 +141,9 @@ def run(args) -> int:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
         for n in names:
             compressors.lookup(n)
-    if args.numel < 0 or args.repeat < 1:
-        raise UserError("--numel must be >= 0 and --repeat >= 1")
-    result = bench(args.numel, names, args.repeat, args.seed, args.clock)
+    if args.numel < 0 or args.repeat < 1 or args.world_size < 1:
+        raise UserError("--numel must be >= 0, --repeat >= 1 and --world-size >= 1")
+    result = bench(args.numel, names, args.repeat, args.seed, args.clock, args.world_size)
     print(json.dumps(result, indent=1) if args.json else _table(result))
     if args.out:
         import os
@@ -150,6 +162,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                    help="wall clock (default) or this process's CPU time (for a machine shared with other jobs)")
+    p.add_argument("--world-size", type=int, default=4,
+                   help="ranks the wire bits are reported for (the exchange's collective depends on it)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="directory for compressors.json and compressors.png")
     p.set_defaults(func=run)

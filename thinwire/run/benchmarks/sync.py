@@ -10,7 +10,6 @@ import json
 CASES = [("bsp", None, {}), ("localsgd", None, {"period": 4}), ("localsgd", None, {"period": 16}),
          ("dpsgd", None, {"topology": "ring"}), ("choco", "topk", {"ratio": 0.1, "gamma": 0.5}),
          ("adpsgd", None, {}), ("sgp", None, {})]
-ALGORITHMS = ["gloo", "ring", "recursive_doubling", "tree", "hierarchical", "torus"]
 
 
 def _time_allreduce(rank, world_size, numel):
@@ -21,6 +20,7 @@ def _time_allreduce(rank, world_size, numel):
     import torch.distributed as dist
 
     from ...comm import Transport
+    from ...comm.collectives import ALGORITHMS
     tp = Transport()
     out = {}
     for algo in ALGORITHMS:

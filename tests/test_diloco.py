@@ -1,0 +1,598 @@
+"""DiLoCo and Streaming DiLoCo (`diloco`): construction rules, the fragment schedule, exact equivalences on linreg
+(float64) across 4 gloo workers — outer lr 1 without momentum is local SGD (bsp at H = 1), a single-process replay
+of the paper's algorithm with outer Nesterov momentum and AdamW inner steps (fragments, overlap and mixing
+included) — the error-feedback invariant of compressed pseudo-gradients, bitwise resume, torchft's DiLoCo on the
+same model and data, training digits-mlp with AdamW, and the planner's costs of the family."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from thinwire import algorithms
+from thinwire.algorithms.diloco import fragment_bounds, segments
+from thinwire.errors import UserError
+from thinwire.run import workloads
+
+N = 4
+
+
+# -- construction (single process) ----------------------------------------------------------------------------
+@pytest.mark.parametrize("params,match", [
+    ({"period": 0}, "period"), ({"period": 2.5}, "period"), ({"fragments": 0}, "fragments"),
+    ({"period": 10, "fragments": 4}, "multiple"), ({"period": 8, "fragments": 2, "overlap": 4}, "overlap"),
+    ({"overlap": -1}, "overlap"), ({"alpha": 1.5}, "alpha"), ({"outer_lr": 0.0}, "outer_lr"),
+    ({"outer_lr": float("nan")}, "outer_lr"), ({"outer_momentum": 1.0}, "outer_momentum"),
+    ({"outer_optimizer": "sgdx"}, "valid: .*adam"), ({"outer_optimizer": 3}, "outer_optimizer"),
+    ({"outer_optimizer": lambda ps: torch.optim.Adam(ps), "outer_lr": 0.1}, "not both"),
+    ({"architecture": "ps"}, "valid"),
+])
+def test_bad_parameters_fail_at_construction(params, match):
+    with pytest.raises(UserError, match=match):
+        algorithms.get("diloco", **params)
+
+
+def test_cli_strings_convert_and_defaults():
+    a = algorithms.get("diloco", period="20", outer_lr="0.5", outer_momentum="0", nesterov="false",
+                       fragments="4", overlap="2", alpha="0.5", outer_optimizer="SGD")
+    assert (a.period, a.outer_lr, a.outer_momentum, a.nesterov, a.fragments, a.overlap, a.alpha) == \
+        (20, 0.5, 0.0, False, 4, 2, 0.5)
+    d = algorithms.get("diloco")
+    assert (d.period, d.outer_lr, d.outer_momentum, d.nesterov, d.fragments, d.overlap, d.alpha) == \
+        (50, 0.7, 0.9, True, 1, 0, 0.0)
+    assert d.overlaps_steps is False and a.overlaps_steps is True
+    ps = [torch.zeros(3)]
+    assert isinstance(algorithms.get("diloco", outer_optimizer="adamw", outer_lr=0.3)._make_outer(ps),
+                      torch.optim.AdamW)
+    sgd = algorithms.get("diloco", outer_momentum=0.0)._make_outer(ps)   # Nesterov with μ = 0: plain SGD
+    assert sgd.param_groups[0]["nesterov"] is False and sgd.param_groups[0]["lr"] == 0.7
+
+
+def test_fragments_are_equal_element_ranges_cut_into_segments():
+    assert fragment_bounds(217, 3) == [0, 72, 144, 217] and fragment_bounds(144, 2) == [0, 72, 144]
+    assert fragment_bounds(5, 5) == [0, 1, 2, 3, 4, 5]
+    # parameters of 64, 8, 64, 8 elements in two fragments: each layer a fragment (torchft's modules)
+    assert segments([64, 8, 64, 8], [0, 72, 144]) == [(0, 0, 0, 64), (1, 0, 0, 8), (2, 1, 0, 64), (3, 1, 0, 8)]
+    # a tensor straddling a boundary is cut into one segment per fragment
+    assert segments([128, 8, 81], [0, 72, 144, 217]) == [(0, 0, 0, 72), (0, 1, 72, 128), (1, 1, 0, 8),
+                                                         (2, 1, 0, 8), (2, 2, 8, 81)]
+    for sizes, f in [([3, 100, 7, 7, 50, 1, 1, 80], 3), ([1] * 5, 5), ([9, 1, 9, 1, 9, 1], 4), ([1000], 7)]:
+        bounds = fragment_bounds(sum(sizes), f)
+        segs = segments(sizes, bounds)
+        for frag in range(f):   # every element once, every fragment within one element of T/F
+            assert sum(hi - lo for _, g, lo, hi in segs if g == frag) == bounds[frag + 1] - bounds[frag]
+            assert abs(bounds[frag + 1] - bounds[frag] - sum(sizes) / f) < 1
+        for i, n in enumerate(sizes):
+            mine = [(lo, hi) for j, _, lo, hi in segs if j == i]
+            assert mine[0][0] == 0 and mine[-1][1] == n and all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
+    with pytest.raises(UserError, match="at most the number of model parameters"):
+        fragment_bounds(2, 3)
+
+
+def test_schedule_is_staggered_and_overlapped_like_torchft():
+    a = algorithms.get("diloco", period=8, fragments=4, overlap=1)
+    starts = {s: a.starting(s) for s in range(1, 25) if a.starting(s) is not None}
+    merges = {s: a.merging(s) for s in range(1, 25) if a.merging(s) is not None}
+    assert starts == {1: 0, 3: 1, 5: 2, 7: 3, 9: 0, 11: 1, 13: 2, 15: 3, 17: 0, 19: 1, 21: 2, 23: 3}
+    assert merges == {s + 1: f for s, f in starts.items()}          # τ = 1 step later, same fragment
+    plain = algorithms.get("diloco", period=5)
+    assert [s for s in range(1, 16) if plain.starting(s) is not None] == [5, 10, 15]
+    assert all(plain.starting(s) == plain.merging(s) for s in range(1, 16))
+
+
+# -- what runs in every worker -----------------------------------------------------------------------------------
+def _model(kind: str) -> torch.nn.Module:
+    if kind == "linreg":
+        return workloads.get("linreg").model(0)
+    torch.manual_seed(0)
+    if kind == "mlp":            # float64, 6 parameter tensors, on linreg's 16 inputs
+        return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                   torch.nn.Linear(8, 1)).double()
+    raise KeyError(kind)
+
+
+def _inner(model, kind: str):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _setup(rank, world, algorithm, params, model="linreg", inner="sgd", compressor=None, memory=None):
+    from thinwire import Trainer
+    wl = workloads.get("linreg")
+    m = _model(model)
+    opt = _inner(m, inner)
+    x, y = wl.shard(rank, world)
+    loader = workloads.ShardLoader(x, y, 16, seed=0, rank=rank)
+    return Trainer(m, opt, algorithm=algorithm, compressor=compressor, memory=memory, **params), m, loader
+
+
+def _steps(trainer, model, loader, n):
+    wl = workloads.get("linreg")
+    for _ in range(n):
+        xb, yb = loader.next()
+        wl.loss(model(xb), yb).backward()
+        trainer.step()
+        trainer.optimizer.zero_grad()
+
+
+def _run(rank, world, algorithm, params, steps, **kw):
+    tr, m, loader = _setup(rank, world, algorithm, params, **kw)
+    _steps(tr, m, loader, steps)
+    before = _flat(m)
+    tr.close()
+    return before, _flat(m), tr.metrics()
+
+
+NO_MOMENTUM = {"outer_lr": 1.0, "outer_momentum": 0.0}
+REPLAYS = {   # name -> (model, params, steps): outer Nesterov momentum, AdamW inner steps
+    "diloco H=3": ("linreg", {"period": 3}, 12),
+    "diloco H=4 mlp": ("mlp", {"period": 4, "outer_lr": 0.5, "outer_momentum": 0.8}, 14),
+    "streaming F=1": ("mlp", {"period": 4, "fragments": 1, "overlap": 0, "alpha": 0.0}, 14),
+    "streaming F=2 τ=1 α=.5": ("mlp", {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5}, 14),
+    "streaming F=3 τ=2": ("mlp", {"period": 9, "fragments": 3, "overlap": 2}, 20),
+    "streaming F=6 fusion": ("mlp", {"period": 12, "fragments": 6, "overlap": 1, "bucket_mb": 0.0005,
+                                 "first_bucket_mb": 0.0005}, 26),
+}
+
+
+def _equivalences(rank, world):
+    out = {"bsp": _run(rank, world, "bsp", {}, 12),
+           "diloco H=1": _run(rank, world, "diloco", {"period": 1, **NO_MOMENTUM}, 12),
+           "localsgd H=4": _run(rank, world, "localsgd", {"period": 4}, 10),
+           "diloco H=4": _run(rank, world, "diloco", {"period": 4, **NO_MOMENTUM}, 10),
+           "diloco H=4 none": _run(rank, world, "diloco", {"period": 4, **NO_MOMENTUM, "schedule": "none"}, 10)}
+    for name, (model, params, steps) in REPLAYS.items():
+        out[name] = _run(rank, world, "diloco", params, steps, model=model, inner="adamw")
+    return out
+
+
+# -- the single-process replay of the papers' algorithms -------------------------------------------------------
+def replay(model, params, steps, n=N):
+    """DiLoCo (Douillard et al. 2023, Alg. 1) / Streaming DiLoCo (2025, Alg. 1) for n workers in one process,
+    written from the papers: the outer step is Nesterov momentum written out (b ← μb + Δ; θ ← θ − lr(Δ + μb))."""
+    H, F = params["period"], params.get("fragments", 1)
+    tau, alpha = params.get("overlap", 0), params.get("alpha", 0.0)
+    lr, mu = params.get("outer_lr", 0.7), params.get("outer_momentum", 0.9)
+    wl = workloads.get("linreg")
+    models = [_model(model) for _ in range(n)]
+    opts = [_inner(m, "adamw") for m in models]
+    loaders = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
+    ps = [list(m.parameters()) for m in models]
+    flat = lambda r: torch.cat([p.detach().reshape(-1) for p in ps[r]])     # noqa: E731
+    theta = flat(0).clone()                         # θ, the model flattened in model order
+    buf = torch.zeros_like(theta)
+    bounds = fragment_bounds(theta.numel(), F)      # F equal element ranges
+    K = H // F
+    pending = None
+    for t in range(1, steps + 1):
+        for r in range(n):
+            xb, yb = loaders[r].next()
+            wl.loss(models[r](xb), yb).backward()
+            opts[r].step()
+            opts[r].zero_grad()
+        with torch.no_grad():
+            if (t + tau) % K == 0:          # fragment f's outer gradient, averaged (sent τ steps before use)
+                f = ((t + tau) // K - 1) % F
+                lo, hi = bounds[f], bounds[f + 1]
+                pending = (f, sum(theta[lo:hi] - flat(r)[lo:hi] for r in range(n)) / n)
+            if t % K == 0:
+                f, d = pending
+                lo, hi = bounds[f], bounds[f + 1]
+                first = t <= H                  # torch.optim.SGD: the first buffer is the gradient itself
+                buf[lo:hi] = d if first else mu * buf[lo:hi] + d
+                theta[lo:hi] -= lr * (d + mu * buf[lo:hi] if mu else d)
+                for r in range(n):
+                    new = flat(r)
+                    new[lo:hi] = alpha * new[lo:hi] + (1 - alpha) * theta[lo:hi]
+                    torch.nn.utils.vector_to_parameters(new, ps[r])
+    return [flat(r) for r in range(n)]
+
+
+def close(a, b, tol=1e-10):
+    return torch.allclose(a, b, rtol=tol, atol=tol * 1e-2)
+
+
+def test_equivalences_and_replays_on_linreg(pool4):
+    results = pool4.run(_equivalences)
+    assert results[0]["bsp"][1].dtype == torch.float64
+    for r in results:
+        # outer lr 1, no momentum: θ ← θ − mean(θ − θ_i) = mean θ_i, i.e. model averaging (local SGD), and at
+        # H = 1 synchronous SGD (momentum of the inner SGD included); close() averages once more in both
+        assert close(r["diloco H=1"][0], r["bsp"][0]) and close(r["diloco H=1"][1], r["bsp"][1])
+        for name in ("diloco H=4", "diloco H=4 none"):
+            assert close(r[name][0], r["localsgd H=4"][0]) and close(r[name][1], r["localsgd H=4"][1]), name
+        assert r["diloco H=4"][2]["syncs"] == 3 and r["diloco H=1"][2]["syncs"] == 12
+    for name, (model, params, steps) in REPLAYS.items():
+        want = replay(model, params, steps)
+        for rank, r in enumerate(results):
+            assert close(r[name][0], want[rank]), (name, rank, float((r[name][0] - want[rank]).abs().max()))
+        afters = [r[name][1] for r in results]
+        assert all(torch.equal(afters[0], a) for a in afters[1:]), name     # close(): one model everywhere
+    # with mixing α > 0 the workers differ until close()
+    mixed = [r["streaming F=2 τ=1 α=.5"][0] for r in results]
+    assert not torch.equal(mixed[0], mixed[1])
+    assert results[0]["streaming F=6 fusion"][2]["schedule"]["buckets"] > 1      # pieces of several buckets
+    assert results[0]["streaming F=3 τ=2"][2]["fragment_params"] == [72, 72, 73]     # tensors cut
+
+
+# -- compressed pseudo-gradients: nothing lost, only delayed -------------------------------------------------
+EF_CASES = {   # name -> (compressor, memory, params)
+    "fp8": ("fp8", "residual", {}), "fp4": ("fp4", "residual", {"format": "e2m1", "chunk": 16}),
+    "topk": ("topk", "residual", {"ratio": 0.1}),
+    "fp8 mgwfbp": ("fp8", "residual", {"schedule": "mgwfbp"}),
+    "sparseloco": ("sparseloco", "residual", {"chunk": 32, "topk": 4}),
+    "sparseloco decayed": ("sparseloco", "sparseloco", {"chunk": 32, "topk": 4, "beta": 0.9}),
+    "demo decayed": ("demo", "demo", {"chunk": 32, "topk": 4, "beta": 0.9}),
+}
+
+
+def _ef_invariant(rank, world):
+    """Per segment of θ (independent of the buckets, which MG-WFBP re-plans at step 3 with a sync in flight):
+    Σ Δ sent to the exchange, the memory's residual at the end (and Σ of the earlier ones), θ before and after."""
+    out = {}
+    for name, (comp, mem, cparams) in EF_CASES.items():
+        tr, m, loader = _setup(rank, world, "diloco", {"period": 4, "fragments": 2, "overlap": 1, **NO_MOMENTUM,
+                                                       **cparams}, model="mlp", inner="adamw", compressor=comp,
+                               memory=mem)
+        alg = tr.algorithm
+
+        def by_segment(flat, key):      # a piece's flat tensor, cut into its segments (the current buckets)
+            f = int(key.rsplit("@", 1)[1])
+            bucket = next(b for b in alg.scheduler.buckets if alg._key(b, f) == key)
+            parts = flat.split([alg.anchor[k].numel() for k in alg.pieces(bucket, f)])
+            return dict(zip(alg.pieces(bucket, f), parts))
+        theta0 = [a.reshape(-1).clone() for a in alg.anchor]
+        inputs = [torch.zeros_like(t) for t in theta0]
+        kept: dict = {}
+        start, update = alg.exchange.start, tr.memory.update
+
+        def recording(tensor, key=None, shapes=None, inplace=False, start=start):
+            for k, part in by_segment(tensor, key).items():
+                inputs[k] += part                    # Δ_i, what the worker meant to send
+            return start(tensor, key, shapes, inplace)
+
+        def remembering(tensor, key, sent, update=update, memory=tr.memory):
+            update(tensor, key, sent)
+            kept.setdefault(key, []).append(memory.residuals[key].clone())    # e after each sync
+        alg.exchange.start, tr.memory.update = recording, remembering
+        _steps(tr, m, loader, 10)       # syncs start at steps 1, 3, 5, 7, 9 (fragments 0, 1, 0, 1, 0)
+        tr.close()                      # fragment 1 moved since its merge at step 8: one last outer step
+        last = [torch.zeros_like(t) for t in theta0]
+        earlier = [torch.zeros_like(t) for t in theta0]
+        for key, e in tr.memory.residuals.items():
+            for k, part in by_segment(e.reshape(-1), key).items():
+                last[k] += part
+            if key in kept:             # (keys of the final buckets; a re-planned run has β = 1)
+                for k, part in by_segment(sum(kept[key][:-1], torch.zeros_like(e)).reshape(-1), key).items():
+                    earlier[k] += part
+        out[name] = {"inputs": inputs, "last": last, "earlier": earlier, "theta0": theta0, "beta": tr.memory.beta,
+                     "theta": [a.reshape(-1).clone() for a in alg.anchor], "syncs": {k: len(v) for k, v in kept.items()},
+                     "buckets": len(alg.scheduler.buckets)}
+    return out
+
+
+def test_compressed_pseudo_gradients_keep_the_error_feedback_invariant(pool4):
+    """With outer lr 1 and no momentum θ moves by exactly the mean of what was sent. With e_t = β e_{t-1} + Δ_t − ŝ_t
+    (error feedback, β = 1: nothing lost, only delayed; β < 1: SparseLoCo's and DeMo's decay forgets a share),
+    Σ_t ŝ_t = Σ_t Δ_t − e_T − (1 − β) Σ_{t<T} e_t, so θ_0 − θ_T = mean_i of that, segment by segment."""
+    results = pool4.run(_ef_invariant)
+    for name in EF_CASES:
+        r0 = results[0][name]
+        for k in range(len(r0["theta0"])):
+            beta = r0["beta"]
+            want = sum(r[name]["inputs"][k] - r[name]["last"][k] - (1 - beta) * r[name]["earlier"][k]
+                       for r in results) / len(results)
+            got = r0["theta0"][k] - r0["theta"][k]
+            # (fp32 accumulation of the gathered contributions: float32 rounding of the mean)
+            assert close(got, want, 1e-6), (name, k, float((got - want).abs().max()))
+            assert any(r[name]["last"][k].abs().max() > 0 for r in results), (name, k)   # something delayed
+        if "schedule" not in EF_CASES[name][2]:
+            # fragment 0 at steps 1, 5, 9 (merged at 10); fragment 1 at steps 3, 7 and in close()
+            assert sorted(r0["syncs"].values()) == [3, 3], r0["syncs"]
+    assert results[0]["fp8 mgwfbp"]["buckets"] < 6       # re-planned from one bucket per parameter
+
+
+# -- checkpoints: a resumed run equals the uninterrupted one ----------------------------------------------------
+RESUME = {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5, "outer_lr": 0.7}
+
+
+def _resume(rank, world, at, steps):
+    kw = dict(model="mlp", inner="adamw", compressor="fp8", memory="residual")
+    whole = _run(rank, world, "diloco", RESUME, steps, **kw)
+    tr, m, loader = _setup(rank, world, "diloco", RESUME, **kw)
+    _steps(tr, m, loader, at)
+    in_flight = len(tr.algorithm._pending)
+    state, ls = copy.deepcopy(tr.state_dict()), loader.state_dict()
+    tr.close()
+    tr2, m2, loader2 = _setup(rank, world, "diloco", RESUME, **kw)
+    tr2.load_state_dict(state)
+    loader2.load_state_dict(ls)
+    _steps(tr2, m2, loader2, steps - at)
+    before = _flat(m2)
+    tr2.close()
+    wrong = None
+    try:
+        tr3, _, _ = _setup(rank, world, "diloco", {**RESUME, "period": 8}, **kw)
+        tr3.load_state_dict(state)
+    except UserError as e:
+        wrong = str(e)
+    return {"whole": whole[:2], "resumed": (before, _flat(m2)), "in_flight": in_flight, "wrong": wrong}
+
+
+def test_checkpoint_resume_with_a_fragment_in_flight(pool4):
+    for r in pool4.run(_resume, 5, 11):
+        assert r["in_flight"] > 0                      # step 5 started fragment 0's sync, merged at step 6
+        assert torch.equal(r["whole"][0], r["resumed"][0]) and torch.equal(r["whole"][1], r["resumed"][1])
+        assert r["wrong"] and "period" in r["wrong"]
+
+
+# -- training digits-mlp with AdamW inner steps; the CLI and compare names -----------------------------------
+def _digits(rank, world, params, steps, compressor=None):
+    from thinwire import Trainer
+    wl = workloads.get("digits-mlp")
+    model = wl.model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    x, y = wl.shard(rank, world)
+    loader = workloads.ShardLoader(x, y, 32, seed=0, rank=rank)
+    tr = Trainer(model, opt, algorithm="diloco", compressor=compressor, **params)
+    for _ in range(steps):
+        xb, yb = loader.next()
+        wl.loss(model(xb), yb).backward()
+        tr.step()
+        opt.zero_grad()
+    tr.close()
+    return {"accuracy": wl.evaluate(model), "model": _flat(model), "metrics": tr.metrics(),
+            "sent": tr.metrics()["bytes_sent"]}
+
+
+DIGITS = {  # name -> (params, compressor, fragment syncs in 120 steps and close())
+    "diloco H=10": ({"period": 10}, None, 12),
+    "streaming H=10 F=2 τ=1 fp8": ({"period": 10, "fragments": 2, "overlap": 1, "alpha": 0.5}, "fp8", 24 + 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DIGITS))
+def test_trains_digits_mlp_with_adamw(name, pool4):
+    params, compressor, syncs = DIGITS[name]
+    results = pool4.run(_digits, params, 120, compressor)
+    assert all(torch.equal(results[0]["model"], r["model"]) for r in results[1:])
+    print(name, "accuracy", results[0]["accuracy"], "bytes sent", results[0]["sent"])
+    assert results[0]["accuracy"] >= 0.93, results[0]["accuracy"]
+    assert results[0]["metrics"]["syncs"] == syncs
+
+
+def test_cli_flags_and_compare_cells_reach_diloco(pool2):
+    from thinwire.cli import build_parser, parse_extra
+    from thinwire.cli.train import config_from_args
+    from thinwire.run.presets import parse_cell
+    from thinwire.run.train import run_training
+    args, extra = build_parser().parse_known_args(
+        ["train", "--workload", "digits-mlp", "--algorithm", "diloco", "--workers", "2", "--steps", "12", "--period",
+         "4", "--outer-lr", "0.5", "--outer-momentum", "0.8", "--fragments", "2", "--overlap", "1", "--alpha",
+         "0.5", "--json"])
+    args.extra = parse_extra(extra)
+    cfg = config_from_args(args)
+    s = run_training(cfg, pool=pool2)
+    m = s["algorithm_metrics"]
+    assert (m["period"], m["fragments"], m["overlap"], m["alpha"]) == (4, 2, 1, 0.5)
+    # 6 fragment syncs merged at steps 2, 4, ..., 12; with α > 0 both fragments differ from θ: close() syncs both
+    assert "lr=0.5, momentum=0.8" in m["outer_optimizer"] and m["syncs"] == 6 + 2
+    cell = parse_cell("diloco:period=50,outer-lr=0.7,fragments=2+fp8")
+    assert cell.params == {"period": 50, "outer_lr": 0.7, "fragments": 2} and cell.compressor == "fp8"
+    args, extra = build_parser().parse_known_args(["train", "--algorithm", "diloco", "--period", "10",
+                                                   "--fragments", "3"])
+    args.extra = parse_extra(extra)
+    with pytest.raises(UserError, match="multiple of fragments"):
+        config_from_args(args).validate()
+
+
+# -- torchft's DiLoCo on the same model, data, seeds and settings ---------------------------------------------
+FT = {"period": 6, "fragments": 2, "overlap": 1, "alpha": 0.5, "outer_lr": 0.7, "outer_momentum": 0.9}
+FT_STEPS = 18
+
+
+def _ft_model():
+    torch.manual_seed(1)       # two layers of 72 elements: thinwire's two fragments are the two modules
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)).double()
+
+
+def _ft_loss(model, xb, yb):
+    return torch.nn.functional.mse_loss(model(xb[:, :8]).mean(1), yb)
+
+
+def _ft_batches(rank, steps):
+    wl = workloads.get("linreg")
+    loader = workloads.ShardLoader(*wl.shard(rank, 2), 16, seed=0, rank=rank)
+    return [loader.next() for _ in range(steps)]
+
+
+def _thinwire_side(rank, world, params):
+    from thinwire import Trainer
+    model = _ft_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
+    tr = Trainer(model, opt, algorithm="diloco", **params)
+    out = []
+    for xb, yb in _ft_batches(rank, FT_STEPS):
+        _ft_loss(model, xb, yb).backward()
+        tr.step()
+        opt.zero_grad()
+        out.append(_flat(model))
+    tr.close()
+    return out, tr.algorithm.bounds
+
+
+def _torchft_side(rank, world, lighthouse, params):
+    """One torchft replica group (one rank) per worker: its own TCPStore on 127.0.0.1, a Manager with
+    use_async_quorum=False, torchft's DiLoCo with one outer SGD per fragment (module)."""
+    import os
+    from datetime import timedelta
+    os.environ.setdefault("RUST_LOG", "warn")
+    import torch.distributed as dist
+    from torchft.local_sgd import DiLoCo as FTDiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from thinwire.run.launcher import _listen
+    fd, port = _listen("127.0.0.1", 0)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+    wait = timedelta(seconds=60)
+    manager = Manager(pg=ProcessGroupGloo(timeout=wait), load_state_dict=None, state_dict=None,
+                      min_replica_size=world, use_async_quorum=False, init_sync=False, replica_id=f"replica{rank}",
+                      store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                      hostname="127.0.0.1", timeout=wait, quorum_timeout=wait, connect_timeout=wait)
+    try:
+        model = _ft_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
+        fragments = [model[0], model[2]] if params["fragments"] == 2 else [model]
+        outer = [torch.optim.SGD(f.parameters(), lr=params["outer_lr"], momentum=params["outer_momentum"],
+                                 nesterov=params["outer_momentum"] > 0) for f in fragments]
+        out = []
+        with FTDiLoCo(manager, fragments, opt, outer, sync_every=params["period"],
+                      fragment_sync_delay=params["overlap"], fragment_update_alpha=params["alpha"]):
+            for xb, yb in _ft_batches(rank, FT_STEPS):
+                _ft_loss(model, xb, yb).backward()
+                opt.step()          # the step post-hook runs torchft's fragment schedule
+                opt.zero_grad()
+                out.append(_flat(model))
+        return out
+    finally:
+        manager.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("params", [FT, {**FT, "fragments": 1, "overlap": 0, "alpha": 0.0}],
+                         ids=["streaming F=2 τ=1 α=.5", "diloco H=6"])
+def test_equals_torchft_diloco(params, pool2, monkeypatch):
+    monkeypatch.setenv("RUST_LOG", "warn")      # the Lighthouse logs every quorum otherwise
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+    ours = pool2.run(_thinwire_side, params)
+    assert ours[0][1] == ([0, 72, 144] if params["fragments"] == 2 else [0, 144])
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    try:
+        theirs = pool2.run(_torchft_side, lighthouse.address(), params)
+    finally:
+        lighthouse.shutdown()
+    worst = 0.0
+    for rank in range(2):
+        for step, (a, b) in enumerate(zip(ours[rank][0], theirs[rank])):
+            assert close(a, b, 1e-12), (rank, step + 1, float((a - b).abs().max()))
+            worst = max(worst, float((a - b).abs().max()))
+    print("largest difference to torchft over", FT_STEPS, "steps:", worst)
+    assert not torch.equal(ours[0][0][-1], ours[0][0][0])
+
+
+# -- the planner: bytes per outer step, overlap of streaming syncs, the recommendation -------------------------
+def _scenario(**kw):
+    from thinwire.net import parse_network
+    from thinwire.plan.costmodel import Scenario
+    base = dict(params=1e6, compute_s=0.1, link=parse_network("wan"), workers=4)
+    base.update(kw)
+    return Scenario(**base)
+
+
+def test_cost_model_of_the_diloco_family():
+    from thinwire.net import parse_network, ring_allreduce
+    from thinwire.plan.costmodel import predict
+    s = _scenario()
+    plain = predict(s, "diloco", period=8)
+    local = predict(s, "localsgd", period=8)
+    assert plain.iteration_s == pytest.approx(local.iteration_s) and plain.bytes_per_step == pytest.approx(
+        local.bytes_per_step)
+    assert plain.bytes_per_sync == pytest.approx(ring_allreduce(s.link, 4, 4e6).sent)
+    for f in (2, 4, 8):     # a fragment per K = H/F steps: peak bytes / F, the same bytes per step
+        stream = predict(s, "diloco", period=8, fragments=f)
+        assert stream.bytes_per_sync == pytest.approx(plain.bytes_per_sync / f)
+        assert stream.bytes_per_step == pytest.approx(plain.bytes_per_step)
+        assert stream.iteration_s > plain.iteration_s        # F latencies where DiLoCo pays one
+    assert predict(s, "diloco", "fp8", period=8).bytes_per_sync < plain.bytes_per_sync / 1.9
+    # τ further inner steps hide a fragment's sync: fully when it is shorter than τ steps of compute
+    fast = _scenario(link=parse_network("custom:bandwidth=10gbit,latency=10ms"))
+    c_f = ring_allreduce(fast.link, 4, 4e6 / 4).time
+    assert c_f < 0.1
+    assert predict(fast, "diloco", period=8, fragments=4, overlap=1).iteration_s == pytest.approx(0.1)
+    assert predict(fast, "diloco", period=8, fragments=4).iteration_s == pytest.approx(0.1 + c_f / 2)
+
+
+@pytest.mark.parametrize("params", [{"period": 8}, {"period": 8, "fragments": 4, "overlap": 1},
+                                    {"period": 12, "fragments": 3, "overlap": 2}, {"period": 4, "overlap": 3}])
+def test_simulator_agrees_with_the_cost_model(params):
+    from thinwire.plan.costmodel import predict
+    from thinwire.plan.simulate import SimConfig, simulate
+    for latency in (0.05, 0.25):
+        from thinwire.net import Link
+        sim = simulate(SimConfig(workers=4, params=1e6, compute_s=0.1, compute_cv=0.0, bandwidth=100e6,
+                                 latency=latency, algorithm="diloco", collective="ring", steps=480, **params))
+        pred = predict(_scenario(link=Link(bandwidth=100e6, latency=latency)), "diloco", **params)
+        assert sim.iteration_s == pytest.approx(pred.iteration_s, rel=0.05), (params, latency)
+    with pytest.raises(UserError, match="fragments"):
+        SimConfig(algorithm="diloco", period=10, fragments=4).validate()
+
+
+def test_advise_recommends_period_fragments_and_bits_for_the_network(capsys):
+    from thinwire.cli import main
+    from thinwire.net import parse_network
+    from thinwire.plan.advise import recommend_diloco
+    from thinwire.plan.costmodel import predict
+    periods = []
+    for net in ("lan", "cluster", "wan", "world"):
+        s = _scenario(params=1.1e6, compute_s=0.03, link=parse_network(net))
+        rec = recommend_diloco(s, 0.9)
+        assert rec["reached"] and rec["scalability"] >= 0.9
+        # nothing smaller reaches the target: the same configuration one period down does not
+        got = predict(s, "diloco", rec["compressor"], period=rec["period"], fragments=rec["fragments"],
+                      overlap=rec["overlap"])
+        assert got.iteration_s == pytest.approx(rec["iteration_s"])
+        assert all(o["period"] >= rec["period"] for o in rec["options"] if o["reached"])
+        periods.append(rec["period"])
+    assert periods == sorted(periods) and periods[0] < periods[-1]     # thinner links need longer periods
+    # a long-latency, fast link with slow steps: hiding the sync behind inner steps allows a far smaller H
+    s = _scenario(compute_s=1.0, link=parse_network("custom:bandwidth=10gbit,latency=250ms"))
+    rec = recommend_diloco(s, 0.9)
+    plain = min(o["period"] for o in rec["options"] if o["reached"] and o["overlap"] == 0 and o["fragments"] == 1
+                and o["bits"] == 32)
+    assert rec["overlap"] > 0 and rec["period"] < plain
+    assert not recommend_diloco(_scenario(link=parse_network("custom:bandwidth=1kbit,latency=1s")), 0.99)["reached"]
+    assert main(["advise", "--model", "wide-mlp", "--network", "world", "--workers", "4", "--compute-ms", "30",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["diloco"]["reached"] and out["diloco"]["period"] > 1
+    assert out["ranking"][0]["algorithm"] == "diloco"        # a thin, far link: the family ranks first
+    rows = {r["config"]: r for r in out["ranking"]}
+    assert rows["diloco H=100 F=4 τ=1 fp4"]["bytes_per_sync"] < rows["diloco H=50"]["bytes_per_sync"] / 4
+    assert main(["advise", "--model", "wide-mlp", "--network", "lan", "--workers", "4", "--compute-ms", "30",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranking"][0]["algorithm"] == "bsp"   # nothing to save on a lan
+    assert main(["advise", "--model", "wide-mlp", "--network", "wan", "--scalability", "0.95"]) == 0
+    assert "DiLoCo family: period H=" in capsys.readouterr().out
+    assert main(["advise", "--params", "1e6", "--scalability", "1.5"]) == 2
+    capsys.readouterr()
+    assert main(["simulate", "--algorithms", "diloco:period=8:fragments=2:overlap=1,diloco:period=8", "--workers",
+                 "4", "--latency", "50", "--steps", "40", "--json"]) == 0
+    sims = json.loads(capsys.readouterr().out)
+    assert len(sims) == 2 and all(0 < r["scalability"] <= 1 for r in sims)
+
+
+def test_bench_crossover_measures_every_family_against_a_baseline_of_the_same_run(pool4, capsys):
+    from thinwire.cli import main
+    from thinwire.run.benchmarks.diloco import CROSSOVER, crossover, format_crossover
+    net = "custom:bandwidth=1gbit,latency=1ms"
+    rows = crossover(pool4, "digits-mlp", 4, 8, (net,))
+    assert [r["config"] for r in rows] == ["local"] + [c[0] for c in CROSSOVER]
+    by = {r["config"]: r for r in rows}
+    assert by["bsp"]["vs_bsp"] == 1.0 and all(r["vs_local"] == r["step_s"] / rows[0]["step_s"] for r in rows)
+    n = 9610 * 4 * 2 * 3 / 4                      # digits-mlp's ring all-reduce: bytes one worker sends
+    assert by["bsp"]["bytes_per_step"] == pytest.approx(n, rel=1e-3)
+    assert by["diloco H=8"]["bytes_per_step"] == pytest.approx(n / 8, rel=1e-3)      # one sync in 8 steps
+    assert by["diloco H=8 + fp8"]["bytes_per_step"] < by["diloco H=8"]["bytes_per_step"] / 1.9
+    text = format_crossover(rows, "accuracy")
+    assert "fastest per network" in text and net in text
+    assert main(["bench", "diloco", "--crossover-steps", "12"]) == 2
+    assert main(["bench", "diloco", "--crossover-networks", "nowhere"]) == 2
+    capsys.readouterr()

@@ -1,0 +1,343 @@
+"""`diloco`: DiLoCo and Streaming DiLoCo — inner steps with the user's optimizer, an outer optimizer on the
+averaged pseudo-gradient.
+
+DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models",
+arXiv 2311.08105, Algorithm 1), on worker i, outer step t:
+    θ_i ← θ^(t-1);  H times: θ_i ← InnerOpt(θ_i, ∇L(x ~ D_i))          (lines 3-8: the user's optimizer, AdamW
+                                                                     typically; its state stays on the worker)
+    Δ^(t) = (1/k) Σ_i (θ^(t-1) − θ_i)                                  (line 12: the averaged outer gradient)
+    θ^(t) = OuterOpt(θ^(t-1), Δ^(t))                                   (line 14: default SGD, lr 0.7, Nesterov
+                                                                     momentum 0.9, as in the paper)
+θ^(t) (the "anchor") is kept identically on every worker, with the outer optimizer's state. The average of the
+pseudo-gradients travels through the trainer's `Exchange`, so any compressor and error-feedback memory applies
+to it (fp8 / fp4 as Streaming DiLoCo and INTELLECT-1 send it, DeMo, SparseLoCo: `--memory sparseloco` is an
+error-feedback buffer in place of outer momentum, so pair it with `outer_momentum=0`).
+
+Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication: Towards a Distributed
+Free Lunch", arXiv 2501.18512, Algorithm 1 and §2.2–2.4) are three options of the same algorithm:
+- `fragments` F: the model's parameters, flattened in model order (fragment 0 is the input side), cut into F
+  consecutive ranges of equal element counts (⌊T f / F⌋ boundaries; a tensor may straddle two fragments: each
+  part is stepped and merged with its fragment). The paper cuts between layers of equal size; cutting elements
+  makes every fragment 1/F of the model whatever its layers, so the peak bytes per sync fall by F while the
+  average stays that of DiLoCo. Fragment p is synced every H steps, the fragments staggered: one sync every
+  K = H/F steps, fragments 0, 1, ..., F−1, 0, ... (§2.2). Where the boundaries fall between tensors (layers of
+  equal size) the fragments are torchft's per-module fragments.
+- `overlap` τ: the fragment's pseudo-gradient is taken (and its average starts) τ inner steps before the step
+  that ends its period; the worker goes on training meanwhile and waits for the average only at that step
+  (§2.3). 0 ≤ τ < K, so at most one fragment is in flight.
+- `alpha` α: when the average arrives the fragment's outer step gives θ̃_p, and the worker's fragment becomes
+  θ_p ← α θ_p,local + (1 − α) θ̃_p (§2.3; α = 0: the global parameters, as DiLoCo). The next pseudo-gradient of
+  the fragment is again taken against θ̃_p.
+- outer gradients in low precision with fp32 accumulation (§2.4): `compressor="fp8"` or `"fp4"` (all-gathered,
+  each contribution decoded and summed in fp32 by the compressor).
+With F = 1, τ = 0, α = 0 this is DiLoCo. The schedule (the step that takes fragment p's pseudo-gradient, the step
+that merges it) is torchft's `DiLoCo(..., sync_every=H, fragment_sync_delay=τ, fragment_update_alpha=α)`.
+
+Like `localsgd`, on a step that takes a pseudo-gradient each bucket's inner step is taken as soon as backward
+hands the bucket over, and the pseudo-gradient of its elements in the syncing fragment starts averaging at
+once, overlapped with the rest of backward. Exchange state (error-feedback residuals) is kept per piece (a
+bucket's elements in one fragment) and follows a re-plan of the buckets (MG-WFBP).
+θ is kept per segment (a parameter's elements in one fragment: the whole parameter, shaped like it, unless a
+fragment boundary cuts it, then a 1-D slice); the outer optimizer steps the segments, so any element-wise
+torch.optim optimizer works (a shape-aware one sees a cut parameter as 1-D slices).
+
+`close()` first merges a sync in flight, then takes one last outer step of every fragment whose parameters moved
+since its last merge into θ (as at the end of a period) and leaves every worker with θ: the same model everywhere.
+Outer optimizer: SGD(outer_lr, outer_momentum, nesterov) with `torch.optim.SGD` semantics (nesterov is plain
+momentum when outer_momentum = 0), or `outer_optimizer=` a callable building any torch.optim optimizer from the
+list of θ tensors, or the name of a torch.optim class (CLI: `--outer-optimizer adam`, built with lr=outer_lr).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable
+
+import torch
+
+from ..comm.engine import Ready
+from ..errors import UserError
+from ..sched import step_subset
+from . import register
+from .base import Algorithm
+
+DEFAULT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+
+
+def fragment_bounds(total: int, fragments: int) -> list[int]:
+    """The F + 1 boundaries of F consecutive element ranges of equal size (±1) over `total` elements."""
+    if fragments > total:
+        raise UserError(f"diloco fragments must be at most the number of model parameters ({total}), got "
+                        f"{fragments}")
+    return [total * f // fragments for f in range(fragments + 1)]
+
+
+def segments(sizes: list[int], bounds: list[int]) -> list[tuple[int, int, int, int]]:
+    """(parameter, fragment, lo, hi): each parameter's elements [lo, hi) in each fragment, in model order."""
+    out, offset = [], 0
+    for i, n in enumerate(sizes):
+        for f in range(len(bounds) - 1):
+            lo, hi = max(bounds[f], offset), min(bounds[f + 1], offset + n)
+            if lo < hi:
+                out.append((i, f, lo - offset, hi - offset))
+        offset += n
+    return out
+
+
+def _outer_factory(outer_optimizer, outer_lr: float, outer_momentum: float, nesterov: bool) -> Callable:
+    """params -> the outer optimizer (validated at construction; called at setup)."""
+    if outer_optimizer is None or (isinstance(outer_optimizer, str) and outer_optimizer.lower() == "sgd"):
+        # torch.optim.SGD: b ← μ b + Δ; θ ← θ − lr (Δ + μ b) with Nesterov, θ ← θ − lr b without
+        return lambda params: torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum,
+                                              nesterov=bool(nesterov) and outer_momentum > 0)
+    if isinstance(outer_optimizer, str):
+        classes = {name.lower(): cls for name, cls in vars(torch.optim).items()
+                   if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+                   and cls is not torch.optim.Optimizer and name != "LBFGS"}
+        cls = classes.get(outer_optimizer.lower())
+        if cls is None:
+            raise UserError(f"unknown outer optimizer {outer_optimizer!r}; valid: {', '.join(sorted(classes))} "
+                            f"(or a callable building one from the parameters)")
+        return lambda params: cls(params, lr=outer_lr)
+    if not callable(outer_optimizer):
+        raise UserError(f"outer_optimizer must be a torch.optim class name or a callable params -> optimizer, "
+                        f"got {type(outer_optimizer).__name__}")
+    return outer_optimizer
+
+
+@register("diloco")
+class DiLoCo(Algorithm):
+    """DiLoCo (Douillard et al. 2023, Alg. 1): H inner steps, averaged pseudo-gradient, outer Nesterov SGD;
+    Streaming DiLoCo (2025) with fragments, overlap τ and mixing α."""
+
+    architectures = ("allreduce",)
+    schedules = ("none", "wfbp", "fusion", "mgwfbp")
+    checks_finite = False
+    survives_failures = True   # θ and the outer optimizer are replicated; the mean over fewer workers stays a mean
+
+    def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,
+                 architecture: str | None = None):
+        super().__init__(architecture)
+        for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UserError(f"diloco {name} must be an integer >= {low}, got {value!r}")
+        if period % fragments:
+            raise UserError(f"diloco period H={period} must be a multiple of fragments F={fragments} (one fragment "
+                            f"is synced every H/F steps); e.g. period={fragments * max(1, period // fragments)}")
+        if overlap >= period // fragments:
+            raise UserError(f"diloco overlap τ={overlap} must be below H/F={period // fragments} (a fragment's "
+                            f"average arrives before the next fragment's sync starts); valid: 0..{period // fragments - 1}")
+        if not (isinstance(outer_lr, (int, float)) and math.isfinite(outer_lr) and outer_lr > 0):
+            raise UserError(f"diloco outer_lr must be a finite number > 0, got {outer_lr!r}")
+        if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
+            raise UserError(f"diloco outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
+            raise UserError(f"diloco alpha must be in [0, 1] (θ ← α θ_local + (1 − α) θ_global), got {alpha!r}")
+        given = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
+        if outer_optimizer is not None and not isinstance(outer_optimizer, str):
+            changed = [k for k, v in given.items() if v != DEFAULT_OUTER[k]]
+            if changed:
+                raise UserError(f"give outer_optimizer or {', '.join(changed)}, not both (the callable builds the "
+                                f"whole outer optimizer)")
+        self.period, self.fragments, self.overlap, self.alpha = period, fragments, overlap, float(alpha)
+        self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
+        self.outer_spec = outer_optimizer if isinstance(outer_optimizer, str) or outer_optimizer is None \
+            else getattr(outer_optimizer, "__name__", "callable")
+        self._make_outer = _outer_factory(outer_optimizer, self.outer_lr, self.outer_momentum, self.nesterov)
+        self.overlaps_steps = overlap > 0       # a fragment's average is waited τ steps after it starts
+
+    # -- wiring ----------------------------------------------------------------------------------------
+    def setup(self):
+        self.exchange = self.make_exchange()
+        sizes = [p.numel() for p in self.params]
+        self.bounds = fragment_bounds(sum(sizes), self.fragments)
+        # θ per segment (a parameter's elements in one fragment): the same on every worker
+        self.segs = segments(sizes, self.bounds)
+        self.anchor = []
+        for i, f, lo, hi in self.segs:
+            p = self.params[i].detach()
+            whole = hi - lo == p.numel()
+            if not whole and not p.is_contiguous():
+                raise UserError(f"diloco: a fragment boundary cuts parameter {i} {tuple(p.shape)}, which is not "
+                                f"contiguous; use fewer fragments or a contiguous layout")
+            self.anchor.append(p.clone() if whole else p.reshape(-1)[lo:hi].clone())
+        self.by_param: list[list[int]] = [[] for _ in self.params]      # parameter -> its segments
+        self.by_fragment: list[list[int]] = [[] for _ in range(self.fragments)]
+        for k, (i, f, _, _) in enumerate(self.segs):
+            self.by_param[i].append(k)
+            self.by_fragment[f].append(k)
+        self.outer = self._make_outer(self.anchor)
+        if not isinstance(self.outer, torch.optim.Optimizer):
+            raise UserError(f"outer_optimizer must build a torch.optim.Optimizer, got {type(self.outer).__name__}")
+        self.steps = 0                      # inner steps taken
+        self.syncs = 0                      # fragment syncs merged (outer steps of one fragment)
+        self._pending: list = []            # (segments, future of their mean pseudo-gradient) in flight
+        self._pending_fragment: int | None = None
+        self._dirty = [False] * self.fragments   # the fragment's parameters differ from θ
+
+    def _local(self, k: int) -> torch.Tensor:
+        """Segment k of the worker's own parameters (a view, shaped like its θ)."""
+        i, _, lo, hi = self.segs[k]
+        p = self.params[i].detach()
+        return p if hi - lo == p.numel() else p.view(-1)[lo:hi]
+
+    def pieces(self, bucket, f: int) -> list[int]:
+        """The segments of the bucket's parameters in fragment f, in the bucket's order."""
+        return [k for i in bucket.members for k in self.by_param[i] if self.segs[k][1] == f]
+
+    def attach(self, trainer) -> None:
+        super().attach(trainer)
+        self._layout = self._piece_layout()
+
+    # -- the schedule (Streaming DiLoCo Alg. 1; F = 1, τ = 0 is DiLoCo's every H steps) -------------------
+    def starting(self, step: int) -> int | None:
+        """The fragment whose pseudo-gradient step `step` (1-based) takes, or None."""
+        k = self.period // self.fragments
+        if (step + self.overlap) % k:
+            return None
+        return ((step + self.overlap) // k - 1) % self.fragments
+
+    def merging(self, step: int) -> int | None:
+        """The fragment whose average step `step` waits for and merges, or None."""
+        k = self.period // self.fragments
+        return None if step % k else (step // k - 1) % self.fragments
+
+    # -- the step --------------------------------------------------------------------------------------
+    def on_bucket(self, bucket):
+        f = self.starting(self.steps + 1)
+        if f is None:
+            return
+        # the bucket's inner step now (its gradients are final), then its pseudo-gradient starts averaging
+        self.optimizer_step(bucket.params)
+        self._start(bucket, f)
+
+    def _key(self, bucket, f: int) -> str:
+        return bucket.key if self.fragments == 1 else f"{bucket.key}@{f}"
+
+    def _start(self, bucket, f: int) -> None:
+        piece = self.pieces(bucket, f)
+        if not piece:
+            return
+        with torch.no_grad():      # Δ_i = θ − θ_i (DiLoCo Alg. 1 line 12), in the bucket's order
+            delta = torch.cat([(self.anchor[k] - self._local(k)).reshape(-1) for k in piece])
+        fut = self.exchange.start(delta, key=self._key(bucket, f), shapes=[tuple(self.anchor[k].shape)
+                                                                           for k in piece])
+        self._pending.append((piece, fut))
+        self._pending_fragment = f
+
+    def step(self):
+        n = self.steps + 1
+        starting = self.starting(n)
+        self.scheduler.flush()      # on a starting step: every bucket's inner step taken and its Δ started
+        if starting is None:
+            self.optimizer_step()
+        self.steps = n
+        self._dirty = [True] * self.fragments
+        f = self.merging(n)
+        if f is not None:
+            self._merge([f], self.alpha)
+        self.scheduler.end_step()
+
+    @torch.no_grad()
+    def _merge(self, fragments: list[int], alpha: float) -> None:
+        """Wait for the fragments' averaged pseudo-gradients, step θ with the outer optimizer, then
+        θ_local ← α θ_local + (1 − α) θ (Streaming DiLoCo §2.3; α = 0: θ, DiLoCo Alg. 1 line 3)."""
+        with self.tracer.span("outer step", "communicate"):
+            for piece, fut in self._pending:
+                mean = fut.wait()
+                off = 0
+                for k in piece:
+                    a = self.anchor[k]
+                    a.grad = mean[off:off + a.numel()].view_as(a)
+                    off += a.numel()
+            self._pending, self._pending_fragment = [], None
+            ks = [k for f in fragments for k in self.by_fragment[f]]
+            step_subset(self.outer, [self.anchor[k] for k in ks])      # θ ← OuterOpt(θ, Δ) (Alg. 1 line 14)
+            for k in ks:
+                a, local = self.anchor[k], self._local(k)
+                a.grad = None
+                if alpha == 0.0:
+                    local.copy_(a)
+                else:
+                    local.copy_(torch.lerp(a, local, alpha))     # θ + α (θ_local − θ), as torch's lerp
+            for f in fragments:
+                self._dirty[f] = alpha != 0.0
+            self.syncs += len(fragments)
+
+    def close(self):
+        if self._pending:           # the sync in flight (overlap τ > 0) merges as scheduled
+            self._merge([self._pending_fragment], self.alpha)
+        due = [f for f in range(self.fragments) if self._dirty[f]]
+        if due:                     # one last outer step of what moved; every worker ends with θ
+            for bucket in self.scheduler.buckets:
+                for f in due:
+                    self._start(bucket, f)
+            self._merge(due, 0.0)
+        super().close()
+
+    @torch.no_grad()
+    def recover(self):
+        """A worker was lost: the sync in flight is dropped; θ and the outer optimizer's state are taken from the
+        new rank 0 (a sync that completed on some survivors only cannot leave them apart), the survivors'
+        inner models (broadcast by the Trainer) differ from θ, and the schedule goes on from the agreed step."""
+        self._pending, self._pending_fragment = [], None
+        for a in self.anchor:
+            a.grad = None
+            self.transport.broadcast(a, src=0)
+            for v in self.outer.state.get(a, {}).values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    self.transport.broadcast(v, src=0)
+        self.steps = self.trainer.failures[-1]["step"]
+        self._dirty = [True] * self.fragments
+
+    # -- buckets re-planned (MG-WFBP): per-piece exchange state follows ------------------------------------
+    def _piece_layout(self) -> list[list[tuple[str, int]]]:
+        """Per fragment: (key, numel) of its pieces, bucket by bucket (its elements in backward order)."""
+        out: list[list[tuple[str, int]]] = [[] for _ in range(self.fragments)]
+        for bucket in self.scheduler.buckets:
+            for f in range(self.fragments):
+                n = sum(self.anchor[k].numel() for k in self.pieces(bucket, f))
+                if n:
+                    out[f].append((self._key(bucket, f), n))
+        return out
+
+    def rekey(self, old, new):
+        for _, fut in self._pending:    # the exchange's programs have run (their state is settled)
+            fut.result()
+        layout = self._piece_layout()
+        for f in range(self.fragments):
+            self.exchange.rekey(self._layout[f], layout[f])
+        self._layout = layout
+
+    # -- bookkeeping -----------------------------------------------------------------------------------
+    def metrics(self):
+        return {**super().metrics(), "period": self.period, "fragments": self.fragments, "overlap": self.overlap,
+                "alpha": self.alpha, "outer_optimizer": self.outer_spec or
+                f"sgd(lr={self.outer_lr}, momentum={self.outer_momentum}, nesterov={self.nesterov})",
+                "syncs": self.syncs, "fragment_params": [b - a for a, b in zip(self.bounds, self.bounds[1:])]}
+
+    def _config(self) -> dict:
+        return {"period": self.period, "fragments": self.fragments, "overlap": self.overlap}
+
+    def state_dict(self):
+        """Waits for a sync in flight and stores its average: a resumed run continues exactly."""
+        pending = [(list(m), fut.wait().clone()) for m, fut in self._pending]
+        self._pending = [(m, Ready(v)) for m, v in pending]
+        return {**self._config(), "steps": self.steps, "syncs": self.syncs, "dirty": list(self._dirty),
+                "anchor": [a.clone() for a in self.anchor], "outer": copy.deepcopy(self.outer.state_dict()),
+                "pending": [(m, v.clone()) for m, v in pending], "pending_fragment": self._pending_fragment,
+                "exchange": self.exchange.state_dict()}
+
+    def load_state_dict(self, state):
+        if {k: state.get(k) for k in self._config()} != self._config():
+            raise UserError(f"checkpoint of diloco with {({k: state.get(k) for k in self._config()})}; this "
+                            f"run has {self._config()}")
+        self.steps, self.syncs, self._dirty = state["steps"], state["syncs"], list(state["dirty"])
+        with torch.no_grad():
+            for a, saved in zip(self.anchor, state["anchor"]):
+                a.copy_(saved)
+        self.outer.load_state_dict(copy.deepcopy(state["outer"]))
+        self._pending = [(list(m), Ready(v.clone())) for m, v in state["pending"]]
+        self._pending_fragment = state["pending_fragment"]
+        self.exchange.load_state_dict(state["exchange"])

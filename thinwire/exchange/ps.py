@@ -1,0 +1,459 @@
+"""The parameter server's exchange: push (compressed, with error feedback) and pull, on `thinwire.comm.ps` messages.
+
+Worker (`PSWorker`, one per worker rank, and a `PSExchange` per codec). `PSExchange.start(bucket, key)` is an
+`Exchange` whose collective is a push to the servers: its program (run by the engine in submission order, so a
+bucket is pushed as soon as backward hands it over, overlapped with the rest of backward, WFBP as in BytePS) cuts
+the bucket into the servers' slices, passes each slice through the memory and the compressor
+(`Exchange.encode`: compensate -> compress -> update), packs the payload into one buffer (`wire.pack`, the wire
+format of every exchange) and sends it; the future it returns is the server's answer for the bucket, decoded in
+push order: the bucket's parameters, or with a compressed downlink the worker's copy of them plus the decoded
+update. The header tells the server which codec (exchange) encoded the body, the compression step and the model
+version the gradient was computed on.
+
+Server (`PSServer`, one per server rank). It decodes each push with the codec's `Compressor.context` (what every
+rank knows: shape, dtype, key, step; nothing is compressed to learn it), aggregates with the compressor's own
+algebra (`aggregate`; the majority vote for sign compressors) and applies a rule per bucket:
+- "sync": round r of a bucket is applied when every active worker's r-th push of it is in; the mean of the
+  contributions (seed 000 eq. 6) goes to `update`, and every contributor is answered with the new slice;
+- "async": each push is applied as it arrives, x <- x - γ G_i(x_{t-τ}) (catalog §2.1.5, operational form of
+  eq. 8), τ = the updates of the bucket applied since the worker's copy;
+- "backup": the first n - n_b fresh pushes of a round are averaged (catalog §2.1.2); a push computed on an older
+  model arrives late and is dropped (answered with the current slice).
+`update(bucket, param, mean, info)` is the algorithm's (the worker's optimizer, or model averaging), with
+info = {"taus": staleness of each contribution, "workers": who contributed}.
+
+Compressed downlink (`downlink=`): the server sends each worker C(x - x̂_w), x̂_w the copy that worker holds, and
+both sides add scale·C(...) to x̂_w; the residual x - x̂_w stays at the server and goes out later: server-side error
+feedback, two-sided as in DoubleSqueeze (Tang et al. 2019). It converges only with a contractive compressor,
+E‖C(v) − v‖² < ‖v‖² (Stich & Karimireddy 2019, "The error-feedback framework"): `downlink_scale` measures the
+ratio; an unbiased compressor of variance ω (E‖C(v) − v‖² = ω‖v‖², e.g. qsgd's 1.5) is scaled by 1/(1 + ω),
+which makes it a 1/(1 + ω)-contraction (ibid., Remark 6); a biased one that is not contractive is refused.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from collections import Counter, deque
+from typing import Any, Callable
+
+import torch
+
+from ..comm.engine import Future
+from ..comm.ps import DONE, PUSH, PUSH_TAGS, REPLY, REPLY_TAGS, Header, Mailbox, PSLayout, ServerLoop, send
+from ..compress import Compressor, Payload, compressors
+from ..errors import UserError
+from . import wire
+from .exchange import Exchange
+
+DROPPED = -1       # a reply's aux: the push was dropped (a backup round finished without it)
+_PROBE = 4096
+
+
+def check_uplink(compressor: Compressor) -> None:
+    if compressor.aggregation == "custom":
+        raise UserError(f"compressor {compressor.name!r} runs its own collective and cannot push to a parameter "
+                        f"server; use one whose payload travels (aggregation allreduce, allgather or majority: "
+                        f"e.g. none, fp16, topk, qsgd, signsgd)")
+
+
+def contraction(compressor: Compressor, numel: int = _PROBE, trials: int = 3) -> float:
+    """E‖C(v) − v‖² / ‖v‖² on Gaussian probes, measured on a copy of `compressor` (its own state is untouched)."""
+    probe = copy.deepcopy(compressor)
+    gen = torch.Generator().manual_seed(0)
+    ratios = []
+    for t in range(trials):
+        v = torch.randn(numel, generator=gen)
+        out = probe.decompress(probe.compress(v, key=("probe", t), step=t)).reshape(-1).to(v.dtype)
+        ratios.append(float((out - v).pow(2).sum() / v.pow(2).sum()))
+    return sum(ratios) / trials
+
+
+def downlink_scale(compressor: Compressor) -> float:
+    """The factor a compressed downlink applies to C(x - x̂) so that server-side error feedback converges (see the
+    module docstring): 1/(1 + ω) for an unbiased compressor, 1 for a contractive biased one; else a UserError
+    naming the compressors that work."""
+    check_uplink(compressor)
+    ratio = contraction(compressor)
+    if compressor.unbiased:
+        return 1.0 / (1.0 + ratio)
+    if ratio < 1.0:
+        return 1.0
+    valid = [n for n in compressors.names() if n != "none" and _works_downlink(n)]
+    raise UserError(f"downlink compressor {compressor.name!r} is biased and not contractive (E|C(v) - v|^2 / |v|^2 "
+                    f"= {ratio:.2f} >= 1), so the server-side error feedback would grow without bound; valid "
+                    f"downlink compressors: {', '.join(valid)}")
+
+
+def _works_downlink(name: str) -> bool:
+    c = compressors.get(name)
+    return c.aggregation != "custom" and (c.unbiased or contraction(c) < 1.0)
+
+
+def _key(bucket_key: Any, k: int, down: bool = False):
+    """The compressor key of server k's slice of a bucket (its memory and shared seeds follow it)."""
+    return (bucket_key, k, "down") if down else (bucket_key, k)
+
+
+# -- worker side ------------------------------------------------------------------------------------------
+class PushFuture(Future):
+    """The server's answer to one push of a bucket (a flat tensor, the bucket's layout)."""
+
+    def __init__(self, worker: "PSWorker", b: int, sends: list, replies: list):
+        self.worker, self.b, self._sends, self._replies = worker, b, sends, replies
+        self.accounting = (worker.t.meter, worker.t.tracer, "ps push/pull")
+        self._value: torch.Tensor | None = None
+
+    def is_completed(self) -> bool:
+        return self._value is not None or (all(m.is_completed() for _, m in self._replies)
+                                           and all(s.is_completed() for s in self._sends))
+
+    def result(self) -> torch.Tensor:
+        if self._value is None:
+            w = self.worker
+            with w._lock:                        # answers are decoded in push order
+                while self._value is None:
+                    w._decode_next()
+        return self._value
+
+
+class PSWorker:
+    """A worker's end: its copy of the model as answered (per bucket), the versions it holds, the replies."""
+
+    def __init__(self, transport, layout: PSLayout, keys: list, initial: list[torch.Tensor],
+                 downlink: Compressor | None = None):
+        self.t, self.layout, self.keys = transport, layout, list(keys)
+        self.index = {k: i for i, k in enumerate(self.keys)}
+        self.held = [x.detach().reshape(-1).clone() for x in initial]      # x̂ per bucket
+        self.slices = [layout.slices(x.numel()) for x in self.held]
+        K = layout.servers
+        self.versions = [[0] * K for _ in self.held]   # the server version of each slice held
+        self.base = [list(v) for v in self.versions]   # ... of the model the next gradients are computed on
+        self.received = [[0] * K for _ in self.held]   # replies per slice: the downlink's compression step
+        self.downlink = downlink
+        self.boxes = [Mailbox(transport, layout.server_rank(k), REPLY_TAGS) for k in range(K)]
+        self._queue: deque[PushFuture] = deque()   # pushes not decoded yet, in push order
+        self._qlock = threading.Lock()      # the queue (a push, inside the engine, never waits for a decode)
+        self._lock = threading.RLock()      # decoding, in push order (may wait for replies)
+        self.pushes = 0
+        self.staleness: Counter = Counter()           # of this worker's pushes of bucket 0 (when known)
+        self.dropped = 0
+        self.closed = False
+
+    def push(self, b: int, step: int, codec: int, bodies: list) -> PushFuture:
+        """Send server k's body (None: an empty slice) of bucket b; inside a program (the engine's order)."""
+        if self.closed:
+            raise RuntimeError("push after done()")
+        sends, replies = [], []
+        for k, body in enumerate(bodies):
+            if body is None:
+                continue
+            dst = self.layout.server_rank(k)
+            sends += send(self.t, dst, Header(PUSH, b, step, self.base[b][k], 0, codec, body.numel()), body, PUSH_TAGS)
+            replies.append((k, self.boxes[k].expect()))
+        fut = PushFuture(self, b, sends, replies)
+        with self._qlock:
+            self._queue.append(fut)
+            self.pushes += b == 0
+        return fut
+
+    def _decode_next(self) -> None:
+        with self._qlock:
+            fut = self._queue[0]
+        b = fut.b
+        for s in fut._sends:
+            s.result()
+        for k, msg in fut._replies:
+            header, body = msg.result()
+            lo, hi = self.slices[b][k]
+            tensors = wire.unpack(body)
+            if self.downlink is None:
+                self.held[b][lo:hi] = tensors[0]
+            else:
+                scale = tensors.pop()
+                ctx = self.downlink.context((hi - lo,), self.held[b].dtype, _key(self.keys[b], k, True),
+                                            self.received[b][k])
+                sent = self.downlink.decompress(Payload(tensors, ctx)).reshape(-1).to(self.held[b].dtype)
+                self.held[b][lo:hi] += sent.mul_(float(scale))
+            self.received[b][k] += 1
+            self.versions[b][k] = header.version
+            if b == 0 and k == 0:
+                if header.aux == DROPPED:
+                    self.dropped += 1
+                else:
+                    self.staleness[header.aux] += 1
+        fut._value = self.held[b].clone()
+        with self._qlock:
+            self._queue.popleft()
+
+    def commit(self) -> None:
+        """The model now holds the answers decoded so far: the next gradients are computed on these versions."""
+        with self._lock:
+            self.base = [list(v) for v in self.versions]
+
+    def drain(self) -> None:
+        """Wait for the answers to every push in flight (in push order)."""
+        with self._lock:
+            while self._queue:
+                self._decode_next()
+
+    def done(self) -> None:
+        """Drain, then tell every server this worker is finished."""
+        if self.closed:
+            return
+        self.drain()
+        hs = []
+        for k in range(self.layout.servers):
+            hs += send(self.t, self.layout.server_rank(k), Header(DONE), None, PUSH_TAGS)
+        for h in hs:
+            h.wait()
+        self.closed = True
+
+    def state_dict(self) -> dict:
+        """At a quiescent point (drained): the copy it holds, the versions, the downlink steps, the counters."""
+        self.drain()
+        return {"held": [h.clone() for h in self.held], "versions": self.versions, "base": self.base,
+                "received": self.received, "pushes": self.pushes, "staleness": dict(self.staleness),
+                "dropped": self.dropped}
+
+    def load_state_dict(self, state: dict) -> None:
+        for mine, saved in zip(self.held, state["held"]):
+            mine.copy_(saved)
+        self.versions = [list(v) for v in state["versions"]]
+        self.base = [list(v) for v in state["base"]]
+        self.received = [list(v) for v in state["received"]]
+        self.pushes, self.dropped = int(state["pushes"]), int(state["dropped"])
+        self.staleness = Counter({int(k): int(v) for k, v in state["staleness"].items()})
+
+    def metrics(self) -> dict:
+        out = {"ps_pushes": self.pushes}
+        out.update(_staleness(self.staleness))
+        if self.dropped:
+            out["dropped"] = self.dropped
+        return out
+
+
+class PSExchange(Exchange):
+    """An `Exchange` whose collective is a push to the parameter servers and the pull of their answer: `start(t,
+    key)` returns the future of the server's answer for the bucket named `key` (see the module docstring). It
+    keeps the exchange's compressor, memory, per-key steps and state; `bind` attaches the worker's end."""
+
+    def __init__(self, transport, compressor="none", memory="none", codec: int = 0, check_finite: bool = True):
+        super().__init__(transport, compressor, memory, check_finite=check_finite)
+        check_uplink(self.compressor)
+        self.codec = codec
+        self.worker: PSWorker | None = None
+
+    def bind(self, worker: PSWorker) -> None:
+        self.worker = worker
+        self.memory.setup(worker.layout.workers)      # the ranks that push: not the servers
+
+    def start(self, tensor: torch.Tensor, key: Any = None, shapes=None, inplace: bool = False):
+        """The server's answer for the bucket `key` (a future). Never serial: the answer waits for the other
+        workers' pushes, and the pushes of later buckets must not wait for it."""
+        return self.transport.run(self.program(tensor, key, shapes, inplace), label="ps push/pull", serial=False)
+
+    def program(self, tensor: torch.Tensor, key: Any = None, shapes=None, inplace: bool = False):
+        x = tensor.detach().reshape(-1)
+        w = self.worker
+        b = w.index[key]
+        step = self.steps.get(key, 0)
+        self.steps[key] = step + 1
+        if self.check_finite:
+            self._check_finite(x, key)
+        bodies = []
+        for k, (lo, hi) in enumerate(w.slices[b]):
+            if hi == lo:
+                bodies.append(None)
+                continue
+            payload = self.encode(x[lo:hi], _key(key, k), step)
+            bodies.append(wire.pack(payload.tensors))
+        return w.push(b, step, self.codec, bodies)
+        yield  # noqa: unreachable - a program that never waits: the answer is its future
+
+
+# -- server side ------------------------------------------------------------------------------------------
+class PSServer:
+    """A server's end: its slice of every bucket, the rule that applies pushes, the replies (module docstring)."""
+
+    RULES = ("sync", "async", "backup")
+
+    def __init__(self, transport, layout: PSLayout, keys: list, params: list[torch.Tensor], codecs: list,
+                 update: Callable, rule: str = "sync", backups: int = 0, downlink: Compressor | None = None,
+                 downlink_scale: float = 1.0):
+        if rule not in self.RULES:
+            raise UserError(f"unknown PS rule {rule!r}; valid: {', '.join(self.RULES)}")
+        if rule == "backup" and not 0 <= backups < layout.workers:
+            raise UserError(f"backups must be in 0..{layout.workers - 1} (n_b of {layout.workers} workers), "
+                            f"got {backups}")
+        self.t, self.layout, self.keys, self.params = transport, layout, list(keys), list(params)
+        self.codecs, self.update, self.rule, self.backups = list(codecs), update, rule, backups
+        self.downlink, self.scale = downlink, float(downlink_scale)
+        self.k = layout.shard_of(transport.rank)
+        n, B = layout.workers, len(self.params)
+        self.ref = next((b for b, p in enumerate(self.params) if p.numel()), None)   # counted in the metrics
+        self.version = [0] * B
+        self.handled = [[0] * B for _ in range(n)]       # pushes of each bucket handled, per worker
+        self.pending: list[dict] = [{} for _ in range(B)]   # sync: round -> worker -> item
+        self.fresh: list[dict] = [{} for _ in range(B)]     # backup: worker -> item of this round
+        self.held = ([[p.detach().reshape(-1).clone() for p in self.params] for _ in range(n)]
+                     if downlink is not None else None)
+        self.sent = [[0] * B for _ in range(n)]          # downlink compression steps
+        self.done = [False] * n
+        self.updates = self.gradients = self.dropped = 0
+        self.staleness: Counter = Counter()
+        self.step = 0                                    # the checkpoint this server was last saved at
+        self.loop = ServerLoop(transport, n)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def serve(self, checkpoint=None, pushes_at: Callable[[int], int] = lambda step: step) -> None:
+        """Answer pushes until every worker is done. `checkpoint=(every, total, save)`: the workers checkpoint
+        after every `every`-th step before `total`; `save(step)` (which joins their checkpoint barrier) is called
+        at the matching cut: every worker's pushes of that step (`pushes_at(step)` per bucket) handled and
+        answered, none beyond (the workers wait in the barrier), nothing pending."""
+        tick = None
+        if checkpoint is not None:
+            every, total, save = checkpoint
+            cut = [(self.step // every + 1) * every]
+
+            def tick() -> bool:
+                if cut[0] < total and self._quiet_at(pushes_at(cut[0])):
+                    self.step = cut[0]
+                    save(cut[0])
+                    cut[0] += every
+                    return True
+                return False
+        self.loop.run(self._on_message, tick)
+
+    def _quiet_at(self, pushes: int) -> bool:
+        return (all(h[b] == pushes for h in self.handled for b, p in enumerate(self.params) if p.numel())
+                and not any(self.pending) and not any(self.fresh) and self.loop.quiet())
+
+    def _on_message(self, w: int, header: Header, body) -> None:
+        if header.kind == DONE:
+            self.done[w] = True
+            for b in range(len(self.params)):
+                self._try_backup(b) if self.rule == "backup" else self._try_sync(b)
+            return
+        b = header.bucket
+        r = self.handled[w][b]
+        self.handled[w][b] += 1
+        comp = self.codecs[header.codec]
+        n = self.params[b].numel()
+        ctx = comp.context((n,), self.params[b].dtype, _key(self.keys[b], self.k), header.clock)
+        item = (header.codec, Payload(wire.unpack(body), ctx), header.version)
+        if self.rule == "async":
+            tau = self.version[b] - header.version
+            self._apply(b, [w], [item], [tau])
+            self._reply(w, b, tau)
+        elif self.rule == "backup":
+            if header.version < self.version[b]:       # a late gradient of a finished round (catalog §2.1.2)
+                self.dropped += b == self.ref
+                self._reply(w, b, DROPPED)
+                return
+            self.fresh[b][w] = item
+            self._try_backup(b)
+        else:
+            self.pending[b].setdefault(r, {})[w] = item
+            self._try_sync(b)
+
+    def _try_sync(self, b: int) -> None:
+        pend = self.pending[b]
+        while self.version[b] in pend:
+            got = pend[self.version[b]]
+            expected = sum(1 for w in range(self.layout.workers) if not self.done[w] or w in got)
+            if len(got) < expected:
+                return
+            del pend[self.version[b]]
+            ws = sorted(got)
+            taus = [self.version[b] - got[w][2] for w in ws]
+            self._apply(b, ws, [got[w] for w in ws], taus)
+            for w, tau in zip(ws, taus):
+                self._reply(w, b, tau)
+
+    def _try_backup(self, b: int) -> None:
+        active = sum(1 for d in self.done if not d)
+        need = min(self.layout.workers - self.backups, max(active, 1))
+        if not self.fresh[b] or len(self.fresh[b]) < need:
+            return
+        ws = sorted(self.fresh[b])
+        # catalog §2.1.2: x_{t+1} = x_t - γ (1/n) Σ_{i ∈ A_t} G_i, A_t the first n arrivals
+        self._apply(b, ws, [self.fresh[b][w] for w in ws], [0] * len(ws))
+        self.fresh[b] = {}
+        for w in ws:
+            self._reply(w, b, 0)
+
+    def _mean(self, items: list) -> torch.Tensor:
+        """The mean of the contributions (seed 000 eq. 6), or their majority vote, by the codec's algebra."""
+        codecs = {c for c, _, _ in items}
+        total = None
+        for c in sorted(codecs):
+            comp = self.codecs[c]
+            agg = comp.aggregate([p for cc, p, _ in items if cc == c]).reshape(-1)
+            if comp.aggregation == "majority" and len(codecs) == 1:
+                return torch.sign(agg)
+            total = agg if total is None else total + agg
+        return total / len(items)
+
+    def _apply(self, b: int, ws: list, items: list, taus: list) -> None:
+        self.update(b, self.params[b], self._mean(items).to(self.params[b].dtype), {"taus": taus, "workers": ws})
+        self.version[b] += 1
+        if b == self.ref:
+            self.updates += 1
+            self.gradients += len(items)
+            self.staleness.update(taus)
+
+    def _reply(self, w: int, b: int, aux: int) -> None:
+        x = self.params[b].detach().reshape(-1)
+        if self.downlink is None:
+            body = wire.pack([x])
+        else:
+            held = self.held[w][b]
+            p = self.downlink.compress(x - held, key=_key(self.keys[b], self.k, True), step=self.sent[w][b])
+            held += self.downlink.decompress(p).reshape(-1).to(held.dtype).mul_(self.scale)
+            body = wire.pack(list(p.tensors) + [torch.tensor([self.scale], dtype=torch.float64)])
+        self.sent[w][b] += 1
+        self.loop.reply(w, Header(REPLY, b, self.handled[w][b], self.version[b], aux, 0, body.numel()), body)
+
+    # -- state and metrics -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """At a checkpoint cut (`serve`): the slices, versions, counters and the copies the workers hold."""
+        if any(self.pending) or any(self.fresh) or not self.loop.quiet():
+            raise RuntimeError("PSServer.state_dict outside a checkpoint cut (updates or replies pending)")
+        return {"params": [p.detach().clone() for p in self.params], "version": list(self.version),
+                "handled": [list(h) for h in self.handled], "sent": [list(s) for s in self.sent],
+                "held": None if self.held is None else [[h.clone() for h in hs] for hs in self.held],
+                "updates": self.updates, "gradients": self.gradients, "dropped": self.dropped,
+                "staleness": dict(self.staleness), "step": self.step,
+                "downlink": None if self.downlink is None else self.downlink.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"]):
+                p.copy_(saved)
+        self.version = list(state["version"])
+        self.handled = [list(h) for h in state["handled"]]
+        self.sent = [list(s) for s in state["sent"]]
+        if self.held is not None:
+            for mine, saved in zip(self.held, state["held"]):
+                for m, s in zip(mine, saved):
+                    m.copy_(s)
+            self.downlink.load_state_dict(state["downlink"])
+        self.updates, self.gradients = int(state["updates"]), int(state["gradients"])
+        self.dropped, self.step = int(state["dropped"]), int(state["step"])
+        self.staleness = Counter({int(k): int(v) for k, v in state["staleness"].items()})
+
+    def metrics(self) -> dict:
+        out = {"ps_shard": self.k, "ps_shard_size": sum(p.numel() for p in self.params), "ps_updates": self.updates,
+               "ps_gradients": self.gradients}
+        out.update(_staleness(self.staleness))
+        if self.rule == "backup":
+            out["dropped"] = self.dropped
+        return out
+
+
+def _staleness(hist: Counter) -> dict:
+    if not hist:
+        return {}
+    total = sum(hist.values())
+    return {"staleness_hist": {str(k): v for k, v in sorted(hist.items())},
+            "staleness_mean": sum(k * v for k, v in hist.items()) / total, "staleness_max": max(hist)}

@@ -1,0 +1,151 @@
+"""`thinwire bench matrix`: every registered algorithm (on each architecture it runs on) × every compressor with
+its natural memory, each at its defaults on a small workload (issue 17).
+
+A cell is either refused at construction — `TrainConfig.validate()` raises a `UserError` whose message names the
+alternatives, and the table shows it — or trained at its defaults, reporting the final metric, the steps to the
+workload's target, bytes sent per worker per step, and whether it reached the target.
+
+    thinwire bench matrix [--workload digits-mlp] [--workers 4] [--only-algorithms bsp,dts]
+                          [--only-compressors topk,qsgd] [--epochs E] [--out rows.json] [--markdown table.md]
+
+Parameter-server cells run with `--servers 1` beside `--ps-workers` workers (default `--workers`; a second
+pool of workers + 1 ranks). A cell whose run fails is reported with its error and the next starts afresh.
+Algorithms that take no compressor are run once (compressor "none").
+"""
+from __future__ import annotations
+
+import json
+
+from ...errors import UserError
+
+# Compressors whose own error-feedback memory shares their name; biased ones otherwise pair with `residual`
+# (error feedback, seed 002 §3.1); unbiased ones and plain casts need none.
+CASTS = ("fp16", "bf16", "fp8", "fp4")
+
+
+def natural_memory(compressor: str) -> str:
+    """The memory a compressor is meant to run with."""
+    from ...compress import compressors, memories
+    if compressor in memories.names():
+        return compressor
+    if compressor == "none" or compressor in CASTS or compressors.get(compressor).unbiased:   # at its defaults
+        return "none"
+    return "residual"
+
+
+def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
+    """Every (algorithm, architecture, compressor, memory) cell with its refusal (None where it is valid)."""
+    from ... import algorithms as algs
+    from ...compress import compressors as comps
+    from ..train import TrainConfig
+    out = []
+    for alg in algorithms or algs.names():
+        for arch in algs.architectures(alg):
+            cls = algs.registry.constructor(alg, {"architecture": arch})
+            names = (compressors or comps.names()) if cls.compression else ["none"]
+            for comp in names:
+                servers = 1 if arch == "ps" else 0
+                params = {} if arch == algs.architectures(alg)[0] else {"architecture": arch}
+                # its natural memory, else none (an algorithm with its own error feedback, e.g. choco, refuses one)
+                for memory in dict.fromkeys([natural_memory(comp), "none"]):
+                    cfg = TrainConfig(algorithm=alg, workers=workers, compressor=comp, memory=memory,
+                                      servers=servers, params=params, progress=False)
+                    try:
+                        cfg.validate()
+                        refused = None
+                        break
+                    except UserError as e:
+                        refused = refused if memory == "none" and refused else str(e)
+                if refused:
+                    memory = natural_memory(comp)
+                out.append({"algorithm": alg, "architecture": arch, "compressor": comp, "memory": memory,
+                            "servers": servers, "params": params, "refused": refused})
+    return out
+
+
+def config(cell: dict, workload: str, workers: int, **kw):
+    from ..train import TrainConfig
+    return TrainConfig(workload=workload, algorithm=cell["algorithm"], workers=workers,
+                       compressor=cell["compressor"], memory=cell["memory"], servers=cell["servers"],
+                       params=dict(cell["params"]), progress=False, **kw)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| algorithm | architecture | compressor | memory | final | target reached | steps to target | "
+             "kB/step | note |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['algorithm']} | {r['architecture']} | {r['compressor']} | {r['memory']} |"
+        if r.get("refused"):
+            lines.append(f"{head} – | refused | – | – | {r['refused'].replace('|', '/')} |")
+        elif r.get("error"):
+            lines.append(f"{head} – | **error** | – | – | {r['error'].replace('|', '/')} |")
+        elif "final" not in r:
+            lines.append(f"{head} – | not run | – | – | |")
+        else:
+            lines.append(f"{head} {r['final']:.4f} | {'yes' if r['reached'] or r['steps_to_target'] is not None else '**no**'} | "
+                         f"{r['steps_to_target'] if r['steps_to_target'] is not None else '–'} | "
+                         f"{r['bytes_per_step'] / 1e3:.1f} | |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    from .. import workloads
+    from ..launcher import Pool
+    from ..train import run_training
+    wl = workloads.get(args.workload)
+    def split(s):
+        return [x for x in s.split(",") if x]
+    rows = cells(split(args.only_algorithms) or None, split(args.only_compressors) or None, args.workers)
+    for servers in (0, 1):                           # one pool per world size, one at a time
+        todo = [r for r in rows if r["servers"] == servers and not r["refused"]]
+        if not todo:
+            continue
+        pool = None
+        try:
+            for r in todo:
+                workers = args.ps_workers or args.workers if servers else args.workers
+                cfg = config(r, args.workload, workers, epochs=args.epochs, seed=args.seed)
+                if pool is None or pool._closed:         # a failed run closes its pool: a fresh one
+                    pool = Pool(workers + servers, timeout=900, start_timeout=600)
+                try:
+                    s = run_training(cfg, pool=pool)
+                except Exception as e:                 # a cell that breaks is reported, the others go on
+                    r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                else:
+                    r["final"] = s.get("final_accuracy", s.get("final_loss"))
+                    r["reached"] = wl.reached(r["final"]) or s["steps_to_target"] is not None   # at an evaluation
+                    r["steps_to_target"] = s["steps_to_target"]
+                    r["bytes_per_step"] = s["bytes_sent_per_worker_per_step"]
+                if not args.json:
+                    what = r.get("error") or (f"final {r['final']:.4f} {'reached' if r['reached'] else 'NOT reached'}"
+                                              f"  {r['bytes_per_step'] / 1e3:.1f} kB/step")
+                    print(f"{r['algorithm']:12s} {r['architecture']:9s} {r['compressor']:13s} {r['memory']:10s} "
+                          f"{what}", flush=True)
+        finally:
+            if pool is not None:
+                pool.close()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    return 0 if not any(r.get("error") for r in rows) else 1
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("matrix", help="every algorithm x compressor (natural memory) at its defaults")
+    p.add_argument("--workload", default="digits-mlp")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--ps-workers", type=int, default=None,
+                   help="workers beside the one server in parameter-server cells (default: --workers)")
+    p.add_argument("--epochs", type=float, default=None, help="default: the workload's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only-algorithms", default="", help="comma-separated algorithm names")
+    p.add_argument("--only-compressors", default="", help="comma-separated compressor names")
+    p.add_argument("--out", default=None, help="write the rows as JSON")
+    p.add_argument("--markdown", default=None, help="write the table as Markdown")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)

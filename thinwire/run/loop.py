@@ -1,0 +1,455 @@
+"""The training loop, written once. `thinwire train`, every cell of `thinwire compare` (thinwire's algorithms,
+the no-communication reference `local`, PyTorch's DDP peers, torchft's DiLoCo) and the benchmarks run
+`train_worker`; what differs between them is the *stepper*:
+
+| stepper | where | what `step()` does after `loss.backward()` |
+| --- | --- | --- |
+| `TrainerStepper` | here | `thinwire.Trainer.step()`: the registered algorithm (its exchanges began during backward) |
+| `DDPStepper` | `run/peers.py` | PyTorch's optimizer step (DDP's comm hook all-reduced during backward) |
+| `TorchftDiLoCoStepper` | `run/torchft_peer.py` | the inner optimizer's step; torchft's DiLoCo syncs every H steps |
+
+The loop owns everything else, the same for every stepper: data shards and batches, forward and backward, the
+launcher's progress report (`report_progress`, between backward and the step's waits), the training clock,
+evaluations (paused out of the clock), checkpoints and resume (steppers that can), the NaN/Inf policy (in the
+stepper's `step()`), the progress bar, traces, TensorBoard scalars and the records `summarize` reads.
+
+**Clock.** Each worker's training clock adds up its steps (forward, backward, communication it waits for, the
+update) and the final drain (`close()`); evaluations, checkpoints, agreements and logging are outside it.
+
+**When to evaluate, when to stop (`Schedule`).** Without a race, every `eval_every` steps (default: twice per
+epoch) and at the last step. In a race (`budget_s` and/or `stop_at_target`) every worker rank evaluates at the
+same steps and then *agrees*: one all-gather of (metric, clock) per evaluation on a gloo group of the worker
+ranks of its own (not the training's group, outside the meter and the clock), so every rank computes the same
+mean metric (the mean `summarize` reports) and the same clock (the slowest worker's), and takes the same
+decision: stop at the target (`stop_at_target`), stop when the clock reached the budget (`budget_s`), or go on.
+Its cadence comes from the step time. After an evaluation at step s and clock t, with τ the mean step time since
+the previous one, the next comes ⌊max(EVAL_PRECISION · t, ahead) / τ⌋ steps later (at least 1, and no later than
+the step where the budget runs out), where `ahead` is
+- half the time the metric needs to reach the target at its current rate (linear through the last two agreed
+  evaluations), at most max(FAR · t, e / EVAL_OVERHEAD): evaluations close in on the crossing, few while it is
+  far (e is the evaluation's own time, the slowest rank's);
+- else (no race to a target, or the metric is not moving toward it) e / EVAL_OVERHEAD: evaluations then cost at
+  most a quarter of the training time.
+Near the crossing the interval is 2 % of the clock, so the evaluation that first reaches the target comes at most
+2 % (or one step) after the true crossing, unless the metric jumped there faster than its trend; `summarize`
+reports that interval with every reading (`time_to_target_resolution_s`), so each one carries its own accuracy.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from ..errors import UserError
+from ..trace import Tracer
+from . import workloads
+from .launcher import report_progress
+
+_now = time.perf_counter
+EVAL_PRECISION = 0.02   # in a race, evaluations come every 2 % of the training clock (see the module's doc) ...
+EVAL_OVERHEAD = 0.25    # ... or far from the target: evaluations cost at most a quarter of the training time ...
+FAR = 0.25              # ... or half-way to the predicted crossing, at most a quarter of the clock ahead
+
+
+# -- steppers ---------------------------------------------------------------------------------------------
+class Stepper:
+    """What the loop drives. `model` is what forward runs through (a DDP wrapper for a peer), `module` the
+    model evaluated and fingerprinted. `step()` applies one step after backward and returns this step's traffic
+    ({"bytes_sent", "emulated_s", "wait_s"}); `close()` drains what is in flight (inside the training clock);
+    `counted(before)` gives (meter, metrics) of the whole run; `shutdown()` releases what the stepper holds
+    (always called, also after an error)."""
+
+    role = "worker"
+    checkpointable = False      # state_dict / load_state_dict implemented
+
+    def __init__(self, model: torch.nn.Module, module: torch.nn.Module, worker_rank: int):
+        self.model, self.module, self.worker_rank = model, module, worker_rank
+
+    @property
+    def parameters(self) -> list:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def step(self) -> dict:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def counted(self, before: dict | None) -> tuple[dict, dict]:
+        raise NotImplementedError
+
+    def tally(self, before: dict | None) -> dict:
+        """What a checkpoint stores of the counters, so that a resumed run's summary counts the whole run."""
+        meter, metrics = self.counted(before)
+        return {"meter": meter, "skipped_steps": metrics.get("skipped_steps", 0)}
+
+    def state_dict(self) -> dict:
+        raise UserError(f"{type(self).__name__} does not write checkpoints")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise UserError(f"{type(self).__name__} does not resume from checkpoints")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_optimizer(cfg, wl, parameters) -> torch.optim.Optimizer:
+    """The workload's optimizer (or `cfg.optimizer` by name) with `cfg.lr` / `cfg.momentum` over it."""
+    return wl.make_optimizer(parameters, lr=cfg.lr, momentum=cfg.momentum, optimizer=getattr(cfg, "optimizer", None))
+
+
+def build_trainer(cfg, wl, model, tracer=None):
+    """The Trainer for this configuration (used by the loop and by the tests)."""
+    from ..trainer import Trainer
+    return Trainer(model, make_optimizer(cfg, wl, model.parameters()), algorithm=cfg.algorithm,
+                   compressor=cfg.compressor, memory=cfg.memory, network=cfg.network, tracer=tracer,
+                   nonfinite=cfg.nonfinite, on_failure=getattr(cfg, "on_failure", "stop"),
+                   **cfg.component_params())
+
+
+class TrainerStepper(Stepper):
+    """thinwire's own algorithms (and `local`, the no-communication reference) through `thinwire.Trainer`."""
+
+    checkpointable = True
+
+    def __init__(self, cfg, wl, rank: int, tracer=None):
+        model = wl.model(cfg.seed)
+        self.trainer = build_trainer(cfg, wl, model, tracer)
+        super().__init__(model, model, getattr(self.trainer.algorithm, "worker_rank", rank))
+        self.role = getattr(self.trainer.algorithm, "role", "worker")
+
+    @property
+    def parameters(self) -> list:
+        return self.trainer.parameters
+
+    def step(self) -> dict:
+        return self.trainer.step()
+
+    def zero_grad(self) -> None:
+        self.trainer.optimizer.zero_grad(set_to_none=False)
+
+    def close(self) -> None:
+        self.trainer.close()
+
+    def counted(self, before: dict | None) -> tuple[dict, dict]:
+        """This rank's meter (bytes, ops, emulated and exposed time, by kind and in total) and metrics over the
+        whole run: on resume, what the checkpoint counted (`before`, from `tally`) plus this segment's."""
+        trainer = self.trainer
+        meter, metrics = trainer.transport.meter.to_dict(), trainer.metrics()
+        if not before:
+            return meter, metrics
+        add = lambda a, b: {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+        old = before["meter"]
+        meter = {"total": add(old["total"], meter["total"]),
+                 "by_kind": {k: add(old["by_kind"].get(k, {}), meter["by_kind"].get(k, {}))
+                             for k in old["by_kind"].keys() | meter["by_kind"].keys()}}
+        metrics.update({k: v for k, v in meter["total"].items() if k in metrics})
+        metrics["skipped_steps"] = metrics.get("skipped_steps", 0) + before.get("skipped_steps", 0)
+        return meter, metrics
+
+    def state_dict(self) -> dict:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer.load_state_dict(state)
+
+    def serve(self, cfg, rank: int, world_size: int, total: int | None) -> dict | None:
+        """A server rank: restore its state on resume, then serve; with checkpoints, it joins each one at the
+        cut where every worker's pushes of that step are answered (PSServer.serve). Returns what the checkpoint
+        it resumed from had counted (None: a fresh start)."""
+        import torch.distributed as dist
+        from . import checkpoint
+        before = None
+        if cfg.resume:
+            state = checkpoint.load(cfg.resume, rank)
+            self.load_state_dict(state["trainer"])
+            checkpoint.set_rng_state(state["rng"])
+            before = state.get("counted")
+        if not cfg.checkpoint_every:
+            self.trainer.algorithm.serve()
+            return before
+
+        def save(step: int) -> None:
+            state = {"step": step, "trainer": self.state_dict(), "rng": checkpoint.rng_state(),
+                     "counted": self.tally(before)}
+            checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
+        self.trainer.algorithm.serve(checkpoint=(cfg.checkpoint_every, total, save))
+        return before
+
+
+def make_stepper(cfg, wl, rank: int, world_size: int, tracer=None) -> Stepper:
+    from .peers import PEER_PARAMS, make_peer
+    if cfg.algorithm in PEER_PARAMS:
+        return make_peer(cfg, wl, rank, world_size)
+    return TrainerStepper(cfg, wl, rank, tracer)
+
+
+# -- when to evaluate and when to stop --------------------------------------------------------------------
+_GROUPS: dict = {}
+
+
+def worker_group(is_worker: bool):
+    """A gloo group of the worker ranks (parameter servers left out) for the loop's agreements, apart from every
+    group training uses, so that an agreement never interleaves with an exchange in flight. Every rank of the
+    job calls this, in the same order; groups are kept for the life of the process (pools run many runs)."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    key = ("all", world)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo")
+    control = _GROUPS[key]
+    flags = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(flags, torch.tensor([1.0 if is_worker else 0.0]), group=control)
+    ranks = tuple(r for r, f in enumerate(flags) if f.item() > 0)
+    if len(ranks) == world:
+        return control
+    key = ("workers", world, ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(ranks), backend="gloo")
+    return _GROUPS[key]
+
+
+def racing(cfg) -> bool:
+    return cfg.budget_s is not None or bool(cfg.stop_at_target)
+
+
+class Schedule:
+    """The evaluation steps and the stop decision (see the module's doc); identical on every worker rank."""
+
+    def __init__(self, cfg, wl, total: int | None, workers: int, group=None):
+        self.wl, self.total, self.group = wl, total, group
+        self.race = racing(cfg)
+        self.every = cfg.eval_every or (None if self.race else max(1, wl.steps_per_epoch(workers, cfg.batch_size) // 2))
+        self.budget = cfg.budget_s
+        self.target = cfg.target if cfg.target is not None else wl.target
+        self.stop_at_target = bool(cfg.stop_at_target)
+        self.next = 1 if self.race else self.every
+        self.last = (0, 0.0)    # (step, agreed clock) of the last evaluation
+        self.seen = None        # (agreed clock, agreed metric) of the last evaluation
+
+    def due(self, step: int) -> bool:
+        if step == self.total:
+            return True
+        return step == self.next if self.race else step % self.every == 0
+
+    def agree(self, value: float, clock: float, eval_s: float) -> tuple[float, float, float]:
+        """(mean metric over the worker ranks, the slowest worker's clock, the slowest evaluation): the same
+        numbers on every rank (all ranks compute them from the same all-gathered list, in rank order)."""
+        import torch.distributed as dist
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return value, clock, eval_s
+        mine = torch.tensor([value, clock, eval_s], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(every, mine, group=self.group)
+        return (statistics.fmean(float(v[0]) for v in every), max(float(v[1]) for v in every),
+                max(float(v[2]) for v in every))
+
+    def evaluated(self, step: int, value: float, clock: float, eval_s: float = 0.0) -> tuple[str | None, dict]:
+        """After the evaluation at `step` (which took `eval_s`): (why to stop or None, what to add to its record)."""
+        if not self.race:
+            return ("steps" if step == self.total else None), {}
+        mean, t, e = self.agree(value, clock, eval_s)
+        stop = None
+        if step > 0 and self.stop_at_target and math.isfinite(mean) and self.wl.reached(mean, self.target):
+            stop = "target"
+        elif self.budget is not None and t >= self.budget:
+            stop = "budget"
+        elif step == self.total:
+            stop = "steps"
+        s0, t0 = self.last
+        tau = (t - t0) / (step - s0) if step > s0 else 0.0
+        if self.every:
+            gap = self.every
+        elif tau <= 0:
+            gap = 1
+        else:
+            gap = max(1, math.floor(max(EVAL_PRECISION * t, self._ahead(t, mean, e)) / tau))
+            if self.budget is not None:  # land on the budget; the slower of the recent and the mean step time
+                gap = min(gap, max(1, math.ceil((self.budget - t) / max(tau, t / step))))
+        self.next = step + gap if self.total is None else min(step + gap, self.total)
+        self.last, self.seen = (step, t), (t, mean)
+        return stop, {"agreed": mean, "agreed_t": t}
+
+    def _ahead(self, t: float, mean: float, e: float) -> float:
+        """How far ahead (training time) the next evaluation may come, beyond 2 % of the clock (module doc)."""
+        if self.stop_at_target and self.seen is not None and t > self.seen[0] and math.isfinite(mean):
+            rate = (mean - self.seen[1]) / (t - self.seen[0])
+            left = (self.target - mean) / rate if rate else -1.0
+            if left > 0:
+                return min(left / 2, max(FAR * t, e / EVAL_OVERHEAD))
+        return e / EVAL_OVERHEAD
+
+    def state_dict(self) -> dict:
+        return {"next": self.next, "last_step": self.last[0], "last_t": self.last[1],
+                "seen": list(self.seen) if self.seen else None}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:
+            self.next, self.last = int(state["next"]), (int(state["last_step"]), float(state["last_t"]))
+            self.seen = tuple(state["seen"]) if state.get("seen") else None
+
+
+# -- TensorBoard ------------------------------------------------------------------------------------------
+def check_tensorboard(path) -> None:
+    """`--tensorboard DIR` can work here: the optional extra is installed and DIR is writable (else one line)."""
+    import importlib.util
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UserError("--tensorboard needs the optional extra: pip install 'thinwire[tensorboard]' "
+                        "(the tensorboard package)")
+    from .train import check_writable_dir
+    check_writable_dir(path, "--tensorboard")
+
+
+class Board:
+    """TensorBoard scalars of one run, written live by worker rank 0 through `torch.utils.tensorboard`, outside
+    the training clock. The x axis is the step; the event's wall time is the start plus the training clock, so
+    TensorBoard's "relative" axis shows training time (evaluations excluded)."""
+
+    def __init__(self, path: str, metric: str):
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer, self.metric, self.t0 = SummaryWriter(log_dir=path), metric, time.time()
+
+    def step(self, rec: dict) -> None:
+        at = dict(global_step=rec["step"], walltime=self.t0 + rec["t"])
+        self.writer.add_scalar("train/loss", rec["loss"], **at)
+        self.writer.add_scalar("train/step_s", rec["step_s"], **at)
+        self.writer.add_scalar("comm/bytes_sent", rec["bytes_sent"], **at)
+        self.writer.add_scalar("comm/exposed_s", rec["wait_s"], **at)
+        self.writer.add_scalar("comm/emulated_s", rec["emulated_s"], **at)
+
+    def evaluation(self, rec: dict) -> None:
+        at = dict(global_step=rec["step"], walltime=self.t0 + rec["t"])
+        self.writer.add_scalar(f"eval/{self.metric}", rec["value"], **at)
+        if "agreed" in rec:
+            self.writer.add_scalar(f"eval/{self.metric}_mean_over_workers", rec["agreed"], **at)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# -- the loop ---------------------------------------------------------------------------------------------
+def train_worker(rank: int, world_size: int, cfg) -> dict:
+    """Runs in every rank: train, evaluate, agree, stop; return this rank's records."""
+    wl = workloads.get(cfg.workload)
+    tracer = Tracer(rank, enabled=cfg.trace)
+    stepper = make_stepper(cfg, wl, rank, world_size, tracer)
+    try:
+        group = worker_group(stepper.role == "worker") if racing(cfg) and world_size > 1 else None
+        if stepper.role != "worker":  # e.g. a parameter server rank: serves until the workers are done
+            before = stepper.serve(cfg, rank, world_size, cfg.total_steps(wl))
+            meter, metrics = stepper.counted(before)
+            return {"rank": rank, "role": stepper.role, "meter": meter, "metrics": metrics,
+                    "trace": tracer.events}
+        return _loop(rank, world_size, cfg, wl, stepper, tracer, group)
+    finally:
+        stepper.shutdown()
+
+
+def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
+    wrank = stepper.worker_rank
+    x, y = wl.shard(wrank, cfg.workers)
+    loader = workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=cfg.seed, rank=wrank)
+    total = cfg.total_steps(wl)
+    schedule = Schedule(cfg, wl, total, cfg.workers, group)
+    bar = board = None
+    if cfg.progress and wrank == 0 and not os.environ.get("THINWIRE_NO_PROGRESS"):
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc=f"{cfg.algorithm} on {cfg.network}", unit="step", file=sys.stderr,
+                   leave=False, dynamic_ncols=True)
+    if getattr(cfg, "tensorboard", None) and wrank == 0:
+        board = Board(cfg.tensorboard, wl.metric)
+    steps, evals, clock, first, before, stop = [], [], 0.0, 1, None, None
+    try:
+        if cfg.resume:
+            from . import checkpoint
+            state = checkpoint.load(cfg.resume, rank)
+            stepper.load_state_dict(state["trainer"])
+            loader.load_state_dict(state["loader"])
+            checkpoint.set_rng_state(state["rng"])
+            steps, evals, clock = state["records"]["steps"], state["records"]["evals"], float(state["clock"])
+            first = int(state["step"]) + 1
+            before = state.get("counted")
+            schedule.load_state_dict(state.get("schedule"))
+            if bar is not None:
+                bar.update(first - 1)
+        else:
+            t1 = _now()
+            rec = {"step": 0, "t": 0.0, "value": wl.evaluate(stepper.module)}
+            rec.update(schedule.evaluated(0, rec["value"], 0.0, _now() - t1)[1])
+            evals.append(rec)
+            if board is not None:
+                board.evaluation(rec)
+        step = first
+        while total is None or step <= total:
+            t0 = _now()
+            xb, yb = loader.next()
+            with tracer.span("forward", "forward"):
+                loss = wl.loss(stepper.model(xb), yb)
+            with tracer.span("backward", "backward"):
+                loss.backward()
+            report_progress(step)  # computed: the launcher's watchdog tells a stuck rank from those waiting on it
+            traffic = stepper.step()
+            stepper.zero_grad()
+            dt = _now() - t0
+            clock += dt
+            rec = {"step": step, "loss": loss.item(), "t": clock, "step_s": dt,
+                   "bytes_sent": traffic["bytes_sent"], "emulated_s": traffic["emulated_s"],
+                   "wait_s": traffic["wait_s"]}
+            steps.append(rec)
+            if board is not None:
+                board.step(rec)
+            if schedule.due(step):
+                if step == total:  # drain before the final evaluation: the final model is the consistent one
+                    t1 = _now()
+                    stepper.close()
+                    clock += _now() - t1
+                t1 = _now()
+                ev = {"step": step, "t": clock, "value": wl.evaluate(stepper.module)}
+                stop, agreed = schedule.evaluated(step, ev["value"], clock, _now() - t1)
+                ev.update(agreed)
+                evals.append(ev)
+                if board is not None:
+                    board.evaluation(ev)
+                if stop is not None and step != total:  # a race ends here: drain, on the clock
+                    t1 = _now()
+                    stepper.close()
+                    clock += _now() - t1
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop is None and step != total:
+                _checkpoint(cfg, rank, world_size, step, stepper, loader, steps, evals, clock, before, schedule)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+            if stop is not None:
+                break
+            step += 1
+    finally:
+        if bar is not None:
+            bar.close()
+        if board is not None:
+            board.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in stepper.parameters])
+    meter, metrics = stepper.counted(before)
+    params = stepper.parameters
+    return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
+            "model_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+            "meter": meter, "metrics": metrics, "stopped": stop or "steps",
+            "trace": tracer.events, "num_params": sum(p.numel() for p in params),
+            "dtype_bytes": params[0].element_size(), "train_s": clock}
+
+
+def _checkpoint(cfg, rank, world_size, step, stepper, loader, steps, evals, clock, before, schedule) -> None:
+    import torch.distributed as dist
+    from . import checkpoint
+    state = {"step": step, "trainer": stepper.state_dict(), "loader": loader.state_dict(),
+             "rng": checkpoint.rng_state(), "records": {"steps": steps, "evals": evals}, "clock": clock,
+             "counted": stepper.tally(before), "schedule": schedule.state_dict()}
+    checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)

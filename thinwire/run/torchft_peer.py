@@ -1,0 +1,233 @@
+"""torchft's DiLoCo as a peer of `thinwire compare` (`torchft-diloco`; optional extra `thinwire[peers]`:
+`pip install torch==2.13.0 torchft==0.2.0`).
+
+How it runs here, on CPU and gloo, one replica group per thinwire worker rank:
+- worker rank 0 starts torchft's Lighthouse in-process on 127.0.0.1 (`LighthouseServer(min_replicas=workers)`)
+  and the ranks learn its address through the launcher's process group;
+- each rank is a replica group of one: its own `TCPStore` (bound to 127.0.0.1), a torchft `Manager`
+  (`use_async_quorum=False`, as DiLoCo requires; `init_sync=False`: every replica builds the same model from the
+  seed) over torchft's `ProcessGroupGloo`, and `torchft.local_sgd.DiLoCo` around the workload's own optimizer
+  (inner steps) with an outer `SGD(lr=outer_lr 0.7, momentum=outer_momentum 0.9, nesterov=True)` (Douillard et al.
+  2023's outer optimizer), syncing every `period` steps; `fragments` > 1 is Streaming DiLoCo (with
+  `fragment_sync_delay` and `fragment_update_alpha`);
+- pseudo-gradients go in one bucket per sync (`use_bucketization=True`, as thinwire's exchanges bucket; torchft's
+  default is one all-reduce per parameter tensor);
+- `RUST_LOG=warn` unless set (its Rust side logs every quorum otherwise).
+
+**Same network as thinwire's cells.** torchft's process group is wrapped (`_EmulatedGloo`): every all-reduce runs
+for real on gloo, then completes no earlier than the emulated link delivers it, with the α-β ring all-reduce cost
+and the per-rank link queue (`LinkClock`) the Transport charges, and its bytes counted the same way (the DDP peers'
+`_Counter`). Each sync also starts a quorum through the Lighthouse, a remote procedure call on a real deployment:
+it is charged one round trip of the emulated link (2 × one-way latency), counted as emulated and exposed time.
+Other control traffic (heartbeats, `should_commit` inside a replica group of one) runs on loopback uncharged.
+
+**Not here:** `quantize=True` asks torchft to quantize pseudo-gradients, which needs Triton (a GPU): on CPU torchft
+silently sends full precision. The cell's description says so; its bytes are what was sent (fp32).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UserError
+from ..net import parse_network, ring_allreduce
+from .loop import Stepper, make_optimizer
+
+EXTRA = "pip install 'thinwire[peers]' (torch==2.13.0 torchft==0.2.0)"
+
+
+def missing() -> str | None:
+    """Why torchft's DiLoCo cannot run here, or None."""
+    if importlib.util.find_spec("torchft") is None:
+        return f"torchft-diloco needs the optional extra: {EXTRA}"
+    return None
+
+
+def check(params: dict) -> None:
+    """Values torchft's DiLoCo accepts (its own checks raise deep inside a worker): a one-line UserError."""
+    period = int(params.get("period", 8))
+    fragments = int(params.get("fragments", 1))
+    delay = int(params.get("fragment_sync_delay", 0))
+    alpha = params.get("fragment_update_alpha", 0.0)
+    if period % fragments:
+        raise UserError(f"torchft-diloco: fragments ({fragments}) must divide period ({period})")
+    if delay >= period // fragments:
+        raise UserError(f"torchft-diloco: fragment_sync_delay ({delay}) must be below period / fragments "
+                        f"({period // fragments})")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        raise UserError(f"torchft-diloco: fragment_update_alpha must be in [0, 1], got {alpha!r}")
+    for k in ("outer_lr", "outer_momentum"):
+        v = params.get(k, 0.5)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 10 if k == "outer_lr" else 0 <= v < 1):
+            raise UserError(f"torchft-diloco: {k} must be {'in (0, 10]' if k == 'outer_lr' else 'in [0, 1)'}, "
+                            f"got {v!r}")
+    for k in ("nesterov", "quantize", "bucketize"):
+        if k in params and not isinstance(params[k], bool):
+            raise UserError(f"torchft-diloco: {k} must be true or false, got {params[k]!r}")
+
+
+def _emulated_gloo(counter, timeout: timedelta):
+    """torchft's ProcessGroupGloo whose all-reduces are delivered by the emulated link and counted (see above)."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class _Delivered(dist._Work):
+        def __init__(self, work, cost):
+            super().__init__()
+            self.work, self.cost, self._done = work, cost, False
+
+        def _deliver(self):
+            if not self._done:
+                self._done = True
+                counter.deliver(self.cost)
+
+        def wait(self, timeout=None):
+            self.work.wait()
+            self._deliver()
+            return True
+
+        def get_future(self):
+            def done(fut):
+                self._deliver()
+                return fut.value()
+            return self.work.get_future().then(done)
+
+    class _EmulatedGloo(ProcessGroupGloo):
+        def allreduce(self, tensors, opts):
+            work = super().allreduce(tensors, opts)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            cost = ring_allreduce(counter.link.handshaking(), self.size(), nbytes)  # as the Transport
+            counter.bytes_sent += cost.sent
+            counter.ops += 1
+            return _Delivered(work, cost)
+
+    return _EmulatedGloo(timeout=timeout)
+
+
+class TorchftDiLoCoStepper(Stepper):
+    """torchft's DiLoCo around the workload's optimizer: `step()` is the inner optimizer's step, whose post-hook
+    (torchft's) starts the quorum and the pseudo-gradient all-reduce and applies the outer step every `period`."""
+
+    def __init__(self, cfg, wl, rank: int, world_size: int, counter_cls):
+        why = missing()
+        if why:
+            raise UserError(why)
+        os.environ.setdefault("RUST_LOG", "warn")
+        logging.getLogger("torchft").setLevel(logging.ERROR)  # e.g. a warning per manager about NCCL's recorder
+        from torchft import Manager
+        from torchft._torchft import LighthouseServer
+        from torchft.local_sgd import DiLoCo
+
+        from .launcher import _listen
+        from .peers import finite_or_raise
+        self._finite = finite_or_raise
+        p = cfg.params
+        period, fragments = int(p.get("period", 8)), int(p.get("fragments", 1))
+        self.counter = counter_cls(rank, parse_network(cfg.network))
+        self.lighthouse = self.manager = self.diloco = self.store = None
+        module = wl.model(cfg.seed)
+        super().__init__(module, module, rank)
+        self.rank, self.steps = rank, 0
+        address = [None]
+        if rank == 0:
+            self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=world_size)
+            address = [self.lighthouse.address()]
+        dist.broadcast_object_list(address, src=0)
+        fd, port = _listen("127.0.0.1", 0)
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
+                                   use_libuv=False)
+        self.pg = _emulated_gloo(self.counter, timedelta(seconds=600))
+        self.inner = make_optimizer(cfg, wl, module.parameters())
+        self.manager = Manager(pg=self.pg, load_state_dict=self._load, state_dict=self._state,
+                               min_replica_size=world_size, use_async_quorum=False, init_sync=False, rank=0,
+                               world_size=1, store_addr="127.0.0.1", store_port=port, lighthouse_addr=address[0],
+                               replica_id=f"thinwire_{rank}", hostname="127.0.0.1",
+                               timeout=timedelta(seconds=600), quorum_timeout=timedelta(seconds=600),
+                               connect_timeout=timedelta(seconds=60))
+        self._charge_quorum()
+        # Streaming DiLoCo splits the model into `fragments` consecutive groups of its top-level modules
+        children = list(module.children()) or [module]
+        if fragments > len(children):
+            raise UserError(f"torchft-diloco: {fragments} fragments, but the model has {len(children)} top-level "
+                            f"modules to split")
+        bounds = [round(i * len(children) / fragments) for i in range(fragments + 1)]
+        parts = [torch.nn.ModuleList(children[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        outer = [torch.optim.SGD(part.parameters(), lr=float(p.get("outer_lr", 0.7)),
+                                 momentum=float(p.get("outer_momentum", 0.9)), nesterov=bool(p.get("nesterov", True)))
+                 for part in parts]
+        self.diloco = DiLoCo(self.manager, parts, self.inner, outer, sync_every=period,
+                             use_bucketization=bool(p.get("bucketize", True)),
+                             should_quantize=bool(p.get("quantize", False)),
+                             fragment_sync_delay=int(p.get("fragment_sync_delay", 0)),
+                             fragment_update_alpha=float(p.get("fragment_update_alpha", 0.0)))
+        self.diloco.__enter__()
+        quant = " (quantize asked: needs Triton, so full precision on CPU)" if p.get("quantize") else ""
+        self.desc = (f"torchft {_version()} DiLoCo, sync every {period} steps, outer SGD lr "
+                     f"{float(p.get('outer_lr', 0.7)):g} momentum {float(p.get('outer_momentum', 0.9)):g}"
+                     f"{' Nesterov' if p.get('nesterov', True) else ''}, {fragments} fragment(s){quant}; quorum "
+                     f"charged one round trip per sync")
+        self._before = self.counter.totals()
+
+    def _charge_quorum(self) -> None:
+        """Each quorum is one round trip to the Lighthouse on a real deployment: charge it on the emulated link."""
+        start, counter = self.manager.start_quorum, self.counter
+
+        def start_quorum(*args, **kwargs):
+            out = start(*args, **kwargs)
+            rtt = 2 * counter.link.latency if counter.link.emulated else 0.0
+            if rtt > 0:
+                counter.emulated_s += rtt
+                t0 = time.perf_counter()
+                time.sleep(rtt)
+                counter.wait_s += time.perf_counter() - t0
+            return out
+        self.manager.start_quorum = start_quorum
+
+    def _state(self) -> dict:
+        return {"model": self.module.state_dict(), "inner": self.inner.state_dict()}
+
+    def _load(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.inner.load_state_dict(state["inner"])
+
+    def step(self) -> dict:
+        self.steps += 1
+        self._finite(self.parameters, self.rank, self.steps)
+        self.inner.step()
+        now = self.counter.totals()
+        out = {k: now[k] - self._before[k] for k in ("bytes_sent", "emulated_s", "wait_s")}
+        self._before = now
+        return out
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad(set_to_none=False)
+
+    def counted(self, before) -> tuple[dict, dict]:
+        return {"total": self.counter.totals()}, {"peer": self.desc, "syncs": self.manager.current_step()}
+
+    def shutdown(self) -> None:
+        clean = sys.exc_info()[0] is None
+        if self.diloco is not None:
+            self.diloco.__exit__(None, None, None)
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+        if clean and dist.is_initialized():
+            dist.barrier()  # every replica is done before the Lighthouse goes
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+        self.pg.shutdown() if hasattr(self, "pg") else None
+        self.store = None
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("torchft")
+    except Exception:  # noqa: BLE001
+        return "?"
