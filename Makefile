@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast docs clean
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ test: install
 # the inner loop: everything but the long end-to-end runs and the tests of killed or stalled processes
 test-fast: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not processes" tests
+
+# the documentation site (MkDocs + Material + mkdocstrings) into build/site; --strict: a broken reference fails
+docs: install
+	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(BIN)/pip install -q -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) results build *.egg-info

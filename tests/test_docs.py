@@ -1,0 +1,61 @@
+"""The documentation: every page the site lists exists, the README fits on two screens, no paragraph twice."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+def _nav_pages() -> list[str]:
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = text[text.index("\nnav:"):]
+    return re.findall(r":\s*([\w./-]+\.md)\s*$", nav, flags=re.M)
+
+
+def test_every_nav_page_exists_and_every_page_is_in_nav():
+    pages = _nav_pages()
+    assert len(pages) >= 10
+    missing = [p for p in pages if not (DOCS / p).is_file()]
+    assert not missing, f"mkdocs.yml lists pages that do not exist: {missing}"
+    on_disk = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if p.parts[len(DOCS.parts)] != "benchmarks"}
+    assert on_disk - set(pages) == set(), f"pages under docs/ not in the nav: {sorted(on_disk - set(pages))}"
+
+
+def test_readme_fits_on_two_screens_and_links_resolve():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 100
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+        assert (ROOT / target).exists(), f"README links to a missing file: {target}"
+
+
+def _paragraphs(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)   # commands may repeat; prose may not
+    paras = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+    return [p for p in paras if len(p) >= 120 and not p.startswith(("#", "|"))]
+
+
+def test_no_paragraph_appears_in_two_documents():
+    files = [ROOT / "README.md"] + sorted(DOCS.rglob("*.md"))   # BENCHMARKS.md: docs/benchmarks/ holds its raw notes
+    seen: dict[str, Path] = {}
+    repeats = []
+    for f in files:
+        for p in _paragraphs(f):
+            if p in seen and seen[p] != f:
+                repeats.append(f"{f.relative_to(ROOT)} repeats {seen[p].relative_to(ROOT)}: {p[:80]}...")
+            seen.setdefault(p, f)
+    assert not repeats, "\n".join(repeats)
+
+
+def test_cli_reference_is_generated_from_the_parsers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cli_reference", ROOT / "tools" / "cli_reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.MARKER in (DOCS / "cli-reference.md").read_text()
+    page = mod.render()
+    for command in ("thinwire train", "thinwire compare", "thinwire advise", "thinwire bench latency"):
+        assert f"`{command}`" in page
+    assert "--algorithm" in page and "--network" in page
