@@ -38,6 +38,8 @@ def test_list_json_names_every_family():
     (["train", "--bogus-flag", "3", "--steps", "1", "--workers", "1"], "unknown parameter 'bogus_flag'"),
     (["train", "--workers", "two"], "invalid int value"),
     (["nope"], "invalid choice"),
+    (["bench", "all", "--out", "/tmp/x", "--only", "nope"], "unknown benchmark 'nope'; valid: cdsgd,"),
+    (["bench", "costmodel", "--configs", "nope"], "unknown configuration 'nope'; valid: bsp"),
 ])
 def test_bad_input_is_one_line_with_status_2(args, needle, capsys):
     from thinwire.cli import main
