@@ -56,8 +56,8 @@ class CHOCO(Gossip):
     def _send_recv(self, payload: Payload) -> dict[int, Payload]:
         tp = self.transport
         tensors = [t.contiguous() for t in payload.tensors]
-        header = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
-        body = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors] or [torch.empty(0, dtype=torch.uint8)])
+        header = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=tp.device)
+        body = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors] or [torch.empty(0, dtype=torch.uint8, device=tp.device)])
         hs = [tp.isend(header, j, tag=TAG) for j in self.peers]
         if body.numel():
             hs += [tp.isend(body, j, tag=TAG + 1) for j in self.peers]
@@ -66,7 +66,7 @@ class CHOCO(Gossip):
         bodies, rh = {}, []
         for j in self.peers:
             nbytes = sum(int(c) * t.element_size() for c, t in zip(heads[j].tolist(), tensors))
-            bodies[j] = torch.empty(nbytes, dtype=torch.uint8)
+            bodies[j] = torch.empty(nbytes, dtype=torch.uint8, device=tp.device)
             if nbytes:
                 rh.append(tp.irecv(bodies[j], j, tag=TAG + 1))
         wait_all(hs + rh)

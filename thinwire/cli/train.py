@@ -42,7 +42,7 @@ def config_from_args(args):
                        checkpoint_dir=getattr(args, "checkpoint_dir", None) or (
                            os.path.join(args.out, "checkpoint") if getattr(args, "out", None) else None),
                        resume=getattr(args, "resume", None), nonfinite=getattr(args, "nonfinite", "stop"),
-                       on_failure=getattr(args, "on_failure", "stop"),
+                       on_failure=getattr(args, "on_failure", "stop"), device=getattr(args, "device", "cpu"),
                        progress_timeout=getattr(args, "progress_timeout", None))
 
 
@@ -81,7 +81,7 @@ def run(args) -> int:
     if args.trace and not args.out:
         raise UserError("--trace needs --out DIR (the trace is written to DIR/trace.json)")
     if under_torchrun():
-        rank, world = init(cfg.network, seed=cfg.seed)
+        rank, world = init(cfg.network, seed=cfg.seed, device=cfg.device)
         summary = run_torchrun_worker(cfg, rank, world, args.out)
         if rank != 0:
             return 0
@@ -117,6 +117,8 @@ def register(sub) -> None:
                    help="stop the run, naming the rank, when no rank has advanced a step for S seconds (default "
                         "300, raised to 50 median step times for slow steps)")
     p.add_argument("--trace", action="store_true", help="write a Chrome trace to OUT/trace.json")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (gloo, default) or cuda (NCCL, one worker per GPU: --workers <= the GPUs)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run, accepts_params=True)

@@ -239,6 +239,13 @@ class Transport:
         self._in_order: collections.deque[Handle] = collections.deque()  # collectives not yet on the link
         self._order_lock = threading.Lock()
 
+    @property
+    def device(self) -> torch.device:
+        """Where this group's buffers (headers included) live: the current CUDA device under NCCL, else the CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def regroup(self, group) -> None:
         """Go on with `group` (the survivors of a lost worker): ranks renumbered, the old group's operations
         in flight abandoned."""
@@ -323,7 +330,7 @@ class Transport:
         cost_extra = Cost(0.0, 0.0, 0.0, 0.0)
         if sizes is None:
             if n > 1:
-                mine = torch.tensor([flat.numel()], dtype=torch.int64)
+                mine = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
                 got = [torch.empty_like(mine) for _ in range(n)]
                 yield _Work(dist.all_gather(got, mine, group=self.group, async_op=True))
                 sizes = [int(g.item()) for g in got]

@@ -103,6 +103,7 @@ class TrainConfig:
     nonfinite: str = "stop"               # NaN/Inf in a gradient: "stop" every rank, or "skip" the step on all
     on_failure: str = "stop"              # a lost worker: "stop" the job, or "continue" with the survivors
     progress_timeout: float | None = None # the launcher's progress watchdog (s); None: its default
+    device: str = "cpu"                   # "cuda": one worker per GPU on NCCL (model, batches, buffers there)
 
     def validate(self) -> "TrainConfig":
         from .. import algorithms
@@ -114,7 +115,8 @@ class TrainConfig:
         if self.memory is not None:
             memories.lookup(self.memory)
         parse_network(self.network)
-        from .launcher import MAX_LOCAL_WORKERS, under_torchrun
+        from .launcher import MAX_LOCAL_WORKERS, pick_backend, under_torchrun
+        pick_backend(None, self.device, 1 if under_torchrun() else self.workers + self.servers)
         check_int("--workers", self.workers, 1)
         check_int("--servers", self.servers, 0)
         check_int("--seed", self.seed, 0, MAX_SEED)
@@ -196,7 +198,8 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Runs in every worker: train, evaluate at intervals, return this rank's records."""
     wl = workloads.get(cfg.workload)
     tracer = Tracer(rank, enabled=cfg.trace)
-    model = wl.model(cfg.seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    model = wl.model(cfg.seed).to(device)
     trainer = build_trainer(cfg, wl, model, tracer)
     workers = cfg.workers
     role = getattr(trainer.algorithm, "role", "worker")
@@ -234,6 +237,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     for step in range(first, total + 1):
         t0 = _now()
         xb, yb = loader.next()
+        xb, yb = xb.to(device), yb.to(device)
         with tracer.span("forward", "forward"):
             loss = wl.loss(model(xb), yb)
         with tracer.span("backward", "backward"):
@@ -262,7 +266,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.parameters])
     meter, metrics = _counted(trainer, before)
     return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
-            "model_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+            "model_sha256": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest(),
             "meter": meter, "metrics": metrics,
             "trace": tracer.events, "num_params": sum(p.numel() for p in trainer.parameters),
             "dtype_bytes": trainer.parameters[0].element_size(), "train_s": clock}
@@ -359,7 +363,7 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
     summary = {
         "workload": cfg.workload, "algorithm": cfg.algorithm, "network": cfg.network,
         "workers": len(workers), "servers": len(servers), "compressor": cfg.compressor, "memory": cfg.memory,
-        "params": cfg.params, "seed": cfg.seed, "steps": n_steps, "wall_s": wall_s, "train_s": train_s,
+        "params": cfg.params, "seed": cfg.seed, "device": cfg.device, "steps": n_steps, "wall_s": wall_s, "train_s": train_s,
         "metric": wl.metric, "target": target,
         ("final_accuracy" if wl.metric == "accuracy" else "final_loss"): final,
         ("best_accuracy" if wl.metric == "accuracy" else "best_loss"): best,
@@ -397,7 +401,8 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
         results = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed)
     else:
         results = launch(train_worker, world, network=cfg.network, args=(cfg,), seed=cfg.seed,
-                         progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT, on_failure=cfg.on_failure)
+                         progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT, on_failure=cfg.on_failure,
+                         device=cfg.device)
     wall = _now() - t0
     summary, rows = summarize(cfg, results, wall)
     if out:
