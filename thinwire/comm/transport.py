@@ -238,13 +238,10 @@ class Transport:
         self.background = False    # programs: never on the caller's thread (compression off the training thread)
         self._in_order: collections.deque[Handle] = collections.deque()  # collectives not yet on the link
         self._order_lock = threading.Lock()
-
-    @property
-    def device(self) -> torch.device:
-        """Where this group's buffers (headers included) live: the current CUDA device under NCCL, else the CPU."""
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        # where this group's buffers (headers included) live: the CUDA device current at construction under
+        # NCCL (read here, on the constructing thread: the engine's threads have their own current device)
+        nccl = dist.get_backend(self.group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def regroup(self, group) -> None:
         """Go on with `group` (the survivors of a lost worker): ranks renumbered, the old group's operations

@@ -177,8 +177,9 @@ def pick_backend(backend: str | None, device: str | None, local_world_size: int 
         import torch
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < local_world_size:
+            fewer = f", or at most {have} workers" if have else ""
             raise UserError(f"device cuda: {local_world_size} workers need {local_world_size} GPUs (one per "
-                            f"process), this machine has {have}; valid: device cpu, or at most {have} workers")
+                            f"process), this machine has {have}; valid: device cpu{fewer}")
     return backend, device
 
 
