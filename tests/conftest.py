@@ -54,3 +54,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rpartition(".")[2] in PROCESS_MODULES:
             item.add_marker(pytest.mark.processes)
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """Each device a test should run on: "cpu", and "cuda" where torch sees a GPU (skipped, with the reason,
+    where it does not). torch is imported only here, lazily: thinwire sets allocator options before its import."""
+    if request.param == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device on this machine (torch.cuda.is_available() is False)")
+    return request.param

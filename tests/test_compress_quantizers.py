@@ -62,19 +62,20 @@ def test_pack_is_exact_on_every_byte_value():
 # ---------------------------------------------------------------- round trips, sizes, exact cases
 
 @pytest.mark.parametrize("name", QUANTIZERS)
-def test_round_trip_shapes_dtypes_and_payload_sizes(name):
+def test_round_trip_shapes_dtypes_and_payload_sizes(name, device):
     comp = compressors.get(name)
     for shape in [(), (0,), (1,), (7,), (3, 5), (2, 3, 11), (1025,)]:
         for dtype in DTYPES:
-            x = torch.randn(shape).to(dtype)
+            x = torch.randn(shape).to(device, dtype)
             p = comp.compress(x, key=("t", shape), step=1)
             y = comp.decompress(p)
             assert y.shape == x.shape and y.dtype == x.dtype, (name, shape, dtype)
+            assert y.device == x.device and all(t.device == x.device for t in p.tensors), (name, shape, dtype)
             assert p.nbytes == payload_bytes(name, x.numel()), (name, shape, p.nbytes)
             assert all(t.dtype in (torch.uint8, torch.float32, torch.float16, torch.bfloat16, torch.int8)
                        for t in p.tensors)
     n = 8 * 4096
-    actual = comp.compress(torch.randn(n), key="big").nbytes * 8 / n
+    actual = comp.compress(torch.randn(n, device=device), key="big").nbytes * 8 / n
     assert abs(actual - comp.nominal_bits(n)) <= 0.03 * comp.nominal_bits(n)
 
 

@@ -26,11 +26,13 @@ def _heavy(n, seed=0):
 @pytest.mark.parametrize("name", MINE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(), (1,), (7,), (3, 5), (33, 17), (0,)])
-def test_round_trip_shape_and_dtype(name, dtype, shape):
+def test_round_trip_shape_and_dtype(name, dtype, shape, device):
     c = tw.compressors.get(name)
-    x = torch.randn(shape).to(dtype)
-    y = c.decompress(c.compress(x, key="t", step=0))
+    x = torch.randn(shape).to(device, dtype)
+    p = c.compress(x, key="t", step=0)
+    y = c.decompress(p)
     assert y.shape == x.shape and y.dtype == x.dtype
+    assert y.device == x.device and all(t.device == x.device for t in p.tensors)
     assert torch.isfinite(y.float()).all()
 
 

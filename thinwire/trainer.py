@@ -155,7 +155,7 @@ class Trainer:
         if values:
             digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors)).hexdigest()
             fp.append(int(digest[:12], 16))
-        hi = torch.tensor(fp, dtype=torch.float64)
+        hi = torch.tensor(fp, dtype=torch.float64, device=self.transport.device)
         lo = -hi.clone()
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.transport.group)
         dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.transport.group)
@@ -203,7 +203,7 @@ class Trainer:
         bad = not checked and any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
                                   for p in self.parameters)
         if self.nonfinite == "skip":
-            flag = torch.tensor([1.0 if bad else 0.0])
+            flag = torch.tensor([1.0 if bad else 0.0], device=self.transport.device)
             self.transport.all_reduce(flag, op="max")
             if flag.item() > 0:
                 for p in self.parameters:
@@ -227,7 +227,7 @@ class Trainer:
         group = dist.new_group(lost.members, use_local_synchronization=True)
         self.transport.regroup(group)
         self.scheduler._reset()
-        at = torch.tensor([float(self.step_count + 1)], dtype=torch.float64)
+        at = torch.tensor([float(self.step_count + 1)], dtype=torch.float64, device=self.transport.device)
         dist.all_reduce(at, op=dist.ReduceOp.MAX, group=group)
         self._behind = int(at.item()) - (self.step_count + 1)
         self._broadcast_model()

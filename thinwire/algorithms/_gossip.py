@@ -95,7 +95,7 @@ class Gossip(Algorithm):
         """mean_i ‖x_i - x̄‖², recorded at the current step; optionally sets this model to x̄."""
         x = self.flat_params()
         mean = self.average_model()
-        d = torch.tensor([float((x - mean).double().pow(2).sum())], dtype=torch.float64)
+        d = (x - mean).double().pow(2).sum().reshape(1)
         d = float(self.transport.all_reduce(d, op="mean"))
         self.consensus.append((self.t, d))
         if set_average:

@@ -44,7 +44,7 @@ def config_from_args(args):
                        checkpoint_dir=getattr(args, "checkpoint_dir", None) or (
                            os.path.join(args.out, "checkpoint") if getattr(args, "out", None) else None),
                        resume=getattr(args, "resume", None), nonfinite=getattr(args, "nonfinite", "stop"),
-                       on_failure=getattr(args, "on_failure", "stop"),
+                       on_failure=getattr(args, "on_failure", "stop"), device=getattr(args, "device", "cpu"),
                        progress_timeout=getattr(args, "progress_timeout", None),
                        budget_s=getattr(args, "budget", None), stop_at_target=bool(getattr(args, "stop_at_target", False)),
                        optimizer=getattr(args, "optimizer", None), tensorboard=getattr(args, "tensorboard", None))
@@ -87,7 +87,7 @@ def run(args) -> int:
     if args.trace and not args.out:
         raise UserError("--trace needs --out DIR (the trace is written to DIR/trace.json)")
     if under_torchrun():
-        rank, world = init(cfg.network, seed=cfg.seed)
+        rank, world = init(cfg.network, seed=cfg.seed, device=cfg.device)
         summary = run_torchrun_worker(cfg, rank, world, args.out)
         if rank != 0:
             return 0
@@ -129,6 +129,8 @@ def register(sub) -> None:
     p.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard scalars to DIR (loss, metric, bytes, "
                                                         "exposed communication per step; extra thinwire[tensorboard])")
     p.add_argument("--trace", action="store_true", help="write a Chrome trace to OUT/trace.json")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (gloo, default) or cuda (NCCL, one worker per GPU: --workers <= the GPUs)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run, accepts_params=True)

@@ -265,6 +265,10 @@ class Transport:
         self.background = False    # programs: never on the caller's thread (compression off the training thread)
         self._in_order: collections.deque[Handle] = collections.deque()  # collectives not yet on the link
         self._order_lock = threading.Lock()
+        # where this group's buffers (headers included) live: the CUDA device current at construction under
+        # NCCL (read here, on the constructing thread: the engine's threads have their own current device)
+        nccl = dist.get_backend(self.group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def regroup(self, group) -> None:
         """Go on with `group` (the survivors of a lost worker): ranks renumbered, the old group's operations
@@ -350,7 +354,7 @@ class Transport:
         cost_extra = Cost(0.0, 0.0, 0.0, 0.0)
         if sizes is None:
             if n > 1:
-                mine = torch.tensor([flat.numel()], dtype=torch.int64)
+                mine = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
                 got = [torch.empty_like(mine) for _ in range(n)]
                 yield _Work(dist.all_gather(got, mine, group=self.group, async_op=True))
                 sizes = [int(g.item()) for g in got]

@@ -78,21 +78,22 @@ class Layout:
         self.kept = sum(g[1] * g[3] for g in self.groups)
         self._row_of = self._offsets = None
 
-    def row_of(self) -> torch.Tensor:
-        """The row (chunk number) of each kept entry, in payload order (int64, length `kept`)."""
-        if self._row_of is None:
+    def row_of(self, device="cpu") -> torch.Tensor:
+        """The row (chunk number) of each kept entry, in payload order (int64, length `kept`, on `device`)."""
+        device = torch.device(device)
+        if self._row_of is None or self._row_of.device != device:
             parts, base = [], 0
             for _, rows, _, kk in self.groups:
-                parts.append(torch.arange(base, base + rows).repeat_interleave(kk))
+                parts.append(torch.arange(base, base + rows, device=device).repeat_interleave(kk))
                 base += rows
-            self._row_of = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-            starts = [torch.full((rows,), start) + torch.arange(rows) * width for start, rows, width, _ in self.groups]
-            self._offsets = torch.cat(starts) if starts else torch.zeros(0, dtype=torch.int64)
+            self._row_of = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+            starts = [torch.full((rows,), start, device=device) + torch.arange(rows, device=device) * width for start, rows, width, _ in self.groups]
+            self._offsets = torch.cat(starts) if starts else torch.zeros(0, dtype=torch.int64, device=device)
         return self._row_of
 
     def positions(self, local: torch.Tensor) -> torch.Tensor:
         """Flat positions of kept entries from their in-chunk indices."""
-        rows = self.row_of()
+        rows = self.row_of(local.device)
         return self._offsets[rows] + local
 
     def topk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +105,7 @@ class Layout:
             idx.append(i.reshape(-1))
             vals.append(block.gather(1, i).reshape(-1))
         if not idx:
-            return torch.zeros(0, dtype=torch.int64), x.new_zeros(0)
+            return torch.zeros(0, dtype=torch.int64, device=x.device), x.new_zeros(0)
         return torch.cat(idx), torch.cat(vals)
 
 

@@ -68,11 +68,11 @@ def topk_indices(flat: torch.Tensor, k: int, gen: torch.Generator | None = None)
     """
     d = flat.numel()
     if k >= d:
-        return torch.arange(d)
+        return torch.arange(d, device=flat.device)
     if d <= SMALL or k > d // 16:
         return torch.topk(flat.abs(), k, sorted=False).indices
     s = min(d, max(4096, int(64 * d / k)))
-    sample = flat[torch.randint(d, (s,), generator=gen)].abs()
+    sample = flat[torch.randint(d, (s,), generator=gen, device=gen.device).to(flat.device)].abs()
     expected = k * s / d
     kk = min(s, int(expected + 4 * math.sqrt(expected) + 2))
     thr = torch.topk(sample, kk, sorted=False).values.min()
@@ -119,7 +119,7 @@ class SparseCompressor(Compressor):
         acc = self.accumulate_dtype or dtype
         idx = torch.cat([i for i, _ in parts])
         vals = torch.cat([v for _, v in parts]).to(acc)
-        return torch.zeros(numel, dtype=acc).index_add_(0, idx, vals).to(dtype).view(shape)
+        return torch.zeros(numel, dtype=acc, device=vals.device).index_add_(0, idx, vals).to(dtype).view(shape)
 
     def decompress(self, payload):
         return self._accumulate([self._contribution(payload.tensors)], payload.ctx)

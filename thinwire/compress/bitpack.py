@@ -18,13 +18,13 @@ _GATHERS = {1: (torch.int64, 0x0102040810204080, 56),
             4: (torch.int16, 0x110, 8)}
 
 
-def _table(bits: int, dtype=torch.uint8, values=None) -> torch.Tensor:
+def _table(bits: int, dtype=torch.uint8, values=None, device="cpu") -> torch.Tensor:
     """(256, 8 / bits) table: row v holds the codes packed in byte value v (or `values[code]`)."""
     per = 8 // bits
-    v = torch.arange(256, dtype=torch.int64).view(-1, 1)
-    codes = (v >> (bits * torch.arange(per))) & ((1 << bits) - 1)
+    v = torch.arange(256, dtype=torch.int64, device=device).view(-1, 1)
+    codes = (v >> (bits * torch.arange(per, device=device))) & ((1 << bits) - 1)
     if values is not None:
-        return torch.as_tensor(values, dtype=dtype)[codes].contiguous()
+        return torch.as_tensor(values, dtype=dtype, device=device)[codes].contiguous()
     return codes.to(dtype).contiguous()
 
 
@@ -34,7 +34,7 @@ _TABLES = {1: _table(1)}
 def decode(packed: torch.Tensor, bits: int, numel: int, values, dtype=torch.float32) -> torch.Tensor:
     """`values[code]` (as `dtype`) for the `numel` codes packed in `packed` (bits in 1, 2, 4): one table lookup
     per byte, no intermediate codes."""
-    table = _table(bits, dtype, values)
+    table = _table(bits, dtype, values, packed.device)
     return table.index_select(0, packed.reshape(-1).to(torch.int32)).view(-1)[:numel]   # (int32: half the bytes)
 
 
@@ -105,7 +105,7 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         return packed
     groups = packed.numel() // bits
     if bits == 1:          # one table row per byte value: its eight bits
-        return _TABLES[1].index_select(0, packed.to(torch.int64)).view(-1)[:numel]
+        return _TABLES[1].to(packed.device).index_select(0, packed.to(torch.int64)).view(-1)[:numel]
     if bits == 4:          # byte -> int16 (c0 | c1 << 4): spread c1 into the high byte
         w = packed.to(torch.int16)
         return w.bitwise_or_(w << 4).bitwise_and_(0x0F0F).view(torch.uint8)[:numel]
@@ -113,7 +113,7 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         w = packed.to(torch.int32)
         w.bitwise_or_(w << 12).bitwise_and_(0x000F000F)
         return w.bitwise_or_(w << 6).bitwise_and_(0x03030303).view(torch.uint8)[:numel]
-    full = torch.zeros(groups, 8, dtype=torch.uint8)
+    full = torch.zeros(groups, 8, dtype=torch.uint8, device=packed.device)
     full[:, :bits] = packed.view(groups, bits)
     words = full.view(torch.int64).view(-1)
     tmp = torch.empty_like(words)

@@ -63,11 +63,11 @@ class Coded(Compressor):
         bits, n = self.base.bits, p.ctx["numel"]
         codes = unpack(p.tensors[0], bits, n).to(torch.int64)
         sym = zigzag(codes - self._offset()) if self._offset() else codes
-        head, data = self.coder.encode(sym)
-        return [head, data, *p.tensors[1:]]
+        head, data = self.coder.encode(sym.cpu())                  # entropy coders run on the host (numpy)
+        return [head.to(sym.device), data.to(sym.device), *p.tensors[1:]]
 
     def _decode_levels(self, tensors, ctx) -> list[torch.Tensor]:
-        sym = self.coder.decode(tensors[0], tensors[1])
+        sym = self.coder.decode(tensors[0].cpu(), tensors[1].cpu()).to(tensors[0].device)
         codes = unzigzag(sym) + self._offset() if self._offset() else sym
         return [pack(codes.to(torch.uint8), self.base.bits), *tensors[2:]]
 
@@ -81,7 +81,8 @@ class Coded(Compressor):
         g = gaps(order.values)
         if k and int(g.min()) < 0:
             raise ValueError(f"{self.name}: repeated indices cannot be gap-coded")
-        head, data = self.coder.encode(g)
+        head, data = self.coder.encode(g.cpu())
+        head, data = head.to(g.device), data.to(g.device)
         rest = [self._permute(t, order.indices, k) for i, t in enumerate(ts) if i != pos]
         return [head, data, *rest], pos
 
@@ -96,7 +97,7 @@ class Coded(Compressor):
 
     def _decode_indices(self, tensors, ctx) -> list[torch.Tensor]:
         pos, numel = ctx["pos"], ctx["numel"]
-        idx = ungaps(self.coder.decode(tensors[0], tensors[1])).to(index_dtype(numel))
+        idx = ungaps(self.coder.decode(tensors[0].cpu(), tensors[1].cpu())).to(tensors[0].device, index_dtype(numel))
         rest = list(tensors[2:])
         return rest[:pos] + [idx] + rest[pos:]
 
@@ -132,7 +133,7 @@ class Coded(Compressor):
         (the density, hence the gap statistics, is kept), wire headers included."""
         if numel not in self._nominal:
             m = min(int(numel), 1 << 18)
-            x = torch.randn(m, generator=torch.Generator().manual_seed(0))
+            x = torch.randn(m, generator=torch.Generator().manual_seed(0), device="cpu")   # a CPU probe of sizes only
             probe = copy.copy(self)                     # a copy of the compressor: its random state stays as is
             probe.base = copy.deepcopy(self.base)
             p = probe.compress(x, key="nominal", step=0)

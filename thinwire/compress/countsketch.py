@@ -85,14 +85,14 @@ class CountSketch(Compressor):
         else:
             self.unbiased = rows == 1
         self._hashes: dict = {}
-        self._z = torch.empty(0)
-        self._est = torch.empty(0)
+        self._z = torch.empty(0, device="cpu")     # regrown on the gradient's device
+        self._est = torch.empty(0, device="cpu")
 
     def columns(self, d: int) -> int:
         """c, the table's columns: the first prime >= ratio·d / rows (prime: see `_hash`)."""
         return next_prime(max(1, math.ceil(self.ratio * d / self.rows)))
 
-    def _hash(self, key, d: int):
+    def _hash(self, key, d: int, device="cpu"):
         """(slots: rows × nb·c int32, signs: rows × c, c, nb), cached per (key, d).
 
         Element i = hi·c + lo (the tensor cut into nb blocks of c) goes, in row j, to bucket
@@ -104,38 +104,38 @@ class CountSketch(Compressor):
         scatter and the gather sweep memory in order. sa is folded into the slot (a doubled table [S, −S] per
         row), sb is one broadcast multiply. When nb > c (tiny sketches) every element gets a random bucket
         and sign instead."""
-        got = self._hashes.get((key, d))
+        got = self._hashes.get((key, d, str(device)))
         if got is None:
             c = self.columns(d)
             nb = max(1, math.ceil(d / c))
             g = generator(self.seed, "countsketch", key, d)
-            slots = torch.empty(self.rows, nb, c, dtype=torch.int32)
+            slots = torch.empty(self.rows, nb, c, dtype=torch.int32, device=g.device)   # built on the host, moved once
             if nb <= c:
-                lo = torch.arange(c, dtype=torch.int32).view(1, c)
-                hi = torch.arange(nb).view(nb, 1)
+                lo = torch.arange(c, dtype=torch.int32, device=g.device).view(1, c)
+                hi = torch.arange(nb, device=g.device).view(nb, 1)
                 for j in range(self.rows):
-                    a = int(torch.randint(1, max(2, c), (1,), generator=g)) % c
-                    b = int(torch.randint(c, (1,), generator=g))
-                    sa = torch.randint(2, (nb, 1), generator=g)
+                    a = int(torch.randint(1, max(2, c), (1,), generator=g, device=g.device)) % c
+                    b = int(torch.randint(c, (1,), generator=g, device=g.device))
+                    sa = torch.randint(2, (nb, 1), generator=g, device=g.device)
                     t = torch.add(lo, ((a * hi + b) % c).to(torch.int32), out=slots[j])   # lo + (a·hi + b) mod c
                     t.sub_((t >= c).to(torch.int32) * c)                               # ... mod c
                     t.add_((2 * c * j + sa * c).to(torch.int32))                      # row j's [S, −S] slot
-                signs = torch.randint(2, (self.rows, c), generator=g).float().mul_(-2).add_(1)
+                signs = torch.randint(2, (self.rows, c), generator=g, device=g.device).float().mul_(-2).add_(1)
             else:
                 for j in range(self.rows):
-                    sa = torch.randint(2, (nb, c), generator=g)
-                    slots[j] = torch.randint(c, (nb, c), generator=g) + sa * c + 2 * c * j
+                    sa = torch.randint(2, (nb, c), generator=g, device=g.device)
+                    slots[j] = torch.randint(c, (nb, c), generator=g, device=g.device) + sa * c + 2 * c * j
                 signs = None
             slots = slots.view(self.rows, nb * c)
-            got = (slots, signs, c, nb)
-            self._hashes[(key, d)] = got
+            got = (slots.to(device), None if signs is None else signs.to(device), c, nb)
+            self._hashes[(key, d, str(device))] = got
         return got
 
     def _signed(self, flat: torch.Tensor, signs: torch.Tensor | None, j: int, c: int, nb: int) -> torch.Tensor:
         """flat · sb_j over nb·c elements (zero past d), in a reused buffer."""
         d = flat.numel()
-        if self._z.numel() < nb * c:
-            self._z = torch.empty(nb * c)
+        if self._z.numel() < nb * c or self._z.device != flat.device:
+            self._z = torch.empty(nb * c, device=flat.device)
         z = self._z[: nb * c]
         full = d // c
         if signs is None:
@@ -149,8 +149,8 @@ class CountSketch(Compressor):
 
     def _sketch(self, flat: torch.Tensor, key) -> torch.Tensor:
         """The r·c table of fp32 `flat` (1-D)."""
-        slots, signs, c, nb = self._hash(key, flat.numel())
-        doubled = torch.zeros(self.rows, 2, c)
+        slots, signs, c, nb = self._hash(key, flat.numel(), flat.device)
+        doubled = torch.zeros(self.rows, 2, c, device=flat.device)
         for j in range(self.rows):                   # one scatter-add per hash function (rows is small)
             doubled.view(-1).index_add_(0, slots[j], self._signed(flat, signs, j, c, nb))
         return doubled[:, 0].sub_(doubled[:, 1]).reshape(-1)   # S[j, b] = sum of s_j(i) g_i over h_j(i) = b
@@ -209,17 +209,17 @@ class CountSketch(Compressor):
         table = payload.tensors[0]
         if self.heavy > 0:
             idx = self._heavy(table, key, d)
-            out = torch.zeros(d).index_copy_(0, idx, payload.tensors[1].float())
+            out = torch.zeros(d, device=table.device).index_copy_(0, idx, payload.tensors[1].float())
             return out.to(dtype).view(shape)
         return self._estimate(table, key, d).to(dtype).view(shape)
 
     def _estimate(self, table: torch.Tensor, key, d: int) -> torch.Tensor:
         """ĝ_i = median_j s_j(i) S[j, h_j(i)] for every i (a fresh fp32 tensor)."""
-        slots, signs, c, nb = self._hash(key, d)
+        slots, signs, c, nb = self._hash(key, d, table.device)
         table = table.reshape(self.rows, 1, c).float()
         signed = torch.cat([table, -table], dim=1).view(-1)     # [S_j, -S_j] per row, as the slots index it
-        if self._est.numel() < self.rows * nb * c:   # reused: a fresh rows·d tensor page-faults on every call
-            self._est = torch.empty(self.rows * nb * c)
+        if self._est.numel() < self.rows * nb * c or self._est.device != table.device:   # reused: a fresh rows·d tensor page-faults on every call
+            self._est = torch.empty(self.rows * nb * c, device=table.device)
         est = self._est[: self.rows * nb * c].view(self.rows, nb * c)
         for j in range(self.rows):
             torch.index_select(signed, 0, slots[j], out=est[j])

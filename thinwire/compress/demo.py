@@ -46,7 +46,7 @@ def dct_basis(n: int) -> torch.Tensor:
     """(n, n) orthonormal DCT-II matrix C (row u = frequency u): coefficients = C @ x, x = C.T @ coefficients."""
     c = _BASES.get(n)
     if c is None:
-        j = torch.arange(n, dtype=torch.float64)
+        j = torch.arange(n, dtype=torch.float64, device="cpu")     # built once on the host, cached
         u = j.view(-1, 1)
         c = torch.cos(math.pi * (2 * j + 1) * u / (2 * n)) * math.sqrt(2.0 / n)
         c[0] = math.sqrt(1.0 / n)
@@ -58,7 +58,7 @@ def chunked_dct(x: torch.Tensor, layout, inverse: bool = False) -> torch.Tensor:
     """The DCT-II (or its inverse) of every chunk of flat fp32 `x`, one matmul per group of equal chunks."""
     out = torch.empty_like(x)
     for start, rows, width, _ in layout.groups:
-        block, c = x[start:start + rows * width].view(rows, width), dct_basis(width)
+        block, c = x[start:start + rows * width].view(rows, width), dct_basis(width).to(x.device)
         torch.matmul(block, c if inverse else c.T, out=out[start:start + rows * width].view(rows, width))
     return out
 
@@ -99,7 +99,7 @@ class DeMo(Compressor):
             local, used = unpack_index(p.tensors, lay.kept, self.chunk)
             pos.append(lay.positions(local))
             vals.append(p.tensors[used].reshape(-1).to(torch.float32))
-        return torch.zeros(lay.n).index_add_(0, torch.cat(pos), torch.cat(vals)), lay
+        return torch.zeros(lay.n, device=vals[0].device).index_add_(0, torch.cat(pos), torch.cat(vals)), lay
 
     def context(self, shape, dtype, key=None, step=0):
         return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}

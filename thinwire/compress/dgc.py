@@ -53,9 +53,9 @@ class DGC(Selected):
         d = flat.numel()
         k = num_kept(warmup_density(self.ratio, step, self.warmup_steps), d)
         if k >= d:
-            return torch.arange(d)
+            return torch.arange(d, device=flat.device)
         s = min(d, max(256, int(self.sample * d)))
-        sample = flat if s == d else flat[torch.randint(d, (s,), generator=generator(self.seed, key, step))]
+        sample = flat if s == d else flat[torch.randint(d, (s,), generator=generator(self.seed, key, step), device="cpu").to(flat.device)]
         ks = max(1, int(k * s / d))
         thr = float(torch.topk(sample.abs(), ks, sorted=False).values.min())
         idx, dev = select_beyond(flat, thr, scratch=self._scratch)

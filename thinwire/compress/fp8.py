@@ -53,7 +53,7 @@ class FP8(Compressor):
         amax = bucket_norms(flat, bucket, math.inf)
         check_scale(amax, self.name, key, flat)
         scales = amax / self.fmax
-        inv = torch.where(scales > 0, 1.0 / scales, torch.zeros(()))     # an all-zero chunk codes as zeros
+        inv = torch.where(scales > 0, 1.0 / scales, 0.0)     # an all-zero chunk codes as zeros
         y = scale_buckets(flat.to(torch.float32, copy=True), inv, bucket, 0).clamp_(-self.fmax, self.fmax)
         q = y.to(self.dtype8).view(torch.uint8)
         return Payload([q, scales], ctx={"shape": tensor.shape, "dtype": tensor.dtype, "numel": n})

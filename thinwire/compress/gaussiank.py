@@ -34,7 +34,7 @@ class GaussianK(Selected):
         d = flat.numel()
         k = num_kept(self.ratio, d)
         if k >= d:
-            return torch.arange(d)
+            return torch.arange(d, device=flat.device)
         f = flat if flat.dtype == torch.float32 else flat.float()
         total, squares = f.sum().double(), torch.dot(f, f).double()     # two fast reductions (std_mean is slow)
         mean = float(total / d)

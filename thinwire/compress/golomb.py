@@ -24,7 +24,7 @@ def rice_parameter(values: np.ndarray) -> int:
 def gaps(sorted_idx: torch.Tensor) -> torch.Tensor:
     """Sorted unique indices -> the zero runs before each one."""
     idx = sorted_idx.reshape(-1).to(torch.int64)
-    return torch.diff(idx, prepend=torch.tensor([-1])) - 1
+    return torch.diff(idx, prepend=torch.tensor([-1], device=idx.device)) - 1
 
 
 def ungaps(g: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ class Huffman(Coder):
     def encode(self, values):
         v = values.reshape(-1).to(torch.int64).numpy()
         if v.size == 0:
-            return header(0, 0), torch.zeros(0, dtype=torch.uint8)
+            return header(0, 0), torch.zeros(0, dtype=torch.uint8, device="cpu")     # host-side coder (numpy)
         symbols, inverse, counts = np.unique(v, return_inverse=True, return_counts=True)
         lengths = code_lengths(counts)
         codes = canonical_codes(lengths)
@@ -90,7 +90,7 @@ class Huffman(Coder):
         h = head.to(torch.int64).numpy()
         count, m = int(h[0]), int(h[1])
         if count == 0:
-            return torch.zeros(0, dtype=torch.int64)
+            return torch.zeros(0, dtype=torch.int64, device="cpu")
         symbols, lengths = h[2:2 + m], h[2 + m:2 + 2 * m]
         codes = canonical_codes(lengths)
         width = int(lengths.max())

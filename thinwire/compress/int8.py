@@ -15,7 +15,7 @@ LEVELS = 127
 
 def _maxabs(flat: torch.Tensor) -> torch.Tensor:
     if flat.numel() == 0:
-        return torch.zeros(1)
+        return torch.zeros(1, device=flat.device)
     lo, hi = torch.aminmax(flat)
     return torch.maximum(-lo, hi).float().reshape(1)
 
@@ -61,7 +61,7 @@ class Int8(Compressor):
         self.unbiased = self.stochastic
         self.randomness = "local" if self.stochastic else "none"
         self.uniforms = Uniforms(seed)
-        self._scratch = torch.empty(0)
+        self._scratch = torch.empty(0, device="cpu")     # regrown on the gradient's device
 
     def agree(self, tensor, key=None, step=0):
         return _maxabs(tensor.reshape(-1))
@@ -77,8 +77,8 @@ class Int8(Compressor):
         else:
             if flat.dtype != torch.float32:
                 flat = flat.float()
-            if self._scratch.numel() < flat.numel():       # a reused temporary: fresh 4n-byte tensors page-fault
-                self._scratch = torch.empty(flat.numel())
+            if self._scratch.numel() < flat.numel() or self._scratch.device != flat.device:       # a reused temporary: fresh 4n-byte tensors page-fault
+                self._scratch = torch.empty(flat.numel(), device=flat.device)
             q = torch.mul(flat, inv, out=self._scratch[: flat.numel()]).round_().to(torch.int8)
         tensors = [q] if agreed is not None else [q, scale]
         ctx = {"shape": tensor.shape, "dtype": tensor.dtype}

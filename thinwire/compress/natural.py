@@ -25,8 +25,8 @@ class Natural(Compressor):
 
     def __init__(self, seed: int = 0):
         self.uniforms = Uniforms(seed)
-        self._mask = torch.empty(0, dtype=torch.bool)
-        self._wide = torch.empty(0, dtype=torch.int32)
+        self._mask = torch.empty(0, dtype=torch.bool, device="cpu")     # regrown on the gradient's device
+        self._wide = torch.empty(0, dtype=torch.int32, device="cpu")
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
@@ -35,13 +35,13 @@ class Natural(Compressor):
         check_tensor(flat, self.name, key)
         n = flat.numel()
         bits = flat.view(torch.int32)
-        work = self.uniforms.mantissas(n)
+        work = self.uniforms.mantissas(n, flat.device)
         work.add_(bits)                        # the sign bit stays out of the way (shifted out below)
         work.bitwise_right_shift_(23)          # sign | exponent (+ carry); the low byte is the exponent
         exponent = work.to(torch.uint8)        # int32 -> uint8 keeps the low byte
         exponent.clamp_(max=254)               # |t| >= 2^127 may not round up to 2^128 = inf (biased there only)
-        if self._mask.numel() < n:                   # a reused mask: a fresh n-byte tensor page-faults
-            self._mask = torch.empty(n, dtype=torch.bool)
+        if self._mask.numel() < n or self._mask.device != flat.device:                   # a reused mask: a fresh n-byte tensor page-faults
+            self._mask = torch.empty(n, dtype=torch.bool, device=flat.device)
         sign = pack(torch.lt(flat, 0, out=self._mask[:n]).view(torch.uint8), 1, inplace=True)
         return Payload([exponent, sign], ctx=(tensor.shape, tensor.dtype, n))
 
@@ -49,8 +49,8 @@ class Natural(Compressor):
         shape, dtype, n = payload.ctx
         exponent, sign = payload.tensors
         word = decode(sign, 1, n, [0, -(1 << 31)], torch.int32)       # sign << 31, one lookup per byte
-        if self._wide.numel() < n:                   # the exponents widened into a reused buffer (a mixed
-            self._wide = torch.empty(n, dtype=torch.int32)     # uint8/int32 add is 2x slower than cast + add)
+        if self._wide.numel() < n or self._wide.device != sign.device:                   # the exponents widened into a reused buffer (a mixed
+            self._wide = torch.empty(n, dtype=torch.int32, device=sign.device)     # uint8/int32 add is 2x slower than cast + add)
         wide = self._wide[:n]
         wide.copy_(exponent)
         word.add_(wide, alpha=1 << 23)                                 # + exponent << 23 (disjoint bits: an or)

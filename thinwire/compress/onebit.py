@@ -21,13 +21,13 @@ class OneBit(Compressor):
     fixed_size = True         # the payload size depends only on the shape
 
     def __init__(self):
-        self._mask = torch.empty(0, dtype=torch.bool)
+        self._mask = torch.empty(0, dtype=torch.bool, device="cpu")     # regrown on the gradient's device
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         n = flat.numel()
-        if self._mask.numel() < n:                   # a reused mask: a fresh n-byte tensor page-faults
-            self._mask = torch.empty(n, dtype=torch.bool)
+        if self._mask.numel() < n or self._mask.device != flat.device:                   # a reused mask: a fresh n-byte tensor page-faults
+            self._mask = torch.empty(n, dtype=torch.bool, device=flat.device)
         mask = torch.ge(flat, 0, out=self._mask[:n])
         npos = int(torch.count_nonzero(mask)) if n else 0     # (a bool .sum() is 10x slower)
         bits = pack(mask.view(torch.uint8), 1, inplace=True)
@@ -39,7 +39,8 @@ class OneBit(Compressor):
         nneg = n - npos
         pos = float(total + l1) / 2.0
         neg = float(total - l1) / 2.0
-        means = torch.tensor([neg / nneg if nneg else 0.0, pos / npos if npos else 0.0], dtype=torch.float32)
+        means = torch.tensor([neg / nneg if nneg else 0.0, pos / npos if npos else 0.0], dtype=torch.float32,
+                             device=flat.device)
         return Payload([bits, means], ctx=(tensor.shape, tensor.dtype, n))
 
     def decompress(self, payload):

@@ -77,14 +77,14 @@ class PowerSGD(Compressor):
         x = tensor.reshape(-1).float()
         mats = self._layout(x.numel(), tensor.shape, shapes)
         self._seen[x.numel()] = [tuple(tensor.shape)] if shapes is None else [tuple(t) for t in shapes]
-        dense_mask = torch.ones(x.numel(), dtype=torch.bool)
+        dense_mask = torch.ones(x.numel(), dtype=torch.bool, device=x.device)
         ps = []
         for off, a, b, r in mats:
             dense_mask[off:off + a * b] = False
             q = self.q.get((key, off, a, b, r)) if self.warm_start else None
             if q is None:
                 q = torch.randn(b, r, generator=generator(self.seed, "powersgd", key, off, 0 if self.warm_start
-                                                          else step))
+                                                          else step), device="cpu").to(x.device)
             ps.append(x[off:off + a * b].view(a, b) @ q)
         dense = x[dense_mask]
         buf = torch.cat([p.reshape(-1) for p in ps] + [dense])
@@ -124,7 +124,7 @@ class PowerSGD(Compressor):
         q = self.q.get((key, 0, a, b, r)) if self.warm_start else None
         if q is None:
             q = torch.randn(b, r, generator=generator(self.seed, "powersgd", key, 0, 0 if self.warm_start
-                                                      else step))
+                                                      else step), device="cpu").to(m.device)
         p_hat = orthogonalize(m @ q)
         q = m.t() @ p_hat
         if self.warm_start:

@@ -86,7 +86,7 @@ class QSGD(Compressor):
         norms = self._norms(flat) if agreed is None else agreed.float()
         check_scale(norms, self.name, key, flat)
         s = self.levels
-        inv = torch.where(norms > 0, s / norms, torch.zeros(()))      # an all-zero bucket codes as level 0
+        inv = torch.where(norms > 0, s / norms, 0.0)      # an all-zero bucket codes as level 0
         codes = stochastic_codes(flat, inv, s, self.uniforms, self.bucket)
         packed = pack(codes, self.bits, inplace=True)
         ctx = {"shape": tensor.shape, "dtype": tensor.dtype, "numel": n, "summed": False}

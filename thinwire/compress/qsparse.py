@@ -23,10 +23,10 @@ def qsgd_levels(v: torch.Tensor, s: int, gen: torch.Generator | None = None) -> 
     """QSGD's signed levels in [−s, s] of `v` (float) and its L2 norm (stochastic rounding, unbiased)."""
     norm = v.norm()
     if norm == 0:
-        return torch.zeros(v.numel(), dtype=torch.int64), norm.reshape(1)
+        return torch.zeros(v.numel(), dtype=torch.int64, device=v.device), norm.reshape(1)
     scaled = v.abs() / norm * s
     low = scaled.floor()
-    up = torch.rand(v.numel(), generator=gen) < (scaled - low)
+    up = torch.rand(v.numel(), generator=gen, device=gen.device).to(v.device) < (scaled - low)
     levels = (low + up.float()).to(torch.int64) * torch.where(v < 0, -1, 1)
     return levels, norm.reshape(1)
 

@@ -22,22 +22,22 @@ from .base import Compressor, Payload
 def sample_without_replacement(d: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """k distinct indices of [d], a uniformly random k-subset (int64; in increasing order when k <= d / 4)."""
     if k <= 0:
-        return torch.empty(0, dtype=torch.int64)
+        return torch.empty(0, dtype=torch.int64, device=gen.device)
     if k >= d or k > d // 4:
-        return torch.randperm(d, generator=gen)[:k]
+        return torch.randperm(d, generator=gen, device=gen.device)[:k]
     m = k + 2 * k * k // d + 16
     while True:
         # m i.i.d. uniform points of [0, d), drawn already sorted: the partial sums of m + 1 exponential gaps,
         # divided by their total, are the order statistics of m uniforms (no sort of m numbers needed)
-        gaps = torch.empty(m + 1, dtype=torch.float64).exponential_(generator=gen)
+        gaps = torch.empty(m + 1, dtype=torch.float64, device=gen.device).exponential_(generator=gen)
         points = gaps.cumsum_(0)
         idx = points[:m].mul_(d / float(points[m])).floor_().to(torch.int64).clamp_(max=d - 1)
-        keep = torch.ones(m, dtype=torch.bool)
+        keep = torch.ones(m, dtype=torch.bool, device=gen.device)
         torch.ne(idx[1:], idx[:-1], out=keep[1:])              # distinct values: sorted, so drop repeats
         distinct = idx[keep]
         if distinct.numel() >= k:
             drop = sample_without_replacement(distinct.numel(), distinct.numel() - k, gen)
-            keep = torch.ones(distinct.numel(), dtype=torch.bool)
+            keep = torch.ones(distinct.numel(), dtype=torch.bool, device=gen.device)
             keep[drop] = False                                  # a uniformly random subset of the excess
             return distinct[keep]
         m = int(m * 1.5) + 16
@@ -62,7 +62,7 @@ class RandomK(Compressor):
         flat = tensor.reshape(-1)
         d = flat.numel()
         k = num_kept(self.ratio, d)
-        idx = sample_without_replacement(d, k, generator(self.seed, key, step))
+        idx = sample_without_replacement(d, k, generator(self.seed, key, step)).to(flat.device)
         return Payload([flat.index_select(0, idx)], ctx=(tensor.shape, tensor.dtype, d, idx))
 
     def context(self, shape, dtype, key=None, step=0):
@@ -75,7 +75,7 @@ class RandomK(Compressor):
         vals = payload.tensors[0].reshape(-1).to(dtype)
         if self.scale and idx.numel():
             vals = vals * (d / idx.numel())
-        out = torch.zeros(d, dtype=dtype)
+        out = torch.zeros(d, dtype=dtype, device=vals.device)
         out.index_copy_(0, idx, vals)
         return out.view(shape)
 

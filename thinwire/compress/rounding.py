@@ -35,28 +35,28 @@ class Uniforms:
     def __init__(self, seed: int = 0):
         self.seed = seed
         self._gen: torch.Generator | None = None
-        self._ibuf = torch.empty(0, dtype=torch.int32)
+        self._ibuf = torch.empty(0, dtype=torch.int32, device="cpu")     # regrown on the requested device
 
     def generator(self) -> torch.Generator:
         if self._gen is None:
             self._gen = torch.Generator().manual_seed(shared_seed(self.seed, -1, ("local", rank())))
         return self._gen
 
-    def mantissas(self, numel: int) -> torch.Tensor:
+    def mantissas(self, numel: int, device="cpu") -> torch.Tensor:
         """`numel` pairwise-independent integers uniform on [0, 2**23) as int32: A_i xor B_j over an R x C table
         (a view of an internal buffer, valid until the next call)."""
         cols = min(_COLS, max(numel, 1))
         rows = math.ceil(numel / cols) if numel else 0
-        if self._ibuf.numel() < rows * cols:
-            self._ibuf = torch.empty(rows * cols, dtype=torch.int32)
+        if self._ibuf.numel() < rows * cols or self._ibuf.device != torch.device(device):
+            self._ibuf = torch.empty(rows * cols, dtype=torch.int32, device=device)
         table = self._ibuf[: rows * cols].view(rows, cols)
         gen = self.generator()
-        a = torch.randint(0, 1 << 23, (rows, 1), generator=gen, dtype=torch.int32)
-        b = torch.randint(0, 1 << 23, (1, cols), generator=gen, dtype=torch.int32)
+        a = torch.randint(0, 1 << 23, (rows, 1), generator=gen, dtype=torch.int32, device=gen.device).to(device)
+        b = torch.randint(0, 1 << 23, (1, cols), generator=gen, dtype=torch.int32, device=gen.device).to(device)
         torch.bitwise_xor(a, b, out=table)
         return table.view(-1)[:numel]
 
-    def offset_uniforms(self, numel: int, offset: int) -> torch.Tensor:
+    def offset_uniforms(self, numel: int, offset: int, device="cpu") -> torch.Tensor:
         """`numel` fp32 numbers offset + u, u pairwise-independent uniform on a grid of [0, 1), built in one
         broadcast xor: offset + u lies in [2^e, 2^(e+1)) (e = floor(log2 offset)), where a float's low 23 - e
         mantissa bits step by 2^-(23-e); so the bits are (exponent, offset's bits, A_i ^ B_j) with A, B uniform
@@ -69,12 +69,12 @@ class Uniforms:
         prefix = ((127 + e) << 23) | ((offset - (1 << e)) << free)
         cols = min(_COLS, max(numel, 1))
         rows = math.ceil(numel / cols) if numel else 0
-        if self._ibuf.numel() < rows * cols:
-            self._ibuf = torch.empty(rows * cols, dtype=torch.int32)
+        if self._ibuf.numel() < rows * cols or self._ibuf.device != torch.device(device):
+            self._ibuf = torch.empty(rows * cols, dtype=torch.int32, device=device)
         table = self._ibuf[: rows * cols].view(rows, cols)
         gen = self.generator()
-        a = torch.randint(0, 1 << free, (rows, 1), generator=gen, dtype=torch.int32).bitwise_or_(prefix)
-        b = torch.randint(0, 1 << free, (1, cols), generator=gen, dtype=torch.int32)
+        a = torch.randint(0, 1 << free, (rows, 1), generator=gen, dtype=torch.int32, device=gen.device).to(device).bitwise_or_(prefix)
+        b = torch.randint(0, 1 << free, (1, cols), generator=gen, dtype=torch.int32, device=gen.device).to(device)
         torch.bitwise_xor(a, b, out=table)
         return table.view(-1)[:numel].view(torch.float32)
 
@@ -96,7 +96,7 @@ def stochastic_codes(x: torch.Tensor, inv_scale: torch.Tensor | float, levels: i
     they must not (QSGD: |x| <= norm), and only float round-off is guarded against, on the bytes."""
     flat = x.reshape(-1)
     n = flat.numel()
-    w = uniforms.offset_uniforms(n, levels)        # levels + u: then x * inv + levels + u >= 0 and trunc is floor
+    w = uniforms.offset_uniforms(n, levels, flat.device)        # levels + u: then x * inv + levels + u >= 0 and trunc is floor
     if bucket is None or not torch.is_tensor(inv_scale) or inv_scale.numel() == 1:
         w.add_(flat, alpha=float(inv_scale))
     else:

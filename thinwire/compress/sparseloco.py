@@ -50,8 +50,8 @@ class SparseLoCo(Compressor):
         lay = self.layouts(flat.numel())
         local, vals = lay.topk(flat)
         vals = vals.to(torch.float32)
-        row, a = lay.row_of(), vals.abs()
-        zeros = torch.zeros(lay.rows)
+        row, a = lay.row_of(vals.device), vals.abs()
+        zeros = torch.zeros(lay.rows, device=vals.device)
         hi = zeros.scatter_reduce(0, row, a, "amax", include_self=False)
         lo = zeros.scatter_reduce(0, row, a, "amin", include_self=False)
         upper = a > ((lo + hi) / 2)[row]
@@ -70,7 +70,7 @@ class SparseLoCo(Compressor):
         local, used = unpack_index(payload.tensors, lay.kept, self.chunk)
         codes = unpack(payload.tensors[used], 2, lay.kept).to(torch.int64)
         levels = payload.tensors[used + 1].reshape(-1)
-        vals = levels[2 * lay.row_of() + codes.bitwise_and(1)]
+        vals = levels[2 * lay.row_of(levels.device) + codes.bitwise_and(1)]
         return lay.positions(local), torch.where(codes.bitwise_right_shift(1).bool(), -vals, vals)
 
     def context(self, shape, dtype, key=None, step=0):
@@ -80,7 +80,7 @@ class SparseLoCo(Compressor):
         ctx = payloads[0].ctx
         lay = self.layouts(ctx["numel"])
         parts = [self._contribution(p, lay) for p in payloads]
-        out = torch.zeros(lay.n).index_add_(0, torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
+        out = torch.zeros(lay.n, device=parts[0][1].device).index_add_(0, torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
     def decompress(self, payload):

@@ -46,7 +46,7 @@ class TernGrad(Compressor):
 
     def _scale(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.numel() == 0:
-            return torch.zeros(1)
+            return torch.zeros(1, device=flat.device)
         lo, hi = torch.aminmax(flat)
         scale = torch.maximum(-lo, hi).float()
         n = flat.numel()

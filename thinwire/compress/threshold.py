@@ -29,13 +29,13 @@ class Scratch:
     """Reused buffers for |g − c| and its mask (fresh 64 MB tensors page-fault on every call)."""
 
     def __init__(self):
-        self.dev = torch.empty(0)
-        self.mask = torch.empty(0, dtype=torch.bool)
+        self.dev = torch.empty(0, device="cpu")     # regrown on the requested device
+        self.mask = torch.empty(0, dtype=torch.bool, device="cpu")
 
-    def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.dev.numel() < n:
-            self.dev = torch.empty(n)
-            self.mask = torch.empty(n, dtype=torch.bool)
+    def get(self, n: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        if self.dev.numel() < n or self.dev.device != torch.device(device):
+            self.dev = torch.empty(n, device=device)
+            self.mask = torch.empty(n, dtype=torch.bool, device=device)
         return self.dev[:n], self.mask[:n]
 
 
@@ -53,17 +53,17 @@ def mask_indices(mask: torch.Tensor) -> torch.Tensor:
     tail = torch.nonzero(mask[n8:]).squeeze(1) + n8 if n8 < n else None
     if 4 * hit.numel() <= words.numel():       # sparse: scan the 8 flags of the non-zero words only
         flags = mask[:n8].view(-1, 8).index_select(0, hit).view(-1)
-        idx = (hit.unsqueeze(1) * 8 + torch.arange(8)).view(-1)[flags]
+        idx = (hit.unsqueeze(1) * 8 + torch.arange(8, device=mask.device)).view(-1)[flags]
         return idx if tail is None else torch.cat([idx, tail])
     full = words.index_select(0, hit) == _FULL
     whole = hit[full].to(torch.int32).mul_(8).unsqueeze(1)
     some = hit[~full]
     flags = mask[:n8].view(-1, 8).index_select(0, some).view(-1)
-    part = (some.unsqueeze(1) * 8 + torch.arange(8)).view(-1)[flags]
+    part = (some.unsqueeze(1) * 8 + torch.arange(8, device=mask.device)).view(-1)[flags]
     f8 = 8 * whole.shape[0]
     nt = 0 if tail is None else tail.numel()
-    out = torch.empty(f8 + part.numel() + nt, dtype=torch.int32)       # written in place: no concatenation
-    torch.add(whole, torch.arange(8, dtype=torch.int32), out=out[:f8].view(-1, 8))
+    out = torch.empty(f8 + part.numel() + nt, dtype=torch.int32, device=mask.device)       # written in place: no concatenation
+    torch.add(whole, torch.arange(8, dtype=torch.int32, device=mask.device), out=out[:f8].view(-1, 8))
     out[f8: f8 + part.numel()] = part
     if nt:
         out[f8 + part.numel():] = tail
@@ -77,7 +77,7 @@ def select_beyond(flat: torch.Tensor, thr: float, center: float = 0.0,
     n = flat.numel()
     if n < SMALL or flat.dtype != torch.float32 or scratch is None:
         return torch.nonzero(beyond(flat, thr, center)).squeeze(1), None
-    dev, mask = scratch.get(n)
+    dev, mask = scratch.get(n, flat.device)
     if center:
         torch.sub(flat, center, out=dev).abs_()
     else:
@@ -91,7 +91,7 @@ def select_beyond(flat: torch.Tensor, thr: float, center: float = 0.0,
 
 def reselect(dev: torch.Tensor, thr: float, scratch: Scratch) -> torch.Tensor:
     """Indices of dev ≥ thr for the |flat − center| buffer that `select_beyond` returned."""
-    mask = scratch.get(dev.numel())[1]
+    mask = scratch.get(dev.numel(), dev.device)[1]
     torch.ge(dev, thr, out=mask) if thr > 0 else torch.gt(dev, 0, out=mask)
     return mask_indices(mask)
 
@@ -113,7 +113,7 @@ class Selected(SparseCompressor):
         idx = idx.reshape(-1)
         if idx.dtype == torch.int16:              # (index_add_ takes int32 or int64 indices)
             idx = idx.long()
-        out = torch.zeros(numel, dtype=acc).index_add_(0, idx, vals.reshape(-1).to(acc))
+        out = torch.zeros(numel, dtype=acc, device=vals.device).index_add_(0, idx, vals.reshape(-1).to(acc))
         return out.to(dtype).view(shape)
 
 

@@ -51,18 +51,18 @@ def top(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[torch.Tensor, to
 def merge(ia, va, ib, vb):
     """Union of two index sets, values of equal indices summed; index-sorted."""
     idx, inv = torch.unique(torch.cat([ia, ib]), sorted=True, return_inverse=True)
-    vals = torch.zeros(idx.numel(), dtype=va.dtype).index_add_(0, inv, torch.cat([va, vb]))
+    vals = torch.zeros(idx.numel(), dtype=va.dtype, device=va.device).index_add_(0, inv, torch.cat([va, vb]))
     return idx, vals
 
 
 def swap(tr, partner: int, buf: torch.Tensor):
     """(program) Exchange a uint8 buffer with `partner` (its size first, so sizes may differ)."""
-    mine = torch.tensor([buf.numel()], dtype=torch.int64)
+    mine = torch.tensor([buf.numel()], dtype=torch.int64, device=buf.device)
     theirs = torch.empty_like(mine)
     h = tr.isend(mine, partner)
     yield tr.irecv(theirs, partner)
     yield h
-    out = torch.empty(int(theirs[0]), dtype=torch.uint8)
+    out = torch.empty(int(theirs[0]), dtype=torch.uint8, device=buf.device)
     h = tr.isend(buf, partner)
     yield tr.irecv(out, partner)
     yield h
@@ -71,28 +71,28 @@ def swap(tr, partner: int, buf: torch.Tensor):
 
 def send_buf(tr, dst: int, buf: torch.Tensor):
     """(program) One-way: a uint8 buffer to `dst`, its size first."""
-    yield tr.isend(torch.tensor([buf.numel()], dtype=torch.int64), dst)
+    yield tr.isend(torch.tensor([buf.numel()], dtype=torch.int64, device=buf.device), dst)
     yield tr.isend(buf, dst)
 
 
 def recv_buf(tr, src: int):
     """(program) The buffer `send_buf` sends."""
-    size = torch.empty(1, dtype=torch.int64)
+    size = torch.empty(1, dtype=torch.int64, device=tr.device)
     yield tr.irecv(size, src)
-    out = torch.empty(int(size[0]), dtype=torch.uint8)
+    out = torch.empty(int(size[0]), dtype=torch.uint8, device=tr.device)
     yield tr.irecv(out, src)
     return out
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A bool mask as uint8 bytes, 8 flags per byte (little-endian bit order)."""
-    pad = torch.zeros((-mask.numel()) % 8, dtype=torch.bool)
+    pad = torch.zeros((-mask.numel()) % 8, dtype=torch.bool, device=mask.device)
     bits = torch.cat([mask.reshape(-1), pad]).view(-1, 8).to(torch.int32)
-    return (bits << torch.arange(8, dtype=torch.int32)).sum(1).to(torch.uint8)
+    return (bits << torch.arange(8, dtype=torch.int32, device=mask.device)).sum(1).to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    return ((packed.to(torch.int32).unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).reshape(-1)[:n].bool()
+    return ((packed.to(torch.int32).unsqueeze(1) >> torch.arange(8, dtype=torch.int32, device=packed.device)) & 1).reshape(-1)[:n].bool()
 
 
 def _set(idx, vals, extra: list) -> torch.Tensor:
@@ -108,11 +108,11 @@ def gtopk(tr, compressor, c, key, step):
     n, rank = tr.world_size, tr.rank
     p = 1 << (n.bit_length() - 1)
     if rank >= p:                                        # extra rank: fold into rank − p, get the result back
-        yield from send_buf(tr, rank - p, _set(idx, vals, [torch.tensor([k])]))
+        yield from send_buf(tr, rank - p, _set(idx, vals, [torch.tensor([k], device=vals.device)]))
         got = wire.unpack((yield from recv_buf(tr, rank - p)))
         idx, vals, alive = got[0].long(), got[1], unpack_bits(got[2], own_idx.numel())
     else:
-        alive = torch.ones(idx.numel(), dtype=torch.bool)   # which of my own entries are still in my set
+        alive = torch.ones(idx.numel(), dtype=torch.bool, device=idx.device)   # which of my own entries are still in my set
         extra = rank + p if rank + p < n else None
         if extra is not None:                            # fold: merge the extra rank's set, re-select
             got = wire.unpack((yield from recv_buf(tr, extra)))
@@ -123,7 +123,7 @@ def gtopk(tr, compressor, c, key, step):
         dist = 1
         while dist < p:
             partner = rank ^ dist
-            got = wire.unpack((yield from swap(tr, partner, _set(idx, vals, [torch.tensor([k])]))))
+            got = wire.unpack((yield from swap(tr, partner, _set(idx, vals, [torch.tensor([k], device=vals.device)]))))
             oi, ov, ok = got[0].long(), got[1], int(got[2][0])
             k = max(k, ok)                               # symmetric: both partners use the same k
             idx, vals = top(*merge(idx, vals, oi, ov), k)
@@ -133,9 +133,9 @@ def gtopk(tr, compressor, c, key, step):
             dist *= 2
         if extra is not None:                            # the result, and which of its entries survived
             yield from send_buf(tr, extra, _set(idx, vals, [pack_bits(e_alive)]))
-    total = torch.zeros(flat.numel(), dtype=c.dtype)
+    total = torch.zeros(flat.numel(), dtype=c.dtype, device=c.device)
     total[idx] = vals
-    sent = torch.zeros(flat.numel(), dtype=c.dtype)
+    sent = torch.zeros(flat.numel(), dtype=c.dtype, device=c.device)
     sent[own_idx[alive]] = own_vals[alive]
     return total.view(c.shape), sent.view(c.shape)
 
@@ -146,18 +146,18 @@ def shared(tr, compressor, c, key, step):
     leader = step % tr.world_size
     if tr.rank == leader:
         idx, _ = contribution(compressor, flat, key, step)
-        count = torch.tensor([idx.numel()], dtype=torch.int64)
+        count = torch.tensor([idx.numel()], dtype=torch.int64, device=c.device)
     else:
-        idx, count = None, torch.zeros(1, dtype=torch.int64)
+        idx, count = None, torch.zeros(1, dtype=torch.int64, device=c.device)
     yield tr.broadcast(count, src=leader, async_op=True)
-    ids = idx.to(torch.int32) if idx is not None else torch.empty(int(count[0]), dtype=torch.int32)
+    ids = idx.to(torch.int32) if idx is not None else torch.empty(int(count[0]), dtype=torch.int32, device=c.device)
     yield tr.broadcast(ids, src=leader, async_op=True)
     ids = ids.long()
     vals = flat[ids].clone()
-    sent = torch.zeros(flat.numel(), dtype=c.dtype)
+    sent = torch.zeros(flat.numel(), dtype=c.dtype, device=c.device)
     sent[ids] = vals
     yield (yield from tr.all_reduce_program(vals, op="sum"))
-    total = torch.zeros(flat.numel(), dtype=c.dtype)
+    total = torch.zeros(flat.numel(), dtype=c.dtype, device=c.device)
     total[ids] = vals
     return total.view(c.shape), sent.view(c.shape)
 
@@ -207,18 +207,19 @@ class Hierarchical:
         flat = c.reshape(-1)
         s = flat.clone()
         yield (yield from self.group.all_reduce_program(s, op="sum"))   # dense reduce inside the group
-        size = torch.zeros(1, dtype=torch.int64)
+        size = torch.zeros(1, dtype=torch.int64, device=c.device)
         if self.leaders is not None:
             payload = compressor.compress(s.view(c.shape), key, step)
             buf = wire.pack(payload.tensors)
             bufs = yield (yield from self.leaders.all_gather_program(buf))   # sparse exchange between leaders
             mine = self.leaders.rank
-            blob = wire.pack([torch.tensor([len(bufs), mine, *[b.numel() for b in bufs]], dtype=torch.int64),
+            blob = wire.pack([torch.tensor([len(bufs), mine, *[b.numel() for b in bufs]], dtype=torch.int64,
+                                           device=c.device),
                               *bufs])
             size[0] = blob.numel()
         yield self.group.broadcast(size, src=0, async_op=True)
         if self.leaders is None:
-            blob = torch.empty(int(size[0]), dtype=torch.uint8)
+            blob = torch.empty(int(size[0]), dtype=torch.uint8, device=c.device)
         yield self.group.broadcast(blob, src=0, async_op=True)   # every member gets its leader's bytes
         parts = wire.unpack(blob)
         head = parts[0].tolist()

@@ -27,7 +27,8 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
         if t.dtype not in _CODE:
             raise TypeError(f"cannot put a {t.dtype} tensor on the wire")
         head += [_CODE[t.dtype], t.numel()]
-    parts = [torch.tensor(head, dtype=torch.int32).view(torch.uint8)] + [_bytes(t) for t in tensors]
+    device = tensors[0].device if tensors else "cpu"      # the header travels with the data
+    parts = [torch.tensor(head, dtype=torch.int32, device=device).view(torch.uint8)] + [_bytes(t) for t in tensors]
     return torch.cat(parts)
 
 
@@ -39,7 +40,7 @@ def unpack(buf: torch.Tensor) -> list[torch.Tensor]:
     out = []
     for i in range(count):
         dtype, n = _DTYPES[head[2 * i]], head[2 * i + 1]
-        size = torch.empty(0, dtype=torch.uint8 if dtype == torch.bool else dtype).element_size()
+        size = torch.empty(0, dtype=torch.uint8 if dtype == torch.bool else dtype, device="meta").element_size()
         raw = buf[off:off + n * size].clone()
         t = raw.view(torch.uint8 if dtype == torch.bool else dtype)
         out.append(t.to(torch.bool) if dtype == torch.bool else t)

@@ -162,6 +162,27 @@ def _watch_membership(host: str, port: int, world_size: int) -> None:
         MEMBERSHIP.announce(generation, [int(r) for r in store.get(key).decode().split(",")])
 
 
+def pick_backend(backend: str | None, device: str | None, local_world_size: int = 1) -> tuple[str, str]:
+    """(backend, device) from what was asked: CUDA means NCCL (one process per GPU), the CPU means gloo.
+    Bad combinations are the caller's error, raised before any process starts."""
+    if backend not in (None, "gloo", "nccl"):
+        raise UserError(f"unknown backend {backend!r}; valid: gloo, nccl")
+    if device not in (None, "cpu", "cuda"):
+        raise UserError(f"unknown device {device!r}; valid: cpu, cuda")
+    device = device or ("cuda" if backend == "nccl" else "cpu")
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if backend == "nccl" and device != "cuda":
+        raise UserError("backend nccl needs device cuda; valid: backend gloo with device cpu, nccl with cuda")
+    if device == "cuda":
+        import torch
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < local_world_size:
+            fewer = f", or at most {have} workers" if have else ""
+            raise UserError(f"device cuda: {local_world_size} workers need {local_world_size} GPUs (one per "
+                            f"process), this machine has {have}; valid: device cpu{fewer}")
+    return backend, device
+
+
 def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results, beats, steps, times,
                  worker_init, on_failure="stop"):
     global _progress
@@ -180,6 +201,9 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
     import torch
     import torch.distributed as dist
     torch.set_num_threads(_threads_per_worker(world_size))
+    if backend == "nccl":  # one process per GPU: this worker's rank is its local rank
+        os.environ["LOCAL_RANK"] = str(rank)
+        torch.cuda.set_device(rank)
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -230,16 +254,17 @@ class Pool:
     forms a new group at its next synchronization point and goes on. `run` returns None for a lost rank and
     `lost` names it. The pool's group has changed: it is closed after that run."""
 
-    def __init__(self, world_size: int, backend: str = "gloo", host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, world_size: int, backend: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 600.0, start_timeout: float = 120.0, stall_timeout: float = 60.0,
-                 progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop"):
+                 progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop",
+                 device: str | None = None):
         check_world_size(world_size)
         if on_failure not in ("stop", "continue"):
             raise UserError(f"on_failure must be stop or continue, got {on_failure!r}")
         self.on_failure = on_failure
         self.lost: list[dict] = []          # workers lost and survived (on_failure="continue")
-        if backend not in ("gloo", "nccl"):
-            raise UserError(f"unknown backend {backend!r}; valid: gloo, nccl")
+        backend, self.device = pick_backend(backend, device, world_size)
+        self.backend = backend
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise UserError(f"port must be in 0..65535, got {port!r}")
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout),
@@ -473,16 +498,20 @@ class _Watchdog:
                                    f"worker is blocked{bound}")
 
 
-def launch(fn, world_size: int, network="lan", backend: str = "gloo", args: tuple = (),
+def launch(fn, world_size: int, network="lan", backend: str | None = None, args: tuple = (),
            timeout: float | None = None, seed: int = 0, host: str = "127.0.0.1", port: int = 0,
-           progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop") -> list:
+           progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop",
+           device: str | None = None) -> list:
     """Start `world_size` workers on `host`, run `fn(rank, world_size, *args)` in each under the emulated
     `network`, and return their return values by rank. Raises `WorkerError` if any worker fails (with
     `on_failure="continue"`, a lost worker's value is None and the others go on; see `Pool`); the run
-    may last `timeout` seconds (default 3600). See `Pool` for `progress_timeout` and `worker_init`."""
+    may last `timeout` seconds (default 3600). See `Pool` for `progress_timeout` and `worker_init`.
+    `device="cuda"` starts one worker per GPU on NCCL (worker r on cuda:r, its current device); the default is
+    the CPU on gloo. `backend` may be left out: it follows from the device."""
     parse_network(network)
     with Pool(world_size, backend=backend, host=host, port=port, timeout=timeout or 3600.0,
-              progress_timeout=progress_timeout, worker_init=worker_init, on_failure=on_failure) as pool:
+              progress_timeout=progress_timeout, worker_init=worker_init, on_failure=on_failure,
+              device=device) as pool:
         return pool.run(fn, *args, network=network, seed=seed, timeout=timeout)
 
 
@@ -491,14 +520,19 @@ def under_torchrun() -> bool:
                                                   and "MASTER_ADDR" in os.environ)
 
 
-def init(network="lan", backend: str = "gloo", seed: int = 0, timeout: float = 1800.0) -> tuple[int, int]:
-    """Initialise torch.distributed inside a process started by torchrun; returns (rank, world_size)."""
+def init(network="lan", backend: str | None = None, seed: int = 0, timeout: float = 1800.0,
+         device: str | None = None) -> tuple[int, int]:
+    """Initialise torch.distributed inside a process started by torchrun; returns (rank, world_size).
+    `device="cuda"`: NCCL, and this process's GPU is cuda:LOCAL_RANK (made the current device)."""
     import torch
     import torch.distributed as dist
     if not under_torchrun():
         raise UserError("thinwire.init() expects torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR); "
                         "on one machine use thinwire.launch instead")
+    backend, device = pick_backend(backend, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     set_default_network(network, seed)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or

@@ -106,6 +106,14 @@ def make_optimizer(cfg, wl, parameters) -> torch.optim.Optimizer:
     return wl.make_optimizer(parameters, lr=cfg.lr, momentum=cfg.momentum, optimizer=getattr(cfg, "optimizer", None))
 
 
+def run_device(cfg):
+    """The device a worker trains on: its current CUDA device (set by the launcher) for `device="cuda"`."""
+    import torch
+    if getattr(cfg, "device", "cpu") == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def build_trainer(cfg, wl, model, tracer=None):
     """The Trainer for this configuration (used by the loop and by the tests)."""
     from ..trainer import Trainer
@@ -121,7 +129,7 @@ class TrainerStepper(Stepper):
     checkpointable = True
 
     def __init__(self, cfg, wl, rank: int, tracer=None):
-        model = wl.model(cfg.seed)
+        model = wl.model(cfg.seed).to(run_device(cfg))
         self.trainer = build_trainer(cfg, wl, model, tracer)
         super().__init__(model, model, getattr(self.trainer.algorithm, "worker_rank", rank))
         self.role = getattr(self.trainer.algorithm, "role", "worker")
@@ -356,6 +364,7 @@ def train_worker(rank: int, world_size: int, cfg) -> dict:
 
 def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     wrank = stepper.worker_rank
+    device = next(stepper.module.parameters()).device
     x, y = wl.shard(wrank, cfg.workers)
     loader = workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=cfg.seed, rank=wrank)
     total = cfg.total_steps(wl)
@@ -392,6 +401,8 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
         while total is None or step <= total:
             t0 = _now()
             xb, yb = loader.next()
+            if device.type != "cpu":
+                xb, yb = xb.to(device), yb.to(device)
             with tracer.span("forward", "forward"):
                 loss = wl.loss(stepper.model(xb), yb)
             with tracer.span("backward", "backward"):
@@ -440,7 +451,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     meter, metrics = stepper.counted(before)
     params = stepper.parameters
     return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
-            "model_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+            "model_sha256": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest(),
             "meter": meter, "metrics": metrics, "stopped": stop or "steps",
             "trace": tracer.events, "num_params": sum(p.numel() for p in params),
             "dtype_bytes": params[0].element_size(), "train_s": clock}

@@ -107,6 +107,7 @@ class TrainConfig:
     stop_at_target: bool = False          # a race: stop at the first evaluation whose mean metric is on target
     optimizer: str | None = None          # the workload's own by default; "sgd" / "adamw" by name
     tensorboard: str | None = None        # a directory for TensorBoard scalars (worker rank 0 writes them)
+    device: str = "cpu"                   # "cuda": one worker per GPU on NCCL (model, batches, buffers there)
 
     @property
     def peer(self) -> bool:
@@ -127,7 +128,8 @@ class TrainConfig:
         if self.memory is not None:
             memories.lookup(self.memory)
         parse_network(self.network)
-        from .launcher import MAX_LOCAL_WORKERS, under_torchrun
+        from .launcher import MAX_LOCAL_WORKERS, pick_backend, under_torchrun
+        pick_backend(None, self.device, 1 if under_torchrun() else self.workers + self.servers)
         check_int("--workers", self.workers, 1)
         arch = self.architecture()
         self.resolve_servers()
@@ -306,7 +308,7 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
     summary = {
         "workload": cfg.workload, "algorithm": cfg.algorithm, "network": cfg.network,
         "workers": len(workers), "servers": len(servers), "compressor": cfg.compressor, "memory": cfg.memory,
-        "params": cfg.params, "seed": cfg.seed, "steps": n_steps, "wall_s": wall_s, "train_s": train_s,
+        "params": cfg.params, "seed": cfg.seed, "device": cfg.device, "steps": n_steps, "wall_s": wall_s, "train_s": train_s,
         "metric": wl.metric, "target": target,
         ("final_accuracy" if wl.metric == "accuracy" else "final_loss"): final,
         ("best_accuracy" if wl.metric == "accuracy" else "best_loss"): best,
@@ -347,7 +349,8 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
         results = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed)
     else:
         results = launch(train_worker, world, network=cfg.network, args=(cfg,), seed=cfg.seed,
-                         progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT, on_failure=cfg.on_failure)
+                         progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT, on_failure=cfg.on_failure,
+                         device=cfg.device)
     wall = _now() - t0
     summary, rows = summarize(cfg, results, wall)
     if out:

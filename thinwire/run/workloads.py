@@ -110,16 +110,18 @@ class Workload:
     def evaluate(self, model: nn.Module) -> float:
         was = model.training
         model.eval()
+        dev = next(model.parameters()).device           # the held-out set goes where the model is
+        x, y = self.data[2].to(dev), self.data[3].to(dev)
         if self.eval_fn is not None:
             try:
-                return float(self.eval_fn(model, self.data[2], self.data[3]))
+                return float(self.eval_fn(model, x, y))
             finally:
                 model.train(was)
-        out = model(self.data[2])
+        out = model(x)
         model.train(was)
         if self.metric == "accuracy":
-            return float((out.argmax(1) == self.data[3]).float().mean())
-        return float(F.mse_loss(out.reshape(-1), self.data[3].reshape(-1)))
+            return float((out.argmax(1) == y).float().mean())
+        return float(F.mse_loss(out.reshape(-1), y.reshape(-1)))
 
     def derived_metrics(self, value: float) -> dict:
         """The workload's other readings of a metric value (e.g. {"bits_per_byte": ...} from a loss)."""

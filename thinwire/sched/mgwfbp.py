@@ -95,7 +95,7 @@ class Profiled(Scheduler):
             rel.append([(t if t == t else end) - t0 for t in row])   # no gradient: ready at the end
         ready = [statistics.median(r[i] for r in rel) if rel else 0.0 for i in range(n)]
         a, b = self._measure_cost()
-        msg = torch.tensor(ready + [a, b], dtype=torch.float64)
+        msg = torch.tensor(ready + [a, b], dtype=torch.float64, device=self.transport.device)
         if self.transport.world_size > 1:
             self.transport.broadcast(msg, src=0)              # every rank plans from rank 0's numbers
         vals = msg.tolist()
@@ -112,9 +112,9 @@ class Profiled(Scheduler):
             return a, b
         big = 1 << 20
         times = {}
-        t.all_reduce(torch.zeros(1))     # warm-up
+        t.all_reduce(torch.zeros(1, device=t.device))     # warm-up
         for nbytes in (4, big):
-            x = torch.zeros(nbytes // 4)
+            x = torch.zeros(nbytes // 4, device=t.device)
             best = float("inf")
             for _ in range(3):
                 t0 = _now()

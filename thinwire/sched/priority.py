@@ -119,8 +119,9 @@ class Priority(Profiled):
         for us in self.param_units:
             for u in us:
                 self.unit_params[u] += 1
-        self.flat = [torch.zeros(self.numel, dtype=p0.dtype), torch.zeros(self.numel, dtype=p0.dtype)]
-        self._result_buf = torch.zeros(self.numel, dtype=p0.dtype)
+        self.flat = [torch.zeros(self.numel, dtype=p0.dtype, device=p0.device),
+                     torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)]
+        self._result_buf = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
         self.result = self._result_buf
         self.cur = 0
         self.order = list(reversed(range(len(self.units))))   # FIFO in backward order until planned
