@@ -246,7 +246,7 @@ def _localsgd(rank, n):
 
 def test_localsgd_on_gossip(pool4):
     from thinwire.algorithms.dpsgd import LocalSGDOnGossip
-    assert algorithms.architectures("localsgd") == ("allreduce", "gossip")
+    assert algorithms.architectures("localsgd") == ("allreduce", "gossip", "ps")
     assert type(algorithms.get("localsgd", architecture="gossip")) is LocalSGDOnGossip
     with pytest.raises(UserError, match="average_momentum is for architecture=allreduce"):
         algorithms.get("localsgd", architecture="gossip", average_momentum=True)

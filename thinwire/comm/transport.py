@@ -406,7 +406,7 @@ class Transport:
             data, out = tensor.contiguous(), None
             if self.link.emulated:
                 out = self.clock.schedule(issued, cost, tx=True, rx=False, latency=False)
-                stamp = torch.tensor([out], dtype=torch.float64).view(torch.uint8)
+                stamp = torch.tensor([out], dtype=torch.float64, device=data.device).view(torch.uint8)
                 data = torch.cat([data.reshape(-1).view(torch.uint8), stamp])
             work = dist.isend(data, dst=self.global_of(dst), group=self.group, tag=tag)
             return self._handle("send", [work], cost, tensor, None, issued, rx=False, latency=False,
@@ -425,7 +425,7 @@ class Transport:
             if not self.link.emulated:
                 work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
                 return self._handle("recv", [work], cost, tensor, None, issued, tx=False)
-            buf = torch.empty(nbytes + 8, dtype=torch.uint8)    # the data, then the sender's push-out time
+            buf = torch.empty(nbytes + 8, dtype=torch.uint8, device=tensor.device)    # the data, then the sender's push-out time
             work = dist.irecv(buf, src=self.global_of(src), group=self.group, tag=tag)
 
             def pushed_out() -> float:

@@ -74,7 +74,7 @@ def pick_collective(compressor: "Compressor", numel: int, world_size: int, allre
 
 def summed_itemsize(dtype: torch.dtype) -> int:
     """Bytes per element an integer tensor of `dtype` takes on the wire when all-reduce sums it (gloo)."""
-    return torch.empty(0, dtype=GLOO_SUM_WIDEN.get(dtype, dtype)).element_size()
+    return torch.empty(0, dtype=GLOO_SUM_WIDEN.get(dtype, dtype), device="cpu").element_size()   # a size only
 
 
 def regroup(state: dict, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> dict:

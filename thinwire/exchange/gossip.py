@@ -91,13 +91,13 @@ class NeighborExchange(Exchange):
         if comp.fixed_size:
             sizes = {s: buf.numel() for s in srcs}
         else:   # sizes first: one int64 per neighbour, then the payloads
-            mine = torch.tensor([buf.numel()], dtype=torch.int64)
-            heads = {s: torch.empty(1, dtype=torch.int64) for s in srcs}
+            mine = torch.tensor([buf.numel()], dtype=torch.int64, device=buf.device)
+            heads = {s: torch.empty(1, dtype=torch.int64, device=buf.device) for s in srcs}
             hs += [tr.isend(mine, d, tag=TAG) for d in dsts]
             for h in [tr.irecv(heads[s], s, tag=TAG) for s in srcs]:
                 yield h
             sizes = {s: int(heads[s][0]) for s in srcs}
-        bufs = {s: torch.empty(sizes[s], dtype=torch.uint8) for s in srcs}
+        bufs = {s: torch.empty(sizes[s], dtype=torch.uint8, device=buf.device) for s in srcs}
         hs += [tr.isend(buf, d, tag=TAG) for d in dsts] + [tr.irecv(bufs[s], s, tag=TAG) for s in srcs]
 
         def finish(_):

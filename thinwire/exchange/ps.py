@@ -62,7 +62,7 @@ def contraction(compressor: Compressor, numel: int = _PROBE, trials: int = 3) ->
     gen = torch.Generator().manual_seed(0)
     ratios = []
     for t in range(trials):
-        v = torch.randn(numel, generator=gen)
+        v = torch.randn(numel, generator=gen, device="cpu")   # probes at construction, on the host
         out = probe.decompress(probe.compress(v, key=("probe", t), step=t)).reshape(-1).to(v.dtype)
         ratios.append(float((out - v).pow(2).sum() / v.pow(2).sum()))
     return sum(ratios) / trials
@@ -410,7 +410,7 @@ class PSServer:
             held = self.held[w][b]
             p = self.downlink.compress(x - held, key=_key(self.keys[b], self.k, True), step=self.sent[w][b])
             held += self.downlink.decompress(p).reshape(-1).to(held.dtype).mul_(self.scale)
-            body = wire.pack(list(p.tensors) + [torch.tensor([self.scale], dtype=torch.float64)])
+            body = wire.pack(list(p.tensors) + [torch.tensor([self.scale], dtype=torch.float64, device=x.device)])
         self.sent[w][b] += 1
         self.loop.reply(w, Header(REPLY, b, self.handled[w][b], self.version[b], aux, 0, body.numel()), body)
 

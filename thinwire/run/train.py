@@ -129,11 +129,11 @@ class TrainConfig:
             memories.lookup(self.memory)
         parse_network(self.network)
         from .launcher import MAX_LOCAL_WORKERS, pick_backend, under_torchrun
-        pick_backend(None, self.device, 1 if under_torchrun() else self.workers + self.servers)
         check_int("--workers", self.workers, 1)
         arch = self.architecture()
         self.resolve_servers()
         check_int("--servers", self.servers, 0)
+        pick_backend(None, self.device, 1 if under_torchrun() else self.workers + self.servers)
         check_int("--seed", self.seed, 0, MAX_SEED)
         if self.workers + self.servers > MAX_LOCAL_WORKERS and not under_torchrun():
             raise UserError(f"--workers + --servers must be at most {MAX_LOCAL_WORKERS} on one machine, got "
