@@ -461,7 +461,7 @@ def test_sigterm_ends_the_run_in_one_line_with_checkpoints_intact(tmp_path):
     assert proc.returncode == 143, err
     lines = err.strip().splitlines()
     assert lines[0] == "thinwire: terminated (SIGTERM)", err
-    # Known, intermittent (about one run in three on a fresh clone, 2026-11-23): multiprocessing's resource
+    # Known, intermittent (seen in one of three fresh-clone runs, 2026-11-23): multiprocessing's resource
     # tracker may still report one leaked semaphore of a worker queue after the SIGTERM unwinding; open in issue
     # 18. Anything else printed fails.
     assert all("resource_tracker" in line or line.strip().startswith("warnings.warn(") for line in lines[1:]), err
