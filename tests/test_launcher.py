@@ -66,6 +66,7 @@ def test_pool_runs_many_tasks_and_a_raise_names_the_rank():
         assert "boom from 1" in str(err.value) and "Traceback" in err.value.traceback
     finally:
         pool.close()
+    assert not _feeders(pool)
     time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
 
@@ -79,8 +80,36 @@ def test_killed_worker_is_reported_within_seconds_and_nothing_is_left():
     elapsed = time.monotonic() - t0
     assert err.value.rank == 2 and "signal 9" in str(err.value)
     assert elapsed < 15, elapsed
+    assert not _feeders(pool)  # closed by force too
     time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
+
+
+def _feeders(pool) -> list:
+    """The pool's task-queue feeder threads still running. One that outlives `close()` may release the queue's
+    semaphores while the process exits, too late to tell multiprocessing's resource tracker ("leaked semaphore"
+    after SIGTERM, issue 18)."""
+    return [q._thread for q in pool._tasks if getattr(q, "_thread", None) is not None and q._thread.is_alive()]
+
+
+class _CtrlCOnSecondStart(tw.run.launcher._ctx.Process):
+    started: list = []   # pids of the workers that did start
+
+    def start(self):
+        if _CtrlCOnSecondStart.started:
+            raise KeyboardInterrupt  # Ctrl-C after the first worker started
+        super().start()
+        _CtrlCOnSecondStart.started.append(self.pid)
+
+
+def test_ctrl_c_between_two_worker_starts_leaves_nothing(monkeypatch):
+    from thinwire.run import launcher
+    monkeypatch.setattr(launcher._ctx, "Process", _CtrlCOnSecondStart)
+    _CtrlCOnSecondStart.started = []
+    with pytest.raises(KeyboardInterrupt):  # not an error of the clean-up ("can only join a started process")
+        tw.Pool(2)
+    time.sleep(0.2)
+    assert _CtrlCOnSecondStart.started and not any(_alive(p) for p in _CtrlCOnSecondStart.started)
 
 
 @pytest.mark.parametrize("kwargs, message", [

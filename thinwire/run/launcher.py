@@ -416,10 +416,11 @@ class Pool:
                 q.put(None)
             for p in self._procs:
                 p.join(timeout=10)
-        for p in self._procs:
+        started = [p for p in self._procs if p.pid is not None]  # Ctrl-C may come between two starts
+        for p in started:
             if p.is_alive():
                 p.terminate()
-        for p in self._procs:
+        for p in started:
             p.join(timeout=2)
             if p.is_alive():
                 p.kill()
@@ -427,6 +428,14 @@ class Pool:
         for q in self._tasks + [self._results]:
             q.close()
             q.cancel_join_thread()
+        # A task queue's feeder thread holds the queue's semaphores. Left running, it may drop the last
+        # reference after this process began to exit; the semaphore is then unlinked by a daemon thread that is
+        # stopped before it tells multiprocessing's resource tracker, which reports "leaked semaphore" (seen
+        # after SIGTERM). Ended here, the semaphores are released by this thread when the pool goes.
+        for q in self._tasks:
+            feeder = getattr(q, "_thread", None)
+            if feeder is not None:
+                feeder.join(timeout=5)
         self._store = None  # closes the listening socket
 
     @property
