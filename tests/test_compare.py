@@ -399,7 +399,7 @@ def emulated_vs_real():
                 em.configure("lan" if mode == "emulated" else "wan")
                 view = _PoolView(pool, 300, netem=mode == "real")
                 for algo in ("bsp", "dts"):
-                    cfg = TrainConfig(workload="digits-mlp", algorithm=algo, workers=4, steps=16, eval_every=8,
+                    cfg = TrainConfig(workload="digits-mlp", algorithm=algo, workers=4, steps=6, eval_every=6,
                                       network="wan" if mode == "emulated" else "lan", progress=False)
                     out[mode, algo] = run_training(cfg, pool=view)
         finally:
@@ -419,10 +419,5 @@ def test_real_network_mode_trains_the_same(emulated_vs_real):
     assert real_bsp["train_s"] / real_bsp["steps"] > 6 * 0.05  # a ring all-reduce: >= 2(n-1) one-way latencies
 
 
-@needs_root
-@pytest.mark.slow
-def test_emulator_step_time_within_20_percent_of_real_network(emulated_vs_real):
-    for algo in ("bsp", "dts"):
-        e, r = emulated_vs_real["emulated", algo], emulated_vs_real["real", algo]
-        ratio = (r["train_s"] / r["steps"]) / (e["train_s"] / e["steps"])
-        assert 0.8 < ratio < 1.2, (algo, ratio)
+# How close the emulator's step time comes to the real shaped link's is a measurement, not a test (issue 19):
+# `thinwire compare ... --netem` against the same command without it; BENCHMARKS.md has the command and result.

@@ -105,12 +105,18 @@ def _cli(args, env=None, timeout=300):
     return subprocess.run(THINWIRE + list(args), capture_output=True, text=True, timeout=timeout, env=env or ENV)
 
 
+def _run(pool, **kw) -> dict:
+    """RUN in this process on a shared pool (the kill is what crosses the process boundary, not the reference
+    run nor the resume): the summary `thinwire train --json` prints."""
+    from thinwire.run.train import run_training
+    cfg = TrainConfig(workload="linreg", algorithm="bsp", workers=2, steps=STEPS, network=NET, progress=False, **kw)
+    return run_training(cfg, pool=pool)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(pool2, tmp_path_factory):
     out = tmp_path_factory.mktemp("whole")
-    r = _cli(RUN + ["--checkpoint-every", str(EVERY), "--out", str(out)])
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    return _run(pool2, checkpoint_every=EVERY, checkpoint_dir=str(out / "checkpoint"))
 
 
 def _check_intact(ck: str) -> int:
@@ -122,10 +128,8 @@ def _check_intact(ck: str) -> int:
     return manifest["step"]
 
 
-def _resume_and_compare(out, whole, tmp_path):
-    r = _cli(RUN + ["--resume", os.path.join(out, "checkpoint"), "--out", str(tmp_path / "resumed")])
-    assert r.returncode == 0, r.stderr
-    resumed = json.loads(r.stdout)
+def _resume_and_compare(out, whole, pool):
+    resumed = _run(pool, resume=os.path.join(out, "checkpoint"))
     assert resumed["steps"] == STEPS
     assert resumed["final_loss"] == whole["final_loss"]
     assert resumed["model_sha256"] == whole["model_sha256"]
@@ -133,7 +137,7 @@ def _resume_and_compare(out, whole, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [2])
-def test_worker_killed_at_a_random_step_resumes_to_the_same_model(seed, uninterrupted, tmp_path):
+def test_worker_killed_at_a_random_step_resumes_to_the_same_model(seed, uninterrupted, pool2, tmp_path):
     rng = random.Random(seed)
     rank, step = rng.randrange(2), rng.randrange(EVERY + 1, STEPS)
     hooks = tmp_path / "hooks"
@@ -149,7 +153,7 @@ def test_worker_killed_at_a_random_step_resumes_to_the_same_model(seed, uninterr
     assert exited - float(stamp.read_text()) < 30  # detected within seconds (generous: shared machine)
     _assert_nothing_left(tag)
     assert _check_intact(os.path.join(out, "checkpoint")) == (step - 1) // EVERY * EVERY
-    _resume_and_compare(out, uninterrupted, tmp_path)
+    _resume_and_compare(out, uninterrupted, pool2)
 
 
 @pytest.mark.slow
@@ -186,7 +190,7 @@ def _children(parent: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_worker_killed_by_a_timer_after_a_checkpoint_resumes_to_the_same_model(uninterrupted, tmp_path):
+def test_worker_killed_by_a_timer_after_a_checkpoint_resumes_to_the_same_model(uninterrupted, pool2, tmp_path):
     out, tag = str(tmp_path / "run"), f"{os.getpid()}-timer-kill"
     proc = subprocess.Popen(THINWIRE + RUN + ["--checkpoint-every", str(EVERY), "--out", out],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -206,7 +210,7 @@ def test_worker_killed_by_a_timer_after_a_checkpoint_resumes_to_the_same_model(u
     assert f"worker {victim} failed: worker process died (killed by signal 9)" in err, err
     _assert_nothing_left(tag)
     assert _check_intact(os.path.join(out, "checkpoint")) % EVERY == 0
-    _resume_and_compare(out, uninterrupted, tmp_path)
+    _resume_and_compare(out, uninterrupted, pool2)
 
 
 # -- 2. a crash while writing a checkpoint ---------------------------------------------------------------

@@ -183,7 +183,9 @@ def test_asp_converges_on_digits_and_reports_staleness(pool4):
     cfg = TrainConfig(workload="digits-mlp", algorithm="asp", workers=3, network="lan", progress=False)
     s = run_training(cfg, pool=pool4)
     assert s["servers"] == 1 and s["workers"] == 3
-    assert s["final_accuracy"] >= 0.88
+    # asynchronous: how stale each gradient is depends on the scheduling of the processes, so the accuracy varies
+    # with the machine's load (0.96 idle, 0.87 with the suite running twice over); broken, it ended at 0.16
+    assert s["final_accuracy"] >= 0.8
     m = s["algorithm_metrics"]
     assert sum(m["staleness_hist"].values()) == s["steps"]
     assert m["staleness_mean"] > 0           # other workers' updates land between a pull and the next push
