@@ -121,46 +121,46 @@ def _ring(tp, flat, members, me, combine, _size=None) -> None:
         yield from _ring_all_gather(tp, chunks, members, me)
 
 
-def _recursive_doubling(tp, flat, members, me, combine, _size=None) -> None:
-    """Recursive doubling: log n rounds exchanging the full vector with me ⊕ 2^r (seed 000 Table III).
-    With n not a power of two, the last n - p ranks first fold into ranks 0..n-p-1 and get the result back."""
-    n = len(members)
-    p = 1 << (n.bit_length() - 1)
-    if me >= p:
-        yield from _exchange(tp, flat, members[me - p], None, 0)
-        yield from _exchange(tp, None, 0, flat, members[me - p])
-        return
+def _power_of_two(core):
+    """`core(tp, flat, members, me, combine, p)` runs over p = 2^⌊log2 n⌋ ranks: the n − p extra ranks first fold
+    their vectors into ranks 0..n−p−1 and get the result back from them at the end."""
+    def run(tp, flat, members, me, combine, _size=None):
+        n = len(members)
+        p = 1 << (n.bit_length() - 1)
+        if me >= p:
+            yield from _exchange(tp, flat, members[me - p], None, 0)
+            yield from _exchange(tp, None, 0, flat, members[me - p])
+            return
+        if me < n - p:
+            buf = torch.empty_like(flat)
+            yield from _exchange(tp, None, 0, buf, members[me + p])
+            combine(flat, buf)
+        yield from core(tp, flat, members, me, combine, p)
+        if me < n - p:
+            yield from _exchange(tp, flat, members[me + p], None, 0)
+    run.__name__, run.__doc__ = core.__name__, core.__doc__
+    return run
+
+
+@_power_of_two
+def _recursive_doubling(tp, flat, members, me, combine, p) -> None:
+    """Recursive doubling: log n rounds exchanging the full vector with me ⊕ 2^r (seed 000 Table III)."""
     buf = torch.empty_like(flat)
-    if me < n - p:
-        yield from _exchange(tp, None, 0, buf, members[me + p])
-        combine(flat, buf)
     mask = 1
     while mask < p:
         partner = members[me ^ mask]
         yield from _exchange(tp, flat, partner, buf, partner)
         combine(flat, buf)
         mask <<= 1
-    if me < n - p:
-        yield from _exchange(tp, flat, members[me + p], None, 0)
 
 
-def _recursive_halving(tp, flat, members, me, combine, _size=None) -> None:
+@_power_of_two
+def _recursive_halving(tp, flat, members, me, combine, p) -> None:
     """Rabenseifner's all-reduce (Thakur, Rabenseifner, Gropp 2005 §4.4; seed 000 [145]) over p = 2^⌊log2 n⌋
     ranks, the vector cut into p blocks: log p rounds of reduce-scatter by recursive halving (exchange half of
     the blocks still held with me ⊕ p/2, me ⊕ p/4, ..., keep the half on my side, add the partner's copy of
     it), after which rank me holds block me summed; then log p rounds of all-gather by recursive doubling.
-    2 log p α + 2 (p−1)/p N β. Each block is summed by one rank and copied: identical on every rank. The
-    n − p extra ranks fold into ranks 0..n−p−1 first and get the result back (as `_recursive_doubling`)."""
-    n = len(members)
-    p = 1 << (n.bit_length() - 1)
-    if me >= p:
-        yield from _exchange(tp, flat, members[me - p], None, 0)
-        yield from _exchange(tp, None, 0, flat, members[me - p])
-        return
-    if me < n - p:
-        buf = torch.empty_like(flat)
-        yield from _exchange(tp, None, 0, buf, members[me + p])
-        combine(flat, buf)
+    2 log p α + 2 (p−1)/p N β. Each block is summed by one rank and copied: identical on every rank."""
     at = [0]
     for part in flat.tensor_split(p):
         at.append(at[-1] + part.numel())
@@ -183,8 +183,6 @@ def _recursive_halving(tp, flat, members, me, combine, _size=None) -> None:
         partner = members[me ^ mask]
         yield from _exchange(tp, blocks(lo, hi), partner, blocks(*other), partner)
         lo, hi, mask = min(lo, other[0]), max(hi, other[1]), mask << 1
-    if me < n - p:
-        yield from _exchange(tp, flat, members[me + p], None, 0)
 
 
 def inorder_tree(n: int, position) -> list[tuple[int | None, list[int]]]:

@@ -23,7 +23,7 @@ def bitsgd(tau: float, psi: float, delta: float) -> float:
     return tau + delta + psi
 
 
-def _compressed(i: int, k: int) -> bool:
+def compressed(i: int, k: int) -> bool:
     """Whether CD-SGD's iteration i (counted from the first formal iteration, 0-based) is compressed:
     i mod k ≠ 0 (seed 001 eq. 6, Algorithm 1 line 23); k = 0 means never corrected (always compressed)."""
     return k == 0 or i % k != 0
@@ -31,7 +31,7 @@ def _compressed(i: int, k: int) -> bool:
 
 def cd_communication(i: int, k: int, phi: float, psi: float, delta: float) -> float:
     """φ^cd of iteration i (seed 001 eq. 6): δ + ψ on compressed iterations, φ on correction iterations."""
-    return delta + psi if _compressed(i, k) else phi
+    return delta + psi if compressed(i, k) else phi
 
 
 def cdsgd_iteration(i: int, k: int, tau: float, phi: float, psi: float, delta: float) -> float:
