@@ -182,6 +182,22 @@ TUNABLE = {
     "cdsgd": {"k": (1, 2, 5, 10, 20)},
 }
 WITHIN = 0.25   # the least stale setting whose predicted step is within 25 % of the fastest candidate's
+# The accuracy bound on the steps between a window's launch and the application of its average, (t − 1)·p for DTS
+# and delayed update (docs/dts.md, docs/benchmarks/dts-accuracy.md, 4 workers, 3 seeds): with momentum 0.9 accuracy
+# stays within ~1 pp of bsp for (t − 1)·p ≤ 3 and is lost beyond (dts(2,4) −4…−27 pp, dts(4,4) −7…−27 pp, and in
+# paper-dts on mnist1d-resnet dts(4,4) did not learn); with plain SGD (momentum 0) at the same effective rate
+# dts(4,4) and dts(2,8) stay within −1.2…+2.6 pp of bsp and dts(2,20) within 3 pp.
+MAX_STALENESS = {"momentum": 3, "plain": 20}
+
+
+def staleness_bound(momentum: float) -> int:
+    """The most steps of staleness ((t − 1)·p) `tune` gives DTS or delayed update under SGD with this momentum."""
+    return MAX_STALENESS["momentum" if momentum > 0 else "plain"]
+
+
+def _unapplied(p: dict) -> int:
+    """(t − 1)·p: the steps a window's average waits after its launch (DTS, delayed update; seed 004 §3)."""
+    return (int(p.get("delay", 1)) - 1) * int(p.get("period", 1))
 
 
 def _staleness(algorithm: str, p: dict) -> float:
@@ -192,14 +208,16 @@ def _staleness(algorithm: str, p: dict) -> float:
 
 
 def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str = "none",
-         as_algorithm: str | None = None) -> tuple[dict, str]:
+         as_algorithm: str | None = None, momentum: float = 0.9) -> tuple[dict, str]:
     """Parameters of `algorithm` that suit scenario `s`, for the tunable ones `given` leaves out, and why in a
     few words ({} and "" when there is nothing to pick). `as_algorithm`: plan it as this one (an algorithm of the
     same communication pattern: a peer's model averaging as `localsgd`, DiLoCo's outer sync as `localsgd`).
 
     Rule: among the candidate settings (TUNABLE), the least stale one whose predicted step time
     (`costmodel.predict`) is within WITHIN of the fastest candidate's: as fast as the network allows, with as
-    little staleness (hence accuracy risk) as that speed needs."""
+    little staleness (hence accuracy risk) as that speed needs. For DTS and delayed update only settings within
+    the accuracy bound for SGD with `momentum` are candidates ((t − 1)·p ≤ `staleness_bound(momentum)`; if the
+    parameters given leave none, the least stale)."""
     given = dict(given or {})
     plan_as = as_algorithm or algorithm
     grid = TUNABLE.get(plan_as, {})
@@ -214,6 +232,11 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
     if plan_as == "dts":
         combos = [c for c in combos if (c.get("delay", fixed.get("delay")), c.get("period", fixed.get("period")))
                   != (1, 1)] or combos  # t = p = 1 is bsp
+    bound = None
+    if plan_as in ("dts", "delayed"):
+        bound = staleness_bound(momentum)
+        stale = lambda c: _unapplied({**fixed, **c})
+        combos = [c for c in combos if stale(c) <= bound] or [min(combos, key=stale)]
     scored = []
     for c in combos:
         try:
@@ -230,4 +253,6 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
     why = (f"planner: {link.name} ({bw}, {link.latency * 1e3:g} ms), {s.params / 1e6:.2g} M params, compute "
            f"{s.compute_s * 1e3:.0f} ms/step; least stale within {WITHIN:.0%} of the fastest predicted step "
            f"({step * 1e3:.0f} ms)")
+    if bound is not None:
+        why += f"; (t-1)p <= {bound} steps of staleness, the accuracy bound at momentum {momentum:g}"
     return pick, why

@@ -138,7 +138,8 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
         return out, why
     s = Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=workers,
                  handshake=True)
-    pick, reason = tune(plan_as, s, out.params, compressor=out.compressor or "none")
+    momentum = wl.optimizer_settings(out.optimizer)[1]["momentum"] if not cell.peer else 0.9
+    pick, reason = tune(plan_as, s, out.params, compressor=out.compressor or "none", momentum=momentum)
     pick = {k: v for k, v in pick.items() if takes(k)}
     if pick:
         out.params.update(pick)
