@@ -108,3 +108,36 @@ def test_simulate_cli_writes_plots(tmp_path, capsys):
     assert (tmp_path / "scalability_vs_latency.png").exists() and (tmp_path / "scalability_vs_workers.png").exists()
     assert main(["simulate", "--algorithms", "warp"]) == 2
     assert "unknown schedule" in capsys.readouterr().err
+
+
+def test_tune_keeps_dts_and_delayed_within_the_staleness_bound():
+    """The planner's DTS / delayed-update pick never leaves (t − 1)·p ≤ staleness_bound(momentum) (docs/dts.md:
+    with momentum 0.9, t = p = 4 did not learn); with plain SGD the bound is wider; a given parameter stays."""
+    from thinwire.plan.advise import staleness_bound, tune
+    stale = lambda p: (p.get("delay", 1) - 1) * p.get("period", 1)
+    assert (staleness_bound(0.9), staleness_bound(0.0)) == (3, 20) and staleness_bound(0.9, "bsp") is None
+    for latency in ("0ms", "50ms", "250ms", "1000ms"):
+        s = Scenario(params=1e6, compute_s=0.05, link=parse_network(f"custom:bandwidth=1gbit,latency={latency}"),
+                     workers=4, handshake=True)
+        for alg in ("dts", "delayed"):
+            pick, why = tune(alg, s, momentum=0.9)
+            assert stale(pick) <= 3 and "(t-1)p <= 3, the accuracy bound" in why, (latency, alg, pick)
+            plain, _ = tune(alg, s, momentum=0.0)
+            assert stale(plain) <= 20
+    s = Scenario(params=1e6, compute_s=0.05, link=parse_network("custom:bandwidth=1gbit,latency=1000ms"), workers=4,
+                 handshake=True)
+    assert tune("dts", s, {"delay": 2}, momentum=0.9)[0] == {"period": 2}       # (2 − 1)·p ≤ 3
+    assert tune("dts", s, {"delay": 2}, momentum=0.0)[0]["period"] > 3           # the bound binds: plain SGD goes staler
+    pick, _ = tune("dts", s, {"period": 8}, momentum=0.9)
+    assert pick == {"delay": 1}                              # (t − 1)·8 ≤ 3 leaves t = 1
+
+
+def test_tune_keeps_cdsgd_corrections_frequent_under_momentum():
+    """Under momentum CD-SGD's 2-bit quantizer winds up between corrections: the planner keeps k ≤ 2 (docs/cdsgd.md;
+    on stdlib-lm k = 5 diverged); with plain SGD (the paper's setting) the network decides."""
+    from thinwire.plan.advise import staleness_bound, tune
+    s = Scenario(params=1e6, compute_s=0.2, link=parse_network("world"), workers=4, handshake=True)
+    assert staleness_bound(0.9, "cdsgd") == 2
+    pick, why = tune("cdsgd", s, momentum=0.9)
+    assert pick["k"] <= 2 and "k <= 2, the accuracy bound at momentum 0.9" in why
+    assert tune("cdsgd", s, momentum=0.0)[0]["k"] > 2

@@ -103,6 +103,7 @@ def config_from_args(args):
         pr = presets.get(args.preset)
         cells, workers, nets, budget, epochs, seeds = (list(pr.cells), pr.workers, pr.networks, pr.budget_s,
                                                        pr.epochs, pr.seeds)
+        batch = pr.batch_size if not args.workload or args.workload == pr.workload else None
         workload, target = pr.workload, pr.target
         if args.workload and args.workload != workload:
             target = None  # the preset's target is for its own workload
@@ -111,7 +112,7 @@ def config_from_args(args):
             raise UserError("give --algorithms a,b,... or --preset NAME "
                             f"({', '.join(presets.names())})")
         cells, workload, workers, nets = split_cells(args.algorithms), "digits-mlp", 4, ["wan"]
-        budget = epochs = target = None
+        budget = epochs = target = batch = None
         seeds = 1
     return CompareConfig(workload=args.workload or workload, workers=args.workers or workers,
                          networks=_networks(args.network) if args.network else list(nets), cells=cells,
@@ -120,7 +121,7 @@ def config_from_args(args):
                          epochs=args.epochs if args.epochs is not None else epochs, seed=args.seed,
                          seeds=getattr(args, "seeds", None) or seeds, trace=args.trace, netem=args.netem,
                          preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
-                         eval_every=getattr(args, "eval_every", None))
+                         eval_every=getattr(args, "eval_every", None), batch_size=batch)
 
 
 def run(args) -> int:

@@ -182,6 +182,33 @@ TUNABLE = {
     "cdsgd": {"k": (1, 2, 5, 10, 20)},
 }
 WITHIN = 0.25   # the least stale setting whose predicted step is within 25 % of the fastest candidate's
+# Accuracy bounds under momentum SGD, (momentum > 0, plain SGD), on what the planner may pick:
+# - DTS and delayed update: (t − 1)·p, the steps a window's average waits after its launch (docs/dts.md,
+#   docs/benchmarks/dts-accuracy.md, 4 workers, 3 seeds). With momentum 0.9 accuracy stays within ~1 pp of bsp for
+#   (t − 1)·p ≤ 3 and is lost beyond (dts(2,4) −4…−27 pp, dts(4,4) −7…−27 pp; in paper-dts on mnist1d-resnet
+#   dts(4,4) did not learn, and on stdlib-lm over `world` dts(3,8) reached loss 3.74 in 45 s where dts(1,16) reached
+#   2.85). With plain SGD at the same effective rate dts(4,4) and dts(2,8) stay within −1.2…+2.6 pp of bsp and
+#   dts(2,20) within 3 pp.
+# - CD-SGD: k, the steps between full-precision corrections. Under momentum 0.9 the 2-bit quantizer winds up
+#   (docs/cdsgd.md, Limitations: digits-cnn k = 5 3–9 pp below ssgd, k = 2 within noise); on stdlib-lm (SGD lr 0.1,
+#   4 workers, 50 steps on `lan`) k = 2 reached loss 3.09 against ssgd's 2.97, k = 3 4.23, and k = 5 diverged
+#   (6.05). With plain SGD, the paper's setting, k up to 20 (seed 001 §4).
+MAX_STALENESS = {"dts": (3, 20), "delayed": (3, 20), "cdsgd": (2, 20)}
+
+
+def staleness_bound(momentum: float, algorithm: str = "dts") -> int | None:
+    """The most staleness `tune` gives `algorithm` under SGD with this momentum ((t − 1)·p for DTS and delayed
+    update, k for CD-SGD); None for an algorithm without a bound."""
+    bounds = MAX_STALENESS.get(algorithm)
+    return None if bounds is None else bounds[0 if momentum > 0 else 1]
+
+
+def _unapplied(algorithm: str, p: dict) -> int:
+    """The quantity bounded by MAX_STALENESS: (t − 1)·p, the steps a window's average waits after its launch (DTS,
+    delayed update; seed 004 §3), or CD-SGD's k."""
+    if algorithm == "cdsgd":
+        return int(p.get("k", 1))
+    return (int(p.get("delay", 1)) - 1) * int(p.get("period", 1))
 
 
 def _staleness(algorithm: str, p: dict) -> float:
@@ -192,14 +219,16 @@ def _staleness(algorithm: str, p: dict) -> float:
 
 
 def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str = "none",
-         as_algorithm: str | None = None) -> tuple[dict, str]:
+         as_algorithm: str | None = None, momentum: float = 0.9) -> tuple[dict, str]:
     """Parameters of `algorithm` that suit scenario `s`, for the tunable ones `given` leaves out, and why in a
     few words ({} and "" when there is nothing to pick). `as_algorithm`: plan it as this one (an algorithm of the
     same communication pattern: a peer's model averaging as `localsgd`, DiLoCo's outer sync as `localsgd`).
 
     Rule: among the candidate settings (TUNABLE), the least stale one whose predicted step time
     (`costmodel.predict`) is within WITHIN of the fastest candidate's: as fast as the network allows, with as
-    little staleness (hence accuracy risk) as that speed needs."""
+    little staleness (hence accuracy risk) as that speed needs. For DTS and delayed update only settings within
+    the accuracy bound for SGD with `momentum` are candidates ((t − 1)·p, resp. CD-SGD's k, ≤
+    `staleness_bound(momentum, algorithm)`; if the parameters given leave none, the least stale)."""
     given = dict(given or {})
     plan_as = as_algorithm or algorithm
     grid = TUNABLE.get(plan_as, {})
@@ -214,6 +243,10 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
     if plan_as == "dts":
         combos = [c for c in combos if (c.get("delay", fixed.get("delay")), c.get("period", fixed.get("period")))
                   != (1, 1)] or combos  # t = p = 1 is bsp
+    bound = staleness_bound(momentum, plan_as)
+    if bound is not None:
+        stale = lambda c: _unapplied(plan_as, {**fixed, **c})
+        combos = [c for c in combos if stale(c) <= bound] or [min(combos, key=stale)]
     scored = []
     for c in combos:
         try:
@@ -230,4 +263,7 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
     why = (f"planner: {link.name} ({bw}, {link.latency * 1e3:g} ms), {s.params / 1e6:.2g} M params, compute "
            f"{s.compute_s * 1e3:.0f} ms/step; least stale within {WITHIN:.0%} of the fastest predicted step "
            f"({step * 1e3:.0f} ms)")
+    if bound is not None:
+        what = "k" if plan_as == "cdsgd" else "(t-1)p"
+        why += f"; {what} <= {bound}, the accuracy bound at momentum {momentum:g}"
     return pick, why

@@ -69,6 +69,7 @@ class CompareConfig:
     tensorboard: str | None = None     # DIR: TensorBoard scalars per cell under DIR/<cell>
     steps: int | None = None           # an upper bound in steps instead of epochs
     eval_every: int | None = None      # a fixed evaluation cadence instead of the race's
+    batch_size: int | None = None      # per worker (None: the workload's), the same for every cell
 
     def validate(self) -> "CompareConfig":
         workloads.registry.lookup(self.workload)
@@ -81,6 +82,8 @@ class CompareConfig:
         if self.budget_s is not None and not self.budget_s > 0:
             raise UserError(f"--budget must be > 0 seconds, got {self.budget_s}")
         check_int("--seeds", self.seeds, 1, 100)
+        if self.batch_size is not None:
+            check_int("batch size", self.batch_size, 1, 1 << 20)
         if self.epochs is not None and self.steps is not None:
             raise UserError("give --epochs or --steps, not both")
         if self.tensorboard is not None:
@@ -138,7 +141,8 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
         return out, why
     s = Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=workers,
                  handshake=True)
-    pick, reason = tune(plan_as, s, out.params, compressor=out.compressor or "none")
+    momentum = wl.optimizer_settings(out.optimizer)[1]["momentum"] if not cell.peer else 0.9
+    pick, reason = tune(plan_as, s, out.params, compressor=out.compressor or "none", momentum=momentum)
     pick = {k: v for k, v in pick.items() if takes(k)}
     if pick:
         out.params.update(pick)
@@ -192,7 +196,8 @@ class Harness:
                            compressor=cell.compressor, memory=cell.memory, params=dict(cell.params),
                            trace=c.trace and not cell.peer, progress=False,
                            servers=0 if cell.peer else _servers(cell), budget_s=c.budget_s, stop_at_target=True,
-                           optimizer=cell.optimizer, tensorboard=board, eval_every=c.eval_every)
+                           optimizer=cell.optimizer, tensorboard=board, eval_every=c.eval_every,
+                           batch_size=c.batch_size)
 
     def run_cell(self, cell: presets.Cell, network: str, seed: int | None = None) -> dict:
         tc = self.train_config(cell, network, seed)
@@ -215,12 +220,12 @@ class Harness:
         from .train import summarize
         c = self.cfg
         tc = TrainConfig(workload=c.workload, algorithm="local", workers=c.workers, network="lan",
-                         steps=2 * BASELINE_STEPS, seed=c.seed, progress=False)
+                         steps=2 * BASELINE_STEPS, seed=c.seed, progress=False, batch_size=c.batch_size)
         view = _PoolView(self.pool(c.workers, "lan"), self.wall_limit(), c.netem)
         _, rows = summarize(tc, view.run(train_worker, tc.validate(), network="lan", seed=c.seed), 0.0)
         late = [r["step_s"] for r in rows[BASELINE_STEPS:]]
         wl = workloads.get(c.workload)
-        return {"throughput_samples_s": len(late) * wl.batch_size * c.workers / sum(late),
+        return {"throughput_samples_s": len(late) * (c.batch_size or wl.batch_size) * c.workers / sum(late),
                 "step_time_s": statistics.median(late),
                 "how": f"thinwire algorithm `local` (no communication), steps {BASELINE_STEPS + 1}-"
                        f"{2 * BASELINE_STEPS} of a short run"}

@@ -122,7 +122,8 @@ def write_report(results: dict, path: str) -> None:
             "no time budget: every cell ran to the target or its step bound")
     seeds_txt = f"{seeds} seeds each (seed {m['seed']}–{m['seed'] + seeds - 1})" if seeds > 1 else f"seed {m['seed']}"
     lines += [f"Networks: {', '.join(_link(n) for n in nets)}. Network mode: {mode}. The race: {race}, stopping at "
-              f"the target; {seeds_txt}." + (f" Preset `{m['preset']}`." if m.get("preset") else ""), ""]
+              f"the target; {seeds_txt}." + (f" Preset `{m['preset']}`." if m.get("preset") else "")
+              + (f" Batch {m['batch_size']} per worker." if m.get("batch_size") else ""), ""]
     for n in nets:
         here = [e for e in entries if e["network"] == n]
         lines += [f"## {_link(n)}", "", verdict(here, seeds, budget), ""] + table(here, seeds) + [""]

@@ -347,7 +347,12 @@ def stdlib_lm() -> Workload:
     y = x shifted by one byte; evaluation: 64 fixed windows spread over the validation files (4 096 bytes).
     Model: `lm.ByteLM` context 64, width 128, 5 layers, 4 heads (1.07 M parameters); batch 8 windows per worker.
     Optimizer: AdamW lr 1e-3, betas (0.9, 0.95), weight decay 0.1 (lr 2e-3 and 4e-3 trained worse, 5e-4 the
-    same); `make_optimizer(optimizer="sgd")`: SGD lr 0.1, momentum 0.9 (lr 0.5 diverges, 0.2 is slower).
+    same); `make_optimizer(optimizer="sgd")`: SGD lr 0.1, momentum 0.9 (lr 0.5 diverges, 0.2 is slower), what
+    the algorithms that compensate SGD only (DTS, CD-SGD, ...) run with here. Re-checked for them (one process,
+    batch 8, 200 steps, loss after 200): momentum 0.9 at lr 0.1 2.68, 0.2 2.89, 0.3 2.91; 0.95 at 0.05 2.81;
+    plain SGD at the same effective rate does not do (lr 0.3 3.18, 0.5 3.43, 1.0 NaN), so they keep momentum 0.9
+    and the planner keeps their staleness within its bound under momentum (`thinwire.plan.advise.MAX_STALENESS`:
+    DTS (t-1)p <= 3, CD-SGD k <= 2; CD-SGD at k = 5 diverges on this workload).
     Target: 2.25 nats (3.25 bits/byte). On `lan` with 4 workers, seeds 0/1/2 reached it at 450/450/525 steps
     without communication (`local`) and 225/275/225 with `bsp`; the no-communication run stops improving fast
     later (2.00-2.12 at 800-1 000 steps). At the ~0.2 s (idle) to ~0.4 s (loaded) per step measured here, the
