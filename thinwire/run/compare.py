@@ -191,13 +191,17 @@ class Harness:
         board = None
         if c.tensorboard:
             board = os.path.join(c.tensorboard, _slug(cell_key(cell.label, network, seed if c.seeds > 1 else None)))
-        return TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
-                           epochs=c.epochs, steps=c.steps, seed=c.seed if seed is None else seed, target=c.target,
-                           compressor=cell.compressor, memory=cell.memory, params=dict(cell.params),
-                           trace=c.trace and not cell.peer, progress=False,
-                           servers=0 if cell.peer else _servers(cell), budget_s=c.budget_s, stop_at_target=True,
-                           optimizer=cell.optimizer, tensorboard=board, eval_every=c.eval_every,
-                           batch_size=c.batch_size)
+        params = dict(cell.params)
+        servers = 0 if cell.peer else params.pop("servers", None)   # None: the algorithm's default
+        tc = TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
+                         epochs=c.epochs, steps=c.steps, seed=c.seed if seed is None else seed, target=c.target,
+                         compressor=cell.compressor, memory=cell.memory, params=params,
+                         trace=c.trace and not cell.peer, progress=False,
+                         servers=None if servers is None else int(servers), budget_s=c.budget_s,
+                         stop_at_target=True, optimizer=cell.optimizer, tensorboard=board, eval_every=c.eval_every,
+                         batch_size=c.batch_size)
+        tc.resolve_servers()
+        return tc
 
     def run_cell(self, cell: presets.Cell, network: str, seed: int | None = None) -> dict:
         tc = self.train_config(cell, network, seed)
@@ -307,17 +311,6 @@ def _ran_with(cell: presets.Cell) -> str:
     if cell.optimizer:
         parts.append(f"optimizer={cell.optimizer}")
     return ", ".join(parts) or "defaults"
-
-
-def _servers(cell: presets.Cell) -> int:
-    """Parameter-server ranks to launch: the cell's `servers`, else the algorithm's own default."""
-    from .. import algorithms
-    if "servers" in cell.params:
-        return int(cell.params["servers"])
-    if (cell.params.get("architecture") or algorithms.architectures(cell.algorithm)[0]) != "ps":
-        return 0
-    servers = algorithms.registry.parameters(cell.algorithm).get("servers")
-    return int(servers) if isinstance(servers, int) and servers > 0 else 1
 
 
 def _curve(celldir: str, metric: str, total_sent: float | None = None) -> list:
