@@ -173,7 +173,7 @@ class PSWorker:
                 ctx = self.downlink.context((hi - lo,), self.held[b].dtype, _key(self.keys[b], k, True),
                                             self.received[b][k])
                 sent = self.downlink.decompress(Payload(tensors, ctx)).reshape(-1).to(self.held[b].dtype)
-                self.held[b][lo:hi] += sent.mul_(float(scale))
+                self.held[b][lo:hi] += sent.mul_(scale.reshape(()))      # (kept on the device)
             self.received[b][k] += 1
             self.versions[b][k] = header.version
             if b == 0 and k == 0:
