@@ -162,10 +162,10 @@ class PSWorker:
         b = fut.b
         for s in fut._sends:
             s.result()
-        for k, msg in fut._replies:
-            header, body = msg.result()
+        got = [(k, *msg.result()) for k, msg in fut._replies]
+        every = wire.unpack_all([body for _, _, body in got])      # the K servers' headers in one host read
+        for (k, header, _), tensors in zip(got, every):
             lo, hi = self.slices[b][k]
-            tensors = wire.unpack(body)
             if self.downlink is None:
                 self.held[b][lo:hi] = tensors[0]
             else:
