@@ -56,7 +56,10 @@ def constant(key: tuple, device, build) -> torch.Tensor:
     """A constant tensor (a lookup table, a transform basis) built once on the host by `build()` and kept once per
     device, so every device holds the same numbers and a GPU gets no host copy per call. `key` names the tensor
     with its dtype and size, e.g. ("dct", n, torch.float32); callers must not modify the result."""
-    k = (key, torch.device(device))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:       # "cuda" and a tensor's "cuda:0": one entry
+        device = torch.device("cuda", torch.cuda.current_device())
+    k = (key, device)
     t = _CONSTANTS.get(k)
     if t is None:
         t = _CONSTANTS[k] = build().to(k[1])
