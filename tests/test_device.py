@@ -115,3 +115,207 @@ def test_launch_rejects_a_device_it_cannot_serve():
         pick_backend(None, "cuda", have + 1)           # one process per GPU
     if have:
         assert pick_backend(None, "cuda", have) == ("nccl", "cuda")
+
+
+# -- host reads (issue 20): a value a device tensor can carry stays on the device --------------------------------
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+
+
+@pytest.fixture
+def host_reads(monkeypatch, device):
+    """Counts every read of a tensor's value by the host (`.item()`, `.tolist()`, `float(t)`, `int(t)`, `bool(t)`);
+    on CUDA, any synchronising call also raises (torch's sync debug mode), so a copy through the host is caught
+    however it is written."""
+    counts = {"n": 0}
+    for name in HOST_READS:
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, **k):
+            counts["n"] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    class Guard:
+        def __enter__(self):
+            counts["n"] = 0
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            return counts
+
+        def __exit__(self, *exc):
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    return Guard
+
+
+@pytest.mark.parametrize("name", ["onebit", "efsignsgd", "signsgd", "terngrad", "fp4", "natural", "int8"])
+def test_decompressing_reads_nothing_on_the_host(name, device, host_reads):
+    """Per-tensor scales and means stay on the device: decompress and aggregate of gathered payloads read no
+    value on the host (terngrad and int8 through their payload's scale, not an agreed one)."""
+    comp = tw.compressors.get(name)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5)).to(device)
+    ps = [comp.compress(x * (r + 1), key="h", step=1) for r in range(3)]
+    want = [comp.decompress(p).cpu() for p in ps]
+    with host_reads() as n:
+        got = [comp.decompress(p) for p in ps]
+        comp.aggregate(ps)
+    assert n["n"] == 0, f"{name}: {n['n']} host reads"
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
+def test_onebit_compress_reads_the_host_once_and_keeps_its_means(device, host_reads):
+    comp = tw.compressors.get("onebit")
+    x = torch.tensor([1.0, 3.0, -2.0, -4.0, 0.0, 6.0, -0.5]).to(device)
+    if device == "cuda":        # the finiteness check is the one read left (it raises in compress, on every device)
+        torch.cuda.synchronize()
+    with host_reads() as n:
+        try:
+            p = comp.compress(x, key="k", step=0)
+        except RuntimeError:    # (cuda, sync debug mode "error": the finiteness check's one read)
+            n["n"] = 1
+            torch.cuda.set_sync_debug_mode("default")
+            p = comp.compress(x, key="k", step=0)
+    assert n["n"] == 1
+    means = p.tensors[1].cpu()
+    assert means.tolist() == pytest.approx([-6.5 / 3, 10.0 / 4])     # mean of the negatives, of the non-negatives
+    y = comp.decompress(p).cpu()
+    assert y.tolist() == pytest.approx([2.5, 2.5, -6.5 / 3, -6.5 / 3, 2.5, 2.5, -6.5 / 3])
+    empty = comp.compress(torch.zeros(0, device=device), key="e", step=0)
+    assert empty.tensors[1].cpu().tolist() == [0.0, 0.0] and comp.decompress(empty).numel() == 0
+
+
+def test_wire_reads_every_header_of_an_exchange_in_one_host_read(device, host_reads):
+    from thinwire.exchange import wire
+    g = torch.Generator().manual_seed(6)
+    payloads = [[torch.randn(5 + r, generator=g), torch.randint(0, 9, (3 * r,), generator=g, dtype=torch.int32),
+                 torch.rand(4, generator=g) > 0.5, torch.randn(2, generator=g).to(torch.bfloat16)]
+                for r in range(4)]
+    many = [[torch.arange(i + 1, dtype=torch.int16) for i in range(11)]]      # a header past the 8-tensor prefix
+    bufs = [wire.pack([t.to(device) for t in ts]) for ts in payloads + many]
+    assert all(_on(b, device) for b in bufs)
+    with host_reads() as n:
+        got = wire.unpack_all(bufs[:4])
+    assert n["n"] == 1
+    got += wire.unpack_all(bufs[4:])
+    for want, ts in zip(payloads + many, got):
+        assert [t.dtype for t in ts] == [t.dtype for t in want] and all(_on(t, device) for t in ts)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(ts, want))
+    assert [t.tolist() for t in wire.unpack(bufs[1])] == [t.tolist() for t in payloads[1]]
+    assert wire.unpack_all([]) == [] and wire.unpack(wire.pack([])) == []
+
+
+@pytest.mark.parametrize("name", ["topk+golomb", "topk+elias", "qsgd+huffman"])
+def test_coded_payloads_go_to_the_host_once_per_payload(name, device, monkeypatch):
+    """The lossless coders run on the host (numpy): one copy there per payload, header and bytes together."""
+    comp = _get(name)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(7)).to(device)
+    p = comp.compress(x, key="c", step=1)
+    want = comp.base.decompress(comp.decode(p))
+    copies = []
+    orig = torch.Tensor.cpu
+
+    def cpu(self, *a, **k):
+        copies.append(self.device.type)
+        return orig(self, *a, **k)
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    y = comp.decompress(p)
+    assert _on(y, device) and torch.equal(y, want)
+    assert copies.count("cuda") == (1 if device == "cuda" else 0)
+
+
+# -- constants kept per device: bit-packing tables, DeMo's DCT basis, fp4's code table ----------------------------
+def test_lookup_tables_and_bases_are_built_once_per_device(device):
+    from thinwire.compress import base
+    from thinwire.compress.bitpack import code_table, value_table
+    from thinwire.compress.demo import dct_basis
+    t = code_table(1, device, torch.uint8)
+    assert t is code_table(1, device, torch.uint8) and _on(t, device) and t.shape == (256, 8)
+    assert t[0b10110001].tolist() == [1, 0, 0, 0, 1, 1, 0, 1]
+    v = value_table(2, (-1.0, 0.0, 1.0, 0.0), device)
+    assert v is value_table(2, [-1.0, 0.0, 1.0, 0.0], device) and v.dtype == torch.float32 and _on(v, device)
+    assert value_table(1, (-0.0, 1.0), device) is not value_table(1, (0.0, 1.0), device)   # -0.0 is its own table
+    c = dct_basis(64, device)
+    assert c is dct_basis(64, device) and _on(c, device) and c.dtype == torch.float32
+    assert dct_basis(64, device, torch.float64).dtype == torch.float64
+    assert torch.equal(c.cpu(), dct_basis(64))                  # the same numbers on every device
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(8)).to(device)
+    for name in ("demo", "fp4", "signsgd", "terngrad", "natural", "onebit"):
+        comp = tw.compressors.get(name)
+        comp.decompress(comp.compress(x, key="w", step=0))      # first call: builds what it needs
+        before = dict(base._CONSTANTS)
+        for step in range(3):
+            comp.aggregate([comp.compress(x * (r + 1), key="w", step=step) for r in range(2)])
+        assert base._CONSTANTS.keys() == before.keys(), name    # nothing rebuilt, nothing new per call
+        assert all(base._CONSTANTS[k] is before[k] for k in before), name
+
+
+# -- the parameter server's messages: headers and bodies where the group's collectives run ---------------------
+class _Loopback:
+    """A transport to itself: what is sent on a tag is what the next receive on that tag gets; records every
+    tensor it is handed."""
+
+    def __init__(self, device):
+        from collections import defaultdict, deque
+        self.device = torch.device(device)
+        self.queues, self.seen = defaultdict(deque), []
+
+    def isend(self, tensor, dst, tag=0):
+        from thinwire.comm.engine import Ready
+        self.seen.append(tensor)
+        self.queues[tag].append(tensor.clone())
+        return Ready(None)
+
+    def irecv(self, buf, src, tag=0):
+        from thinwire.comm.engine import Ready
+        self.seen.append(buf)
+        buf.copy_(self.queues[tag].popleft())
+        return Ready(buf)
+
+
+def test_ps_messages_live_on_the_transports_device(device, monkeypatch):
+    from thinwire.comm import ps
+    monkeypatch.setattr(ps, "_arrived", lambda fut: True)      # the loopback delivers at once
+    t = _Loopback(device)
+    body = torch.arange(10, dtype=torch.uint8, device=device)
+    ps.send(t, 0, ps.Header(ps.PUSH, bucket=3, clock=7, nbytes=10), body)
+    ps.send(t, 0, ps.Header(ps.DONE), None)
+    box = ps.Mailbox(t, 0, ps.PUSH_TAGS, stream=True)
+    box.expect()
+    header, got = box.queue.popleft().result()
+    assert header == ps.Header(ps.PUSH, 3, 7, 0, 0, 0, 10) and torch.equal(got, body)
+    header, got = box.queue.popleft().result()
+    assert header.kind == ps.DONE and got is None
+    assert t.seen and all(_on(x, device) for x in t.seen)
+
+
+# -- compare --device ------------------------------------------------------------------------------------------
+def test_compare_rejects_cuda_without_a_gpu_before_any_work(tmp_path):
+    import subprocess
+    import sys
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    out = tmp_path / "never"
+    r = subprocess.run([sys.executable, "-m", "thinwire", "compare", "--algorithms", "bsp", "--network", "lan",
+                        "--workers", "1", "--device", "cuda", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "device cuda" in lines[0] and "valid: device cpu" in lines[0]
+    assert not out.exists()
+    from thinwire.run.compare import CompareConfig
+    with pytest.raises(UserError, match="valid: cpu, cuda"):
+        CompareConfig(cells=["bsp"], networks=["lan"], device="tpu").validate()
+
+
+def test_compare_records_the_device_in_every_result(device, pool2, tmp_path):
+    from thinwire.run.compare import CompareConfig, compare
+    workers = 2 if device == "cpu" else 1          # (a GPU per worker: one is enough here)
+    cfg = CompareConfig(workload="digits-mlp", workers=workers, networks=["lan"], cells=["bsp", "localsgd"],
+                        steps=4, eval_every=2, device=device)
+    results = compare(cfg, str(tmp_path), progress=False, pool=pool2 if device == "cpu" else None)
+    assert results["matrix"]["device"] == device
+    rows = results["cells"]
+    assert [r["label"] for r in rows] == ["bsp", "localsgd"]
+    for r in rows:
+        assert r["status"] == "ok", r.get("error")
+        assert r["device"] == device and r["config"]["device"] == device

@@ -1,9 +1,16 @@
-"""A lint for issue 20: in the hot-path modules, every tensor constructor names its device.
+"""A lint for issue 20: in the hot-path modules, every tensor constructor names its device, and every host read
+of a tensor (`.item()`, `.tolist()`) is marked as deliberate.
 
 A constructor without `device=` makes a CPU tensor, which breaks (or silently copies through the host) the first
 time it meets a CUDA gradient. Where the CPU is meant (a host-side entropy coder, a table built once and moved,
 an empty buffer regrown on first use), the call says `device="cpu"` with a comment saying why, so the choice is
-visible in review; random draws from a host generator say `device=gen.device` and move the result."""
+visible in review; random draws from a host generator say `device=gen.device` and move the result.
+
+`.item()` and `.tolist()` on a CUDA tensor wait for the GPU (a host synchronisation). In a hot path a device
+tensor serves instead (a scale stays a one-element tensor, a table lookup takes a tensor of values); where a
+number must reach the host (a receive buffer's size, a header), it is read once per exchange, not per tensor,
+and the line says so with a `# host:` comment (e.g. `# host: once per exchange`). `int(t)` / `float(t)` of a
+tensor synchronise the same way but cannot be told from `int(x)` of a number by reading the source: review them."""
 from __future__ import annotations
 
 import ast
@@ -12,8 +19,10 @@ import pathlib
 import thinwire
 
 ROOT = pathlib.Path(thinwire.__file__).parent
-HOT = ["compress", "exchange", "sched", "algorithms"]
-FILES = ["comm/collectives.py", "comm/transport.py", "trainer.py"]
+HOT = ["comm", "compress", "exchange", "sched", "algorithms"]
+FILES = ["trainer.py"]
+HOST_MARK = "# host:"
+HOST_READS = {"item", "tolist"}
 CONSTRUCTORS = {"zeros", "ones", "empty", "full", "arange", "tensor", "randn", "randperm", "rand", "randint",
                 "linspace", "eye", "as_tensor"}
 
@@ -46,3 +55,44 @@ def test_hot_path_constructors_name_their_device():
     bad = [f"{f.relative_to(ROOT.parent)}:{line}: {call} without device=" for f in files
            for line, call in offenders(f.read_text())]
     assert not bad, "tensor constructors without a device in hot-path modules:\n" + "\n".join(bad)
+
+
+def _lines_of_statements(tree) -> list[tuple[int, int]]:
+    """(first, last) line of every statement; of a compound statement (if, for, with, def ...) its header only."""
+    spans = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt):
+            body = getattr(node, "body", None)
+            last = max(node.lineno, body[0].lineno - 1) if body else node.end_lineno
+            spans.append((node.lineno, last))
+    return spans
+
+
+def host_reads(source: str) -> list[tuple[int, str]]:
+    """(line, call) of each `.item()` / `.tolist()` whose statement carries no `# host:` comment on its lines."""
+    lines, tree = source.splitlines(), ast.parse(source)
+    spans = _lines_of_statements(tree)
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in HOST_READS
+                and not node.args and not node.keywords):
+            first, last = min((s for s in spans if s[0] <= node.lineno and node.end_lineno <= s[1]),
+                              key=lambda s: s[1] - s[0], default=(node.lineno, node.end_lineno))
+            if not any(HOST_MARK in line for line in lines[first - 1:last]):
+                found.append((node.lineno, f".{node.func.attr}()"))
+    return sorted(found)
+
+
+def test_the_lint_finds_an_unmarked_host_read():
+    src = ("a = t.item()\nb = t.tolist()   # host: once per exchange\nc = [x.item() for x in ts]\n"
+           "d = f(t.tolist(),\n      1)   # host: the sizes\ne = t.sum(dim=0).tolist()\nf = g.item(3)\n"
+           "if flag.item() > 0:\n    x = 1   # host: (a mark in the body does not cover the condition)\n"
+           "if flag.item() > 0:   # host: once per step\n    x = 1\n")
+    assert host_reads(src) == [(1, ".item()"), (3, ".item()"), (6, ".tolist()"), (8, ".item()")]
+
+
+def test_hot_path_host_reads_are_marked():
+    bad = [f"{f.relative_to(ROOT.parent)}:{line}: {call} without a '{HOST_MARK}' comment" for f in hot_files()
+           for line, call in host_reads(f.read_text())]
+    assert not bad, ("host reads of tensors in hot-path modules (keep the value on the device, or read it once "
+                     "per exchange and say so):\n" + "\n".join(bad))

@@ -200,19 +200,22 @@ class Trainer:
         # algorithms whose exchange checks every bucket before sending it (during backward) are not re-checked:
         # their gradients may be in flight, being reduced in place
         checked = self.nonfinite == "stop" and getattr(self.algorithm, "checks_finite", False)
-        bad = not checked and any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
-                                  for p in self.parameters)
+        grads = [p.grad for p in self.parameters if p.grad is not None] if not checked else []
+        # one flag on the device for every gradient: one host read per step, not one per parameter
+        bad = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else None
         if self.nonfinite == "skip":
-            flag = torch.tensor([1.0 if bad else 0.0], device=self.transport.device)
+            flag = torch.zeros(1, device=self.transport.device)
+            if bad is not None:
+                flag += bad.to(flag.device)
             self.transport.all_reduce(flag, op="max")
-            if flag.item() > 0:
+            if flag.item() > 0:                     # host: once per step (every rank's verdict)
                 for p in self.parameters:
                     if p.grad is not None:
                         p.grad.zero_()
                 self.skipped_steps += 1
                 self.scheduler._reset()
                 return
-        elif bad:
+        elif bad is not None and bool(bad):         # (one host read per step)
             from .compress.finite import NonFiniteError
             raise NonFiniteError(f"rank {self.transport.rank}: NaN or Inf in the gradient at step "
                                  f"{self.step_count + 1}; nothing was applied (policy nonfinite=stop)")
@@ -229,13 +232,14 @@ class Trainer:
         self.scheduler._reset()
         at = torch.tensor([float(self.step_count + 1)], dtype=torch.float64, device=self.transport.device)
         dist.all_reduce(at, op=dist.ReduceOp.MAX, group=group)
-        self._behind = int(at.item()) - (self.step_count + 1)
+        agreed = int(at.item())                     # host: once per recovery
+        self._behind = agreed - (self.step_count + 1)
         self._broadcast_model()
         state = [self.optimizer.state_dict() if self.transport.rank == 0 else None]
         dist.broadcast_object_list(state, src=self.transport.global_of(0), group=group)
         self.optimizer.load_state_dict(state[0])
         # "step": the step every survivor has counted once this one ends (and behind ranks skipped theirs)
-        self.failures.append({"lost": lost.lost, "step": int(at.item()), "members": lost.members})
+        self.failures.append({"lost": lost.lost, "step": agreed, "members": lost.members})
         self.algorithm.recover()
 
     def close(self) -> None:

@@ -59,6 +59,9 @@ def register(sub) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue the matrix in DIR (its cells that are not done)")
     p.add_argument("--netem", action="store_true",
                    help="real-network mode (Linux, root): workers in network namespaces, links shaped for real")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (gloo, default) or cuda (NCCL, one worker per GPU: --workers <= the GPUs); "
+                        "recorded in every result")
     p.add_argument("--json", action="store_true", help="print results.json to stdout at the end")
     p.set_defaults(func=run)
 
@@ -121,7 +124,8 @@ def config_from_args(args):
                          epochs=args.epochs if args.epochs is not None else epochs, seed=args.seed,
                          seeds=getattr(args, "seeds", None) or seeds, trace=args.trace, netem=args.netem,
                          preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
-                         eval_every=getattr(args, "eval_every", None), batch_size=batch)
+                         eval_every=getattr(args, "eval_every", None), batch_size=batch,
+                         device=getattr(args, "device", "cpu"))
 
 
 def run(args) -> int:

@@ -88,7 +88,8 @@ def send(transport, dst: int, header: Header, body: torch.Tensor | None, tags=PU
     """Send one message (header, then the body if any) to `dst`; the futures of its parts."""
     if (0 if body is None else body.numel()) != header.nbytes:
         raise ValueError(f"header says {header.nbytes} body bytes, the body has {0 if body is None else body.numel()}")
-    out = [transport.isend(torch.tensor(list(header), dtype=torch.int64), dst, tag=tags[0])]
+    # the header goes where the group's collectives run (the receiver posts its buffer there, before any body)
+    out = [transport.isend(torch.tensor(list(header), dtype=torch.int64, device=transport.device), dst, tag=tags[0])]
     if header.nbytes:
         out.append(transport.isend(body.reshape(-1).contiguous(), dst, tag=tags[1]))
     return out
@@ -138,7 +139,7 @@ class Mailbox:
 
     def expect(self) -> Message:
         with self._lock:
-            buf = torch.empty(len(Header._fields), dtype=torch.int64)
+            buf = torch.empty(len(Header._fields), dtype=torch.int64, device=self.t.device)
             head = self.t.irecv(buf, self.peer, tag=self.tags[0])
             msg = Message(self, head, buf)
             self._waiting.append(msg)
@@ -153,10 +154,10 @@ class Mailbox:
         with self._lock:
             while self._waiting and _arrived(self._waiting[0].head):
                 msg = self._waiting.popleft()
-                msg.header = Header(*msg._buf.tolist())
+                msg.header = Header(*msg._buf.tolist())      # host: once per message (its body's size)
                 if msg.header.nbytes:
-                    msg.body = self.t.irecv(torch.empty(msg.header.nbytes, dtype=torch.uint8), self.peer,
-                                            tag=self.tags[1])
+                    msg.body = self.t.irecv(torch.empty(msg.header.nbytes, dtype=torch.uint8, device=self.t.device),
+                                            self.peer, tag=self.tags[1])
                 msg.posted.set()
                 if self.stream and msg.header.kind != DONE:
                     self.expect()

@@ -357,7 +357,7 @@ class Transport:
                 mine = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
                 got = [torch.empty_like(mine) for _ in range(n)]
                 yield _Work(dist.all_gather(got, mine, group=self.group, async_op=True))
-                sizes = [int(g.item()) for g in got]
+                sizes = torch.cat(got).tolist()       # host: once per gather (every rank's size)
                 cost_extra = ring_allgather(self.collective_link, n, 8)
             else:
                 sizes = [flat.numel()]

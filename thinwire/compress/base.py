@@ -49,6 +49,21 @@ import torch
 
 GLOO_SUM_WIDEN = {torch.int16: torch.int32, torch.bool: torch.uint8}   # gloo's all-reduce has no int16 / bool sum
 PICKABLE = ("allreduce", "allgather")
+_CONSTANTS: dict = {}
+
+
+def constant(key: tuple, device, build) -> torch.Tensor:
+    """A constant tensor (a lookup table, a transform basis) built once on the host by `build()` and kept once per
+    device, so every device holds the same numbers and a GPU gets no host copy per call. `key` names the tensor
+    with its dtype and size, e.g. ("dct", n, torch.float32); callers must not modify the result."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:       # "cuda" and a tensor's "cuda:0": one entry
+        device = torch.device("cuda", torch.cuda.current_device())
+    k = (key, device)
+    t = _CONSTANTS.get(k)
+    if t is None:
+        t = _CONSTANTS[k] = build().to(k[1])
+    return t
 
 
 def pick_collective(compressor: "Compressor", numel: int, world_size: int, allreduce: str = "ring") -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .base import constant
 
 # bits -> (word type, multiplier, shift): a word of 8/b code bytes times sum_j 2^(top - (8 - b) j) puts code j at
 # bit top + b j with no carries between terms (checked exhaustively in the tests); top = the word's last byte.
@@ -18,23 +19,33 @@ _GATHERS = {1: (torch.int64, 0x0102040810204080, 56),
             4: (torch.int16, 0x110, 8)}
 
 
-def _table(bits: int, dtype=torch.uint8, values=None, device="cpu") -> torch.Tensor:
-    """(256, 8 / bits) table: row v holds the codes packed in byte value v (or `values[code]`)."""
-    per = 8 // bits
-    v = torch.arange(256, dtype=torch.int64, device=device).view(-1, 1)
-    codes = (v >> (bits * torch.arange(per, device=device))) & ((1 << bits) - 1)
-    if values is not None:
-        return torch.as_tensor(values, dtype=dtype, device=device)[codes].contiguous()
-    return codes.to(dtype).contiguous()
+def code_table(bits: int, device, dtype=torch.int64) -> torch.Tensor:
+    """(256, 8 / bits) table, row v = the codes packed in byte value v; built once per (bits, dtype, device)."""
+    def build():
+        per = 8 // bits
+        v = torch.arange(256, dtype=torch.int64, device="cpu").view(-1, 1)     # built on the host, kept per device
+        return ((v >> (bits * torch.arange(per, device="cpu"))) & ((1 << bits) - 1)).to(dtype).contiguous()
+    return constant(("bitpack-codes", bits, dtype), device, build)
 
 
-_TABLES = {1: _table(1)}
+def value_table(bits: int, values, device, dtype=torch.float32) -> torch.Tensor:
+    """(256, 8 / bits) table, row v = `values[code]` for the codes packed in byte value v. Constant `values` (a
+    sequence of numbers) are built once per (values, bits, dtype, device); a tensor of values (per call: a
+    rank's means) is gathered through the cached code table on its own device, without leaving it."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device=device, dtype=dtype)[code_table(bits, device)]
+    values = tuple(values)
+    return constant(("bitpack-values", bits, dtype, tuple(map(repr, values))), device,     # (repr: -0.0 != 0.0)
+                    lambda: torch.tensor(values, dtype=dtype, device="cpu")[code_table(bits, "cpu")].contiguous())
 
 
-def decode(packed: torch.Tensor, bits: int, numel: int, values, dtype=torch.float32) -> torch.Tensor:
+def decode(packed: torch.Tensor, bits: int, numel: int, values, dtype=torch.float32, scale=None) -> torch.Tensor:
     """`values[code]` (as `dtype`) for the `numel` codes packed in `packed` (bits in 1, 2, 4): one table lookup
-    per byte, no intermediate codes."""
-    table = _table(bits, dtype, values, packed.device)
+    per byte, no intermediate codes. `scale` (a number or a one-element tensor on `packed`'s device) multiplies
+    the table, so a per-tensor scale needs no host round trip and no new cached table."""
+    table = value_table(bits, values, packed.device, dtype)
+    if scale is not None and not (isinstance(scale, (int, float)) and scale == 1):
+        table = table * (scale.reshape(()) if isinstance(scale, torch.Tensor) else scale)
     return table.index_select(0, packed.reshape(-1).to(torch.int32)).view(-1)[:numel]   # (int32: half the bytes)
 
 
@@ -105,7 +116,7 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         return packed
     groups = packed.numel() // bits
     if bits == 1:          # one table row per byte value: its eight bits
-        return _TABLES[1].to(packed.device).index_select(0, packed.to(torch.int64)).view(-1)[:numel]
+        return code_table(1, packed.device, torch.uint8).index_select(0, packed.to(torch.int64)).view(-1)[:numel]
     if bits == 4:          # byte -> int16 (c0 | c1 << 4): spread c1 into the high byte
         w = packed.to(torch.int16)
         return w.bitwise_or_(w << 4).bitwise_and_(0x0F0F).view(torch.uint8)[:numel]

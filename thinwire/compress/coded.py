@@ -28,6 +28,15 @@ LEVEL_CODERS = ("elias", "eliasdelta", "huffman")
 INDEX_CODERS = ("elias", "eliasdelta", "golomb")
 
 
+def _to_host(head: torch.Tensor, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A coded stream's int32 header and bytes on the host (the coders are numpy) in one device-to-host copy."""
+    if head.device.type == "cpu" and data.device.type == "cpu":
+        return head, data
+    nh = head.numel() * head.element_size()
+    both = torch.cat([head.reshape(-1).view(torch.uint8), data.reshape(-1).view(torch.uint8)]).cpu()
+    return both[:nh].view(head.dtype), both[nh:]
+
+
 class Coded(Compressor):
     """A compressor's payload, losslessly coded (all-gathered: coded payloads cannot be summed)."""
 
@@ -67,7 +76,7 @@ class Coded(Compressor):
         return [head.to(sym.device), data.to(sym.device), *p.tensors[1:]]
 
     def _decode_levels(self, tensors, ctx) -> list[torch.Tensor]:
-        sym = self.coder.decode(tensors[0].cpu(), tensors[1].cpu()).to(tensors[0].device)
+        sym = self.coder.decode(*_to_host(tensors[0], tensors[1])).to(tensors[0].device)
         codes = unzigzag(sym) + self._offset() if self._offset() else sym
         return [pack(codes.to(torch.uint8), self.base.bits), *tensors[2:]]
 
@@ -78,11 +87,11 @@ class Coded(Compressor):
         idx = ts[pos].reshape(-1).to(torch.int64)
         k = idx.numel()
         order = torch.sort(idx, stable=True)
-        g = gaps(order.values)
-        if k and int(g.min()) < 0:
+        g = gaps(order.values).cpu()           # the coder runs on the host: one copy there, checked there
+        if k and bool((g < 0).any()):
             raise ValueError(f"{self.name}: repeated indices cannot be gap-coded")
-        head, data = self.coder.encode(g.cpu())
-        head, data = head.to(g.device), data.to(g.device)
+        head, data = self.coder.encode(g)
+        head, data = head.to(idx.device), data.to(idx.device)
         rest = [self._permute(t, order.indices, k) for i, t in enumerate(ts) if i != pos]
         return [head, data, *rest], pos
 
@@ -97,7 +106,7 @@ class Coded(Compressor):
 
     def _decode_indices(self, tensors, ctx) -> list[torch.Tensor]:
         pos, numel = ctx["pos"], ctx["numel"]
-        idx = ungaps(self.coder.decode(tensors[0].cpu(), tensors[1].cpu())).to(tensors[0].device, index_dtype(numel))
+        idx = ungaps(self.coder.decode(*_to_host(tensors[0], tensors[1]))).to(tensors[0].device, index_dtype(numel))
         rest = list(tensors[2:])
         return rest[:pos] + [idx] + rest[pos:]
 

@@ -35,30 +35,27 @@ import torch
 from ..errors import UserError
 from . import compressors, memories
 from ._chunks import Layouts, check_chunk, check_topk, index_nbytes, pack_index, unpack_index
-from .base import Compressor, Payload
+from .base import Compressor, Payload, constant
 from .finite import check_tensor
 from .residual import Residual
 
-_BASES: dict[int, torch.Tensor] = {}
-
-
-def dct_basis(n: int) -> torch.Tensor:
-    """(n, n) orthonormal DCT-II matrix C (row u = frequency u): coefficients = C @ x, x = C.T @ coefficients."""
-    c = _BASES.get(n)
-    if c is None:
-        j = torch.arange(n, dtype=torch.float64, device="cpu")     # built once on the host, cached
+def dct_basis(n: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """(n, n) orthonormal DCT-II matrix C (row u = frequency u): coefficients = C @ x, x = C.T @ coefficients.
+    Built once in float64 on the host (the same numbers on every device), kept once per (n, dtype, device)."""
+    def build():
+        j = torch.arange(n, dtype=torch.float64, device="cpu")
         u = j.view(-1, 1)
         c = torch.cos(math.pi * (2 * j + 1) * u / (2 * n)) * math.sqrt(2.0 / n)
         c[0] = math.sqrt(1.0 / n)
-        c = _BASES[n] = c.to(torch.float32)
-    return c
+        return c.to(dtype)
+    return constant(("dct", n, dtype), device, build)
 
 
 def chunked_dct(x: torch.Tensor, layout, inverse: bool = False) -> torch.Tensor:
     """The DCT-II (or its inverse) of every chunk of flat fp32 `x`, one matmul per group of equal chunks."""
     out = torch.empty_like(x)
     for start, rows, width, _ in layout.groups:
-        block, c = x[start:start + rows * width].view(rows, width), dct_basis(width).to(x.device)
+        block, c = x[start:start + rows * width].view(rows, width), dct_basis(width, x.device, x.dtype)
         torch.matmul(block, c if inverse else c.T, out=out[start:start + rows * width].view(rows, width))
     return out
 

@@ -29,7 +29,7 @@ class EFSignSGD(Compressor):
 
     def decompress(self, payload):
         shape, dtype, n = payload.ctx
-        return signs(payload.tensors[0], n, float(payload.tensors[1])).to(dtype).view(shape)
+        return signs(payload.tensors[0], n, payload.tensors[1]).to(dtype).view(shape)
 
     def nominal_bits(self, numel):
         return 1.0 + 32.0 / max(numel, 1)

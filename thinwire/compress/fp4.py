@@ -23,7 +23,7 @@ import torch
 from ..errors import UserError
 from . import compressors
 from ._chunks import check_chunk, sum_fp32
-from .base import Compressor, Payload
+from .base import Compressor, Payload, constant
 from .bitpack import decode, pack
 from .finite import check_scale
 from .qsgd import bucket_norms, scale_buckets
@@ -50,12 +50,12 @@ class FP4(Compressor):
             raise UserError(f"fp4: format must be one of {', '.join(MAGNITUDES)}; got {format!r}")
         self.format = format
         self.chunk = check_chunk("fp4", chunk)
-        mags = torch.tensor(MAGNITUDES[format], dtype=torch.float64, device="cpu")
+        mags = MAGNITUDES[format]
         self.grid = GRID[format]
-        mids = [round(m) for m in ((mags[1:] + mags[:-1]) / 2 * self.grid).tolist()]   # boundaries, units of 1/G
+        mids = [round((a + b) / 2 * self.grid) for a, b in zip(mags[1:], mags[:-1])]   # boundaries, units of 1/G
         # G|x|/a_c in (j - 1, j] lies beyond the boundaries b < j: magnitude code = #{b < j} (a tie goes down)
-        self._codes = torch.tensor([sum(b < j for b in mids) for j in range(self.grid + 1)], dtype=torch.uint8, device="cpu")
-        self._values = torch.cat([mags, -mags]).to(torch.float32)    # code = sign << 3 | magnitude code
+        self._codes = tuple(sum(b < j for b in mids) for j in range(self.grid + 1))
+        self._values = tuple(mags) + tuple(-m for m in mags)    # code = sign << 3 | magnitude code
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
@@ -65,7 +65,9 @@ class FP4(Compressor):
         inv = torch.where(amax > 0, self.grid / amax, 0.0)
         a = scale_buckets(flat.to(torch.float32, copy=True).abs_(), inv, self.chunk, 0)    # G |x| / a_c in [0, G]
         j = a.ceil_().clamp_(max=self.grid).to(torch.int32)
-        codes = self._codes.to(j.device).index_select(0, j)                       # the nearest magnitude (ties go down)
+        table = constant(("fp4-codes", self._codes), j.device,
+                         lambda: torch.tensor(self._codes, dtype=torch.uint8, device="cpu"))   # once per device
+        codes = table.index_select(0, j)                                          # the nearest magnitude (ties go down)
         codes.bitwise_or_(flat.lt(0).to(torch.uint8).bitwise_left_shift_(3))
         return Payload([pack(codes, 4, inplace=True), amax], ctx={"shape": tensor.shape, "dtype": tensor.dtype,
                                                                   "numel": n})

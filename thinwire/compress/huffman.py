@@ -84,7 +84,7 @@ class Huffman(Coder):
         lengths = code_lengths(counts)
         codes = canonical_codes(lengths)
         bits = write_fields(codes[inverse], lengths[inverse])
-        return header(v.size, symbols.size, *symbols.tolist(), *lengths.tolist()), to_bytes(bits)
+        return header(v.size, symbols.size, *symbols.tolist(), *lengths.tolist()), to_bytes(bits)   # host: numpy
 
     def decode(self, head, data):
         h = head.to(torch.int64).numpy()

@@ -94,8 +94,11 @@ class Int8(Compressor):
 
     def decompress(self, payload):
         ctx = payload.ctx
-        s = float(payload.tensors[1]) if len(payload.tensors) > 1 else ctx["scale"]
-        out = payload.tensors[0].to(torch.float32).mul_(s / LEVELS)
+        if len(payload.tensors) > 1:      # the payload's scale, kept on the device: s / LEVELS in float64, as a number
+            step = (payload.tensors[1].reshape(()).double() / LEVELS).to(torch.float32)
+        else:
+            step = ctx["scale"] / LEVELS
+        out = payload.tensors[0].to(torch.float32).mul_(step)
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
     def nominal_bits(self, numel, world_size=None):

@@ -8,8 +8,7 @@ import torch
 from . import compressors
 from .base import Compressor, Payload
 from .finite import check_scale
-from .bitpack import pack
-from .signsgd import two_values
+from .bitpack import decode, pack
 
 
 @compressors.register("onebit")
@@ -29,24 +28,21 @@ class OneBit(Compressor):
         if self._mask.numel() < n or self._mask.device != flat.device:                   # a reused mask: a fresh n-byte tensor page-faults
             self._mask = torch.empty(n, dtype=torch.bool, device=flat.device)
         mask = torch.ge(flat, 0, out=self._mask[:n])
-        npos = int(torch.count_nonzero(mask)) if n else 0     # (a bool .sum() is 10x slower)
+        npos = torch.count_nonzero(mask)      # (a bool .sum() is 10x slower); before `pack` scratches the mask
         bits = pack(mask.view(torch.uint8), 1, inplace=True)
         # sums of the two sides from two reductions without temporaries: S = sum g, L = sum |g|,
-        # sum over g >= 0 = (S + L) / 2, sum over g < 0 = (S - L) / 2
+        # sum over g >= 0 = (S + L) / 2, sum over g < 0 = (S - L) / 2; all on the tensor's device
         total = flat.sum(dtype=torch.float32).double()
         l1 = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32).double()
         check_scale(total + l1, self.name, key, flat)
-        nneg = n - npos
-        pos = float(total + l1) / 2.0
-        neg = float(total - l1) / 2.0
-        means = torch.tensor([neg / nneg if nneg else 0.0, pos / npos if npos else 0.0], dtype=torch.float32,
-                             device=flat.device)
+        sums = torch.stack([total - l1, total + l1]) / 2.0                       # (negative side, positive side)
+        counts = torch.stack([n - npos, npos]).double()
+        means = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).to(torch.float32)
         return Payload([bits, means], ctx=(tensor.shape, tensor.dtype, n))
 
     def decompress(self, payload):
         shape, dtype, n = payload.ctx
-        mneg, mpos = (float(v) for v in payload.tensors[1])
-        return two_values(payload.tensors[0], n, mneg, mpos).to(dtype).view(shape)
+        return decode(payload.tensors[0], 1, n, payload.tensors[1]).to(dtype).view(shape)   # (mean-, mean+)[bit]
 
     def nominal_bits(self, numel):
         return 1.0 + 64.0 / max(numel, 1)

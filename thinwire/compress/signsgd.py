@@ -15,14 +15,10 @@ def sign_bits(flat: torch.Tensor) -> torch.Tensor:
     return pack(torch.ge(flat, 0).view(torch.uint8), 1, inplace=True)
 
 
-def signs(bits: torch.Tensor, numel: int, scale: float = 1.0) -> torch.Tensor:
-    """fp32 tensor of scale * (2b - 1) from packed bits (one `where` over the 0/1 bytes seen as bools)."""
-    return two_values(bits, numel, -scale, scale)
-
-
-def two_values(bits: torch.Tensor, numel: int, zero: float, one: float) -> torch.Tensor:
-    """fp32 tensor holding `one` where the packed bit is 1 and `zero` where it is 0 (a table lookup per byte)."""
-    return decode(bits, 1, numel, [zero, one])
+def signs(bits: torch.Tensor, numel: int, scale=1.0) -> torch.Tensor:
+    """fp32 tensor of scale * (2b - 1) from packed bits (a table lookup per byte); `scale` a number or a
+    one-element tensor (kept on the device)."""
+    return decode(bits, 1, numel, (-1.0, 1.0), scale=scale)
 
 
 @compressors.register("signsgd")

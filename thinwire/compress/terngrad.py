@@ -84,11 +84,11 @@ class TernGrad(Compressor):
 
     def decompress(self, payload):
         ctx = payload.ctx
-        s = float(payload.tensors[1]) if len(payload.tensors) > 1 else ctx["scale"]
+        s = payload.tensors[1].reshape(()) if len(payload.tensors) > 1 else ctx["scale"]   # (kept on the device)
         if ctx["summed"]:
             out = payload.tensors[0].to(torch.float32).mul_(s)
         else:
-            out = decode(payload.tensors[0], 2, ctx["numel"], [-s, 0.0, s, 0.0])   # (code - 1) s, by table
+            out = decode(payload.tensors[0], 2, ctx["numel"], (-1.0, 0.0, 1.0, 0.0), scale=s)   # (code - 1) s, by table
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
     def nominal_bits(self, numel, world_size=None):

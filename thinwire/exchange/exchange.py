@@ -248,7 +248,7 @@ class Exchange:
 
         def finish(blocks):
             with tr.tracer.span("decompress", "compress"):
-                payloads = [Payload(wire.unpack(b), payload.ctx, payload.extra) for b in blocks]
+                payloads = [Payload(ts, payload.ctx, payload.extra) for ts in wire.unpack_all(blocks)]
                 total = comp.aggregate(payloads)
                 out = torch.sign(total) if majority else total / n
                 return out.to(x.dtype).reshape(x.shape)

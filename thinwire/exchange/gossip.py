@@ -96,15 +96,17 @@ class NeighborExchange(Exchange):
             hs += [tr.isend(mine, d, tag=TAG) for d in dsts]
             for h in [tr.irecv(heads[s], s, tag=TAG) for s in srcs]:
                 yield h
-            sizes = {s: int(heads[s][0]) for s in srcs}
+            got = torch.cat([heads[s] for s in srcs]).tolist() if srcs else []   # host: once per exchange
+            sizes = dict(zip(srcs, got))
         bufs = {s: torch.empty(sizes[s], dtype=torch.uint8, device=buf.device) for s in srcs}
         hs += [tr.isend(buf, d, tag=TAG) for d in dsts] + [tr.irecv(bufs[s], s, tag=TAG) for s in srcs]
 
         def finish(_):
             with tr.tracer.span("decompress", "compress"):
                 out = {me: own.to(x.dtype).reshape(x.shape)}
+                got = dict(zip(srcs, wire.unpack_all([bufs[s] for s in srcs])))
                 for s in srcs:
-                    t = comp.decompress(Payload(wire.unpack(bufs[s]), payload.ctx, payload.extra))
+                    t = comp.decompress(Payload(got[s], payload.ctx, payload.extra))
                     out[s] = t.to(x.dtype).reshape(x.shape)
                 return out
         return AllOf(hs).then(finish)

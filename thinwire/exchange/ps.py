@@ -162,10 +162,10 @@ class PSWorker:
         b = fut.b
         for s in fut._sends:
             s.result()
-        for k, msg in fut._replies:
-            header, body = msg.result()
+        got = [(k, *msg.result()) for k, msg in fut._replies]
+        every = wire.unpack_all([body for _, _, body in got])      # the K servers' headers in one host read
+        for (k, header, _), tensors in zip(got, every):
             lo, hi = self.slices[b][k]
-            tensors = wire.unpack(body)
             if self.downlink is None:
                 self.held[b][lo:hi] = tensors[0]
             else:
@@ -173,7 +173,7 @@ class PSWorker:
                 ctx = self.downlink.context((hi - lo,), self.held[b].dtype, _key(self.keys[b], k, True),
                                             self.received[b][k])
                 sent = self.downlink.decompress(Payload(tensors, ctx)).reshape(-1).to(self.held[b].dtype)
-                self.held[b][lo:hi] += sent.mul_(float(scale))
+                self.held[b][lo:hi] += sent.mul_(scale.reshape(()))      # (kept on the device)
             self.received[b][k] += 1
             self.versions[b][k] = header.version
             if b == 0 and k == 0:

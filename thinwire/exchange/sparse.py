@@ -222,10 +222,10 @@ class Hierarchical:
             blob = torch.empty(int(size[0]), dtype=torch.uint8, device=c.device)
         yield self.group.broadcast(blob, src=0, async_op=True)   # every member gets its leader's bytes
         parts = wire.unpack(blob)
-        head = parts[0].tolist()
+        head = parts[0].tolist()                     # host: once per exchange (how many payloads, which is mine)
         count, mine = head[0], head[1]
         ctx = self._ctx(compressor, c, key, step)
-        payloads = [Payload(wire.unpack(parts[1 + i]), ctx) for i in range(count)]
+        payloads = [Payload(ts, ctx) for ts in wire.unpack_all(parts[1:1 + count])]
         total = compressor.aggregate(payloads).reshape(-1).to(c.dtype)
         dg = compressor.decompress(payloads[mine]).reshape(-1).to(c.dtype)
         sel = dg != 0

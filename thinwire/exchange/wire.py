@@ -11,6 +11,7 @@ import torch
 _DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
            torch.float32, torch.float64, torch.bool]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+_PREFIX = 4 + 8 * 8       # header bytes of up to 8 tensors: what `headers` copies to the host per buffer
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -32,20 +33,45 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def unpack(buf: torch.Tensor) -> list[torch.Tensor]:
-    """Inverse of `pack` (tensors are copied out, so each is aligned for its dtype)."""
-    count = int(buf[:4].clone().view(torch.int32)[0])
-    head = buf[4:4 + 8 * count].clone().view(torch.int32).tolist()
-    off = 4 + 8 * count
+def headers(bufs: list[torch.Tensor]) -> list[list[int]]:
+    """Each buffer's `(dtype code, numel) * count` on the host, for all of them in one device-to-host copy: the
+    first `_PREFIX` bytes of every buffer side by side (a header of more than 8 tensors is read again in full)."""
+    if not bufs:
+        return []
+    rows = torch.zeros(len(bufs), _PREFIX, dtype=torch.uint8, device=bufs[0].device)
+    for row, b in zip(rows, bufs):
+        m = min(b.numel(), _PREFIX)
+        row[:m] = b.reshape(-1)[:m]
+    host = rows.view(torch.int32).tolist()      # host: once per exchange (every rank's header together)
     out = []
-    for i in range(count):
-        dtype, n = _DTYPES[head[2 * i]], head[2 * i + 1]
-        size = torch.empty(0, dtype=torch.uint8 if dtype == torch.bool else dtype, device="meta").element_size()
-        raw = buf[off:off + n * size].clone()
-        t = raw.view(torch.uint8 if dtype == torch.bool else dtype)
-        out.append(t.to(torch.bool) if dtype == torch.bool else t)
-        off += n * size
+    for b, head in zip(bufs, host):
+        count = head[0]
+        if 4 + 8 * count > _PREFIX:
+            head = b[:4 + 8 * count].clone().view(torch.int32).tolist()     # host: a header past _PREFIX bytes
+        out.append(head[1:1 + 2 * count])
     return out
+
+
+def unpack_all(bufs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`unpack` of each buffer (one exchange's payloads: every rank's), reading their headers in one host copy;
+    the tensors stay on the buffers' device (copied out, so each is aligned for its dtype)."""
+    out = []
+    for buf, head in zip(bufs, headers(bufs)):
+        off = 4 + 4 * len(head)
+        ts = []
+        for code, n in zip(head[0::2], head[1::2]):
+            dtype = _DTYPES[code]
+            raw = torch.uint8 if dtype == torch.bool else dtype
+            t = buf[off:off + n * raw.itemsize].clone().view(raw)
+            ts.append(t.to(torch.bool) if dtype == torch.bool else t)
+            off += n * raw.itemsize
+        out.append(ts)
+    return out
+
+
+def unpack(buf: torch.Tensor) -> list[torch.Tensor]:
+    """Inverse of `pack` (for the payloads of an exchange, `unpack_all`: one host read of their headers)."""
+    return unpack_all([buf])[0]
 
 
 def packed_size(tensors: list[torch.Tensor]) -> int:

@@ -70,6 +70,7 @@ class CompareConfig:
     steps: int | None = None           # an upper bound in steps instead of epochs
     eval_every: int | None = None      # a fixed evaluation cadence instead of the race's
     batch_size: int | None = None      # per worker (None: the workload's), the same for every cell
+    device: str = "cpu"                # "cuda": every cell's workers on GPUs (NCCL), one per GPU
 
     def validate(self) -> "CompareConfig":
         workloads.registry.lookup(self.workload)
@@ -89,6 +90,8 @@ class CompareConfig:
         if self.tensorboard is not None:
             from .loop import check_tensorboard
             check_tensorboard(self.tensorboard)
+        from .launcher import pick_backend
+        pick_backend(None, self.device, self.workers)      # `train --device`'s check, before any cell starts
         return self
 
     @property
@@ -172,7 +175,7 @@ class Harness:
                 p = self.netem_env.pool(world)
             else:
                 from .launcher import Pool
-                p = Pool(world, timeout=3600.0)
+                p = Pool(world, timeout=3600.0, device=self.cfg.device)
             self._pools[world] = p
         return p
 
@@ -199,7 +202,7 @@ class Harness:
                          trace=c.trace and not cell.peer, progress=False,
                          servers=None if servers is None else int(servers), budget_s=c.budget_s,
                          stop_at_target=True, optimizer=cell.optimizer, tensorboard=board, eval_every=c.eval_every,
-                         batch_size=c.batch_size)
+                         batch_size=c.batch_size, device=c.device)
         tc.resolve_servers()
         return tc
 
@@ -224,7 +227,8 @@ class Harness:
         from .train import summarize
         c = self.cfg
         tc = TrainConfig(workload=c.workload, algorithm="local", workers=c.workers, network="lan",
-                         steps=2 * BASELINE_STEPS, seed=c.seed, progress=False, batch_size=c.batch_size)
+                         steps=2 * BASELINE_STEPS, seed=c.seed, progress=False, batch_size=c.batch_size,
+                         device=c.device)
         view = _PoolView(self.pool(c.workers, "lan"), self.wall_limit(), c.netem)
         _, rows = summarize(tc, view.run(train_worker, tc.validate(), network="lan", seed=c.seed), 0.0)
         late = [r["step_s"] for r in rows[BASELINE_STEPS:]]
@@ -272,7 +276,8 @@ class Harness:
                                                            results["baseline"].get("step_time_s"))
                 ran, why = tuned[cell.label, network]
                 t0 = _now()
-                row = {"key": key, "label": cell.label, "network": network, "seed": seed, "peer": cell.peer,
+                row = {"key": key, "label": cell.label, "network": network, "seed": seed, "device": cfg.device,
+                       "peer": cell.peer,
                        "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
                        "config": asdict(self.train_config(ran, network, seed))}
                 try:

@@ -98,7 +98,7 @@ class Profiled(Scheduler):
         msg = torch.tensor(ready + [a, b], dtype=torch.float64, device=self.transport.device)
         if self.transport.world_size > 1:
             self.transport.broadcast(msg, src=0)              # every rank plans from rank 0's numbers
-        vals = msg.tolist()
+        vals = msg.tolist()                                   # host: once per re-plan
         self.ready_times, self.cost_ab = vals[:n], (vals[n], vals[n + 1])
         self.plan()
 
