@@ -21,7 +21,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def payload_bytes(name: str, n: int) -> int:
     """What each quantizer must send for n elements, from its definition (packed sizes, scales, norms)."""
     ones = packed_nbytes(n, 1)
-    return {"fp16": 2 * n, "bf16": 2 * n, "int8": n + 4, "onebit": ones + 8, "signsgd": ones, "signum": ones,
+    return {"fp16": 2 * n, "bf16": 2 * n, "int8": n + 4, "onebit": ones + 8, "signsgd": ones + 4, "signum": ones + 4,
             "efsignsgd": ones + 4, "qsgd": packed_nbytes(n, 4) + 4 * math.ceil(n / 512),
             "terngrad": packed_nbytes(n, 2) + 4, "natural": n + ones}[name]
 
@@ -84,7 +84,10 @@ def test_round_trip_shapes_dtypes_and_payload_sizes(name, device):
 def test_sign_methods_send_the_signs(n, seed):
     x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     sign = torch.where(x >= 0, 1.0, -1.0)
-    assert torch.equal(compressors.get("signsgd").decompress(compressors.get("signsgd").compress(x)), sign)
+    bare = compressors.get("signsgd", scale=False)
+    assert torch.equal(bare.decompress(bare.compress(x)), sign)
+    scaled = compressors.get("signsgd")          # EF-SignSGD's scale ‖x‖₁/d (Karimireddy et al. 2019)
+    assert torch.allclose(scaled.decompress(scaled.compress(x)), sign * x.abs().mean(), rtol=1e-5)
     ef = compressors.get("efsignsgd")
     assert torch.allclose(ef.decompress(ef.compress(x)), sign * x.abs().mean(), rtol=1e-5)
     ob = compressors.get("onebit")
@@ -244,6 +247,16 @@ def test_gathered_payloads_decompress_with_the_receivers_ctx(name, params):
         assert torch.equal(comp.aggregate([arrived, mine]), comp.decompress(theirs) + comp.decompress(mine))
 
 
+def test_majority_vote_carries_the_ranks_mean_scale():
+    """signsgd's exchange result: sign(Σ_r sign(x_r)) · mean_r ‖x_r‖₁/d (unscaled: the bare vote)."""
+    xs = [torch.tensor([1.0, -2.0, 3.0, -4.0]), torch.tensor([-1.0, -1.0, 1.0, 1.0]), torch.tensor([2.0, 2.0, -2.0, 2.0])]
+    comp, bare = compressors.get("signsgd"), compressors.get("signsgd", scale=False)
+    vote = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    mean_scale = sum(x.abs().mean() for x in xs) / 3
+    assert torch.allclose(comp.vote([comp.compress(x) for x in xs]), vote * mean_scale)
+    assert torch.equal(bare.vote([bare.compress(x) for x in xs]), vote)
+
+
 def test_aggregation_flags():
     assert {compressors.get(n).aggregation for n in ("signsgd", "signum")} == {"majority"}
     assert {compressors.get(n).aggregation for n in ("onebit", "efsignsgd", "natural", "int8")} == {"allgather"}
@@ -302,8 +315,8 @@ def test_lr_scaled_memory_invariant():
 def test_signum_momentum_and_state():
     comp = compressors.get("signum", beta=0.5)
     comp.compress(torch.tensor([1.0, -1.0]), key="m")
-    y = comp.decompress(comp.compress(torch.tensor([-0.4, 0.4]), key="m"))    # m = 0.25 - 0.2, -0.25 + 0.2
-    assert y.tolist() == [1.0, -1.0]
+    y = comp.decompress(comp.compress(torch.tensor([-0.4, 0.4]), key="m"))    # m = 0.5 - 0.4, -0.5 + 0.4
+    assert torch.allclose(y, torch.tensor([0.1, -0.1]))                      # sign(m) · ‖m‖₁/d
     other = compressors.get("signum", beta=0.5)
     other.load_state_dict(comp.state_dict())
     assert torch.equal(other.momenta["m"], comp.momenta["m"])
@@ -324,7 +337,7 @@ def test_non_finite_input_is_a_clear_error(name):
         try:
             assert torch.isfinite(comp.decompress(comp.compress(big))).all()
         except NonFiniteError as err:
-            assert "overflows" in str(err) and name in ("onebit", "efsignsgd", "qsgd")
+            assert "overflows" in str(err) and name in ("onebit", "efsignsgd", "qsgd", "signsgd", "signum")
 
 
 def test_fp16_overflow_and_bad_parameters():

@@ -78,6 +78,75 @@ def build_components(algorithm, compressor=None, memory=None, **params):
     return alg, comp, mem, call(sched.make, "schedule", sched_params), transport_params
 
 
+def momentum_taker(algorithm, compressor, memory):
+    """The component that applies the training's momentum itself where `algorithm` exchanges the gradients its
+    optimizer applies (`Memory` in compress/base.py, "Momentum"): the compressor (signum) before the memory;
+    None where nothing takes it."""
+    if not getattr(algorithm, "exchanges_gradients", False):
+        return None
+    for comp in (compressor, memory):
+        if getattr(comp, "takes_momentum", False):
+            return comp
+    return None
+
+
+def check_momentum(algorithm, compressor, memory, momentum: float, explicit: bool = True) -> None:
+    """Refuse momentum applied twice: a component given its own momentum while the optimizer has one too, or
+    (`explicit`: the user's `--momentum`) an optimizer momentum beside a memory that replaces it (demo, sparseloco)."""
+    taker = momentum_taker(algorithm, compressor, memory)
+    if taker is not None and taker.momentum and momentum:
+        kind = "memory" if taker is memory else "compressor"
+        raise UserError(f"{kind} {taker.name!r} applies momentum {taker.momentum:g} itself (before compression) and "
+                        f"the optimizer has momentum {momentum:g}: run the optimizer with momentum 0 (--momentum 0), "
+                        f"or leave the {kind}'s momentum unset so it takes the optimizer's")
+    if explicit and momentum and replaces_momentum(algorithm, memory):
+        raise UserError(f"memory {memory.name!r} keeps its own momentum (its beta) and the optimizer would add "
+                        f"momentum {momentum:g} on top: leave --momentum unset or 0 (or use memory residual)")
+
+
+def replaces_momentum(algorithm, memory) -> bool:
+    return bool(getattr(algorithm, "exchanges_gradients", False) and getattr(memory, "replaces_momentum", False))
+
+
+def heavy_ball(optimizer: torch.optim.Optimizer) -> float | None:
+    """The momentum of a plain heavy-ball SGD (every group the same; no dampening, Nesterov or weight decay, so
+    that momentum applied before the exchange is the same update), else None."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return None
+    groups = optimizer.param_groups
+    mus = {g.get("momentum", 0.0) for g in groups}
+    if len(mus) != 1 or any(g.get("nesterov") or g.get("dampening", 0.0) or g.get("weight_decay", 0.0)
+                            for g in groups):
+        return None
+    return float(mus.pop())
+
+
+def hand_over_momentum(optimizer, algorithm, compressor, memory) -> float:
+    """Move the optimizer's heavy-ball momentum into the component that applies it before compression (where
+    the algorithm exchanges gradients and the component's momentum is unset) and run the optimizer without it:
+    error feedback with momentum after compression loses (EF-SGDM, Zheng et al. 2019; DGC's momentum correction,
+    Lin et al. 2018 §3.2). Returns the momentum handed over (0: none)."""
+    if replaces_momentum(algorithm, memory):     # DeMo's / SparseLoCo's accumulator is the momentum
+        for g in optimizer.param_groups:
+            if "momentum" in g:
+                g["momentum"] = 0.0
+        return 0.0
+    taker = momentum_taker(algorithm, compressor, memory)
+    mu = heavy_ball(optimizer)
+    if taker is None or mu is None:
+        return 0.0
+    check_momentum(algorithm, compressor, memory, mu)
+    if taker.momentum is not None:
+        return 0.0
+    taker.momentum = mu
+    for other in (compressor, memory):      # a second component able to take it applies none
+        if other is not taker and getattr(other, "takes_momentum", False) and other.momentum is None:
+            other.momentum = 0.0
+    for g in optimizer.param_groups:
+        g["momentum"] = 0.0
+    return mu
+
+
 ON_FAILURE = ("stop", "continue")
 
 
@@ -124,6 +193,7 @@ class Trainer:
             params["schedule"] = "none"
         (self.algorithm, self.compressor, self.memory, self.scheduler,
          transport_params) = build_components(algorithm, compressor, memory, **params)
+        self.momentum_handed = hand_over_momentum(optimizer, self.algorithm, self.compressor, self.memory)
         check_on_failure(on_failure, self.algorithm)
         self.on_failure = on_failure
         self.failures: list[dict] = []   # workers lost and survived (on_failure="continue")

@@ -29,6 +29,8 @@ class Algorithm:
     default_memory: ClassVar[str] = "none"
     schedules: ClassVar[tuple[str, ...]] = ("none", "wfbp", "fusion", "mgwfbp")   # priority applies bsp's update
     checks_finite: ClassVar[bool] = False       # its exchange checks every gradient bucket before sending it
+    exchanges_gradients: ClassVar[bool] = False  # its exchange carries the gradients the optimizer applies (a
+    #   memory that applies momentum before compression takes the optimizer's: Trainer's hand_over_momentum)
     overlaps_steps: bool = False                # its exchanges outlive the step that started them (DTS, CD-SGD)
     survives_failures: ClassVar[bool] = False   # its averages stay meaningful over fewer workers (recover())
 

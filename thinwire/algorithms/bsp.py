@@ -18,6 +18,7 @@ class BSP(Algorithm):
     architectures = ("allreduce",)
     schedules = ("none", "wfbp", "fusion", "mgwfbp", "priority")
     checks_finite = True      # each bucket is checked (Exchange._check_finite) before it is sent
+    exchanges_gradients = True
     survives_failures = True  # the mean over fewer workers is still the mean gradient
 
     def __init__(self, architecture: str | None = None):

@@ -133,6 +133,7 @@ class CDSGD(BSP):
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
     compression = True
     checks_finite = False
+    exchanges_gradients = False   # its own momentum update (eqs. 8-11) on the exchanged gradients
     default_compressor = "threshold2bit"
     default_memory = "residual"
     survives_failures = False

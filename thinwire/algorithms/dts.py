@@ -72,7 +72,9 @@ class DTS(Algorithm):
     overlaps_steps = True
     survives_failures = True   # a lost worker's windows are dropped; the survivors average among themselves
 
-    def __init__(self, delay: int = 4, period: int = 4, architecture: str | None = None):
+    # defaults within the accuracy bound under momentum 0.9, (t − 1)·p <= 3 (plan.advise.MAX_STALENESS;
+    # docs/dts.md: t = p = 4, 12 steps of staleness, lost 7–27 pp); `thinwire compare` tunes them to the network
+    def __init__(self, delay: int = 2, period: int = 2, architecture: str | None = None):
         super().__init__(architecture)
         self.delay = _positive_int("delay", delay)
         self.period = _positive_int("period", period)

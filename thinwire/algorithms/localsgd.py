@@ -36,6 +36,7 @@ class LocalSGD(BSP):
     architectures = ("allreduce",)
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
     checks_finite = False
+    exchanges_gradients = False   # model deltas
 
     def __init__(self, period: int = 4, average_momentum: bool = False, architecture: str | None = None):
         super().__init__(architecture)

@@ -183,6 +183,7 @@ class PSBSP(PSMixin, Algorithm):
 
     name = "bsp"
     checks_finite = True      # each bucket is checked (Exchange._check_finite) before it is pushed
+    exchanges_gradients = True
 
     def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
                  downlink_params: dict | None = None):

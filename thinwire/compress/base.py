@@ -149,6 +149,7 @@ class Compressor:
     aggregation: ClassVar[str] = "allreduce"
     fixed_size: ClassVar[bool] = False
     pick_by_bytes: ClassVar[bool] = False   # (linear) the exchange may all-gather or all-reduce, whichever is smaller
+    takes_momentum: ClassVar[bool] = False  # applies the training's momentum itself (see `Memory`: signum)
 
     def compress(self, tensor: torch.Tensor, key: Any = None, step: int = 0, agreed=None) -> Payload:
         raise NotImplementedError
@@ -179,6 +180,11 @@ class Compressor:
             out += self.decompress(p)
         return out
 
+    def vote(self, payloads: list[Payload]) -> torch.Tensor:
+        """("majority" only) what the exchange returns from the ranks' payloads: the element-wise sign of
+        `aggregate` (a compressor whose signs carry a scale multiplies it back, e.g. signsgd)."""
+        return torch.sign(self.aggregate(payloads))
+
     def nominal_bits(self, numel: int) -> float:
         """Bits per element of the payload as `compress` makes it (what an all-gather carries)."""
         return 32.0
@@ -206,9 +212,27 @@ class Compressor:
 
 
 class Memory:
-    """Error feedback and its variants: `compensate` before compression, `update` after."""
+    """Error feedback and its variants: `compensate` before compression, `update` after.
+
+    Momentum. A memory (or compressor) with `takes_momentum = True` can apply the training's heavy-ball
+    momentum itself, before compression — DGC's momentum correction (Lin et al. 2018, §3.2 eq. 4), EF-SGDM
+    (Zheng, Huang, Kwok 2019, Alg. 1: m = μ m + g, p = m + e, Δ = C(p), e = p − Δ) —, which is how error
+    feedback and momentum combine: momentum applied after a biased compressor (the optimizer's) multiplies the
+    compression error by 1/(1 − μ) and, for sign and 1-bit compressors, does not train at momentum 0.9. Its
+    `momentum` parameter left unset (None) takes the optimizer's: the Trainer hands the SGD momentum over where the
+    algorithm's exchange carries the gradients the optimizer applies (`Algorithm.exchanges_gradients`) and runs
+    the optimizer without momentum (`hand_over_momentum`); elsewhere it is `default_momentum`. A memory with
+    `replaces_momentum = True` (DeMo's decoupled momentum, SparseLoCo's decayed error feedback) is itself the
+    momentum: there the optimizer's is set to 0, and an explicit `--momentum` is refused."""
 
     name: ClassVar[str] = ""
+    takes_momentum: ClassVar[bool] = False
+    replaces_momentum: ClassVar[bool] = False  # its own decayed accumulator stands in for the optimizer's momentum
+    default_momentum: ClassVar[float] = 0.0
+    momentum: float | None = 0.0
+
+    def momentum_or_default(self) -> float:
+        return self.default_momentum if self.momentum is None else self.momentum
 
     def setup(self, world_size: int) -> None:
         """Called by the exchange with the number of ranks (DGC's local clipping threshold needs it)."""

@@ -24,7 +24,8 @@ IDCT(q), which is what the memory subtracts. `sign=true` is for exchanged gradie
 models or pseudo-gradients are averaged (localsgd, dts, diloco) keep `sign=false`, and a parameter server averages
 the decompressed contributions whatever the flag. The paper scales g by η inside the momentum; here the optimizer's
 lr scales the step instead (the same update under `sign=True` at a constant lr).
-Use it with an optimizer without momentum (`--momentum 0`): the momentum lives in the memory.
+The momentum lives in the memory: where gradients are exchanged the Trainer runs the optimizer without momentum
+(`replaces_momentum`; an explicit `--momentum` other than 0 is refused).
 """
 from __future__ import annotations
 
@@ -117,6 +118,8 @@ class DeMo(Compressor):
 @memories.register("demo")
 class DeMoMemory(Residual):
     """DeMo's decoupled momentum: m ← β m + g before compression, m ← m − sent after (error feedback with decay)."""
+
+    replaces_momentum = True   # beta is its own decay; the optimizer runs without momentum (Trainer)
 
     def __init__(self, beta: float = 0.999):
         if not 0 <= beta < 1:

@@ -82,15 +82,21 @@ class DGCMemory(Memory):
         v ← v + u                                    error accumulation; v is what gets compressed
     and after compression, with `sent` the coordinates that left:
         v ← v − sent;  u ← u ⊙ ¬mask(sent)           clear what was sent; momentum factor masking
-    The momentum is inside the memory, so the optimizer must run WITHOUT momentum (`--momentum 0`).
+    The momentum is inside the memory, so the optimizer runs WITHOUT momentum: `momentum` unset takes the
+    optimizer's (the Trainer hands it over where gradients are exchanged and zeroes the optimizer's; elsewhere 0.9,
+    the paper's); set explicitly, the optimizer's must be 0 (`Memory` in compress/base.py).
     """
 
-    def __init__(self, momentum: float = 0.9, clip_norm: float = 0.0):
-        if not 0 <= momentum < 1:
-            raise UserError(f"dgc memory momentum must be in [0, 1), got {momentum}")
+    takes_momentum = True
+    default_momentum = 0.9
+
+    def __init__(self, momentum: float | None = None, clip_norm: float = 0.0):
+        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+            raise UserError(f"dgc memory momentum must be in [0, 1) (or unset: the optimizer's), got {momentum}")
         if not clip_norm >= 0:
             raise UserError(f"clip_norm must be >= 0 (0 = no clipping), got {clip_norm}")
-        self.momentum, self.clip_norm = float(momentum), float(clip_norm)
+        self.momentum = None if momentum is None else float(momentum)
+        self.clip_norm = float(clip_norm)
         self.world_size = 1
         self.u: dict = {}
         self.v: dict = {}
@@ -108,7 +114,7 @@ class DGCMemory(Memory):
         u, v = self.u.get(key), self.v.get(key)
         if u is None or u.shape != g.shape or u.dtype != g.dtype:      # new key, or the bucketing changed
             u, v = torch.zeros_like(g), torch.zeros_like(g)
-        u = u.mul(self.momentum).add_(g)                                # u ← m u + g
+        u = u.mul(self.momentum_or_default()).add_(g)                   # u ← m u + g
         v = v.add(u)                                                    # v ← v + u
         self.u[key], self.v[key] = u, v
         return v

@@ -4,7 +4,9 @@ optimizer applies the learning rate. The exchange sees gradient units: `compensa
 stores e = lr (p_t / lr - D(C(p_t / lr))), which equals p_t - Delta_t for scale-equivariant compressors (all sign
 and norm-scaled ones). Keeping e in update units is what differs from `residual` when lr changes (schedules):
 pass `ef_lr` = the optimizer's learning rate (a separate name: `--lr` is the optimizer's own flag) and, under a
-schedule, set `memory.lr` before each step. Invariant: lr * sum(sent) + e_final = lr * sum(g) for a constant lr."""
+schedule, set `memory.lr` before each step. Invariant: lr * sum(sent) + e_final = lr * sum(g) for a constant lr.
+`momentum` as `residual`'s: heavy-ball momentum before compression, unset = the optimizer's where gradients are
+exchanged (handed over by the Trainer)."""
 from __future__ import annotations
 
 from ..errors import UserError
@@ -14,13 +16,26 @@ from .base import Memory
 
 @memories.register("efsignsgd")
 class LRScaledResidual(Memory):
-    def __init__(self, ef_lr: float = 0.1):
+    takes_momentum = True
+
+    def __init__(self, ef_lr: float = 0.1, momentum: float | None = None):
         if not ef_lr > 0:
             raise UserError(f"efsignsgd memory: ef_lr (the optimizer's learning rate) must be > 0, got {ef_lr}")
+        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+            raise UserError(f"efsignsgd memory: momentum must be in [0, 1) (or unset: the optimizer's), "
+                            f"got {momentum!r}")
         self.lr = float(ef_lr)
+        self.momentum = None if momentum is None else float(momentum)
         self.errors: dict = {}
+        self.momenta: dict = {}
 
     def compensate(self, tensor, key):
+        mu = self.momentum_or_default()
+        if mu > 0:                    # momentum before compression, as `residual` (EF-SGDM, Zheng et al. 2019 Alg. 1)
+            u = self.momenta.get(key)
+            u = tensor.clone() if u is None or u.shape != tensor.shape else u.mul_(mu).add_(tensor)
+            self.momenta[key] = u
+            tensor = u.clone()
         e = self.errors.get(key)
         if e is None or e.shape != tensor.shape:
             return tensor
@@ -31,8 +46,9 @@ class LRScaledResidual(Memory):
         self.errors[key] = (tensor - sent.to(tensor.dtype).view(tensor.shape)).mul_(self.lr)
 
     def state_dict(self):
-        return {"lr": self.lr, "errors": dict(self.errors)}
+        return {"lr": self.lr, "errors": dict(self.errors), "momenta": dict(self.momenta)}
 
     def load_state_dict(self, state):
         self.lr = state.get("lr", self.lr)
         self.errors = dict(state.get("errors", {}))
+        self.momenta = dict(state.get("momenta", {}))

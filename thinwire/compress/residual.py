@@ -1,7 +1,13 @@
 """`residual`: error feedback (seed 002 §2.3 / catalog §1.3 and §10.3, Stich et al. [22]; the beta, gamma form of
 GRACE's ResidualMemory): c = beta e + gamma g is compressed, and e <- c - D(C(c)) keeps what was not sent.
 With beta = gamma = 1: sum of what was sent + the final residual = sum of the inputs (nothing is lost, only delayed).
-State is per key (parameter, bucket or whole model); a key whose shape changes starts again from a zero residual."""
+State is per key (parameter, bucket or whole model); a key whose shape changes starts again from a zero residual.
+
+`momentum` μ > 0 applies heavy-ball momentum before compression, EF-SGDM (Zheng, Huang, Kwok 2019, "Communication-
+Efficient Distributed Blockwise Momentum SGD with Error-Feedback", Alg. 1 with its η moved to the optimizer):
+u ← μ u + g, c = β e + γ u. Unset (None) it takes the optimizer's momentum where the exchange carries gradients
+(the Trainer hands it over and runs the optimizer without momentum; `Memory` in compress/base.py), else 0. With
+momentum after a biased compressor instead (the optimizer's), sign and 1-bit compressors do not train at 0.9."""
 from __future__ import annotations
 
 from ..errors import UserError
@@ -11,13 +17,29 @@ from .base import Memory
 
 @memories.register("residual")
 class Residual(Memory):
-    def __init__(self, beta: float = 1.0, gamma: float = 1.0):
+    takes_momentum = True
+
+    def __init__(self, beta: float = 1.0, gamma: float = 1.0, momentum: float | None = None):
         if not (beta >= 0 and gamma > 0):
             raise UserError(f"residual: beta must be >= 0 and gamma > 0, got beta={beta}, gamma={gamma}")
+        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+            raise UserError(f"{self.name or 'residual'}: momentum must be in [0, 1) (or unset: the optimizer's), "
+                            f"got {momentum!r}")
         self.beta, self.gamma = float(beta), float(gamma)
+        self.momentum = None if momentum is None else float(momentum)
         self.residuals: dict = {}
+        self.momenta: dict = {}
 
     def compensate(self, tensor, key):
+        mu = self.momentum_or_default()
+        if mu > 0:                                   # EF-SGDM, Zheng et al. 2019 Alg. 1: u ← μ u + g
+            u = self.momenta.get(key)
+            if u is None or u.shape != tensor.shape or u.dtype != tensor.dtype:
+                u = tensor.clone()
+            else:
+                u = u.mul_(mu).add_(tensor)
+            self.momenta[key] = u
+            tensor = u.clone()
         e = self.residuals.get(key)
         if e is None or e.shape != tensor.shape:
             return tensor * self.gamma if self.gamma != 1.0 else tensor
@@ -29,7 +51,8 @@ class Residual(Memory):
         self.residuals[key] = tensor - sent.to(tensor.dtype).view(tensor.shape)
 
     def state_dict(self):
-        return {"residuals": dict(self.residuals)}
+        return {"residuals": dict(self.residuals), "momenta": dict(self.momenta)}
 
     def load_state_dict(self, state):
         self.residuals = dict(state.get("residuals", {}))
+        self.momenta = dict(state.get("momenta", {}))

@@ -1,37 +1,52 @@
-"""`signum`: the sign of a momentum kept per tensor (seed 002 §5.1, Signum [56]: m_t = beta m_{t-1} + (1 - beta) g_t,
-send sign(m_t)), combined by majority vote. Use it with plain SGD (no optimizer momentum): the momentum is here."""
+"""`signum`: the sign of a momentum kept per tensor (seed 002 §5.1, Signum [56]: send sign(m_t)), combined by
+majority vote and scaled as `signsgd` is (the ranks' mean ‖m‖₁/d).
+
+The momentum is heavy ball's, m_t = β m_{t−1} + g_t. Signum prints the dampened m_t = β m_{t−1} + (1 − β) g_t; the
+sign is the same for both, and only the scale differs: the undampened one makes a step lr·(‖m‖₁/d)·sign(m) as large
+as heavy-ball SGD's lr·m, so the optimizer's learning rate keeps its meaning. The compressor takes the training's
+momentum (`Memory` in compress/base.py, "Momentum"): `beta` unset is the optimizer's momentum, handed over by the
+Trainer where gradients are exchanged (the optimizer then runs without momentum), else 0.9."""
 from __future__ import annotations
 
 import torch
 
 from ..errors import UserError
 from . import compressors
-from .base import Payload
 from .finite import check_tensor
-from .signsgd import SignSGD, sign_bits
+from .signsgd import SignSGD
 
 
 @compressors.register("signum")
 class Signum(SignSGD):
-    """Packed sign bits of the momentum; `decompress` gives +-1."""
+    """Packed sign bits of the momentum (and its scale); `decompress` gives scale·(±1)."""
 
     name = "signum"
+    takes_momentum = True
+    default_momentum = 0.9
 
-    def __init__(self, beta: float = 0.9):
-        if not 0.0 <= beta < 1.0:
-            raise UserError(f"signum: beta must be in [0, 1), got {beta}")
-        self.beta = float(beta)
+    def __init__(self, beta: float | None = None, scale: bool = True):
+        if beta is not None and not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
+            raise UserError(f"signum: beta must be in [0, 1) (or unset: the optimizer's momentum), got {beta}")
+        super().__init__(scale)
+        self.momentum = None if beta is None else float(beta)
         self.momenta: dict = {}
+
+    @property
+    def beta(self) -> float:
+        return self.default_momentum if self.momentum is None else self.momentum
+
+    def momentum_or_default(self) -> float:
+        return self.beta
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         check_tensor(flat, self.name, key)
         m = self.momenta.get(key)
         if m is None or m.shape != flat.shape:
-            m = self.momenta[key] = flat.to(torch.float32) * (1.0 - self.beta)
+            m = self.momenta[key] = flat.to(torch.float32).clone()
         else:
-            m.lerp_(flat.to(torch.float32), 1.0 - self.beta)   # beta m + (1 - beta) g in one pass
-        return Payload([sign_bits(m)], ctx=(tensor.shape, tensor.dtype, flat.numel()))
+            m.mul_(self.beta).add_(flat.to(torch.float32))        # m ← β m + g
+        return self.payload(m, tensor.shape, tensor.dtype, key)
 
     def state_dict(self):
         return {"momenta": dict(self.momenta)}

@@ -95,6 +95,8 @@ class SparseLoCo(Compressor):
 class SparseLoCoMemory(Residual):
     """SparseLoCo's error feedback with decay: e ← β e + Δ before compression, e ← e − sent after."""
 
+    replaces_momentum = True   # beta is its own decay; the optimizer runs without momentum (Trainer)
+
     def __init__(self, beta: float = 0.95):
         if not 0 <= beta < 1:
             raise UserError(f"sparseloco memory: beta (the error-feedback decay) must be in [0, 1), got {beta}")

@@ -249,8 +249,7 @@ class Exchange:
         def finish(blocks):
             with tr.tracer.span("decompress", "compress"):
                 payloads = [Payload(ts, payload.ctx, payload.extra) for ts in wire.unpack_all(blocks)]
-                total = comp.aggregate(payloads)
-                out = torch.sign(total) if majority else total / n
+                out = comp.vote(payloads) if majority else comp.aggregate(payloads) / n
                 return out.to(x.dtype).reshape(x.shape)
         return fut.then(finish)
 

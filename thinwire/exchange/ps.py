@@ -388,9 +388,10 @@ class PSServer:
         total = None
         for c in sorted(codecs):
             comp = self.codecs[c]
-            agg = comp.aggregate([p for cc, p, _ in items if cc == c]).reshape(-1)
+            mine = [p for cc, p, _ in items if cc == c]
             if comp.aggregation == "majority" and len(codecs) == 1:
-                return torch.sign(agg)
+                return comp.vote(mine).reshape(-1)
+            agg = comp.aggregate(mine).reshape(-1)
             total = agg if total is None else total + agg
         return total / len(items)
 

@@ -252,9 +252,9 @@ class Harness:
         results["cells"] = [r for r in results["cells"] if r.get("status") == "ok"]
         bar = None
         if progress and not os.environ.get("THINWIRE_NO_PROGRESS"):
-            from tqdm import tqdm
-            bar = tqdm(total=len(todo) + 1, desc="compare", unit="cell", file=sys.stderr, dynamic_ncols=True,
-                       initial=len(done) + (1 if results.get("baseline") else 0))
+            from .loop import progress_bar
+            bar = progress_bar(total=len(todo) + 1, desc="compare", unit="cell",
+                               initial=len(done) + (1 if results.get("baseline") else 0))
         write = lambda: _atomic_write(os.path.join(self.out, RESULTS), json.dumps(results, indent=1) + "\n")
         try:
             if not results.get("baseline"):

@@ -192,8 +192,13 @@ class TrainConfig:
             check_number("--lr", self.lr, 0, MAX_LR, low_open=True, why=f" (plain SGD diverges far below {MAX_LR:g})")
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
-        from ..trainer import build_components
-        build_components(self.algorithm, self.compressor, self.memory, **self.component_params())  # before launch
+        from ..trainer import build_components, check_momentum
+        alg, comp, mem, _, _ = build_components(self.algorithm, self.compressor, self.memory,
+                                                **self.component_params())  # before launch
+        name, settings = workloads.get(self.workload).optimizer_settings(self.optimizer)
+        if name == "sgd":
+            check_momentum(alg, comp, mem, settings["momentum"] if self.momentum is None else self.momentum,
+                           explicit=self.momentum is not None)
         return self
 
     def _check_race(self) -> None:
