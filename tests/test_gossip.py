@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_localsgd_gossip import _train
 
-from thinwire import algorithms
+from thinwire import algorithms, compressors, memories
 from thinwire.comm.topology import Topology, mixing_gap
 from thinwire.errors import UserError
 
@@ -264,3 +264,19 @@ def test_localsgd_on_gossip(pool4):
     afters = [r["gossip ring H=3"][1] for r in results]
     assert not close(befores[0], befores[1])                  # a ring mixes, it does not average exactly
     assert all(torch.equal(afters[0], a) for a in afters[1:])  # close() averages
+
+
+def test_choco_scales_an_unbiased_compressor_to_a_contraction(pool4):
+    """Issue 17 (the matrix): CHOCO with qsgd or random-k (unbiased, variance ω > 1) ran to NaN by step ~70: the
+    paper's Assumption 1 wants a contraction, so an unbiased Q is rescaled by 1/(1 + ω); a contractive one is not;
+    a compressor with momentum of its own (signum) applies none to model differences."""
+    from thinwire.run.train import TrainConfig, run_training
+    choco = algorithms.get("choco")
+    qsgd = compressors.get("qsgd")
+    assert 0 < choco.check_components(qsgd, memories.get("none")) < 0.5          # 1/(1 + ω), ω ≈ 1.5
+    assert choco.check_components(compressors.get("topk"), memories.get("none")) == 1.0
+    for comp in ("qsgd", "signum"):
+        cfg = TrainConfig(workload="digits-mlp", algorithm="choco", compressor=comp, workers=4, epochs=12,
+                          progress=False)
+        s = run_training(cfg, pool=pool4)
+        assert s["final_accuracy"] >= 0.9, (comp, s["final_accuracy"])

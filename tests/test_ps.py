@@ -154,7 +154,8 @@ def test_unbiased_downlink_is_scaled_to_a_contraction(k1):
     """qsgd's E‖Q(v) − v‖² ≈ 1.5‖v‖²: unscaled, the server's residual grew without bound (issue 17: loss 1.6 →
     1.5e6); scaled by 1/(1 + ω) the residual r ← r − s·Q(r) shrinks, and bsp with a qsgd downlink descends."""
     from thinwire.compress import compressors
-    from thinwire.exchange.ps import contraction, downlink_scale
+    from thinwire.compress.base import contraction
+    from thinwire.exchange.ps import downlink_scale
     q = compressors.get("qsgd")
     omega = contraction(q)
     assert omega > 1.0 and downlink_scale(q) == pytest.approx(1.0 / (1.0 + omega))

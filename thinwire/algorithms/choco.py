@@ -5,8 +5,12 @@ from what crossed the wire only. With a compressor Q (biased ones such as top-k 
 E‖Q(x) - x‖² ≤ (1 - ω)‖x‖²) and consensus step size γ (`gamma`):
     x_i^{t+1/2} = x_i^t - η ∇F_i(x_i^t; ξ)                          (the optimizer step)
     q_i^t = Q(x_i^{t+1/2} - x̂_i^t);  send q_i^t to the neighbours
-    x̂_j^{t+1} = x̂_j^t + q_j^t   for j ∈ N_i ∪ {i}
+    x̂_j^{t+1} = x̂_j^t + s q_j^t   for j ∈ N_i ∪ {i}
     x_i^{t+1} = x_i^{t+1/2} + γ Σ_j w_ij (x̂_j^{t+1} - x̂_i^{t+1})
+s makes Q a contraction (the paper's Assumption 1): 1 for a contractive biased Q (top-k, sign with its scale), and
+1/(1 + ω) for an unbiased Q of variance ω (qsgd, random-k with its 1/ratio scale), as the paper rescales unbiased
+operators; without it qsgd and random-k diverged (NaN by step 70 of the matrix, issue 17). A biased Q that is not
+contractive is refused (`compress.base.contractive_scale`).
 The copies x̂ start at the common initial model (every worker starts from rank 0's). The x̂ are CHOCO's own error
 feedback, so it takes no memory. Per bucket, during backward: the bucket's optimizer step, then q of the bucket
 goes to the neighbours through the `NeighborExchange` (any payload compressor, the one wire format, sizes first
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compress.base import contractive_scale
 from ..errors import UserError
 from . import register
 from ._gossip import Gossip
@@ -46,9 +51,11 @@ class CHOCO(Gossip):
         if getattr(mem, "name", "none") != "none":
             raise UserError(f"choco's public copies are its error feedback: drop --memory {mem.name} "
                             "(valid: none)")
+        return contractive_scale(comp, "choco: compressor", "the public copies would drift from the models",
+                                 lambda c: c.aggregation != "custom")
 
     def setup(self):
-        self.check_components(self.compressor, self.memory)
+        self.q_scale = self.check_components(self.compressor, self.memory)
         super().setup()
 
     def gossip_setup(self):
@@ -70,6 +77,8 @@ class CHOCO(Gossip):
         with torch.no_grad():
             for bucket in self.scheduler.buckets:
                 q = self.received(bucket)
+                if self.q_scale != 1.0:
+                    q = {j: v * self.q_scale for j, v in q.items()}
                 hat_self = bucket.flat([self.hat_self[k] for k in bucket.members]).add_(q[i])
                 correction = torch.zeros_like(hat_self)
                 for j in sorted(self.peers):
@@ -87,7 +96,7 @@ class CHOCO(Gossip):
             copies[k].copy_(v)
 
     def metrics(self):
-        return {**super().metrics(), "gamma": self.gamma}
+        return {**super().metrics(), "gamma": self.gamma, "q_scale": self.q_scale}
 
     def state_dict(self):
         return {**super().state_dict(), "hat_self": [h.clone() for h in self.hat_self],

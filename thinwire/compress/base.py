@@ -46,6 +46,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..errors import UserError
+
 
 GLOO_SUM_WIDEN = {torch.int16: torch.int32, torch.bool: torch.uint8}   # gloo's all-reduce has no int16 / bool sum
 PICKABLE = ("allreduce", "allgather")
@@ -252,3 +254,35 @@ class Memory:
     def rekey(self, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> None:
         """The buckets changed (see `regroup`): carry per-bucket state over to the new keys."""
         self.load_state_dict(regroup(self.state_dict(), old, new))
+
+
+def contraction(compressor: "Compressor", numel: int = 4096, trials: int = 3) -> float:
+    """E‖C(v) − v‖² / ‖v‖² on Gaussian probes, measured on a copy of `compressor` (its own state is untouched)."""
+    import copy
+    probe = copy.deepcopy(compressor)
+    gen = torch.Generator().manual_seed(0)
+    ratios = []
+    for t in range(trials):
+        v = torch.randn(numel, generator=gen, device="cpu")   # probes at construction, on the host
+        out = probe.decompress(probe.compress(v, key=("probe", t), step=t)).reshape(-1).to(v.dtype)
+        ratios.append(float((out - v).pow(2).sum() / v.pow(2).sum()))  # host: once, at construction
+    return sum(ratios) / trials
+
+
+def contractive_scale(compressor: "Compressor", role: str, why: str, usable=lambda c: True) -> float:
+    """The factor s that makes s·C a contraction, E‖s·C(v) − v‖² < ‖v‖², which error feedback on the sender's side
+    (a PS downlink, CHOCO's public copies) needs to converge (Stich & Karimireddy 2019, "The error-feedback
+    framework"; Koloskova et al. 2019, CHOCO-SGD, Assumption 1 and its remark on rescaled unbiased operators):
+    1/(1 + ω) for an unbiased compressor of variance ω = E‖C(v) − v‖²/‖v‖² (ibid., Remark 6), 1 for a contractive
+    biased one; a biased compressor that is not contractive is a UserError naming the ones that work (`usable`
+    filters them further)."""
+    ratio = contraction(compressor)
+    if compressor.unbiased:
+        return 1.0 / (1.0 + ratio)
+    if ratio < 1.0:
+        return 1.0
+    from . import compressors
+    valid = [n for n in compressors.names() if n != "none" and usable(compressors.get(n))
+             and (compressors.get(n).unbiased or contraction(compressors.get(n)) < 1.0)]
+    raise UserError(f"{role} {compressor.name!r} is biased and not contractive (E|C(v) - v|^2 / |v|^2 = {ratio:.2f} "
+                    f">= 1), so {why}; valid: {', '.join(valid)}")

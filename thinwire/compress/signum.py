@@ -5,7 +5,8 @@ The momentum is heavy ball's, m_t = β m_{t−1} + g_t. Signum prints the dampen
 sign is the same for both, and only the scale differs: the undampened one makes a step lr·(‖m‖₁/d)·sign(m) as large
 as heavy-ball SGD's lr·m, so the optimizer's learning rate keeps its meaning. The compressor takes the training's
 momentum (`Memory` in compress/base.py, "Momentum"): `beta` unset is the optimizer's momentum, handed over by the
-Trainer where gradients are exchanged (the optimizer then runs without momentum), else 0.9."""
+Trainer where gradients are exchanged (the optimizer then runs without momentum), else 0: a momentum of model
+differences (CHOCO's x − x̂) or on top of an algorithm's own momentum diverged (NaN at step 242 under choco)."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ class Signum(SignSGD):
 
     name = "signum"
     takes_momentum = True
-    default_momentum = 0.9
+    default_momentum = 0.0    # not handed over: the algorithm exchanges model differences or applies its own
 
     def __init__(self, beta: float | None = None, scale: bool = True):
         if beta is not None and not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):

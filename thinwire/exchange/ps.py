@@ -31,7 +31,6 @@ which makes it a 1/(1 + ω)-contraction (ibid., Remark 6); a biased one that is 
 """
 from __future__ import annotations
 
-import copy
 import threading
 from collections import Counter, deque
 from typing import Any, Callable
@@ -40,13 +39,13 @@ import torch
 
 from ..comm.engine import Future
 from ..comm.ps import DONE, PUSH, PUSH_TAGS, REPLY, REPLY_TAGS, Header, Mailbox, PSLayout, ServerLoop, send
-from ..compress import Compressor, Payload, compressors
+from ..compress import Compressor, Payload
+from ..compress.base import contractive_scale
 from ..errors import UserError
 from . import wire
 from .exchange import Exchange
 
 DROPPED = -1       # a reply's aux: the push was dropped (a backup round finished without it)
-_PROBE = 4096
 
 
 def check_uplink(compressor: Compressor) -> None:
@@ -56,37 +55,13 @@ def check_uplink(compressor: Compressor) -> None:
                         f"e.g. none, fp16, topk, qsgd, signsgd)")
 
 
-def contraction(compressor: Compressor, numel: int = _PROBE, trials: int = 3) -> float:
-    """E‖C(v) − v‖² / ‖v‖² on Gaussian probes, measured on a copy of `compressor` (its own state is untouched)."""
-    probe = copy.deepcopy(compressor)
-    gen = torch.Generator().manual_seed(0)
-    ratios = []
-    for t in range(trials):
-        v = torch.randn(numel, generator=gen, device="cpu")   # probes at construction, on the host
-        out = probe.decompress(probe.compress(v, key=("probe", t), step=t)).reshape(-1).to(v.dtype)
-        ratios.append(float((out - v).pow(2).sum() / v.pow(2).sum()))
-    return sum(ratios) / trials
-
-
 def downlink_scale(compressor: Compressor) -> float:
     """The factor a compressed downlink applies to C(x - x̂) so that server-side error feedback converges (see the
-    module docstring): 1/(1 + ω) for an unbiased compressor, 1 for a contractive biased one; else a UserError
-    naming the compressors that work."""
+    module docstring; `compress.base.contractive_scale`); a UserError naming the compressors that work."""
     check_uplink(compressor)
-    ratio = contraction(compressor)
-    if compressor.unbiased:
-        return 1.0 / (1.0 + ratio)
-    if ratio < 1.0:
-        return 1.0
-    valid = [n for n in compressors.names() if n != "none" and _works_downlink(n)]
-    raise UserError(f"downlink compressor {compressor.name!r} is biased and not contractive (E|C(v) - v|^2 / |v|^2 "
-                    f"= {ratio:.2f} >= 1), so the server-side error feedback would grow without bound; valid "
-                    f"downlink compressors: {', '.join(valid)}")
-
-
-def _works_downlink(name: str) -> bool:
-    c = compressors.get(name)
-    return c.aggregation != "custom" and (c.unbiased or contraction(c) < 1.0)
+    return contractive_scale(compressor, "downlink compressor",
+                             "the server-side error feedback would grow without bound",
+                             lambda c: c.aggregation != "custom")
 
 
 def _key(bucket_key: Any, k: int, down: bool = False):
