@@ -274,7 +274,9 @@ def test_choco_scales_an_unbiased_compressor_to_a_contraction(pool4):
     choco = algorithms.get("choco")
     qsgd = compressors.get("qsgd")
     assert 0 < choco.check_components(qsgd, memories.get("none")) < 0.5          # 1/(1 + ω), ω ≈ 1.5
+    choco = algorithms.get("choco")
     assert choco.check_components(compressors.get("topk"), memories.get("none")) == 1.0
+    assert 0.05 < choco.gamma < 0.15          # "auto": min(0.5, δ), top-k 1 % has δ ≈ 0.08
     for comp in ("qsgd", "signum"):
         cfg = TrainConfig(workload="digits-mlp", algorithm="choco", compressor=comp, workers=4, epochs=12,
                           progress=False)

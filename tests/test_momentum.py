@@ -86,3 +86,14 @@ def test_momentum_given_twice_is_refused_before_launch():
         TrainConfig(**base, compressor="demo", memory="demo", momentum=0.9).validate()
     TrainConfig(**base, compressor="demo", memory="demo").validate()                       # the workload's: zeroed
     TrainConfig(**base, compressor="topk", memory="residual", params={"momentum": 0.9}, momentum=0.0).validate()
+
+
+def test_the_asynchronous_family_keeps_its_momentum_on_the_server():
+    """ssp/asp net the optimizer's momentum of asynchrony's own on the server (StalenessAware); handed to an
+    error-feedback memory as well it was applied on top of stale gradients (ssp + topk: 0.15 in the matrix)."""
+    from thinwire import algorithms, compressors, memories
+    from thinwire.trainer import momentum_taker
+    residual = memories.get("residual")
+    for name in ("ssp", "asp"):
+        assert momentum_taker(algorithms.get(name), compressors.get("topk"), residual) is None, name
+    assert momentum_taker(algorithms.get("bsp", architecture="ps"), compressors.get("topk"), residual) is residual

@@ -232,6 +232,9 @@ class StalenessAware:
     """
 
     SCALES = ("staleness", "mean", "full")
+    # the momentum stays with the server's optimizer, where it is net of asynchrony's own (below); handed to an
+    # error-feedback memory it applied 0.9 on top of the stale gradients: ssp + topk ended at 0.15 (issue 17 matrix)
+    exchanges_gradients = False
 
     def _staleness_init(self, scale: str, implicit_momentum: bool) -> None:
         if scale not in self.SCALES:

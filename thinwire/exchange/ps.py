@@ -27,7 +27,7 @@ both sides add scale·C(...) to x̂_w; the residual x - x̂_w stays at the serve
 feedback, two-sided as in DoubleSqueeze (Tang et al. 2019). It converges only with a contractive compressor,
 E‖C(v) − v‖² < ‖v‖² (Stich & Karimireddy 2019, "The error-feedback framework"): `downlink_scale` measures the
 ratio; an unbiased compressor of variance ω (E‖C(v) − v‖² = ω‖v‖², e.g. qsgd's 1.5) is scaled by 1/(1 + ω),
-which makes it a 1/(1 + ω)-contraction (ibid., Remark 6); a biased one that is not contractive is refused.
+which makes it a 1/(1 + ω)-contraction (ibid., Remark 6); a biased one by its least-squares factor E⟨C(v), v⟩/E‖C(v)‖².
 """
 from __future__ import annotations
 
@@ -57,11 +57,9 @@ def check_uplink(compressor: Compressor) -> None:
 
 def downlink_scale(compressor: Compressor) -> float:
     """The factor a compressed downlink applies to C(x - x̂) so that server-side error feedback converges (see the
-    module docstring; `compress.base.contractive_scale`); a UserError naming the compressors that work."""
+    module docstring; `compress.base.contractive_scale`)."""
     check_uplink(compressor)
-    return contractive_scale(compressor, "downlink compressor",
-                             "the server-side error feedback would grow without bound",
-                             lambda c: c.aggregation != "custom")
+    return contractive_scale(compressor, "downlink compressor", "the server-side error feedback would grow")
 
 
 def _key(bucket_key: Any, k: int, down: bool = False):
