@@ -80,6 +80,9 @@ class _TimedCompressor(Compressor):
     def aggregate(self, payloads):
         return self._timed(self.inner.aggregate, payloads)
 
+    def vote(self, payloads):   # (the base class's would drop signsgd's scale: BIT-SGD + signsgd ran to chance)
+        return self._timed(self.inner.vote, payloads)
+
     def agree(self, tensor, key=None, step=0):
         return self.inner.agree(tensor, key, step)
 
