@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compress.base import contraction, contractive_scale
+from ..compress.base import contractive_scale
 from ..errors import UserError
 from . import register
 from ._gossip import Gossip
@@ -54,9 +54,9 @@ class CHOCO(Gossip):
         if getattr(mem, "name", "none") != "none":
             raise UserError(f"choco's public copies are its error feedback: drop --memory {mem.name} "
                             "(valid: none)")
-        scale = contractive_scale(comp, "choco: compressor", "the public copies would drift from the models")
+        scale, ratio = contractive_scale(comp, "choco: compressor", "the public copies would drift from the models")
         if self.gamma == "auto":   # γ ∝ δ, the contraction of s·Q (Theorem 2); its constant is loose: the paper tunes γ
-            self.gamma = min(0.5, 1.0 - contraction(comp, scale))
+            self.gamma = min(0.5, 1.0 - ratio)
         return scale
 
     def setup(self):

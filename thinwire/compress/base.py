@@ -236,6 +236,20 @@ class Memory:
     def momentum_or_default(self) -> float:
         return self.default_momentum if self.momentum is None else self.momentum
 
+    def heavy_ball(self, tensor: torch.Tensor, key: Any) -> torch.Tensor:
+        """u ← μ u + g in `self.momenta[key]` (EF-SGDM, Zheng et al. 2019 Alg. 1), returned as a fresh tensor;
+        `tensor` itself where μ = 0. A key whose shape or dtype changed starts from u = g."""
+        mu = self.momentum_or_default()
+        if mu <= 0:
+            return tensor
+        u = self.momenta.get(key)
+        if u is None or u.shape != tensor.shape or u.dtype != tensor.dtype:
+            u = tensor.clone()
+        else:
+            u.mul_(mu).add_(tensor)
+        self.momenta[key] = u
+        return u.clone()
+
     def setup(self, world_size: int) -> None:
         """Called by the exchange with the number of ranks (DGC's local clipping threshold needs it)."""
 
@@ -281,27 +295,32 @@ def _probes(compressor: "Compressor", trials: int = 3, numel: int = 4096):
         yield v, probe.decompress(probe.compress(v, key=("probe", t), step=t)).reshape(-1).to(v.dtype)
 
 
+def _ratio(pairs, scale: float = 1.0) -> float:
+    return sum(float((out * scale - v).pow(2).sum() / v.pow(2).sum()) for v, out in pairs) / len(pairs)  # host: once
+
+
 def contraction(compressor: "Compressor", scale: float = 1.0) -> float:
     """E‖s·C(v) − v‖² / ‖v‖² on Gaussian probes (s = `scale`)."""
-    ratios = [float((out * scale - v).pow(2).sum() / v.pow(2).sum()) for v, out in _probes(compressor)]  # host: once
-    return sum(ratios) / len(ratios)
+    return _ratio(list(_probes(compressor)), scale)
 
 
-def contractive_scale(compressor: "Compressor", role: str, why: str) -> float:
-    """The factor s that makes s·C a contraction, E‖s·C(v) − v‖² < ‖v‖², which error feedback on the sender's side
-    (a PS downlink, CHOCO's public copies) needs to converge (Stich & Karimireddy 2019, "The error-feedback
-    framework"; Koloskova et al. 2019, CHOCO-SGD, Assumption 1 and its rescaled unbiased operators): 1/(1 + ω) for
-    an unbiased compressor of variance ω = E‖C(v) − v‖²/‖v‖² (ibid., Remark 6); for a biased one the least-squares
-    s = E⟨C(v), v⟩ / E‖C(v)‖², which is 1 for top-k and scaled signs and shrinks one near the edge (clipped
-    TernGrad measures 0.995 unscaled); a UserError where no scale helps (C(v) not correlated with v)."""
-    if compressor.unbiased:
-        return 1.0 / (1.0 + contraction(compressor))
+def contractive_scale(compressor: "Compressor", role: str, why: str) -> tuple[float, float]:
+    """(s, E‖s·C(v) − v‖²/‖v‖²) with s the factor that makes s·C a contraction, E‖s·C(v) − v‖² < ‖v‖², which error
+    feedback on the sender's side (a PS downlink, CHOCO's public copies) needs to converge (Stich & Karimireddy
+    2019, "The error-feedback framework"; Koloskova et al. 2019, CHOCO-SGD, Assumption 1 and its rescaled unbiased
+    operators): 1/(1 + ω) for an unbiased compressor of variance ω = E‖C(v) − v‖²/‖v‖² (ibid., Remark 6); for a
+    biased one the least-squares s = E⟨C(v), v⟩ / E‖C(v)‖², which is 1 for top-k and scaled signs and shrinks one
+    near the edge (clipped TernGrad measures 0.995 unscaled); a UserError where no scale helps (C(v) not
+    correlated with v). One set of probes serves every number."""
     pairs = list(_probes(compressor))
-    dot = sum(float(torch.dot(out, v)) for v, out in pairs)
-    norm = sum(float(torch.dot(out, out)) for _, out in pairs)
-    s = dot / norm if norm > 0 else 0.0
-    if s >= 0.99:           # contractive at 1 already (top-k's s is exactly 1, fp4's 0.997): keep it exact
-        s = 1.0
-    if s > 0 and contraction(compressor, s) < 1.0:
-        return s
+    if compressor.unbiased:
+        s = 1.0 / (1.0 + _ratio(pairs))
+    else:
+        norm = sum(float(torch.dot(out, out)) for _, out in pairs)
+        s = sum(float(torch.dot(out, v)) for v, out in pairs) / norm if norm > 0 else 0.0
+        if s >= 0.99:           # contractive at 1 already (top-k's s is exactly 1, fp4's 0.997): keep it exact
+            s = 1.0
+    ratio = _ratio(pairs, s) if s > 0 else 1.0
+    if ratio < 1.0:
+        return s, ratio
     raise UserError(f"{role} {compressor.name!r} does not correlate with its input (E<C(v), v> <= 0), so {why}")

@@ -30,12 +30,7 @@ class LRScaledResidual(Memory):
         self.momenta: dict = {}
 
     def compensate(self, tensor, key):
-        mu = self.momentum_or_default()
-        if mu > 0:                    # momentum before compression, as `residual` (EF-SGDM, Zheng et al. 2019 Alg. 1)
-            u = self.momenta.get(key)
-            u = tensor.clone() if u is None or u.shape != tensor.shape else u.mul_(mu).add_(tensor)
-            self.momenta[key] = u
-            tensor = u.clone()
+        tensor = self.heavy_ball(tensor, key)        # momentum before compression, as `residual`
         e = self.errors.get(key)
         if e is None or e.shape != tensor.shape:
             return tensor

@@ -31,15 +31,7 @@ class Residual(Memory):
         self.momenta: dict = {}
 
     def compensate(self, tensor, key):
-        mu = self.momentum_or_default()
-        if mu > 0:                                   # EF-SGDM, Zheng et al. 2019 Alg. 1: u ← μ u + g
-            u = self.momenta.get(key)
-            if u is None or u.shape != tensor.shape or u.dtype != tensor.dtype:
-                u = tensor.clone()
-            else:
-                u = u.mul_(mu).add_(tensor)
-            self.momenta[key] = u
-            tensor = u.clone()
+        tensor = self.heavy_ball(tensor, key)        # EF-SGDM: u ← μ u + g (μ = 0: g itself)
         e = self.residuals.get(key)
         if e is None or e.shape != tensor.shape:
             return tensor * self.gamma if self.gamma != 1.0 else tensor

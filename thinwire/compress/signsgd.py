@@ -68,7 +68,7 @@ class SignSGD(Compressor):
     def vote(self, payloads):
         """sign(Σ_ranks sign_r) · (1/R) Σ_r scale_r: the majority vote with the ranks' mean scale."""
         shape, dtype, n = payloads[0].ctx
-        total = signs(payloads[0].tensors[0], n).clone()
+        total = signs(payloads[0].tensors[0], n)           # a fresh tensor (a table lookup)
         for p in payloads[1:]:
             total += signs(p.tensors[0], n)
         total.sign_()

@@ -36,9 +36,6 @@ class Signum(SignSGD):
     def beta(self) -> float:
         return self.default_momentum if self.momentum is None else self.momentum
 
-    def momentum_or_default(self) -> float:
-        return self.beta
-
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         check_tensor(flat, self.name, key)

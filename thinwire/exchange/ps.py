@@ -59,7 +59,7 @@ def downlink_scale(compressor: Compressor) -> float:
     """The factor a compressed downlink applies to C(x - x̂) so that server-side error feedback converges (see the
     module docstring; `compress.base.contractive_scale`)."""
     check_uplink(compressor)
-    return contractive_scale(compressor, "downlink compressor", "the server-side error feedback would grow")
+    return contractive_scale(compressor, "downlink compressor", "the server-side error feedback would grow")[0]
 
 
 def _key(bucket_key: Any, k: int, down: bool = False):
