@@ -148,9 +148,12 @@ def _suite(rank, world):
     return r
 
 
-def _simulate(world, steps, warmup, k, eta_loc, compressed, local=True, flush=False, local_momentum=True):
+def _simulate(world, steps, warmup, k, eta_loc, compressed, local=True, flush=False, local_momentum=True,
+              momentum_first=False):
     """Seed 001 eqs. 10–11 (and Algorithm 1's warm-up) in one process, with the 2-bit quantizer + residual;
-    `local_momentum`: the local update also takes the known momentum step μ·(W_i − W_{i−1})."""
+    `local_momentum`: the local update also takes the known momentum step μ·(W_i − W_{i−1});
+    `momentum_first` (bitsgd): each worker's memory applies the momentum before the quantizer (EF-SGDM) and W
+    takes the plain step."""
     from thinwire.run import workloads
     wl = workloads.get("linreg")
     model = wl.model(0)
@@ -159,6 +162,7 @@ def _simulate(world, steps, warmup, k, eta_loc, compressed, local=True, flush=Fa
     wloc = [W.clone() for _ in range(world)]
     res = [torch.zeros_like(W) for _ in range(world)]
     buf, c, traj, W_prev = None, 0, [], W.clone()
+    u = [torch.zeros_like(W) for _ in range(world)]
 
     def grad(w, j):
         m = torch.nn.Linear(16, 1, bias=False).to(torch.float64)
@@ -171,6 +175,9 @@ def _simulate(world, steps, warmup, k, eta_loc, compressed, local=True, flush=Fa
     for i in range(steps):
         formal = i >= warmup
         gs = [grad(wloc[j] if (formal and local) else W, j) for j in range(world)]
+        if momentum_first:
+            u = [MOM * uj + g for uj, g in zip(u, gs)]
+            gs = u
         if formal and compressed and (k == 0 or c % k != 0):
             qs = []
             for j in range(world):
@@ -186,7 +193,7 @@ def _simulate(world, steps, warmup, k, eta_loc, compressed, local=True, flush=Fa
                 res = [torch.zeros_like(W) for _ in range(world)]
         known = MOM * (W - W_prev) if local_momentum else 0.0
         new_loc = [W - eta_loc * g + known for g in gs]                  # eq. 11 (+ the known momentum step)
-        buf = mean.clone() if buf is None else buf.mul_(MOM).add_(mean)
+        buf = mean.clone() if buf is None or momentum_first else buf.mul_(MOM).add_(mean)
         W_prev, W = W, W - LR * buf                                      # eq. 10 (+ momentum on W)
         if local and (formal or i == warmup - 1):
             wloc = new_loc                                               # eq. 11 / Algorithm 1 line 6
@@ -222,7 +229,8 @@ def test_updates_match_a_simulation_of_eqs_10_11(suite):
         r = suite[rank]
         assert close(r["cd_2bit"]["traj"], _simulate(4, 14, 3, 3, ETA_LOC, compressed=True))
         assert close(r["odsgd"]["traj"], _simulate(4, 14, 3, 1, ETA_LOC, compressed=False))
-        assert close(r["bitsgd"]["traj"], _simulate(4, 14, 0, 0, 0.0, compressed=True, local=False))
+        assert close(r["bitsgd"]["traj"], _simulate(4, 14, 0, 0, 0.0, compressed=True, local=False,
+                                                    momentum_first=True))
         assert close(r["ssgd"]["traj"], _simulate(4, 14, 0, 1, 0.0, compressed=False, local=False))
         # local_momentum=False: eq. 11 exactly as printed
         assert close(r["cd_plain"]["traj"], _simulate(4, 14, 3, 3, ETA_LOC, compressed=True, local_momentum=False))
@@ -297,15 +305,21 @@ def test_bad_input_is_a_user_error(pool4):
 
 def _overlapped_iterations(trace: dict, pid: int) -> tuple[list[bool], int]:
     """For each step of this worker but the last: did the next step's forward start before the step's
-    exchanges (one per bucket) ended (delivered on the emulated link)? And the number of forward spans."""
+    exchanges (one per bucket) ended (delivered on the emulated link)? And the number of forward spans.
+    An exchange belongs to the step whose backward handed its bucket over: the n-th collective issued is the n-th
+    bucket handed over (one collective per bucket exchange, issued in order), though on a loaded machine the
+    engine may issue it only after the next forward has begun."""
     evs = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == pid]
     emu = [e for e in evs if e["cat"] == "emulated"]
     fwd = sorted(e["ts"] for e in evs if e["cat"] in ("compute", "forward") and e["name"].startswith("forward"))
+    handed = sorted(e["ts"] for e in evs if e["cat"] == "compress" and e["name"].startswith("bucket"))
+    comms = sorted((e for e in evs if e["cat"] == "communicate"), key=lambda e: e["ts"])
+    assert len(comms) == len(handed), (len(comms), len(handed))
     ends = [[] for _ in fwd]
-    for c in (e for e in evs if e["cat"] == "communicate"):
+    for c, t in zip(comms, handed):
         end = c["ts"] + c["dur"]
         tail = [e["ts"] + e["dur"] for e in emu if e["name"].startswith(c["name"]) and abs(e["ts"] - end) < 2.0]
-        step = sum(1 for f in fwd if f <= c["ts"]) - 1       # the step whose forward came last before it
+        step = sum(1 for f in fwd if f <= t) - 1       # the step whose backward handed the bucket over
         if step >= 0:
             ends[step].append(max([end] + tail))
     return [bool(ends[j]) and fwd[j + 1] < max(ends[j]) for j in range(len(fwd) - 1)], len(fwd)
@@ -366,7 +380,7 @@ def test_parameter_server_matches_the_equations(pool4):
     assert res[3] == {}                                    # rank 3 served
     want = {"cd": _simulate(3, 14, 3, 3, ETA_LOC, compressed=True)[-1],
             "od": _simulate(3, 14, 3, 1, ETA_LOC, compressed=False)[-1],
-            "bit": _simulate(3, 14, 0, 0, 0.0, compressed=True, local=False)[-1]}
+            "bit": _simulate(3, 14, 0, 0, 0.0, compressed=True, local=False, momentum_first=True)[-1]}
     for rank in range(3):
         for name, w in want.items():
             got, metrics = res[rank][name]

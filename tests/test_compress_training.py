@@ -43,9 +43,10 @@ def test_countsketch_with_residual_trains(pool4):
     """Issue 17: countsketch + residual (its pairing) stopped with NonFiniteError near step 20 (the dense median
     estimate is not a contraction, so the residual grew). With heavy-hitter recovery (the exact values of the
     summed sketch's top-k, Sketched-SGD's second round) it trains: finite, well above chance (0.1), fewer bytes
-    than dense. It learns slowly on this 9.7 k-parameter model (a sketch of 10 % of the tensor cannot tell its
-    top 1 % apart: measured 0.62 after 66 steps with the momentum after the exchange, 0.24 with it in the memory,
-    EF-SGDM; docs/matrix.md), so the bound is the defect's: finite, above chance (0.1)."""
+    than dense. It learns slowly on this 9.7 k-parameter model (at the defaults of the time, ratio 0.1 and heavy
+    0.01, a sketch could not tell the top 1 % apart: 0.24 after 66 steps with EF-SGDM; the defaults are now 0.3
+    and 0.05, which reach the target in 330 steps, docs/matrix.md), so the bound is the defect's: finite, above
+    chance (0.1), and about 11 of 32 bits per element on the wire."""
     runs = {}
     for comp in ("none", "countsketch"):
         cfg = TrainConfig(workload="digits-mlp", algorithm="bsp", workers=4, compressor=comp,
@@ -53,4 +54,4 @@ def test_countsketch_with_residual_trains(pool4):
         runs[comp] = run_training(cfg, pool=pool4)
     s = runs["countsketch"]
     assert s["final_accuracy"] >= 0.2, s["final_accuracy"]
-    assert s["bytes_sent_per_worker"] < 0.25 * runs["none"]["bytes_sent_per_worker"]
+    assert s["bytes_sent_per_worker"] < 0.4 * runs["none"]["bytes_sent_per_worker"]

@@ -34,6 +34,19 @@ def hooks_worker(rank, world_size):
     out = {}
     plain = _ddp_grads(None, 0)
     out["none"] = [torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, _ddp_grads(tw.ddp_hook("none"), 0))]
+    # NaN in the bucket (on every rank, so that no rank waits for one that refused): the stateful hooks refuse to
+    # send it; the identity does not check (as DDP's own all-reduce), unless asked to (check_finite=True)
+    out["nan"] = {}
+    for name, args in (("none", ("none",)), ("none_checked", ("none",)), ("topk", ("topk", "residual"))):
+        state, hook = tw.ddp_hook(*args, **({"check_finite": True} if name == "none_checked" else {}))
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        model.register_comm_hook(state, hook)
+        x = torch.full((2, 4), float("nan"))
+        try:
+            model(x).sum().backward()
+            out["nan"][name] = "sent"
+        except Exception as e:  # noqa: BLE001 - DDP re-raises the hook's error
+            out["nan"][name] = "refused" if "non-finite" in str(e) else f"other: {e}"
     if "fp16" in tw.compressors.names():
         theirs = _ddp_grads((None, default_hooks.fp16_compress_hook), 0)
         ours = _ddp_grads(tw.ddp_hook("fp16"), 0)
@@ -52,6 +65,7 @@ def hooks_worker(rank, world_size):
 
 def test_hooks_match_pytorch_and_agree_across_ranks(pool2):
     res = pool2.run(hooks_worker)
+    assert res[0]["nan"] == {"none": "sent", "none_checked": "refused", "topk": "refused"}, res[0]["nan"]
     for r in res:
         assert all(r["none"])
         if "fp16" in r:

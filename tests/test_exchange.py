@@ -83,7 +83,7 @@ def semantics_worker(rank, world_size):
     # compensated values on the k coordinates picked from the summed sketch, zero elsewhere, and the residual
     # keeps the rest (bounded; before: the dense median estimate grew it to ~1e5·|g| within 5 steps)
     memory = tw.memories.get("residual")
-    ex = Exchange(Transport(), "countsketch", memory)
+    ex = Exchange(Transport(), tw.compressors.get("countsketch", ratio=0.1, heavy=0.01), memory)
     hh = []
     for step in range(8):
         gt = torch.randn(3000, generator=g) * torch.linspace(0.01, 1, 3000)

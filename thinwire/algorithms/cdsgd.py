@@ -27,7 +27,8 @@ This is exact for heavy-ball momentum at a constant lr, and an estimate with Nes
 its W^loc then trails W_{i+1} by the momentum step η·μ·b, which is ≈ 9 gradient steps at μ = 0.9 (see
 docs/benchmarks/cdsgd-accuracy.md).
 
-`bitsgd`, `odsgd` and `ssgd` (the paper's comparison set, eqs. 5, 4, 1) are this class with explicit options:
+`bitsgd`, `odsgd` and `ssgd` (the paper's comparison set, eqs. 5, 4, 1) are this class with explicit options
+(bitsgd, like bsp, takes the momentum before its quantizer: `BitSGD`):
 without the local update (`local_update=False`) the global weights are the model and the step is bsp's (wait for
 the averaged gradient, apply the optimizer), compressed (BIT-SGD) or not (S-SGD). Each measures the time model's
 inputs on its own run (τ compute, φ full-precision exchange, ψ compressed exchange, δ compression) and reports in
@@ -135,7 +136,7 @@ class CDSGD(BSP):
     architectures = ("allreduce",)
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
     compression = True
-    checks_finite = False
+    checks_finite = True          # every exchange checks its bucket before sending it (Exchange._check_finite)
     exchanges_gradients = False   # its own momentum update (eqs. 8-11) on the exchanged gradients
     default_compressor = "threshold2bit"
     default_memory = "residual"
@@ -336,7 +337,14 @@ class CDSGD(BSP):
 class BitSGD(CDSGD):
     """BIT-SGD (seed 001 eq. 5): synchronous SGD on 2-bit threshold-quantized gradients with residual:
     W_{i+1} = W_i − η·mean_j Q_j(g_{i,j}) with g_{i,j} = ∇L_j(W_i), every iteration waiting for its own
-    compressed exchange (T^bit = τ + δ + ψ)."""
+    compressed exchange (T^bit = τ + δ + ψ).
+
+    The paper runs plain SGD. With heavy-ball momentum, as for bsp, the Trainer hands it to the memory, which
+    applies it before the quantizer (EF-SGDM, `hand_over_momentum`): Q_j quantizes u_j ← μ u_j + g_{i,j} plus
+    the residual and the global step is W_{i+1} = W_i − η·mean_j Q_j(·). Momentum after the quantizer left
+    bitsgd at 0.09–0.29 with the sign and 2-bit compressors on digits-mlp (docs/matrix.md)."""
+
+    exchanges_gradients = True    # the optimizer applies the exchanged gradients: momentum goes before Q
 
     def __init__(self, architecture: str | None = None):
         super().__init__(architecture, k=0, warmup=0, local_update=False)
@@ -415,6 +423,8 @@ class PSCDSGD(PSMixin, CDSGD):
 @register("bitsgd", variant="ps")
 class PSBitSGD(PSCDSGD):
     """BIT-SGD on the parameter server (seed 001 eq. 5): every push compressed, every step waits for its answer."""
+
+    exchanges_gradients = True    # as on all-reduce (BitSGD)
 
     def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
                  downlink_params: dict | None = None):

@@ -80,6 +80,14 @@ class DTS(Algorithm):
         self.period = _positive_int("period", period)
 
     # -- wiring ----------------------------------------------------------------------------------------
+    def check_components(self, compressor, memory):
+        super().check_components(compressor, memory)
+        if getattr(compressor, "needs_momentum_first", False):
+            # measured (docs/matrix.md): dts/delayed/tsparse x signsgd, onebit, efsignsgd ended at 0.45-0.91
+            raise UserError(f"{self.name} compensates momentum SGD after the exchange, and {compressor.name!r} "
+                            "trains only with the momentum applied before the sign (EF-SGDM): use signum, topk, "
+                            f"qsgd or terngrad with {self.name}, or {compressor.name} with bsp, bitsgd or cdsgd")
+
     def setup(self):
         opt = self.optimizer
         if type(opt) is not torch.optim.SGD:
@@ -305,6 +313,14 @@ class Delayed(DTS):
 
     def __init__(self, delay: int = 4, architecture: str | None = None):
         super().__init__(delay=delay, period=1, architecture=architecture)
+
+    def check_components(self, compressor, memory):
+        super().check_components(compressor, memory)
+        if compressor.name == "signum":     # measured (docs/matrix.md): 0.93 (dts: 0.98, tsparse: 0.98)
+            raise UserError("delayed applies every step's average delay - 1 steps late, and signum here is a sign "
+                            "without its momentum (the algorithm applies the momentum after the exchange), which "
+                            "stayed below target: use signum with dts or tsparse, or topk, qsgd or terngrad with "
+                            "delayed")
 
 
 @register("tsparse")

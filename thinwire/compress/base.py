@@ -152,6 +152,10 @@ class Compressor:
     fixed_size: ClassVar[bool] = False
     pick_by_bytes: ClassVar[bool] = False   # (linear) the exchange may all-gather or all-reduce, whichever is smaller
     takes_momentum: ClassVar[bool] = False  # applies the training's momentum itself (see `Memory`: signum)
+    # a 1-bit (sign) quantizer that trains only with the momentum applied before it (EF-SGDM or signum's, the
+    # Trainer's hand-over), not after it (docs/matrix.md): algorithms that compensate momentum SGD after the exchange
+    # refuse it
+    needs_momentum_first: ClassVar[bool] = False
 
     def compress(self, tensor: torch.Tensor, key: Any = None, step: int = 0, agreed=None) -> Payload:
         raise NotImplementedError

@@ -18,6 +18,7 @@ class EFSignSGD(Compressor):
     randomness = "none"
     aggregation = "allgather"
     fixed_size = True         # the payload size depends only on the shape
+    needs_momentum_first = True
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)

@@ -18,6 +18,7 @@ class OneBit(Compressor):
     randomness = "none"
     aggregation = "allgather"
     fixed_size = True         # the payload size depends only on the shape
+    needs_momentum_first = True
 
     def __init__(self):
         self._mask = torch.empty(0, dtype=torch.bool, device="cpu")     # regrown on the gradient's device

@@ -40,6 +40,7 @@ class SignSGD(Compressor):
     randomness = "none"
     aggregation = "majority"
     fixed_size = True         # the payload size depends only on the shape
+    needs_momentum_first = True
 
     def __init__(self, scale: bool = True):
         if not isinstance(scale, bool):

@@ -23,6 +23,7 @@ class Signum(SignSGD):
 
     name = "signum"
     takes_momentum = True
+    needs_momentum_first = False      # without momentum it is a scaled majority sign (no error feedback to wind up)
     default_momentum = 0.0    # not handed over: the algorithm exchanges model differences or applies its own
 
     def __init__(self, beta: float | None = None, scale: bool = True):

@@ -10,6 +10,12 @@ process group, so bytes are metered (`state.meter`) and the emulated network app
 that completes when the exchange does: backward goes on while the bucket is on the wire, as with DDP's own
 all-reduce (the identity compressor all-reduces DDP's bucket in place, as DDP does).
 
+NaN/Inf: with `check_finite` unset, a bucket is checked before it is sent (`NonFiniteError`, which DDP raises when
+it waits for the bucket) wherever thinwire keeps state a non-finite value would poison (a compressor, a memory);
+the identity exchange keeps none and, like DDP's own all-reduce, does not check (the check is a pass over the
+bucket on the autograd thread before the all-reduce starts: 1.7 ms of a 55 ms step for the 5.8 M-parameter MLP
+of `thinwire bench overlap`). `check_finite=True` checks there too.
+
 DDP rebuilds its buckets after the first iteration (in the order gradients became ready). Per-bucket error
 feedback follows each parameter into its new bucket: the first time a bucket is seen, the memory's and the
 compressor's flat per-bucket state is assembled from the slices its parameters held in their old buckets
@@ -29,7 +35,7 @@ class HookState:
     """What the hook keeps between calls: its Exchange (built on first use, on DDP's process group)."""
 
     def __init__(self, compressor, memory, process_group=None, network=None, collective="auto",
-                 check_finite=True):
+                 check_finite: bool | None = None):
         self.compressor, self.memory = compressor, memory
         self.process_group, self.network = process_group, network
         self.collective, self.check_finite = collective, check_finite
@@ -60,8 +66,9 @@ class HookState:
         if self.exchange is None:
             from ..comm import Transport
             transport = Transport(group=self.process_group, network=self.network)
-            self.exchange = Exchange(transport, self.compressor, self.memory, collective=self.collective,
-                                     check_finite=self.check_finite)
+            ex = Exchange(transport, self.compressor, self.memory, collective=self.collective)
+            ex.check_finite = (not ex.identity) if self.check_finite is None else bool(self.check_finite)
+            self.exchange = ex
         return self.exchange
 
     @property
@@ -99,7 +106,7 @@ thinwire_hook.__annotations__ = {"return": torch.futures.Future[torch.Tensor]}
 
 
 def ddp_hook(compressor="none", memory="none", process_group=None, network=None, collective: str = "auto",
-             check_finite: bool = True, **params):
+             check_finite: bool | None = None, **params):
     """`(state, hook)` for `DistributedDataParallel.register_comm_hook`; `params` go to the compressor and the
     memory by name (e.g. `ratio=0.01`, `rank=4`, `momentum=0.9`); an unknown one is a UserError."""
     comp_params, mem_params = {}, {}

@@ -7,7 +7,8 @@ model of seed 001 §3.3 predicts from the inputs the run measured itself (τ, φ
     thinwire bench cdsgd --workloads digits-cnn wide-mlp --networks cluster wan --ks 2,5,10,20 \
         --thresholds digits-cnn=0.005,wide-mlp=0.001 --warmup 10 --out docs/benchmarks
 
-Without --thresholds every run uses threshold2bit's default α (0.5/32, seed 001's α on batch-mean gradients);
+Without --thresholds every run uses threshold2bit's default α (0.15625: seed 001's 0.5/32 on batch-mean
+gradients, over 1 − 0.9 for momentum);
 `--momentum 0 --lr 0.5` runs all four with plain SGD, the paper's setting (docs/benchmarks/cdsgd-accuracy.md).
 """
 from __future__ import annotations
@@ -124,7 +125,7 @@ def register(sub) -> None:
     p.add_argument("--networks", nargs="+", default=["cluster", "wan"])
     p.add_argument("--ks", default="2,5,10,20", help="comma-separated k values for cdsgd")
     p.add_argument("--thresholds", default="",
-                   help="2-bit threshold α: one value, or workload=value pairs (default: threshold2bit's, 0.5/32)")
+                   help="2-bit threshold α: one value, or workload=value pairs (default: threshold2bit's, 0.15625)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--local-lr", type=float, default=None, help="η_loc (default: the workload's lr)")
     p.add_argument("--workers", type=int, default=4)

@@ -52,6 +52,7 @@ def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
                 servers = 1 if arch == "ps" else 0
                 params = {} if arch == algs.architectures(alg)[0] else {"architecture": arch}
                 # its natural memory, else none (an algorithm with its own error feedback, e.g. choco, refuses one)
+                refused = None
                 for memory in dict.fromkeys([natural_memory(comp), "none"]):
                     cfg = TrainConfig(algorithm=alg, workers=workers, compressor=comp, memory=memory,
                                       servers=servers, params=params, progress=False)

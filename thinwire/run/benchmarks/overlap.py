@@ -2,12 +2,15 @@
 
 For each world size and network it trains, in ONE launch, alternating round by round, copies of the same model
 under: no communication (compute only), PyTorch DDP (default buckets), the same DDP model with thinwire's
-identity comm hook (`ddp+hook`: `register_comm_hook(*tw.ddp_hook("none"))`), thinwire `bsp` with schedule `none`
+identity comm hook (`ddp+hook`: `register_comm_hook(*tw.ddp_hook("none"))`), the same DDP with the least a Python
+hook can do (`ddp+pyhook`: `dist.all_reduce(..., async_op=True)` and a `then` that divides, the floor of any hook
+written in Python, where DDP's default hook is C++), thinwire `bsp` with schedule `none`
 (exchange after backward), `wfbp` (one exchange per parameter, FIFO), `fusion` (WFBP + 25 MB buckets, the
 default), `mgwfbp`, `priority`, and `fp16` compression without and with the compress/communicate pipeline.
 It reports the median step time and the exposed (waited-for) communication per step of each, and on `lan`
-`no_tax_ratio` = thinwire `fusion` step time / DDP step time and `hook_ratio` = `ddp+hook` / DDP (medians over
-all alternating rounds): what a DDP user pays for adopting thinwire in one line.
+`no_tax_ratio` = thinwire `fusion` step time / DDP step time, `hook_ratio` = `ddp+hook` / DDP and `pyhook_ratio`
+= `ddp+pyhook` / DDP (medians over all alternating rounds): what a DDP user pays for adopting thinwire in one line,
+beside what any Python hook costs.
 
 DDP does not go through thinwire's Transport, so under an emulated profile it would run at loopback speed:
 DDP is measured on `lan` only. Its exposed communication is estimated as its step time minus the
@@ -49,6 +52,13 @@ def _model(widths):
     return torch.nn.Sequential(*layers[:-1])
 
 
+def _python_allreduce_hook(state, bucket):
+    """The least a Python DDP comm hook does: the bucket's all-reduce, then the mean (as DDP's C++ default)."""
+    import torch.distributed as dist
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(dist.get_world_size()))
+
+
 def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
     """Every variant keeps its own model, optimizer and trainer; rounds alternate between them."""
     import torch.nn.functional as F
@@ -68,6 +78,10 @@ def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
             from ...exchange.ddp import ddp_hook
             ddp = DDP(model)
             ddp.register_comm_hook(*ddp_hook("none"))
+            runs[name] = (ddp, opt, None)
+        elif name == "ddp+pyhook":
+            ddp = DDP(model)
+            ddp.register_comm_hook(None, _python_allreduce_hook)
             runs[name] = (ddp, opt, None)
         elif name == "compute":
             runs[name] = (model, opt, None)
@@ -124,7 +138,7 @@ def measure(workers: int, network: str, rounds: int, steps: int, warmup: int, po
     from ..launcher import Pool
     link = parse_network(network)
     widths = (784, 512, 512, 10) if link.emulated else (784, 2048, 2048, 10)
-    names = (["compute", "ddp", "ddp+hook"] if not link.emulated else ["compute"]) + list(VARIANTS)
+    names = (["compute", "ddp", "ddp+hook", "ddp+pyhook"] if not link.emulated else ["compute"]) + list(VARIANTS)
     own = pool is None
     pool = pool or Pool(workers)
     try:
@@ -140,7 +154,7 @@ def measure(workers: int, network: str, rounds: int, steps: int, warmup: int, po
         wait = [statistics.fmean(r["waits"][name][i] for r in res) for i in range(len(per_step))]
         rows[name] = {"step_ms": 1e3 * statistics.median(per_step), "exposed_ms": 1e3 * statistics.median(wait)}
     compute = rows["compute"]["step_ms"]
-    for name in ("ddp", "ddp+hook"):
+    for name in ("ddp", "ddp+hook", "ddp+pyhook"):
         if name in rows:
             rows[name]["exposed_ms"] = max(0.0, rows[name]["step_ms"] - compute)
             rows[name]["exposed_estimated"] = True
@@ -149,6 +163,7 @@ def measure(workers: int, network: str, rounds: int, steps: int, warmup: int, po
     if "ddp" in rows:
         out["no_tax_ratio"] = rows["fusion"]["step_ms"] / rows["ddp"]["step_ms"]
         out["hook_ratio"] = rows["ddp+hook"]["step_ms"] / rows["ddp"]["step_ms"]
+        out["pyhook_ratio"] = rows["ddp+pyhook"]["step_ms"] / rows["ddp"]["step_ms"]
         for key, name in (("no_tax_ratio_per_round", "fusion"), ("hook_ratio_per_round", "ddp+hook")):
             per_round = []
             for k in range(rounds):
@@ -213,7 +228,8 @@ def _fmt(r: dict) -> str:
         lines.append(f"  {name:<15} {v['step_ms']:>9.1f} {v['exposed_ms']:>16.1f}{est}")
     if "no_tax_ratio" in r:
         lines.append(f"  no_tax_ratio (fusion / ddp) = {r['no_tax_ratio']:.3f}   "
-                     f"hook_ratio (ddp+hook / ddp) = {r['hook_ratio']:.3f}")
+                     f"hook_ratio (ddp+hook / ddp) = {r['hook_ratio']:.3f}   "
+                     f"pyhook_ratio (ddp+pyhook / ddp) = {r['pyhook_ratio']:.3f}")
     if "predicted_comm_ms" in r:
         p = r["predicted_comm_ms"]
         lines.append(f"  α-β prediction: one bucket {p['one_bucket']:.0f} ms, per-parameter FIFO "
@@ -247,8 +263,8 @@ def run(args) -> int:
         print(json.dumps({"results": results,
                           "no_tax_ratio": {str(r["workers"]): r["no_tax_ratio"] for r in results
                                            if "no_tax_ratio" in r},
-                          "hook_ratio": {str(r["workers"]): r["hook_ratio"] for r in results
-                                         if "hook_ratio" in r}}, indent=2))
+                          **{key: {str(r["workers"]): r[key] for r in results if key in r}
+                             for key in ("hook_ratio", "pyhook_ratio")}}, indent=2))
     return 0
 
 
