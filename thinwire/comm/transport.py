@@ -55,8 +55,10 @@ class Handle(Future):
         self._real_event = threading.Event()          # the real op completed (or failed)
         self.generation = MEMBERSHIP.generation      # the membership it was issued in
         # a collective is delivered in issue order: gloo's two threads may finish the second collective first,
-        # but the emulated wire is FIFO (the second queues behind the first, whichever callback fires first)
-        self._ordered = tx and rx
+        # but the emulated wire is FIFO (the second queues behind the first, whichever callback fires first).
+        # Unemulated, each completes with gloo's (as DDP's own futures do): a small bucket done first is not held
+        # behind a large one (that put the small one's completion on a DDP hook's critical path)
+        self._ordered = tx and rx and transport.clock.link.emulated
         if self._ordered:
             transport._enqueue(self)
         if not self._works:
