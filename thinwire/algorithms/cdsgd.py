@@ -137,7 +137,7 @@ class CDSGD(BSP):
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
     compression = True
     checks_finite = True          # every exchange checks its bucket before sending it (Exchange._check_finite)
-    exchanges_gradients = False   # its own momentum update (eqs. 8-11) on the exchanged gradients
+    exchanges_gradients = False   # its own momentum update (eqs. 8-11) on the exchanged gradients (see __init__)
     default_compressor = "threshold2bit"
     default_memory = "residual"
     survives_failures = False
@@ -157,6 +157,9 @@ class CDSGD(BSP):
         self.local_lr = None if local_lr is None else float(local_lr)
         self.local_momentum = local_momentum
         self.local_update = local_update     # eq. 11: the next iteration computes on W^loc
+        # without the local update the step is bsp's: the optimizer applies the exchanged gradients, so (as for
+        # bsp) a memory takes the momentum before Q (bitsgd: `BitSGD`)
+        self.exchanges_gradients = not local_update
         self.overlaps_steps = local_update   # eq. 10's exchange is applied at the next iteration
         self.compress = compress             # Q is the compressor (with its memory) on non-correction iterations
 
@@ -344,8 +347,6 @@ class BitSGD(CDSGD):
     the residual and the global step is W_{i+1} = W_i − η·mean_j Q_j(·). Momentum after the quantizer left
     bitsgd at 0.09–0.29 with the sign and 2-bit compressors on digits-mlp (docs/matrix.md)."""
 
-    exchanges_gradients = True    # the optimizer applies the exchanged gradients: momentum goes before Q
-
     def __init__(self, architecture: str | None = None):
         super().__init__(architecture, k=0, warmup=0, local_update=False)
 
@@ -423,8 +424,6 @@ class PSCDSGD(PSMixin, CDSGD):
 @register("bitsgd", variant="ps")
 class PSBitSGD(PSCDSGD):
     """BIT-SGD on the parameter server (seed 001 eq. 5): every push compressed, every step waits for its answer."""
-
-    exchanges_gradients = True    # as on all-reduce (BitSGD)
 
     def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
                  downlink_params: dict | None = None):
