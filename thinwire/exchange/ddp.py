@@ -42,9 +42,8 @@ class HookState:
         self.exchange: Exchange | None = None
         self.slots: dict[int, tuple] = {}    # id(parameter) -> (bucket key, offset, numel) it was last sent under
 
-    def key_of(self, bucket) -> tuple:
-        """The bucket's key; a bucket seen for the first time takes over its parameters' flat state."""
-        key = ("bucket", bucket.index(), bucket.buffer().numel())
+    def follow(self, bucket, key) -> None:
+        """A bucket seen for the first time under `key` takes over its parameters' flat state."""
         params = list(bucket.parameters())
         layout, off, moved = [], 0, False
         for p in params:
@@ -60,7 +59,6 @@ class HookState:
         for p in params:
             self.slots[id(p)] = (key, off)
             off += p.numel()
-        return key
 
     def get_exchange(self) -> Exchange:
         if self.exchange is None:
@@ -86,10 +84,13 @@ def thinwire_hook(state, bucket):
     """DDP comm hook: the mean of the bucket over ranks, through the state's compressor and memory; a future
     that completes when the exchange does."""
     buf = bucket.buffer()
-    shapes = [tuple(p.shape) for p in bucket.parameters()]
-    if sum(int(torch.Size(s).numel()) for s in shapes) != buf.numel():
-        shapes = None
-    task = state.get_exchange().start(buf, key=state.key_of(bucket), shapes=shapes, inplace=True)
+    ex, key, shapes = state.get_exchange(), ("bucket", bucket.index(), buf.numel()), None
+    if not ex.identity:     # the identity exchange keeps no state and uses no structure: nothing to follow
+        state.follow(bucket, key)
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
+        if sum(int(torch.Size(s).numel()) for s in shapes) != buf.numel():
+            shapes = None
+    task = ex.start(buf, key=key, shapes=shapes, inplace=True)
     fut = torch.futures.Future()
 
     def done(f):

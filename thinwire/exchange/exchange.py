@@ -157,9 +157,14 @@ class Exchange:
             self._check_finite(x, key)
         tr, comp, n = self.transport, self.compressor, self.world_size
         tracer = tr.tracer
-        if self.identity:   # as DDP: the bucket itself is all-reduced (mean), no copy when allowed
-            buf = x if inplace and x.is_contiguous() else x.clone()
-            return (yield from tr.all_reduce_program(buf, op="mean"))
+        if self.identity:   # as DDP: the bucket itself, divided by n, is summed (no copy when allowed)
+            # dividing first, as DDP's own hook does, puts the division before the transfer, overlapped with
+            # the rest of backward, and not after the last bucket's transfer (1.5 ms of a 57 ms step here)
+            if inplace and x.is_contiguous():
+                buf = x.div_(n) if n > 1 else x
+            else:
+                buf = x.div(n) if n > 1 else x.clone()
+            return (yield from tr.all_reduce_program(buf, op="sum"))
         with tracer.span("compress", "compress"):
             c = self.memory.compensate(x, key)
         if self.collective == "custom":     # the compressor's own rounds: (sum over ranks, own contribution)

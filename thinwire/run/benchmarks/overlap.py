@@ -3,8 +3,8 @@
 For each world size and network it trains, in ONE launch, alternating round by round, copies of the same model
 under: no communication (compute only), PyTorch DDP (default buckets), the same DDP model with thinwire's
 identity comm hook (`ddp+hook`: `register_comm_hook(*tw.ddp_hook("none"))`), the same DDP with the least a Python
-hook can do (`ddp+pyhook`: `dist.all_reduce(..., async_op=True)` and a `then` that divides, the floor of any hook
-written in Python, where DDP's default hook is C++), thinwire `bsp` with schedule `none`
+hook can do (`ddp+pyhook`: divide, `dist.all_reduce(..., async_op=True)` and a `then` that returns the tensor,
+the floor of any hook written in Python, where DDP's default hook is C++), thinwire `bsp` with schedule `none`
 (exchange after backward), `wfbp` (one exchange per parameter, FIFO), `fusion` (WFBP + 25 MB buckets, the
 default), `mgwfbp`, `priority`, and `fp16` compression without and with the compress/communicate pipeline.
 It reports the median step time and the exposed (waited-for) communication per step of each, and on `lan`
@@ -53,10 +53,11 @@ def _model(widths):
 
 
 def _python_allreduce_hook(state, bucket):
-    """The least a Python DDP comm hook does: the bucket's all-reduce, then the mean (as DDP's C++ default)."""
+    """The least a Python DDP comm hook does: as DDP's C++ default, divide the bucket by the world size and
+    all-reduce it; the `then` that hands DDP the tensor is what any Python hook adds."""
     import torch.distributed as dist
-    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0].div_(dist.get_world_size()))
+    buf = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
