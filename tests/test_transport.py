@@ -160,3 +160,49 @@ def test_bad_network_specs(spec):
     from thinwire.errors import UserError
     with pytest.raises(UserError):
         parse_network(spec)
+
+
+class _GlooWork:
+    """A stand-in for a gloo collective's work: its future completes when the test says so."""
+
+    def __init__(self):
+        self.fut = torch.futures.Future()
+
+    def get_future(self):
+        return self.fut
+
+    def is_completed(self):
+        return self.fut.done()
+
+
+def _bare_transport(link):
+    """The parts of a Transport a Handle uses, without a process group (single process)."""
+    import collections
+    import threading
+
+    from thinwire.comm.emulation import LinkClock
+    from thinwire.comm.meter import Meter
+    from thinwire.trace import NULL
+    t = object.__new__(Transport)
+    t.link, t.clock, t.meter, t.tracer = link, LinkClock(link), Meter(), NULL
+    t._in_order, t._order_lock = collections.deque(), threading.Lock()
+    return t
+
+
+@pytest.mark.parametrize("link, expected", [
+    (Link(), ["second", "first"]),                              # unemulated: each completes with gloo's
+    (Link(bandwidth=1e12, name="fast"), ["first", "second"]),   # emulated wire: FIFO, in issue order
+])
+def test_a_collective_gloo_finished_first_is_held_only_on_an_emulated_wire(link, expected):
+    from thinwire.comm.transport import Handle
+    from thinwire.net import Cost
+    t = _bare_transport(link)
+    works = [_GlooWork(), _GlooWork()]
+    handles = [Handle(t, "all_reduce", [w], Cost(0.0, 0.0, 8.0, 8.0), torch.zeros(2)) for w in works]
+    delivered = []
+    for h, label in zip(handles, ("first", "second")):
+        h.add_done_callback(lambda _h, label=label: delivered.append(label))
+    works[1].fut.set_result([torch.zeros(2)])     # gloo's second thread finishes the small bucket first
+    assert handles[1].is_completed() is (not link.emulated)
+    works[0].fut.set_result([torch.zeros(2)])
+    assert delivered == expected and all(h.is_completed() for h in handles)
