@@ -61,3 +61,38 @@ def test_compressing_zeros_changed_the_state_of_the_stateful_compressors():
         if not _same(c.state_dict(), before):
             changed.append(name)
     assert changed == ["qsgd", "terngrad", "natural", "signum"]     # (topk has no state)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decoding_is_safe_beside_decoding_and_encoding_on_other_threads(name):
+    """An exchange's decompression runs on whichever thread first asks for its result (the training thread, the
+    callback thread) while other buckets are decoded and the engine's thread compresses the next one: a scratch
+    buffer shared between calls gave a rank wrong values now and then (natural, countsketch: ranks ended with
+    different models)."""
+    import threading
+    c = compressors.get(name)
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(100_000 + 1000 * i, generator=gen) for i in range(3)]
+    ps = [c.compress(x, key=("k", i), step=0) for i, x in enumerate(xs[:2])]
+    want = [c.decompress(p).clone() for p in ps]
+    wrong, stop = [], threading.Event()
+
+    def decode(i):
+        for _ in range(50):
+            if not torch.equal(c.decompress(ps[i]), want[i]):
+                wrong.append(i)
+
+    def encode():
+        step = 1
+        while not stop.is_set():
+            c.compress(xs[2], key=("k", 2), step=step)
+            step += 1
+    threads = [threading.Thread(target=decode, args=(i,)) for i in (0, 1)]
+    encoder = threading.Thread(target=encode)
+    for t in threads + [encoder]:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    encoder.join()
+    assert not wrong, f"{name}: {len(wrong)} of 100 decodes differed"

@@ -161,6 +161,9 @@ class Compressor:
         raise NotImplementedError
 
     def decompress(self, payload: Payload) -> torch.Tensor:
+        """The tensor a payload stands for. May run on several threads at once and beside `compress` (an
+        exchange decodes on whichever thread first asks for its result): a scratch buffer kept between calls
+        needs a lock (`natural`, `countsketch`). `compress` itself runs on one thread at a time (the engine's)."""
         raise NotImplementedError
 
     def context(self, shape, dtype: torch.dtype, key: Any = None, step: int = 0) -> Any:

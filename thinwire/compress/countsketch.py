@@ -34,6 +34,7 @@ elements and 3 rows).
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -92,6 +93,7 @@ class CountSketch(Compressor):
         self._hashes: dict = {}
         self._z = torch.empty(0, device="cpu")     # regrown on the gradient's device
         self._est = torch.empty(0, device="cpu")
+        self._est_lock = threading.Lock()       # queried on several threads at once (see Compressor)
 
     def columns(self, d: int) -> int:
         """c, the table's columns: the first prime >= ratio·d / rows (prime: see `_hash`)."""
@@ -223,14 +225,15 @@ class CountSketch(Compressor):
         slots, signs, c, nb = self._hash(key, d, table.device)
         table = table.reshape(self.rows, 1, c).float()
         signed = torch.cat([table, -table], dim=1).view(-1)     # [S_j, -S_j] per row, as the slots index it
-        if self._est.numel() < self.rows * nb * c or self._est.device != table.device:   # reused: a fresh rows·d tensor page-faults on every call
-            self._est = torch.empty(self.rows * nb * c, device=table.device)
-        est = self._est[: self.rows * nb * c].view(self.rows, nb * c)
-        for j in range(self.rows):
-            torch.index_select(signed, 0, slots[j], out=est[j])
-            if signs is not None:
-                est[j].view(nb, c).mul_(signs[j])
-        return _median_rows(est[:, :d])
+        with self._est_lock:
+            if self._est.numel() < self.rows * nb * c or self._est.device != table.device:   # reused: a fresh rows·d tensor page-faults on every call
+                self._est = torch.empty(self.rows * nb * c, device=table.device)
+            est = self._est[: self.rows * nb * c].view(self.rows, nb * c)
+            for j in range(self.rows):
+                torch.index_select(signed, 0, slots[j], out=est[j])
+                if signs is not None:
+                    est[j].view(nb, c).mul_(signs[j])
+            return _median_rows(est[:, :d])
 
     def aggregate(self, payloads):
         if self.heavy > 0:        # (gathered: each rank's own heavy coordinates, one by one)

@@ -6,6 +6,8 @@ mantissa is then dropped. Sent: the 8 exponent bits (a byte) and the sign (1 bit
 Codes of different ranks are not additive: gathered."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import compressors
@@ -27,6 +29,7 @@ class Natural(Compressor):
         self.uniforms = Uniforms(seed)
         self._mask = torch.empty(0, dtype=torch.bool, device="cpu")     # regrown on the gradient's device
         self._wide = torch.empty(0, dtype=torch.int32, device="cpu")
+        self._wide_lock = threading.Lock()      # decompress may run on several threads at once (see Compressor)
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
@@ -49,11 +52,12 @@ class Natural(Compressor):
         shape, dtype, n = payload.ctx
         exponent, sign = payload.tensors
         word = decode(sign, 1, n, [0, -(1 << 31)], torch.int32)       # sign << 31, one lookup per byte
-        if self._wide.numel() < n or self._wide.device != sign.device:                   # the exponents widened into a reused buffer (a mixed
-            self._wide = torch.empty(n, dtype=torch.int32, device=sign.device)     # uint8/int32 add is 2x slower than cast + add)
-        wide = self._wide[:n]
-        wide.copy_(exponent)
-        word.add_(wide, alpha=1 << 23)                                 # + exponent << 23 (disjoint bits: an or)
+        with self._wide_lock:
+            if self._wide.numel() < n or self._wide.device != sign.device:               # the exponents widened into a reused buffer (a mixed
+                self._wide = torch.empty(n, dtype=torch.int32, device=sign.device)     # uint8/int32 add is 2x slower than cast + add)
+            wide = self._wide[:n]
+            wide.copy_(exponent)
+            word.add_(wide, alpha=1 << 23)                             # + exponent << 23 (disjoint bits: an or)
         return word.view(torch.float32).to(dtype).view(shape)
 
     def nominal_bits(self, numel):
