@@ -41,6 +41,7 @@ is all-reduced.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -132,6 +133,24 @@ def assemble(state: dict, key: Any, pieces: list[tuple[Any, int, int]]) -> dict:
     return out
 
 
+class ScratchLock:
+    """Guards a compressor's scratch buffer (see `Compressor.decompress`); a copy or a pickle of the compressor
+    gets a fresh lock (compressors are deep-copied to probe them)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+    def __reduce__(self):
+        return type(self), ()
+
+
 @dataclass
 class Payload:
     tensors: list[torch.Tensor]
@@ -163,7 +182,7 @@ class Compressor:
     def decompress(self, payload: Payload) -> torch.Tensor:
         """The tensor a payload stands for. May run on several threads at once and beside `compress` (an
         exchange decodes on whichever thread first asks for its result): a scratch buffer kept between calls
-        needs a lock (`natural`, `countsketch`). `compress` itself runs on one thread at a time (the engine's)."""
+        needs a `ScratchLock` (`natural`, `countsketch`). `compress` itself runs on one thread at a time (the engine's)."""
         raise NotImplementedError
 
     def context(self, shape, dtype: torch.dtype, key: Any = None, step: int = 0) -> Any:

@@ -34,14 +34,13 @@ elements and 3 rows).
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
 from ..errors import UserError
 from . import compressors
 from ._sparse import check_ratio, generator, num_kept
-from .base import Compressor, Payload
+from .base import Compressor, Payload, ScratchLock
 
 
 def _median_rows(est: torch.Tensor) -> torch.Tensor:
@@ -93,7 +92,7 @@ class CountSketch(Compressor):
         self._hashes: dict = {}
         self._z = torch.empty(0, device="cpu")     # regrown on the gradient's device
         self._est = torch.empty(0, device="cpu")
-        self._est_lock = threading.Lock()       # queried on several threads at once (see Compressor)
+        self._est_lock = ScratchLock()       # queried on several threads at once (see Compressor)
 
     def columns(self, d: int) -> int:
         """c, the table's columns: the first prime >= ratio·d / rows (prime: see `_hash`)."""

@@ -6,12 +6,10 @@ mantissa is then dropped. Sent: the 8 exponent bits (a byte) and the sign (1 bit
 Codes of different ranks are not additive: gathered."""
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from . import compressors
-from .base import Compressor, Payload
+from .base import Compressor, Payload, ScratchLock
 from .bitpack import decode, pack
 from .finite import check_tensor
 from .rounding import Uniforms
@@ -29,7 +27,7 @@ class Natural(Compressor):
         self.uniforms = Uniforms(seed)
         self._mask = torch.empty(0, dtype=torch.bool, device="cpu")     # regrown on the gradient's device
         self._wide = torch.empty(0, dtype=torch.int32, device="cpu")
-        self._wide_lock = threading.Lock()      # decompress may run on several threads at once (see Compressor)
+        self._wide_lock = ScratchLock()      # decompress may run on several threads at once (see Compressor)
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
