@@ -182,7 +182,8 @@ class Compressor:
     def decompress(self, payload: Payload) -> torch.Tensor:
         """The tensor a payload stands for. May run on several threads at once and beside `compress` (an
         exchange decodes on whichever thread first asks for its result): a scratch buffer kept between calls
-        needs a `ScratchLock` (`natural`, `countsketch`). `compress` itself runs on one thread at a time (the engine's)."""
+        needs a `ScratchLock` (`natural`, `countsketch`). `compress` runs inside an exchange's program, one
+        program at a time (`thinwire.comm.engine`)."""
         raise NotImplementedError
 
     def context(self, shape, dtype: torch.dtype, key: Any = None, step: int = 0) -> Any:
