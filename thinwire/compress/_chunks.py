@@ -14,6 +14,7 @@ import math
 import torch
 
 from ..errors import UserError
+from .base import Compressor
 from .bitpack import pack, packed_nbytes, unpack
 
 MAX_CHUNK = 1 << 16          # in-chunk indices take at most 16 bits
@@ -125,9 +126,33 @@ class Layouts:
         return lay
 
 
-def sum_fp32(parts: list[torch.Tensor], dtype: torch.dtype, shape) -> torch.Tensor:
-    """Σ of fp32 contributions, cast to `dtype` once (fp32 accumulation)."""
-    out = parts[0].clone()
-    for p in parts[1:]:
-        out += p
-    return out.to(dtype).view(shape)
+class Chunked(Compressor):
+    """A compressor of chunked payloads (fixed size, gathered): each rank's contribution is decoded to fp32, the
+    contributions are summed in fp32 (`_sum32`) and cast to the tensor's dtype once."""
+
+    unbiased = False
+    linear = False
+    randomness = "none"
+    aggregation = "allgather"
+    fixed_size = True         # the payload size depends only on the shape
+
+    def context(self, shape, dtype, key=None, step=0):
+        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}
+
+    def _decode32(self, payload) -> torch.Tensor:
+        """One payload's contribution, flat fp32 (a fresh tensor)."""
+        raise NotImplementedError
+
+    def _sum32(self, payloads) -> torch.Tensor:
+        """Σ of the payloads' contributions, flat fp32."""
+        out = self._decode32(payloads[0])
+        for p in payloads[1:]:
+            out += self._decode32(p)
+        return out
+
+    def aggregate(self, payloads):
+        ctx = payloads[0].ctx
+        return self._sum32(payloads).to(ctx["dtype"]).view(ctx["shape"])
+
+    def decompress(self, payload):
+        return self.aggregate([payload])

@@ -28,38 +28,30 @@ class Coder:
     def decode(self, header: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def expected_bits(self, values: torch.Tensor) -> float:
-        """Bits per value this coder spends on `values` (the planner's and the benchmark's number)."""
-        header, bits = self.encode(values)
-        return (8.0 * bits.numel() + 32.0 * header.numel()) / max(1, values.numel())
-
 
 def bit_length(v: np.ndarray) -> np.ndarray:
     """floor(log2 v) + 1 for v ≥ 1 (0 for v = 0), exact for v < 2^53."""
     return np.frexp(v.astype(np.float64))[1].astype(np.int64)
 
 
-def write_fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    """Concatenate the low `widths[i]` bits of each `values[i]`, most significant first, as a 0/1 uint8 array."""
+def _fields(widths: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """Fields of `widths` bits laid out back to back: (total bits, each bit's field, its shift in the field)."""
     widths = widths.astype(np.int64)
     total = int(widths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.uint8)
     owner = np.repeat(np.arange(widths.size), widths)
     starts = np.cumsum(widths) - widths
-    shift = widths[owner] - 1 - (np.arange(total) - starts[owner])
+    return total, owner, widths[owner] - 1 - (np.arange(total) - starts[owner])
+
+
+def write_fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """Concatenate the low `widths[i]` bits of each `values[i]`, most significant first, as a 0/1 uint8 array."""
+    _, owner, shift = _fields(widths)
     return ((values.astype(np.int64)[owner] >> shift) & 1).astype(np.uint8)
 
 
 def read_fields(bits: np.ndarray, start: int, widths: np.ndarray) -> np.ndarray:
     """Inverse of `write_fields` for fields laid out back to back from bit `start` (values < 2^53)."""
-    widths = widths.astype(np.int64)
-    total = int(widths.sum())
-    if total == 0:
-        return np.zeros(widths.size, dtype=np.int64)
-    owner = np.repeat(np.arange(widths.size), widths)
-    starts = np.cumsum(widths) - widths
-    shift = widths[owner] - 1 - (np.arange(total) - starts[owner])
+    total, owner, shift = _fields(widths)
     weights = bits[start:start + total].astype(np.float64) * np.exp2(shift)
     return np.bincount(owner, weights=weights, minlength=widths.size).astype(np.int64)
 

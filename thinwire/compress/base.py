@@ -133,6 +133,14 @@ def assemble(state: dict, key: Any, pieces: list[tuple[Any, int, int]]) -> dict:
     return out
 
 
+def reused(buf: torch.Tensor, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, its first `n` elements): `buf` reused, or a fresh one of its dtype on `device` where it is too small
+    or elsewhere. A compressor reuses its temporaries: a fresh large tensor page-faults on every call."""
+    if buf.numel() < n or buf.device != torch.device(device):
+        buf = torch.empty(n, dtype=buf.dtype, device=device)
+    return buf, buf[:n]
+
+
 class ScratchLock:
     """Guards a compressor's scratch buffer (see `Compressor.decompress`); a copy or a pickle of the compressor
     gets a fresh lock (compressors are deep-copied to probe them)."""
@@ -151,6 +159,20 @@ class ScratchLock:
         return type(self), ()
 
 
+class Stateful:
+    """Per-key state (none by default) that checkpoints save and a change of bucketing carries over."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def rekey(self, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> None:
+        """The buckets changed (see `regroup`): carry per-bucket state over to the new keys."""
+        self.load_state_dict(regroup(self.state_dict(), old, new))
+
+
 @dataclass
 class Payload:
     tensors: list[torch.Tensor]
@@ -162,7 +184,7 @@ class Payload:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-class Compressor:
+class Compressor(Stateful):
     name: ClassVar[str] = ""
     unbiased: ClassVar[bool] = True
     linear: ClassVar[bool] = True
@@ -229,18 +251,8 @@ class Compressor:
         coll = pick_collective(self, numel, world_size, allreduce)
         return coll, (self.summed_bits(numel, world_size) if coll == "allreduce" else self.nominal_bits(numel))
 
-    def state_dict(self) -> dict:
-        return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def rekey(self, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> None:
-        """The buckets changed (see `regroup`): carry per-bucket state over to the new keys."""
-        self.load_state_dict(regroup(self.state_dict(), old, new))
-
-
-class Memory:
+class Memory(Stateful):
     """Error feedback and its variants: `compensate` before compression, `update` after.
 
     Momentum. A memory (or compressor) with `takes_momentum = True` can apply the training's heavy-ball
@@ -285,16 +297,6 @@ class Memory:
 
     def update(self, tensor: torch.Tensor, key: Any, sent: torch.Tensor) -> None:
         pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def rekey(self, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> None:
-        """The buckets changed (see `regroup`): carry per-bucket state over to the new keys."""
-        self.load_state_dict(regroup(self.state_dict(), old, new))
 
 
 def _probes(compressor: "Compressor", trials: int = 3, numel: int = 4096):

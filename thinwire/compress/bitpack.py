@@ -91,8 +91,8 @@ def pack(codes: torch.Tensor, bits: int, inplace: bool = False) -> torch.Tensor:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
     if bits == 8:
         return codes.clone() if not inplace else codes
-    if not inplace or codes.numel() % 8:
-        codes = codes.clone() if codes.numel() % 8 == 0 else codes
+    if not inplace and codes.numel() % 8 == 0:      # (padding copies them anyway)
+        codes = codes.clone()
     words, _ = _as_words(codes)
     if bits in _GATHERS:   # one multiply gathers the codes of a word into its top byte (code j -> bits b*j..)
         dtype, magic, shift = _GATHERS[bits]

@@ -146,8 +146,7 @@ class Coded(Compressor):
             probe = copy.copy(self)                     # a copy of the compressor: its random state stays as is
             probe.base = copy.deepcopy(self.base)
             p = probe.compress(x, key="nominal", step=0)
-            body = sum(t.numel() * t.element_size() for t in p.tensors) * 8.0
-            self._nominal[numel] = body / max(1, m)
+            self._nominal[numel] = p.nbytes * 8.0 / max(1, m)
         return self._nominal[numel]
 
     def state_dict(self):

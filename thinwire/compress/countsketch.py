@@ -40,7 +40,7 @@ import torch
 from ..errors import UserError
 from . import compressors
 from ._sparse import check_ratio, generator, num_kept
-from .base import Compressor, Payload, ScratchLock
+from .base import Compressor, Payload, ScratchLock, reused
 
 
 def _median_rows(est: torch.Tensor) -> torch.Tensor:
@@ -140,9 +140,7 @@ class CountSketch(Compressor):
     def _signed(self, flat: torch.Tensor, signs: torch.Tensor | None, j: int, c: int, nb: int) -> torch.Tensor:
         """flat · sb_j over nb·c elements (zero past d), in a reused buffer."""
         d = flat.numel()
-        if self._z.numel() < nb * c or self._z.device != flat.device:
-            self._z = torch.empty(nb * c, device=flat.device)
-        z = self._z[: nb * c]
+        self._z, z = reused(self._z, nb * c, flat.device)
         full = d // c
         if signs is None:
             z[:d].copy_(flat)
@@ -193,9 +191,7 @@ class CountSketch(Compressor):
     def compress(self, tensor, key=None, step=0, agreed=None):
         """The sketch (heavy = 0); with heavy recovery, one rank's own two rounds: the sketch and its exact
         values at the top-k of its own estimate (the single-process form, for benchmarks and tests)."""
-        flat = tensor.reshape(-1)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
+        flat = tensor.reshape(-1).float()
         d = flat.numel()
         ctx = (tensor.shape, tensor.dtype, d, key)
         if self._dense(d):
@@ -225,9 +221,8 @@ class CountSketch(Compressor):
         table = table.reshape(self.rows, 1, c).float()
         signed = torch.cat([table, -table], dim=1).view(-1)     # [S_j, -S_j] per row, as the slots index it
         with self._est_lock:
-            if self._est.numel() < self.rows * nb * c or self._est.device != table.device:   # reused: a fresh rows·d tensor page-faults on every call
-                self._est = torch.empty(self.rows * nb * c, device=table.device)
-            est = self._est[: self.rows * nb * c].view(self.rows, nb * c)
+            self._est, est = reused(self._est, self.rows * nb * c, table.device)
+            est = est.view(self.rows, nb * c)
             for j in range(self.rows):
                 torch.index_select(signed, 0, slots[j], out=est[j])
                 if signs is not None:

@@ -35,8 +35,8 @@ import torch
 
 from ..errors import UserError
 from . import compressors, memories
-from ._chunks import Layouts, check_chunk, check_topk, index_nbytes, pack_index, unpack_index
-from .base import Compressor, Payload, constant
+from ._chunks import Chunked, Layouts, check_chunk, check_topk, index_nbytes, pack_index, unpack_index
+from .base import Payload, constant
 from .finite import check_tensor
 from .residual import Residual
 
@@ -62,14 +62,8 @@ def chunked_dct(x: torch.Tensor, layout, inverse: bool = False) -> torch.Tensor:
 
 
 @compressors.register("demo")
-class DeMo(Compressor):
+class DeMo(Chunked):
     """DeMo: chunked DCT-II, top-k coefficients per chunk (indices + values); sum, inverse DCT (sign=true: its sign)."""
-
-    unbiased = False
-    linear = False
-    randomness = "none"
-    aggregation = "allgather"
-    fixed_size = True         # the payload size depends only on the shape
 
     def __init__(self, chunk: int = 64, topk: int = 4, sign: bool = False):
         self.chunk = check_chunk("demo", chunk)
@@ -87,28 +81,18 @@ class DeMo(Compressor):
         local, vals = lay.topk(coeff)
         vdtype = tensor.dtype if tensor.is_floating_point() else torch.float32
         return Payload([*pack_index(local, self.chunk), vals.to(vdtype)],
-                       ctx={"shape": tensor.shape, "dtype": tensor.dtype, "numel": flat.numel()})
+                       ctx=self.context(tensor.shape, tensor.dtype))
 
-    def _coefficients(self, payloads):
-        """(Σ over payloads of their sparse coefficients, dense fp32; the layout)."""
+    def _sum32(self, payloads):
+        """The inverse DCT of Σ over payloads of their sparse coefficients (summed dense, in fp32)."""
         lay = self.layouts(payloads[0].ctx["numel"])
         pos, vals = [], []
         for p in payloads:
             local, used = unpack_index(p.tensors, lay.kept, self.chunk)
             pos.append(lay.positions(local))
             vals.append(p.tensors[used].reshape(-1).to(torch.float32))
-        return torch.zeros(lay.n, device=vals[0].device).index_add_(0, torch.cat(pos), torch.cat(vals)), lay
-
-    def context(self, shape, dtype, key=None, step=0):
-        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}
-
-    def aggregate(self, payloads):
-        coeff, lay = self._coefficients(payloads)
-        ctx = payloads[0].ctx
-        return chunked_dct(coeff, lay, inverse=True).to(ctx["dtype"]).view(ctx["shape"])
-
-    def decompress(self, payload):
-        return self.aggregate([payload])
+        coeff = torch.zeros(lay.n, device=vals[0].device).index_add_(0, torch.cat(pos), torch.cat(vals))
+        return chunked_dct(coeff, lay, inverse=True)
 
     def nominal_bits(self, numel):
         lay = self.layouts(numel)

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors, memories
-from ._sparse import check_collective, check_ratio, generator, num_kept
+from ._sparse import check_ratio, generator, num_kept
 from .base import Memory
 from .threshold import Scratch, Selected, reselect, select_beyond
 
@@ -42,11 +42,9 @@ class DGC(Selected):
 
     def __init__(self, ratio: float = 0.01, sample: float = 0.01, warmup_steps: int = 0, seed: int = 0,
                  sparse_collective: str = "allgather"):
-        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
-        self.ratio = check_ratio(ratio)
+        super().__init__(ratio, seed, sparse_collective)
         self.sample = check_ratio(sample, "sample")
         self.warmup_steps = int(warmup_steps)
-        self.seed = seed
         self._scratch = Scratch()
 
     def select(self, flat, key, step):
@@ -67,9 +65,6 @@ class DGC(Selected):
         if idx.numel() > self.high * k:
             idx = idx[torch.topk(flat[idx].abs(), k, sorted=False).indices]
         return idx
-
-    def nominal_bits(self, numel):
-        return self.sparse_bits(num_kept(self.ratio, numel), numel)
 
 
 @memories.register("dgc")

@@ -52,8 +52,6 @@ class FP16(_Cast):
     """fp16 cast. For all-reduce, `sum_payload` divides by the world size first (as PyTorch's
     `fp16_compress_hook` does) so that the fp16 sum of the ranks cannot overflow."""
 
-    wire_dtype = torch.float16
-
     def sum_payload(self, payload, world_size):
         shape, dtype, _ = payload.ctx
         return Payload([payload.tensors[0] / world_size], ctx=(shape, dtype, float(world_size)))

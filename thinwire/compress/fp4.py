@@ -22,8 +22,8 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._chunks import check_chunk, sum_fp32
-from .base import Compressor, Payload, constant
+from ._chunks import Chunked, check_chunk
+from .base import Payload, constant
 from .bitpack import decode, pack
 from .finite import check_scale
 from .qsgd import bucket_norms, scale_buckets
@@ -36,14 +36,8 @@ GRID = {"e3m0": 128, "e2m1": 24}
 
 
 @compressors.register("fp4")
-class FP4(Compressor):
+class FP4(Chunked):
     """FP4 (e3m0 as in Streaming DiLoCo, or e2m1) with a per-chunk fp32 scale, packed 2 per byte; summed in fp32."""
-
-    unbiased = False
-    linear = False
-    randomness = "none"
-    aggregation = "allgather"
-    fixed_size = True         # the payload size depends only on the shape
 
     def __init__(self, format: str = "e3m0", chunk: int = 128):
         if format not in MAGNITUDES:
@@ -59,33 +53,21 @@ class FP4(Compressor):
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
-        n = flat.numel()
         amax = bucket_norms(flat, self.chunk, math.inf)
         check_scale(amax, self.name, key, flat)
         inv = torch.where(amax > 0, self.grid / amax, 0.0)
-        a = scale_buckets(flat.to(torch.float32, copy=True).abs_(), inv, self.chunk, 0)    # G |x| / a_c in [0, G]
+        a = scale_buckets(flat.to(torch.float32, copy=True).abs_(), inv, self.chunk)    # G |x| / a_c in [0, G]
         j = a.ceil_().clamp_(max=self.grid).to(torch.int32)
         table = constant(("fp4-codes", self._codes), j.device,
                          lambda: torch.tensor(self._codes, dtype=torch.uint8, device="cpu"))   # once per device
         codes = table.index_select(0, j)                                          # the nearest magnitude (ties go down)
         codes.bitwise_or_(flat.lt(0).to(torch.uint8).bitwise_left_shift_(3))
-        return Payload([pack(codes, 4, inplace=True), amax], ctx={"shape": tensor.shape, "dtype": tensor.dtype,
-                                                                  "numel": n})
+        return Payload([pack(codes, 4, inplace=True), amax], ctx=self.context(tensor.shape, tensor.dtype))
 
-    def context(self, shape, dtype, key=None, step=0):
-        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}
-
-    def _decode32(self, payload) -> torch.Tensor:
+    def _decode32(self, payload):
         packed, amax = payload.tensors
         vals = decode(packed, 4, payload.ctx["numel"], self._values)    # one table lookup per byte
-        return scale_buckets(vals, amax.reshape(-1), self.chunk, 0)
-
-    def decompress(self, payload):
-        return self._decode32(payload).to(payload.ctx["dtype"]).view(payload.ctx["shape"])
-
-    def aggregate(self, payloads):
-        ctx = payloads[0].ctx
-        return sum_fp32([self._decode32(p) for p in payloads], ctx["dtype"], ctx["shape"])
+        return scale_buckets(vals, amax.reshape(-1), self.chunk)
 
     def nominal_bits(self, numel):
         return 4.0 + 32.0 * math.ceil(numel / self.chunk) / max(numel, 1)

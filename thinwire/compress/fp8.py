@@ -19,8 +19,8 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._chunks import check_chunk, sum_fp32
-from .base import Compressor, Payload
+from ._chunks import Chunked, check_chunk
+from .base import Payload
 from .finite import check_scale
 from .qsgd import bucket_norms, scale_buckets
 
@@ -28,14 +28,8 @@ FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 @compressors.register("fp8")
-class FP8(Compressor):
+class FP8(Chunked):
     """FP8 (e4m3 or e5m2, torch's float8 dtypes) with a per-chunk fp32 scale; all-gathered, summed in fp32."""
-
-    unbiased = False
-    linear = False
-    randomness = "none"
-    aggregation = "allgather"
-    fixed_size = True         # the payload size depends only on the shape
 
     def __init__(self, format: str = "e4m3", chunk: int = 0):
         if format not in FORMATS:
@@ -49,29 +43,19 @@ class FP8(Compressor):
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
-        n, bucket = flat.numel(), self._bucket(flat.numel())
+        bucket = self._bucket(flat.numel())
         amax = bucket_norms(flat, bucket, math.inf)
         check_scale(amax, self.name, key, flat)
         scales = amax / self.fmax
         inv = torch.where(scales > 0, 1.0 / scales, 0.0)     # an all-zero chunk codes as zeros
-        y = scale_buckets(flat.to(torch.float32, copy=True), inv, bucket, 0).clamp_(-self.fmax, self.fmax)
+        y = scale_buckets(flat.to(torch.float32, copy=True), inv, bucket).clamp_(-self.fmax, self.fmax)
         q = y.to(self.dtype8).view(torch.uint8)
-        return Payload([q, scales], ctx={"shape": tensor.shape, "dtype": tensor.dtype, "numel": n})
+        return Payload([q, scales], ctx=self.context(tensor.shape, tensor.dtype))
 
-    def context(self, shape, dtype, key=None, step=0):
-        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}
-
-    def _decode32(self, payload) -> torch.Tensor:
+    def _decode32(self, payload):
         q, scales = payload.tensors
         vals = q.reshape(-1).view(self.dtype8).to(torch.float32)
-        return scale_buckets(vals, scales.reshape(-1), self._bucket(payload.ctx["numel"]), 0)
-
-    def decompress(self, payload):
-        return self._decode32(payload).to(payload.ctx["dtype"]).view(payload.ctx["shape"])
-
-    def aggregate(self, payloads):
-        ctx = payloads[0].ctx
-        return sum_fp32([self._decode32(p) for p in payloads], ctx["dtype"], ctx["shape"])
+        return scale_buckets(vals, scales.reshape(-1), self._bucket(payload.ctx["numel"]))
 
     def nominal_bits(self, numel):
         return 8.0 + 32.0 * math.ceil(numel / self._bucket(numel)) / max(numel, 1)

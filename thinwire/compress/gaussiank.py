@@ -14,7 +14,7 @@ from statistics import NormalDist
 import torch
 
 from . import compressors
-from ._sparse import check_collective, check_ratio, num_kept
+from ._sparse import num_kept
 from .threshold import Scratch, Selected, reselect, select_beyond
 
 
@@ -23,10 +23,8 @@ class GaussianK(Selected):
     """Gaussian-k: threshold from the normal fit μ + σΦ⁻¹(1−ρ/2), adjusted ×0.5/×1.5 toward k = ρ·d."""
 
     def __init__(self, ratio: float = 0.01, adjust: int = 5, seed: int = 0, sparse_collective: str = "allgather"):
-        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
-        self.ratio = check_ratio(ratio)
+        super().__init__(ratio, seed, sparse_collective)
         self.adjust = int(adjust)
-        self.seed = seed
         self.z = NormalDist().inv_cdf(1 - self.ratio / 2) if self.ratio < 1 else 0.0
         self._scratch = Scratch()
 
@@ -51,6 +49,3 @@ class GaussianK(Selected):
                 break
             idx = reselect(dev, thr, self._scratch) if dev is not None else select_beyond(f, thr, mean)[0]
         return idx
-
-    def nominal_bits(self, numel):
-        return self.sparse_bits(num_kept(self.ratio, numel), numel)

@@ -6,14 +6,14 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from .base import Compressor, Payload, summed_itemsize
+from .base import Payload, reused, summed_itemsize
 from .finite import check_scale
-from .rounding import Uniforms, stochastic_codes
+from .rounding import Stochastic, stochastic_codes
 
 LEVELS = 127
 
 
-def _maxabs(flat: torch.Tensor) -> torch.Tensor:
+def maxabs(flat: torch.Tensor) -> torch.Tensor:
     if flat.numel() == 0:
         return torch.zeros(1, device=flat.device)
     lo, hi = torch.aminmax(flat)
@@ -37,8 +37,37 @@ def summed_level_bits(total: int) -> int:
     return 8 * summed_itemsize(widened(total))
 
 
+class ScaledLevels(Stochastic):
+    """Integer levels times fp32 scales (int8, qsgd, terngrad), linear: "allreduce" sums the levels (widened by
+    `sum_payload`) under scales the ranks agree on first, "allgather" sends each rank's codes and own scales, and
+    "auto" takes the class's natural collective unless the other sends fewer bytes (`pick_collective`)."""
+
+    linear = True
+    fixed_size = True         # the payload size depends only on the shape
+    pick_by_bytes = True
+
+    def __init__(self, aggregation: str, seed: int):
+        if aggregation not in ("auto", "allreduce", "allgather"):
+            raise UserError(f"{self.name}: aggregation must be one of auto, allreduce, allgather; got {aggregation!r}")
+        if aggregation != "auto":
+            self.aggregation = aggregation
+        self.pick_by_bytes = aggregation == "auto"
+        super().__init__(seed)
+
+    def context(self, shape, dtype, key=None, step=0):
+        # qsgd's and terngrad's ctx, not agreed (the scale travels in the payload) and not summed (`sum_payload`)
+        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel(), "summed": False}
+
+    def nominal_bits(self, numel, world_size=None):
+        """Packed (`packed_bits`: the codes and the scales); at `world_size` ranks: what the exchange sends there."""
+        return self.packed_bits(numel) if world_size is None else self.wire_bits(numel, world_size)[1]
+
+    def packed_bits(self, numel: int) -> float:
+        raise NotImplementedError
+
+
 @compressors.register("int8")
-class Int8(Compressor):
+class Int8(ScaledLevels):
     """8 bits per element plus one fp32 scale. "allgather": each rank sends its int8 levels and its own scale
     ((n−1)·8 bits per element leave each rank on a ring). "allreduce": the ranks agree on the largest max-abs and
     the levels are summed in a widened integer type; the sum of two ranks already needs int16, which gloo sums as
@@ -46,45 +75,35 @@ class Int8(Compressor):
     (from 8 ranks on a ring: `pick_collective`)."""
 
     unbiased = False
-    linear = True
     randomness = "none"
     aggregation = "allgather"
-    fixed_size = True         # the payload size depends only on the shape
-    pick_by_bytes = True
 
     def __init__(self, stochastic: bool = False, aggregation: str = "auto", seed: int = 0):
-        if aggregation not in ("auto", "allreduce", "allgather"):
-            raise UserError(f"int8: aggregation must be one of auto, allreduce, allgather; got {aggregation!r}")
+        super().__init__(aggregation, seed)
         self.stochastic = bool(stochastic)
-        self.aggregation = "allgather" if aggregation == "auto" else aggregation
-        self.pick_by_bytes = aggregation == "auto"
         self.unbiased = self.stochastic
         self.randomness = "local" if self.stochastic else "none"
-        self.uniforms = Uniforms(seed)
         self._scratch = torch.empty(0, device="cpu")     # regrown on the gradient's device
 
     def agree(self, tensor, key=None, step=0):
-        return _maxabs(tensor.reshape(-1))
+        return maxabs(tensor.reshape(-1))
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
-        scale = _maxabs(flat) if agreed is None else agreed.float().reshape(1)
+        scale = maxabs(flat) if agreed is None else agreed.float().reshape(1)
         check_scale(scale, self.name, key, flat)
         s = float(scale)
         inv = LEVELS / s if s > 0 else 0.0
         if self.stochastic:
             q = stochastic_codes(flat, inv, LEVELS, self.uniforms).sub_(LEVELS).view(torch.int8)
         else:
-            if flat.dtype != torch.float32:
-                flat = flat.float()
-            if self._scratch.numel() < flat.numel() or self._scratch.device != flat.device:       # a reused temporary: fresh 4n-byte tensors page-fault
-                self._scratch = torch.empty(flat.numel(), device=flat.device)
-            q = torch.mul(flat, inv, out=self._scratch[: flat.numel()]).round_().to(torch.int8)
-        tensors = [q] if agreed is not None else [q, scale]
+            flat = flat.float()
+            self._scratch, out = reused(self._scratch, flat.numel(), flat.device)
+            q = torch.mul(flat, inv, out=out).round_().to(torch.int8)
         ctx = {"shape": tensor.shape, "dtype": tensor.dtype}
         if agreed is not None:
             ctx["scale"] = s          # agreed: every rank knows it (ctx never holds one rank's own data)
-        return Payload(tensors, ctx=ctx)
+        return Payload([q] if agreed is not None else [q, scale], ctx=ctx)
 
     def sum_payload(self, payload, world_size):
         return Payload([widen(payload.tensors[0], LEVELS * world_size)], ctx=payload.ctx)
@@ -101,17 +120,8 @@ class Int8(Compressor):
         out = payload.tensors[0].to(torch.float32).mul_(step)
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
-    def nominal_bits(self, numel, world_size=None):
-        """Packed: 8 bits per element and the scale; at `world_size` ranks: what the exchange sends there."""
-        if world_size is not None:
-            return self.wire_bits(numel, world_size)[1]
-        return 8.0 + 32.0 / max(numel, 1)
+    def packed_bits(self, numel):
+        return 8.0 + 32.0 / max(numel, 1)       # 8 bits per element and the scale
 
     def summed_bits(self, numel, world_size):
         return summed_level_bits(LEVELS * world_size) + 32.0 / max(numel, 1)     # levels + the agreed max-abs
-
-    def state_dict(self):
-        return {"uniforms": self.uniforms.state_dict()}
-
-    def load_state_dict(self, state):
-        self.uniforms.load_state_dict(state["uniforms"])

@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from .base import Compressor, Payload, ScratchLock
+from .base import Payload, ScratchLock, reused
 from .bitpack import decode, pack
 from .finite import check_tensor
-from .rounding import Uniforms
+from .rounding import Stochastic
 
 
 @compressors.register("natural")
-class Natural(Compressor):
+class Natural(Stochastic):
     unbiased = True
     linear = False
     randomness = "local"
@@ -24,15 +24,13 @@ class Natural(Compressor):
     fixed_size = True         # the payload size depends only on the shape
 
     def __init__(self, seed: int = 0):
-        self.uniforms = Uniforms(seed)
+        super().__init__(seed)
         self._mask = torch.empty(0, dtype=torch.bool, device="cpu")     # regrown on the gradient's device
         self._wide = torch.empty(0, dtype=torch.int32, device="cpu")
         self._wide_lock = ScratchLock()      # decompress may run on several threads at once (see Compressor)
 
     def compress(self, tensor, key=None, step=0, agreed=None):
-        flat = tensor.reshape(-1)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
+        flat = tensor.reshape(-1).float()
         check_tensor(flat, self.name, key)
         n = flat.numel()
         bits = flat.view(torch.int32)
@@ -41,9 +39,8 @@ class Natural(Compressor):
         work.bitwise_right_shift_(23)          # sign | exponent (+ carry); the low byte is the exponent
         exponent = work.to(torch.uint8)        # int32 -> uint8 keeps the low byte
         exponent.clamp_(max=254)               # |t| >= 2^127 may not round up to 2^128 = inf (biased there only)
-        if self._mask.numel() < n or self._mask.device != flat.device:                   # a reused mask: a fresh n-byte tensor page-faults
-            self._mask = torch.empty(n, dtype=torch.bool, device=flat.device)
-        sign = pack(torch.lt(flat, 0, out=self._mask[:n]).view(torch.uint8), 1, inplace=True)
+        self._mask, mask = reused(self._mask, n, flat.device)
+        sign = pack(torch.lt(flat, 0, out=mask).view(torch.uint8), 1, inplace=True)
         return Payload([exponent, sign], ctx=(tensor.shape, tensor.dtype, n))
 
     def decompress(self, payload):
@@ -51,18 +48,10 @@ class Natural(Compressor):
         exponent, sign = payload.tensors
         word = decode(sign, 1, n, [0, -(1 << 31)], torch.int32)       # sign << 31, one lookup per byte
         with self._wide_lock:
-            if self._wide.numel() < n or self._wide.device != sign.device:               # the exponents widened into a reused buffer (a mixed
-                self._wide = torch.empty(n, dtype=torch.int32, device=sign.device)     # uint8/int32 add is 2x slower than cast + add)
-            wide = self._wide[:n]
-            wide.copy_(exponent)
+            self._wide, wide = reused(self._wide, n, sign.device)
+            wide.copy_(exponent)        # widened first (a mixed uint8/int32 add is 2x slower than cast + add)
             word.add_(wide, alpha=1 << 23)                             # + exponent << 23 (disjoint bits: an or)
         return word.view(torch.float32).to(dtype).view(shape)
 
     def nominal_bits(self, numel):
         return 9.0
-
-    def state_dict(self):
-        return {"uniforms": self.uniforms.state_dict()}
-
-    def load_state_dict(self, state):
-        self.uniforms.load_state_dict(state["uniforms"])

@@ -18,9 +18,6 @@ class NoCompression(Compressor):
     def context(self, shape, dtype, key=None, step=0):
         return None
 
-    def nominal_bits(self, numel):
-        return 32.0
-
 
 @memories.register("none")
 class NoMemory(Memory):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from .base import Compressor, Payload
+from .base import Compressor, Payload, reused
 from .finite import check_scale
 from .bitpack import decode, pack
 
@@ -26,9 +26,8 @@ class OneBit(Compressor):
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         n = flat.numel()
-        if self._mask.numel() < n or self._mask.device != flat.device:                   # a reused mask: a fresh n-byte tensor page-faults
-            self._mask = torch.empty(n, dtype=torch.bool, device=flat.device)
-        mask = torch.ge(flat, 0, out=self._mask[:n])
+        self._mask, mask = reused(self._mask, n, flat.device)
+        mask = torch.ge(flat, 0, out=mask)
         npos = torch.count_nonzero(mask)      # (a bool .sum() is 10x slower); before `pack` scratches the mask
         bits = pack(mask.view(torch.uint8), 1, inplace=True)
         # sums of the two sides from two reductions without temporaries: S = sum g, L = sum |g|,

@@ -16,33 +16,29 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from .base import Compressor, Payload
+from .base import Payload
 from .bitpack import pack, unpack
 from .finite import check_scale
-from .int8 import summed_level_bits, widen
-from .rounding import Uniforms, stochastic_codes
+from .int8 import ScaledLevels, summed_level_bits, widen
+from .rounding import stochastic_codes
 
 
 def bucket_norms(flat: torch.Tensor, bucket: int, ord: float) -> torch.Tensor:
     """fp32 norm of each bucket of `bucket` elements (the last may be shorter)."""
     n = flat.numel()
     full = (n // bucket) * bucket
-    wide = flat.dtype == torch.float64      # vector_norm never narrows its input: a float64 norm, then fp32
-    dt = None if wide else torch.float32
+    dt = None if flat.dtype == torch.float64 else torch.float32   # vector_norm never narrows: a float64 norm, then fp32
     parts = [torch.linalg.vector_norm(flat[:full].view(-1, bucket), ord=ord, dim=1, dtype=dt)]
     if full < n:
         parts.append(torch.linalg.vector_norm(flat[full:], ord=ord, dtype=dt).reshape(1))
-    out = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return out.float() if wide else out
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).float()
 
 
-def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int, offset: int) -> torch.Tensor:
-    """fp32 (codes - offset) * factor of the code's bucket, for flat integer `codes` (code `offset` gives exactly 0)."""
+def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int) -> torch.Tensor:
+    """fp32 codes * factor of the code's bucket, for flat `codes` (in place when they are fp32 already)."""
     n = codes.numel()
     full = (n // bucket) * bucket
     out = codes.to(torch.float32)
-    if offset:
-        out.sub_(offset)
     out[:full].view(-1, bucket).mul_(factors[: n // bucket].view(-1, 1))
     if full < n:
         out[full:].mul_(factors[-1])
@@ -50,13 +46,10 @@ def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int, offse
 
 
 @compressors.register("qsgd")
-class QSGD(Compressor):
+class QSGD(ScaledLevels):
     unbiased = True
-    linear = True
     randomness = "local"
     aggregation = "allreduce"
-    fixed_size = True         # the payload size depends only on the shape
-    pick_by_bytes = True
 
     def __init__(self, levels: int = 7, bucket: int = 512, norm: str = "l2", aggregation: str = "auto",
                  seed: int = 0):
@@ -66,13 +59,9 @@ class QSGD(Compressor):
             raise UserError(f"qsgd: bucket must be >= 1 element, got {bucket}")
         if norm not in ("l2", "max"):
             raise UserError(f"qsgd: norm must be one of l2, max; got {norm!r}")
-        if aggregation not in ("auto", "allreduce", "allgather"):
-            raise UserError(f"qsgd: aggregation must be one of auto, allreduce, allgather; got {aggregation!r}")
+        super().__init__(aggregation, seed)
         self.levels, self.bucket, self.norm = int(levels), int(bucket), norm
-        self.aggregation = "allreduce" if aggregation == "auto" else aggregation
-        self.pick_by_bytes = aggregation == "auto"
         self.bits = math.ceil(math.log2(2 * self.levels + 1))
-        self.uniforms = Uniforms(seed)
 
     def _norms(self, flat):
         return bucket_norms(flat, self.bucket, 2 if self.norm == "l2" else math.inf)
@@ -82,60 +71,43 @@ class QSGD(Compressor):
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
-        n = flat.numel()
         norms = self._norms(flat) if agreed is None else agreed.float()
         check_scale(norms, self.name, key, flat)
         s = self.levels
         inv = torch.where(norms > 0, s / norms, 0.0)      # an all-zero bucket codes as level 0
         codes = stochastic_codes(flat, inv, s, self.uniforms, self.bucket)
         packed = pack(codes, self.bits, inplace=True)
-        ctx = {"shape": tensor.shape, "dtype": tensor.dtype, "numel": n, "summed": False}
+        ctx = self.context(tensor.shape, tensor.dtype)
         if agreed is not None:
             ctx["norms"] = norms
             return Payload([packed], ctx=ctx)
         return Payload([packed, norms], ctx=ctx)
 
     def sum_payload(self, payload, world_size):
-        ctx = dict(payload.ctx)
-        if "norms" not in ctx:
+        if "norms" not in payload.ctx:
             raise ValueError("qsgd: only payloads compressed under agreed norms can be summed")
+        ctx = dict(payload.ctx, summed=True)
         codes = unpack(payload.tensors[0], self.bits, ctx["numel"])
-        levels = widen(codes, max(2 * self.levels, world_size * self.levels)).sub_(self.levels)
-        ctx["summed"] = True
-        return Payload([levels], ctx=ctx)
-
-    def context(self, shape, dtype, key=None, step=0):
-        # not agreed (the scale travels in the payload) and not summed
-        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel(), "summed": False}
+        return Payload([widen(codes, self.levels * max(2, world_size)).sub_(self.levels)], ctx=ctx)
 
     def decompress(self, payload):
         ctx = payload.ctx
         norms = ctx["norms"] if "norms" in ctx else payload.tensors[1]
-        factors = norms / self.levels
-        if ctx["summed"]:
-            out = scale_buckets(payload.tensors[0], factors, self.bucket, 0)
-        else:
-            codes = unpack(payload.tensors[0], self.bits, ctx["numel"])
-            if codes.data_ptr() == payload.tensors[0].data_ptr():     # 8-bit codes are the payload itself
+        levels = payload.tensors[0]
+        if not ctx["summed"]:
+            codes = unpack(levels, self.bits, ctx["numel"])
+            if codes.data_ptr() == levels.data_ptr():     # 8-bit codes are the payload itself
                 codes = codes.clone()
             # c - s on the bytes (wrapping: read as int8 it is the signed level), then one cast and one multiply
             levels = codes.sub_(self.levels).view(torch.int8)
-            out = scale_buckets(levels, factors, self.bucket, 0)
+        out = scale_buckets(levels, norms / self.levels, self.bucket)
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
-    def nominal_bits(self, numel, world_size=None):
-        """Packed: the codes and one fp32 norm per bucket; at `world_size` ranks: what the exchange sends there."""
-        if world_size is not None:
-            return self.wire_bits(numel, world_size)[1]
+    def packed_bits(self, numel):
+        """The codes and one fp32 norm per bucket."""
         return self.bits + 32.0 * math.ceil(numel / self.bucket) / max(numel, 1)
 
     def summed_bits(self, numel, world_size):
         """The signed levels widened for world_size of them, plus the norms agreed first (a max all-reduce)."""
         total = max(2 * self.levels, world_size * self.levels)
         return summed_level_bits(total) + 32.0 * math.ceil(numel / self.bucket) / max(numel, 1)
-
-    def state_dict(self):
-        return {"uniforms": self.uniforms.state_dict()}
-
-    def load_state_dict(self, state):
-        self.uniforms.load_state_dict(state["uniforms"])

@@ -14,8 +14,8 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._sparse import (SparseCompressor, check_collective, check_ratio, generator, index_dtype, local_generator,
-                      num_kept, pack_codes, topk_indices, unpack_codes)
+from ._sparse import (SparseCompressor, generator, index_dtype, local_generator, num_kept, pack_codes, topk_indices,
+                      unpack_codes)
 from .base import Payload
 
 
@@ -39,13 +39,11 @@ class QSparse(SparseCompressor):
     fixed_size = True
 
     def __init__(self, ratio: float = 0.01, levels: int = 7, seed: int = 0, sparse_collective: str = "allgather"):
-        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
-        self.ratio = check_ratio(ratio)
+        super().__init__(ratio, seed, sparse_collective)
         if not isinstance(levels, int) or levels < 1:
             raise UserError(f"levels must be an integer >= 1, got {levels}")
         self.levels = levels
         self.bits = math.ceil(math.log2(2 * levels + 1))
-        self.seed = seed
         self._gen = None   # local randomness for the rounding, seeded by (seed, rank) on first use
 
     def compress(self, tensor, key=None, step=0, agreed=None):

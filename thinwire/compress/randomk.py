@@ -83,9 +83,7 @@ class RandomK(Compressor):
         vals = payload.tensors[0].reshape(-1).to(dtype)
         if self.scale and idx.numel():
             vals = vals * (d / idx.numel())
-        out = torch.zeros(d, dtype=dtype, device=vals.device)
-        out.index_copy_(0, idx, vals)
-        return out.view(shape)
+        return torch.zeros(d, dtype=dtype, device=vals.device).index_copy_(0, idx, vals).view(shape)
 
     def aggregate(self, payloads):
         total = payloads[0].tensors[0].reshape(-1).clone()

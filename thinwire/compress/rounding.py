@@ -15,6 +15,8 @@ import zlib
 
 import torch
 
+from .base import Compressor, reused
+
 _COLS = 4096
 
 
@@ -45,16 +47,7 @@ class Uniforms:
     def mantissas(self, numel: int, device="cpu") -> torch.Tensor:
         """`numel` pairwise-independent integers uniform on [0, 2**23) as int32: A_i xor B_j over an R x C table
         (a view of an internal buffer, valid until the next call)."""
-        cols = min(_COLS, max(numel, 1))
-        rows = math.ceil(numel / cols) if numel else 0
-        if self._ibuf.numel() < rows * cols or self._ibuf.device != torch.device(device):
-            self._ibuf = torch.empty(rows * cols, dtype=torch.int32, device=device)
-        table = self._ibuf[: rows * cols].view(rows, cols)
-        gen = self.generator()
-        a = torch.randint(0, 1 << 23, (rows, 1), generator=gen, dtype=torch.int32, device=gen.device).to(device)
-        b = torch.randint(0, 1 << 23, (1, cols), generator=gen, dtype=torch.int32, device=gen.device).to(device)
-        torch.bitwise_xor(a, b, out=table)
-        return table.view(-1)[:numel]
+        return self._xor_table(numel, device, 23)
 
     def offset_uniforms(self, numel: int, offset: int, device="cpu") -> torch.Tensor:
         """`numel` fp32 numbers offset + u, u pairwise-independent uniform on a grid of [0, 1), built in one
@@ -67,16 +60,20 @@ class Uniforms:
         e = offset.bit_length() - 1
         free = 23 - e
         prefix = ((127 + e) << 23) | ((offset - (1 << e)) << free)
+        return self._xor_table(numel, device, free, prefix).view(torch.float32)
+
+    def _xor_table(self, numel: int, device, bits: int, prefix: int = 0) -> torch.Tensor:
+        """`numel` int32 (A_i | prefix) xor B_j over an R x C table of the internal buffer, A and B uniform
+        `bits`-bit integers."""
         cols = min(_COLS, max(numel, 1))
         rows = math.ceil(numel / cols) if numel else 0
-        if self._ibuf.numel() < rows * cols or self._ibuf.device != torch.device(device):
-            self._ibuf = torch.empty(rows * cols, dtype=torch.int32, device=device)
-        table = self._ibuf[: rows * cols].view(rows, cols)
+        self._ibuf, table = reused(self._ibuf, rows * cols, device)
+        table = table.view(rows, cols)
         gen = self.generator()
-        a = torch.randint(0, 1 << free, (rows, 1), generator=gen, dtype=torch.int32, device=gen.device).to(device).bitwise_or_(prefix)
-        b = torch.randint(0, 1 << free, (1, cols), generator=gen, dtype=torch.int32, device=gen.device).to(device)
-        torch.bitwise_xor(a, b, out=table)
-        return table.view(-1)[:numel].view(torch.float32)
+        a = torch.randint(0, 1 << bits, (rows, 1), generator=gen, dtype=torch.int32, device=gen.device).to(device)
+        b = torch.randint(0, 1 << bits, (1, cols), generator=gen, dtype=torch.int32, device=gen.device).to(device)
+        torch.bitwise_xor(a.bitwise_or_(prefix), b, out=table)
+        return table.view(-1)[:numel]
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "gen": None if self._gen is None else self._gen.get_state()}
@@ -85,6 +82,19 @@ class Uniforms:
         self.seed = state["seed"]
         if state.get("gen") is not None:
             self.generator().set_state(state["gen"])
+
+
+class Stochastic(Compressor):
+    """A compressor that rounds with its own `Uniforms`, whose stream a checkpoint saves and restores."""
+
+    def __init__(self, seed: int = 0):
+        self.uniforms = Uniforms(seed)
+
+    def state_dict(self):
+        return {"uniforms": self.uniforms.state_dict()}
+
+    def load_state_dict(self, state):
+        self.uniforms.load_state_dict(state["uniforms"])
 
 
 def stochastic_codes(x: torch.Tensor, inv_scale: torch.Tensor | float, levels: int, uniforms: Uniforms,

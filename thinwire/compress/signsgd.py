@@ -12,11 +12,6 @@ from ..errors import UserError
 from .finite import check_scale, check_tensor
 
 
-def sign_bits(flat: torch.Tensor) -> torch.Tensor:
-    """The packed bits 1[x >= 0], one per element."""
-    return pack(torch.ge(flat, 0).view(torch.uint8), 1, inplace=True)
-
-
 def signs(bits: torch.Tensor, numel: int, scale=1.0) -> torch.Tensor:
     """fp32 tensor of scale * (2b - 1) from packed bits (a table lookup per byte); `scale` a number or a
     one-element tensor (kept on the device)."""
@@ -49,7 +44,7 @@ class SignSGD(Compressor):
 
     def payload(self, flat: torch.Tensor, shape, dtype, key=None) -> Payload:
         """The sign bits of `flat` (and its scale ‖flat‖₁/d)."""
-        tensors = [sign_bits(flat)]
+        tensors = [pack(torch.ge(flat, 0).view(torch.uint8), 1, inplace=True)]     # the bits 1[x >= 0]
         if self.scale:
             l1 = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32).reshape(1)
             check_scale(l1, self.name, key, flat)

@@ -22,22 +22,16 @@ import torch
 
 from ..errors import UserError
 from . import compressors, memories
-from ._chunks import Layouts, check_chunk, check_topk, index_nbytes, pack_index, unpack_index
-from .base import Compressor, Payload
+from ._chunks import Chunked, Layouts, check_chunk, check_topk, index_nbytes, pack_index, unpack_index
+from .base import Payload
 from .bitpack import pack, packed_nbytes, unpack
 from .finite import check_tensor
 from .residual import Residual
 
 
 @compressors.register("sparseloco")
-class SparseLoCo(Compressor):
+class SparseLoCo(Chunked):
     """SparseLoCo: top-k per chunk, values as 2-bit codes (sign + magnitude bit, 2 fp32 levels per chunk)."""
-
-    unbiased = False
-    linear = False
-    randomness = "none"
-    aggregation = "allgather"
-    fixed_size = True         # the payload size depends only on the shape
 
     def __init__(self, chunk: int = 4096, topk: int = 64):
         self.chunk = check_chunk("sparseloco", chunk)
@@ -62,8 +56,7 @@ class SparseLoCo(Compressor):
             levels.append(torch.where(n > 0, s / n.clamp(min=1), empty))      # the mean |v| of the half
         codes = upper.to(torch.uint8).bitwise_or_(vals.lt(0).to(torch.uint8).bitwise_left_shift_(1))
         return Payload([*pack_index(local, self.chunk), pack(codes, 2, inplace=True),
-                        torch.stack(levels, 1).reshape(-1)],
-                       ctx={"shape": tensor.shape, "dtype": tensor.dtype, "numel": flat.numel()})
+                        torch.stack(levels, 1).reshape(-1)], ctx=self.context(tensor.shape, tensor.dtype))
 
     def _contribution(self, payload, lay) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat positions, fp32 values) of one rank's payload."""
@@ -73,18 +66,11 @@ class SparseLoCo(Compressor):
         vals = levels[2 * lay.row_of(levels.device) + codes.bitwise_and(1)]
         return lay.positions(local), torch.where(codes.bitwise_right_shift(1).bool(), -vals, vals)
 
-    def context(self, shape, dtype, key=None, step=0):
-        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}
-
-    def aggregate(self, payloads):
-        ctx = payloads[0].ctx
-        lay = self.layouts(ctx["numel"])
+    def _sum32(self, payloads):
+        lay = self.layouts(payloads[0].ctx["numel"])
         parts = [self._contribution(p, lay) for p in payloads]
-        out = torch.zeros(lay.n, device=parts[0][1].device).index_add_(0, torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
-        return out.to(ctx["dtype"]).view(ctx["shape"])
-
-    def decompress(self, payload):
-        return self.aggregate([payload])
+        pos, vals = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
+        return torch.zeros(lay.n, device=vals.device).index_add_(0, pos, vals)
 
     def nominal_bits(self, numel):
         lay = self.layouts(numel)

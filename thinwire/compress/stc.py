@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from ._sparse import (SparseCompressor, check_collective, check_ratio, generator, index_dtype, num_kept, pack_codes,
-                      topk_indices, unpack_codes)
+from ._sparse import SparseCompressor, generator, index_dtype, num_kept, pack_codes, topk_indices, unpack_codes
 from .base import Payload
 
 
@@ -19,11 +18,6 @@ class STC(SparseCompressor):
 
     index_slot = 0            # indices first
     fixed_size = True
-
-    def __init__(self, ratio: float = 0.01, seed: int = 0, sparse_collective: str = "allgather"):
-        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
-        self.ratio = check_ratio(ratio)
-        self.seed = seed
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)

@@ -17,38 +17,28 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from .base import Compressor, Payload
+from .base import Payload
 from .bitpack import decode, pack, unpack
 from .finite import check_scale
-from .int8 import summed_level_bits, widen
-from .rounding import Uniforms, stochastic_codes
+from .int8 import ScaledLevels, maxabs, summed_level_bits, widen
+from .rounding import stochastic_codes
 
 
 @compressors.register("terngrad")
-class TernGrad(Compressor):
+class TernGrad(ScaledLevels):
     unbiased = False          # unbiased for the clipped gradient only: True with clip=0 (see the module docstring)
-    linear = True
     randomness = "local"
     aggregation = "allreduce"
-    fixed_size = True         # the payload size depends only on the shape
-    pick_by_bytes = True
 
     def __init__(self, clip: float = 2.5, aggregation: str = "auto", seed: int = 0):
         if clip < 0:
             raise UserError(f"terngrad: clip (in standard deviations, 0 for none) must be >= 0, got {clip}")
-        if aggregation not in ("auto", "allreduce", "allgather"):
-            raise UserError(f"terngrad: aggregation must be one of auto, allreduce, allgather; got {aggregation!r}")
+        super().__init__(aggregation, seed)
         self.clip = float(clip)
         self.unbiased = self.clip == 0
-        self.aggregation = "allreduce" if aggregation == "auto" else aggregation
-        self.pick_by_bytes = aggregation == "auto"
-        self.uniforms = Uniforms(seed)
 
     def _scale(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.numel() == 0:
-            return torch.zeros(1, device=flat.device)
-        lo, hi = torch.aminmax(flat)
-        scale = torch.maximum(-lo, hi).float()
+        scale = maxabs(flat)
         n = flat.numel()
         if self.clip > 0 and n > 1:
             f = flat if flat.dtype == torch.float32 else flat.float()
@@ -56,7 +46,7 @@ class TernGrad(Compressor):
             sigma = ((squares - total * total / n).clamp(min=0) / (n - 1)).sqrt().float()
             if bool(torch.isfinite(sigma)):      # (sums of squares of huge values overflow: then no clipping)
                 scale = torch.minimum(scale, self.clip * sigma)
-        return scale.reshape(1)
+        return scale
 
     def agree(self, tensor, key=None, step=0):
         return self._scale(tensor.reshape(-1))
@@ -68,7 +58,7 @@ class TernGrad(Compressor):
         s = float(scale)
         codes = stochastic_codes(flat, 1.0 / s if s > 0 else 0.0, 1, self.uniforms, clip=True)
         packed = pack(codes, 2, inplace=True)
-        ctx = {"shape": tensor.shape, "dtype": tensor.dtype, "numel": flat.numel(), "summed": False}
+        ctx = self.context(tensor.shape, tensor.dtype)
         if agreed is not None:
             ctx["scale"] = s          # agreed: every rank knows it (ctx never holds one rank's own data)
         return Payload([packed] if agreed is not None else [packed, scale], ctx=ctx)
@@ -77,10 +67,6 @@ class TernGrad(Compressor):
         ctx = dict(payload.ctx, summed=True)
         codes = unpack(payload.tensors[0], 2, ctx["numel"])
         return Payload([widen(codes, max(2, world_size)).sub_(1)], ctx=ctx)
-
-    def context(self, shape, dtype, key=None, step=0):
-        # not agreed (the scale travels in the payload) and not summed
-        return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel(), "summed": False}
 
     def decompress(self, payload):
         ctx = payload.ctx
@@ -91,17 +77,8 @@ class TernGrad(Compressor):
             out = decode(payload.tensors[0], 2, ctx["numel"], (-1.0, 0.0, 1.0, 0.0), scale=s)   # (code - 1) s, by table
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
-    def nominal_bits(self, numel, world_size=None):
-        """Packed: 2-bit codes and the scale; at `world_size` ranks: what the exchange sends there."""
-        if world_size is not None:
-            return self.wire_bits(numel, world_size)[1]
-        return 2.0 + 32.0 / max(numel, 1)
+    def packed_bits(self, numel):
+        return 2.0 + 32.0 / max(numel, 1)       # 2-bit codes and the scale
 
     def summed_bits(self, numel, world_size):
         return summed_level_bits(max(2, world_size)) + 32.0 / max(numel, 1)    # levels + the agreed scale
-
-    def state_dict(self):
-        return {"uniforms": self.uniforms.state_dict()}
-
-    def load_state_dict(self, state):
-        self.uniforms.load_state_dict(state["uniforms"])

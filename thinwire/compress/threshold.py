@@ -19,8 +19,8 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._sparse import SparseCompressor, beyond, check_collective, index_dtype
-from .base import Payload
+from ._sparse import SparseCompressor, beyond, check_collective
+from .base import reused
 
 SMALL = 1 << 16       # below this, the plain mask + nonzero is as fast
 
@@ -33,10 +33,9 @@ class Scratch:
         self.mask = torch.empty(0, dtype=torch.bool, device="cpu")
 
     def get(self, n: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        if self.dev.numel() < n or self.dev.device != torch.device(device):
-            self.dev = torch.empty(n, device=device)
-            self.mask = torch.empty(n, dtype=torch.bool, device=device)
-        return self.dev[:n], self.mask[:n]
+        self.dev, dev = reused(self.dev, n, device)
+        self.mask, mask = reused(self.mask, n, device)
+        return dev, mask
 
 
 _FULL = 0x0101010101010101      # an int64 word of 8 set bool flags
@@ -77,16 +76,12 @@ def select_beyond(flat: torch.Tensor, thr: float, center: float = 0.0,
     n = flat.numel()
     if n < SMALL or flat.dtype != torch.float32 or scratch is None:
         return torch.nonzero(beyond(flat, thr, center)).squeeze(1), None
-    dev, mask = scratch.get(n, flat.device)
+    dev = scratch.get(n, flat.device)[0]
     if center:
         torch.sub(flat, center, out=dev).abs_()
     else:
         torch.abs(flat, out=dev)
-    if thr > 0:
-        torch.ge(dev, thr, out=mask)
-    else:
-        torch.gt(dev, 0, out=mask)
-    return mask_indices(mask), dev
+    return reselect(dev, thr, scratch), dev
 
 
 def reselect(dev: torch.Tensor, thr: float, scratch: Scratch) -> torch.Tensor:
@@ -97,14 +92,8 @@ def reselect(dev: torch.Tensor, thr: float, scratch: Scratch) -> torch.Tensor:
 
 
 class Selected(SparseCompressor):
-    """A SparseCompressor whose payload gathers by `index_select` (2x faster than `flat[idx]` here) and whose
-    single-payload decompress scatters without concatenating copies first (threshold, dgc, gaussiank)."""
-
-    def compress(self, tensor, key=None, step=0, agreed=None):
-        flat = tensor.reshape(-1)
-        idx = self.select(flat, key, step)
-        return Payload([flat.index_select(0, idx), idx.to(index_dtype(flat.numel()))],
-                       ctx=(tensor.shape, tensor.dtype, flat.numel()))
+    """A SparseCompressor whose single-payload decompress scatters without concatenating copies first (threshold,
+    dgc, gaussiank)."""
 
     def decompress(self, payload):
         shape, dtype, numel = payload.ctx

@@ -63,8 +63,8 @@ class Threshold2Bit(Compressor):
 
     def aggregate(self, payloads):
         """Σ_ranks Q(x_r): count the signs in int32, multiply by α once."""
-        shape, dtype, _ = payloads[0].ctx
-        count = torch.zeros(payloads[0].ctx[2], dtype=torch.int32, device=payloads[0].tensors[0].device)
+        shape, dtype, n = payloads[0].ctx
+        count = torch.zeros(n, dtype=torch.int32, device=payloads[0].tensors[0].device)
         for p in payloads:
             count += self._signs(p)
         return (count.to(dtype) * self.threshold).view(shape)

@@ -8,7 +8,7 @@ runs on those few (falling back to a full torch.topk in the rare case the sample
 from __future__ import annotations
 
 from . import compressors
-from ._sparse import SparseCompressor, check_collective, check_ratio, generator, num_kept, topk_indices
+from ._sparse import SparseCompressor, generator, num_kept, topk_indices
 
 
 @compressors.register("topk")
@@ -17,13 +17,5 @@ class TopK(SparseCompressor):
 
     fixed_size = True
 
-    def __init__(self, ratio: float = 0.01, seed: int = 0, sparse_collective: str = "allgather"):
-        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
-        self.ratio = check_ratio(ratio)
-        self.seed = seed
-
     def select(self, flat, key, step):
         return topk_indices(flat, num_kept(self.ratio, flat.numel()), generator(self.seed, key, step))
-
-    def nominal_bits(self, numel):
-        return self.sparse_bits(num_kept(self.ratio, numel), numel)
