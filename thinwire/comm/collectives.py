@@ -279,9 +279,7 @@ def _tree_reduce(tp, flat, members, me, combine) -> None:
 def _tree_broadcast(tp, flat, members, me) -> None:
     """Binomial-tree broadcast from members[0]: ⌈log2 n⌉ rounds."""
     n = len(members)
-    mask = 1
-    while mask < n:
-        mask <<= 1
+    mask = 1 << (n - 1).bit_length()            # the smallest power of two >= n
     if me:
         low = me & -me
         yield from _exchange(tp, None, 0, flat, members[me - low])

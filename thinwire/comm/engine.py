@@ -182,11 +182,15 @@ def run_nested(program: Generator) -> Any:
             fut = program.throw(error) if error is not None else program.send(value)
         except StopIteration as stop:
             return stop.value
-        value, error = None, None
-        try:
-            value = fut.result()
-        except BaseException as e:  # noqa: BLE001 - thrown into the program
-            error = e
+        value, error = _outcome(fut)
+
+
+def _outcome(fut: Future) -> tuple:
+    """Block on `fut`: (its result, None) or (None, its error), what a program waiting on it resumes with."""
+    try:
+        return fut.result(), None
+    except BaseException as e:  # noqa: BLE001
+        return None, e
 
 
 class Engine:
@@ -215,13 +219,13 @@ class Engine:
                 self._busy, self._barrier = True, None
             else:
                 self._queue.append((task, program, serial, None))
-                self._start_thread()
-                self._cv.notify()
+                self._wake()
         if inline:
             self._advance(task, program, serial, None, on_caller=True)
         return task
 
-    def _start_thread(self) -> None:
+    def _wake(self) -> None:
+        """(lock held) A program was queued: wake the engine's thread, starting it if it is not running."""
         if self._thread is None or not self._thread.is_alive():
             # the engine's thread must get the GIL back soon after each round completes, while the training
             # thread computes: a 5 ms switch interval adds up to ~5 ms per round (a ring all-reduce of 2(n-1)
@@ -229,6 +233,7 @@ class Engine:
             sys.setswitchinterval(min(sys.getswitchinterval(), 1e-3))
             self._thread = threading.Thread(target=self._loop, name="thinwire-engine", daemon=True)
             self._thread.start()
+        self._cv.notify()
 
     def _advance(self, task: Task, program: Generator, serial: bool, resume: tuple | None,
                  on_caller: bool) -> None:
@@ -246,17 +251,12 @@ class Engine:
                 except BaseException as e:  # noqa: BLE001 - the task carries it to whoever waits
                     self._done(task, None, e, serial)
                     return
-                value, error = None, None
                 if on_caller and not fut.is_completed():
                     with self._cv:
                         self._queue.appendleft((task, program, serial, fut))
-                        self._start_thread()
-                        self._cv.notify()
+                        self._wake()
                     return
-                try:
-                    value = fut.result()
-                except BaseException as e:  # noqa: BLE001
-                    error = e
+                value, error = _outcome(fut)
         finally:
             _tls.depth -= 1
 
@@ -280,12 +280,7 @@ class Engine:
                 barrier, self._barrier = self._barrier, None
             if barrier is not None and pending is None:
                 _settle(barrier)            # serial: the previous program's transfer is delivered first
-            resume = None
-            if pending is not None:
-                try:
-                    resume = (pending.result(), None)
-                except BaseException as e:  # noqa: BLE001
-                    resume = (None, e)
+            resume = _outcome(pending) if pending is not None else None
             self._advance(task, program, serial, resume, on_caller=False)
 
     def abandon(self, error: BaseException) -> None:
@@ -297,10 +292,6 @@ class Engine:
         for task, program, _serial, _pending in queued:
             program.close()
             task._finish(error=error)
-
-    def idle(self) -> bool:
-        with self._cv:
-            return not self._busy and not self._queue
 
 
 def _settle(fut: Future) -> None:

@@ -27,11 +27,8 @@ class Meter:
     def record(self, kind: str, sent: float, recv: float, real_s: float = 0.0, emulated_s: float = 0.0) -> None:
         with self._lock:
             row = self.by_kind[kind]
-            row["ops"] += 1
-            row["bytes_sent"] += sent
-            row["bytes_recv"] += recv
-            row["real_s"] += real_s
-            row["emulated_s"] += emulated_s
+            for k, v in zip(FIELDS, (1, sent, recv, real_s, emulated_s)):
+                row[k] += v
 
     def add_wait(self, seconds: float) -> None:
         with self._lock:
@@ -63,10 +60,3 @@ class Meter:
         with self._lock:
             kinds = {k: dict(v) for k, v in self.by_kind.items()}
         return {"total": self.totals(), "by_kind": kinds}
-
-    def reset(self) -> None:
-        with self._lock:
-            self.by_kind.clear()
-            self.wait_s = 0.0
-        self.steps.clear()
-        self._last = {}

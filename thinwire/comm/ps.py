@@ -47,12 +47,8 @@ class Header(NamedTuple):
 def shard_bounds(numel: int, k: int) -> list[tuple[int, int]]:
     """K contiguous [lo, hi) ranges covering 0..numel, sizes differing by at most one (the first are larger)."""
     base, extra = divmod(numel, k)
-    out, lo = [], 0
-    for i in range(k):
-        hi = lo + base + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+    cuts = [i * base + min(i, extra) for i in range(k + 1)]   # the first `extra` ranges hold one more
+    return list(zip(cuts, cuts[1:]))
 
 
 class PSLayout:
@@ -182,15 +178,12 @@ class ServerLoop:
         return not self._outbox and all(h.is_completed() for h in self._sending)
 
     def _pump_out(self) -> bool:
-        if self._sending and not all(h.is_completed() for h in self._sending):
+        """Send the next queued reply once the previous one left; whether a reply left or started."""
+        if not all(h.is_completed() for h in self._sending):
             return False
-        was = bool(self._sending)
-        self._sending = []
-        if self._outbox:
-            dst, header, body = self._outbox.popleft()
-            self._sending = send(self.t, dst, header, body, REPLY_TAGS)
-            return True
-        return was
+        progressed = bool(self._sending or self._outbox)
+        self._sending = send(self.t, *self._outbox.popleft(), REPLY_TAGS) if self._outbox else []
+        return progressed
 
     def run(self, handle: Callable[[int, Header, torch.Tensor | None], None],
             tick: Callable[[], bool] | None = None) -> None:

@@ -80,11 +80,7 @@ class Topology:
             x, y = grid_shape(n)
             r, c = divmod(i, x)
             peers = [r * x + (c + 1) % x, r * x + (c - 1) % x, ((r + 1) % y) * x + c, ((r - 1) % y) * x + c]
-        out = []
-        for p in peers:  # dedupe, keep order, drop self
-            if p != i and p not in out:
-                out.append(p)
-        return out
+        return [p for p in dict.fromkeys(peers) if p != i]  # dedupe, keep order, drop self
 
     def matching(self, step: int) -> list[int]:
         """The partner of every rank at `step` (-1: idle), for pairwise gossip. `random`: a uniformly random
@@ -138,13 +134,7 @@ class Topology:
 
     def matrix(self, step: int = 0) -> np.ndarray:
         """W at `step` (float64, n×n): row i holds the weights rank i gives to every rank."""
-        if self.static:
-            return self._W.copy()
-        W = np.eye(self.n)
-        for i, p in enumerate(self.matching(step)):
-            if p >= 0:
-                W[i, i] = W[i, p] = 0.5
-        return W
+        return self._W.copy() if self.static else self.pair_matrix(step)
 
     def expected_matrix(self) -> np.ndarray:
         """E[W] over steps (W itself for static topologies)."""
@@ -152,8 +142,8 @@ class Topology:
             return self._W.copy()
         n = self.n
         pair = 1.0 / (n - 1) if n % 2 == 0 else 1.0 / n  # probability that a given pair is matched
-        W = np.full((n, n), pair / 2) if n > 1 else np.ones((1, 1))
-        np.fill_diagonal(W, 1.0 - pair / 2 * (n - 1) if n > 1 else 1.0)
+        W = np.full((n, n), pair / 2)
+        np.fill_diagonal(W, 1.0 - pair / 2 * (n - 1))
         return W
 
     def spectral_gap(self) -> float:
@@ -165,12 +155,11 @@ class Topology:
 
     def push_matrix(self, step: int) -> np.ndarray:
         """SGP's column-stochastic P at `step`: p_jj = p_{o j} = 1/2 with o = out_peer(j, step) (p_jj = 1 alone)."""
-        P = np.zeros((self.n, self.n))
+        P = np.eye(self.n)
         for j in range(self.n):
             o = self.out_peer(j, step)
-            P[j, j] += 0.5 if o >= 0 else 1.0
             if o >= 0:
-                P[o, j] += 0.5
+                P[j, j] = P[o, j] = 0.5
         return P
 
     def pair_matrix(self, step: int) -> np.ndarray:
@@ -195,9 +184,6 @@ class Topology:
             return self.spectral_gap()
         return mixing_gap([self.pair_matrix(s) for s in range(2 if self.n > 2 else 1)])
 
-    def weight(self, i: int, j: int, step: int = 0) -> float:
-        return float(self.matrix(step)[i, j]) if not self.static else float(self._W[i, j])
-
 
 def mixing_gap(matrices: list[np.ndarray]) -> float:
     """1 - |λ2(M_{L-1}⋯M_0)|^{1/L}: the per-round gap of a periodic schedule of stochastic mixing matrices."""
@@ -207,8 +193,3 @@ def mixing_gap(matrices: list[np.ndarray]) -> float:
     lam = np.sort(np.abs(np.linalg.eigvals(prod)))[::-1]
     rho = float(lam[1]) if len(lam) > 1 and lam[1] > 1e-9 else 0.0   # (exact consensus: round-off, not a rate)
     return 1.0 - min(rho, 1.0) ** (1.0 / len(matrices))
-
-
-def check_topology(name: str, n: int) -> None:
-    """UserError (naming the valid choices) when `name` is not a topology for `n` ranks."""
-    Topology(name, n)

@@ -20,7 +20,7 @@ from ..net import Cost, Link, p2p, parse_network, ring_allgather, ring_allreduce
 from ..trace import NULL, Tracer
 from .context import default_network, default_seed
 from .emulation import LinkClock
-from .engine import ENGINE, Future, Ready, in_program
+from .engine import ENGINE, Future, Ready
 from .membership import MEMBERSHIP, PeerLost
 from .meter import Meter
 
@@ -45,7 +45,6 @@ class Handle(Future):
         self._done = False
         self._lock = threading.Lock()
         self._once = threading.Lock()
-        self._waiter: threading.Thread | None = None
         self._error: BaseException | None = None
         self._real: threading.Event | None = None  # set by the waiter thread (gloo point-to-point)
         self._real_at: float | None = None          # when the real op completed
@@ -77,9 +76,8 @@ class Handle(Future):
                 w.wait()
         except RuntimeError as e:
             self._error = e  # the caller's own wait() raises it
-            self._real.set()
-            return
-        self._on_real_done()
+        else:
+            self._on_real_done()
         self._real.set()
 
     def _on_future(self, fut) -> None:
@@ -204,12 +202,10 @@ class Handle(Future):
                 if not self._done:
                     if self._real is not None:
                         self._real.wait()
-                        if self._error is not None:
-                            raise self._error
                     elif self._real_at is None:   # (a work's own done-callback must not wait on it)
                         for w in self._works:
                             w.wait()
-                    if self._error is not None:   # seen by the future's callback
+                    if self._error is not None:   # seen by the waiter thread or the future's callback
                         raise self._error
                     self._on_real_done()
                     self._scheduled.wait()   # an earlier collective still running: delivered after it
@@ -310,12 +306,6 @@ class Transport:
         fut = self.run(program, label=kind, background=False, serial=False).unwrap()
         return fut if async_op else fut.wait()
 
-    def _handle(self, kind, works, cost, result, post=None, issued=None, **flags) -> Handle:
-        return Handle(self, kind, works, cost, result, post, issued=issued, **flags)
-
-    def group_rank(self, global_rank: int) -> int:
-        return dist.get_group_rank(self.group, global_rank) if self.group is not dist.group.WORLD else global_rank
-
     def global_of(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not dist.group.WORLD else group_rank
 
@@ -340,7 +330,7 @@ class Transport:
             works = [dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True)]
         cost = ring_allreduce(self.collective_link, self.world_size, tensor.numel() * tensor.element_size())
         post = (lambda t: t.div_(self.world_size)) if op == "mean" and self.world_size > 1 else None
-        return self._handle("all_reduce", works, cost, tensor, post, issued)
+        return Handle(self, "all_reduce", works, cost, tensor, post, issued)
 
     def all_gather(self, tensor: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False):
         """Gather a 1-D view of `tensor` from every rank; sizes may differ per rank (gloo's all_gather
@@ -366,15 +356,15 @@ class Transport:
         sizes = [int(s) for s in sizes]
         if len(sizes) != n or sizes[self.rank] != flat.numel():
             raise ValueError(f"all_gather sizes {sizes} do not match this rank's {flat.numel()} elements")
-        largest = max(sizes) if sizes else 0
+        largest = max(sizes)
         if n == 1:
-            return self._handle("all_gather", [], cost_extra, [flat.clone()], None, issued)
+            return Handle(self, "all_gather", [], cost_extra, [flat.clone()], None, issued)
         block = flat if flat.numel() == largest else torch.cat([flat, flat.new_zeros(largest - flat.numel())])
         out = [block.new_empty(largest) for _ in range(n)]
         works = [dist.all_gather(out, block, group=self.group, async_op=True)]
         cost = ring_allgather(self.collective_link, n, largest * flat.element_size()) + cost_extra
         post = lambda blocks: [b[:s] for b, s in zip(blocks, sizes)]
-        return self._handle("all_gather", works, cost, out, post, issued)
+        return Handle(self, "all_gather", works, cost, out, post, issued)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from group rank `src`, in place. Costed as a binomial tree."""
@@ -385,7 +375,7 @@ class Transport:
                 works = [dist.broadcast(tensor, src=self.global_of(src), group=self.group, async_op=True)]
             cost = tree_broadcast(self.collective_link, self.world_size, tensor.numel() * tensor.element_size(),
                                   self.rank, src)
-            return self._handle("broadcast", works, cost, tensor, None, issued)
+            return Handle(self, "broadcast", works, cost, tensor, None, issued)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "broadcast", async_op)
 
@@ -411,7 +401,7 @@ class Transport:
                 stamp = torch.tensor([out], dtype=torch.float64, device=data.device).view(torch.uint8)
                 data = torch.cat([data.reshape(-1).view(torch.uint8), stamp])
             work = dist.isend(data, dst=self.global_of(dst), group=self.group, tag=tag)
-            return self._handle("send", [work], cost, tensor, None, issued, rx=False, latency=False,
+            return Handle(self, "send", [work], cost, tensor, None, issued, rx=False, latency=False,
                                 reserved=out)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "send", async_op)
@@ -426,7 +416,7 @@ class Transport:
             cost = Cost(c.latency, c.transfer, 0.0, c.received)
             if not self.link.emulated:
                 work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
-                return self._handle("recv", [work], cost, tensor, None, issued, tx=False)
+                return Handle(self, "recv", [work], cost, tensor, None, issued, tx=False)
             buf = torch.empty(nbytes + 8, dtype=torch.uint8, device=tensor.device)    # the data, then the sender's push-out time
             work = dist.irecv(buf, src=self.global_of(src), group=self.group, tag=tag)
 
@@ -436,7 +426,7 @@ class Transport:
             def unpack(t: torch.Tensor) -> torch.Tensor:
                 t.reshape(-1).view(torch.uint8).copy_(buf[:nbytes])
                 return t
-            return self._handle("recv", [work], cost, tensor, unpack, issued, tx=False, not_before=pushed_out)
+            return Handle(self, "recv", [work], cost, tensor, unpack, issued, tx=False, not_before=pushed_out)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "recv", async_op)
 

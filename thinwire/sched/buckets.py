@@ -86,11 +86,12 @@ class Bucket:
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat tensor in the bucket's layout as per-member views shaped like the parameters."""
-        out, off = [], 0
-        for p in self.params:
-            out.append(flat[off:off + p.numel()].view_as(p))
-            off += p.numel()
-        return out
+        return views(flat, self.params)
+
+
+def views(flat: torch.Tensor, like) -> list[torch.Tensor]:
+    """`flat`, the tensors `like` concatenated (flattened), as views of it shaped like each of them."""
+    return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 class Buckets:
@@ -106,18 +107,14 @@ class Buckets:
         for b, members in enumerate(groups):
             ps = [params[i] for i in members]
             buf = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-            views, off = [], 0
-            for k, p in enumerate(ps):
-                views.append(buf[off:off + p.numel()].view_as(p))
-                off += p.numel()
-                self.slot[members[k]] = (b, k)
-            self.buckets.append(Bucket(b, list(members), buf, views, ps, f"bucket:{members[0]}-{members[-1]}"))
+            bucket = Bucket(b, list(members), buf, params=ps, key=f"bucket:{members[0]}-{members[-1]}")
+            bucket.views = bucket.split(buf)
+            self.buckets.append(bucket)
+            for k, i in enumerate(members):
+                self.slot[i] = (b, k)
         with torch.no_grad():
-            for i, p in enumerate(params):  # adopt existing gradients, then alias them
-                v = self.view(i)
-                if p.grad is not None:
-                    v.copy_(p.grad)
-                p.grad = v
+            for i in range(len(params)):  # adopt existing gradients, then alias them
+                self.adopt(i)
 
     def view(self, i: int) -> torch.Tensor:
         b, k = self.slot[i]

@@ -89,11 +89,9 @@ class Priority(Profiled):
         self.exchange = algorithm.exchange       # priority decides the update too: bsp's exchange, per chunk
         self._inplace = self.exchange.identity
         super().attach(model, params, algorithm, transport, tracer)
-        self._mods = []
         for m in model.modules():
             own = [self.index[id(p)] for p in m.parameters(recurse=False) if id(p) in self.index]
             if own:
-                self._mods.append(m)
                 self._hooks.append(m.register_forward_pre_hook(self._make_pre_hook(own)))
         return self
 
@@ -119,8 +117,7 @@ class Priority(Profiled):
         for us in self.param_units:
             for u in us:
                 self.unit_params[u] += 1
-        self.flat = [torch.zeros(self.numel, dtype=p0.dtype, device=p0.device),
-                     torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)]
+        self.flat = [torch.zeros(self.numel, dtype=p0.dtype, device=p0.device) for _ in range(2)]
         self._result_buf = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
         self.result = self._result_buf
         self.cur = 0
@@ -130,10 +127,7 @@ class Priority(Profiled):
         self._pending: set[int] = set()
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                v = self._view(self.flat[0], i)
-                if p.grad is not None:
-                    v.copy_(p.grad)
-                p.grad = v
+                adopt_view(p, self._view(self.flat[0], i))
         self.sizes = [0]
         self._reset()
 
@@ -276,9 +270,7 @@ class Priority(Profiled):
         if self._began:
             self.finish_step()
         self.flush()
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        super().close()
 
     def describe(self) -> dict:
         return {"schedule": self.name, "chunks": len(self.units), "chunk_bytes": self.unit_bytes[:1],
