@@ -26,7 +26,7 @@ def check_numbers(args) -> None:
 
 
 def run(args) -> int:
-    from ..net import Link, parse_network
+    from ..net import parse_network
     from ..plan.advise import advise, format_diloco, format_table, recommend_diloco
     from ..run.calibrate import calibrate, load_calibration
     from ..plan.costmodel import Scenario

@@ -12,21 +12,24 @@ from __future__ import annotations
 import sys
 
 
+def _split(text: str, continues) -> list[str]:
+    """Items separated by ';', or by ',' except where `continues(previous item, item)`."""
+    if ";" in text:
+        return [c.strip() for c in text.split(";") if c.strip()]
+    out: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if out and item and continues(out[-1], item):
+            out[-1] += "," + item
+        elif item:
+            out.append(item)
+    return out
+
+
 def split_cells(text: str) -> list[str]:
     """Cells are separated by ';', or by ',' where the next item does not look like key=value
     (so `bsp,dts:delay=4,period=4,ddp` is three cells)."""
-    if ";" in text:
-        return [c.strip() for c in text.split(";") if c.strip()]
-    cells: list[str] = []
-    for item in (s.strip() for s in text.split(",")):
-        if not item:
-            continue
-        if cells and "=" in item and ":" not in item.split("=", 1)[0] and "+" not in item.split("=", 1)[0] \
-                and (":" in cells[-1]):
-            cells[-1] += "," + item
-        else:
-            cells.append(item)
-    return cells
+    return _split(text, lambda prev, item: ":" in prev and "=" in item
+                  and not {":", "+"} & set(item.split("=", 1)[0]))
 
 
 def register(sub) -> None:
@@ -67,15 +70,7 @@ def register(sub) -> None:
 
 
 def _networks(text: str) -> list[str]:
-    if ";" in text:
-        return [n.strip() for n in text.split(";") if n.strip()]
-    out: list[str] = []
-    for item in (s.strip() for s in text.split(",")):
-        if out and out[-1].startswith("custom:") and "=" in item:
-            out[-1] += "," + item
-        elif item:
-            out.append(item)
-    return out
+    return _split(text, lambda prev, item: prev.startswith("custom:") and "=" in item)
 
 
 def check_numbers(args) -> None:

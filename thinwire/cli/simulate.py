@@ -94,9 +94,8 @@ def run(args) -> int:
             print(f"{r['schedule']:<26} {r['workers']:>7} {lat:>9} {r['iteration_s'] * 1e3:>9.1f}ms "
                   f"{r['scalability']:>11.3f}")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "simulate.json"), "w") as f:
-            json.dump(rows, f, indent=2)
+        from ..run.benchmarks import write_json
+        write_json(rows, args.out, "simulate.json", indent=2)
         for path in plot(rows, args.out):
             if not args.json:
                 print(f"plot: {path}")
@@ -104,9 +103,8 @@ def run(args) -> int:
 
 
 def plot(rows: list[dict], out: str) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..run.benchmarks import pyplot
+    plt = pyplot()
     paths = []
     labels = list(dict.fromkeys(r["schedule"] for r in rows))
     lats = sorted({r["latency_s"] for r in rows if r["latency_s"] is not None})
@@ -136,12 +134,10 @@ def plot(rows: list[dict], out: str) -> list[str]:
 
 
 def _save(fig, ax, path: str) -> str:
-    import matplotlib.pyplot as plt
+    from ..run.benchmarks import save
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
     return path
 
 

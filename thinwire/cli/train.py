@@ -38,16 +38,12 @@ def config_from_args(args):
                        network=args.network, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
                        lr=args.lr, momentum=args.momentum, seed=args.seed, eval_every=args.eval_every,
                        target=args.target, compressor=args.compressor, memory=args.memory,
-                       servers=args.servers, params=dict(args.extra), trace=bool(getattr(args, "trace", None)),
-                       progress=not args.json and not getattr(args, "quiet", False),
-                       checkpoint_every=getattr(args, "checkpoint_every", None),
-                       checkpoint_dir=getattr(args, "checkpoint_dir", None) or (
-                           os.path.join(args.out, "checkpoint") if getattr(args, "out", None) else None),
-                       resume=getattr(args, "resume", None), nonfinite=getattr(args, "nonfinite", "stop"),
-                       on_failure=getattr(args, "on_failure", "stop"), device=getattr(args, "device", "cpu"),
-                       progress_timeout=getattr(args, "progress_timeout", None),
-                       budget_s=getattr(args, "budget", None), stop_at_target=bool(getattr(args, "stop_at_target", False)),
-                       optimizer=getattr(args, "optimizer", None), tensorboard=getattr(args, "tensorboard", None))
+                       servers=args.servers, params=dict(args.extra), trace=args.trace,
+                       progress=not args.json and not args.quiet, checkpoint_every=args.checkpoint_every,
+                       checkpoint_dir=args.checkpoint_dir or (os.path.join(args.out, "checkpoint") if args.out else None),
+                       resume=args.resume, nonfinite=args.nonfinite, on_failure=args.on_failure, device=args.device,
+                       progress_timeout=args.progress_timeout, budget_s=args.budget,
+                       stop_at_target=args.stop_at_target, optimizer=args.optimizer, tensorboard=args.tensorboard)
 
 
 def format_summary(s: dict) -> str:

@@ -38,6 +38,12 @@ def _log2(n: int) -> int:
     return math.ceil(math.log2(n)) if n > 1 else 0
 
 
+def _tree_rounds(link: Link, n: int, nbytes: float) -> Cost:
+    """⌈log2 n⌉ rounds of one full message each (binomial reduce or broadcast)."""
+    r = _log2(n)
+    return Cost(r * link.alpha, r * nbytes * link.beta, r * nbytes, r * nbytes)
+
+
 def p2p(link: Link, nbytes: float) -> Cost:
     """One message: α + N β."""
     return Cost(link.alpha, nbytes * link.beta, nbytes, nbytes)
@@ -53,8 +59,7 @@ def ring_allreduce(link: Link, n: int, nbytes: float) -> Cost:
 
 def recursive_doubling_allreduce(link: Link, n: int, nbytes: float) -> Cost:
     """Recursive doubling: α log n + N β log n (seed 000 Table III)."""
-    r = _log2(n)
-    return Cost(r * link.alpha, r * nbytes * link.beta, r * nbytes, r * nbytes)
+    return _tree_rounds(link, n, nbytes)
 
 
 def recursive_halving_allreduce(link: Link, n: int, nbytes: float) -> Cost:
@@ -100,8 +105,7 @@ def double_binary_tree_allreduce(link: Link, n: int, nbytes: float, blocks: int 
 
 def tree_allreduce(link: Link, n: int, nbytes: float) -> Cost:
     """Binary tree (reduce then broadcast): 2 α log n + 2 N β log n (seed 000 Table III)."""
-    r = _log2(n)
-    return Cost(2 * r * link.alpha, 2 * r * nbytes * link.beta, 2 * r * nbytes, 2 * r * nbytes)
+    return _tree_rounds(link, n, nbytes) + _tree_rounds(link, n, nbytes)
 
 
 def ring_allgather(link: Link, n: int, nbytes_each: float) -> Cost:
@@ -135,12 +139,6 @@ def grid_shape(n: int, width: int | None = None) -> tuple[int, int]:
         width = next(x for x in range(math.isqrt(n), n + 1) if n % x == 0) if n > 1 else 1
         width = max(width, n // width)
     return width, n // width
-
-
-def _tree_rounds(link: Link, n: int, nbytes: float) -> Cost:
-    """⌈log2 n⌉ rounds of one full message each (binomial reduce or broadcast)."""
-    r = _log2(n)
-    return Cost(r * link.alpha, r * nbytes * link.beta, r * nbytes, r * nbytes)
 
 
 def hierarchical_allreduce(link: Link, n: int, nbytes: float, group_size: int | None = None) -> Cost:

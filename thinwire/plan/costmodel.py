@@ -10,12 +10,10 @@ measured against the no-communication limit).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cost as netcost
-from ..net.cost import double_binary_tree_allreduce  # noqa: F401  (re-exported: plan.simulate)
 from ..net import cdsgd as cd
 
 # compress + decompress time in memcpys of the input, measured by `thinwire bench compressors` (2^24 fp32,
@@ -36,7 +34,7 @@ def ps_push_pull(link: Link, n: int, nbytes: float, servers: int = 1, down_bytes
     2α + (n N_up + n N_down)/k β on the servers' links (seed 000 §IV-A, Table IV)."""
     down = nbytes if down_bytes is None else down_bytes
     k = max(1, servers)
-    return Cost(2 * link.alpha, (n * nbytes + n * down) / k * link.beta, nbytes + 0 * down, down)
+    return Cost(2 * link.alpha, (n * nbytes + n * down) / k * link.beta, nbytes, down)
 
 
 def gossip_exchange(link: Link, degree: int, nbytes: float) -> Cost:
@@ -76,12 +74,6 @@ class Scenario:
     def compress_s(self, compressor: str) -> float:
         x = self.x_memcpy.get(compressor, DEFAULT_X_MEMCPY.get(compressor, 8.0))
         return x * self.params * 4 / MEMCPY_BYTES_PER_S
-
-
-def payload_bits(compressor: str, numel: int, **params) -> float:
-    """Bits per element the compressor puts on the wire (its declared nominal size)."""
-    from ..compress import compressors
-    return compressors.get(compressor, **params).nominal_bits(int(numel))
 
 
 SPARSE_COLLECTIVES = ("allgather", "gtopk", "shared", "hierarchical")   # thinwire/exchange/sparse.py
@@ -149,6 +141,9 @@ def exchange_cost(s: Scenario, compressor: str = "none", sparse_collective: str 
     return netcost.ring_allgather(s.collective_link, s.workers, payload)   # allgather and majority vote
 
 
+COMPRESSOR_PARAMS = ("ratio", "rank", "levels", "threshold", "bucket")   # of predict's parameters, the compressor's
+
+
 @dataclass
 class Prediction:
     name: str
@@ -180,7 +175,7 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     """
     pred = _predict(s, algorithm, compressor, overlap, **p)
     if not pred.collective:
-        cp = {k: v for k, v in p.items() if k in ("ratio", "rank", "levels", "threshold", "bucket")}
+        cp = {k: v for k, v in p.items() if k in COMPRESSOR_PARAMS}
         pred.collective = ("ps" if algorithm in ("asp", "ssp", "backup") else
                            "gossip" if algorithm in ("dpsgd", "choco", "sgp", "adpsgd") else
                            "none" if algorithm == "local" else
@@ -192,8 +187,8 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
 def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool = False, **p) -> Prediction:
     tau = s.compute_s
     delta = s.compress_s(compressor) if compressor != "none" else 0.0
-    comm = exchange_cost(s, compressor, p.get("sparse_collective"),
-                         **{k: v for k, v in p.items() if k in ("ratio", "rank", "levels", "threshold", "bucket")})
+    cp = {k: v for k, v in p.items() if k in COMPRESSOR_PARAMS}
+    comm = exchange_cost(s, compressor, p.get("sparse_collective"), **cp)
     sent = comm.sent
     if algorithm in ("bsp", "ssgd"):
         t = tau + delta + (max(0.0, comm.time - s.backward_fraction * tau) if overlap else comm.time)
@@ -206,8 +201,8 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
     if algorithm == "cdsgd":
         k = int(p.get("k", 5))
         full = s.allreduce(s.nbytes)
-        quant = exchange_cost(s, compressor if compressor != "none" else "threshold2bit")
-        dq = s.compress_s(compressor if compressor != "none" else "threshold2bit")
+        qc = compressor if compressor != "none" else "threshold2bit"   # the quantizer of compressed iterations
+        quant, dq = exchange_cost(s, qc), s.compress_s(qc)
         # seed 001 eq. 7 keeps one exchange in flight: T^cd = max(τ, φ^cd). Here iteration t+1's exchange starts
         # from the scheduler while t's is still on the link (t's average is applied at the end of t+1) and gloo
         # runs two collectives at once, so two iterations share one latency but not the link's bandwidth:
@@ -216,7 +211,7 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
         on_link = [(dq + quant.time, quant.transfer) if cd.compressed(i, k) else (full.time, full.transfer)
                    for i in range(period)]
         t = sum(max(tau, c / COLLECTIVE_SLOTS, transfer) for c, transfer in on_link) / period
-        per = ((max(1, k) - 1) * quant.sent + full.sent) / max(1, k)
+        per = ((period - 1) * quant.sent + full.sent) / period
         return Prediction(algorithm, t, tau, per)
     if algorithm in ("localsgd", "postlocalsgd"):
         h = int(p.get("period", p.get("H", 4)))
@@ -227,8 +222,7 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
         h, f, lag = int(p.get("period", 50)), int(p.get("fragments", 1)), int(overlap)
         k = max(1, h // f)
         sf = replace(s, params=s.params / f)    # one fragment: 1/F of the model, through the same exchange
-        cf = exchange_cost(sf, compressor, p.get("sparse_collective"),
-                           **{k_: v for k_, v in p.items() if k_ in ("ratio", "rank", "levels", "threshold", "bucket")})
+        cf = exchange_cost(sf, compressor, p.get("sparse_collective"), **cp)
         exposed = max(0.0, sf.compress_s(compressor) + cf.time - lag * tau)   # hidden by τ_o further inner steps
         return Prediction(algorithm, tau + exposed / k, tau, cf.sent / k, bytes_per_sync=cf.sent)
     if algorithm in ("asp", "ssp", "backup"):
@@ -255,7 +249,3 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
     if algorithm == "local":
         return Prediction(algorithm, tau, tau, 0.0)
     raise KeyError(algorithm)
-
-
-PLANNED = ("bsp", "bitsgd", "odsgd", "cdsgd", "localsgd", "postlocalsgd", "ssp", "asp", "backup", "dpsgd",
-           "choco", "sgp", "adpsgd", "dts", "delayed", "tsparse", "local", "diloco")

@@ -18,11 +18,10 @@ import numpy as np
 from ..errors import UserError
 from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cost as netcost
-from .costmodel import COLLECTIVES, double_binary_tree_allreduce
+from .costmodel import COLLECTIVES
 
 # One-way latencies (s) of an illustrative four-region deployment like seed 004's (Tokyo, London, Oregon,
 # Ohio). These values are our assumption of typical inter-region delays, not figures read off the paper.
-WORLD_REGIONS = ("tokyo", "london", "oregon", "ohio")
 WORLD_LATENCY = np.array([[0.0, 0.110, 0.050, 0.075],
                           [0.110, 0.0, 0.070, 0.040],
                           [0.050, 0.070, 0.0, 0.025],
@@ -71,10 +70,6 @@ class SimConfig:
         return self
 
 
-def _region_of(n: int, r: int) -> np.ndarray:
-    return (np.arange(n) * r) // n
-
-
 def _collective_cost(cfg: SimConfig, nbytes: float) -> Cost:
     """The all-reduce time across the deployment: intra-region hops at `intra_latency`, inter-region hops at
     the matrix's latencies; a lock-step algorithm waits for the slowest hop of each round."""
@@ -84,9 +79,7 @@ def _collective_cost(cfg: SimConfig, nbytes: float) -> Cost:
         names = [cfg.collective] if cfg.collective != "auto" else ["ring", "double_binary_tree"]
         return min((COLLECTIVES[c](link, n, nbytes) for c in names), key=lambda c: c.time)
     lat = np.asarray(cfg.regions)
-    r = len(lat)
-    reg = _region_of(n, r)
-    used = sorted(set(reg.tolist()))
+    used = sorted(set(((np.arange(n) * len(lat)) // n).tolist()))   # the regions workers are split evenly into
     ring_hops = [lat[used[i], used[(i + 1) % len(used)]] for i in range(len(used))] if len(used) > 1 else [0.0]
     worst_ring = max(max(ring_hops), cfg.intra_latency)
     worst_any = max(lat[np.ix_(used, used)].max(), cfg.intra_latency)
@@ -94,7 +87,7 @@ def _collective_cost(cfg: SimConfig, nbytes: float) -> Cost:
         "ring": netcost.ring_allreduce(Link(cfg.bandwidth, worst_ring), n, nbytes),
         "tree": netcost.tree_allreduce(Link(cfg.bandwidth, worst_any), n, nbytes),
         "recursive_doubling": netcost.recursive_doubling_allreduce(Link(cfg.bandwidth, worst_any), n, nbytes),
-        "double_binary_tree": double_binary_tree_allreduce(Link(cfg.bandwidth, worst_any), n, nbytes),
+        "double_binary_tree": netcost.double_binary_tree_allreduce(Link(cfg.bandwidth, worst_any), n, nbytes),
     }
     m = max(1, n // max(1, len(used)))   # hierarchical: groups are the regions
     intra = Link(cfg.bandwidth, cfg.intra_latency)
@@ -254,9 +247,8 @@ def simulate(cfg: SimConfig) -> SimResult:
     c = _compute_times(cfg, rng)
     nbytes = cfg.params * cfg.bytes_per_param
     comm = _collective_cost(cfg, nbytes * cfg.compression / (cfg.fragments if cfg.algorithm == "diloco" else 1))
-    full = _collective_cost(cfg, nbytes)
-    if cfg.algorithm in ("cdsgd",):
-        total = _cdsgd(c, cfg, comm, comm_full=full)
+    if cfg.algorithm == "cdsgd":   # every k-th exchange is full precision
+        total = _cdsgd(c, cfg, comm, comm_full=_collective_cost(cfg, nbytes))
     else:
         total = SCHEDULES[cfg.algorithm](c, cfg, comm)
     alone = _local(c, cfg, comm)

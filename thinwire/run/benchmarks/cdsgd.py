@@ -13,10 +13,10 @@ gradients, over 1 − 0.9 for momentum);
 """
 from __future__ import annotations
 
-import json
 import os
 
 from ...errors import UserError
+from . import pyplot, save, write_json
 
 
 def _thresholds(text: str) -> dict:
@@ -51,10 +51,9 @@ def run(args) -> int:
                 raise UserError(f"no threshold for {workload}; give --thresholds {workload}=VALUE")
             alpha = alphas.get(workload, alphas.get("*"))
             th = {} if alpha is None else {"threshold": alpha}
-            runs = [("ssgd", {}), ("bitsgd", dict(th)),
-                    ("odsgd", {"warmup": args.warmup, **({"local_lr": args.local_lr} if args.local_lr else {})})]
-            runs += [("cdsgd", {"k": k, "warmup": args.warmup, **th,
-                                **({"local_lr": args.local_lr} if args.local_lr else {})}) for k in ks]
+            lr = {"local_lr": args.local_lr} if args.local_lr else {}
+            runs = [("ssgd", {}), ("bitsgd", dict(th)), ("odsgd", {"warmup": args.warmup, **lr})]
+            runs += [("cdsgd", {"k": k, "warmup": args.warmup, **th, **lr}) for k in ks]
             for network in args.networks:
                 for name, params in runs:
                     cfg = TrainConfig(workload=workload, algorithm=name, workers=args.workers, network=network,
@@ -76,9 +75,7 @@ def run(args) -> int:
                           f"step {_ms(row['measured_step_s'])} ms (predicted {_ms(row['predicted_step_s'])})",
                           flush=True)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "cdsgd.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(rows, args.out, "cdsgd.json")
         _plot(rows, os.path.join(args.out, "cdsgd.png"))
     print(table(rows))
     return 0
@@ -99,9 +96,7 @@ def table(rows: list[dict]) -> str:
 
 def _plot(rows: list[dict], path: str) -> None:
     """Measured vs predicted iteration time, one panel per (workload, network)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     groups = sorted({(r["workload"], r["network"]) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     for ax, (w, n) in zip(axes[0], groups):
@@ -114,9 +109,7 @@ def _plot(rows: list[dict], path: str) -> None:
         ax.set_title(f"{w}, {n}", fontsize=9)
         ax.set_ylabel("iteration time (ms)")
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def register(sub) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import time
 
+from . import pyplot, save, write_json
+
 COLLECTIVES = ("allgather", "gtopk", "shared", "hierarchical")
 
 
@@ -59,14 +61,11 @@ def collectives(workers, networks, densities, numel, steps) -> list[dict]:
         link = parse_network(net)
         for n in workers:
             res = launch(_collectives_worker, n, network=net, args=(numel, densities, steps), timeout=1800)
-            for row in res[0]:
+            for i, row in enumerate(res[0]):       # every rank's rows are in the same (density, collective) order
                 k = max(1, int(row["density"] * numel))
                 pred = sparse_collective(row["collective"], link, n, k, numel)
                 rows.append({"network": net, "workers": n, **row,
-                             "max_bytes_per_step": max(r["bytes_per_step"] for r in
-                                                       (x for rr in res for x in rr
-                                                        if x["density"] == row["density"]
-                                                        and x["collective"] == row["collective"])),
+                             "max_bytes_per_step": max(r[i]["bytes_per_step"] for r in res),
                              "predicted_s": pred.time, "predicted_bytes": pred.sent})
     return rows
 
@@ -117,9 +116,7 @@ def _md(rows, bits, args) -> str:
 
 def plot(rows: list[dict], path: str) -> None:
     """Bytes per worker per step (left) and emulated vs predicted time per step (right), density 1%."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key in zip(axes, ("bytes_per_step", "emulated_s_per_step")):
         for name, marker in zip(COLLECTIVES, "osD^"):
@@ -140,9 +137,7 @@ def plot(rows: list[dict], path: str) -> None:
     axes[0].set_ylabel("bytes sent per worker per step (dotted: α-β)")
     axes[1].set_ylabel("emulated network s per step (dotted: α-β)")
     fig.suptitle("top-k at density 1%: sparse collectives (measured vs α-β prediction)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def run(args) -> int:
@@ -153,10 +148,7 @@ def run(args) -> int:
     else:
         print(_md(rows, bits, args))
     if args.out:
-        import os
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "coding.json"), "w") as f:
-            json.dump({"collectives": rows, "qsgd": bits, "numel": args.numel}, f, indent=1)
+        write_json({"collectives": rows, "qsgd": bits, "numel": args.numel}, args.out, "coding.json")
     return 0
 
 

@@ -19,10 +19,12 @@ costs page faults here: set THP_MEM_ALLOC_ENABLE=1 to let PyTorch use huge pages
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
 from ...errors import UserError
+from . import pyplot, save, write_json
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -101,9 +103,7 @@ def _table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """Bars of compress + decompress time in memcpys (targets: 8x quantizers, 12x samplers) and of bits/element."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     rows = [r for r in result["compressors"] if "error" not in r]
     names = [r["name"] for r in rows]
     fig, (a, b) = plt.subplots(2, 1, figsize=(max(8, 0.5 * len(rows)), 7), sharex=True)
@@ -129,9 +129,7 @@ def plot(result: dict, path: str) -> None:
     b.set_ylabel("bits per element")
     b.legend()
     plt.setp(b.get_xticklabels(), rotation=45, ha="right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def run(args) -> int:
@@ -146,10 +144,7 @@ def run(args) -> int:
     result = bench(args.numel, names, args.repeat, args.seed, args.clock, args.world_size)
     print(json.dumps(result, indent=1) if args.json else _table(result))
     if args.out:
-        import os
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "compressors.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(result, args.out, "compressors.json")
         plot(result, os.path.join(args.out, "compressors.png"))
     return 0
 

@@ -19,7 +19,7 @@ falls by F, the bytes per step stay DiLoCo's. Predicted against measured step ti
 """
 from __future__ import annotations
 
-import json
+from . import emit
 
 CASES = [  # label, compressor, parameters
     ("diloco H=8", None, {"period": 8}),
@@ -100,6 +100,7 @@ def bytes_per_sync(pool, workload: str, workers: int, steps: int) -> list[dict]:
     from ...net import parse_network
     from ...plan.costmodel import Scenario, predict
     from .. import workloads
+    from ...algorithms import get
     from ..train import TrainConfig, train_worker
     n_params = workloads.get(workload).num_params()
     rows = []
@@ -107,15 +108,13 @@ def bytes_per_sync(pool, workload: str, workers: int, steps: int) -> list[dict]:
         cfg = TrainConfig(workload=workload, algorithm="diloco", workers=workers, network="lan", steps=steps,
                           compressor=comp, params=dict(params), progress=False, eval_every=10 ** 6)
         results = pool.run(train_worker, cfg, network="lan")
-        from ...algorithms import get
         alg = get("diloco", **params)
         syncs = sum(alg.starting(s) is not None for s in range(1, steps + 1))   # started within the steps
         # a sync's bytes are counted when its collectives complete: on its step, or the next with overlap
         sent = [sum(r["steps"][i]["bytes_sent"] for i in range(steps)) for r in results]
         peak = max(max(r["steps"][i]["bytes_sent"] for i in range(steps)) for r in results)
         s = Scenario(params=n_params, compute_s=0.0, link=parse_network("lan"), workers=workers)
-        pred = predict(s, "diloco", comp or "none", period=params["period"], fragments=params.get("fragments", 1),
-                       overlap=params.get("overlap", 0))
+        pred = predict(s, "diloco", comp or "none", **params)
         rows.append({"config": label, "compressor": comp, **params, "syncs": syncs,
                      "bytes_per_sync": max(sent) / syncs, "peak_step_bytes": peak, "bytes_per_step": max(sent) / steps,
                      "predicted_bytes_per_sync": pred.bytes_per_sync, "predicted_bytes_per_step": pred.bytes_per_step})
@@ -156,11 +155,7 @@ def run(args) -> int:
                 print(f"\ncrossover: {args.crossover_workload}, {args.workers} workers, {args.crossover_steps} steps "
                       f"(mean step time; ratios to local on lan and to bsp on the same network, this run)")
                 print(format_crossover(cross, workloads.get(args.crossover_workload).metric), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-    if args.json:
-        print(json.dumps(out, indent=1))
+    emit(out, args.out, args.json)
     return 0
 
 

@@ -11,12 +11,11 @@ largest difference between the workers' final accuracies (0 when close() left th
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 
-from .latency import _label, _spec
+from . import write_json
+from .latency import _label, specs
 
 
 def _one(pool, workers, workload, name, params, steps, seed, momentum, lr):
@@ -34,16 +33,13 @@ def _one(pool, workers, workload, name, params, steps, seed, momentum, lr):
 
 
 def run(args) -> int:
-    from ...algorithms import registry
     from ..launcher import Pool
-    specs = [_spec(a) for a in args.algorithms]
-    for name, _ in specs:
-        registry.lookup(name)
+    algorithms = specs(args.algorithms)
     rows = []
     with Pool(args.workers, timeout=3600, start_timeout=900) as pool:
         for workload in args.workloads:
             for mu in args.momenta:
-                for name, params in specs:
+                for name, params in algorithms:
                     runs = [_one(pool, args.workers, workload, name, params, args.steps, s, mu, args.lr) for s in args.seeds]
                     accs = [r["accuracy"] for r in runs]
                     row = {"workload": workload, "momentum": mu, "algorithm": _label(name, params),
@@ -57,10 +53,7 @@ def run(args) -> int:
     result = {"workers": args.workers, "steps": args.steps, "seeds": list(args.seeds), "lr": args.lr,
               "rows": rows}
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"dts_accuracy_{args.steps}steps.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+        path = write_json(result, args.out, f"dts_accuracy_{args.steps}steps.json", indent=2)
         print(f"written to {path}")
     print(markdown(result))
     return 0

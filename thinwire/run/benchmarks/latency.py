@@ -11,10 +11,10 @@ than `--budget-s` are shortened (never below `--min-steps`); the table says how 
 from __future__ import annotations
 
 import json
-import os
 
 from ...errors import UserError
 from ...net import parse_network, ring_allreduce
+from . import pyplot, save, write_json
 
 
 def _spec(text: str) -> tuple[str, dict]:
@@ -29,18 +29,24 @@ def _spec(text: str) -> tuple[str, dict]:
     return name, params
 
 
+def specs(texts: list[str]) -> list[tuple[str, dict]]:
+    """Every `--algorithms` spec parsed, its algorithm checked to be registered before any run starts."""
+    from ...algorithms import registry
+    out = [_spec(t) for t in texts]
+    for name, _ in out:
+        registry.lookup(name)
+    return out
+
+
 def _label(name: str, params: dict) -> str:
     return name if not params else f"{name}(" + ",".join(f"{k}={v}" for k, v in params.items()) + ")"
 
 
 def run(args) -> int:
-    from ...algorithms import registry
     from ..launcher import Pool
     from ..train import TrainConfig, run_training
     from ..workloads import get as get_workload
-    specs = [_spec(a) for a in args.algorithms]
-    for name, _ in specs:
-        registry.lookup(name)
+    algorithms = specs(args.algorithms)
     latencies = [float(x) for x in args.latencies.split(",")]
     wl = get_workload(args.workload)
     n_params = wl.num_params()
@@ -49,7 +55,7 @@ def run(args) -> int:
     def cfg_for(name, params, network, steps):
         return TrainConfig(workload=args.workload, algorithm=name, workers=args.workers, network=network,
                            steps=steps, batch_size=args.batch_size, seed=args.seed, params=dict(params),
-                           compressor=args.compressor if name not in ("local",) else None,
+                           compressor=args.compressor if name != "local" else None,
                            eval_every=steps, progress=False)
 
     def baseline(pool):
@@ -60,13 +66,12 @@ def run(args) -> int:
     base = []
     with Pool(args.workers, timeout=3600, start_timeout=900) as pool:
         before = baseline(pool)   # the machine may be shared: each sweep is measured against the `local`
-        for name, params in specs:  # runs just before and just after it
+        for name, params in algorithms:  # runs just before and just after it
             sweep = []
             for lat in latencies:
                 network = f"custom:bandwidth={args.bandwidth},latency={lat:g}ms" + \
                           (f",jitter={args.jitter}" if args.jitter else "")
-                link = parse_network(network)
-                link = link.handshaking() if hasattr(link, "handshaking") else link   # as the Transport charges
+                link = parse_network(network).handshaking()   # as the Transport charges
                 bound = ring_allreduce(link, args.workers, n_params * 4).time
                 steps = args.steps
                 if name == "bsp" and bound * steps > args.budget_s:
@@ -96,10 +101,7 @@ def run(args) -> int:
               "batch_size": args.batch_size or wl.batch_size, "steps": args.steps, "compressor": args.compressor,
               "local_throughput": local, "local_runs": base, "rows": rows}
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"latency_{args.workload}")
-        with open(stem + ".json", "w") as f:
-            json.dump(result, f, indent=2)
+        stem = write_json(result, args.out, f"latency_{args.workload}.json", indent=2).removesuffix(".json")
         _plot(result, stem + ".png")
         print(f"written to {stem}.json, {stem}.png")
     if args.json:
@@ -126,9 +128,7 @@ def markdown(result: dict) -> str:
 
 
 def _plot(result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     lats = sorted({r["latency_ms"] for r in result["rows"]})
     pos = {x: i for i, x in enumerate(lats)}   # latencies evenly spaced: 0 has no place on a log axis
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -145,9 +145,7 @@ def _plot(result: dict, path: str) -> None:
     ax.set_title(f"{result['workload']}, {result['workers']} workers, {result['bandwidth']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def register(sub) -> None:

@@ -14,9 +14,8 @@ Algorithms that take no compressor are run once (compressor "none").
 """
 from __future__ import annotations
 
-import json
-
 from ...errors import UserError
+from . import emit
 
 # Compressors whose own error-feedback memory shares their name; biased ones otherwise pair with `residual`
 # (error feedback, seed 002 §3.1); unbiased ones and plain casts need none.
@@ -131,14 +130,10 @@ def run(args) -> int:
         finally:
             if pool is not None:
                 pool.close()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(rows))
-    if args.json:
-        print(json.dumps(rows, indent=1))
+    emit(rows, args.out, args.json)
     return 0 if not any(r.get("error") for r in rows) else 1
 
 

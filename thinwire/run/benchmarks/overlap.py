@@ -30,6 +30,7 @@ import torch
 
 from ...errors import UserError
 from ...net import parse_network, ring_allreduce
+from . import pyplot, save
 
 _now = time.perf_counter
 
@@ -73,22 +74,18 @@ def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
     for name in names:
         model = _model(widths)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if name == "ddp":
-            runs[name] = (DDP(model), opt, None)
-        elif name == "ddp+hook":
-            from ...exchange.ddp import ddp_hook
-            ddp = DDP(model)
-            ddp.register_comm_hook(*ddp_hook("none"))
-            runs[name] = (ddp, opt, None)
-        elif name == "ddp+pyhook":
-            ddp = DDP(model)
-            ddp.register_comm_hook(None, _python_allreduce_hook)
-            runs[name] = (ddp, opt, None)
-        elif name == "compute":
-            runs[name] = (model, opt, None)
-        else:
+        if name.startswith("ddp"):
+            model = DDP(model)
+            if name == "ddp+hook":
+                from ...exchange.ddp import ddp_hook
+                model.register_comm_hook(*ddp_hook("none"))
+            elif name == "ddp+pyhook":
+                model.register_comm_hook(None, _python_allreduce_hook)
+        if name in VARIANTS:
             params, comp = VARIANTS[name]
             runs[name] = (model, opt, Trainer(model, opt, compressor=comp, **params))
+        else:                                           # compute only, or DDP
+            runs[name] = (model, opt, None)
     times = {n: [] for n in names}
     waits = {n: [] for n in names}
 
@@ -135,25 +132,20 @@ def _settle(trainer) -> None:
         trainer.algorithm.scheduler.flush()
 
 
-def measure(workers: int, network: str, rounds: int, steps: int, warmup: int, pool=None) -> dict:
+def measure(workers: int, network: str, rounds: int, steps: int, warmup: int) -> dict:
     from ..launcher import Pool
     link = parse_network(network)
     widths = (784, 512, 512, 10) if link.emulated else (784, 2048, 2048, 10)
     names = (["compute", "ddp", "ddp+hook", "ddp+pyhook"] if not link.emulated else ["compute"]) + list(VARIANTS)
-    own = pool is None
-    pool = pool or Pool(workers)
-    try:
+    with Pool(workers) as pool:
         res = pool.run(bench_worker, widths, names, steps, rounds, warmup, 32, network=network)
-    finally:
-        if own:
-            pool.close()
     n_params = sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
+    # a step ends when the slowest worker's does: per step, the max over ranks
+    per_step = {name: [max(ts) for ts in zip(*(r["times"][name] for r in res))] for name in names}
     rows = {}
     for name in names:
-        # a step ends when the slowest worker's does: per step, the max over ranks
-        per_step = [max(r["times"][name][i] for r in res) for i in range(len(res[0]["times"][name]))]
-        wait = [statistics.fmean(r["waits"][name][i] for r in res) for i in range(len(per_step))]
-        rows[name] = {"step_ms": 1e3 * statistics.median(per_step), "exposed_ms": 1e3 * statistics.median(wait)}
+        wait = [statistics.fmean(ws) for ws in zip(*(r["waits"][name] for r in res))]
+        rows[name] = {"step_ms": 1e3 * statistics.median(per_step[name]), "exposed_ms": 1e3 * statistics.median(wait)}
     compute = rows["compute"]["step_ms"]
     for name in ("ddp", "ddp+hook", "ddp+pyhook"):
         if name in rows:
@@ -165,14 +157,9 @@ def measure(workers: int, network: str, rounds: int, steps: int, warmup: int, po
         out["no_tax_ratio"] = rows["fusion"]["step_ms"] / rows["ddp"]["step_ms"]
         out["hook_ratio"] = rows["ddp+hook"]["step_ms"] / rows["ddp"]["step_ms"]
         out["pyhook_ratio"] = rows["ddp+pyhook"]["step_ms"] / rows["ddp"]["step_ms"]
+        median = lambda name, k: statistics.median(per_step[name][k * steps:(k + 1) * steps])   # of round k
         for key, name in (("no_tax_ratio_per_round", "fusion"), ("hook_ratio_per_round", "ddp+hook")):
-            per_round = []
-            for k in range(rounds):
-                sl = slice(k * steps, (k + 1) * steps)
-                f = statistics.median(max(r["times"][name][sl][i] for r in res) for i in range(steps))
-                d = statistics.median(max(r["times"]["ddp"][sl][i] for r in res) for i in range(steps))
-                per_round.append(f / d)
-            out[key] = per_round
+            out[key] = [median(name, k) / median("ddp", k) for k in range(rounds)]
     if link.emulated:   # the α-β prediction for one all-reduce per step vs one per parameter
         one = ring_allreduce(link, workers, n_params * 4).time
         per_layer = sum(ring_allreduce(link, workers, s * 4).time
@@ -183,9 +170,7 @@ def measure(workers: int, network: str, rounds: int, steps: int, warmup: int, po
 
 def render_trace(path: str, png: str, start_s: float | None = None, span_s: float | None = None) -> None:
     """One row per worker and track of a Chrome trace, drawn with matplotlib."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
@@ -212,9 +197,7 @@ def render_trace(path: str, png: str, start_s: float | None = None, span_s: floa
     ax.set_xlim(0, (t_hi - t_lo) * 1e3)
     ax.set_xlabel("time (ms)")
     ax.set_title(f"thinwire trace: {path.split('/')[-2] if '/' in path else path}")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save(fig, png, dpi=120)
 
 
 _ORDER = ("forward", "backward", "compute", "compress", "communicate", "emulated", "wait", "optimizer")
@@ -261,11 +244,9 @@ def run(args) -> int:
             if not args.json:
                 print(_fmt(r), flush=True)
     if args.json:
-        print(json.dumps({"results": results,
-                          "no_tax_ratio": {str(r["workers"]): r["no_tax_ratio"] for r in results
-                                           if "no_tax_ratio" in r},
-                          **{key: {str(r["workers"]): r[key] for r in results if key in r}
-                             for key in ("hook_ratio", "pyhook_ratio")}}, indent=2))
+        ratios = {key: {str(r["workers"]): r[key] for r in results if key in r}
+                  for key in ("no_tax_ratio", "hook_ratio", "pyhook_ratio")}
+        print(json.dumps({"results": results, **ratios}, indent=2))
     return 0
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 
+from . import pyplot, save, write_json
+
 
 def _runs(staleness: list[int], servers: int, momentum=None) -> list[tuple[str, str, int, dict]]:
     runs = [("bsp (all-reduce)", "bsp", 0, {}), ("bsp (PS)", "bsp", servers, {"architecture": "ps"})]
@@ -22,8 +24,8 @@ def _runs(staleness: list[int], servers: int, momentum=None) -> list[tuple[str, 
     return runs
 
 
-def _fmt(v, scale=1.0, digits=1):
-    return "-" if v is None else f"{v * scale:.{digits}f}"
+def _fmt(v, digits=1):
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def run(args) -> int:
@@ -36,14 +38,8 @@ def run(args) -> int:
             p.close()
 
 
-def _pool(pools: dict, world: int):
-    from ..launcher import Pool
-    if world not in pools:
-        pools[world] = Pool(world, start_timeout=600.0)
-    return pools[world]
-
-
 def _run(args, staleness: list[int], pools: dict) -> int:
+    from ..launcher import Pool
     from ..train import TrainConfig, run_training
     rows = []
     for network in args.networks:
@@ -53,7 +49,10 @@ def _run(args, staleness: list[int], pools: dict) -> int:
             cfg = TrainConfig(workload=args.workload, algorithm=alg, workers=args.workers, servers=servers,
                               network=network, epochs=args.epochs, seed=args.seed, params=params,
                               momentum=momentum, progress=False)
-            s = run_training(cfg, pool=_pool(pools, args.workers + servers))
+            world = args.workers + servers
+            if world not in pools:
+                pools[world] = Pool(world, start_timeout=600.0)
+            s = run_training(cfg, pool=pools[world])
             steps = max(1, s["steps"])
             sm = s.get("server_metrics") or {}
             row = {"network": network, "run": label, "momentum": cfg.momentum, "algorithm": alg, "servers": servers,
@@ -72,9 +71,7 @@ def _run(args, staleness: list[int], pools: dict) -> int:
                   f"  final {row['final_accuracy']:.4f}  τ mean {_fmt(row['staleness_mean'], digits=2)}",
                   flush=True)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "ps.json"), "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(rows, args.out, "ps.json", indent=2)
         _plot(rows, os.path.join(args.out, "ps.png"))
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -82,9 +79,7 @@ def _run(args, staleness: list[int], pools: dict) -> int:
 
 
 def _plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     networks = list(dict.fromkeys(r["network"] for r in rows))
     labels = list(dict.fromkeys(r["run"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -99,9 +94,7 @@ def _plot(rows: list[dict], path: str) -> None:
         ax.set_yscale("log") if title.startswith("median") else None
         ax.set_title(title)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def register(subparsers) -> None:

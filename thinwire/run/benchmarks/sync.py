@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+from . import emit
+
 CASES = [("bsp", None, {}), ("localsgd", None, {"period": 4}), ("localsgd", None, {"period": 16}),
          ("dpsgd", None, {"topology": "ring"}), ("choco", "topk", {"ratio": 0.1, "gamma": 0.5}),
          ("adpsgd", None, {}), ("sgp", None, {})]
@@ -70,11 +72,7 @@ def run(args) -> int:
                           f"{s['bytes_sent_per_worker_per_step'] / 1e3:7.1f} kB/step  to target "
                           f"{s['time_to_target_s']} s ({s['steps_to_target']} steps)  final "
                           f"{s.get('final_accuracy', s.get('final_loss')):.4f}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    if args.json:
-        print(json.dumps(rows, indent=1))
+    emit(rows, args.out, args.json)
     return 0
 
 
