@@ -8,9 +8,8 @@ import time
 
 
 def _path() -> str:
-    d = os.environ.get("THINWIRE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "thinwire"))
-    os.makedirs(d, exist_ok=True)
-    return os.path.join(d, "calibration.json")
+    from .workloads import _cache_dir
+    return os.path.join(_cache_dir(), "calibration.json")
 
 
 def _allreduce_times(rank, world_size, sizes, repeats):
@@ -64,11 +63,9 @@ def calibrate(workers: int = 2) -> dict:
     beta = max(1e-12, (times[large] - times[small]) / (2 * (n - 1) / n * large))
     cal = {"workers": n, "alpha_s": alpha, "beta_s_per_byte": beta, "x_memcpy": _compressor_x_memcpy(),
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    from .checkpoint import atomic_write
     path = _path()
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(cal, f, indent=2)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(cal, indent=2))
     cal["path"] = path
     return cal
 

@@ -52,9 +52,10 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((st[0], state["numpy"].numpy().astype(np.uint32), *st[2:]))
 
 
-def _atomic_write(data: bytes, path: str) -> None:
+def atomic_write(path: str, data: str | bytes) -> None:
+    """Write `data` (text or bytes) to `path` through a temporary file and a rename: never half a file."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
         f.write(data)
     os.replace(tmp, path)
 
@@ -64,7 +65,7 @@ def _atomic_save(obj, path: str) -> str:
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()
-    _atomic_write(data, path)
+    atomic_write(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -85,7 +86,7 @@ def save(directory: str, rank: int, world_size: int, step: int, cfg, state: dict
     its staged file in a sidecar, which rank 0 copies into the manifest."""
     os.makedirs(directory, exist_ok=True)
     digest = _atomic_save(state, _staged(directory, rank, step))
-    _atomic_write(digest.encode(), _digest_file(directory, rank, step))
+    atomic_write(_digest_file(directory, rank, step), digest.encode())
     barrier()
     if rank == 0:
         sums = {}
@@ -94,10 +95,7 @@ def save(directory: str, rank: int, world_size: int, step: int, cfg, state: dict
                 sums[str(r)] = f.read().strip()
         manifest = {"step": step, "world_size": world_size, "fingerprint": fingerprint(cfg),
                     "algorithm": cfg.algorithm, "workload": cfg.workload, "sha256": sums}
-        tmp = os.path.join(directory, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f)
-        os.replace(tmp, os.path.join(directory, MANIFEST))
+        atomic_write(os.path.join(directory, MANIFEST), json.dumps(manifest))
     barrier()
     os.replace(_staged(directory, rank, step), os.path.join(directory, f"rank-{rank}.pt"))
     for name in os.listdir(directory):

@@ -43,7 +43,11 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import UserError, WorkerError
 from ..net import parse_network
 from . import presets, workloads
-from .train import TrainConfig, _atomic_write, check_int, run_training
+from .checkpoint import atomic_write
+from .launcher import Pool, pick_backend
+from .loop import check_tensorboard, progress_bar, train_worker
+from .peers import PEER_AS, PEER_PARAMS
+from .train import TrainConfig, check_int, run_training, summarize
 
 _now = time.perf_counter
 RESULTS = "results.json"
@@ -88,9 +92,7 @@ class CompareConfig:
         if self.epochs is not None and self.steps is not None:
             raise UserError("give --epochs or --steps, not both")
         if self.tensorboard is not None:
-            from .loop import check_tensorboard
             check_tensorboard(self.tensorboard)
-        from .launcher import pick_backend
         pick_backend(None, self.device, self.workers)      # `train --device`'s check, before any cell starts
         return self
 
@@ -123,7 +125,6 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
     from .. import algorithms
     from ..plan.advise import TUNABLE, tune
     from ..plan.costmodel import Scenario
-    from .peers import PEER_AS, PEER_PARAMS
     wl = workloads.get(workload)
     out = replace(cell, params=dict(cell.params))
     why: list[str] = []
@@ -174,7 +175,6 @@ class Harness:
             if self.cfg.netem:
                 p = self.netem_env.pool(world)
             else:
-                from .launcher import Pool
                 p = Pool(world, timeout=3600.0, device=self.cfg.device)
             self._pools[world] = p
         return p
@@ -189,11 +189,13 @@ class Harness:
         return None if self.cfg.budget_s is None else 4 * self.cfg.budget_s + 600
 
     # -- one cell ------------------------------------------------------------------------------------
+    def key(self, cell: presets.Cell, network: str, seed: int | None) -> str:
+        """The cell's name in the results (with its seed when the matrix has several)."""
+        return cell_key(cell.label, network, seed if self.cfg.seeds > 1 else None)
+
     def train_config(self, cell: presets.Cell, network: str, seed: int | None = None) -> TrainConfig:
         c = self.cfg
-        board = None
-        if c.tensorboard:
-            board = os.path.join(c.tensorboard, _slug(cell_key(cell.label, network, seed if c.seeds > 1 else None)))
+        board = os.path.join(c.tensorboard, _slug(self.key(cell, network, seed))) if c.tensorboard else None
         params = dict(cell.params)
         servers = 0 if cell.peer else params.pop("servers", None)   # None: the algorithm's default
         tc = TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
@@ -212,8 +214,7 @@ class Harness:
             tc = replace(tc, network="lan")
         world = tc.workers + tc.servers
         view = _PoolView(self.pool(world, network), self.wall_limit(), self.cfg.netem)
-        key = cell_key(cell.label, network, seed if self.cfg.seeds > 1 else None)
-        celldir = os.path.join(self.out, "cells", _slug(key))
+        celldir = os.path.join(self.out, "cells", _slug(self.key(cell, network, seed)))
         summary = run_training(tc, out=celldir, pool=view)
         summary["network"] = network
         summary["curve"] = _curve(celldir, summary["metric"], summary["bytes_sent_per_worker"])
@@ -223,8 +224,6 @@ class Harness:
     def baseline(self) -> dict:
         """`local` for 2 × BASELINE_STEPS steps; the rate and the median step time of the second half (the first
         steps pay warm-up)."""
-        from .loop import train_worker
-        from .train import summarize
         c = self.cfg
         tc = TrainConfig(workload=c.workload, algorithm="local", workers=c.workers, network="lan",
                          steps=2 * BASELINE_STEPS, seed=c.seed, progress=False, batch_size=c.batch_size,
@@ -246,16 +245,14 @@ class Harness:
             if n not in results["notes"]:
                 results["notes"].append(n)
                 self.log(f"note: {n}")
-        many = cfg.seeds > 1
         todo = [(c, n, s) for n in cfg.networks for c in cells for s in cfg.seed_list]
         done = {r["key"] for r in results["cells"] if r.get("status") == "ok"}
         results["cells"] = [r for r in results["cells"] if r.get("status") == "ok"]
         bar = None
         if progress and not os.environ.get("THINWIRE_NO_PROGRESS"):
-            from .loop import progress_bar
             bar = progress_bar(total=len(todo) + 1, desc="compare", unit="cell",
                                initial=len(done) + (1 if results.get("baseline") else 0))
-        write = lambda: _atomic_write(os.path.join(self.out, RESULTS), json.dumps(results, indent=1) + "\n")
+        write = lambda: atomic_write(os.path.join(self.out, RESULTS), json.dumps(results, indent=1) + "\n")
         try:
             if not results.get("baseline"):
                 if bar is not None:
@@ -266,7 +263,7 @@ class Harness:
                     bar.update(1)
             tuned: dict = {}
             for cell, network, seed in todo:
-                key = cell_key(cell.label, network, seed if many else None)
+                key = self.key(cell, network, seed)
                 if key in done:
                     continue
                 if bar is not None:
@@ -281,7 +278,7 @@ class Harness:
                        "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
                        "config": asdict(self.train_config(ran, network, seed))}
                 try:
-                    row.update(self.run_cell(ran, network, seed if many else None))
+                    row.update(self.run_cell(ran, network, seed))
                     row["status"] = "ok"
                 except WorkerError as e:
                     stalled = "stalled" in str(e)
@@ -338,7 +335,6 @@ def predict_step_time(row: dict, cfg: CompareConfig, compute_s: float | None) ->
     """The planner's predicted iteration time (`thinwire.plan.costmodel.predict`) from the model size, this
     network and the measured no-communication step time; None where the planner has no model for the cell."""
     from ..plan.costmodel import Scenario, predict
-    from .peers import PEER_AS
     c = row["cell"]
     if compute_s is None:
         return None
@@ -525,8 +521,8 @@ def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress:
         results["matrix_wall_s"] = results.get("matrix_wall_s", 0.0) + (_now() - t0)
         if results["cells"]:
             finish(results)
-            _atomic_write(os.path.join(out, RESULTS), json.dumps(results, indent=1) + "\n")
+            atomic_write(os.path.join(out, RESULTS), json.dumps(results, indent=1) + "\n")
             results["plots"] = plot_all(results, out)
             write_report(results, os.path.join(out, "report.md"))
-            _atomic_write(os.path.join(out, RESULTS), json.dumps(results, indent=1) + "\n")
+            atomic_write(os.path.join(out, RESULTS), json.dumps(results, indent=1) + "\n")
     return results

@@ -44,10 +44,11 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..errors import UserError
 from ..trace import Tracer
-from . import workloads
+from . import checkpoint, workloads
 from .launcher import report_progress
 
 _now = time.perf_counter
@@ -65,7 +66,6 @@ class Stepper:
     (always called, also after an error)."""
 
     role = "worker"
-    checkpointable = False      # state_dict / load_state_dict implemented
 
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module, worker_rank: int):
         self.model, self.module, self.worker_rank = model, module, worker_rank
@@ -108,29 +108,21 @@ def make_optimizer(cfg, wl, parameters) -> torch.optim.Optimizer:
 
 def run_device(cfg):
     """The device a worker trains on: its current CUDA device (set by the launcher) for `device="cuda"`."""
-    import torch
     if getattr(cfg, "device", "cpu") == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def build_trainer(cfg, wl, model, tracer=None):
-    """The Trainer for this configuration (used by the loop and by the tests)."""
-    from ..trainer import Trainer
-    return Trainer(model, make_optimizer(cfg, wl, model.parameters()), algorithm=cfg.algorithm,
-                   compressor=cfg.compressor, memory=cfg.memory, network=cfg.network, tracer=tracer,
-                   nonfinite=cfg.nonfinite, on_failure=getattr(cfg, "on_failure", "stop"),
-                   **cfg.component_params())
-
-
 class TrainerStepper(Stepper):
     """thinwire's own algorithms (and `local`, the no-communication reference) through `thinwire.Trainer`."""
 
-    checkpointable = True
-
     def __init__(self, cfg, wl, rank: int, tracer=None):
+        from ..trainer import Trainer
         model = wl.model(cfg.seed).to(run_device(cfg))
-        self.trainer = build_trainer(cfg, wl, model, tracer)
+        self.trainer = Trainer(model, make_optimizer(cfg, wl, model.parameters()), algorithm=cfg.algorithm,
+                               compressor=cfg.compressor, memory=cfg.memory, network=cfg.network, tracer=tracer,
+                               nonfinite=cfg.nonfinite, on_failure=getattr(cfg, "on_failure", "stop"),
+                               **cfg.component_params())
         super().__init__(model, model, getattr(self.trainer.algorithm, "worker_rank", rank))
         self.role = getattr(self.trainer.algorithm, "role", "worker")
 
@@ -173,22 +165,11 @@ class TrainerStepper(Stepper):
         """A server rank: restore its state on resume, then serve; with checkpoints, it joins each one at the
         cut where every worker's pushes of that step are answered (PSServer.serve). Returns what the checkpoint
         it resumed from had counted (None: a fresh start)."""
-        import torch.distributed as dist
-        from . import checkpoint
-        before = None
-        if cfg.resume:
-            state = checkpoint.load(cfg.resume, rank)
-            self.load_state_dict(state["trainer"])
-            checkpoint.set_rng_state(state["rng"])
-            before = state.get("counted")
+        before = _restore(cfg, rank, self).get("counted") if cfg.resume else None
         if not cfg.checkpoint_every:
             self.trainer.algorithm.serve()
             return before
-
-        def save(step: int) -> None:
-            state = {"step": step, "trainer": self.state_dict(), "rng": checkpoint.rng_state(),
-                     "counted": self.tally(before)}
-            checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
+        save = lambda step: _save(cfg, rank, world_size, step, self, before)
         self.trainer.algorithm.serve(checkpoint=(cfg.checkpoint_every, total, save))
         return before
 
@@ -208,7 +189,6 @@ def worker_group(is_worker: bool):
     """A gloo group of the worker ranks (parameter servers left out) for the loop's agreements, apart from every
     group training uses, so that an agreement never interleaves with an exchange in flight. Every rank of the
     job calls this, in the same order; groups are kept for the life of the process (pools run many runs)."""
-    import torch.distributed as dist
     world = dist.get_world_size()
     key = ("all", world)
     if key not in _GROUPS:
@@ -251,7 +231,6 @@ class Schedule:
     def agree(self, value: float, clock: float, eval_s: float) -> tuple[float, float, float]:
         """(mean metric over the worker ranks, the slowest worker's clock, the slowest evaluation): the same
         numbers on every rank (all ranks compute them from the same all-gathered list, in rank order)."""
-        import torch.distributed as dist
         if self.group is None or dist.get_world_size(self.group) == 1:
             return value, clock, eval_s
         mine = torch.tensor([value, clock, eval_s], dtype=torch.float64)
@@ -327,11 +306,9 @@ class Board:
 
     def step(self, rec: dict) -> None:
         at = dict(global_step=rec["step"], walltime=self.t0 + rec["t"])
-        self.writer.add_scalar("train/loss", rec["loss"], **at)
-        self.writer.add_scalar("train/step_s", rec["step_s"], **at)
-        self.writer.add_scalar("comm/bytes_sent", rec["bytes_sent"], **at)
-        self.writer.add_scalar("comm/exposed_s", rec["wait_s"], **at)
-        self.writer.add_scalar("comm/emulated_s", rec["emulated_s"], **at)
+        for tag, key in (("train/loss", "loss"), ("train/step_s", "step_s"), ("comm/bytes_sent", "bytes_sent"),
+                         ("comm/exposed_s", "wait_s"), ("comm/emulated_s", "emulated_s")):
+            self.writer.add_scalar(tag, rec[key], **at)
 
     def evaluation(self, rec: dict) -> None:
         at = dict(global_step=rec["step"], walltime=self.t0 + rec["t"])
@@ -386,13 +363,22 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     if getattr(cfg, "tensorboard", None) and wrank == 0:
         board = Board(cfg.tensorboard, wl.metric)
     steps, evals, clock, first, before, stop = [], [], 0.0, 1, None, None
+
+    def evaluate(step: int) -> str | None:
+        """Evaluate (outside the clock), agree in a race, record; why to stop or None."""
+        t1 = _now()
+        rec = {"step": step, "t": clock, "value": wl.evaluate(stepper.module)}
+        why, agreed = schedule.evaluated(step, rec["value"], clock, _now() - t1)
+        rec.update(agreed)
+        evals.append(rec)
+        if board is not None:
+            board.evaluation(rec)
+        return why
+
     try:
         if cfg.resume:
-            from . import checkpoint
-            state = checkpoint.load(cfg.resume, rank)
-            stepper.load_state_dict(state["trainer"])
+            state = _restore(cfg, rank, stepper)
             loader.load_state_dict(state["loader"])
-            checkpoint.set_rng_state(state["rng"])
             steps, evals, clock = state["records"]["steps"], state["records"]["evals"], float(state["clock"])
             first = int(state["step"]) + 1
             before = state.get("counted")
@@ -400,12 +386,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             if bar is not None:
                 bar.update(first - 1)
         else:
-            t1 = _now()
-            rec = {"step": 0, "t": 0.0, "value": wl.evaluate(stepper.module)}
-            rec.update(schedule.evaluated(0, rec["value"], 0.0, _now() - t1)[1])
-            evals.append(rec)
-            if board is not None:
-                board.evaluation(rec)
+            evaluate(0)
         step = first
         while total is None or step <= total:
             t0 = _now()
@@ -429,22 +410,13 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                 board.step(rec)
             if schedule.due(step):
                 if step == total:  # drain before the final evaluation: the final model is the consistent one
-                    t1 = _now()
-                    stepper.close()
-                    clock += _now() - t1
-                t1 = _now()
-                ev = {"step": step, "t": clock, "value": wl.evaluate(stepper.module)}
-                stop, agreed = schedule.evaluated(step, ev["value"], clock, _now() - t1)
-                ev.update(agreed)
-                evals.append(ev)
-                if board is not None:
-                    board.evaluation(ev)
+                    clock += _timed(stepper.close)
+                stop = evaluate(step)
                 if stop is not None and step != total:  # a race ends here: drain, on the clock
-                    t1 = _now()
-                    stepper.close()
-                    clock += _now() - t1
+                    clock += _timed(stepper.close)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop is None and step != total:
-                _checkpoint(cfg, rank, world_size, step, stepper, loader, steps, evals, clock, before, schedule)
+                _save(cfg, rank, world_size, step, stepper, before, loader=loader.state_dict(),
+                      records={"steps": steps, "evals": evals}, clock=clock, schedule=schedule.state_dict())
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
@@ -456,9 +428,9 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             bar.close()
         if board is not None:
             board.close()
-    flat = torch.cat([p.detach().reshape(-1) for p in stepper.parameters])
-    meter, metrics = stepper.counted(before)
     params = stepper.parameters
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    meter, metrics = stepper.counted(before)
     return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
             "model_sha256": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest(),
             "meter": meter, "metrics": metrics, "stopped": stop or "steps",
@@ -466,10 +438,23 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             "dtype_bytes": params[0].element_size(), "train_s": clock}
 
 
-def _checkpoint(cfg, rank, world_size, step, stepper, loader, steps, evals, clock, before, schedule) -> None:
-    import torch.distributed as dist
-    from . import checkpoint
-    state = {"step": step, "trainer": stepper.state_dict(), "loader": loader.state_dict(),
-             "rng": checkpoint.rng_state(), "records": {"steps": steps, "evals": evals}, "clock": clock,
-             "counted": stepper.tally(before), "schedule": schedule.state_dict()}
+def _timed(fn) -> float:
+    t0 = _now()
+    fn()
+    return _now() - t0
+
+
+def _save(cfg, rank, world_size, step, stepper, before, **more) -> None:
+    """A checkpoint of this rank at `step`: the stepper's state, the RNG streams, the counters so far and `more`
+    (a worker's loader position, records, clock and schedule)."""
+    state = {"step": step, "trainer": stepper.state_dict(), "rng": checkpoint.rng_state(),
+             "counted": stepper.tally(before), **more}
     checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
+
+
+def _restore(cfg, rank, stepper) -> dict:
+    """This rank's checkpoint state in `cfg.resume`, with the stepper's state and the RNG streams restored."""
+    state = checkpoint.load(cfg.resume, rank)
+    stepper.load_state_dict(state["trainer"])
+    checkpoint.set_rng_state(state["rng"])
+    return state

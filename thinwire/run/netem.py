@@ -31,9 +31,11 @@ import struct
 import subprocess
 import sys
 import time
+from functools import partial
 
 from ..errors import UserError
 from ..net import parse_network
+from .launcher import Pool, _die_with_parent
 
 CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
@@ -196,9 +198,6 @@ class Emulation:
         """A launcher Pool whose workers live in namespaces 0..world-1."""
         if world > self.slots:
             raise UserError(f"--netem: {world} ranks but only {self.slots} namespaces")
-        from functools import partial
-
-        from .launcher import Pool
         return Pool(world, host=f"{CTL_NET}.254", timeout=3600.0,
                     worker_init=partial(enter_namespace, self.prefix))
 
@@ -220,13 +219,6 @@ class Emulation:
 
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 # -- the forwarder process ---------------------------------------------------------------------------------

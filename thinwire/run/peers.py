@@ -50,6 +50,7 @@ PEER_PARAMS: dict[str, tuple[str, ...]] = {
 PEER_AS = {"ddp": ("bsp", "none"), "ddp-fp16": ("bsp", "fp16"), "ddp-powersgd": ("bsp", "powersgd"),
            "ddp-postlocalsgd": ("localsgd", "none"), "ddp-hierarchical": ("localsgd", "none"),
            "torchft-diloco": ("localsgd", "none")}
+_INTS = ("rank", "period", "warmup", "local_period", "group", "fragments", "fragment_sync_delay")
 
 
 def optional_missing(name: str) -> str | None:
@@ -69,12 +70,10 @@ def check_peer(name: str, params: dict, workers: int) -> None:
     why = optional_missing(name)
     if why:
         raise UserError(why)
-    ints = {k: v for k, v in params.items() if k in ("rank", "period", "warmup", "local_period", "group",
-                                                     "fragments", "fragment_sync_delay")}
-    for k, v in ints.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if k in ("warmup", "fragment_sync_delay") else 1):
-            raise UserError(f"{name}: {k} must be an integer >= {0 if k in ('warmup', 'fragment_sync_delay') else 1}"
-                            f", got {v!r}")
+    for k, v in params.items():
+        low = 0 if k in ("warmup", "fragment_sync_delay") else 1
+        if k in _INTS and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise UserError(f"{name}: {k} must be an integer >= {low}, got {v!r}")
     if name == "ddp-hierarchical":
         period, local, group = _hierarchy(params, workers)
         if not (local < period and period % local == 0):
@@ -98,9 +97,7 @@ class _Counter:
     def __init__(self, rank: int, link):
         self.link = link
         self.clock = LinkClock(self.link, rank, default_seed())
-        self.bytes_sent = 0.0
-        self.emulated_s = 0.0
-        self.wait_s = 0.0
+        self.bytes_sent = self.emulated_s = self.wait_s = 0.0
         self.ops = 0
         self._orig = dist.all_reduce
         self._lock = threading.Lock()
@@ -114,11 +111,15 @@ class _Counter:
     def __exit__(self, *exc):
         dist.all_reduce = self._orig
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        n = dist.get_world_size(group)
-        cost = ring_allreduce(self.link.handshaking(), n, tensor.numel() * tensor.element_size())  # as the Transport
+    def charge(self, n: int, nbytes: int):
+        """Count one ring all-reduce of `nbytes` over `n` ranks (as the Transport does); its cost, to deliver."""
+        cost = ring_allreduce(self.link.handshaking(), n, nbytes)
         self.bytes_sent += cost.sent
         self.ops += 1
+        return cost
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        cost = self.charge(dist.get_world_size(group), tensor.numel() * tensor.element_size())
         work = self._orig(tensor, op=op, group=group, async_op=True)
         if not async_op:
             work.wait()
@@ -146,10 +147,12 @@ class _Counter:
         return {"ops": self.ops, "bytes_sent": self.bytes_sent, "emulated_s": self.emulated_s, "wait_s": self.wait_s}
 
 
-class _Work:
-    """The real work, completing (wait, future) only once the emulated link delivered it."""
+class _Work(dist._Work):
+    """The real work, completing (wait, future) only once the emulated link delivered it (a `dist._Work`, as
+    torchft's process group must return)."""
 
     def __init__(self, counter: _Counter, work, cost):
+        super().__init__()
         self.counter, self.work, self.cost = counter, work, cost
         self._delivered = False
 
@@ -173,15 +176,15 @@ class _Work:
         return self.work.get_future().then(done)
 
 
-
-
 def _build(cfg, wl, model, workers: int):
     """(DDP model, optimizer, description of the configuration) for the DDP peer `cfg.algorithm`."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
     name, p = cfg.algorithm, cfg.params
-    model_mb = sum(t.numel() * t.element_size() for t in model.parameters()) / 2 ** 20
+    hooks = {"ddp": (default_hooks.allreduce_hook, "allreduce_hook (fp32)"),
+             "ddp-fp16": (default_hooks.fp16_compress_hook, "fp16_compress_hook")}
     if name == "ddp-powersgd":
+        model_mb = sum(t.numel() * t.element_size() for t in model.parameters()) / 2 ** 20
         bucket = max(25.0, 2 * model_mb + 1)  # one bucket: gloo fails with several (FACTS.md)
         ddp = DDP(model, bucket_cap_mb=bucket)
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(p.get("rank", 4)),
@@ -189,47 +192,36 @@ def _build(cfg, wl, model, workers: int):
                                    random_seed=cfg.seed)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         desc = f"powerSGD_hook rank {state.matrix_approximation_rank}, one bucket (bucket_cap_mb={bucket:.0f})"
-    else:
-        ddp = DDP(model)
-        if name == "ddp":
-            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-            desc = "allreduce_hook (fp32)"
-        elif name == "ddp-fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            desc = "fp16_compress_hook"
-        elif name in ("ddp-postlocalsgd", "ddp-hierarchical"):
-            from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (PostLocalSGDState,
-                                                                                      post_localSGD_hook)
-            warmup = int(p.get("warmup", 8))
-            state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
-                                      post_local_gradient_allreduce=False)
-            ddp.register_comm_hook(state, post_localSGD_hook)
-            if name == "ddp-postlocalsgd":
-                desc = f"post_localSGD_hook + PeriodicModelAverager, period {int(p.get('period', 8))}, " \
-                       f"warm-up {warmup} steps"
-            else:
-                period, local, group = _hierarchy(p, workers)
-                desc = (f"post_localSGD_hook + HierarchicalModelAverager: groups of {group} every {local} steps, "
-                        f"all {workers} every {period}, warm-up {warmup} steps")
-        else:
-            raise ValueError(f"unknown DDP peer {name!r}")
+        return ddp, make_optimizer(cfg, wl, ddp.parameters()), desc
+    ddp = DDP(model)
+    if name in hooks:
+        hook, desc = hooks[name]
+        ddp.register_comm_hook(None, hook)
+        return ddp, make_optimizer(cfg, wl, ddp.parameters()), desc
+    if name not in ("ddp-postlocalsgd", "ddp-hierarchical"):
+        raise ValueError(f"unknown DDP peer {name!r}")
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.optim import PostLocalSGDOptimizer
+    warmup = int(p.get("warmup", 8))
+    state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
+                              post_local_gradient_allreduce=False)
+    ddp.register_comm_hook(state, post_localSGD_hook)
     opt = make_optimizer(cfg, wl, ddp.parameters())
-    if name in ("ddp-postlocalsgd", "ddp-hierarchical"):
-        from torch.distributed.optim import PostLocalSGDOptimizer
-        warmup = int(p.get("warmup", 8))
-        if name == "ddp-postlocalsgd":
-            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-            averager = PeriodicModelAverager(period=int(p.get("period", 8)), warmup_steps=warmup)
-        else:
-            from collections import OrderedDict
+    if name == "ddp-postlocalsgd":
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        period = int(p.get("period", 8))
+        averager = PeriodicModelAverager(period=period, warmup_steps=warmup)
+        desc = f"post_localSGD_hook + PeriodicModelAverager, period {period}, warm-up {warmup} steps"
+    else:
+        from collections import OrderedDict
 
-            from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import \
-                HierarchicalModelAverager
-            period, local, group = _hierarchy(p, workers)
-            averager = HierarchicalModelAverager(OrderedDict([(local, group), (period, workers)]),
-                                                 warmup_steps=warmup)
-        opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
-    return ddp, opt, desc
+        from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import \
+            HierarchicalModelAverager
+        period, local, group = _hierarchy(p, workers)
+        averager = HierarchicalModelAverager(OrderedDict([(local, group), (period, workers)]), warmup_steps=warmup)
+        desc = (f"post_localSGD_hook + HierarchicalModelAverager: groups of {group} every {local} steps, "
+                f"all {workers} every {period}, warm-up {warmup} steps")
+    return ddp, PostLocalSGDOptimizer(optim=opt, averager=averager), desc
 
 
 def finite_or_raise(parameters, rank: int, step: int) -> None:
@@ -241,22 +233,17 @@ def finite_or_raise(parameters, rank: int, step: int) -> None:
                              f"(policy nonfinite=stop)")
 
 
-class DDPStepper(Stepper):
-    """A PyTorch DDP peer: DDP's comm hook all-reduces during backward; `step()` is the optimizer's step (and,
-    for post-local SGD, its model averager's). Traffic is what `_Counter` saw this step."""
+class PeerStepper(Stepper):
+    """What the peers share: `step()` is `self.optimizer`'s step after the NaN/Inf check (a peer applies no
+    non-finite gradient), and its traffic is what `self.counter` (a `_Counter`) saw since the last one.
+    A subclass sets `counter`, `optimizer`, `desc` and, last in its `__init__`, calls `_start_counting()`."""
 
-    def __init__(self, cfg, wl, rank: int, world_size: int):
-        self.counter = _Counter(rank, parse_network(cfg.network))
-        self.counter.__enter__()
-        module = wl.model(cfg.seed)
-        ddp, self.optimizer, self.desc = _build(cfg, wl, module, world_size)
-        super().__init__(ddp, module, rank)
-        self.rank, self.steps = rank, 0
-        self._before = self.counter.totals()
+    def _start_counting(self) -> None:
+        self.steps, self._before = 0, self.counter.totals()
 
     def step(self) -> dict:
         self.steps += 1
-        finite_or_raise(self.parameters, self.rank, self.steps)
+        finite_or_raise(self.parameters, self.worker_rank, self.steps)
         self.optimizer.step()
         now = self.counter.totals()
         out = {k: now[k] - self._before[k] for k in ("bytes_sent", "emulated_s", "wait_s")}
@@ -269,6 +256,19 @@ class DDPStepper(Stepper):
     def counted(self, before) -> tuple[dict, dict]:
         return {"total": self.counter.totals()}, {"peer": self.desc}
 
+
+class DDPStepper(PeerStepper):
+    """A PyTorch DDP peer: DDP's comm hook all-reduces during backward; `step()` is the optimizer's step (and,
+    for post-local SGD, its model averager's)."""
+
+    def __init__(self, cfg, wl, rank: int, world_size: int):
+        self.counter = _Counter(rank, parse_network(cfg.network))
+        self.counter.__enter__()
+        module = wl.model(cfg.seed)
+        ddp, self.optimizer, self.desc = _build(cfg, wl, module, world_size)
+        super().__init__(ddp, module, rank)
+        self._start_counting()
+
     def shutdown(self) -> None:
         self.counter.__exit__(None, None, None)
         self.model = None  # DDP's reducer goes with it
@@ -277,5 +277,5 @@ class DDPStepper(Stepper):
 def make_peer(cfg, wl, rank: int, world_size: int) -> Stepper:
     if cfg.algorithm == "torchft-diloco":
         from .torchft_peer import TorchftDiLoCoStepper
-        return TorchftDiLoCoStepper(cfg, wl, rank, world_size, _Counter)
+        return TorchftDiLoCoStepper(cfg, wl, rank, world_size)
     return DDPStepper(cfg, wl, rank, world_size)

@@ -20,7 +20,6 @@ def _style(results: dict) -> dict:
 
 def _minor_label(v: float, _pos) -> str:
     """Label the 2× and 5× minor ticks of a log axis too (a newcomer reads 0.2, 0.5 more easily than 10^-1)."""
-    import math
     if v <= 0:
         return ""
     mant = round(v / 10 ** math.floor(math.log10(v)), 3)

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import algorithms
+from ..compress import compressors, memories
 from ..errors import UserError
 from ..registry import _convert
+from . import workloads
 from .peers import PEER_PARAMS, optional_missing
 
 PEERS = tuple(PEER_PARAMS)
@@ -107,8 +110,6 @@ def _label(algorithm, compressor, memory, params) -> str:
 def check(cell: Cell, strict: bool) -> tuple[Cell | None, list[str]]:
     """Validate a cell against the registries. strict: raise UserError on a problem (user-typed cells);
     otherwise drop the cell (unregistered name) or the parameter nobody declares, with a note (presets)."""
-    from .. import algorithms
-    from ..compress import compressors, memories
     notes: list[str] = []
 
     def problem(msg: str):
@@ -117,7 +118,6 @@ def check(cell: Cell, strict: bool) -> tuple[Cell | None, list[str]]:
         notes.append(msg)
 
     if cell.optimizer is not None:
-        from . import workloads
         valid = tuple(workloads.OPTIMIZERS)
         if cell.optimizer not in valid:
             raise UserError(f"{cell.label}: optimizer must be one of {', '.join(valid)}, got {cell.optimizer!r}")
@@ -152,7 +152,6 @@ def check(cell: Cell, strict: bool) -> tuple[Cell | None, list[str]]:
 
 
 def _registered_everything() -> list:
-    from .. import algorithms
     skip = {"local"}  # the no-communication reference is measured separately (scalability)
     return [n for n in algorithms.names() if n not in skip] + list(PEERS)
 

@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from ..net import parse_network, ring_allreduce
-from .loop import Stepper, make_optimizer
+from ..net import parse_network
+from .loop import make_optimizer
+from .peers import PeerStepper, _Counter, _Work
 
 EXTRA = "pip install 'thinwire[peers]' (torch==2.13.0 torchft==0.2.0)"
 
@@ -77,44 +78,20 @@ def _emulated_gloo(counter, timeout: timedelta):
     """torchft's ProcessGroupGloo whose all-reduces are delivered by the emulated link and counted (see above)."""
     from torchft.process_group import ProcessGroupGloo
 
-    class _Delivered(dist._Work):
-        def __init__(self, work, cost):
-            super().__init__()
-            self.work, self.cost, self._done = work, cost, False
-
-        def _deliver(self):
-            if not self._done:
-                self._done = True
-                counter.deliver(self.cost)
-
-        def wait(self, timeout=None):
-            self.work.wait()
-            self._deliver()
-            return True
-
-        def get_future(self):
-            def done(fut):
-                self._deliver()
-                return fut.value()
-            return self.work.get_future().then(done)
-
     class _EmulatedGloo(ProcessGroupGloo):
         def allreduce(self, tensors, opts):
             work = super().allreduce(tensors, opts)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            cost = ring_allreduce(counter.link.handshaking(), self.size(), nbytes)  # as the Transport
-            counter.bytes_sent += cost.sent
-            counter.ops += 1
-            return _Delivered(work, cost)
+            return _Work(counter, work, counter.charge(self.size(), nbytes))
 
     return _EmulatedGloo(timeout=timeout)
 
 
-class TorchftDiLoCoStepper(Stepper):
+class TorchftDiLoCoStepper(PeerStepper):
     """torchft's DiLoCo around the workload's optimizer: `step()` is the inner optimizer's step, whose post-hook
     (torchft's) starts the quorum and the pseudo-gradient all-reduce and applies the outer step every `period`."""
 
-    def __init__(self, cfg, wl, rank: int, world_size: int, counter_cls):
+    def __init__(self, cfg, wl, rank: int, world_size: int):
         why = missing()
         if why:
             raise UserError(why)
@@ -125,15 +102,12 @@ class TorchftDiLoCoStepper(Stepper):
         from torchft.local_sgd import DiLoCo
 
         from .launcher import _listen
-        from .peers import finite_or_raise
-        self._finite = finite_or_raise
         p = cfg.params
         period, fragments = int(p.get("period", 8)), int(p.get("fragments", 1))
-        self.counter = counter_cls(rank, parse_network(cfg.network))
+        self.counter = _Counter(rank, parse_network(cfg.network))
         self.lighthouse = self.manager = self.diloco = self.store = None
         module = wl.model(cfg.seed)
         super().__init__(module, module, rank)
-        self.rank, self.steps = rank, 0
         address = [None]
         if rank == 0:
             self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=world_size)
@@ -143,7 +117,7 @@ class TorchftDiLoCoStepper(Stepper):
         self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
                                    use_libuv=False)
         self.pg = _emulated_gloo(self.counter, timedelta(seconds=600))
-        self.inner = make_optimizer(cfg, wl, module.parameters())
+        self.optimizer = make_optimizer(cfg, wl, module.parameters())  # the inner one
         self.manager = Manager(pg=self.pg, load_state_dict=self._load, state_dict=self._state,
                                min_replica_size=world_size, use_async_quorum=False, init_sync=False, rank=0,
                                world_size=1, store_addr="127.0.0.1", store_port=port, lighthouse_addr=address[0],
@@ -161,7 +135,7 @@ class TorchftDiLoCoStepper(Stepper):
         outer = [torch.optim.SGD(part.parameters(), lr=float(p.get("outer_lr", 0.7)),
                                  momentum=float(p.get("outer_momentum", 0.9)), nesterov=bool(p.get("nesterov", True)))
                  for part in parts]
-        self.diloco = DiLoCo(self.manager, parts, self.inner, outer, sync_every=period,
+        self.diloco = DiLoCo(self.manager, parts, self.optimizer, outer, sync_every=period,
                              use_bucketization=bool(p.get("bucketize", True)),
                              should_quantize=bool(p.get("quantize", False)),
                              fragment_sync_delay=int(p.get("fragment_sync_delay", 0)),
@@ -172,7 +146,7 @@ class TorchftDiLoCoStepper(Stepper):
                      f"{float(p.get('outer_lr', 0.7)):g} momentum {float(p.get('outer_momentum', 0.9)):g}"
                      f"{' Nesterov' if p.get('nesterov', True) else ''}, {fragments} fragment(s){quant}; quorum "
                      f"charged one round trip per sync")
-        self._before = self.counter.totals()
+        self._start_counting()
 
     def _charge_quorum(self) -> None:
         """Each quorum is one round trip to the Lighthouse on a real deployment: charge it on the emulated link."""
@@ -190,26 +164,15 @@ class TorchftDiLoCoStepper(Stepper):
         self.manager.start_quorum = start_quorum
 
     def _state(self) -> dict:
-        return {"model": self.module.state_dict(), "inner": self.inner.state_dict()}
+        return {"model": self.module.state_dict(), "inner": self.optimizer.state_dict()}
 
     def _load(self, state: dict) -> None:
         self.module.load_state_dict(state["model"])
-        self.inner.load_state_dict(state["inner"])
-
-    def step(self) -> dict:
-        self.steps += 1
-        self._finite(self.parameters, self.rank, self.steps)
-        self.inner.step()
-        now = self.counter.totals()
-        out = {k: now[k] - self._before[k] for k in ("bytes_sent", "emulated_s", "wait_s")}
-        self._before = now
-        return out
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad(set_to_none=False)
+        self.optimizer.load_state_dict(state["inner"])
 
     def counted(self, before) -> tuple[dict, dict]:
-        return {"total": self.counter.totals()}, {"peer": self.desc, "syncs": self.manager.current_step()}
+        meter, metrics = super().counted(before)
+        return meter, {**metrics, "syncs": self.manager.current_step()}
 
     def shutdown(self) -> None:
         clean = sys.exc_info()[0] is None

@@ -18,11 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import algorithms
+from ..compress import compressors, memories
 from ..errors import UserError
 from ..net import parse_network, ring_allreduce
 from ..trace import write_chrome_trace
-from . import workloads
-from .loop import build_trainer, make_optimizer, train_worker  # noqa: F401  (the loop's public names, here too)
+from ..trainer import build_components, check_momentum
+from . import checkpoint, workloads
+from .launcher import MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, launch, pick_backend, under_torchrun
+from .loop import check_tensorboard, train_worker
+from .peers import PEER_PARAMS, check_peer
 
 _now = time.perf_counter
 MAX_SEED = 2**32 - 1   # seeds feed torch, Python and NumPy generators (NumPy's legacy seeding takes 32 bits)
@@ -112,12 +117,9 @@ class TrainConfig:
     @property
     def peer(self) -> bool:
         """A PyTorch / torchft peer (`thinwire.run.peers`) rather than a thinwire algorithm."""
-        from .peers import PEER_PARAMS
         return self.algorithm in PEER_PARAMS
 
     def validate(self) -> "TrainConfig":
-        from .. import algorithms
-        from ..compress import compressors, memories
         workloads.registry.lookup(self.workload)
         self._check_race()
         if self.peer:
@@ -128,7 +130,6 @@ class TrainConfig:
         if self.memory is not None:
             memories.lookup(self.memory)
         parse_network(self.network)
-        from .launcher import MAX_LOCAL_WORKERS, pick_backend, under_torchrun
         check_int("--workers", self.workers, 1)
         arch = self.architecture()
         self.resolve_servers()
@@ -184,15 +185,13 @@ class TrainConfig:
                 raise UserError(f"checkpoints of {self.algorithm} on the parameter server are not supported; "
                                 f"checkpointable there: {', '.join(ok)} (or {self.algorithm} on all-reduce)")
         if self.resume is not None:
-            from .checkpoint import check
-            check(self.resume, self.workers + self.servers, self)
+            checkpoint.check(self.resume, self.workers + self.servers, self)
         if self.checkpoint_dir is not None:
             check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
         if self.lr is not None:
             check_number("--lr", self.lr, 0, MAX_LR, low_open=True, why=f" (plain SGD diverges far below {MAX_LR:g})")
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
-        from ..trainer import build_components, check_momentum
         alg, comp, mem, _, _ = build_components(self.algorithm, self.compressor, self.memory,
                                                 **self.component_params())  # before launch
         name, settings = workloads.get(self.workload).optimizer_settings(self.optimizer)
@@ -210,13 +209,10 @@ class TrainConfig:
             if self.optimizer not in valid:
                 raise UserError(f"--optimizer must be one of {', '.join(valid)}, got {self.optimizer!r}")
         if self.tensorboard is not None:
-            from .loop import check_tensorboard
             check_tensorboard(self.tensorboard)
 
     def _validate_peer(self) -> "TrainConfig":
         """A peer: its own parameters only; no thinwire compressor, servers or checkpoints."""
-        from .launcher import MAX_LOCAL_WORKERS, under_torchrun
-        from .peers import check_peer
         check_int("--workers", self.workers, 1)
         check_int("--seed", self.seed, 0, MAX_SEED)
         if self.workers > MAX_LOCAL_WORKERS and not under_torchrun():
@@ -248,14 +244,12 @@ class TrainConfig:
         return self
 
     def architecture(self) -> str:
-        from .. import algorithms
         return self.params.get("architecture") or algorithms.architectures(self.algorithm)[0]
 
     def resolve_servers(self) -> int:
         """`servers` omitted (None): the algorithm's default on the parameter server (what `thinwire list`
         shows, 1), else 0."""
         if self.servers is None:
-            from .. import algorithms
             default = algorithms.registry.parameters(self.algorithm).get("servers")
             on_ps = self.architecture() == "ps"
             self.servers = (default if isinstance(default, int) and default > 0 else 1) if on_ps else 0
@@ -344,7 +338,6 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
 def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
     """Launch the workers (or use `pool`), train, write `out/metrics.jsonl`, `out/summary.json`
     (and `out/trace.json` with `cfg.trace`), and return the summary."""
-    from .launcher import PROGRESS_TIMEOUT, launch
     if out:
         check_writable_dir(out, "--out")  # before training: never lose the results to a bad path
     cfg.validate()
@@ -369,15 +362,8 @@ def write_outputs(out: str, cfg: TrainConfig, summary: dict, rows: list[dict], r
     if cfg.trace:
         write_chrome_trace(os.path.join(out, "trace.json"), [r["trace"] for r in results])
         summary["trace"] = os.path.join(out, "trace.json")
-    _atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
-    _atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    checkpoint.atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    checkpoint.atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
 
 
 def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str | None) -> dict | None:
@@ -386,7 +372,6 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
     import torch.distributed as dist
     if world_size != cfg.workers + cfg.resolve_servers():
         cfg.workers = world_size - cfg.servers
-    from . import checkpoint
     if cfg.resume and not checkpoint.exists(cfg.resume):
         # torchrun runs the same command on every (re)start: `--resume DIR` before DIR's first checkpoint
         # starts fresh; an elastic restart after a failure then continues from the last checkpoint

@@ -112,13 +112,12 @@ class Workload:
         model.eval()
         dev = next(model.parameters()).device           # the held-out set goes where the model is
         x, y = self.data[2].to(dev), self.data[3].to(dev)
-        if self.eval_fn is not None:
-            try:
+        try:
+            if self.eval_fn is not None:
                 return float(self.eval_fn(model, x, y))
-            finally:
-                model.train(was)
-        out = model(x)
-        model.train(was)
+            out = model(x)
+        finally:
+            model.train(was)
         if self.metric == "accuracy":
             # hits / total in Python: a float32 mean reads exactly 95% as 0.94999999 < 0.95, a missed target
             return int((out.argmax(1) == y).sum()) / y.numel()
@@ -194,10 +193,8 @@ def mnist1d_data(num_samples: int = 5000, train_split: float = 0.8):
     loader), `num_samples` in all, cached on disk after the first generation (written atomically) under a name
     keyed by the generation arguments (mnist1d's defaults for the others; importing mnist1d costs seconds, so it is
     imported only to generate). With the default arguments: mnist1d's default 4000 train / 1000 test."""
-    if (num_samples, train_split) == (5000, 0.8):
-        name = "mnist1d-default.npz"
-    else:
-        name = f"mnist1d-n{num_samples}-split{train_split:g}.npz"
+    default = (num_samples, train_split) == (5000, 0.8)
+    name = "mnist1d-default.npz" if default else f"mnist1d-n{num_samples}-split{train_split:g}.npz"
     path = os.path.join(_cache_dir(), name)
     if not os.path.exists(path):
         from mnist1d.data import get_dataset_args, make_dataset
