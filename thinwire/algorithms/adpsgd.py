@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
+from ..sched import views
 from . import register
 from ._gossip import Gossip
 
@@ -86,11 +87,8 @@ class ADPSGD(Gossip):
                 continue
             del self.inflight[b]
             half = (fut.wait()[peer] - snap).div_(2)
-            off = 0
-            for i in mem:
-                n = self.params[i].numel()
-                self.corrections[i] = half[off:off + n].view_as(self.params[i])
-                off += n
+            for i, c in zip(mem, views(half, [self.params[i] for i in mem])):
+                self.corrections[i] = c
 
     def apply(self, members) -> None:
         self.resolve(members)

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import UserError
 from ..exchange import Exchange
-from ..sched import step_subset
+from ..sched import step_subset, views
 
 
 class Algorithm:
@@ -126,13 +126,6 @@ class Algorithm:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     def set_flat_params(self, flat: torch.Tensor) -> None:
-        offset = 0
         with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                p.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
-
-    def flat_grad(self) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.params])
+            for p, v in zip(self.params, views(flat, self.params)):
+                p.copy_(v)

@@ -45,6 +45,7 @@ import torch
 from ..compress import Compressor
 from ..errors import UserError
 from ..net import cdsgd as time_model
+from ..sched import views
 from . import register
 from .bsp import BSP
 from .ps_sync import PSMixin
@@ -274,12 +275,8 @@ class CDSGD(BSP):
         mu = h["momentum"]
         with self.tracer.span("global update", "optimizer"):
             for members, fut in exchanges.values():
-                mean = fut.wait()
-                off = 0
-                for i in members:
+                for i, d in zip(members, views(fut.wait(), [self.W[i] for i in members])):
                     W = self.W[i]
-                    d = mean[off:off + W.numel()].view_as(W)
-                    off += W.numel()
                     if h["weight_decay"]:
                         d = d.add(W, alpha=h["weight_decay"])
                     if mu:
@@ -324,11 +321,10 @@ class CDSGD(BSP):
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration, self.counter = state["iteration"], state["counter"]
-        off = 0
-        for w, wp in zip(self.W, self.W_prev):
-            w.copy_(state["W"][off:off + w.numel()].view_as(w))
-            wp.copy_(state["W_prev"][off:off + w.numel()].view_as(w))
-            off += w.numel()
+        for w, wp, saved, saved_prev in zip(self.W, self.W_prev, views(state["W"], self.W),
+                                            views(state["W_prev"], self.W)):
+            w.copy_(saved)
+            wp.copy_(saved_prev)
         self.buf = None if state["buf"] is None else [None if b is None else b.clone() for b in state["buf"]]
         self.prev = {}
         self.plain.load_state_dict(state["plain"])
@@ -408,12 +404,8 @@ class PSCDSGD(PSMixin, CDSGD):
         self.W_prev = [w.clone() for w in self.W]
         with self.tracer.span("global update", "optimizer"), torch.no_grad():
             for members, fut in exchanges.values():
-                answer = fut.wait()
-                off = 0
-                for i in members:
-                    W = self.W[i]
-                    W.copy_(answer[off:off + W.numel()].view_as(W))
-                    off += W.numel()
+                for i, answer in zip(members, views(fut.wait(), [self.W[i] for i in members])):
+                    self.W[i].copy_(answer)
         self.worker.commit()
 
     def _synchronous_update(self, hyper: dict) -> None:

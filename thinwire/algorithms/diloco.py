@@ -57,7 +57,7 @@ import torch
 
 from ..comm.engine import Ready
 from ..errors import UserError
-from ..sched import step_subset
+from ..sched import step_subset, views
 from . import register
 from .base import Algorithm
 
@@ -258,12 +258,8 @@ class DiLoCo(Algorithm):
         θ_local ← α θ_local + (1 − α) θ (Streaming DiLoCo §2.3; α = 0: θ, DiLoCo Alg. 1 line 3)."""
         with self.tracer.span("outer step", "communicate"):
             for piece, fut in self._pending:
-                mean = fut.wait()
-                off = 0
-                for k in piece:
-                    a = self.anchor[k]
-                    a.grad = mean[off:off + a.numel()].view_as(a)
-                    off += a.numel()
+                for k, g in zip(piece, views(fut.wait(), [self.anchor[k] for k in piece])):
+                    self.anchor[k].grad = g
             self._pending, self._pending_fragment = [], None
             ks = [k for f in fragments for k in self.by_fragment[f]]
             step_subset(self.outer, [self.anchor[k] for k in ks])      # θ ← OuterOpt(θ, Δ) (Alg. 1 line 14)

@@ -14,6 +14,7 @@ import torch
 
 from ..comm.engine import Ready
 from ..errors import UserError
+from ..sched import views
 from . import register
 from .base import Algorithm
 
@@ -188,7 +189,7 @@ class DTS(Algorithm):
 
     def _apply_oldest(self) -> None:
         """Wait for the oldest average in flight and apply its compensation at the current step."""
-        end, launches, ref, post = self._flight.popleft()
+        _, launches, ref, post = self._flight.popleft()
         for members, local, fut in launches:
             err = fut.wait() - local
             if self._two:
@@ -196,12 +197,12 @@ class DTS(Algorithm):
                 err_c, err_b = err[:, 0], err[:, 1]
             else:
                 err_c = err_b = err       # p = 1: C = g = B (the rate ratio is exactly 1)
-            self._compensate(members, err_c, err_b, self.steps - end, ref, post)
+            self._compensate(members, err_c, err_b, ref, post)
         self.applied += 1
 
     @torch.no_grad()
-    def _compensate(self, members: list[int], err_c: torch.Tensor, err_b: torch.Tensor, age: int,
-                    ref: list[float], post: list) -> None:
+    def _compensate(self, members: list[int], err_c: torch.Tensor, err_b: torch.Tensor, ref: list[float],
+                    post: list) -> None:
         """(Δw, Δb) = M (-γ_ref (C̄ - C), B̄ - B): with λ = 0, w -= γ_ref (C̄ - C) + F (B̄ - B) and
         b += μ^Δ (B̄ - B)   (seed 004 eqs. 3-4; docs/dts.md)."""
         mu = self.mu
@@ -262,10 +263,8 @@ class DTS(Algorithm):
                         if b is not None]
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         dist.broadcast(flat, src=self.transport.global_of(0), group=self.transport.group)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, v in zip(tensors, views(flat, tensors)):
+            t.copy_(v)
 
     # -- bookkeeping -----------------------------------------------------------------------------------
     def metrics(self):

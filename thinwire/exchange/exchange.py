@@ -151,10 +151,7 @@ class Exchange:
         x = tensor.detach()
         if x.numel() == 0:
             return Ready(x.clone())
-        step = self.steps.get(key, 0)
-        self.steps[key] = step + 1
-        if self.check_finite:
-            self._check_finite(x, key)
+        step = self._begin(x, key)
         tr, comp, n = self.transport, self.compressor, self.world_size
         tracer = tr.tracer
         if self.identity:   # as DDP: the bucket itself, divided by n, is summed (no copy when allowed)
@@ -257,6 +254,14 @@ class Exchange:
                 out = comp.vote(payloads) if majority else comp.aggregate(payloads) / n
                 return out.to(x.dtype).reshape(x.shape)
         return fut.then(finish)
+
+    def _begin(self, x: torch.Tensor, key: Any) -> int:
+        """Count one more exchange of `key` (its compression step, returned) after checking `x` is finite."""
+        step = self.steps.get(key, 0)
+        self.steps[key] = step + 1
+        if self.check_finite:
+            self._check_finite(x, key)
+        return step
 
     def _check_finite(self, x: torch.Tensor, key: Any) -> None:
         if not x.is_floating_point():

@@ -71,10 +71,7 @@ class NeighborExchange(Exchange):
         """(program) What `start` submits."""
         tr, comp, me = self.transport, self.compressor, self.transport.rank
         x = tensor.detach()
-        step = self.steps.get(key, 0)
-        self.steps[key] = step + 1
-        if self.check_finite:
-            self._check_finite(x, key)
+        step = self._begin(x, key)
         if self.identity:
             send = x.contiguous()
             got = {s: torch.empty_like(send) for s in srcs}

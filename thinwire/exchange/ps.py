@@ -229,10 +229,7 @@ class PSExchange(Exchange):
         x = tensor.detach().reshape(-1)
         w = self.worker
         b = w.index[key]
-        step = self.steps.get(key, 0)
-        self.steps[key] = step + 1
-        if self.check_finite:
-            self._check_finite(x, key)
+        step = self._begin(x, key)
         bodies = []
         for k, (lo, hi) in enumerate(w.slices[b]):
             if hi == lo:

@@ -25,7 +25,7 @@ bucket b-1 is on the wire and backward goes on. Both are options of the transpor
 from __future__ import annotations
 
 from ..errors import UserError
-from .buckets import Buckets, assign
+from .buckets import Buckets, assign, views
 from .mgwfbp import MGWFBP, merge_plan
 from .priority import Priority, priority_order, step_subset
 from .wfbp import Scheduler
@@ -56,4 +56,4 @@ def _named(s: Scheduler, name: str) -> Scheduler:
 
 
 __all__ = ["Buckets", "MGWFBP", "Priority", "SCHEDULES", "Scheduler", "assign", "make",
-           "merge_plan", "priority_order", "step_subset"]
+           "merge_plan", "priority_order", "step_subset", "views"]
