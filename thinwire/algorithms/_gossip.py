@@ -22,7 +22,7 @@ import torch
 from ..comm.topology import NAMES, Topology
 from ..errors import UserError
 from ..exchange.gossip import NeighborExchange
-from .base import Algorithm
+from .base import Algorithm, copy_flat
 
 
 class Gossip(Algorithm):
@@ -73,13 +73,6 @@ class Gossip(Algorithm):
         return out
 
     @staticmethod
-    def assign(bucket, flat: torch.Tensor) -> None:
-        """The bucket's parameters ← a flat tensor in its layout."""
-        with torch.no_grad():
-            for p, v in zip(bucket.params, bucket.split(flat)):
-                p.copy_(v)
-
-    @staticmethod
     def flat_of(bucket) -> torch.Tensor:
         """A copy of the bucket's parameters, flat in its layout."""
         with torch.no_grad():
@@ -99,7 +92,7 @@ class Gossip(Algorithm):
         d = float(self.transport.all_reduce(d, op="mean"))
         self.consensus.append((self.t, d))
         if set_average:
-            self.set_flat_params(mean)
+            copy_flat(self.params, mean)
         return d
 
     def after_step(self) -> None:

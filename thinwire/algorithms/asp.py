@@ -13,7 +13,6 @@ class ASP(StalenessAware, PSBSP):
     et al. 2016). τ_t, the updates applied since worker i_t pulled, is recorded (`staleness_hist`). A worker
     pushes each bucket during backward and waits for its own answers at `step()`."""
 
-    name = "asp"
     rule = "async"
 
     def __init__(self, architecture: str | None = None, scale: str = "staleness", implicit_momentum: bool = True,

@@ -15,7 +15,6 @@ class Backup(PSBSP):
     model). Rounds are per bucket (as BytePS's keys): A_t is the first n arrivals of that bucket. Dropped pushes
     of the first bucket are counted (`dropped` in the metrics)."""
 
-    name = "backup"
     rule = "backup"
 
     def __init__(self, architecture: str | None = None, backups: int = 1, servers: int = 1,

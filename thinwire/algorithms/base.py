@@ -21,6 +21,13 @@ from ..exchange import Exchange
 from ..sched import step_subset, views
 
 
+def copy_flat(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy `flat`, the tensors concatenated (flattened), into them."""
+    with torch.no_grad():
+        for t, v in zip(tensors, views(flat, tensors)):
+            t.copy_(v)
+
+
 class Algorithm:
     name: ClassVar[str] = ""
     architectures: ClassVar[tuple[str, ...]] = ("allreduce",)   # the first one is the default
@@ -124,8 +131,3 @@ class Algorithm:
 
     def flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
-
-    def set_flat_params(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            for p, v in zip(self.params, views(flat, self.params)):
-                p.copy_(v)

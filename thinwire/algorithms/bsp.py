@@ -21,9 +21,6 @@ class BSP(Algorithm):
     exchanges_gradients = True
     survives_failures = True  # the mean over fewer workers is still the mean gradient
 
-    def __init__(self, architecture: str | None = None):
-        super().__init__(architecture)
-
     def setup(self):
         self.exchange = self.make_exchange()
         self.pending: dict[int, object] = {}

@@ -47,21 +47,22 @@ from ..errors import UserError
 from ..net import cdsgd as time_model
 from ..sched import views
 from . import register
+from .base import copy_flat
 from .bsp import BSP
 from .ps_sync import PSMixin
 
 _now = time.perf_counter
 
 
-class _TimedCompressor(Compressor):
-    """A compressor as it is, with its encode/decode time measured (δ); the Exchange traces the spans."""
+class _TimedCompressor:
+    """A compressor as it is (every attribute is the inner compressor's), with its encode/decode time measured
+    (δ); the Exchange traces the spans. Not a `Compressor` subclass: the base class's defaults would shadow the
+    inner compressor's (its `vote` drops signsgd's scale: BIT-SGD + signsgd ran to chance)."""
 
     def __init__(self, inner: Compressor):
         self.inner, self.seconds = inner, 0.0
-        for attr in ("name", "unbiased", "linear", "randomness", "aggregation", "fixed_size", "pick_by_bytes"):
-            setattr(self, attr, getattr(inner, attr))
 
-    def __getattr__(self, attr):  # anything else (a custom exchange, parameters) is the inner compressor's
+    def __getattr__(self, attr):  # anything not timed (a custom exchange, parameters, state) is the inner one's
         if attr == "inner":
             raise AttributeError(attr)
         return getattr(self.inner, attr)
@@ -82,29 +83,8 @@ class _TimedCompressor(Compressor):
     def aggregate(self, payloads):
         return self._timed(self.inner.aggregate, payloads)
 
-    def vote(self, payloads):   # (the base class's would drop signsgd's scale: BIT-SGD + signsgd ran to chance)
+    def vote(self, payloads):
         return self._timed(self.inner.vote, payloads)
-
-    def agree(self, tensor, key=None, step=0):
-        return self.inner.agree(tensor, key, step)
-
-    def context(self, shape, dtype, key=None, step=0):
-        return self.inner.context(shape, dtype, key, step)
-
-    def sum_payload(self, payload, world_size):
-        return self.inner.sum_payload(payload, world_size)
-
-    def nominal_bits(self, numel):
-        return self.inner.nominal_bits(numel)
-
-    def summed_bits(self, numel, world_size):
-        return self.inner.summed_bits(numel, world_size)
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state):
-        self.inner.load_state_dict(state)
 
 
 def _sgd_hyper(optimizer) -> dict:
@@ -321,15 +301,21 @@ class CDSGD(BSP):
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration, self.counter = state["iteration"], state["counter"]
-        for w, wp, saved, saved_prev in zip(self.W, self.W_prev, views(state["W"], self.W),
-                                            views(state["W_prev"], self.W)):
-            w.copy_(saved)
-            wp.copy_(saved_prev)
+        copy_flat(self.W, state["W"])
+        copy_flat(self.W_prev, state["W_prev"])
         self.buf = None if state["buf"] is None else [None if b is None else b.clone() for b in state["buf"]]
         self.prev = {}
         self.plain.load_state_dict(state["plain"])
         if self.quant is not None and state["quant"] is not None:
             self.quant.load_state_dict(state["quant"])
+
+
+class _FullPrecision:
+    """(mixed in first) A variant that exchanges full-precision gradients: no compressor, no memory."""
+
+    compression = False
+    default_compressor = "none"
+    default_memory = "none"
 
 
 @register("bitsgd")
@@ -348,14 +334,10 @@ class BitSGD(CDSGD):
 
 
 @register("odsgd")
-class ODSGD(CDSGD):
+class ODSGD(_FullPrecision, CDSGD):
     """OD-SGD (seed 001 eqs. 3–4; its ref. [38]): W^loc_{i+1,j} = W_i − η_loc·g_{i,j} lets iteration i+1 start
     at once while the full-precision exchange and W_{i+1} = W_i − η·mean_j g_{i,j} complete (T^loc = max(τ, φ));
     CD-SGD with every iteration a correction step, the same warm-up."""
-
-    compression = False
-    default_compressor = "none"
-    default_memory = "none"
 
     def __init__(self, architecture: str | None = None, warmup: int = 10, local_lr: float | None = None,
                  local_momentum: bool = True):
@@ -364,13 +346,9 @@ class ODSGD(CDSGD):
 
 
 @register("ssgd")
-class SSGD(CDSGD):
+class SSGD(_FullPrecision, CDSGD):
     """S-SGD (seed 001 eq. 1): bsp, with seed 001's time model measured (τ, φ) and predicted
     (T^ssgd = τ + φ, eq. 2; and OD-SGD's max(τ, φ)) in its metrics."""
-
-    compression = False
-    default_compressor = "none"
-    default_memory = "none"
 
     def __init__(self, architecture: str | None = None):
         super().__init__(architecture, k=1, warmup=0, local_update=False, compress=False)
@@ -393,19 +371,14 @@ class PSCDSGD(PSMixin, CDSGD):
                        compress=compress)
         self._ps_init(servers, downlink_compressor, downlink_params)
 
-    def step(self):
-        self._worker_only()
-        super().step()
-
     def _apply_global(self, exchanges: dict, h: dict) -> None:
         """W_{i+1}: the server's answer (it applied eq. 10 with the optimizer)."""
         if not exchanges:
             return
         self.W_prev = [w.clone() for w in self.W]
-        with self.tracer.span("global update", "optimizer"), torch.no_grad():
+        with self.tracer.span("global update", "optimizer"):
             for members, fut in exchanges.values():
-                for i, answer in zip(members, views(fut.wait(), [self.W[i] for i in members])):
-                    self.W[i].copy_(answer)
+                copy_flat([self.W[i] for i in members], fut.wait())
         self.worker.commit()
 
     def _synchronous_update(self, hyper: dict) -> None:
@@ -424,12 +397,8 @@ class PSBitSGD(PSCDSGD):
 
 
 @register("odsgd", variant="ps")
-class PSODSGD(PSCDSGD):
+class PSODSGD(_FullPrecision, PSCDSGD):
     """OD-SGD on the parameter server (seed 001 eqs. 3–4): full-precision pushes, W^loc while the answer travels."""
-
-    compression = False
-    default_compressor = "none"
-    default_memory = "none"
 
     def __init__(self, architecture: str | None = None, warmup: int = 10, local_lr: float | None = None,
                  local_momentum: bool = True, servers: int = 1, downlink_compressor: str = "none",
@@ -440,12 +409,8 @@ class PSODSGD(PSCDSGD):
 
 
 @register("ssgd", variant="ps")
-class PSSSGD(PSCDSGD):
+class PSSSGD(_FullPrecision, PSCDSGD):
     """S-SGD on the parameter server (seed 001 eq. 1): bsp on the PS, with seed 001's time model measured."""
-
-    compression = False
-    default_compressor = "none"
-    default_memory = "none"
 
     def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
                  downlink_params: dict | None = None):

@@ -29,6 +29,7 @@ from ..compress.base import contractive_scale
 from ..errors import UserError
 from . import register
 from ._gossip import Gossip
+from .base import copy_flat
 
 
 @register("choco")
@@ -89,16 +90,11 @@ class CHOCO(Gossip):
                 for j in sorted(self.peers):
                     hat_j = bucket.flat([self.hat[j][k] for k in bucket.members]).add_(q[j])
                     correction.add_(hat_j - hat_self, alpha=float(W[i, j]))
-                    self._store(self.hat[j], bucket, hat_j)
-                self._store(self.hat_self, bucket, hat_self)
+                    copy_flat([self.hat[j][k] for k in bucket.members], hat_j)
+                copy_flat([self.hat_self[k] for k in bucket.members], hat_self)
                 x = self.flat_of(bucket).add_(correction, alpha=self.gamma)
-                self.assign(bucket, x)
+                copy_flat(bucket.params, x)
         self.after_step()
-
-    @staticmethod
-    def _store(copies: list[torch.Tensor], bucket, flat: torch.Tensor) -> None:
-        for k, v in zip(bucket.members, bucket.split(flat)):
-            copies[k].copy_(v)
 
     def metrics(self):
         return {**super().metrics(), "gamma": self.gamma, "q_scale": self.q_scale}

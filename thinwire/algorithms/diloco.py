@@ -205,11 +205,8 @@ class DiLoCo(Algorithm):
 
     # -- the schedule (Streaming DiLoCo Alg. 1; F = 1, τ = 0 is DiLoCo's every H steps) -------------------
     def starting(self, step: int) -> int | None:
-        """The fragment whose pseudo-gradient step `step` (1-based) takes, or None."""
-        k = self.period // self.fragments
-        if (step + self.overlap) % k:
-            return None
-        return ((step + self.overlap) // k - 1) % self.fragments
+        """The fragment whose pseudo-gradient step `step` (1-based) takes, or None: the one merged τ steps later."""
+        return self.merging(step + self.overlap)
 
     def merging(self, step: int) -> int | None:
         """The fragment whose average step `step` waits for and merges, or None."""
@@ -266,10 +263,7 @@ class DiLoCo(Algorithm):
             for k in ks:
                 a, local = self.anchor[k], self._local(k)
                 a.grad = None
-                if alpha == 0.0:
-                    local.copy_(a)
-                else:
-                    local.copy_(torch.lerp(a, local, alpha))     # θ + α (θ_local − θ), as torch's lerp
+                local.copy_(a if alpha == 0.0 else torch.lerp(a, local, alpha))   # θ + α (θ_local − θ)
             for f in fragments:
                 self._dirty[f] = alpha != 0.0
             self.syncs += len(fragments)

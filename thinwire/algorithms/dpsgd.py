@@ -22,6 +22,7 @@ from __future__ import annotations
 from ..errors import UserError
 from . import register
 from ._gossip import Gossip
+from .base import copy_flat
 
 
 @register("dpsgd")
@@ -47,7 +48,7 @@ class DPSGD(Gossip):
         """x ← Σ_j W_ij x_j, bucket by bucket."""
         with self.tracer.span("mix", "communicate"):
             for bucket in self.scheduler.buckets:
-                self.assign(bucket, self.mix(self.received(bucket), self.t))
+                copy_flat(bucket.params, self.mix(self.received(bucket), self.t))
 
     def step(self):
         self.scheduler.flush()
@@ -64,8 +65,6 @@ class BSPOnGossip(DPSGD):
     topology is `complete` (W = 11ᵀ/n), on which the update is exactly the all-reduce one;
     `topology=ring|torus|exponential|random` trades that for 2 or more peers per step."""
 
-    name = "bsp"
-
     def __init__(self, architecture: str | None = None, topology: str = "complete", consensus_every: int = 0):
         if topology not in DPSGD.topologies:
             raise UserError(f"bsp on gossip does not run on topology {topology!r}; "
@@ -78,8 +77,6 @@ class LocalSGDOnGossip(DPSGD):
     """Local SGD on gossip (seed 000 Table II): H local steps, then a gossip averaging step over the topology,
     x_i ← Σ_j W_ij x_j (D-PSGD's atc mixing, every H-th step). The default topology is `complete`, on which the
     averaging is exact model averaging (= `localsgd` on all-reduce)."""
-
-    name = "localsgd"
 
     def __init__(self, period: int = 4, topology: str = "complete", consensus_every: int = 0,
                  final_average: bool = True, architecture: str | None = None):

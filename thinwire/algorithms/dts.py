@@ -16,7 +16,7 @@ from ..comm.engine import Ready
 from ..errors import UserError
 from ..sched import views
 from . import register
-from .base import Algorithm
+from .base import Algorithm, copy_flat
 
 
 _IDENTITY = ((1.0, 0.0), (0.0, 1.0))
@@ -206,23 +206,19 @@ class DTS(Algorithm):
         """(Δw, Δb) = M (-γ_ref (C̄ - C), B̄ - B): with λ = 0, w -= γ_ref (C̄ - C) + F (B̄ - B) and
         b += μ^Δ (B̄ - B)   (seed 004 eqs. 3-4; docs/dts.md)."""
         mu = self.mu
-        offset = 0
-        for i in members:
-            p, gi = self.params[i], self._gi[i]
+        ps = [self.params[i] for i in members]
+        for i, p, ec, eb in zip(members, ps, views(err_c, ps), views(err_b, ps)):
+            gi = self._gi[i]
             (ww, wb), (bw, bb) = post[gi]
-            k = p.numel()
-            ec = err_c[offset:offset + k].view_as(p)
             p.add_(ec, alpha=-ref[gi] * ww)
             buf = self.optimizer.state[p].get("momentum_buffer") if mu > 0.0 else None
             if buf is not None and bw != 0.0:
                 buf.add_(ec, alpha=-ref[gi] * bw)
             if mu > 0.0:
-                eb = err_b[offset:offset + k].view_as(p)
                 if wb != 0.0:
                     p.add_(eb, alpha=wb)
                 if buf is not None:
                     buf.add_(eb, alpha=bb)
-            offset += k
 
     def recover(self):
         """The windows in flight were averaged over the old group: dropped; the survivors restart from the new
@@ -263,8 +259,7 @@ class DTS(Algorithm):
                         if b is not None]
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         dist.broadcast(flat, src=self.transport.global_of(0), group=self.transport.group)
-        for t, v in zip(tensors, views(flat, tensors)):
-            t.copy_(v)
+        copy_flat(tensors, flat)
 
     # -- bookkeeping -----------------------------------------------------------------------------------
     def metrics(self):
@@ -308,8 +303,6 @@ class DTS(Algorithm):
 class Delayed(DTS):
     """Delayed update (seed 004 eqs. 2-3): local step now, average of step s applied at step s + delay - 1."""
 
-    name = "delayed"
-
     def __init__(self, delay: int = 4, architecture: str | None = None):
         super().__init__(delay=delay, period=1, architecture=architecture)
 
@@ -325,8 +318,6 @@ class Delayed(DTS):
 @register("tsparse")
 class TemporallySparse(DTS):
     """Temporally sparse update (seed 004 eq. 4): local steps, compensation every `period` steps."""
-
-    name = "tsparse"
 
     def __init__(self, period: int = 4, architecture: str | None = None):
         super().__init__(delay=1, period=period, architecture=architecture)

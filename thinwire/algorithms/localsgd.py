@@ -25,6 +25,7 @@ import torch
 
 from ..errors import UserError
 from . import register
+from .base import copy_flat
 from .bsp import BSP
 from .ps_sync import PSMixin
 
@@ -89,16 +90,18 @@ class LocalSGD(BSP):
         """x ← x_anchor + mean_j C(x_j - x_anchor), bucket by bucket; the new anchor is the averaged model."""
         with self.tracer.span("average models", "communicate"), torch.no_grad():
             for bucket in self.scheduler.buckets:
-                mean = self.pending.pop(bucket.index).wait()
-                for p, i, m in zip(bucket.params, bucket.members, bucket.split(mean)):
-                    self.anchor[i].add_(m)
+                result = self.pending.pop(bucket.index).wait()
+                for p, i, m in zip(bucket.params, bucket.members, bucket.split(result)):
+                    self._merge(self.anchor[i], m)
                     p.copy_(self.anchor[i])
                 if bucket.index in self._momenta:
                     bufs, fut = self._momenta.pop(bucket.index)
-                    for b, m in zip(bufs, bucket.split(fut.wait())):
-                        b.copy_(m)
+                    copy_flat(bufs, fut.wait())
         self.local_steps = 0
         self.syncs += 1
+
+    def _merge(self, anchor: torch.Tensor, mean: torch.Tensor) -> None:
+        anchor.add_(mean)           # x_anchor + mean_j C(x_j - x_anchor)
 
     def step(self):
         self.scheduler.flush()
@@ -200,18 +203,9 @@ class PSLocalSGD(PSMixin, LocalSGD):
     def pushes_at(self, step: int) -> int:
         return step // self.period
 
-    def step(self):
-        self._worker_only()
-        super().step()
+    def _merge(self, anchor: torch.Tensor, answer: torch.Tensor) -> None:
+        anchor.copy_(answer)        # every worker continues from the server's average (its answer)
 
     def average(self) -> None:
-        """Every worker continues from the server's average (its answer), bucket by bucket."""
-        with self.tracer.span("average models", "communicate"), torch.no_grad():
-            for bucket in self.scheduler.buckets:
-                answer = self.pending.pop(bucket.index).wait()
-                for p, i, m in zip(bucket.params, bucket.members, bucket.split(answer)):
-                    self.anchor[i].copy_(m)
-                    p.copy_(m)
+        super().average()
         self.worker.commit()
-        self.local_steps = 0
-        self.syncs += 1

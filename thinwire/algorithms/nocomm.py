@@ -16,9 +16,6 @@ class Local(Algorithm):
     architectures = ("allreduce",)
     compression = False
 
-    def __init__(self, architecture: str | None = None):
-        super().__init__(architecture)
-
     def step(self):
         self.scheduler.flush()
         self.optimizer_step()

@@ -18,7 +18,7 @@ from ..exchange.ps import PSExchange, PSServer, PSWorker, downlink_scale
 from ..comm.ps import PSLayout
 from ..sched import step_subset
 from . import register
-from .base import Algorithm
+from .base import Algorithm, copy_flat
 
 PS_SCHEDULES = ("none", "wfbp", "fusion")
 # Table II of seed 000: which architectures each PS-only scheme lacks, and what to use instead
@@ -88,10 +88,8 @@ class PSMixin:
         if self.layout.is_server(self.rank):
             self.role = "server"
             k = self.layout.shard_of(self.rank)
-            params = []
-            for x in initial:
-                lo, hi = self.layout.slices(x.numel())[k]
-                params.append(torch.nn.Parameter(x[lo:hi].clone()))
+            spans = [self.layout.slices(x.numel())[k] for x in initial]
+            params = [torch.nn.Parameter(x[lo:hi].clone()) for x, (lo, hi) in zip(initial, spans)]
             self.server = PSServer(self.transport, self.layout, keys, params,
                                    [ex.compressor for ex in self._exchanges], self.server_update, rule=self.rule,
                                    backups=self.backups, downlink=self.downlink, downlink_scale=self.downlink_scale)
@@ -127,11 +125,10 @@ class PSMixin:
         if self.worker is None:
             raise RuntimeError(f"rank {self.rank} is a parameter server: call serve(), not step()")
 
-    def load_answer(self, bucket, flat: torch.Tensor) -> None:
-        """The server's answer for a bucket into its parameters."""
-        with torch.no_grad():
-            for p, piece in zip(bucket.params, bucket.split(flat)):
-                p.copy_(piece)
+    def step(self) -> None:
+        """The base class's step, on a worker rank only."""
+        self._worker_only()
+        super().step()
 
     def close(self) -> None:
         if self.server is not None:
@@ -181,7 +178,6 @@ class PSBSP(PSMixin, Algorithm):
     server applies the worker's optimizer to the mean (seed 000 eq. 6) and answers everyone with the new slice.
     Each bucket is pushed as soon as backward hands it over; `step()` waits for every answer."""
 
-    name = "bsp"
     checks_finite = True      # each bucket is checked (Exchange._check_finite) before it is pushed
     exchanges_gradients = True
 
@@ -207,7 +203,7 @@ class PSBSP(PSMixin, Algorithm):
     def wait_answers(self) -> None:
         """Every bucket's answer into the model (the server ran the optimizer)."""
         for bucket in self.scheduler.buckets:
-            self.load_answer(bucket, self.pending.pop(bucket.index).wait())
+            copy_flat(bucket.params, self.pending.pop(bucket.index).wait())
         self.worker.commit()
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from . import register
 from ._gossip import Gossip
+from .base import copy_flat
 
 
 @register("sgp")
@@ -57,7 +58,7 @@ class SGP(Gossip):
             totals.append(total)
         self.weight = float(totals[0][-1])
         for bucket, total in zip(self.scheduler.buckets, totals):
-            self.assign(bucket, total[:bucket.buffer.numel()] / self.weight)
+            copy_flat(bucket.params, total[:bucket.buffer.numel()] / self.weight)
         self.after_step()
 
     def average_model(self) -> torch.Tensor:

@@ -6,6 +6,7 @@ from collections import deque
 
 from ..errors import UserError
 from . import register
+from .base import copy_flat
 from .ps_sync import PSBSP, StalenessAware
 
 
@@ -21,8 +22,6 @@ class SSP(StalenessAware, PSBSP):
     answered yet (second term), each as the server will apply it: -(γ_τ/n)·G_{i,k}, γ_τ the staleness-aware rate
     of `StalenessAware` (its momentum part is the server's alone). s = 0 is exactly `bsp` on the PS. The
     staleness τ <= s of every applied gradient is recorded."""
-
-    name = "ssp"
 
     def __init__(self, architecture: str | None = None, staleness: int = 2, scale: str = "staleness",
                  implicit_momentum: bool = True, servers: int = 1, downlink_compressor: str = "none",
@@ -62,7 +61,7 @@ class SSP(StalenessAware, PSBSP):
             x = self.worker.held[bucket.index].clone()
             for clock, tau in self._window:
                 x.add_(clock[bucket.index][1], alpha=-lr * self.lr_factor([tau]) / n)
-            self.load_answer(bucket, x)
+            copy_flat(bucket.params, x)
         self.worker.commit()
 
     def state_dict(self) -> dict:

@@ -28,7 +28,7 @@ import torch
 from ..compress import compressors, memories
 from ..compress.base import assemble
 from ..errors import UserError
-from .exchange import Exchange
+from .exchange import Exchange, allowed_collectives
 
 
 class HookState:
@@ -44,21 +44,17 @@ class HookState:
 
     def follow(self, bucket, key) -> None:
         """A bucket seen for the first time under `key` takes over its parameters' flat state."""
-        params = list(bucket.parameters())
         layout, off, moved = [], 0, False
-        for p in params:
+        for p in bucket.parameters():
             old = self.slots.get(id(p))
             layout.append((old[0], old[1], old[1] + p.numel()) if old else (None, 0, p.numel()))
             moved |= old is not None and old[:2] != (key, off)
+            self.slots[id(p)] = (key, off)
             off += p.numel()
         if moved:       # a rebuilt bucket: carry its parameters' state over from their old buckets
             ex = self.get_exchange()
             for part in (ex.memory, ex.compressor):
                 part.load_state_dict(assemble(part.state_dict(), key, layout))
-        off = 0
-        for p in params:
-            self.slots[id(p)] = (key, off)
-            off += p.numel()
 
     def get_exchange(self) -> Exchange:
         if self.exchange is None:
@@ -110,25 +106,17 @@ def ddp_hook(compressor="none", memory="none", process_group=None, network=None,
              check_finite: bool | None = None, **params):
     """`(state, hook)` for `DistributedDataParallel.register_comm_hook`; `params` go to the compressor and the
     memory by name (e.g. `ratio=0.01`, `rank=4`, `momentum=0.9`); an unknown one is a UserError."""
-    comp_params, mem_params = {}, {}
-    for key, value in params.items():
-        takers = []
-        if isinstance(compressor, str) and compressors.accepts(compressor, key):
-            comp_params[key] = value
-            takers.append("compressor")
-        if isinstance(memory, str) and memories.accepts(memory, key):
-            mem_params[key] = value
-            takers.append("memory")
-        if not takers:
-            valid = sorted(set((compressors.parameters(compressor) if isinstance(compressor, str) else {}))
-                           | set((memories.parameters(memory) if isinstance(memory, str) else {})))
-            raise UserError(f"unknown parameter {key!r} for compressor {compressor!r}, memory {memory!r}; "
-                            f"valid: {', '.join(valid) or 'none'}")
-    comp = compressors.get(compressor, **comp_params)
-    mem = memories.get(memory, **mem_params)
+    def own(name, registry) -> dict:    # the parameters a registered name takes (none: a ready-made object)
+        return registry.parameters(name) if isinstance(name, str) else {}
+    comp_keys, mem_keys = own(compressor, compressors), own(memory, memories)
+    unknown = [key for key in params if key not in comp_keys and key not in mem_keys]
+    if unknown:
+        raise UserError(f"unknown parameter {unknown[0]!r} for compressor {compressor!r}, memory {memory!r}; "
+                        f"valid: {', '.join(sorted(set(comp_keys) | set(mem_keys))) or 'none'}")
+    comp = compressors.get(compressor, **{k: v for k, v in params.items() if k in comp_keys})
+    mem = memories.get(memory, **{k: v for k, v in params.items() if k in mem_keys})
     state = HookState(comp, mem, process_group, network, collective, check_finite)
     # fail at construction, not at the first backward, on a collective the algebra does not allow
-    from .exchange import allowed_collectives
     if collective != "auto" and collective not in allowed_collectives(comp):
         raise UserError(f"compressor {comp.name!r} cannot use collective {collective!r}; "
                         f"valid: {', '.join(allowed_collectives(comp))}")

@@ -37,7 +37,7 @@ one for the dense paths; sparsifiers may drop NaNs into their memory).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -164,15 +164,14 @@ class Exchange:
             return (yield from tr.all_reduce_program(buf, op="sum"))
         with tracer.span("compress", "compress"):
             c = self.memory.compensate(x, key)
-        if self.collective == "custom":     # the compressor's own rounds: (sum over ranks, own contribution)
-            total, local = yield from comp.exchange(tr, c, key, step, shapes)
+        if self.collective == "custom" or self.sparse is not None:
+            # the compressor's own rounds, or a sparse collective: (sum over ranks, this rank's own contribution)
+            if self.sparse is not None:
+                total, local = yield from self.sparse.program(c, key, step)
+            else:
+                total, local = yield from comp.exchange(tr, c, key, step, shapes)
             if self._memory_updates:        # state changes in the program, in the same order on every rank
                 self.memory.update(c, key, local)
-            return Ready((total / n).to(x.dtype).reshape(x.shape))
-        if self.sparse is not None:         # a sparse collective: (sum over ranks, this rank's share)
-            total, sent = yield from self.sparse.program(c, key, step)
-            if self._memory_updates:
-                self.memory.update(c, key, sent)
             return Ready((total / n).to(x.dtype).reshape(x.shape))
         collective = self.collective_for(x.numel())
         agreed = None
@@ -225,10 +224,7 @@ class Exchange:
         if len(ts) > 1 and len({t.dtype for t in ts}) == 1:   # one all-reduce for tensors of one dtype
             flat = torch.cat([t.reshape(-1) for t in ts])
             fut = yield from tr.all_reduce_program(flat, op="sum")
-            offsets = [0]
-            for t in ts:
-                offsets.append(offsets[-1] + t.numel())
-            summed = fut.then(lambda f: [f[a:b].view(t.shape) for a, b, t in zip(offsets, offsets[1:], ts)])
+            summed = fut.then(lambda f: [v.view(t.shape) for v, t in zip(f.split([t.numel() for t in ts]), ts)])
         else:
             futs = []
             for t in ts:

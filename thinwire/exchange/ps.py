@@ -230,13 +230,8 @@ class PSExchange(Exchange):
         w = self.worker
         b = w.index[key]
         step = self._begin(x, key)
-        bodies = []
-        for k, (lo, hi) in enumerate(w.slices[b]):
-            if hi == lo:
-                bodies.append(None)
-                continue
-            payload = self.encode(x[lo:hi], _key(key, k), step)
-            bodies.append(wire.pack(payload.tensors))
+        bodies = [None if hi == lo else wire.pack(self.encode(x[lo:hi], _key(key, k), step).tensors)
+                  for k, (lo, hi) in enumerate(w.slices[b])]     # None: server k's slice is empty
         return w.push(b, step, self.codec, bodies)
         yield  # noqa: unreachable - a program that never waits: the answer is its future
 

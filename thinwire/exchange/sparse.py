@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 
 from ..compress import Payload
-from ..compress._sparse import SPARSE_COLLECTIVES as NAMES  # noqa: F401  (re-exported)
 from ..compress._sparse import check_collective as check
 from ..compress._sparse import is_sparse
 from ..errors import UserError
+from ..net.cost import sparse_group_size
 from . import wire
 
 
@@ -120,17 +120,14 @@ def gtopk(tr, compressor, c, key, step):
             idx, vals = top(*merge(idx, vals, e_idx, got[1]), k)
             alive &= torch.isin(own_idx, idx)
             e_alive = torch.isin(e_idx, idx)
-        dist = 1
-        while dist < p:
-            partner = rank ^ dist
-            got = wire.unpack((yield from swap(tr, partner, _set(idx, vals, [torch.tensor([k], device=vals.device)]))))
-            oi, ov, ok = got[0].long(), got[1], int(got[2][0])
-            k = max(k, ok)                               # symmetric: both partners use the same k
-            idx, vals = top(*merge(idx, vals, oi, ov), k)
+        for j in range(p.bit_length() - 1):              # round j: the partner is rank ^ 2^j
+            mine = _set(idx, vals, [torch.tensor([k], device=vals.device)])
+            got = wire.unpack((yield from swap(tr, rank ^ (1 << j), mine)))
+            k = max(k, int(got[2][0]))                   # symmetric: both partners use the same k
+            idx, vals = top(*merge(idx, vals, got[0].long(), got[1]), k)
             alive &= torch.isin(own_idx, idx)
             if extra is not None:
                 e_alive &= torch.isin(e_idx, idx)
-            dist *= 2
         if extra is not None:                            # the result, and which of its entries survived
             yield from send_buf(tr, extra, _set(idx, vals, [pack_bits(e_alive)]))
     total = torch.zeros(flat.numel(), dtype=c.dtype, device=c.device)
@@ -162,38 +159,23 @@ def shared(tr, compressor, c, key, step):
     return total.view(c.shape), sent.view(c.shape)
 
 
-def group_size(n: int) -> int:
-    """Ranks per group: the largest divisor of n that is at most √n (2 for 4 and 8 ranks, 3 for 9), or ⌈√n⌉ with
-    a smaller last group when n has none above 1 (2 for 3 ranks, 3 for 5 and 7); 1 for 2 ranks."""
-    from ..net.cost import sparse_group_size
-    return sparse_group_size(n)
-
-
 class Hierarchical:
-    """Groups of m consecutive ranks (subgroups made once, at construction, by every rank in the same order)."""
+    """Groups of m consecutive ranks, m = `sparse_group_size(n)` (about √n; the last group may be shorter)."""
 
-    def __init__(self, tr, size: int | None = None):
+    def __init__(self, tr):
         import torch.distributed as dist
         from ..comm import Transport
         n = tr.world_size
-        m = size or group_size(n)
-        if not 1 <= m <= n:
-            raise UserError(f"hierarchical: group size {m} for {n} ranks; valid: 1..{n}")
-        self.n = n
+        m = sparse_group_size(n)
         self.m = min(m, n - tr.rank // m * m)            # my group's size (the last may be shorter)
         glob = [tr.global_of(r) for r in range(n)]
-        mine = leaders = None
-        for g in range(-(-n // m)):                      # every rank creates every group, in the same order
-            pg = dist.new_group(glob[g * m:(g + 1) * m])
-            if tr.rank // m == g:
-                mine = pg
-        lg = dist.new_group(glob[::m])
-        if tr.rank % m == 0:
-            leaders = lg
+        # made once, here: every rank creates every group (then the leaders'), in the same order
+        groups = [dist.new_group(glob[g * m:(g + 1) * m]) for g in range(-(-n // m))]
+        leaders = dist.new_group(glob[::m])
         share = dict(meter=tr.meter, clock=tr.clock, tracer=tr.tracer, network=tr.link)
-        self.group = Transport(group=mine, **share)
+        self.group = Transport(group=groups[tr.rank // m], **share)
         self.contexts: dict = {}
-        self.leaders = Transport(group=leaders, **share) if leaders is not None else None
+        self.leaders = Transport(group=leaders, **share) if tr.rank % m == 0 else None
 
     def _ctx(self, compressor, c, key, step):
         """The payload context every rank knows (shape, dtype): from compressing zeros of c's shape, once."""
@@ -212,18 +194,15 @@ class Hierarchical:
             payload = compressor.compress(s.view(c.shape), key, step)
             buf = wire.pack(payload.tensors)
             bufs = yield (yield from self.leaders.all_gather_program(buf))   # sparse exchange between leaders
-            mine = self.leaders.rank
-            blob = wire.pack([torch.tensor([len(bufs), mine, *[b.numel() for b in bufs]], dtype=torch.int64,
-                                           device=c.device),
-                              *bufs])
+            head = [len(bufs), self.leaders.rank, *[b.numel() for b in bufs]]
+            blob = wire.pack([torch.tensor(head, dtype=torch.int64, device=c.device), *bufs])
             size[0] = blob.numel()
         yield self.group.broadcast(size, src=0, async_op=True)
         if self.leaders is None:
             blob = torch.empty(int(size[0]), dtype=torch.uint8, device=c.device)
         yield self.group.broadcast(blob, src=0, async_op=True)   # every member gets its leader's bytes
         parts = wire.unpack(blob)
-        head = parts[0].tolist()                     # host: once per exchange (how many payloads, which is mine)
-        count, mine = head[0], head[1]
+        count, mine = parts[0].tolist()[:2]          # host: once per exchange (how many payloads, which is mine)
         ctx = self._ctx(compressor, c, key, step)
         payloads = [Payload(ts, ctx) for ts in wire.unpack_all(parts[1:1 + count])]
         total = compressor.aggregate(payloads).reshape(-1).to(c.dtype)
