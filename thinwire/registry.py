@@ -24,16 +24,14 @@ def _convert(value: Any, default: Any, annotation: Any) -> Any:
         if low in ("0", "false", "no", "off"):
             return False
         raise UserError(f"expected true/false, got {value!r}")
-    if kind is int:
+    if kind in (int, float):
         try:
-            return int(float(value)) if float(value).is_integer() else int(value)
+            number = float(value)
+            if kind is int:          # "1e3" and "2.0" are integers too
+                return int(number) if number.is_integer() else int(value)
+            return number
         except ValueError:
-            raise UserError(f"expected an integer, got {value!r}") from None
-    if kind is float:
-        try:
-            return float(value)
-        except ValueError:
-            raise UserError(f"expected a number, got {value!r}") from None
+            raise UserError(f"expected {'an integer' if kind is int else 'a number'}, got {value!r}") from None
     if kind is None:  # no type information: best effort number parsing
         for conv in (int, float):
             try:
@@ -77,10 +75,7 @@ class Registry:
 
     def constructor(self, name: str, params: dict) -> Callable:
         """The constructor `get(name, **params)` uses (the variant named by `params`, else the default)."""
-        ctor = self.lookup(name)
-        if self.variant_param is not None:
-            return self._variants.get(name, {}).get(params.get(self.variant_param), ctor)
-        return ctor
+        return self._variants.get(name, {}).get(params.get(self.variant_param), self.lookup(name))
 
     def names(self) -> list[str]:
         return sorted(self._table)
@@ -100,8 +95,7 @@ class Registry:
         variants, those of every variant (the default's defaults first)."""
         out: dict[str, Any] = {}
         for ctor in [self.lookup(name), *self._variants.get(name, {}).values()]:
-            sig = inspect.signature(ctor)
-            for p in sig.parameters.values():
+            for p in inspect.signature(ctor).parameters.values():
                 if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self":
                     out.setdefault(p.name, None if p.default is inspect.Parameter.empty else p.default)
         return out
@@ -119,13 +113,12 @@ class Registry:
         if self.variant_param is not None:      # a parameter of another variant: say which one takes it
             own = set(inspect.signature(ctor).parameters)
             main = self.lookup(name)
-            everyone = {**({self.default_variant(main): main} if self.default_variant else {}),
-                        **self._variants.get(name, {})}
+            default = self.default_variant(main) if self.default_variant else "default"
+            everyone = {**({default: main} if self.default_variant else {}), **self._variants.get(name, {})}
             for key in params:
                 takers = [v for v, c in everyone.items() if c is not ctor and key in inspect.signature(c).parameters]
                 if key not in own and takers:
-                    mine = params.get(self.variant_param) or (self.default_variant(main) if self.default_variant
-                                                              else "default")
+                    mine = params.get(self.variant_param) or default
                     raise UserError(f"{self.family} {name!r}: {key} is for {self.variant_param}={takers[0]} "
                                     f"(--{self.variant_param} {takers[0]}); {self.variant_param} {mine!r} "
                                     f"has no {key}")
@@ -144,8 +137,7 @@ class Registry:
 def call(ctor: Callable, what: str, params: dict):
     """`ctor(**params)` with CLI strings converted to the types its signature declares; an unknown parameter
     or a bad value is a UserError naming `what` and its valid parameters."""
-    sig = inspect.signature(ctor)
-    valid = {p.name: p for p in sig.parameters.values() if p.name != "self"}
+    valid = {p.name: p for p in inspect.signature(ctor).parameters.values() if p.name != "self"}
     takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in valid.values())
     kwargs = {}
     for key, value in params.items():

@@ -12,14 +12,16 @@ downlink_levels=3`; gathered into the algorithm's `downlink_params`).
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 
 import torch
+import torch.distributed as dist
 
 from . import algorithms, sched
 from .comm import Transport
 from .comm.engine import ENGINE
-from .comm.membership import PeerLost
+from .comm.membership import MEMBERSHIP, PeerLost
 from .compress import compressors, memories
 from .errors import UserError
 from .registry import call
@@ -84,10 +86,7 @@ def momentum_taker(algorithm, compressor, memory):
     None where nothing takes it."""
     if not getattr(algorithm, "exchanges_gradients", False):
         return None
-    for comp in (compressor, memory):
-        if getattr(comp, "takes_momentum", False):
-            return comp
-    return None
+    return next((c for c in (compressor, memory) if getattr(c, "takes_momentum", False)), None)
 
 
 def check_momentum(algorithm, compressor, memory, momentum: float, explicit: bool = True) -> None:
@@ -160,7 +159,6 @@ def check_on_failure(on_failure: str, algorithm) -> None:
         raise UserError(f"on_failure='continue' needs an algorithm whose averages stay meaningful over fewer "
                         f"workers; {algorithm.name!r} is not one; valid: {', '.join(valid)} "
                         f"(elsewhere: on_failure='stop' and resume from a checkpoint)")
-    from .comm.membership import MEMBERSHIP
     if on_failure == "continue" and not MEMBERSHIP.watching:
         raise UserError("on_failure='continue' needs thinwire's launcher to announce the survivors: start the "
                         "workers with thinwire.launch(..., on_failure='continue') (thinwire train "
@@ -216,9 +214,6 @@ class Trainer:
         value): two tiny all-reduces of a fingerprint at start-up, outside the training meter."""
         if self.transport.world_size == 1:
             return
-        import hashlib
-
-        import torch.distributed as dist
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         shapes = repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()
         fp = [len(tensors), sum(t.numel() for t in tensors), int(hashlib.sha256(shapes).hexdigest()[:12], 16)]
@@ -238,7 +233,6 @@ class Trainer:
         """Start every worker from rank 0's model (as DDP does); not counted as training traffic."""
         if self.transport.world_size == 1:
             return
-        import torch.distributed as dist
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 dist.broadcast(t.data, src=self.transport.global_of(0), group=self.transport.group)
@@ -255,14 +249,13 @@ class Trainer:
         if self._behind:                 # rejoining the survivors' step count after a loss: nothing applied
             self._behind -= 1
             self.scheduler._reset()
-            self.step_count += 1
-            return self.transport.meter.mark_step()
-        try:
-            self._step()
-        except PeerLost as lost:
-            if self.on_failure != "continue":
-                raise
-            self._recover(lost)
+        else:
+            try:
+                self._step()
+            except PeerLost as lost:
+                if self.on_failure != "continue":
+                    raise
+                self._recover(lost)
         self.step_count += 1
         return self.transport.meter.mark_step()
 
@@ -295,7 +288,6 @@ class Trainer:
         """The survivors of `lost` form a new group and go on: the interrupted step is abandoned everywhere,
         every survivor takes the new rank 0's model and optimizer state, and a survivor that got less far
         skips the steps it is behind (so every rank's loop issues the same operations again)."""
-        import torch.distributed as dist
         ENGINE.abandon(lost)
         group = dist.new_group(lost.members, use_local_synchronization=True)
         self.transport.regroup(group)

@@ -111,16 +111,16 @@ class SparseCompressor(Compressor):
     accumulate_dtype: torch.dtype | None = None   # None: sum in the tensor's own dtype
 
     def _contribution(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 indices, values) of one rank's payload."""
+        """(indices, values) of one rank's payload (int16 indices widened: index_add_ takes int32 or int64)."""
         vals, idx = tensors
-        return idx.reshape(-1).long(), vals.reshape(-1)
+        idx = idx.reshape(-1)
+        return idx.long() if idx.dtype == torch.int16 else idx, vals.reshape(-1)
 
     def _accumulate(self, parts, ctx) -> torch.Tensor:
         shape, dtype, numel = ctx
         acc = self.accumulate_dtype or dtype
-        idx = torch.cat([i for i, _ in parts])
-        vals = torch.cat([v for _, v in parts]).to(acc)
-        return torch.zeros(numel, dtype=acc, device=vals.device).index_add_(0, idx, vals).to(dtype).view(shape)
+        idx, vals = parts[0] if len(parts) == 1 else [torch.cat(t) for t in zip(*parts)]   # (one: no copy)
+        return torch.zeros(numel, dtype=acc, device=vals.device).index_add_(0, idx, vals.to(acc)).to(dtype).view(shape)
 
     def decompress(self, payload):
         return self._accumulate([self._contribution(payload.tensors)], payload.ctx)

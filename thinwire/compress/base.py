@@ -299,6 +299,13 @@ class Memory(Stateful):
         pass
 
 
+def optional_momentum(value, what: str) -> float | None:
+    """A `momentum` parameter (a memory's, signum's beta): a float in [0, 1), or None (unset: the optimizer's)."""
+    if value is not None and not (isinstance(value, (int, float)) and 0 <= value < 1):
+        raise UserError(f"{what} must be in [0, 1) (or unset: the optimizer's), got {value!r}")
+    return None if value is None else float(value)
+
+
 def _probes(compressor: "Compressor", trials: int = 3, numel: int = 4096):
     """(v, C(v)) on Gaussian probes, from a copy of `compressor` (its own state is untouched)."""
     import copy

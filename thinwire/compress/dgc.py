@@ -21,9 +21,9 @@ import torch
 
 from ..errors import UserError
 from . import compressors, memories
-from ._sparse import check_ratio, generator, num_kept
-from .base import Memory
-from .threshold import Scratch, Selected, reselect, select_beyond
+from ._sparse import SparseCompressor, check_ratio, generator, num_kept
+from .base import Memory, optional_momentum
+from .threshold import Scratch, reselect, select_beyond
 
 
 def warmup_density(ratio: float, step: int, warmup_steps: int) -> float:
@@ -35,7 +35,7 @@ def warmup_density(ratio: float, step: int, warmup_steps: int) -> float:
 
 
 @compressors.register("dgc")
-class DGC(Selected):
+class DGC(SparseCompressor):
     """DGC sparsification: sampled threshold + refinement (≈ ratio·d sent), with an optional density warm-up."""
 
     low, high = 0.97, 1.03      # the band of counts kept as they are (see the module docstring)
@@ -87,11 +87,9 @@ class DGCMemory(Memory):
     default_momentum = 0.0    # not handed over (the algorithm applies its own: CD-SGD, DTS, local SGD): none here
 
     def __init__(self, momentum: float | None = None, clip_norm: float = 0.0):
-        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-            raise UserError(f"dgc memory momentum must be in [0, 1) (or unset: the optimizer's), got {momentum}")
+        self.momentum = optional_momentum(momentum, "dgc memory momentum")
         if not clip_norm >= 0:
             raise UserError(f"clip_norm must be >= 0 (0 = no clipping), got {clip_norm}")
-        self.momentum = None if momentum is None else float(momentum)
         self.clip_norm = float(clip_norm)
         self.world_size = 1
         self.u: dict = {}

@@ -14,12 +14,12 @@ from statistics import NormalDist
 import torch
 
 from . import compressors
-from ._sparse import num_kept
-from .threshold import Scratch, Selected, reselect, select_beyond
+from ._sparse import SparseCompressor, num_kept
+from .threshold import Scratch, reselect, select_beyond
 
 
 @compressors.register("gaussiank")
-class GaussianK(Selected):
+class GaussianK(SparseCompressor):
     """Gaussian-k: threshold from the normal fit μ + σΦ⁻¹(1−ρ/2), adjusted ×0.5/×1.5 toward k = ρ·d."""
 
     def __init__(self, ratio: float = 0.01, adjust: int = 5, seed: int = 0, sparse_collective: str = "allgather"):

@@ -21,15 +21,10 @@ def maxabs(flat: torch.Tensor) -> torch.Tensor:
 
 
 def widened(total: int) -> torch.dtype:
-    """The narrowest signed integer type holding every value in [-total, total]."""
+    """The narrowest signed integer type holding every value in [-total, total]: for a sum of world_size levels
+    in [-s, s], total = world_size * s (this type, as gloo sums it, is what all-reduce puts on the wire:
+    `summed_level_bits`)."""
     return torch.int8 if total <= 127 else torch.int16 if total <= 32767 else torch.int32
-
-
-def widen(levels: torch.Tensor, total: int) -> torch.Tensor:
-    """Integer `levels` in the narrowest signed type holding every value in [-total, total]: for a sum of
-    world_size levels in [-s, s], total = world_size * s (this type, as gloo sums it, is what all-reduce puts on
-    the wire: `summed_level_bits`)."""
-    return levels.to(widened(total))
 
 
 def summed_level_bits(total: int) -> int:
@@ -57,6 +52,12 @@ class ScaledLevels(Stochastic):
     def context(self, shape, dtype, key=None, step=0):
         # qsgd's and terngrad's ctx, not agreed (the scale travels in the payload) and not summed (`sum_payload`)
         return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel(), "summed": False}
+
+    def _payload(self, codes: torch.Tensor, scale: torch.Tensor, tensor: torch.Tensor, agreed, known: dict) -> Payload:
+        """The payload of `codes` under `scale`: its own scale travels with them; an agreed one goes in ctx as
+        `known` instead (every rank knows it: ctx never holds one rank's own data)."""
+        ctx = self.context(tensor.shape, tensor.dtype)
+        return Payload([codes, scale], ctx=ctx) if agreed is None else Payload([codes], ctx={**ctx, **known})
 
     def nominal_bits(self, numel, world_size=None):
         """Packed (`packed_bits`: the codes and the scales); at `world_size` ranks: what the exchange sends there."""
@@ -100,13 +101,10 @@ class Int8(ScaledLevels):
             flat = flat.float()
             self._scratch, out = reused(self._scratch, flat.numel(), flat.device)
             q = torch.mul(flat, inv, out=out).round_().to(torch.int8)
-        ctx = {"shape": tensor.shape, "dtype": tensor.dtype}
-        if agreed is not None:
-            ctx["scale"] = s          # agreed: every rank knows it (ctx never holds one rank's own data)
-        return Payload([q] if agreed is not None else [q, scale], ctx=ctx)
+        return self._payload(q, scale, tensor, agreed, {"scale": s})
 
     def sum_payload(self, payload, world_size):
-        return Payload([widen(payload.tensors[0], LEVELS * world_size)], ctx=payload.ctx)
+        return Payload([payload.tensors[0].to(widened(LEVELS * world_size))], ctx=payload.ctx)
 
     def context(self, shape, dtype, key=None, step=0):
         return {"shape": torch.Size(shape), "dtype": dtype}      # not agreed: the scale travels in the payload

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from . import memories
-from .base import Memory
+from .base import Memory, optional_momentum
 
 
 @memories.register("efsignsgd")
@@ -21,11 +21,8 @@ class LRScaledResidual(Memory):
     def __init__(self, ef_lr: float = 0.1, momentum: float | None = None):
         if not ef_lr > 0:
             raise UserError(f"efsignsgd memory: ef_lr (the optimizer's learning rate) must be > 0, got {ef_lr}")
-        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-            raise UserError(f"efsignsgd memory: momentum must be in [0, 1) (or unset: the optimizer's), "
-                            f"got {momentum!r}")
         self.lr = float(ef_lr)
-        self.momentum = None if momentum is None else float(momentum)
+        self.momentum = optional_momentum(momentum, "efsignsgd memory: momentum")
         self.errors: dict = {}
         self.momenta: dict = {}
 

@@ -19,7 +19,7 @@ from . import compressors
 from .base import Payload
 from .bitpack import pack, unpack
 from .finite import check_scale
-from .int8 import ScaledLevels, summed_level_bits, widen
+from .int8 import ScaledLevels, summed_level_bits, widened
 from .rounding import stochastic_codes
 
 
@@ -76,19 +76,14 @@ class QSGD(ScaledLevels):
         s = self.levels
         inv = torch.where(norms > 0, s / norms, 0.0)      # an all-zero bucket codes as level 0
         codes = stochastic_codes(flat, inv, s, self.uniforms, self.bucket)
-        packed = pack(codes, self.bits, inplace=True)
-        ctx = self.context(tensor.shape, tensor.dtype)
-        if agreed is not None:
-            ctx["norms"] = norms
-            return Payload([packed], ctx=ctx)
-        return Payload([packed, norms], ctx=ctx)
+        return self._payload(pack(codes, self.bits, inplace=True), norms, tensor, agreed, {"norms": norms})
 
     def sum_payload(self, payload, world_size):
         if "norms" not in payload.ctx:
             raise ValueError("qsgd: only payloads compressed under agreed norms can be summed")
         ctx = dict(payload.ctx, summed=True)
         codes = unpack(payload.tensors[0], self.bits, ctx["numel"])
-        return Payload([widen(codes, self.levels * max(2, world_size)).sub_(self.levels)], ctx=ctx)
+        return Payload([codes.to(widened(self.levels * max(2, world_size))).sub_(self.levels)], ctx=ctx)
 
     def decompress(self, payload):
         ctx = payload.ctx

@@ -14,9 +14,9 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._sparse import (SparseCompressor, generator, index_dtype, local_generator, num_kept, pack_codes, topk_indices,
-                      unpack_codes)
+from ._sparse import index_dtype, local_generator, num_kept, pack_codes, unpack_codes
 from .base import Payload
+from .topk import TopK
 
 
 def qsgd_levels(v: torch.Tensor, s: int, gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,11 +32,10 @@ def qsgd_levels(v: torch.Tensor, s: int, gen: torch.Generator | None = None) -> 
 
 
 @compressors.register("qsparse")
-class QSparse(SparseCompressor):
+class QSparse(TopK):
     """Top-k then QSGD of the values (s levels), scaled by 1/(1+β_{k,s}) as in Qsparse-local-SGD."""
 
     index_slot = 0            # indices first
-    fixed_size = True
 
     def __init__(self, ratio: float = 0.01, levels: int = 7, seed: int = 0, sparse_collective: str = "allgather"):
         super().__init__(ratio, seed, sparse_collective)
@@ -49,8 +48,7 @@ class QSparse(SparseCompressor):
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         d = flat.numel()
-        k = num_kept(self.ratio, d)
-        idx = topk_indices(flat, k, generator(self.seed, key, step))
+        idx = self.select(flat, key, step)
         if self._gen is None:
             self._gen = local_generator(self.seed)
         levels, norm = qsgd_levels(flat[idx].float(), self.levels, self._gen)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from . import memories
-from .base import Memory
+from .base import Memory, optional_momentum
 
 
 @memories.register("residual")
@@ -22,11 +22,8 @@ class Residual(Memory):
     def __init__(self, beta: float = 1.0, gamma: float = 1.0, momentum: float | None = None):
         if not (beta >= 0 and gamma > 0):
             raise UserError(f"residual: beta must be >= 0 and gamma > 0, got beta={beta}, gamma={gamma}")
-        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-            raise UserError(f"{self.name or 'residual'}: momentum must be in [0, 1) (or unset: the optimizer's), "
-                            f"got {momentum!r}")
         self.beta, self.gamma = float(beta), float(gamma)
-        self.momentum = None if momentum is None else float(momentum)
+        self.momentum = optional_momentum(momentum, f"{self.name or 'residual'}: momentum")
         self.residuals: dict = {}
         self.momenta: dict = {}
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
 from . import compressors
+from .base import optional_momentum
 from .finite import check_tensor
 from .signsgd import SignSGD
 
@@ -27,10 +27,8 @@ class Signum(SignSGD):
     default_momentum = 0.0    # not handed over: the algorithm exchanges model differences or applies its own
 
     def __init__(self, beta: float | None = None, scale: bool = True):
-        if beta is not None and not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
-            raise UserError(f"signum: beta must be in [0, 1) (or unset: the optimizer's momentum), got {beta}")
+        self.momentum = optional_momentum(beta, "signum: beta")
         super().__init__(scale)
-        self.momentum = None if beta is None else float(beta)
         self.momenta: dict = {}
 
     @property

@@ -8,21 +8,21 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from ._sparse import SparseCompressor, generator, index_dtype, num_kept, pack_codes, topk_indices, unpack_codes
+from ._sparse import index_dtype, num_kept, pack_codes, unpack_codes
 from .base import Payload
+from .topk import TopK
 
 
 @compressors.register("stc")
-class STC(SparseCompressor):
+class STC(TopK):
     """Sparse ternary compression: top-k positions, values μ·sign with one shared mean magnitude μ."""
 
     index_slot = 0            # indices first
-    fixed_size = True
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         d = flat.numel()
-        idx = topk_indices(flat, num_kept(self.ratio, d), generator(self.seed, key, step))
+        idx = self.select(flat, key, step)
         vals = flat[idx].float()
         mu = vals.abs().mean().reshape(1)
         signs = pack_codes((vals >= 0).to(torch.int64), 1)

@@ -20,7 +20,7 @@ from . import compressors
 from .base import Payload
 from .bitpack import decode, pack, unpack
 from .finite import check_scale
-from .int8 import ScaledLevels, maxabs, summed_level_bits, widen
+from .int8 import ScaledLevels, maxabs, summed_level_bits, widened
 from .rounding import stochastic_codes
 
 
@@ -57,16 +57,12 @@ class TernGrad(ScaledLevels):
         check_scale(scale, self.name, key, flat)
         s = float(scale)
         codes = stochastic_codes(flat, 1.0 / s if s > 0 else 0.0, 1, self.uniforms, clip=True)
-        packed = pack(codes, 2, inplace=True)
-        ctx = self.context(tensor.shape, tensor.dtype)
-        if agreed is not None:
-            ctx["scale"] = s          # agreed: every rank knows it (ctx never holds one rank's own data)
-        return Payload([packed] if agreed is not None else [packed, scale], ctx=ctx)
+        return self._payload(pack(codes, 2, inplace=True), scale, tensor, agreed, {"scale": s})
 
     def sum_payload(self, payload, world_size):
         ctx = dict(payload.ctx, summed=True)
         codes = unpack(payload.tensors[0], 2, ctx["numel"])
-        return Payload([widen(codes, max(2, world_size)).sub_(1)], ctx=ctx)
+        return Payload([codes.to(widened(max(2, world_size))).sub_(1)], ctx=ctx)
 
     def decompress(self, payload):
         ctx = payload.ctx

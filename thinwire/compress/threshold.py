@@ -91,23 +91,8 @@ def reselect(dev: torch.Tensor, thr: float, scratch: Scratch) -> torch.Tensor:
     return mask_indices(mask)
 
 
-class Selected(SparseCompressor):
-    """A SparseCompressor whose single-payload decompress scatters without concatenating copies first (threshold,
-    dgc, gaussiank)."""
-
-    def decompress(self, payload):
-        shape, dtype, numel = payload.ctx
-        vals, idx = payload.tensors
-        acc = self.accumulate_dtype or dtype
-        idx = idx.reshape(-1)
-        if idx.dtype == torch.int16:              # (index_add_ takes int32 or int64 indices)
-            idx = idx.long()
-        out = torch.zeros(numel, dtype=acc, device=vals.device).index_add_(0, idx, vals.reshape(-1).to(acc))
-        return out.to(dtype).view(shape)
-
-
 @compressors.register("threshold")
-class Threshold(Selected):
+class Threshold(SparseCompressor):
     """Threshold-v sparsification: send g_i where |g_i| ≥ v, as (values, indices)."""
 
     def __init__(self, threshold: float = 0.01, sparse_collective: str = "allgather"):
