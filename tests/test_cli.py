@@ -106,6 +106,7 @@ BAD_INPUTS = [
     (["train", "--workload", "linreg", "--workers", "1000000"], "must be at most 512 on one machine"),
     (LINREG + ["--servers", "-1"], "--servers must be >= 0"),
     (["train", "--workload", "linreg", "--epochs", "-1"], "--epochs must be a finite number > 0"),
+    (["train", "--algorithm", "ddp", "--epochs", "0"], "--epochs must be a finite number > 0"),
     (["train", "--workload", "linreg", "--steps", "-5"], "--steps must be >= 1"),
     (LINREG + ["--batch-size", "-1"], "--batch-size must be >= 1"),
     (LINREG + ["--eval-every", "-2"], "--eval-every must be >= 1"),

@@ -7,9 +7,10 @@ worker (`pid` = rank) and one thread per kind of activity.
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
+
+from .files import atomic_write
 
 TRACKS = ("compute", "compress", "communicate", "emulated", "wait", "optimizer", "forward", "backward")
 _ORDER = ("forward", "backward", "compute", "compress", "communicate", "emulated", "wait", "optimizer")
@@ -76,8 +77,7 @@ def write_chrome_trace(path: str, events_by_rank: list[list[dict]]) -> None:
     for rank, evs in enumerate(events_by_rank):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"worker {rank}"}})
         evs = nest([dict(e, ts=e["ts"] - t0) if "ts" in e else e for e in evs or []])
-        tids = sorted({e.get("tid", 0) for e in evs} | set(range(len(TRACKS))))
-        for tid in tids:
+        for tid in sorted({e.get("tid", 0) for e in evs} | set(range(len(TRACKS)))):
             base = TRACKS[tid % LANE] if tid % LANE < len(TRACKS) else "other"
             name = base if tid < LANE else f"{base} {tid // LANE + 1}"
             events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
@@ -85,7 +85,4 @@ def write_chrome_trace(path: str, events_by_rank: list[list[dict]]) -> None:
             events.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid,
                            "args": {"sort_index": order * LANE + tid // LANE}})
         events.extend(evs)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

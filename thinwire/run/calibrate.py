@@ -6,6 +6,8 @@ import os
 import statistics
 import time
 
+from ..files import atomic_write
+
 
 def _path() -> str:
     from .workloads import _cache_dir
@@ -63,7 +65,6 @@ def calibrate(workers: int = 2) -> dict:
     beta = max(1e-12, (times[large] - times[small]) / (2 * (n - 1) / n * large))
     cal = {"workers": n, "alpha_s": alpha, "beta_s_per_byte": beta, "x_memcpy": _compressor_x_memcpy(),
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    from .checkpoint import atomic_write
     path = _path()
     atomic_write(path, json.dumps(cal, indent=2))
     cal["path"] = path

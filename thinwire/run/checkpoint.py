@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..files import atomic_write
 
 MANIFEST = "checkpoint.json"
 # configuration fields that may change between the interrupted and the resumed run
@@ -50,14 +51,6 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(inner), gauss))
     st = np.random.get_state()
     np.random.set_state((st[0], state["numpy"].numpy().astype(np.uint32), *st[2:]))
-
-
-def atomic_write(path: str, data: str | bytes) -> None:
-    """Write `data` (text or bytes) to `path` through a temporary file and a rename: never half a file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _atomic_save(obj, path: str) -> str:

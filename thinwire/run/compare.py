@@ -41,9 +41,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UserError, WorkerError
+from ..files import atomic_write
 from ..net import parse_network
 from . import presets, workloads
-from .checkpoint import atomic_write
 from .launcher import Pool, pick_backend
 from .loop import check_tensorboard, progress_bar, train_worker
 from .peers import PEER_AS, PEER_PARAMS
@@ -172,10 +172,7 @@ class Harness:
             return self._given
         p = self._pools.get(world)
         if p is None or p._closed:
-            if self.cfg.netem:
-                p = self.netem_env.pool(world)
-            else:
-                p = Pool(world, timeout=3600.0, device=self.cfg.device)
+            p = self.netem_env.pool(world) if self.cfg.netem else Pool(world, timeout=3600.0, device=self.cfg.device)
             self._pools[world] = p
         return p
 

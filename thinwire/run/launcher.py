@@ -235,6 +235,12 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         os._exit(0)
 
 
+def _died(code: int) -> str:
+    """Why a worker process is gone, from its exit code (negative: the signal that killed it)."""
+    why = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    return f"worker process died ({why})"
+
+
 def _peer_failure(message: str) -> bool:
     """An error that only says another worker went away."""
     text = message.lower()
@@ -263,8 +269,7 @@ class Pool:
             raise UserError(f"on_failure must be stop or continue, got {on_failure!r}")
         self.on_failure = on_failure
         self.lost: list[dict] = []          # workers lost and survived (on_failure="continue")
-        backend, self.device = pick_backend(backend, device, world_size)
-        self.backend = backend
+        self.backend, self.device = pick_backend(backend, device, world_size)
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise UserError(f"port must be in 0..65535, got {port!r}")
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout),
@@ -290,7 +295,7 @@ class Pool:
         self._times = _ctx.Array("d", world_size, lock=False)   # when it was reported (monotonic)
         self._tasks = [_ctx.Queue() for _ in range(world_size)]
         self._procs = [_ctx.Process(target=_worker_main, name=f"thinwire-worker-{r}", daemon=True,
-                                    args=(r, world_size, backend, host, self.port, timeout, self._tasks[r],
+                                    args=(r, world_size, self.backend, host, self.port, timeout, self._tasks[r],
                                           self._results, self._beats, self._steps, self._times, worker_init,
                                           on_failure))
                        for r in range(world_size)]
@@ -325,9 +330,8 @@ class Pool:
                 pass
             dead = [r for r, p in enumerate(self._procs) if r not in got and p.exitcode is not None]
             if dead and not errors and task_id >= 0 and self.on_failure == "continue":
-                self._announce_lost(dead)
-                dead = [r for r in dead if r not in self._gone]
-            if errors or dead:
+                self._announce_lost(dead)   # every dead rank is gone now: the survivors go on
+            elif errors or dead:
                 self._fail(self._root_cause(errors))
             now = time.monotonic()
             silent = [r for r in range(self.world_size)
@@ -353,9 +357,7 @@ class Pool:
         if not new:
             return
         for r in new:
-            code = self._procs[r].exitcode
-            why = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-            self.lost.append({"rank": r, "reason": f"worker process died ({why})",
+            self.lost.append({"rank": r, "reason": _died(self._procs[r].exitcode),
                               "step": max(int(self._steps[r]), 0)})
         self._gone.update(new)
         members = [r for r in range(self.world_size) if r not in self._gone]
@@ -380,10 +382,8 @@ class Pool:
             return primary[0]
         reported = {e.rank for e in errors}
         for r, p in enumerate(self._procs):
-            code = p.exitcode
-            if r not in reported and code not in (None, 0):
-                why = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                return WorkerError(r, f"worker process died ({why})")
+            if r not in reported and p.exitcode not in (None, 0):
+                return WorkerError(r, _died(p.exitcode))
         return errors[0] if errors else WorkerError(-1, "a worker exited unexpectedly")
 
     def _fail(self, error: Exception):
@@ -457,10 +457,6 @@ class _Watchdog:
         self.seen: dict[int, tuple[int, float]] = {}   # rank -> (step, when) last seen
         self.step_s: deque = deque(maxlen=4096)         # seconds per step, from successive reports
 
-    def limit(self) -> float:
-        median = statistics.median(self.step_s) if self.step_s else 0.0
-        return max(self.bound, PROGRESS_STEPS * median)
-
     def check(self, now: float, running: list[int]) -> NoProgressError | None:
         if self.bound is None:
             return None
@@ -480,7 +476,7 @@ class _Watchdog:
         idle = now - max(self.seen[r][1] for r in watched)
         if idle <= self.bound:
             return None
-        limit = self.limit()
+        limit = max(self.bound, PROGRESS_STEPS * statistics.median(self.step_s or [0.0]))
         if idle <= limit:
             return None
         return self._verdict(now, watched, [r for r in running if r not in self.seen], limit)
@@ -538,12 +534,12 @@ def init(network="lan", backend: str | None = None, seed: int = 0, timeout: floa
     if not under_torchrun():
         raise UserError("thinwire.init() expects torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR); "
                         "on one machine use thinwire.launch instead")
-    backend, device = pick_backend(backend, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend, device = pick_backend(backend, device, local)
     set_default_network(network, seed)
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or
-                              _threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or _threads_per_worker(local)))
     return dist.get_rank(), dist.get_world_size()

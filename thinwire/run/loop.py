@@ -166,11 +166,11 @@ class TrainerStepper(Stepper):
         cut where every worker's pushes of that step are answered (PSServer.serve). Returns what the checkpoint
         it resumed from had counted (None: a fresh start)."""
         before = _restore(cfg, rank, self).get("counted") if cfg.resume else None
-        if not cfg.checkpoint_every:
+        if cfg.checkpoint_every:
+            save = lambda step: _save(cfg, rank, world_size, step, self, before)
+            self.trainer.algorithm.serve(checkpoint=(cfg.checkpoint_every, total, save))
+        else:
             self.trainer.algorithm.serve()
-            return before
-        save = lambda step: _save(cfg, rank, world_size, step, self, before)
-        self.trainer.algorithm.serve(checkpoint=(cfg.checkpoint_every, total, save))
         return before
 
 

@@ -88,15 +88,10 @@ def parse_cell(spec) -> Cell:
     spec = spec.strip()
     algo_part, _, comp_part = spec.partition("+")
     algo, _, algo_kv = algo_part.partition(":")
-    params = _kv(algo_kv, spec)
-    compressor = memory = None
-    if comp_part:
-        compressor, _, comp_kv = comp_part.partition(":")
-        params.update(_kv(comp_kv, spec))
-        compressor = compressor.strip() or None
-    memory = params.pop("memory", None)
-    optimizer = params.pop("optimizer", None)
-    return Cell(spec, algo.strip(), compressor, memory, params, optimizer)
+    compressor, _, comp_kv = comp_part.partition(":")
+    params = {**_kv(algo_kv, spec), **_kv(comp_kv, spec)}
+    memory, optimizer = params.pop("memory", None), params.pop("optimizer", None)
+    return Cell(spec, algo.strip(), compressor.strip() or None, memory, params, optimizer)
 
 
 def _label(algorithm, compressor, memory, params) -> str:
@@ -118,9 +113,7 @@ def check(cell: Cell, strict: bool) -> tuple[Cell | None, list[str]]:
         notes.append(msg)
 
     if cell.optimizer is not None:
-        valid = tuple(workloads.OPTIMIZERS)
-        if cell.optimizer not in valid:
-            raise UserError(f"{cell.label}: optimizer must be one of {', '.join(valid)}, got {cell.optimizer!r}")
+        workloads.check_optimizer(cell.optimizer, f"{cell.label}: optimizer")
     if cell.peer:
         why = optional_missing(cell.algorithm)
         if why:
@@ -220,7 +213,7 @@ def get(name: str) -> Preset:
         return Preset("digits-mlp", 4, ["wan"], _registered_everything(), budget_s=120,
                       doc="every registered algorithm with its defaults, plus the peers")
     if name not in PRESETS:
-        raise UserError(f"unknown preset {name!r}; valid: {', '.join(list(PRESETS) + ['full'])}")
+        raise UserError(f"unknown preset {name!r}; valid: {', '.join(names())}")
     return PRESETS[name]
 
 

@@ -8,13 +8,16 @@ from ..net import parse_network
 from .compare import rank
 
 
-def _metric(r: dict) -> tuple[str, bool]:
-    """(name of the metric, higher is better)."""
-    return ("accuracy", True) if r.get("metric", "accuracy") == "accuracy" else ("loss", False)
+def _metric(r: dict) -> str:
+    return "accuracy" if r.get("metric", "accuracy") == "accuracy" else "loss"
 
 
-def _fmt(v, spec, none="—"):
-    return none if v is None else format(v, spec)
+def _fmt(v, spec, scale=1):
+    return "—" if v is None else format(v * scale, spec)
+
+
+def _secs(v) -> str:
+    return "∞" if v is None or math.isinf(v) else f"{v:.3g}"
 
 
 def _link(network: str) -> str:
@@ -31,14 +34,13 @@ def _ttt(e: dict, seeds: int) -> str:
         pred = e.get("predicted_time_to_target_s")
         why = "/".join(e.get("stop_reasons") or []) or "stopped"
         return f"not reached ({why})" + (f"; predicted {pred:.0f}" if pred is not None else "")
-    span = lambda v: "∞" if v is None or math.isinf(v) else f"{v:.3g}"
     if seeds == 1:
-        return span(e["ttt_median"])
-    return f"{span(e['ttt_median'])} [{span(e['ttt_min'])}–{span(e['ttt_max'])}] {e['reached']}/{e['ok']}"
+        return _secs(e["ttt_median"])
+    return f"{_secs(e['ttt_median'])} [{_secs(e['ttt_min'])}–{_secs(e['ttt_max'])}] {e['reached']}/{e['ok']}"
 
 
 def table(entries: list[dict], seeds: int) -> list[str]:
-    name, _ = _metric(entries[0])
+    name = _metric(entries[0])
     lines = [f"| rank | contestant | kind | ran with | time to target (s) | read within | best {name} | final {name} | "
              f"step (ms) | MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -50,16 +52,14 @@ def table(entries: list[dict], seeds: int) -> list[str]:
                          f"{e.get('error', '')} | | | | | | | | | |")
             continue
         noise = " ≈" if e.get("within_noise_of_best") else ""
-        ratio = e.get("compression_ratio")
-        pred = e.get("predicted_step_time_s")
+        within, mb = e.get("ttt_resolution"), e.get("bytes_sent_per_worker_per_step")
         lines.append(
             f"| {i}{noise} | `{e['label']}` | {kind} | {e.get('ran_with') or ''} | {_ttt(e, seeds)} | "
-            f"{_fmt(None if e.get('ttt_resolution') is None else 100 * e['ttt_resolution'], '.1f')}{'' if e.get('ttt_resolution') is None else ' %'} | "
+            f"{_fmt(within, '.1f', 100)}{'' if within is None else ' %'} | "
             f"{_fmt(e.get('best_' + name), '.3f')} | {_fmt(e.get('final_' + name), '.3f')} | "
-            f"{_fmt(e['step_time_s'] * 1e3 if e.get('step_time_s') else None, '.0f')} | "
-            f"{_fmt(e['bytes_sent_per_worker_per_step'] / 1e6 if e.get('bytes_sent_per_worker_per_step') is not None else None, '.3f')} | "
-            f"{_fmt(ratio, '.1f')}× | {_fmt(e.get('exposed_comm_s'), '.1f')} | {_fmt(e.get('scalability'), '.2f')} | "
-            f"{_fmt(None if pred is None else pred * 1e3, '.0f')} |")
+            f"{_fmt(e.get('step_time_s') or None, '.0f', 1e3)} | {_fmt(None if mb is None else mb / 1e6, '.3f')} | "
+            f"{_fmt(e.get('compression_ratio'), '.1f')}× | {_fmt(e.get('exposed_comm_s'), '.1f')} | "
+            f"{_fmt(e.get('scalability'), '.2f')} | {_fmt(e.get('predicted_step_time_s'), '.0f', 1e3)} |")
     return lines
 
 
@@ -67,15 +67,14 @@ def verdict(entries: list[dict], seeds: int, budget) -> str:
     ok = [e for e in rank(entries) if e.get("status") == "ok"]
     if not ok:
         return "No contestant finished on this network."
-    name, _ = _metric(ok[0])
+    name = _metric(ok[0])
     w = ok[0]
     target = w.get("target")
     if not w["reached"]:
         spent = f"within its budget of {budget:g} s of training" if budget else "within its steps"
         return (f"**No contestant reached the target {name} {target}** {spent}; `{w['label']}` came closest "
                 f"(best {name} {w['best_' + name]:.3f}). Give a larger `--budget`, or a looser `--target`.")
-    span = lambda v: "∞" if math.isinf(v) else f"{v:.3g}"
-    over = f" (median over {seeds} seeds, range {span(w['ttt_min'])}–{span(w['ttt_max'])} s)" if seeds > 1 else ""
+    over = f" (median over {seeds} seeds, range {_secs(w['ttt_min'])}–{_secs(w['ttt_max'])} s)" if seeds > 1 else ""
     parts = [f"**Winner: `{w['label']}`**, {name} {target} after {w['ttt_median']:.3g} s of training{over} "
              f"({w['bytes_sent_per_worker_per_step'] / 1e6:.3f} MB sent per worker per step; ran with "
              f"{w.get('ran_with') or 'defaults'})."]

@@ -21,6 +21,7 @@ import torch
 from .. import algorithms
 from ..compress import compressors, memories
 from ..errors import UserError
+from ..files import atomic_write
 from ..net import parse_network, ring_allreduce
 from ..trace import write_chrome_trace
 from ..trainer import build_components, check_momentum
@@ -148,13 +149,7 @@ class TrainConfig:
         if self.servers and arch != "ps":
             raise UserError(f"--servers is for the parameter-server architecture (bsp --architecture ps, ssp, "
                             f"asp, backup); {self.algorithm} runs on {arch}")
-        if self.epochs is not None and self.steps is not None:
-            raise UserError("give --epochs or --steps, not both")
-        if self.epochs is not None:
-            check_number("--epochs", self.epochs, 0, low_open=True)
-        for name in ("steps", "batch_size", "eval_every", "checkpoint_every"):
-            if getattr(self, name) is not None:
-                check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1)
+        self._check_lengths()
         if self.checkpoint_every is not None and self.servers and self.total_steps(workloads.get(self.workload)) is None:
             raise UserError("checkpoints on the parameter server need a step bound: give --steps or --epochs")
         if self.checkpoint_every is not None and not self.checkpoint_dir:
@@ -188,10 +183,7 @@ class TrainConfig:
             checkpoint.check(self.resume, self.workers + self.servers, self)
         if self.checkpoint_dir is not None:
             check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
-        if self.lr is not None:
-            check_number("--lr", self.lr, 0, MAX_LR, low_open=True, why=f" (plain SGD diverges far below {MAX_LR:g})")
-        if self.momentum is not None and not 0 <= self.momentum < 1:
-            raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
+        self._check_lr_momentum(why=f" (plain SGD diverges far below {MAX_LR:g})")
         alg, comp, mem, _, _ = build_components(self.algorithm, self.compressor, self.memory,
                                                 **self.component_params())  # before launch
         name, settings = workloads.get(self.workload).optimizer_settings(self.optimizer)
@@ -205,9 +197,7 @@ class TrainConfig:
         if self.budget_s is not None:
             check_number("--budget", self.budget_s, 0, low_open=True, why=" (seconds of training time)")
         if self.optimizer is not None:
-            valid = tuple(workloads.OPTIMIZERS)
-            if self.optimizer not in valid:
-                raise UserError(f"--optimizer must be one of {', '.join(valid)}, got {self.optimizer!r}")
+            workloads.check_optimizer(self.optimizer, "--optimizer")
         if self.tensorboard is not None:
             check_tensorboard(self.tensorboard)
 
@@ -231,17 +221,26 @@ class TrainConfig:
         if self.on_failure != "stop":
             raise UserError(f"{self.algorithm} is a peer: --on-failure stop only (survivors regroup in thinwire's "
                             f"Trainer)")
-        if self.epochs is not None and self.steps is not None:
-            raise UserError("give --epochs or --steps, not both")
-        for name in ("steps", "batch_size", "eval_every"):
-            if getattr(self, name) is not None:
-                check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1)
-        if self.lr is not None:
-            check_number("--lr", self.lr, 0, MAX_LR, low_open=True)
-        if self.momentum is not None and not 0 <= self.momentum < 1:
-            raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
+        self._check_lengths()
+        self._check_lr_momentum()
         check_peer(self.algorithm, self.params, self.workers)
         return self
+
+    def _check_lengths(self) -> None:
+        """--epochs or --steps (not both), --epochs > 0, and the counts >= 1 where given."""
+        if self.epochs is not None and self.steps is not None:
+            raise UserError("give --epochs or --steps, not both")
+        if self.epochs is not None:
+            check_number("--epochs", self.epochs, 0, low_open=True)
+        for name in ("steps", "batch_size", "eval_every", "checkpoint_every"):
+            if getattr(self, name) is not None:
+                check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1)
+
+    def _check_lr_momentum(self, why: str = "") -> None:
+        if self.lr is not None:
+            check_number("--lr", self.lr, 0, MAX_LR, low_open=True, why=why)
+        if self.momentum is not None and not 0 <= self.momentum < 1:
+            raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
 
     def architecture(self) -> str:
         return self.params.get("architecture") or algorithms.architectures(self.algorithm)[0]
@@ -362,8 +361,8 @@ def write_outputs(out: str, cfg: TrainConfig, summary: dict, rows: list[dict], r
     if cfg.trace:
         write_chrome_trace(os.path.join(out, "trace.json"), [r["trace"] for r in results])
         summary["trace"] = os.path.join(out, "trace.json")
-    checkpoint.atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
-    checkpoint.atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
+    atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
 
 
 def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str | None) -> dict | None:

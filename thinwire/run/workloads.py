@@ -40,6 +40,12 @@ OPTIMIZERS = {
 }
 
 
+def check_optimizer(name: str, what: str = "optimizer") -> None:
+    """`name` is a name in OPTIMIZERS: else a UserError `{what} must be one of sgd, adamw, got ...`."""
+    if name not in OPTIMIZERS:
+        raise UserError(f"{what} must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
 @dataclass
 class Workload:
     name: str
@@ -61,9 +67,7 @@ class Workload:
     derived: dict = field(default_factory=dict)  # name -> f(metric value), e.g. bits per byte from a loss
 
     def __post_init__(self):
-        if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"workload {self.name}: unknown optimizer {self.optimizer!r}; "
-                            f"valid: {', '.join(OPTIMIZERS)}")
+        check_optimizer(self.optimizer, f"workload {self.name}: optimizer")
 
     def model(self, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
@@ -79,8 +83,7 @@ class Workload:
     def optimizer_settings(self, optimizer: str | None = None) -> tuple[str, dict]:
         """(name, settings) of `optimizer` (default: the workload's own) before any override."""
         name = self.optimizer if optimizer is None else optimizer
-        if name not in OPTIMIZERS:
-            raise UserError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+        check_optimizer(name)
         settings = {**OPTIMIZERS[name], **self.optim.get(name, {})}
         if name == self.optimizer:
             settings.update(lr=self.lr, momentum=self.momentum)
