@@ -90,6 +90,15 @@ def test_thousands_of_workers_across_regions():
     assert asp.total_s <= ssp.total_s * 1.0001
 
 
+def test_every_collective_is_priced_across_regions():
+    """Every --collective the simulator accepts runs with --regions world (torus and recursive_halving raised
+    KeyError there)."""
+    from thinwire.plan.costmodel import COLLECTIVES
+    times = {c: simulate(SimConfig(workers=16, params=1e6, compute_s=0.1, bandwidth=1e9, regions=WORLD_LATENCY,
+                                   collective=c, steps=5)).iteration_s for c in COLLECTIVES}
+    assert all(np.isfinite(t) and t > 0.1 for t in times.values()), times
+
+
 def test_advise_cli_ranks_configurations(capsys):
     assert main(["advise", "--params", "25e6", "--compute-ms", "300", "--network", "wan", "--workers", "16",
                  "--json"]) == 0

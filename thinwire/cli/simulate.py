@@ -153,7 +153,9 @@ def register(sub) -> None:
     p.add_argument("--compute-ms", type=float, default=300.0)
     p.add_argument("--compute-cv", type=float, default=0.05, help="spread of compute times (coefficient of variation)")
     p.add_argument("--straggler-prob", type=float, default=0.0)
-    p.add_argument("--collective", default="auto", help="auto, ring, tree, recursive_doubling, double_binary_tree, hierarchical")
+    p.add_argument("--collective", default="auto",
+                   help="auto, ring, tree, recursive_doubling, recursive_halving, double_binary_tree, hierarchical, "
+                        "torus")
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)

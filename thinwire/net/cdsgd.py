@@ -36,8 +36,7 @@ def cd_communication(i: int, k: int, phi: float, psi: float, delta: float) -> fl
 
 def cdsgd_iteration(i: int, k: int, tau: float, phi: float, psi: float, delta: float) -> float:
     """T^cd of iteration i (seed 001 eq. 7): τ if τ > φ^cd, else φ^cd (δ + ψ or φ)."""
-    comm = cd_communication(i, k, phi, psi, delta)
-    return tau if tau > comm else comm
+    return local_update(tau, cd_communication(i, k, phi, psi, delta))
 
 
 def cdsgd(tau: float, phi: float, psi: float, delta: float, k: int) -> float:

@@ -124,15 +124,6 @@ def tree_broadcast(link: Link, n: int, nbytes: float, rank: int = 0, root: int =
     return Cost(r * link.alpha, r * nbytes * link.beta, children * nbytes, 0.0 if rel == 0 else nbytes)
 
 
-ALLREDUCE = {
-    "ring": ring_allreduce,
-    "recursive_doubling": recursive_doubling_allreduce,
-    "recursive_halving": recursive_halving_allreduce,
-    "tree": tree_allreduce,
-    "double_binary_tree": double_binary_tree_allreduce,
-}
-
-
 def grid_shape(n: int, width: int | None = None) -> tuple[int, int]:
     """(width X, height Y) of an X×Y grid of n ranks: `width` if given, else the most square one (X ≥ Y)."""
     if width is None:
@@ -157,8 +148,15 @@ def torus_allreduce(link: Link, n: int, nbytes: float, width: int | None = None)
     return row + ring_allreduce(link, y, nbytes / x)
 
 
-ALLREDUCE["hierarchical"] = hierarchical_allreduce
-ALLREDUCE["torus"] = torus_allreduce
+ALLREDUCE = {
+    "ring": ring_allreduce,
+    "recursive_doubling": recursive_doubling_allreduce,
+    "recursive_halving": recursive_halving_allreduce,
+    "tree": tree_allreduce,
+    "double_binary_tree": double_binary_tree_allreduce,
+    "hierarchical": hierarchical_allreduce,
+    "torus": torus_allreduce,
+}
 
 
 # -- sparse collectives (thinwire/exchange/sparse.py): k (index, value) pairs per rank, `pair` bytes each ----------

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 
 from ..errors import UserError
-from .costmodel import SPARSE_COLLECTIVES, Prediction, Scenario, is_sparse, predict
+from .costmodel import Prediction, Scenario, is_sparse, predict
 
 # what each sparse collective changes for convergence (thinwire/exchange/sparse.py), appended to the row's note
 SPARSE_NOTES = {"allgather": "", "gtopk": "; gTop-k: the global top k of the sum, the rest back to residuals",
@@ -62,6 +63,7 @@ def _variants(comp: str, params: dict) -> list:
     every other configuration on the one collective its algebra allows."""
     try:
         from ..compress import compressors
+        from ..compress._sparse import SPARSE_COLLECTIVES
         own = {k: v for k, v in params.items() if comp == "none" or compressors.accepts(comp, k)}
         sparse = is_sparse(comp, **own)     # (the algorithm's parameters, e.g. diloco's period, are not its own)
     except (KeyError, UserError):
@@ -114,23 +116,17 @@ def recommend_diloco(s: Scenario, target: float = 0.9) -> dict:
     if not 0 < target <= 1:
         raise UserError(f"target scalability must be in (0, 1], got {target}")
     options = []
-    for comp, bits in DILOCO_BITS:
-        for f in DILOCO_FRAGMENTS:
-            for lag in DILOCO_OVERLAP:
-                best = None
-                for h in DILOCO_PERIODS:
-                    if h % f or lag >= h // f:
-                        continue
-                    pred = predict(s, "diloco", comp, period=h, fragments=f, overlap=lag)
-                    best = (h, pred)
-                    if pred.scalability >= target:
-                        break
-                if best is not None:
-                    h, pred = best
-                    options.append({"period": h, "fragments": f, "overlap": lag, "compressor": comp, "bits": bits,
-                                    "reached": pred.scalability >= target, "iteration_s": pred.iteration_s,
-                                    "scalability": pred.scalability, "bytes_per_sync": pred.bytes_per_sync,
-                                    "bytes_per_step": pred.bytes_per_step})
+    for (comp, bits), f, lag in product(DILOCO_BITS, DILOCO_FRAGMENTS, DILOCO_OVERLAP):
+        periods = [h for h in DILOCO_PERIODS if h % f == 0 and lag < h // f]
+        for h in periods:   # stops at the first period reaching the target, else at the longest
+            pred = predict(s, "diloco", comp, period=h, fragments=f, overlap=lag)
+            if pred.scalability >= target:
+                break
+        if periods:
+            options.append({"period": h, "fragments": f, "overlap": lag, "compressor": comp, "bits": bits,
+                            "reached": pred.scalability >= target, "iteration_s": pred.iteration_s,
+                            "scalability": pred.scalability, "bytes_per_sync": pred.bytes_per_sync,
+                            "bytes_per_step": pred.bytes_per_step})
     reached = [o for o in options if o["reached"]]
     if reached:
         choice = min(reached, key=lambda o: (o["period"], -o["bits"], o["fragments"], o["overlap"]))
@@ -213,8 +209,7 @@ def _unapplied(algorithm: str, p: dict) -> int:
 
 def _staleness(algorithm: str, p: dict) -> float:
     if algorithm in ("dts", "delayed", "tsparse"):
-        t, period = int(p.get("delay", 1)), int(p.get("period", 1))
-        return (t - 1) * period + period
+        return _unapplied(algorithm, p) + int(p.get("period", 1))
     return float(p.get("period", p.get("k", 1)))
 
 
@@ -237,9 +232,7 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
         return {}, ""
     check_scenario(s)
     fixed = {k: v for k, v in given.items() if k in ("delay", "period", "k", "ratio", "rank", "levels", "threshold")}
-    combos = [{}]
-    for name, values in free.items():
-        combos = [{**c, name: v} for c in combos for v in values]
+    combos = [dict(zip(free, values)) for values in product(*free.values())]
     if plan_as == "dts":
         combos = [c for c in combos if (c.get("delay", fixed.get("delay")), c.get("period", fixed.get("period")))
                   != (1, 1)] or combos  # t = p = 1 is bsp

@@ -37,11 +37,6 @@ def ps_push_pull(link: Link, n: int, nbytes: float, servers: int = 1, down_bytes
     return Cost(2 * link.alpha, (n * nbytes + n * down) / k * link.beta, nbytes, down)
 
 
-def gossip_exchange(link: Link, degree: int, nbytes: float) -> Cost:
-    """Decentralized: send the model to `degree` neighbours and receive theirs over one link: α + d N β."""
-    return Cost(link.alpha, degree * nbytes * link.beta, degree * nbytes, degree * nbytes)
-
-
 COLLECTIVES = dict(netcost.ALLREDUCE)   # every one of them runs: thinwire.comm.collectives, --allreduce NAME
 
 
@@ -76,9 +71,6 @@ class Scenario:
         return x * self.params * 4 / MEMCPY_BYTES_PER_S
 
 
-SPARSE_COLLECTIVES = ("allgather", "gtopk", "shared", "hierarchical")   # thinwire/exchange/sparse.py
-
-
 def sparse_exchange_cost(s: Scenario, comp, name: str) -> Cost:
     """One exchange of a top-k-family compressor's k-sparse gradient through sparse collective `name`
     (net/cost.py; seed 000 §VI-B: the all-gather's n·k build-up vs gTop-k's 2α log n + 4kβ log n). gTop-k and
@@ -111,34 +103,22 @@ def is_sparse(compressor: str, **params) -> bool:
     return _is_sparse(compressors.get(compressor, **params))
 
 
-def exchange_collective(s: Scenario, compressor: str = "none", sparse_collective: str | None = None,
-                        **params) -> str:
-    """The collective an exchange through `compressor` runs: the all-reduce algorithm, allgather or a sparse one."""
+def exchange(s: Scenario, compressor: str = "none", sparse_collective: str | None = None,
+             **params) -> tuple[str, Cost]:
+    """One exchange of the whole gradient through `compressor`: the collective its algebra allows (the all-reduce
+    algorithm, allgather, or for a top-k-family compressor `sparse_collective`, default the all-gather) and its
+    cost."""
     if compressor == "none":
-        return s.collective
+        return s.collective, s.allreduce(s.nbytes)
     from ..compress import compressors
     comp = compressors.get(compressor, **params)
     if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
-        return sparse_collective
-    coll, _ = comp.wire_bits(int(s.params), s.workers, s.collective)
-    return s.collective if coll in ("allreduce", "custom") else "allgather"
-
-
-def exchange_cost(s: Scenario, compressor: str = "none", sparse_collective: str | None = None,
-                  **params) -> Cost:
-    """One exchange of the whole gradient through `compressor`, on the collective its algebra allows (a
-    top-k-family compressor: on `sparse_collective`, default the all-gather)."""
-    if compressor == "none":
-        return s.allreduce(s.nbytes)
-    from ..compress import compressors
-    comp = compressors.get(compressor, **params)
-    if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
-        return sparse_exchange_cost(s, comp, sparse_collective)
+        return sparse_collective, sparse_exchange_cost(s, comp, sparse_collective)
     coll, bits = comp.wire_bits(int(s.params), s.workers, s.collective)   # what the exchange picks and sends
     payload = bits * s.params / 8
     if coll in ("allreduce", "custom"):
-        return s.allreduce(payload)
-    return netcost.ring_allgather(s.collective_link, s.workers, payload)   # allgather and majority vote
+        return s.collective, s.allreduce(payload)
+    return "allgather", netcost.ring_allgather(s.collective_link, s.workers, payload)   # allgather and majority vote
 
 
 COMPRESSOR_PARAMS = ("ratio", "rank", "levels", "threshold", "bucket")   # of predict's parameters, the compressor's
@@ -174,13 +154,12 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     picks the sparse collective of its exchange; the prediction's `collective` names what carries it.
     """
     pred = _predict(s, algorithm, compressor, overlap, **p)
-    if not pred.collective:
-        cp = {k: v for k, v in p.items() if k in COMPRESSOR_PARAMS}
-        pred.collective = ("ps" if algorithm in ("asp", "ssp", "backup") else
-                           "gossip" if algorithm in ("dpsgd", "choco", "sgp", "adpsgd") else
-                           "none" if algorithm == "local" else
-                           exchange_collective(s, "threshold2bit" if algorithm == "bitsgd" else compressor,
-                                               p.get("sparse_collective"), **cp))
+    cp = {k: v for k, v in p.items() if k in COMPRESSOR_PARAMS}
+    pred.collective = ("ps" if algorithm in ("asp", "ssp", "backup") else
+                       "gossip" if algorithm in ("dpsgd", "choco", "sgp", "adpsgd") else
+                       "none" if algorithm == "local" else
+                       exchange(s, "threshold2bit" if algorithm == "bitsgd" else compressor,
+                                p.get("sparse_collective"), **cp)[0])
     return pred
 
 
@@ -188,13 +167,13 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
     tau = s.compute_s
     delta = s.compress_s(compressor) if compressor != "none" else 0.0
     cp = {k: v for k, v in p.items() if k in COMPRESSOR_PARAMS}
-    comm = exchange_cost(s, compressor, p.get("sparse_collective"), **cp)
+    _, comm = exchange(s, compressor, p.get("sparse_collective"), **cp)
     sent = comm.sent
     if algorithm in ("bsp", "ssgd"):
         t = tau + delta + (max(0.0, comm.time - s.backward_fraction * tau) if overlap else comm.time)
         return Prediction(algorithm, t, tau, sent)
     if algorithm == "bitsgd":
-        c2 = exchange_cost(s, "threshold2bit")
+        _, c2 = exchange(s, "threshold2bit")
         return Prediction(algorithm, cd.bitsgd(tau, c2.time, s.compress_s("threshold2bit")), tau, c2.sent)
     if algorithm == "odsgd":
         return Prediction(algorithm, cd.local_update(tau, comm.time), tau, sent)
@@ -202,7 +181,7 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
         k = int(p.get("k", 5))
         full = s.allreduce(s.nbytes)
         qc = compressor if compressor != "none" else "threshold2bit"   # the quantizer of compressed iterations
-        quant, dq = exchange_cost(s, qc), s.compress_s(qc)
+        quant, dq = exchange(s, qc)[1], s.compress_s(qc)
         # seed 001 eq. 7 keeps one exchange in flight: T^cd = max(τ, φ^cd). Here iteration t+1's exchange starts
         # from the scheduler while t's is still on the link (t's average is applied at the end of t+1) and gloo
         # runs two collectives at once, so two iterations share one latency but not the link's bandwidth:
@@ -222,7 +201,7 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
         h, f, lag = int(p.get("period", 50)), int(p.get("fragments", 1)), int(overlap)
         k = max(1, h // f)
         sf = replace(s, params=s.params / f)    # one fragment: 1/F of the model, through the same exchange
-        cf = exchange_cost(sf, compressor, p.get("sparse_collective"), **cp)
+        _, cf = exchange(sf, compressor, p.get("sparse_collective"), **cp)
         exposed = max(0.0, sf.compress_s(compressor) + cf.time - lag * tau)   # hidden by τ_o further inner steps
         return Prediction(algorithm, tau + exposed / k, tau, cf.sent / k, bytes_per_sync=cf.sent)
     if algorithm in ("asp", "ssp", "backup"):
@@ -233,18 +212,18 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
     if algorithm in ("dpsgd", "choco", "sgp", "adpsgd"):
         degree = int(p.get("degree", 2 if algorithm != "adpsgd" else 1))
         payload = s.nbytes if compressor == "none" else comm.sent / max(1e-12, 2 * (s.workers - 1) / s.workers)
-        g = gossip_exchange(s.link, degree, payload)
+        g = netcost.p2p(s.link, degree * payload)   # to `degree` neighbours and theirs back: α + d N β
         return Prediction(algorithm, tau + delta + g.time, tau, g.sent)
     if algorithm in ("dts", "delayed", "tsparse"):
         t_delay = int(p.get("delay", 1 if algorithm == "tsparse" else 4))
         period = int(p.get("period", 1 if algorithm == "delayed" else 4))
-        exchange = delta + comm.time
+        exchange_s = delta + comm.time
         if t_delay == 1:   # the window's average is waited for at once (t = p = 1 is bsp)
-            return Prediction(algorithm, tau + exchange / period, tau, sent / period)
+            return Prediction(algorithm, tau + exchange_s / period, tau, sent / period)
         # the average of the window launched at step kp is applied at step (k+t−1)p: in steady state a window
         # lasts at least 1/(t−1) of an exchange, and at least 1/2 of one as gloo runs two collectives at a time;
         # the transfers share the link
-        window = max(period * tau, exchange / min(t_delay - 1, COLLECTIVE_SLOTS), comm.transfer)
+        window = max(period * tau, exchange_s / min(t_delay - 1, COLLECTIVE_SLOTS), comm.transfer)
         return Prediction(algorithm, window / period, tau, sent / period)
     if algorithm == "local":
         return Prediction(algorithm, tau, tau, 0.0)

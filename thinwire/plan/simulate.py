@@ -83,20 +83,16 @@ def _collective_cost(cfg: SimConfig, nbytes: float) -> Cost:
     ring_hops = [lat[used[i], used[(i + 1) % len(used)]] for i in range(len(used))] if len(used) > 1 else [0.0]
     worst_ring = max(max(ring_hops), cfg.intra_latency)
     worst_any = max(lat[np.ix_(used, used)].max(), cfg.intra_latency)
-    options = {
-        "ring": netcost.ring_allreduce(Link(cfg.bandwidth, worst_ring), n, nbytes),
-        "tree": netcost.tree_allreduce(Link(cfg.bandwidth, worst_any), n, nbytes),
-        "recursive_doubling": netcost.recursive_doubling_allreduce(Link(cfg.bandwidth, worst_any), n, nbytes),
-        "double_binary_tree": netcost.double_binary_tree_allreduce(Link(cfg.bandwidth, worst_any), n, nbytes),
-    }
+    options = {c: COLLECTIVES[c](Link(cfg.bandwidth, worst_ring if c == "ring" else worst_any), n, nbytes)
+               for c in ("ring", "tree", "recursive_doubling", "double_binary_tree")}
     m = max(1, n // max(1, len(used)))   # hierarchical: groups are the regions
-    intra = Link(cfg.bandwidth, cfg.intra_latency)
-    inter = Link(cfg.bandwidth, worst_ring)
-    tree_m = netcost.tree_allreduce(intra, m, nbytes)
-    options["hierarchical"] = tree_m + netcost.ring_allreduce(inter, len(used), nbytes)
-    if cfg.collective != "auto":
-        return options[cfg.collective]
-    return min(options.values(), key=lambda c: c.time)
+    options["hierarchical"] = (netcost.tree_allreduce(Link(cfg.bandwidth, cfg.intra_latency), m, nbytes)
+                               + netcost.ring_allreduce(Link(cfg.bandwidth, worst_ring), len(used), nbytes))
+    if cfg.collective == "auto":
+        return min(options.values(), key=lambda c: c.time)
+    if cfg.collective not in options:   # recursive_halving, torus: every hop at the slowest pair's latency
+        return COLLECTIVES[cfg.collective](Link(cfg.bandwidth, worst_any), n, nbytes)
+    return options[cfg.collective]
 
 
 def _compute_times(cfg: SimConfig, rng: np.random.Generator) -> np.ndarray:
@@ -186,7 +182,7 @@ def _ps(c, cfg, comm, staleness=None):
     k = max(1, cfg.servers)
     up = cfg.params * cfg.bytes_per_param * cfg.compression / k
     down = cfg.params * cfg.bytes_per_param / k
-    beta = 0.0 if cfg.bandwidth is None else 8.0 / cfg.bandwidth
+    beta = Link(cfg.bandwidth).beta
     alpha = cfg.latency if cfg.regions is None else float(np.asarray(cfg.regions).max())
     clock = np.zeros(n, dtype=int)
     server_free = 0.0
@@ -224,7 +220,7 @@ SCHEDULES = {
     "delayed": lambda c, cfg, comm: _dts(c, cfg, comm, period=1),
     "tsparse": lambda c, cfg, comm: _dts(c, cfg, comm, delay=1),
     "cdsgd": _cdsgd, "odsgd": lambda c, cfg, comm: _cdsgd(c, cfg, comm, k=1), "diloco": _diloco,
-    "asp": lambda c, cfg, comm: _ps(c, cfg, comm), "ssp": lambda c, cfg, comm: _ps(c, cfg, comm, cfg.staleness),
+    "asp": _ps, "ssp": lambda c, cfg, comm: _ps(c, cfg, comm, cfg.staleness),
 }
 
 

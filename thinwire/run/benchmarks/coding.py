@@ -15,9 +15,8 @@ from __future__ import annotations
 import json
 import time
 
+from ...compress._sparse import SPARSE_COLLECTIVES as COLLECTIVES
 from . import pyplot, save, write_json
-
-COLLECTIVES = ("allgather", "gtopk", "shared", "hierarchical")
 
 
 def _collectives_worker(rank, world_size, numel, densities, steps):
