@@ -73,54 +73,29 @@ def _networks(text: str) -> list[str]:
     return _split(text, lambda prev, item: prev.startswith("custom:") and "=" in item)
 
 
-def check_numbers(args) -> None:
-    """The numbers of `compare` in their ranges, before any cell starts (NaN and infinities included)."""
-    from ..run.launcher import MAX_LOCAL_WORKERS
-    from ..run.train import MAX_SEED, check_int, check_number
-    if args.workers is not None:
-        check_int("--workers", args.workers, 1, MAX_LOCAL_WORKERS - 1)  # + 1 rank for a parameter server
-    if args.epochs is not None:
-        check_number("--epochs", args.epochs, 0, low_open=True)
-    if args.target is not None:
-        check_number("--target", args.target, 0, why=" (an accuracy in [0, 1], or a loss)")
-    if args.budget is not None:
-        check_number("--budget", args.budget, 0, low_open=True, why=" (seconds of training time per cell)")
-    if getattr(args, "seeds", None) is not None:
-        check_int("--seeds", args.seeds, 1, 100)
-    if getattr(args, "eval_every", None) is not None:
-        check_int("--eval-every", args.eval_every, 1)
-    check_int("--seed", args.seed, 0, MAX_SEED)
-
-
 def config_from_args(args):
+    """The matrix of a preset (or the defaults) with what the flags give instead, checked before any cell starts."""
+    from dataclasses import replace
+
     from ..errors import UserError
     from ..run import presets
     from ..run.compare import CompareConfig
-    check_numbers(args)
     if args.preset:
         pr = presets.get(args.preset)
-        cells, workers, nets, budget, epochs, seeds = (list(pr.cells), pr.workers, pr.networks, pr.budget_s,
-                                                       pr.epochs, pr.seeds)
-        batch = pr.batch_size if not args.workload or args.workload == pr.workload else None
-        workload, target = pr.workload, pr.target
-        if args.workload and args.workload != workload:
-            target = None  # the preset's target is for its own workload
+        own = not args.workload or args.workload == pr.workload  # the preset's target and batch are for its workload
+        cfg = CompareConfig(workload=pr.workload, workers=pr.workers, networks=list(pr.networks), cells=list(pr.cells),
+                            target=pr.target if own else None, budget_s=pr.budget_s, epochs=pr.epochs, seeds=pr.seeds,
+                            batch_size=pr.batch_size if own else None)
+    elif args.algorithms:
+        cfg = CompareConfig(cells=split_cells(args.algorithms))  # digits-mlp, 4 workers, wan
     else:
-        if not args.algorithms:
-            raise UserError("give --algorithms a,b,... or --preset NAME "
-                            f"({', '.join(presets.names())})")
-        cells, workload, workers, nets = split_cells(args.algorithms), "digits-mlp", 4, ["wan"]
-        budget = epochs = target = batch = None
-        seeds = 1
-    return CompareConfig(workload=args.workload or workload, workers=args.workers or workers,
-                         networks=_networks(args.network) if args.network else list(nets), cells=cells,
-                         target=args.target if args.target is not None else target,
-                         budget_s=args.budget if args.budget is not None else budget,
-                         epochs=args.epochs if args.epochs is not None else epochs, seed=args.seed,
-                         seeds=getattr(args, "seeds", None) or seeds, trace=args.trace, netem=args.netem,
-                         preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
-                         eval_every=getattr(args, "eval_every", None), batch_size=batch,
-                         device=getattr(args, "device", "cpu"))
+        raise UserError(f"give --algorithms a,b,... or --preset NAME ({', '.join(presets.names())})")
+    given = dict(workload=args.workload or None, workers=args.workers, target=args.target, budget_s=args.budget,
+                 epochs=args.epochs, networks=_networks(args.network) if args.network else None,
+                 seeds=getattr(args, "seeds", None))
+    return replace(cfg, **{k: v for k, v in given.items() if v is not None}, seed=args.seed, trace=args.trace,
+                   netem=args.netem, preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
+                   eval_every=getattr(args, "eval_every", None), device=getattr(args, "device", "cpu")).validate()
 
 
 def run(args) -> int:

@@ -44,10 +44,10 @@ from ..errors import UserError, WorkerError
 from ..files import atomic_write
 from ..net import parse_network
 from . import presets, workloads
-from .launcher import Pool, pick_backend
+from .launcher import MAX_LOCAL_WORKERS, Pool, pick_backend
 from .loop import check_tensorboard, progress_bar, train_worker
 from .peers import PEER_AS, PEER_PARAMS
-from .train import TrainConfig, check_int, run_training, summarize
+from .train import MAX_SEED, TrainConfig, check_int, check_number, run_training, summarize
 
 _now = time.perf_counter
 RESULTS = "results.json"
@@ -77,28 +77,32 @@ class CompareConfig:
     device: str = "cpu"                # "cuda": every cell's workers on GPUs (NCCL), one per GPU
 
     def validate(self) -> "CompareConfig":
+        """Every name known and every number in its range (NaN and infinities included), before any cell starts."""
         workloads.registry.lookup(self.workload)
         for n in self.networks:
             parse_network(n)
         if not self.networks:
             raise UserError("give at least one network, e.g. --network wan")
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise UserError(f"--workers must be >= 1, got {self.workers}")
-        if self.budget_s is not None and not self.budget_s > 0:
-            raise UserError(f"--budget must be > 0 seconds, got {self.budget_s}")
-        check_int("--seeds", self.seeds, 1, 100)
-        if self.batch_size is not None:
-            check_int("batch size", self.batch_size, 1, 1 << 20)
+        check_int("--workers", self.workers, 1, MAX_LOCAL_WORKERS - 1)  # + 1 rank for a parameter server
         if self.epochs is not None and self.steps is not None:
             raise UserError("give --epochs or --steps, not both")
+        if self.epochs is not None:
+            check_number("--epochs", self.epochs, 0, low_open=True)
+        if self.target is not None:
+            check_number("--target", self.target, 0, why=" (an accuracy in [0, 1], or a loss)")
+        if self.budget_s is not None:
+            check_number("--budget", self.budget_s, 0, low_open=True, why=" (seconds of training time per cell)")
+        check_int("--seeds", self.seeds, 1, 100)
+        check_int("--seed", self.seed, 0, MAX_SEED)
+        if self.eval_every is not None:
+            check_int("--eval-every", self.eval_every, 1)
+        if self.batch_size is not None:
+            check_int("batch size", self.batch_size, 1, 1 << 20)
         if self.tensorboard is not None:
             check_tensorboard(self.tensorboard)
-        pick_backend(None, self.device, self.workers)      # `train --device`'s check, before any cell starts
+        pick_backend(None, self.device, self.workers)      # `train --device`'s check
+        presets.resolve(self.cells, strict=self.preset is None)  # bad cell names
         return self
-
-    @property
-    def seed_list(self) -> list[int]:
-        return list(range(self.seed, self.seed + self.seeds))
 
 
 def cell_key(label: str, network: str, seed: int | None = None) -> str:
@@ -242,29 +246,24 @@ class Harness:
             if n not in results["notes"]:
                 results["notes"].append(n)
                 self.log(f"note: {n}")
-        todo = [(c, n, s) for n in cfg.networks for c in cells for s in cfg.seed_list]
-        done = {r["key"] for r in results["cells"] if r.get("status") == "ok"}
+        todo = [(c, n, s) for n in cfg.networks for c in cells for s in range(cfg.seed, cfg.seed + cfg.seeds)]
         results["cells"] = [r for r in results["cells"] if r.get("status") == "ok"]
-        bar = None
-        if progress and not os.environ.get("THINWIRE_NO_PROGRESS"):
-            bar = progress_bar(total=len(todo) + 1, desc="compare", unit="cell",
-                               initial=len(done) + (1 if results.get("baseline") else 0))
-        write = lambda: atomic_write(os.path.join(self.out, RESULTS), json.dumps(results, indent=1) + "\n")
+        done = {r["key"] for r in results["cells"]}
+        shown = progress and not os.environ.get("THINWIRE_NO_PROGRESS")
+        bar = progress_bar(total=len(todo) + 1, desc="compare", unit="cell", disable=not shown,
+                           initial=len(done) + (1 if results.get("baseline") else 0))
         try:
             if not results.get("baseline"):
-                if bar is not None:
-                    bar.set_description("compare: no-communication reference")
+                bar.set_description("compare: no-communication reference")
                 results["baseline"] = self.baseline()
-                write()
-                if bar is not None:
-                    bar.update(1)
+                _save(results, self.out)
+                bar.update(1)
             tuned: dict = {}
             for cell, network, seed in todo:
                 key = self.key(cell, network, seed)
                 if key in done:
                     continue
-                if bar is not None:
-                    bar.set_description(f"compare: {key}")
+                bar.set_description(f"compare: {key}")
                 if (cell.label, network) not in tuned:
                     tuned[cell.label, network] = tune_cell(cell, network, cfg.workload, cfg.workers,
                                                            results["baseline"].get("step_time_s"))
@@ -287,20 +286,19 @@ class Harness:
                 row["cell_wall_s"] = _now() - t0
                 _derive(row, results["baseline"], cfg)
                 results["cells"].append(row)
-                write()
-                msg = _one_line(row)
-                if bar is not None:
-                    bar.write(msg)
-                    bar.update(1)
-                else:
-                    self.log(msg)
+                _save(results, self.out)
+                (bar.write if shown else self.log)(_one_line(row))
+                bar.update(1)
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
             order = {n: i for i, n in enumerate(cfg.networks)}
             results["cells"].sort(key=lambda r: order.get(r["network"], 99))
-            write()
+            _save(results, self.out)
         return results
+
+
+def _save(results: dict, out: str) -> None:
+    atomic_write(os.path.join(out, RESULTS), json.dumps(results, indent=1) + "\n")
 
 
 def _ran_with(cell: presets.Cell) -> str:
@@ -393,6 +391,11 @@ def predict_missing(rows: list[dict]) -> None:
                                  f"{r['step_time_s'] * 1e3:.0f} ms")
 
 
+def metric_name(r: dict) -> str:
+    """The metric of a row or summary entry as its fields name it (`best_accuracy`, `best_loss`)."""
+    return "accuracy" if r.get("metric", "accuracy") == "accuracy" else "loss"
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -409,14 +412,13 @@ def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
     for (label, network), rs in groups.items():
         ok = [r for r in rs if r.get("status") == "ok"]
         first = (ok or rs)[0]
-        name = "accuracy" if first.get("metric", "accuracy") == "accuracy" else "loss"
+        name = metric_name(first)
         ttt = [r.get("time_to_target_s") if r.get("time_to_target_s") is not None else math.inf for r in ok]
         entry = {"label": label, "network": network, "peer": first.get("peer"),
                  "algorithm": (first.get("cell") or {}).get("algorithm"), "metric": first.get("metric"),
                  "target": first.get("target"), "seeds": len(rs), "ok": len(ok),
                  "reached": sum(1 for t in ttt if t < math.inf),
-                 "ttt_median": statistics.median(ttt) if ttt else None,
-                 "ttt_min": min(ttt) if ttt else None, "ttt_max": max(ttt) if ttt else None,
+                 "ttt_median": _median(ttt), "ttt_min": min(ttt, default=None), "ttt_max": max(ttt, default=None),
                  "ran_with": first.get("ran_with"), "why": first.get("why", []),
                  "status": "ok" if ok else first.get("status"), "error": None if ok else first.get("error")}
         for k in ("best_" + name, "final_" + name, "step_time_s", "bytes_sent_per_worker_per_step",
@@ -447,8 +449,8 @@ def rank(entries: list[dict]) -> list[dict]:
     def key(e):
         if e.get("status") != "ok":
             return (2, math.inf, 0.0)
-        up = e.get("metric", "accuracy") == "accuracy"
-        best = e.get("best_accuracy" if up else "best_loss") or 0.0
+        up = metric_name(e) == "accuracy"
+        best = e.get("best_" + metric_name(e)) or 0.0
         if e["reached"] * 2 > e["ok"] and e["ttt_median"] is not None:
             return (0, e["ttt_median"], -best if up else best)
         return (1, -best if up else best, e.get("train_s") or 0.0)
@@ -495,12 +497,8 @@ def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress:
     """Run (or resume) the matrix into `out`; write results.json, report.md and the plots; return the results."""
     from .plots import plot_all
     from .report import write_report
-    if resume:
-        cfg, results = load(out)
-    else:
-        results = new_results(cfg)
-    cfg.validate()
-    presets.resolve(cfg.cells, strict=cfg.preset is None)  # bad names fail here, before anything is started
+    cfg, results = load(out) if resume else (cfg, new_results(cfg))
+    cfg.validate()  # bad names and numbers fail here, before anything is started
     os.makedirs(out, exist_ok=True)
     env = None
     if cfg.netem:
@@ -518,8 +516,8 @@ def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress:
         results["matrix_wall_s"] = results.get("matrix_wall_s", 0.0) + (_now() - t0)
         if results["cells"]:
             finish(results)
-            atomic_write(os.path.join(out, RESULTS), json.dumps(results, indent=1) + "\n")
+            _save(results, out)
             results["plots"] = plot_all(results, out)
             write_report(results, os.path.join(out, "report.md"))
-            atomic_write(os.path.join(out, RESULTS), json.dumps(results, indent=1) + "\n")
+            _save(results, out)
     return results

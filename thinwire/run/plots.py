@@ -8,10 +8,7 @@ import os
 
 def _style(results: dict) -> dict:
     import matplotlib.pyplot as plt
-    labels = []
-    for r in results["cells"]:
-        if r["label"] not in labels:
-            labels.append(r["label"])
+    labels = list(dict.fromkeys(r["label"] for r in results["cells"]))  # in order of first appearance
     cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
     peers = {r["label"] for r in results["cells"] if r.get("peer")}
     return {lab: {"color": cmap(i % cmap.N), "ls": "--" if lab in peers else "-",

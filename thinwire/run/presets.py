@@ -12,7 +12,7 @@ Parameters a cell leaves out are picked by the harness for the network (`thinwir
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .. import algorithms
 from ..compress import compressors, memories
@@ -42,8 +42,7 @@ class Cell:
         return self.algorithm in PEERS
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "algorithm": self.algorithm, "compressor": self.compressor,
-                "memory": self.memory, "params": dict(self.params), "optimizer": self.optimizer, "peer": self.peer}
+        return {**asdict(self), "peer": self.peer}
 
 
 @dataclass
@@ -128,25 +127,20 @@ def check(cell: Cell, strict: bool) -> tuple[Cell | None, list[str]]:
         if cell.compressor or cell.memory:
             raise UserError(f"{cell.label}: peers take no thinwire compressor")
         return cell, notes
-    for reg, name, what in ((algorithms.registry, cell.algorithm, "algorithm"),
-                            (compressors, cell.compressor, "compressor"), (memories, cell.memory, "memory")):
+    tables = ((algorithms.registry, cell.algorithm, "algorithm"), (compressors, cell.compressor, "compressor"),
+              (memories, cell.memory, "memory"))
+    for reg, name, what in tables:
         if name is not None and name not in reg:
             valid = ", ".join(reg.names() + (list(PEERS) if what == "algorithm" else []))
             if strict:
                 raise UserError(f"unknown {what} {name!r} in cell {cell.label!r}; valid: {valid}")
             return None, [f"skipped {cell.label}: {what} {name!r} is not registered (yet)"]
-    tables = [(algorithms.registry, cell.algorithm), (compressors, cell.compressor), (memories, cell.memory)]
     for key in list(cell.params):
-        if not any(n is not None and reg.accepts(n, key) for reg, n in tables):
+        if not any(n is not None and reg.accepts(n, key) for reg, n, _ in tables):
             problem(f"{cell.label}: no algorithm/compressor/memory there takes parameter {key!r}; "
                     f"running with its default")
             cell.params.pop(key)
     return cell, notes
-
-
-def _registered_everything() -> list:
-    skip = {"local"}  # the no-communication reference is measured separately (scalability)
-    return [n for n in algorithms.names() if n not in skip] + list(PEERS)
 
 
 _LM, _SGD = "stdlib-lm", "mnist1d-resnet"   # the language model (AdamW) and the momentum-SGD CNN workloads
@@ -209,9 +203,9 @@ PRESETS: dict[str, Preset] = {
 
 
 def get(name: str) -> Preset:
-    if name == "full":
-        return Preset("digits-mlp", 4, ["wan"], _registered_everything(), budget_s=120,
-                      doc="every registered algorithm with its defaults, plus the peers")
+    if name == "full":  # `local`, the no-communication reference, is measured separately (scalability)
+        return Preset("digits-mlp", 4, ["wan"], [n for n in algorithms.names() if n != "local"] + list(PEERS),
+                      budget_s=120, doc="every registered algorithm with its defaults, plus the peers")
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; valid: {', '.join(names())}")
     return PRESETS[name]

@@ -5,11 +5,7 @@ from __future__ import annotations
 import math
 
 from ..net import parse_network
-from .compare import rank
-
-
-def _metric(r: dict) -> str:
-    return "accuracy" if r.get("metric", "accuracy") == "accuracy" else "loss"
+from .compare import metric_name, rank
 
 
 def _fmt(v, spec, scale=1):
@@ -40,7 +36,7 @@ def _ttt(e: dict, seeds: int) -> str:
 
 
 def table(entries: list[dict], seeds: int) -> list[str]:
-    name = _metric(entries[0])
+    name = metric_name(entries[0])
     lines = [f"| rank | contestant | kind | ran with | time to target (s) | read within | best {name} | final {name} | "
              f"step (ms) | MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -67,9 +63,8 @@ def verdict(entries: list[dict], seeds: int, budget) -> str:
     ok = [e for e in rank(entries) if e.get("status") == "ok"]
     if not ok:
         return "No contestant finished on this network."
-    name = _metric(ok[0])
     w = ok[0]
-    target = w.get("target")
+    name, target = metric_name(w), w.get("target")
     if not w["reached"]:
         spent = f"within its budget of {budget:g} s of training" if budget else "within its steps"
         return (f"**No contestant reached the target {name} {target}** {spent}; `{w['label']}` came closest "
