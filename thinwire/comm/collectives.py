@@ -26,6 +26,8 @@ symmetrically), and equal gloo's all-reduce to float tolerance (the summation or
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from ..errors import UserError
@@ -34,7 +36,7 @@ from ..net.cost import grid_shape, tree_blocks
 ALGORITHMS = ("gloo", "ring", "recursive_doubling", "recursive_halving", "tree", "double_binary_tree",
               "hierarchical", "torus")
 TAG = 7100  # keeps collective messages apart from other point-to-point traffic (gossip)
-TREE_TAGS = (7110, 7111, 7112, 7113)   # double binary tree: (tree, phase) each on its own tag
+UP_TAGS, DOWN_TAGS = (7110, 7112), (7111, 7113)   # double binary tree: each tree's reduce and broadcast on its own tag
 
 _COMBINE = {"sum": torch.Tensor.add_, "mean": torch.Tensor.add_,
             "max": lambda a, b: torch.maximum(a, b, out=a), "min": lambda a, b: torch.minimum(a, b, out=a)}
@@ -92,33 +94,25 @@ def _exchange(tp, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None
         yield h
 
 
-def _ring_reduce_scatter(tp, flat, members, me, combine) -> list[torch.Tensor]:
-    """After n-1 steps, member `me` holds the reduced chunk (me + 1) % n. Returns the chunk views."""
-    n = len(members)
-    chunks = list(flat.tensor_split(n))
-    right, left = members[(me + 1) % n], members[(me - 1) % n]
-    for s in range(n - 1):
-        send_i, recv_i = (me - s) % n, (me - s - 1) % n
-        buf = torch.empty_like(chunks[recv_i])
-        yield from _exchange(tp, chunks[send_i], right, buf, left)
-        combine(chunks[recv_i], buf)
-    return chunks
-
-
-def _ring_all_gather(tp, chunks, members, me) -> None:
-    """Member `me` starts owning chunk (me + 1) % n; after n-1 steps every member has every chunk."""
+def _ring_pass(tp, chunks, members, me, combine=None) -> None:
+    """n-1 steps around the ring of `members`. With `combine`, a reduce-scatter: member `me` ends holding chunk
+    (me + 1) % n reduced. Without, an all-gather: member `me` starts owning chunk (me + 1) % n and ends with all."""
     n = len(members)
     right, left = members[(me + 1) % n], members[(me - 1) % n]
+    first = me if combine else me + 1
     for s in range(n - 1):
-        send_i, recv_i = (me + 1 - s) % n, (me - s) % n
-        yield from _exchange(tp, chunks[send_i], right, chunks[recv_i], left)
+        send, recv = chunks[(first - s) % n], chunks[(first - s - 1) % n]
+        buf = torch.empty_like(recv) if combine else recv
+        yield from _exchange(tp, send, right, buf, left)
+        if combine:
+            combine(recv, buf)
 
 
 def _ring(tp, flat, members, me, combine, _size=None) -> None:
     """Ring all-reduce: 2(n-1) α + 2(n-1)/n N β (seed 000 Table III)."""
-    if len(members) > 1:
-        chunks = yield from _ring_reduce_scatter(tp, flat, members, me, combine)
-        yield from _ring_all_gather(tp, chunks, members, me)
+    chunks = flat.tensor_split(len(members))
+    yield from _ring_pass(tp, chunks, members, me, combine)
+    yield from _ring_pass(tp, chunks, members, me)
 
 
 def _power_of_two(core):
@@ -161,9 +155,7 @@ def _recursive_halving(tp, flat, members, me, combine, p) -> None:
     the blocks still held with me ⊕ p/2, me ⊕ p/4, ..., keep the half on my side, add the partner's copy of
     it), after which rank me holds block me summed; then log p rounds of all-gather by recursive doubling.
     2 log p α + 2 (p−1)/p N β. Each block is summed by one rank and copied: identical on every rank."""
-    at = [0]
-    for part in flat.tensor_split(p):
-        at.append(at[-1] + part.numel())
+    at = [0, *accumulate(part.numel() for part in flat.tensor_split(p))]
 
     def blocks(lo: int, hi: int) -> torch.Tensor:
         return flat[at[lo]:at[hi]]
@@ -191,22 +183,18 @@ def inorder_tree(n: int, position) -> list[tuple[int | None, list[int]]]:
     x + h/4, ... that is ≤ n; odd positions are leaves; the root is the largest power of two ≤ n; height
     ⌊log2 n⌋ (Sanders, Speck, Träff 2009 §3)."""
     member = {position(i): i for i in range(n)}
-    out = [(None, []) for _ in range(n)]
+    parent, children = [None] * n, [[] for _ in range(n)]
     for x in range(1, n + 1):
-        h = x & -x
-        kids = []
-        if h > 1:
-            kids.append(x - h // 2)
-            step = h // 2
-            while step and x + step > n:
-                step //= 2
-            if step:
-                kids.append(x + step)
-        i = member[x]
-        out[i] = (out[i][0], [member[c] for c in kids])
+        step = (x & -x) // 2
+        kids = [x - step] if step else []
+        while step and x + step > n:
+            step //= 2
+        if step:
+            kids.append(x + step)
+        children[member[x]] = [member[c] for c in kids]
         for c in kids:
-            out[member[c]] = (i, out[member[c]][1])
-    return out
+            parent[member[c]] = member[x]
+    return list(zip(parent, children))
 
 
 def double_trees(n: int) -> list[list[tuple[int | None, list[int]]]]:
@@ -225,16 +213,14 @@ def _double_binary_tree(tp, flat, members, me, combine, _size=None) -> None:
     and in its own tree it adds its children's block j to its own and passes it up as soon as they are in, so
     no wait of one tree holds the other back. Once a tree's root holds the sums, block j goes down the same way.
     Each block is summed once (at its tree's root) and copied: identical on every rank."""
-    n = len(members)
     k = tree_blocks(flat.numel() * flat.element_size())
     parts = [half.tensor_split(k) for half in flat.tensor_split(2)]
-    links = [tree[me] for tree in double_trees(n)]     # per tree: (parent, children) of this rank
+    links = [tree[me] for tree in double_trees(len(members))]     # per tree: (parent, children) of this rank
     blocks = [[j for j in range(k) if parts[t][j].numel()] for t in (0, 1)]
     inner = [t for t in (0, 1) if links[t][1]]          # at most one
-    up, down = TREE_TAGS[0::2], TREE_TAGS[1::2]
     got = {(t, j, c): torch.empty_like(parts[t][j]) for t in inner for j in blocks[t] for c in links[t][1]}
-    got = {key: (tp.irecv(buf, members[key[2]], tag=up[key[0]]), buf) for key, buf in got.items()}
-    sends = [tp.isend(parts[t][j], members[links[t][0]], tag=up[t])            # where a leaf: all at once
+    got = {key: (tp.irecv(buf, members[key[2]], tag=UP_TAGS[key[0]]), buf) for key, buf in got.items()}
+    sends = [tp.isend(parts[t][j], members[links[t][0]], tag=UP_TAGS[t])            # where a leaf: all at once
              for t in (0, 1) if t not in inner and links[t][0] is not None for j in blocks[t]]
     for t in inner:                                     # reduce along this rank's own tree, block by block
         parent, children = links[t]
@@ -244,10 +230,10 @@ def _double_binary_tree(tp, flat, members, me, combine, _size=None) -> None:
                 yield h
                 combine(parts[t][j], buf)
             if parent is not None:
-                sends.append(tp.isend(parts[t][j], members[parent], tag=up[t]))
+                sends.append(tp.isend(parts[t][j], members[parent], tag=UP_TAGS[t]))
     for h in sends:                                     # the blocks sent up are received into next
         yield h
-    recvs = {(t, j): tp.irecv(parts[t][j], members[links[t][0]], tag=down[t])
+    recvs = {(t, j): tp.irecv(parts[t][j], members[links[t][0]], tag=DOWN_TAGS[t])
              for t in (0, 1) if links[t][0] is not None for j in blocks[t]}
     sends = []
     for t in inner:                                     # broadcast along this rank's own tree
@@ -255,7 +241,7 @@ def _double_binary_tree(tp, flat, members, me, combine, _size=None) -> None:
         for j in blocks[t]:
             if parent is not None:
                 yield recvs.pop((t, j))
-            sends += [tp.isend(parts[t][j], members[c], tag=down[t]) for c in children]
+            sends += [tp.isend(parts[t][j], members[c], tag=DOWN_TAGS[t]) for c in children]
     for h in [*recvs.values(), *sends]:
         yield h
 
@@ -316,9 +302,10 @@ def _torus(tp, flat, members, me, combine, width=None) -> None:
     row, col = divmod(me, x)
     row_members = members[row * x:(row + 1) * x]
     col_members = members[col::x]
-    chunks = yield from _ring_reduce_scatter(tp, flat, row_members, col, combine)
+    chunks = flat.tensor_split(x)
+    yield from _ring_pass(tp, chunks, row_members, col, combine)
     yield from _ring(tp, chunks[(col + 1) % x], col_members, row, combine)
-    yield from _ring_all_gather(tp, chunks, row_members, col)
+    yield from _ring_pass(tp, chunks, row_members, col)
 
 
 _ALGOS = {"ring": _ring, "recursive_doubling": _recursive_doubling, "recursive_halving": _recursive_halving,

@@ -62,8 +62,7 @@ class PSLayout:
                             f"give --workers n --servers K (world = n + K, n >= 1)")
         if servers > numel:
             raise UserError(f"{servers} servers for {numel} parameters: at most one server per parameter")
-        self.numel, self.world_size, self.servers = numel, world_size, servers
-        self.workers = world_size - servers
+        self.servers, self.workers = servers, world_size - servers
 
     def slices(self, numel: int) -> list[tuple[int, int]]:
         """The [lo, hi) slice of a bucket of `numel` elements that each server owns (some may be empty)."""

@@ -95,10 +95,9 @@ class Topology:
                 partner[a], partner[b] = b, a
         elif self.name == "ring":
             start = step % 2 if n > 2 else 0
-            for a in range(start, start + n - 1, 2):
+            for a in range(start, start + n - 1, 2):     # disjoint pairs (a, a + 1 mod n)
                 b = (a + 1) % n
-                if partner[a % n] == -1 and partner[b] == -1 and a % n != b:
-                    partner[a % n], partner[b] = b, a % n
+                partner[a], partner[b] = b, a
         else:
             raise UserError(f"pairwise gossip needs topology 'random' or 'ring', got {self.name!r}")
         return partner

@@ -101,9 +101,7 @@ class NeighborExchange(Exchange):
         def finish(_):
             with tr.tracer.span("decompress", "compress"):
                 out = {me: own.to(x.dtype).reshape(x.shape)}
-                got = dict(zip(srcs, wire.unpack_all([bufs[s] for s in srcs])))
-                for s in srcs:
-                    t = comp.decompress(Payload(got[s], payload.ctx, payload.extra))
-                    out[s] = t.to(x.dtype).reshape(x.shape)
+                for s, ts in zip(srcs, wire.unpack_all([bufs[s] for s in srcs])):
+                    out[s] = comp.decompress(Payload(ts, payload.ctx, payload.extra)).to(x.dtype).reshape(x.shape)
                 return out
         return AllOf(hs).then(finish)

@@ -84,6 +84,16 @@ def recv_buf(tr, src: int):
     return out
 
 
+def broadcast_buf(tr, buf: torch.Tensor | None, src: int, dtype, device):
+    """(program) A 1-D buffer broadcast from `src` (its size first), so the others pass None: the buffer."""
+    size = torch.tensor([0 if buf is None else buf.numel()], dtype=torch.int64, device=device)
+    yield tr.broadcast(size, src=src, async_op=True)
+    if buf is None:
+        buf = torch.empty(int(size[0]), dtype=dtype, device=device)
+    yield tr.broadcast(buf, src=src, async_op=True)
+    return buf
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A bool mask as uint8 bytes, 8 flags per byte (little-endian bit order)."""
     pad = torch.zeros((-mask.numel()) % 8, dtype=torch.bool, device=mask.device)
@@ -92,11 +102,20 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    return ((packed.to(torch.int32).unsqueeze(1) >> torch.arange(8, dtype=torch.int32, device=packed.device)) & 1).reshape(-1)[:n].bool()
+    """The first n flags `pack_bits` packed."""
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
+    return ((packed.to(torch.int32).unsqueeze(1) >> shifts) & 1).reshape(-1)[:n].bool()
 
 
 def _set(idx, vals, extra: list) -> torch.Tensor:
     return wire.pack([idx.to(torch.int32), vals, *extra])
+
+
+def _dense(idx, vals, like: torch.Tensor) -> torch.Tensor:
+    """Zeros of `like`'s shape and dtype, with `vals` at the flat indices (or mask) `idx`."""
+    out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+    out[idx] = vals
+    return out.view(like.shape)
 
 
 def gtopk(tr, compressor, c, key, step):
@@ -130,33 +149,19 @@ def gtopk(tr, compressor, c, key, step):
                 e_alive &= torch.isin(e_idx, idx)
         if extra is not None:                            # the result, and which of its entries survived
             yield from send_buf(tr, extra, _set(idx, vals, [pack_bits(e_alive)]))
-    total = torch.zeros(flat.numel(), dtype=c.dtype, device=c.device)
-    total[idx] = vals
-    sent = torch.zeros(flat.numel(), dtype=c.dtype, device=c.device)
-    sent[own_idx[alive]] = own_vals[alive]
-    return total.view(c.shape), sent.view(c.shape)
+    return _dense(idx, vals, c), _dense(own_idx[alive], own_vals[alive], c)
 
 
 def shared(tr, compressor, c, key, step):
     """(program) Shared-index top-k: the leader's indices, everyone's values at them, one dense all-reduce of k values."""
     flat = c.reshape(-1)
     leader = step % tr.world_size
-    if tr.rank == leader:
-        idx, _ = contribution(compressor, flat, key, step)
-        count = torch.tensor([idx.numel()], dtype=torch.int64, device=c.device)
-    else:
-        idx, count = None, torch.zeros(1, dtype=torch.int64, device=c.device)
-    yield tr.broadcast(count, src=leader, async_op=True)
-    ids = idx.to(torch.int32) if idx is not None else torch.empty(int(count[0]), dtype=torch.int32, device=c.device)
-    yield tr.broadcast(ids, src=leader, async_op=True)
-    ids = ids.long()
+    ids = contribution(compressor, flat, key, step)[0].to(torch.int32) if tr.rank == leader else None
+    ids = (yield from broadcast_buf(tr, ids, leader, torch.int32, c.device)).long()
     vals = flat[ids].clone()
-    sent = torch.zeros(flat.numel(), dtype=c.dtype, device=c.device)
-    sent[ids] = vals
+    sent = _dense(ids, vals, c)
     yield (yield from tr.all_reduce_program(vals, op="sum"))
-    total = torch.zeros(flat.numel(), dtype=c.dtype, device=c.device)
-    total[ids] = vals
-    return total.view(c.shape), sent.view(c.shape)
+    return _dense(ids, vals, c), sent
 
 
 class Hierarchical:
@@ -189,18 +194,14 @@ class Hierarchical:
         flat = c.reshape(-1)
         s = flat.clone()
         yield (yield from self.group.all_reduce_program(s, op="sum"))   # dense reduce inside the group
-        size = torch.zeros(1, dtype=torch.int64, device=c.device)
+        blob = None
         if self.leaders is not None:
             payload = compressor.compress(s.view(c.shape), key, step)
             buf = wire.pack(payload.tensors)
             bufs = yield (yield from self.leaders.all_gather_program(buf))   # sparse exchange between leaders
             head = [len(bufs), self.leaders.rank, *[b.numel() for b in bufs]]
             blob = wire.pack([torch.tensor(head, dtype=torch.int64, device=c.device), *bufs])
-            size[0] = blob.numel()
-        yield self.group.broadcast(size, src=0, async_op=True)
-        if self.leaders is None:
-            blob = torch.empty(int(size[0]), dtype=torch.uint8, device=c.device)
-        yield self.group.broadcast(blob, src=0, async_op=True)   # every member gets its leader's bytes
+        blob = yield from broadcast_buf(self.group, blob, 0, torch.uint8, c.device)   # the leader's bytes to all
         parts = wire.unpack(blob)
         count, mine = parts[0].tolist()[:2]          # host: once per exchange (how many payloads, which is mine)
         ctx = self._ctx(compressor, c, key, step)
@@ -208,9 +209,7 @@ class Hierarchical:
         total = compressor.aggregate(payloads).reshape(-1).to(c.dtype)
         dg = compressor.decompress(payloads[mine]).reshape(-1).to(c.dtype)
         sel = dg != 0
-        sent = torch.zeros_like(flat)
-        sent[sel] = flat[sel] + (dg[sel] - s[sel]) / self.m
-        return total.view(c.shape), sent.view(c.shape)
+        return total.view(c.shape), _dense(sel, flat[sel] + (dg[sel] - s[sel]) / self.m, c)
 
 
 class SparseCollective:

@@ -14,13 +14,6 @@ _CODE = {d: i for i, d in enumerate(_DTYPES)}
 _PREFIX = 4 + 8 * 8       # header bytes of up to 8 tensors: what `headers` copies to the host per buffer
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().reshape(-1)
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return t.contiguous().view(torch.uint8)
-
-
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors as one uint8 buffer with a small header."""
     head = [len(tensors)]
@@ -29,8 +22,8 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
             raise TypeError(f"cannot put a {t.dtype} tensor on the wire")
         head += [_CODE[t.dtype], t.numel()]
     device = tensors[0].device if tensors else "cpu"      # the header travels with the data
-    parts = [torch.tensor(head, dtype=torch.int32, device=device).view(torch.uint8)] + [_bytes(t) for t in tensors]
-    return torch.cat(parts)
+    parts = [t.detach().reshape(-1).contiguous().view(torch.uint8) for t in tensors]   # bool: its 0/1 bytes
+    return torch.cat([torch.tensor(head, dtype=torch.int32, device=device).view(torch.uint8), *parts])
 
 
 def headers(bufs: list[torch.Tensor]) -> list[list[int]]:
@@ -61,10 +54,8 @@ def unpack_all(bufs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         ts = []
         for code, n in zip(head[0::2], head[1::2]):
             dtype = _DTYPES[code]
-            raw = torch.uint8 if dtype == torch.bool else dtype
-            t = buf[off:off + n * raw.itemsize].clone().view(raw)
-            ts.append(t.to(torch.bool) if dtype == torch.bool else t)
-            off += n * raw.itemsize
+            ts.append(buf[off:off + n * dtype.itemsize].clone().view(dtype))
+            off += n * dtype.itemsize
         out.append(ts)
     return out
 
