@@ -127,10 +127,9 @@ class ByteLM(nn.Module):
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, VOCAB)
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                if name.endswith("bias"):
-                    nn.init.zeros_(p)
-            else:
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() > 1:    # (LayerNorm weights stay ones)
                 std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
                 nn.init.normal_(p, 0.0, std)
 

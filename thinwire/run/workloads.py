@@ -236,7 +236,7 @@ class DigitsCNN(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
         self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc = nn.Linear(32 * 4 * 4 // 1, 10)
+        self.fc = nn.Linear(32 * 4 * 4, 10)
 
     def forward(self, x):
         x = x.view(-1, 1, 8, 8)
@@ -255,9 +255,8 @@ class Mnist1dCNN(nn.Module):
 
     def forward(self, x):
         x = x.view(x.shape[0], 1, -1)
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.relu(self.conv3(x))
+        for conv in (self.conv1, self.conv2, self.conv3):
+            x = F.relu(conv(x))
         return self.fc(x.flatten(1))
 
 
@@ -379,7 +378,7 @@ def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 5
 
 @registry.register("mnist1d-resnet")
 def mnist1d_resnet() -> Workload:
-    """MNIST-1D, 40 000 train / 2 000 test generated offline, 1-D ResNet; target test accuracy TBD."""
+    """MNIST-1D, 40 000 train / 2 000 test generated offline, 1-D ResNet; target test accuracy 0.9."""
     x, y, xt, yt = mnist1d_data(**MNIST1D_BIG)
     return Workload("mnist1d-resnet", (x, y, xt[:MNIST1D_TEST], yt[:MNIST1D_TEST]), lambda: Mnist1dResNet(48),
                     target=0.9, lr=0.02, momentum=0.9, epochs=10, batch_size=32, eval_fn=_accuracy,

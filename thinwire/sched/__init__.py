@@ -37,21 +37,19 @@ def make(schedule: str = "fusion", bucket_mb: float = 25.0, pipeline: bool | Non
          chunk_mb: float = 0.0, credit_mb: float = 0.0, profile_steps: int = 3,
          first_bucket_mb: float | None = None, serial: bool | None = None) -> Scheduler:
     """The scheduler named `schedule` (see the module docstring), not yet attached."""
-    if schedule == "none":
-        return _named(Scheduler(overlap=False, pipeline=False), "none")
-    if schedule == "wfbp":
-        return _named(Scheduler(bucket_mb=0.0, first_bucket_mb=0.0, pipeline=pipeline, serial=serial), "wfbp")
-    if schedule == "fusion":
-        return Scheduler(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, pipeline=pipeline, serial=serial)
     if schedule == "mgwfbp":
         return MGWFBP(profile_steps=profile_steps, pipeline=pipeline, serial=serial)
     if schedule == "priority":
         return Priority(chunk_mb=chunk_mb, credit_mb=credit_mb, profile_steps=profile_steps)
-    raise UserError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
-
-
-def _named(s: Scheduler, name: str) -> Scheduler:
-    s.name = name
+    if schedule == "none":
+        s = Scheduler(overlap=False, pipeline=False)
+    elif schedule == "wfbp":
+        s = Scheduler(bucket_mb=0.0, first_bucket_mb=0.0, pipeline=pipeline, serial=serial)
+    elif schedule == "fusion":
+        s = Scheduler(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, pipeline=pipeline, serial=serial)
+    else:
+        raise UserError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+    s.name = schedule
     return s
 
 

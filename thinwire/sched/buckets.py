@@ -38,18 +38,6 @@ def assign(params: list[torch.Tensor], bucket_bytes: float, first_bucket_bytes: 
     return groups
 
 
-def from_sizes(params: list[torch.Tensor], counts: list[int]) -> list[list[int]]:
-    """Buckets of `counts[k]` consecutive parameters in backward order (a plan, e.g. MG-WFBP's)."""
-    order = list(reversed(range(len(params))))
-    groups, at = [], 0
-    for c in counts:
-        groups.append(order[at:at + c])
-        at += c
-    if at != len(params):
-        raise ValueError(f"bucket plan covers {at} of {len(params)} parameters")
-    return groups
-
-
 def adopt_view(p: torch.Tensor, v: torch.Tensor) -> None:
     """Make `p.grad` the view `v` again (a zero_grad(set_to_none) or a user may have replaced it): copy the
     value in, or zeros if it has none this step."""

@@ -18,7 +18,6 @@ import torch
 
 from ..errors import UserError
 from ..net import ring_allreduce
-from .buckets import from_sizes
 from .wfbp import Scheduler
 
 _now = time.perf_counter
@@ -64,26 +63,20 @@ class Profiled(Scheduler):
         self._profiles: list[list[float]] = []
         self.cost_ab: tuple[float, float] | None = None
         self.ready_times: list[float] | None = None
-        self._last_stamps: list[float] | None = None
 
     def _reset(self) -> None:
         super()._reset()
-        if self.steps < self.profile_steps and self.overlap:
-            self._stamps = [float("nan")] * len(self.params)
-        else:
-            self._stamps = None
-
-    def after_step(self) -> None:
-        if self.steps > self.profile_steps or self.ready_times is not None:
-            return
-        if self._last_stamps is not None:
-            self._profiles.append(self._last_stamps)
-        if self.steps == self.profile_steps:
-            self._finish_profile()
+        profiling = self.steps < self.profile_steps and self.overlap
+        self._stamps = [float("nan")] * len(self.params) if profiling else None
 
     def end_step(self) -> None:
-        self._last_stamps = self._stamps
+        if self._stamps is not None:    # a profiled step
+            self._profiles.append(self._stamps)
         super().end_step()
+
+    def after_step(self) -> None:
+        if self.steps == self.profile_steps and self.ready_times is None:
+            self._finish_profile()
 
     def _finish_profile(self) -> None:
         n = len(self.params)
@@ -149,5 +142,8 @@ class MGWFBP(Profiled):
         order = list(reversed(range(len(self.params))))      # backward order
         ready = [self.ready_times[i] for i in order]
         sizes = [self.params[i].numel() * self.params[i].element_size() for i in order]
-        counts = merge_plan(ready, sizes, self.cost, self.cost(0.0))
-        self._build(from_sizes(self.params, counts))
+        groups, at = [], 0
+        for count in merge_plan(ready, sizes, self.cost, self.cost(0.0)):
+            groups.append(order[at:at + count])
+            at += count
+        self._build(groups)

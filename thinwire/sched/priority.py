@@ -19,6 +19,7 @@ user's zero_grad) proceed while the previous step's chunks are still being sent.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 
@@ -97,11 +98,7 @@ class Priority(Profiled):
 
     def _build(self, groups) -> None:  # the flat layout is fixed; `groups` (per-layer) only feed profiling
         p0 = self.params[0]
-        self.offsets, off = [], 0
-        for p in self.params:
-            self.offsets.append(off)
-            off += p.numel()
-        self.numel = off
+        *self.offsets, self.numel = itertools.accumulate((p.numel() for p in self.params), initial=0)
         esize = p0.element_size()
         link, n = self.transport.link, self.transport.world_size
         chunk = self.chunk_mb * MB
@@ -113,10 +110,8 @@ class Priority(Profiled):
         self.unit_bytes = [(hi - lo) * esize for lo, hi in self.units]
         self.param_units = [list(range(o // self.chunk_elems, (o + max(1, p.numel()) - 1) // self.chunk_elems + 1))
                             for o, p in zip(self.offsets, self.params)]
-        self.unit_params = [0] * len(self.units)
-        for us in self.param_units:
-            for u in us:
-                self.unit_params[u] += 1
+        per_unit = collections.Counter(u for us in self.param_units for u in us)
+        self.unit_params = [per_unit[u] for u in range(len(self.units))]
         self.flat = [torch.zeros(self.numel, dtype=p0.dtype, device=p0.device) for _ in range(2)]
         self._result_buf = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
         self.result = self._result_buf
@@ -153,9 +148,6 @@ class Priority(Profiled):
 
     def take(self, i: int) -> None:
         adopt_view(self.params[i], self._view(self.flat[self.cur], i))
-        self._mark(i)
-
-    def _mark(self, i: int) -> None:
         self._ready[i] = True
         for u in self.param_units[i]:
             self._left[u] -= 1
@@ -195,9 +187,7 @@ class Priority(Profiled):
 
     # -- the step: hand the buffer over, update lazily -------------------------------------------------
     def finish_step(self) -> None:
-        if not self._began:
-            self._began = True
-            self.before_first_grad()
+        self._begin()
         for i in range(len(self.params)):
             if not self._ready[i]:
                 self.take(i)
@@ -256,15 +246,13 @@ class Priority(Profiled):
             raise err
 
     def plan(self) -> None:
-        ready_p = self.ready_times
-        ready = [max(ready_p[i] for i in range(len(self.params)) if u in self.param_units[i])
+        ready = [max(self.ready_times[i] for i in range(len(self.params)) if u in self.param_units[i])
                  for u in range(len(self.units))]
         self.order = priority_order(ready, [float(b) for b in self.unit_bytes], self.cost, self.credit)
 
-    def after_step(self) -> None:
-        if self.ready_times is None and self.steps == self.profile_steps:
-            self.flush()     # planning runs collectives of its own: nothing else may be on the wire
-        super().after_step()
+    def _finish_profile(self) -> None:
+        self.flush()     # planning runs collectives of its own: nothing else may be on the wire
+        super()._finish_profile()
 
     def close(self) -> None:
         if self._began:

@@ -106,9 +106,7 @@ class Scheduler:
         if self._ready[i]:
             raise UserError("a gradient was produced twice before trainer.step(): call trainer.step() after "
                             "each backward (or use schedule='none' to accumulate gradients)")
-        if not self._began:
-            self._began = True
-            self.before_first_grad()
+        self._begin()
         self.take(i)
 
     def take(self, i: int) -> None:
@@ -117,8 +115,14 @@ class Scheduler:
         self._ready[i] = True
         b = self.buckets.slot[i][0]
         self._count[b] += 1
-        if self._count[b] == self.sizes[b] and b == self._next:
+        if b == self._next:
             self._launch_ready()
+
+    def _begin(self) -> None:
+        """The step's first gradient (or its flush) is here: `before_first_grad` runs once per step."""
+        if not self._began:
+            self._began = True
+            self.before_first_grad()
 
     def before_first_grad(self) -> None:
         """Called once per step, before the first gradient is handed on (priority finishes its updates)."""
@@ -133,7 +137,7 @@ class Scheduler:
     # -- the step --------------------------------------------------------------------------------------
     def flush(self) -> None:
         """Hand over every bucket backward has not: missing gradients count as zeros (or as p.grad if set)."""
-        self._began = True
+        self._begin()
         for b in range(self._next, len(self.sizes)):
             for i in self.buckets.buckets[b].members:
                 if not self._ready[i]:
