@@ -138,3 +138,16 @@ def test_survival_mask_bits_round_trip():
         packed = pack_bits(mask)
         assert packed.dtype == torch.uint8 and packed.numel() == (n + 7) // 8
         assert torch.equal(unpack_bits(packed, n), mask)
+
+
+def test_bench_coding_writes_its_rows_and_plot(tmp_path, capsys):
+    """`thinwire bench coding --out DIR` writes coding.json and the plot of the measured collectives."""
+    import json
+
+    from thinwire.cli import main
+    assert main(["bench", "coding", "--workers", "2", "--networks", "cluster", "--densities", "0.01",
+                 "--numel", "4096", "--steps", "1", "--qsgd-numel", "4096", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "coding.json").read_text())["collectives"]
+    assert {r["collective"] for r in rows} == {"allgather", "gtopk", "shared", "hierarchical"}
+    assert all(r["bytes_per_step"] > 0 for r in rows), rows
+    assert (tmp_path / "coding.png").stat().st_size > 0

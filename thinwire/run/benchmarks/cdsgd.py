@@ -44,6 +44,7 @@ def run(args) -> int:
     from ..train import TrainConfig, run_training
     ks = [int(k) for k in args.ks.split(",")]
     alphas = _thresholds(args.thresholds)
+    lr = {"local_lr": args.local_lr} if args.local_lr else {}
     rows = []
     with Pool(args.workers) as pool:
         for workload in args.workloads:
@@ -51,7 +52,6 @@ def run(args) -> int:
                 raise UserError(f"no threshold for {workload}; give --thresholds {workload}=VALUE")
             alpha = alphas.get(workload, alphas.get("*"))
             th = {} if alpha is None else {"threshold": alpha}
-            lr = {"local_lr": args.local_lr} if args.local_lr else {}
             runs = [("ssgd", {}), ("bitsgd", dict(th)), ("odsgd", {"warmup": args.warmup, **lr})]
             runs += [("cdsgd", {"k": k, "warmup": args.warmup, **th, **lr}) for k in ks]
             for network in args.networks:

@@ -13,6 +13,7 @@ encode+decode time.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from ...compress._sparse import SPARSE_COLLECTIVES as COLLECTIVES
@@ -117,13 +118,11 @@ def plot(rows: list[dict], path: str) -> None:
     """Bytes per worker per step (left) and emulated vs predicted time per step (right), density 1%."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key in zip(axes, ("bytes_per_step", "emulated_s_per_step")):
+    for ax, (key, pred) in zip(axes, (("bytes_per_step", "predicted_bytes"), ("emulated_s_per_step", "predicted_s"))):
         for name, marker in zip(COLLECTIVES, "osD^"):
             for net, style in (("cluster", "-"), ("wan", "--")):
-                pts = sorted((r["workers"], r[key], r["predicted_bytes" if key == "bytes_per_step" else
-                                                      "predicted_s"])
-                             for r in rows if r["collective"] == name and r["network"] == net
-                             and abs(r["density"] - 0.01) < 1e-9)
+                pts = sorted((r["workers"], r[key], r[pred]) for r in rows if r["collective"] == name
+                             and r["network"] == net and abs(r["density"] - 0.01) < 1e-9)
                 if not pts or (key == "bytes_per_step" and net == "wan"):
                     continue
                 line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker,
@@ -142,12 +141,11 @@ def plot(rows: list[dict], path: str) -> None:
 def run(args) -> int:
     rows = collectives(args.workers, args.networks, args.densities, args.numel, args.steps) if args.workers else []
     bits = qsgd_bits(args.qsgd_numel)
-    if args.json:
-        print(json.dumps({"collectives": rows, "qsgd": bits}, indent=1))
-    else:
-        print(_md(rows, bits, args))
+    print(json.dumps({"collectives": rows, "qsgd": bits}, indent=1) if args.json else _md(rows, bits, args))
     if args.out:
         write_json({"collectives": rows, "qsgd": bits, "numel": args.numel}, args.out, "coding.json")
+        if rows:
+            plot(rows, os.path.join(args.out, "coding.png"))
     return 0
 
 
@@ -159,6 +157,6 @@ def register(subparsers) -> None:
     p.add_argument("--numel", type=int, default=1 << 20)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--qsgd-numel", type=int, default=1 << 20)
-    p.add_argument("--out", default=None, help="directory for coding.json")
+    p.add_argument("--out", default=None, help="directory for coding.json and coding.png")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -20,8 +20,8 @@ from .latency import _label, specs
 
 def _one(pool, workers, workload, name, params, steps, seed, momentum, lr):
     from ..train import TrainConfig, summarize, train_worker
-    cfg = TrainConfig(workload=workload, algorithm=name, workers=workers, network="lan", steps=steps, seed=seed, momentum=momentum, lr=lr,
-                      params=dict(params), eval_every=steps, progress=False)
+    cfg = TrainConfig(workload=workload, algorithm=name, workers=workers, network="lan", steps=steps, seed=seed,
+                      momentum=momentum, lr=lr, params=dict(params), eval_every=steps, progress=False)
     cfg.validate()
     t0 = time.perf_counter()
     results = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed)
@@ -40,7 +40,8 @@ def run(args) -> int:
         for workload in args.workloads:
             for mu in args.momenta:
                 for name, params in algorithms:
-                    runs = [_one(pool, args.workers, workload, name, params, args.steps, s, mu, args.lr) for s in args.seeds]
+                    runs = [_one(pool, args.workers, workload, name, params, args.steps, s, mu, args.lr)
+                            for s in args.seeds]
                     accs = [r["accuracy"] for r in runs]
                     row = {"workload": workload, "momentum": mu, "algorithm": _label(name, params),
                            "steps": args.steps, "seeds": list(args.seeds), "accuracies": accs,

@@ -104,10 +104,7 @@ def run(args) -> int:
         stem = write_json(result, args.out, f"latency_{args.workload}.json", indent=2).removesuffix(".json")
         _plot(result, stem + ".png")
         print(f"written to {stem}.json, {stem}.png")
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(markdown(result))
+    print(json.dumps(result, indent=2) if args.json else markdown(result))
     return 0
 
 

@@ -44,25 +44,25 @@ def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
     from ..train import TrainConfig
     out = []
     for alg in algorithms or algs.names():
-        for arch in algs.architectures(alg):
+        archs = algs.architectures(alg)
+        for arch in archs:
             cls = algs.registry.constructor(alg, {"architecture": arch})
             names = (compressors or comps.names()) if cls.compression else ["none"]
+            servers = 1 if arch == "ps" else 0
             for comp in names:
-                servers = 1 if arch == "ps" else 0
-                params = {} if arch == algs.architectures(alg)[0] else {"architecture": arch}
+                params = {} if arch == archs[0] else {"architecture": arch}
                 # its natural memory, else none (an algorithm with its own error feedback, e.g. choco, refuses one)
-                refused = None
-                for memory in dict.fromkeys([natural_memory(comp), "none"]):
-                    cfg = TrainConfig(algorithm=alg, workers=workers, compressor=comp, memory=memory,
-                                      servers=servers, params=params, progress=False)
+                natural, refused = natural_memory(comp), None
+                for memory in dict.fromkeys([natural, "none"]):
                     try:
-                        cfg.validate()
+                        TrainConfig(algorithm=alg, workers=workers, compressor=comp, memory=memory,
+                                    servers=servers, params=params, progress=False).validate()
                         refused = None
                         break
                     except UserError as e:
-                        refused = refused if memory == "none" and refused else str(e)
-                if refused:
-                    memory = natural_memory(comp)
+                        refused = refused or str(e)     # the natural memory's refusal is the one reported
+                else:
+                    memory = natural
                 out.append({"algorithm": alg, "architecture": arch, "compressor": comp, "memory": memory,
                             "servers": servers, "params": params, "refused": refused})
     return out
@@ -87,7 +87,7 @@ def markdown(rows: list[dict]) -> str:
         elif "final" not in r:
             lines.append(f"{head} – | not run | – | – | |")
         else:
-            lines.append(f"{head} {r['final']:.4f} | {'yes' if r['reached'] or r['steps_to_target'] is not None else '**no**'} | "
+            lines.append(f"{head} {r['final']:.4f} | {'yes' if r['reached'] else '**no**'} | "
                          f"{r['steps_to_target'] if r['steps_to_target'] is not None else '–'} | "
                          f"{r['bytes_per_step'] / 1e3:.1f} | |")
     return "\n".join(lines) + "\n"
@@ -104,12 +104,10 @@ def run(args) -> int:
     epochs = args.epochs if args.epochs is not None else EPOCHS_FACTOR * wl.epochs
     for servers in (0, 1):                           # one pool per world size, one at a time
         todo = [r for r in rows if r["servers"] == servers and not r["refused"]]
-        if not todo:
-            continue
+        workers = args.ps_workers or args.workers if servers else args.workers
         pool = None
         try:
             for r in todo:
-                workers = args.ps_workers or args.workers if servers else args.workers
                 cfg = config(r, args.workload, workers, epochs=epochs, seed=args.seed)
                 if pool is None or pool._closed:         # a failed run closes its pool: a fresh one
                     pool = Pool(workers + servers, timeout=900, start_timeout=600)

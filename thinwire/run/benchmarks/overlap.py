@@ -43,6 +43,7 @@ VARIANTS = {                       # name -> (trainer params, compressor)
     "fp16": ({"schedule": "fusion", "pipeline": False}, "fp16"),
     "fp16+pipeline": ({"schedule": "fusion", "pipeline": True}, "fp16"),
 }
+RATIOS = {"no_tax_ratio": "fusion", "hook_ratio": "ddp+hook", "pyhook_ratio": "ddp+pyhook"}   # key -> variant (/ ddp)
 
 
 def _model(widths):
@@ -154,9 +155,8 @@ def measure(workers: int, network: str, rounds: int, steps: int, warmup: int) ->
     out = {"workers": workers, "network": network, "model": "MLP " + "-".join(map(str, widths)),
            "params": n_params, "rounds": rounds, "steps_per_round": steps, "variants": rows}
     if "ddp" in rows:
-        out["no_tax_ratio"] = rows["fusion"]["step_ms"] / rows["ddp"]["step_ms"]
-        out["hook_ratio"] = rows["ddp+hook"]["step_ms"] / rows["ddp"]["step_ms"]
-        out["pyhook_ratio"] = rows["ddp+pyhook"]["step_ms"] / rows["ddp"]["step_ms"]
+        for key, name in RATIOS.items():
+            out[key] = rows[name]["step_ms"] / rows["ddp"]["step_ms"]
         median = lambda name, k: statistics.median(per_step[name][k * steps:(k + 1) * steps])   # of round k
         for key, name in (("no_tax_ratio_per_round", "fusion"), ("hook_ratio_per_round", "ddp+hook")):
             out[key] = [median(name, k) / median("ddp", k) for k in range(rounds)]
@@ -211,9 +211,7 @@ def _fmt(r: dict) -> str:
         est = " (step - compute)" if v.get("exposed_estimated") else ""
         lines.append(f"  {name:<15} {v['step_ms']:>9.1f} {v['exposed_ms']:>16.1f}{est}")
     if "no_tax_ratio" in r:
-        lines.append(f"  no_tax_ratio (fusion / ddp) = {r['no_tax_ratio']:.3f}   "
-                     f"hook_ratio (ddp+hook / ddp) = {r['hook_ratio']:.3f}   "
-                     f"pyhook_ratio (ddp+pyhook / ddp) = {r['pyhook_ratio']:.3f}")
+        lines.append("  " + "   ".join(f"{key} ({name} / ddp) = {r[key]:.3f}" for key, name in RATIOS.items()))
     if "predicted_comm_ms" in r:
         p = r["predicted_comm_ms"]
         lines.append(f"  α-β prediction: one bucket {p['one_bucket']:.0f} ms, per-parameter FIFO "
@@ -244,8 +242,7 @@ def run(args) -> int:
             if not args.json:
                 print(_fmt(r), flush=True)
     if args.json:
-        ratios = {key: {str(r["workers"]): r[key] for r in results if key in r}
-                  for key in ("no_tax_ratio", "hook_ratio", "pyhook_ratio")}
+        ratios = {key: {str(r["workers"]): r[key] for r in results if key in r} for key in RATIOS}
         print(json.dumps({"results": results, **ratios}, indent=2))
     return 0
 

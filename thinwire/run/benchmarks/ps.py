@@ -29,47 +29,41 @@ def _fmt(v, digits=1):
 
 
 def run(args) -> int:
+    from ..launcher import Pool
+    from ..train import TrainConfig, run_training
     staleness = [int(s) for s in args.staleness.split(",") if s]
-    pools = {}  # one pool per world size (workers, workers + servers): start-up is paid once
+    rows, pools = [], {}  # one pool per world size (workers, workers + servers): start-up is paid once
     try:
-        return _run(args, staleness, pools)
+        for network in args.networks:
+            for label, alg, servers, params in _runs(staleness, args.servers, args.momentum):
+                params = dict(params)
+                momentum = params.pop("momentum", args.momentum)
+                cfg = TrainConfig(workload=args.workload, algorithm=alg, workers=args.workers, servers=servers,
+                                  network=network, epochs=args.epochs, seed=args.seed, params=params,
+                                  momentum=momentum, progress=False)
+                world = args.workers + servers
+                if world not in pools:
+                    pools[world] = Pool(world, start_timeout=600.0)
+                s = run_training(cfg, pool=pools[world])
+                steps = max(1, s["steps"])
+                sm = s.get("server_metrics") or {}
+                row = {"network": network, "run": label, "momentum": cfg.momentum, "algorithm": alg,
+                       "servers": servers, "params": params, "steps": s["steps"], "step_ms": s["step_time_s"] * 1e3,
+                       "worker_sent_kb_step": s["bytes_sent_per_worker_per_step"] / 1e3,
+                       "server_recv_kb_step": (s["bytes_recv_per_server"] or 0) / steps / 1e3 if servers else None,
+                       "server_sent_kb_step": (s["bytes_sent_per_server"] or 0) / steps / 1e3 if servers else None,
+                       "time_to_target_s": s["time_to_target_s"], "steps_to_target": s["steps_to_target"],
+                       "final_accuracy": s.get("final_accuracy", s.get("final_loss")), "train_s": s["train_s"],
+                       "staleness_mean": sm.get("staleness_mean"), "staleness_max": sm.get("staleness_max")}
+                rows.append(row)
+                print(f"{network:8s} {label:18s} step {row['step_ms']:7.1f} ms  worker "
+                      f"{row['worker_sent_kb_step']:7.1f} kB/step  server in {_fmt(row['server_recv_kb_step'])} out "
+                      f"{_fmt(row['server_sent_kb_step'])} kB/step  target {_fmt(row['time_to_target_s'], digits=2)} s"
+                      f" (step {row['steps_to_target']})  final {row['final_accuracy']:.4f}  τ mean "
+                      f"{_fmt(row['staleness_mean'], digits=2)}", flush=True)
     finally:
         for p in pools.values():
             p.close()
-
-
-def _run(args, staleness: list[int], pools: dict) -> int:
-    from ..launcher import Pool
-    from ..train import TrainConfig, run_training
-    rows = []
-    for network in args.networks:
-        for label, alg, servers, params in _runs(staleness, args.servers, args.momentum):
-            params = dict(params)
-            momentum = params.pop("momentum", args.momentum)
-            cfg = TrainConfig(workload=args.workload, algorithm=alg, workers=args.workers, servers=servers,
-                              network=network, epochs=args.epochs, seed=args.seed, params=params,
-                              momentum=momentum, progress=False)
-            world = args.workers + servers
-            if world not in pools:
-                pools[world] = Pool(world, start_timeout=600.0)
-            s = run_training(cfg, pool=pools[world])
-            steps = max(1, s["steps"])
-            sm = s.get("server_metrics") or {}
-            row = {"network": network, "run": label, "momentum": cfg.momentum, "algorithm": alg, "servers": servers,
-                   "params": params,
-                   "steps": s["steps"], "step_ms": s["step_time_s"] * 1e3,
-                   "worker_sent_kb_step": s["bytes_sent_per_worker_per_step"] / 1e3,
-                   "server_recv_kb_step": (s["bytes_recv_per_server"] or 0) / steps / 1e3 if servers else None,
-                   "server_sent_kb_step": (s["bytes_sent_per_server"] or 0) / steps / 1e3 if servers else None,
-                   "time_to_target_s": s["time_to_target_s"], "steps_to_target": s["steps_to_target"],
-                   "final_accuracy": s.get("final_accuracy", s.get("final_loss")), "train_s": s["train_s"],
-                   "staleness_mean": sm.get("staleness_mean"), "staleness_max": sm.get("staleness_max")}
-            rows.append(row)
-            print(f"{network:8s} {label:18s} step {row['step_ms']:7.1f} ms  worker {row['worker_sent_kb_step']:7.1f}"
-                  f" kB/step  server in {_fmt(row['server_recv_kb_step'])} out {_fmt(row['server_sent_kb_step'])}"
-                  f" kB/step  target {_fmt(row['time_to_target_s'], digits=2)} s (step {row['steps_to_target']})"
-                  f"  final {row['final_accuracy']:.4f}  τ mean {_fmt(row['staleness_mean'], digits=2)}",
-                  flush=True)
     if args.out:
         write_json(rows, args.out, "ps.json", indent=2)
         _plot(rows, os.path.join(args.out, "ps.png"))
