@@ -140,8 +140,9 @@ class Chunked(Compressor):
         return {"shape": torch.Size(shape), "dtype": dtype, "numel": torch.Size(shape).numel()}
 
     def _decode32(self, payload) -> torch.Tensor:
-        """One payload's contribution, flat fp32 (a fresh tensor)."""
-        raise NotImplementedError
+        """One payload's contribution, flat fp32 (a fresh tensor). Each subclass defines it (fp4, fp8) or
+        overrides `_sum32` instead (demo, sparseloco)."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither _decode32 nor _sum32")
 
     def _sum32(self, payloads) -> torch.Tensor:
         """Σ of the payloads' contributions, flat fp32."""

@@ -64,7 +64,8 @@ class ScaledLevels(Stochastic):
         return self.packed_bits(numel) if world_size is None else self.wire_bits(numel, world_size)[1]
 
     def packed_bits(self, numel: int) -> float:
-        raise NotImplementedError
+        """Bits per element of a packed payload (codes and scales); every subclass defines it."""
+        raise NotImplementedError(f"{type(self).__name__} must define packed_bits")
 
 
 @compressors.register("int8")
