@@ -26,9 +26,7 @@ from ..net import COLLECTIVE_SLOTS, Cost, Link
 class LinkClock:
     def __init__(self, link: Link, rank: int = 0, seed: int = 0):
         self.link = link
-        self.tx_free = 0.0
-        self.rx_free = 0.0
-        self.last_delivery = 0.0
+        self.tx_free = self.rx_free = 0.0  # when each direction of the link is done with its transfers
         self.last_tx = self.last_rx = 0.0  # per direction: a send is not held behind a receive's latency
         self._collectives: list[float] = []  # deliveries of the latest collectives, at most COLLECTIVE_SLOTS
         self._rng = random.Random(seed * 100003 + rank)  # timing only: never touches results
@@ -47,10 +45,6 @@ class LinkClock:
             if tx and rx and len(self._collectives) >= COLLECTIVE_SLOTS:  # all of gloo's threads are busy
                 start = max(start, self._collectives[-COLLECTIVE_SLOTS])
             busy_until = start + cost.transfer
-            if tx:
-                self.tx_free = busy_until
-            if rx:
-                self.rx_free = busy_until
             delivery = busy_until + (cost.latency if latency else 0.0)
             if link.jitter and latency:
                 delivery += self._rng.uniform(-1.0, 1.0) * link.jitter
@@ -60,13 +54,11 @@ class LinkClock:
                     delivery += link.rto
             # delay, never reorder (within a direction: point-to-point sends queue behind sends, receives
             # behind receives; a collective, both ways, behind everything)
-            ordered = self.last_delivery if (tx and rx) else (self.last_tx if tx else self.last_rx)
-            delivery = max(delivery, start, ordered)
+            delivery = max(delivery, start, self.last_tx if tx else 0.0, self.last_rx if rx else 0.0)
             if tx and rx:
                 self._collectives = (self._collectives + [delivery])[-COLLECTIVE_SLOTS:]
             if tx:
-                self.last_tx = max(self.last_tx, delivery)
+                self.tx_free, self.last_tx = busy_until, delivery
             if rx:
-                self.last_rx = max(self.last_rx, delivery)
-            self.last_delivery = max(self.last_delivery, delivery)
+                self.rx_free, self.last_rx = busy_until, delivery
             return delivery

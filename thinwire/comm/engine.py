@@ -273,13 +273,12 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue:
-                    self._cv.wait()
+                self._cv.wait_for(lambda: self._queue)
                 task, program, serial, pending = self._queue.popleft()
                 self._busy = True
                 barrier, self._barrier = self._barrier, None
             if barrier is not None and pending is None:
-                _settle(barrier)            # serial: the previous program's transfer is delivered first
+                _outcome(barrier)           # serial: the previous program's transfer is delivered first
             resume = _outcome(pending) if pending is not None else None
             self._advance(task, program, serial, resume, on_caller=False)
 
@@ -292,14 +291,6 @@ class Engine:
         for task, program, _serial, _pending in queued:
             program.close()
             task._finish(error=error)
-
-
-def _settle(fut: Future) -> None:
-    """Block until `fut` completed (uncounted: a background thread); its error is its owner's to see."""
-    try:
-        fut.result()
-    except BaseException:  # noqa: BLE001
-        pass
 
 
 class _Callbacks:
@@ -319,10 +310,9 @@ class _Callbacks:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._q:
-                    self._cv.wait()
+                self._cv.wait_for(lambda: self._q)
                 fut, fn = self._q.popleft()
-            _settle(fut)
+            _outcome(fut)                   # completed; its error is its owner's to see
             try:
                 fn(fut)
             except BaseException:  # noqa: BLE001 - a callback's error is the callback's to report

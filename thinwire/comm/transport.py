@@ -250,10 +250,9 @@ class Transport:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.global_rank = dist.get_rank()
         self.link = parse_network(network) if network is not None else default_network()
         self.meter = meter or Meter()
-        self.clock = clock or LinkClock(self.link, self.global_rank, default_seed() if seed is None else seed)
+        self.clock = clock or LinkClock(self.link, dist.get_rank(), default_seed() if seed is None else seed)
         self.collective_link = self.link.handshaking()  # gloo's collectives: a round trip per step
         self.tracer = tracer or NULL
         from .collectives import parse as _parse_allreduce
@@ -344,15 +343,14 @@ class Transport:
         flat = tensor.reshape(-1)
         n = self.world_size
         cost_extra = Cost(0.0, 0.0, 0.0, 0.0)
-        if sizes is None:
-            if n > 1:
-                mine = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
-                got = [torch.empty_like(mine) for _ in range(n)]
-                yield _Work(dist.all_gather(got, mine, group=self.group, async_op=True))
-                sizes = torch.cat(got).tolist()       # host: once per gather (every rank's size)
-                cost_extra = ring_allgather(self.collective_link, n, 8)
-            else:
-                sizes = [flat.numel()]
+        if sizes is None and n > 1:
+            mine = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
+            got = [torch.empty_like(mine) for _ in range(n)]
+            yield _Work(dist.all_gather(got, mine, group=self.group, async_op=True))
+            sizes = torch.cat(got).tolist()       # host: once per gather (every rank's size)
+            cost_extra = ring_allgather(self.collective_link, n, 8)
+        elif sizes is None:
+            sizes = [flat.numel()]
         sizes = [int(s) for s in sizes]
         if len(sizes) != n or sizes[self.rank] != flat.numel():
             raise ValueError(f"all_gather sizes {sizes} do not match this rank's {flat.numel()} elements")
