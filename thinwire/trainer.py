@@ -66,7 +66,7 @@ def build_components(algorithm, compressor=None, memory=None, **params):
     memory = memory or getattr(alg_cls, "default_memory", "none")
     alg_params, comp_params, mem_params, sched_params, transport_params = _route(algorithm, compressor, memory,
                                                                                  params)
-    if not getattr(alg_cls, "compression", True) and (compressor not in ("none", None)):
+    if not getattr(alg_cls, "compression", True) and compressor != "none":
         raise UserError(f"algorithm {alg_cls.name!r} does not exchange gradients through a compressor; "
                         f"drop --compressor or use one of: "
                         f"{', '.join(n for n in algorithms.names() if algorithms.registry.lookup(n).compression)}")

@@ -81,8 +81,7 @@ class Gossip(Algorithm):
     # -- consensus --------------------------------------------------------------------------------------------
     def average_model(self) -> torch.Tensor:
         """x̄ over workers (one all-reduce of the model, counted)."""
-        mean = self.flat_params().clone()
-        return self.transport.all_reduce(mean, op="mean")
+        return self.transport.all_reduce(self.flat_params().clone(), op="mean")
 
     def measure_consensus(self, set_average: bool = False) -> float:
         """mean_i ‖x_i - x̄‖², recorded at the current step; optionally sets this model to x̄."""

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
 from ..sched import views
 from . import register
 from ._gossip import Gossip
+from .base import int_at_least
 
 
 @register("adpsgd")
@@ -42,10 +42,8 @@ class ADPSGD(Gossip):
     def __init__(self, topology: str = "random", staleness: int = 2, consensus_every: int = 0,
                  final_average: bool = True, architecture: str | None = None):
         super().__init__(topology, consensus_every, final_average, architecture)
-        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 1:
-            raise UserError(f"adpsgd staleness must be an integer >= 1 (steps an averaging runs in the "
-                            f"background before it is applied), got {staleness!r}")
-        self.staleness = staleness
+        self.staleness = int_at_least("adpsgd staleness", staleness, 1,
+                                      " (steps an averaging runs in the background before it is applied)")
         self.pairings = 0
 
     def gossip_setup(self):

@@ -28,6 +28,13 @@ def copy_flat(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
             t.copy_(v)
 
 
+def int_at_least(what: str, value, low: int, hint: str = "") -> int:
+    """`value` if it is an integer >= `low`, else a UserError naming `what` (and ending with `hint`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise UserError(f"{what} must be an integer >= {low}, got {value!r}{hint}")
+    return value
+
+
 class Algorithm:
     name: ClassVar[str] = ""
     architectures: ClassVar[tuple[str, ...]] = ("allreduce",)   # the first one is the default
@@ -63,9 +70,6 @@ class Algorithm:
         self.compressor, self.memory = trainer.compressor, trainer.memory
         self.scheduler = trainer.scheduler
         self._exchanges: list[Exchange] = []
-        if self.scheduler.name not in self.schedules:
-            raise UserError(f"algorithm {self.name!r} does not run with schedule {self.scheduler.name!r}; "
-                            f"valid: {', '.join(self.schedules)}")
         self.setup()
         self.scheduler.attach(self.model, self.params, self, self.transport, self.tracer, self.optimizer)
 
@@ -98,7 +102,7 @@ class Algorithm:
 
     def rekey(self, old: list, new: list) -> None:
         """The scheduler re-planned its buckets ((key, numel) lists): per-bucket exchange state follows."""
-        for ex in self.exchanges():
+        for ex in self._exchanges:
             ex.rekey(old, new)
 
     def make_exchange(self, compressor=None, memory=None) -> Exchange:
@@ -107,9 +111,6 @@ class Algorithm:
                       self.memory if memory is None else memory)
         self._exchanges.append(ex)
         return ex
-
-    def exchanges(self) -> list[Exchange]:
-        return list(self._exchanges)
 
     def metrics(self) -> dict:
         return {"schedule": self.scheduler.describe()}

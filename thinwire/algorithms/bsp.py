@@ -26,12 +26,9 @@ class BSP(Algorithm):
         self.pending: dict[int, object] = {}
 
     def on_bucket(self, bucket):
-        self.pending[bucket.index] = self.start(bucket)
-
-    def start(self, bucket):
-        """The mean of the bucket's gradients over workers (a future); the bucket itself is all-reduced in
+        """The mean of the bucket's gradients over workers starts (a future); the bucket itself is all-reduced in
         place when nothing is compressed (as DDP does)."""
-        return self.exchange.start(bucket.buffer, bucket.key, shapes=bucket.shapes, inplace=True)
+        self.pending[bucket.index] = self.exchange.start(bucket.buffer, bucket.key, shapes=bucket.shapes, inplace=True)
 
     def average_gradients(self) -> None:
         """Wait for every bucket's exchange; the averaged gradients in place in every p.grad."""

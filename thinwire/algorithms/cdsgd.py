@@ -47,7 +47,7 @@ from ..errors import UserError
 from ..net import cdsgd as time_model
 from ..sched import views
 from . import register
-from .base import copy_flat
+from .base import copy_flat, int_at_least
 from .bsp import BSP
 from .ps_sync import PSMixin
 
@@ -101,12 +101,6 @@ def _sgd_hyper(optimizer) -> dict:
     return first
 
 
-def _int_at_least(name: str, what: str, value, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise UserError(f"{name}: {what} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 @register("cdsgd")
 class CDSGD(BSP):
     """CD-SGD (seed 001): 2-bit exchange hidden behind the next iteration by a local update, k-step correction.
@@ -114,10 +108,7 @@ class CDSGD(BSP):
     The local update is eq. 11; every k-th formal iteration is a full-precision correction; the first `warmup`
     iterations are synchronous and full precision."""
 
-    architectures = ("allreduce",)
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
-    compression = True
-    checks_finite = True          # every exchange checks its bucket before sending it (Exchange._check_finite)
     exchanges_gradients = False   # its own momentum update (eqs. 8-11) on the exchanged gradients (see __init__)
     default_compressor = "threshold2bit"
     default_memory = "residual"
@@ -127,14 +118,13 @@ class CDSGD(BSP):
                  local_lr: float | None = None, local_momentum: bool = True, *, local_update: bool = True,
                  compress: bool = True):
         super().__init__(architecture)
-        name = self.name or "cdsgd"
-        self.k = _int_at_least(name, "k", k, 0 if not local_update or not compress else 1)  # 0: never corrected
-        self.warmup = _int_at_least(name, "warmup", warmup, 0)
+        self.k = int_at_least(f"{self.name}: k", k, 0 if not local_update or not compress else 1)  # 0: never corrected
+        self.warmup = int_at_least(f"{self.name}: warmup", warmup, 0)
         if local_lr is not None and not (isinstance(local_lr, (int, float)) and local_lr > 0):
-            raise UserError(f"{name}: local_lr must be a number > 0 (default: the optimizer's lr), "
+            raise UserError(f"{self.name}: local_lr must be a number > 0 (default: the optimizer's lr), "
                             f"got {local_lr!r}")
         if not isinstance(local_momentum, bool):
-            raise UserError(f"{name}: local_momentum must be true or false, got {local_momentum!r}")
+            raise UserError(f"{self.name}: local_momentum must be true or false, got {local_momentum!r}")
         self.local_lr = None if local_lr is None else float(local_lr)
         self.local_momentum = local_momentum
         self.local_update = local_update     # eq. 11: the next iteration computes on W^loc
@@ -153,11 +143,9 @@ class CDSGD(BSP):
 
     def setup(self):
         _sgd_hyper(self.optimizer)
-        self.check_components(self.compressor, self.memory)
         self.plain = self.make_exchange("none", "none")
         self.timed = _TimedCompressor(self.compressor) if self.compress else None
         self.quant = self.make_exchange(self.timed, self.memory) if self.compress else None
-        self.exchange = self.plain
         self.pending: dict[int, object] = {}
         with torch.no_grad():   # global weights (rank 0's, broadcast); without the local update, the model itself
             self.W = [p.detach().clone() if self.local_update else p.detach() for p in self.params]
@@ -177,7 +165,7 @@ class CDSGD(BSP):
 
     def _compressed(self) -> bool:
         """Q is the compressor (k-step rule, seed 001 eq. 6 / Algorithm 1 line 23), else the identity."""
-        return self.compress and self._formal() and (self.k == 0 or self.counter % self.k != 0)
+        return self.compress and self._formal() and time_model.compressed(self.counter, self.k)
 
     def on_bucket(self, bucket):
         if self._comm_start is None:
@@ -284,11 +272,10 @@ class CDSGD(BSP):
         med = {k: (statistics.median(v) if v else None) for k, v in self._samples.items()}
         delta = (self.timed.seconds / self._compressed_steps) if self.timed and self._compressed_steps else None
         k = self.k if self.compress else 1
-        out = {**super().metrics(), "warmup": self.warmup, "k": self.k, "tau_s": med["tau"], "phi_s": med["phi"],
-               "psi_s": med["psi"], "delta_s": delta, "measured_step_s": med["iteration"],
-               "predicted_step_s": time_model.predict(self.name, med["tau"], med["phi"], med["psi"], delta, k)}
-        out["predicted"] = time_model.predict_all(med["tau"], med["phi"], med["psi"], delta, self.k)
-        return out
+        return {**super().metrics(), "warmup": self.warmup, "k": self.k, "tau_s": med["tau"], "phi_s": med["phi"],
+                "psi_s": med["psi"], "delta_s": delta, "measured_step_s": med["iteration"],
+                "predicted_step_s": time_model.predict(self.name, med["tau"], med["phi"], med["psi"], delta, k),
+                "predicted": time_model.predict_all(med["tau"], med["phi"], med["psi"], delta, self.k)}
 
     def state_dict(self) -> dict:
         """The global weights after the exchange in flight (applied now, as the next step would)."""

@@ -59,7 +59,7 @@ from ..comm.engine import Ready
 from ..errors import UserError
 from ..sched import step_subset, views
 from . import register
-from .base import Algorithm
+from .base import Algorithm, int_at_least
 
 DEFAULT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 
@@ -120,8 +120,7 @@ class DiLoCo(Algorithm):
                  architecture: str | None = None):
         super().__init__(architecture)
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise UserError(f"diloco {name} must be an integer >= {low}, got {value!r}")
+            int_at_least(f"diloco {name}", value, low)
         if period % fragments:
             raise UserError(f"diloco period H={period} must be a multiple of fragments F={fragments} (one fragment "
                             f"is synced every H/F steps); e.g. period={fragments * max(1, period // fragments)}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from ..errors import UserError
 from . import register
 from ._gossip import Gossip
-from .base import copy_flat
+from .base import copy_flat, int_at_least
 
 
 @register("dpsgd")
@@ -80,14 +80,12 @@ class LocalSGDOnGossip(DPSGD):
 
     def __init__(self, period: int = 4, topology: str = "complete", consensus_every: int = 0,
                  final_average: bool = True, architecture: str | None = None):
-        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
-            raise UserError(f"localsgd period H must be an integer >= 1, got {period!r}; H = 1 is D-PSGD")
         if topology not in DPSGD.topologies:
             raise UserError(f"localsgd on gossip does not run on topology {topology!r}; "
                             f"valid: {', '.join(DPSGD.topologies)}")
         super().__init__(topology=topology, consensus_every=consensus_every, final_average=final_average,
                          architecture=architecture)
-        self.period = period
+        self.period = int_at_least("localsgd period H", period, 1, "; H = 1 is D-PSGD")
         self.local_steps = 0
         self.syncs = 0
 

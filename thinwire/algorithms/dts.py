@@ -16,7 +16,7 @@ from ..comm.engine import Ready
 from ..errors import UserError
 from ..sched import views
 from . import register
-from .base import Algorithm, copy_flat
+from .base import Algorithm, copy_flat, int_at_least
 
 
 _IDENTITY = ((1.0, 0.0), (0.0, 1.0))
@@ -28,12 +28,6 @@ def _carry(m, rate: float, decay: float, mu: float):
     (a, b), (c, d) = m
     s00, s01, s10, s11 = 1.0 - rate * decay, -rate * mu, decay, mu
     return ((s00 * a + s01 * c, s00 * b + s01 * d), (s10 * a + s11 * c, s10 * b + s11 * d))
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
 
 
 @register("dts")
@@ -77,8 +71,8 @@ class DTS(Algorithm):
     # docs/dts.md: t = p = 4, 12 steps of staleness, lost 7–27 pp); `thinwire compare` tunes them to the network
     def __init__(self, delay: int = 2, period: int = 2, architecture: str | None = None):
         super().__init__(architecture)
-        self.delay = _positive_int("delay", delay)
-        self.period = _positive_int("period", period)
+        self.delay = int_at_least("delay", delay, 1)
+        self.period = int_at_least("period", period, 1)
 
     # -- wiring ----------------------------------------------------------------------------------------
     def check_components(self, compressor, memory):
@@ -191,12 +185,8 @@ class DTS(Algorithm):
         """Wait for the oldest average in flight and apply its compensation at the current step."""
         _, launches, ref, post = self._flight.popleft()
         for members, local, fut in launches:
-            err = fut.wait() - local
-            if self._two:
-                err = err.view(-1, 2)
-                err_c, err_b = err[:, 0], err[:, 1]
-            else:
-                err_c = err_b = err       # p = 1: C = g = B (the rate ratio is exactly 1)
+            err = fut.wait() - local      # [C|B] interleaved; p = 1: C = g = B (the rate ratio is exactly 1)
+            err_c, err_b = err.view(-1, 2).unbind(1) if self._two else (err, err)
             self._compensate(members, err_c, err_b, ref, post)
         self.applied += 1
 
@@ -286,11 +276,8 @@ class DTS(Algorithm):
             raise UserError(f"checkpoint has delay={state['delay']}, period={state['period']}; "
                             f"this {self.name} has delay={self.delay}, period={self.period}")
         self.steps, self._in_window = state["steps"], state["in_window"]
-        for mine, saved in zip(self._c, state["c"]):
+        for mine, saved in zip(self._c + (self._b or []), state["c"] + (state["b"] or [])):
             mine.copy_(saved)
-        if self._b is not None:
-            for mine, saved in zip(self._b, state["b"]):
-                mine.copy_(saved)
         self._ref = None if state["ref"] is None else list(state["ref"])
         self._flight = deque([f["end"], [(list(m), loc.clone(), Ready(avg.clone())) for m, loc, avg in f["launches"]],
                               list(f["ref"]), [tuple(tuple(row) for row in m) for m in f["post"]]]

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import UserError
 from . import register
-from .base import copy_flat
+from .base import copy_flat, int_at_least
 from .bsp import BSP
 from .ps_sync import PSMixin
 
@@ -34,17 +34,13 @@ from .ps_sync import PSMixin
 class LocalSGD(BSP):
     """Local SGD: H local steps, then average the models (the deltas go through the compressor)."""
 
-    architectures = ("allreduce",)
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
     checks_finite = False
     exchanges_gradients = False   # model deltas
 
     def __init__(self, period: int = 4, average_momentum: bool = False, architecture: str | None = None):
         super().__init__(architecture)
-        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
-            raise UserError(f"{self.name} period H must be an integer >= 1, got {period!r}; "
-                            "H = 1 is synchronous SGD (bsp)")
-        self.period = period
+        self.period = int_at_least(f"{self.name} period H", period, 1, "; H = 1 is synchronous SGD (bsp)")
         self.average_momentum = bool(average_momentum)
         self.local_steps = 0
         self.syncs = 0
@@ -159,12 +155,9 @@ class PostLocalSGD(LocalSGD):
 
     def step(self):
         if self.synchronous():
-            self.scheduler.flush()
-            self.average_gradients()
-            self.optimizer_step()
+            BSP.step(self)          # phase 1: bsp's step, and the anchor follows the model
             for a, p in zip(self.anchor, self.params):
                 a.copy_(p.detach())
-            self.scheduler.end_step()
         else:
             super().step()
         self.steps += 1
