@@ -197,20 +197,14 @@ class PSBSP(PSMixin, Algorithm):
     def step(self) -> None:
         self._worker_only()
         self.scheduler.flush()
-        self.wait_answers()
-        self.scheduler.end_step()
-
-    def wait_answers(self) -> None:
-        """Every bucket's answer into the model (the server ran the optimizer)."""
-        for bucket in self.scheduler.buckets:
+        for bucket in self.scheduler.buckets:      # every answer into the model (the server ran the optimizer)
             copy_flat(bucket.params, self.pending.pop(bucket.index).wait())
         self.worker.commit()
+        self.scheduler.end_step()
 
     def close(self) -> None:
         if self.worker is not None and self.scheduler._began:   # a backward without its step: answered, kept
-            self.scheduler.flush()
-            self.wait_answers()
-            self.scheduler.end_step()
+            PSBSP.step(self)
         super().close()
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..errors import UserError
 from . import register
-from .base import copy_flat
+from .base import copy_flat, int_at_least
 from .ps_sync import PSBSP, StalenessAware
 
 
@@ -27,9 +26,7 @@ class SSP(StalenessAware, PSBSP):
                  implicit_momentum: bool = True, servers: int = 1, downlink_compressor: str = "none",
                  downlink_params: dict | None = None):
         super().__init__(architecture, servers, downlink_compressor, downlink_params)
-        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
-            raise UserError(f"ssp staleness bound must be an integer >= 0, got {staleness!r}")
-        self.staleness = staleness
+        self.staleness = int_at_least("ssp staleness bound", staleness, 0)
         self._staleness_init(scale, implicit_momentum)
         self._window: deque = deque()    # clocks in flight: ({bucket index: (answer, own gradient)}, τ)
 
@@ -42,38 +39,31 @@ class SSP(StalenessAware, PSBSP):
         self.scheduler.flush()
         self._window.append((self.pending, len(self._window)))
         self.pending = {}
-        while len(self._window) > self.staleness:                 # the answers to clock c - s are required
-            self._finish()
-        while self._window and all(f.is_completed() for f, _ in self._window[0][0].values()):
-            self._finish()                                         # fresher answers already in: take them
-        self._load_model()
+        self._settle(self.staleness)
         self.scheduler.end_step()
 
-    def _finish(self) -> None:
-        clock, _ = self._window.popleft()
-        for fut, _ in clock.values():
-            fut.wait()
-
-    def _load_model(self) -> None:
-        """Seed 000 eq. 7: the freshest answers plus this worker's own updates not answered yet."""
+    def _settle(self, keep: int = 0) -> None:
+        """Take the answers to every clock but the last `keep` (the answers to clock c - s are required) and any
+        fresher ones already in, then load seed 000 eq. 7: those answers plus this worker's own updates not
+        answered yet."""
+        window = self._window
+        while window and (len(window) > keep or all(f.is_completed() for f, _ in window[0][0].values())):
+            for fut, _ in window.popleft()[0].values():
+                fut.wait()
         lr, n = self.optimizer.param_groups[0]["lr"], self.layout.workers
         for bucket in self.scheduler.buckets:
             x = self.worker.held[bucket.index].clone()
-            for clock, tau in self._window:
+            for clock, tau in window:
                 x.add_(clock[bucket.index][1], alpha=-lr * self.lr_factor([tau]) / n)
             copy_flat(bucket.params, x)
         self.worker.commit()
 
     def state_dict(self) -> dict:
         if self.worker is not None:     # a quiescent point: every answer in, the model the server's
-            while self._window:
-                self._finish()
-            self._load_model()
+            self._settle()
         return super().state_dict()
 
     def close(self) -> None:
         if self.worker is not None:
-            while self._window:
-                self._finish()
-            self._load_model()          # the last answer: the server's model
+            self._settle()              # the last answer: the server's model
         super().close()

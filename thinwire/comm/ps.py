@@ -52,11 +52,9 @@ def shard_bounds(numel: int, k: int) -> list[tuple[int, int]]:
 
 
 class PSLayout:
-    """Who is a server, and which slice of each bucket each server owns."""
+    """Who is a server, and which slice of each bucket each server owns (servers >= 1: `PSMixin` checks it)."""
 
     def __init__(self, numel: int, world_size: int, servers: int = 1):
-        if not isinstance(servers, int) or isinstance(servers, bool) or servers < 1:
-            raise UserError(f"a parameter server needs servers >= 1, got {servers!r}")
         if world_size - servers < 1:
             raise UserError(f"{servers} server rank(s) leave no worker in a world of {world_size}; "
                             f"give --workers n --servers K (world = n + K, n >= 1)")
@@ -80,9 +78,8 @@ class PSLayout:
 
 # -- messages ---------------------------------------------------------------------------------------------
 def send(transport, dst: int, header: Header, body: torch.Tensor | None, tags=PUSH_TAGS) -> list[Future]:
-    """Send one message (header, then the body if any) to `dst`; the futures of its parts."""
-    if (0 if body is None else body.numel()) != header.nbytes:
-        raise ValueError(f"header says {header.nbytes} body bytes, the body has {0 if body is None else body.numel()}")
+    """Send one message (header, its nbytes the body's size, then the body if any) to `dst`; its parts' futures."""
+    header = header._replace(nbytes=0 if body is None else body.numel())
     # the header goes where the group's collectives run (the receiver posts its buffer there, before any body)
     out = [transport.isend(torch.tensor(list(header), dtype=torch.int64, device=transport.device), dst, tag=tags[0])]
     if header.nbytes:

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from ..comm.engine import Future
-from ..comm.ps import DONE, PUSH, PUSH_TAGS, REPLY, REPLY_TAGS, Header, Mailbox, PSLayout, ServerLoop, send
+from ..comm.ps import DONE, PUSH, REPLY, REPLY_TAGS, Header, Mailbox, PSLayout, ServerLoop, send
 from ..compress import Compressor, Payload
 from ..compress.base import contractive_scale
 from ..errors import UserError
@@ -120,8 +120,7 @@ class PSWorker:
         for k, body in enumerate(bodies):
             if body is None:
                 continue
-            dst = self.layout.server_rank(k)
-            sends += send(self.t, dst, Header(PUSH, b, step, self.base[b][k], 0, codec, body.numel()), body, PUSH_TAGS)
+            sends += send(self.t, self.layout.server_rank(k), Header(PUSH, b, step, self.base[b][k], 0, codec), body)
             replies.append((k, self.boxes[k].expect()))
         fut = PushFuture(self, b, sends, replies)
         with self._qlock:
@@ -176,7 +175,7 @@ class PSWorker:
         self.drain()
         hs = []
         for k in range(self.layout.servers):
-            hs += send(self.t, self.layout.server_rank(k), Header(DONE), None, PUSH_TAGS)
+            hs += send(self.t, self.layout.server_rank(k), Header(DONE), None)
         for h in hs:
             h.wait()
         self.closed = True
@@ -198,8 +197,7 @@ class PSWorker:
         self.staleness = Counter({int(k): int(v) for k, v in state["staleness"].items()})
 
     def metrics(self) -> dict:
-        out = {"ps_pushes": self.pushes}
-        out.update(_staleness(self.staleness))
+        out = {"ps_pushes": self.pushes, **_staleness(self.staleness)}
         if self.dropped:
             out["dropped"] = self.dropped
         return out
@@ -247,9 +245,6 @@ class PSServer:
                  downlink_scale: float = 1.0):
         if rule not in self.RULES:
             raise UserError(f"unknown PS rule {rule!r}; valid: {', '.join(self.RULES)}")
-        if rule == "backup" and not 0 <= backups < layout.workers:
-            raise UserError(f"backups must be in 0..{layout.workers - 1} (n_b of {layout.workers} workers), "
-                            f"got {backups}")
         self.t, self.layout, self.keys, self.params = transport, layout, list(keys), list(params)
         self.codecs, self.update, self.rule, self.backups = list(codecs), update, rule, backups
         self.downlink, self.scale = downlink, float(downlink_scale)
@@ -303,13 +298,10 @@ class PSServer:
         r = self.handled[w][b]
         self.handled[w][b] += 1
         comp = self.codecs[header.codec]
-        n = self.params[b].numel()
-        ctx = comp.context((n,), self.params[b].dtype, _key(self.keys[b], self.k), header.clock)
+        ctx = comp.context((self.params[b].numel(),), self.params[b].dtype, _key(self.keys[b], self.k), header.clock)
         item = (header.codec, Payload(wire.unpack(body), ctx), header.version)
         if self.rule == "async":
-            tau = self.version[b] - header.version
-            self._apply(b, [w], [item], [tau])
-            self._reply(w, b, tau)
+            self._release(b, {w: item})
         elif self.rule == "backup":
             if header.version < self.version[b]:       # a late gradient of a finished round (catalog §2.1.2)
                 self.dropped += b == self.ref
@@ -328,24 +320,16 @@ class PSServer:
             expected = sum(1 for w in range(self.layout.workers) if not self.done[w] or w in got)
             if len(got) < expected:
                 return
-            del pend[self.version[b]]
-            ws = sorted(got)
-            taus = [self.version[b] - got[w][2] for w in ws]
-            self._apply(b, ws, [got[w] for w in ws], taus)
-            for w, tau in zip(ws, taus):
-                self._reply(w, b, tau)
+            self._release(b, pend.pop(self.version[b]))
 
     def _try_backup(self, b: int) -> None:
         active = sum(1 for d in self.done if not d)
         need = min(self.layout.workers - self.backups, max(active, 1))
-        if not self.fresh[b] or len(self.fresh[b]) < need:
+        if len(self.fresh[b]) < need:        # need >= 1: backups < workers (Backup.setup)
             return
-        ws = sorted(self.fresh[b])
-        # catalog §2.1.2: x_{t+1} = x_t - γ (1/n) Σ_{i ∈ A_t} G_i, A_t the first n arrivals
-        self._apply(b, ws, [self.fresh[b][w] for w in ws], [0] * len(ws))
+        # catalog §2.1.2: x_{t+1} = x_t - γ (1/n) Σ_{i ∈ A_t} G_i, A_t the first n arrivals (fresh: τ = 0)
+        self._release(b, self.fresh[b])
         self.fresh[b] = {}
-        for w in ws:
-            self._reply(w, b, 0)
 
     def _mean(self, items: list) -> torch.Tensor:
         """The mean of the contributions (seed 000 eq. 6), or their majority vote, by the codec's algebra."""
@@ -360,13 +344,20 @@ class PSServer:
             total = agg if total is None else total + agg
         return total / len(items)
 
-    def _apply(self, b: int, ws: list, items: list, taus: list) -> None:
-        self.update(b, self.params[b], self._mean(items).to(self.params[b].dtype), {"taus": taus, "workers": ws})
+    def _release(self, b: int, got: dict) -> None:
+        """Apply the update of the contributions `got` (worker -> item) to bucket b, then answer each contributor
+        with its staleness τ (the updates of the bucket applied since the model it computed on)."""
+        ws = sorted(got)
+        taus = [self.version[b] - got[w][2] for w in ws]
+        mean = self._mean([got[w] for w in ws]).to(self.params[b].dtype)
+        self.update(b, self.params[b], mean, {"taus": taus, "workers": ws})
         self.version[b] += 1
         if b == self.ref:
             self.updates += 1
-            self.gradients += len(items)
+            self.gradients += len(ws)
             self.staleness.update(taus)
+        for w, tau in zip(ws, taus):
+            self._reply(w, b, tau)
 
     def _reply(self, w: int, b: int, aux: int) -> None:
         x = self.params[b].detach().reshape(-1)
@@ -378,7 +369,7 @@ class PSServer:
             held += self.downlink.decompress(p).reshape(-1).to(held.dtype).mul_(self.scale)
             body = wire.pack(list(p.tensors) + [torch.tensor([self.scale], dtype=torch.float64, device=x.device)])
         self.sent[w][b] += 1
-        self.loop.reply(w, Header(REPLY, b, self.handled[w][b], self.version[b], aux, 0, body.numel()), body)
+        self.loop.reply(w, Header(REPLY, b, self.handled[w][b], self.version[b], aux), body)
 
     # -- state and metrics -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -410,8 +401,7 @@ class PSServer:
 
     def metrics(self) -> dict:
         out = {"ps_shard": self.k, "ps_shard_size": sum(p.numel() for p in self.params), "ps_updates": self.updates,
-               "ps_gradients": self.gradients}
-        out.update(_staleness(self.staleness))
+               "ps_gradients": self.gradients, **_staleness(self.staleness)}
         if self.rule == "backup":
             out["dropped"] = self.dropped
         return out
