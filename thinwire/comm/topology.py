@@ -70,12 +70,8 @@ class Topology:
             peers = [(i + 1) % n, (i - 1) % n]
         elif self.name == "complete":
             peers = [j for j in range(n) if j != i]
-        elif self.name == "exponential":
-            peers = []
-            k = 1
-            while k < n:
-                peers += [(i + k) % n, (i - k) % n]
-                k <<= 1
+        elif self.name == "exponential":    # i ± 2^k for every 2^k < n
+            peers = [(i + s * 2 ** k) % n for k in range((n - 1).bit_length()) for s in (1, -1)]
         else:  # torus: rank = row·X + column
             x, y = grid_shape(n)
             r, c = divmod(i, x)

@@ -83,9 +83,8 @@ def thinwire_hook(state, bucket):
     ex, key, shapes = state.get_exchange(), ("bucket", bucket.index(), buf.numel()), None
     if not ex.identity:     # the identity exchange keeps no state and uses no structure: nothing to follow
         state.follow(bucket, key)
-        shapes = [tuple(p.shape) for p in bucket.parameters()]
-        if sum(int(torch.Size(s).numel()) for s in shapes) != buf.numel():
-            shapes = None
+        params = bucket.parameters()
+        shapes = [tuple(p.shape) for p in params] if sum(p.numel() for p in params) == buf.numel() else None
     task = ex.start(buf, key=key, shapes=shapes, inplace=True)
     fut = torch.futures.Future()
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..comm.engine import Future
-from ..compress import Memory, Payload
+from ..compress import Payload
 from ..errors import UserError
 from . import wire
 from .exchange import Exchange
@@ -58,10 +58,6 @@ class NeighborExchange(Exchange):
             what = "its own collective" if self.collective == "custom" else "a sparse collective over every rank"
             raise UserError(f"compressor {self.compressor.name!r} runs {what} and cannot be sent to neighbours; "
                             "use a payload compressor (e.g. topk, randomk, qsgd, int8, fp16, signsgd)")
-
-    @property
-    def identity(self) -> bool:
-        return self.compressor.name == "none" and type(self.memory).compensate is Memory.compensate
 
     def start(self, tensor: torch.Tensor, key: Any = None, dsts=(), srcs=()):
         """{rank: tensor} for `srcs` and this rank (a future; see the module docstring)."""

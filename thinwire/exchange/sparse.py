@@ -217,7 +217,6 @@ class SparseCollective:
     `program(c, key, step)` returns (total, sent)."""
 
     def __init__(self, name: str, transport, compressor):
-        self.name = check(name)
         if not is_sparse(compressor):
             raise UserError(f"sparse collective {name!r} needs a top-k-family compressor, not "
                             f"{getattr(compressor, 'name', compressor)!r}; valid: topk, dgc, gaussiank, threshold, "
