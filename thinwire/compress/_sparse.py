@@ -130,8 +130,7 @@ class SparseCompressor(Compressor):
         return self._accumulate([self._contribution(p.tensors) for p in payloads], payloads[0].ctx)
 
     def sparse_bits(self, kept: float, numel: int, value_bits: float = 32.0) -> float:
-        idx_bits = 16 if numel <= SMALL else 32
-        return kept * (value_bits + idx_bits) / max(1, numel)
+        return kept * (value_bits + torch.iinfo(index_dtype(numel)).bits) / max(1, numel)
 
     def nominal_bits(self, numel):
         return self.sparse_bits(num_kept(self.ratio, numel), numel)

@@ -105,12 +105,11 @@ def regroup(state: dict, old: list[tuple[Any, int]], new: list[tuple[Any, int]])
     old_keys, sizes = {k for k, _ in old}, [n for _, n in new]
     out = {}
     for name, d in state.items():
-        held = [d[k] for k, _ in old if k in d] if isinstance(d, dict) else []
-        if not held or not all(isinstance(t, torch.Tensor) and t.numel() == n
-                                for t, n in ((d[k], n) for k, n in old if k in d)):
+        held = [(d[k], n) for k, n in old if k in d] if isinstance(d, dict) else []
+        if not held or not all(isinstance(t, torch.Tensor) and t.numel() == n for t, n in held):
             out[name] = d       # not per-bucket flat state (e.g. PowerSGD's per-matrix Q): left as it is
             continue
-        flat = torch.cat([d[k].reshape(-1) if k in d else held[0].new_zeros(n) for k, n in old])
+        flat = torch.cat([d[k].reshape(-1) if k in d else held[0][0].new_zeros(n) for k, n in old])
         out[name] = {k: v for k, v in d.items() if k not in old_keys}
         out[name].update((k, t.clone()) for (k, _), t in zip(new, flat.split(sizes)))
     return out
@@ -160,13 +159,17 @@ class ScratchLock:
 
 
 class Stateful:
-    """Per-key state (none by default) that checkpoints save and a change of bucketing carries over."""
+    """Per-key state that checkpoints save and a change of bucketing carries over: the dicts (key -> tensor) named
+    in `state_attrs`, saved under their names (none by default)."""
+
+    state_attrs: ClassVar[tuple[str, ...]] = ()
 
     def state_dict(self) -> dict:
-        return {}
+        return {name: dict(getattr(self, name)) for name in self.state_attrs}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        for name in self.state_attrs:
+            setattr(self, name, dict(state.get(name, {})))
 
     def rekey(self, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> None:
         """The buckets changed (see `regroup`): carry per-bucket state over to the new keys."""

@@ -72,13 +72,12 @@ def _stages(bits: int):
     return out
 
 
-def _as_words(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _as_words(codes: torch.Tensor) -> torch.Tensor:
     """The codes padded to a multiple of 8 and viewed as int64 words (a copy only when padding is needed)."""
-    n = codes.numel()
-    pad = (-n) % 8
+    pad = (-codes.numel()) % 8
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
-    return codes.view(torch.int64), n
+    return codes.view(torch.int64)
 
 
 def pack(codes: torch.Tensor, bits: int, inplace: bool = False) -> torch.Tensor:
@@ -93,7 +92,7 @@ def pack(codes: torch.Tensor, bits: int, inplace: bool = False) -> torch.Tensor:
         return codes.clone() if not inplace else codes
     if not inplace and codes.numel() % 8 == 0:      # (padding copies them anyway)
         codes = codes.clone()
-    words, _ = _as_words(codes)
+    words = _as_words(codes)
     if bits in _GATHERS:   # one multiply gathers the codes of a word into its top byte (code j -> bits b*j..)
         dtype, magic, shift = _GATHERS[bits]
         return words.view(dtype).mul_(magic).bitwise_right_shift_(shift).to(torch.uint8)

@@ -42,7 +42,6 @@ class Coded(Compressor):
 
     linear = False
     aggregation = "allgather"
-    fixed_size = False
 
     def __init__(self, base: Compressor, coder: str):
         self.base, self.coder = base, coders.get(coder)
@@ -58,6 +57,8 @@ class Coded(Compressor):
         if coder not in valid:
             raise UserError(f"{self.name}: {base.name!r} payloads are coded by {self.mode}; valid coders: "
                             f"{', '.join(valid)}")
+        # levels are zig-zagged around the zero level for Elias (0 -> one bit), coded as they are for Huffman
+        self._offset = int(getattr(base, "levels", 0)) if coder != "huffman" else 0
         self._nominal: dict[int, float] = {}
 
     @property
@@ -65,23 +66,20 @@ class Coded(Compressor):
         return getattr(self.base, "sparse_collective", "allgather")
 
     # -- levels (quantizers) -------------------------------------------------------------------------
-    def _offset(self) -> int:
-        return int(getattr(self.base, "levels", 0)) if self.coder.name != "huffman" else 0
-
     def _encode_levels(self, p: Payload) -> list[torch.Tensor]:
         bits, n = self.base.bits, p.ctx["numel"]
         codes = unpack(p.tensors[0], bits, n).to(torch.int64)
-        sym = zigzag(codes - self._offset()) if self._offset() else codes
+        sym = zigzag(codes - self._offset) if self._offset else codes
         head, data = self.coder.encode(sym.cpu())                  # entropy coders run on the host (numpy)
         return [head.to(sym.device), data.to(sym.device), *p.tensors[1:]]
 
     def _decode_levels(self, tensors, ctx) -> list[torch.Tensor]:
         sym = self.coder.decode(*_to_host(tensors[0], tensors[1])).to(tensors[0].device)
-        codes = unzigzag(sym) + self._offset() if self._offset() else sym
+        codes = unzigzag(sym) + self._offset if self._offset else sym
         return [pack(codes.to(torch.uint8), self.base.bits), *tensors[2:]]
 
     # -- indices (sparsifiers) -----------------------------------------------------------------------
-    def _encode_indices(self, p: Payload) -> tuple[list[torch.Tensor], int]:
+    def _encode_indices(self, p: Payload) -> list[torch.Tensor]:
         ts = p.tensors
         pos = self.base.index_slot
         idx = ts[pos].reshape(-1).to(torch.int64)
@@ -93,7 +91,7 @@ class Coded(Compressor):
         head, data = self.coder.encode(g)
         head, data = head.to(idx.device), data.to(idx.device)
         rest = [self._permute(t, order.indices, k) for i, t in enumerate(ts) if i != pos]
-        return [head, data, *rest], pos
+        return [head, data, *rest]
 
     def _permute(self, t, perm, k):
         t = t.reshape(-1)
@@ -113,16 +111,16 @@ class Coded(Compressor):
     # -- the compressor interface --------------------------------------------------------------------
     def compress(self, tensor, key=None, step=0, agreed=None):
         p = self.base.compress(tensor, key, step)
-        if self.mode == "levels":
-            return Payload(self._encode_levels(p), ctx={"base": p.ctx})
-        ts, pos = self._encode_indices(p)
-        return Payload(ts, ctx={"base": p.ctx, "pos": pos, "numel": tensor.numel()})
+        ts = self._encode_levels(p) if self.mode == "levels" else self._encode_indices(p)
+        return Payload(ts, ctx=self._ctx(p.ctx, tensor.numel()))
 
     def context(self, shape, dtype, key=None, step=0):
-        base = self.base.context(shape, dtype, key, step)
+        return self._ctx(self.base.context(shape, dtype, key, step), torch.Size(shape).numel())
+
+    def _ctx(self, base_ctx, numel: int) -> dict:
         if self.mode == "levels":
-            return {"base": base}
-        return {"base": base, "pos": self.base.index_slot, "numel": torch.Size(shape).numel()}
+            return {"base": base_ctx}
+        return {"base": base_ctx, "pos": self.base.index_slot, "numel": numel}
 
     def decode(self, payload: Payload) -> Payload:
         """The compressor's own payload back, exactly."""

@@ -120,7 +120,7 @@ class CountSketch(Compressor):
                 lo = torch.arange(c, dtype=torch.int32, device=g.device).view(1, c)
                 hi = torch.arange(nb, device=g.device).view(nb, 1)
                 for j in range(self.rows):
-                    a = int(torch.randint(1, max(2, c), (1,), generator=g, device=g.device)) % c
+                    a = int(torch.randint(1, c, (1,), generator=g, device=g.device))     # (c >= 2: a prime)
                     b = int(torch.randint(c, (1,), generator=g, device=g.device))
                     sa = torch.randint(2, (nb, 1), generator=g, device=g.device)
                     t = torch.add(lo, ((a * hi + b) % c).to(torch.int32), out=slots[j])   # lo + (a·hi + b) mod c

@@ -84,6 +84,7 @@ class DGCMemory(Memory):
     """
 
     takes_momentum = True
+    state_attrs = ("u", "v")
     default_momentum = 0.0    # not handed over (the algorithm applies its own: CD-SGD, DTS, local SGD): none here
 
     def __init__(self, momentum: float | None = None, clip_norm: float = 0.0):
@@ -116,9 +117,3 @@ class DGCMemory(Memory):
     def update(self, tensor, key, sent):
         self.v[key] = tensor - sent
         self.u[key] = self.u[key].masked_fill(sent != 0, 0)
-
-    def state_dict(self):
-        return {"u": dict(self.u), "v": dict(self.v)}
-
-    def load_state_dict(self, state):
-        self.u, self.v = dict(state.get("u", {})), dict(state.get("v", {}))

@@ -17,6 +17,7 @@ from .base import Memory, optional_momentum
 @memories.register("efsignsgd")
 class LRScaledResidual(Memory):
     takes_momentum = True
+    state_attrs = ("errors", "momenta")
 
     def __init__(self, ef_lr: float = 0.1, momentum: float | None = None):
         if not ef_lr > 0:
@@ -38,9 +39,8 @@ class LRScaledResidual(Memory):
         self.errors[key] = (tensor - sent.to(tensor.dtype).view(tensor.shape)).mul_(self.lr)
 
     def state_dict(self):
-        return {"lr": self.lr, "errors": dict(self.errors), "momenta": dict(self.momenta)}
+        return {"lr": self.lr, **super().state_dict()}
 
     def load_state_dict(self, state):
         self.lr = state.get("lr", self.lr)
-        self.errors = dict(state.get("errors", {}))
-        self.momenta = dict(state.get("momenta", {}))
+        super().load_state_dict(state)

@@ -48,6 +48,7 @@ class PowerSGD(Compressor):
     linear = False
     randomness = "shared"
     aggregation = "custom"
+    state_attrs = ("q",)         # the warm-start Q of each matrix
 
     def __init__(self, rank: int = 2, warm_start: bool = True, seed: int = 0):
         if not isinstance(rank, int) or rank < 1:
@@ -72,6 +73,16 @@ class PowerSGD(Compressor):
             off += n
         return mats
 
+    def _start(self, key, mat, step: int, device) -> torch.Tensor:
+        """The Q that matrix `mat` = (offset, a, b, r) starts from: the last step's (warm start), else N(0, 1) drawn
+        from a seed shared by all ranks."""
+        off, _, b, r = mat
+        q = self.q.get((key, *mat)) if self.warm_start else None
+        if q is None:
+            gen = generator(self.seed, "powersgd", key, off, 0 if self.warm_start else step)
+            q = torch.randn(b, r, generator=gen, device="cpu").to(device)
+        return q
+
     def exchange(self, transport, tensor, key, step, shapes=None):
         """(program) The two all-reduces; returns (sum over ranks, this rank's own contribution)."""
         x = tensor.reshape(-1).float()
@@ -81,35 +92,26 @@ class PowerSGD(Compressor):
         ps = []
         for off, a, b, r in mats:
             dense_mask[off:off + a * b] = False
-            q = self.q.get((key, off, a, b, r)) if self.warm_start else None
-            if q is None:
-                q = torch.randn(b, r, generator=generator(self.seed, "powersgd", key, off, 0 if self.warm_start
-                                                          else step), device="cpu").to(x.device)
-            ps.append(x[off:off + a * b].view(a, b) @ q)
+            ps.append(x[off:off + a * b].view(a, b) @ self._start(key, (off, a, b, r), step, x.device))
         dense = x[dense_mask]
         buf = torch.cat([p.reshape(-1) for p in ps] + [dense])
         summed = yield (yield from transport.all_reduce_program(buf, op="sum"))    # round 1: P (and the rest)
-        n = transport.world_size
+        *p_sums, rest = summed.split([a * r for _, a, _, r in mats] + [dense.numel()])
         total = torch.empty_like(x)
         local = torch.empty_like(x)
-        total[dense_mask] = summed[summed.numel() - dense.numel():]
+        total[dense_mask] = rest
         local[dense_mask] = dense
-        hats, q_local, o = [], [], 0
-        for off, a, b, r in mats:
-            p_hat = orthogonalize(summed[o:o + a * r].view(a, r).clone())
-            o += a * r
-            hats.append(p_hat)
-            q_local.append(x[off:off + a * b].view(a, b).t() @ p_hat)
+        hats = [orthogonalize(p.view(a, r).clone()) for p, (_, a, _, r) in zip(p_sums, mats)]
+        q_local = [x[off:off + a * b].view(a, b).t() @ p_hat for p_hat, (off, a, b, _) in zip(hats, mats)]
         if mats:
             qbuf = torch.cat([q.reshape(-1) for q in q_local])
             yield (yield from transport.all_reduce_program(qbuf, op="sum"))             # round 2: Q
-            o = 0
-            for (off, a, b, r), p_hat, ql in zip(mats, hats, q_local):
-                q_sum = qbuf[o:o + b * r].view(b, r)
-                o += b * r
+            q_sums = qbuf.split([b * r for _, _, b, r in mats])
+            for (off, a, b, r), p_hat, ql, q_sum in zip(mats, hats, q_local, q_sums):
+                q_sum = q_sum.view(b, r)
                 total[off:off + a * b] = (p_hat @ q_sum.t()).reshape(-1)
                 local[off:off + a * b] = (p_hat @ ql.t()).reshape(-1)
-                self.q[(key, off, a, b, r)] = q_sum / n       # warm start from the mean Q
+                self.q[(key, off, a, b, r)] = q_sum / transport.world_size       # warm start from the mean Q
         return total.to(tensor.dtype).view(tensor.shape), local.to(tensor.dtype).view(tensor.shape)
 
     def compress(self, tensor, key=None, step=0, agreed=None):
@@ -121,11 +123,7 @@ class PowerSGD(Compressor):
             return Payload([tensor.reshape(-1)], ctx=(tensor.shape, tensor.dtype, None))
         _, a, b, r = mats[0]
         m = tensor.reshape(a, b).float()
-        q = self.q.get((key, 0, a, b, r)) if self.warm_start else None
-        if q is None:
-            q = torch.randn(b, r, generator=generator(self.seed, "powersgd", key, 0, 0 if self.warm_start
-                                                      else step), device="cpu").to(m.device)
-        p_hat = orthogonalize(m @ q)
+        p_hat = orthogonalize(m @ self._start(key, mats[0], step, m.device))
         q = m.t() @ p_hat
         if self.warm_start:
             self.q[(key, 0, a, b, r)] = q
@@ -157,12 +155,6 @@ class PowerSGD(Compressor):
         dense = numel - sum(a * b for _, a, b, _ in mats)
         return 32.0 * (dense + sum((a + b) * r for _, a, b, r in mats)) / max(1, numel)
 
-    def state_dict(self):
-        return {"q": dict(self.q)}
-
-    def load_state_dict(self, state):
-        self.q = dict(state.get("q", {}))
-
     def rekey(self, old, new):
         """The buckets changed: each matrix's warm-start Q follows its elements to the new bucket and offset."""
         starts, at = {}, 0
@@ -187,6 +179,8 @@ class PowerSGD(Compressor):
 class PowerSGDMemory(Memory):
     """PowerSGD's error feedback: M = G + e is compressed; e ← M − (this rank's low-rank contribution)."""
 
+    state_attrs = ("e",)
+
     def __init__(self):
         self.e: dict = {}
 
@@ -198,9 +192,3 @@ class PowerSGDMemory(Memory):
 
     def update(self, tensor, key, sent):
         self.e[key] = tensor - sent
-
-    def state_dict(self):
-        return {"e": dict(self.e)}
-
-    def load_state_dict(self, state):
-        self.e = dict(state.get("e", {}))

@@ -14,9 +14,8 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._sparse import index_dtype, local_generator, num_kept, pack_codes, unpack_codes
-from .base import Payload
-from .topk import TopK
+from ._sparse import local_generator
+from .topk import QuantizedTopK
 
 
 def qsgd_levels(v: torch.Tensor, s: int, gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,10 +31,8 @@ def qsgd_levels(v: torch.Tensor, s: int, gen: torch.Generator | None = None) -> 
 
 
 @compressors.register("qsparse")
-class QSparse(TopK):
+class QSparse(QuantizedTopK):
     """Top-k then QSGD of the values (s levels), scaled by 1/(1+β_{k,s}) as in Qsparse-local-SGD."""
-
-    index_slot = 0            # indices first
 
     def __init__(self, ratio: float = 0.01, levels: int = 7, seed: int = 0, sparse_collective: str = "allgather"):
         super().__init__(ratio, seed, sparse_collective)
@@ -45,29 +42,16 @@ class QSparse(TopK):
         self.bits = math.ceil(math.log2(2 * levels + 1))
         self._gen = None   # local randomness for the rounding, seeded by (seed, rank) on first use
 
-    def compress(self, tensor, key=None, step=0, agreed=None):
-        flat = tensor.reshape(-1)
-        d = flat.numel()
-        idx = self.select(flat, key, step)
+    def quantize(self, vals):
         if self._gen is None:
             self._gen = local_generator(self.seed)
-        levels, norm = qsgd_levels(flat[idx].float(), self.levels, self._gen)
-        codes = pack_codes(levels + self.levels, self.bits)
-        return Payload([idx.to(index_dtype(d)), codes, norm.float()], ctx=(tensor.shape, tensor.dtype, d))
+        levels, norm = qsgd_levels(vals, self.levels, self._gen)
+        return levels + self.levels, norm
 
-    accumulate_dtype = torch.float32   # contributions are built in fp32
-
-    def _contribution(self, tensors):
-        idx, codes, norm = tensors
-        idx = idx.reshape(-1).long()
-        k = idx.numel()
-        s = self.levels
-        levels = unpack_codes(codes.reshape(-1), k, self.bits) - s
+    def dequantize(self, codes, norm):
+        k, s = codes.numel(), self.levels
         beta = min(k / s ** 2, math.sqrt(k) / s)
-        return idx, levels.float() * (norm.reshape(-1)[0] / s / (1 + beta))
-
-    def nominal_bits(self, numel):
-        return self.sparse_bits(num_kept(self.ratio, numel), numel, value_bits=self.bits) + 32.0 / max(1, numel)
+        return (codes - s).float() * (norm / s / (1 + beta))
 
     def state_dict(self):
         return {"rng": self._gen.get_state()} if self._gen is not None else {}

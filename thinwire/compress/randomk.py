@@ -67,11 +67,9 @@ class RandomK(Compressor):
         self.seed = seed
 
     def compress(self, tensor, key=None, step=0, agreed=None):
-        flat = tensor.reshape(-1)
-        d = flat.numel()
-        k = num_kept(self.ratio, d)
-        idx = sample_without_replacement(d, k, generator(self.seed, key, step)).to(flat.device)
-        return Payload([flat.index_select(0, idx)], ctx=(tensor.shape, tensor.dtype, d, idx))
+        shape, dtype, d, idx = self.context(tensor.shape, tensor.dtype, key, step)
+        idx = idx.to(tensor.device)
+        return Payload([tensor.reshape(-1).index_select(0, idx)], ctx=(shape, dtype, d, idx))
 
     def context(self, shape, dtype, key=None, step=0):
         d = torch.Size(shape).numel()   # the indices every rank draws from the shared seed

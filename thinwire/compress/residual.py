@@ -18,6 +18,7 @@ from .base import Memory, optional_momentum
 @memories.register("residual")
 class Residual(Memory):
     takes_momentum = True
+    state_attrs = ("residuals", "momenta")
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0, momentum: float | None = None):
         if not (beta >= 0 and gamma > 0):
@@ -38,10 +39,3 @@ class Residual(Memory):
     def update(self, tensor, key, sent):
         """`tensor`: what `compensate` returned; `sent`: the decompressed local payload."""
         self.residuals[key] = tensor - sent.to(tensor.dtype).view(tensor.shape)
-
-    def state_dict(self):
-        return {"residuals": dict(self.residuals), "momenta": dict(self.momenta)}
-
-    def load_state_dict(self, state):
-        self.residuals = dict(state.get("residuals", {}))
-        self.momenta = dict(state.get("momenta", {}))

@@ -53,7 +53,8 @@ class SignSGD(Compressor):
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
-        check_tensor(flat, self.name, key)
+        if not self.scale:        # (the scale's check in `payload` catches NaN/Inf)
+            check_tensor(flat, self.name, key)
         return self.payload(flat, tensor.shape, tensor.dtype, key)
 
     def decompress(self, payload):

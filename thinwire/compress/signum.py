@@ -21,10 +21,10 @@ from .signsgd import SignSGD
 class Signum(SignSGD):
     """Packed sign bits of the momentum (and its scale); `decompress` gives scale·(±1)."""
 
-    name = "signum"
     takes_momentum = True
     needs_momentum_first = False      # without momentum it is a scaled majority sign (no error feedback to wind up)
     default_momentum = 0.0    # not handed over: the algorithm exchanges model differences or applies its own
+    state_attrs = ("momenta",)
 
     def __init__(self, beta: float | None = None, scale: bool = True):
         self.momentum = optional_momentum(beta, "signum: beta")
@@ -44,9 +44,3 @@ class Signum(SignSGD):
         else:
             m.mul_(self.beta).add_(flat.to(torch.float32))        # m ← β m + g
         return self.payload(m, tensor.shape, tensor.dtype, key)
-
-    def state_dict(self):
-        return {"momenta": dict(self.momenta)}
-
-    def load_state_dict(self, state):
-        self.momenta = dict(state.get("momenta", {}))

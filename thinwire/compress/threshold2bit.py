@@ -44,13 +44,11 @@ class Threshold2Bit(Compressor):
             raise UserError(f"threshold2bit: threshold must be a number > 0, got {threshold!r}")
         self.threshold = float(threshold)
 
-    def codes(self, tensor: torch.Tensor) -> torch.Tensor:
+    def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         a = self.threshold
-        return (flat >= a).to(torch.uint8) | ((flat <= -a).to(torch.uint8) << 1)   # seed 001 §3.4.1
-
-    def compress(self, tensor, key=None, step=0, agreed=None):
-        return Payload([pack(self.codes(tensor), 2)], ctx=(tensor.shape, tensor.dtype, tensor.numel()))
+        codes = (flat >= a).to(torch.uint8) | ((flat <= -a).to(torch.uint8) << 1)   # seed 001 §3.4.1
+        return Payload([pack(codes, 2)], ctx=(tensor.shape, tensor.dtype, tensor.numel()))
 
     def _signs(self, payload: Payload) -> torch.Tensor:
         """+1 / −1 / 0 per element, in int8."""
