@@ -160,12 +160,6 @@ ALLREDUCE = {
 
 
 # -- sparse collectives (thinwire/exchange/sparse.py): k (index, value) pairs per rank, `pair` bytes each ----------
-def sparse_allgather(link: Link, n: int, k: float, pair: float = 8) -> Cost:
-    """Top-k by all-gather: every rank receives the n−1 others' k pairs, (n−1)α + (n−1)k·pair β (seed 000 §VI-B:
-    "α log n + 2(n−1)kβ" with a tree's latency; gloo's all-gather is a ring)."""
-    return ring_allgather(link, n, k * pair)
-
-
 def gtopk_allreduce(link: Link, n: int, k: float, pair: float = 8) -> Cost:
     """gTop-k (seed 000 §VI-B, Shi et al.): 2α log n + 4kβ log n in 4-byte words, i.e. per round two messages
     (α each: the set's size, then the set) and k pairs each way (2·k·pair bytes of link time per round).
@@ -208,13 +202,16 @@ def hierarchical_topk(link: Link, n: int, k: float, numel: float, group_size: in
             + _tree_rounds(link, m, g * k * pair))
 
 
-SPARSE = {"allgather": sparse_allgather, "gtopk": gtopk_allreduce, "shared": shared_topk_allreduce}
-
-
 def sparse_collective(name: str, link: Link, n: int, k: float, numel: float, pair: float = 8) -> Cost:
-    """α-β cost of aggregating k-sparse tensors of `numel` elements with the named sparse collective."""
-    if name == "hierarchical":
-        return hierarchical_topk(link, n, k, numel, pair=pair)
+    """α-β cost of aggregating k-sparse tensors of `numel` elements with the named sparse collective. Top-k by
+    all-gather: every rank receives the n−1 others' k pairs, (n−1)α + (n−1)k·pair β (seed 000 §VI-B:
+    "α log n + 2(n−1)kβ" with a tree's latency; gloo's all-gather is a ring)."""
+    if name == "allgather":
+        return ring_allgather(link, n, k * pair)
+    if name == "gtopk":
+        return gtopk_allreduce(link, n, k, pair)
     if name == "shared":
         return shared_topk_allreduce(link, n, k, pair / 2, pair / 2)
-    return SPARSE[name](link, n, k, pair)
+    if name == "hierarchical":
+        return hierarchical_topk(link, n, k, numel, pair=pair)
+    raise KeyError(name)

@@ -28,13 +28,12 @@ DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "fp8": 1
 MEMCPY_BYTES_PER_S = 9.0e9  # one fp32 memcpy moves 4 bytes per element (measured ~7 ms for 2^24 elements)
 
 
-def ps_push_pull(link: Link, n: int, nbytes: float, servers: int = 1, down_bytes: float | None = None) -> Cost:
-    """Parameter server with k servers, parameters sharded evenly: each worker pushes N/k to each server and
-    pulls it back; a server's link receives n·N/k (incast) and sends n·N/k, so one round costs
+def ps_push_pull(link: Link, n: int, up: float, down: float, servers: int = 1) -> Cost:
+    """Parameter server with k servers, parameters sharded evenly: each worker pushes N_up/k to each server and
+    pulls N_down/k back; a server's link receives n·N_up/k (incast) and sends n·N_down/k, so one round costs
     2α + (n N_up + n N_down)/k β on the servers' links (seed 000 §IV-A, Table IV)."""
-    down = nbytes if down_bytes is None else down_bytes
     k = max(1, servers)
-    return Cost(2 * link.alpha, (n * nbytes + n * down) / k * link.beta, nbytes, down)
+    return Cost(2 * link.alpha, (n * up + n * down) / k * link.beta, up, down)
 
 
 COLLECTIVES = dict(netcost.ALLREDUCE)   # every one of them runs: thinwire.comm.collectives, --allreduce NAME
@@ -153,21 +152,21 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     (1/F of DiLoCo's). `sparse_collective=` (a top-k-family compressor)
     picks the sparse collective of its exchange; the prediction's `collective` names what carries it.
     """
-    pred = _predict(s, algorithm, compressor, overlap, **p)
     cp = {k: v for k, v in p.items() if k in COMPRESSOR_PARAMS}
+    collective, comm = exchange(s, compressor, p.get("sparse_collective"), **cp)
+    pred = _predict(s, algorithm, compressor, overlap, comm, cp, p)
     pred.collective = ("ps" if algorithm in ("asp", "ssp", "backup") else
                        "gossip" if algorithm in ("dpsgd", "choco", "sgp", "adpsgd") else
                        "none" if algorithm == "local" else
-                       exchange(s, "threshold2bit" if algorithm == "bitsgd" else compressor,
-                                p.get("sparse_collective"), **cp)[0])
+                       exchange(s, "threshold2bit", p.get("sparse_collective"), **cp)[0] if algorithm == "bitsgd" else
+                       collective)
     return pred
 
 
-def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool = False, **p) -> Prediction:
+def _predict(s: Scenario, algorithm: str, compressor: str, overlap, comm: Cost, cp: dict, p: dict) -> Prediction:
+    """predict's iteration time and bytes; `comm`: the exchange of the whole gradient through `compressor`."""
     tau = s.compute_s
     delta = s.compress_s(compressor) if compressor != "none" else 0.0
-    cp = {k: v for k, v in p.items() if k in COMPRESSOR_PARAMS}
-    _, comm = exchange(s, compressor, p.get("sparse_collective"), **cp)
     sent = comm.sent
     if algorithm in ("bsp", "ssgd"):
         t = tau + delta + (max(0.0, comm.time - s.backward_fraction * tau) if overlap else comm.time)
@@ -205,8 +204,7 @@ def _predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: boo
         exposed = max(0.0, sf.compress_s(compressor) + cf.time - lag * tau)   # hidden by τ_o further inner steps
         return Prediction(algorithm, tau + exposed / k, tau, cf.sent / k, bytes_per_sync=cf.sent)
     if algorithm in ("asp", "ssp", "backup"):
-        ps = ps_push_pull(s.link, s.workers, comm.sent if compressor != "none" else s.nbytes, s.servers,
-                          down_bytes=s.nbytes)
+        ps = ps_push_pull(s.link, s.workers, comm.sent if compressor != "none" else s.nbytes, s.nbytes, s.servers)
         own = tau + delta + 2 * s.link.alpha + (ps.sent + ps.received) * s.link.beta
         return Prediction(algorithm, max(own, ps.transfer), tau, ps.sent)
     if algorithm in ("dpsgd", "choco", "sgp", "adpsgd"):

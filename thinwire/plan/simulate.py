@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -53,7 +53,6 @@ class SimConfig:
     compression: float = 1.0           # payload / uncompressed size (for compressed schedules)
     fragments: int = 1                 # diloco: fragments synced in turn, one every period/fragments steps
     overlap: int = 0                   # diloco: inner steps a fragment's sync overlaps before it is waited for
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> "SimConfig":
         if self.workers < 1 or self.steps < 1:
@@ -161,16 +160,15 @@ def _diloco(c, cfg, comm):
     return f.max()
 
 
-def _cdsgd(c, cfg, comm, comm_full=None, k=None):
+def _cdsgd(c, cfg, comm, full, k=None):
     """Seed 001 eqs. 6–7: iteration i+1 computes while iteration i communicates; the local update of
-    iteration i needs W_i, i.e. the exchange of iteration i−1. Every k-th exchange is full precision."""
+    iteration i needs W_i, i.e. the exchange of iteration i−1. Every k-th exchange is `full` (full precision)."""
     k = k or cfg.k
-    full = comm_full or comm
     f = np.zeros(cfg.workers)
     prev_arrival = 0.0
     for s in range(cfg.steps):
         f = np.maximum(f + c[s], prev_arrival)
-        x = full if (k and s % k == 0) else comm
+        x = full if s % k == 0 else comm
         prev_arrival = f.max() + x.time
     return max(f.max(), prev_arrival)
 
@@ -204,7 +202,7 @@ def _ps(c, cfg, comm, staleness=None):
             blocked.append((i, nxt))
         else:
             heapq.heappush(events, (nxt, i))
-        if blocked and staleness is not None:
+        if blocked:
             still = []
             for j, tj in blocked:
                 if clock[j] - clock.min() <= staleness:
@@ -219,7 +217,8 @@ SCHEDULES = {
     "local": _local, "bsp": _bsp, "localsgd": _localsgd, "dts": _dts,
     "delayed": lambda c, cfg, comm: _dts(c, cfg, comm, period=1),
     "tsparse": lambda c, cfg, comm: _dts(c, cfg, comm, delay=1),
-    "cdsgd": _cdsgd, "odsgd": lambda c, cfg, comm: _cdsgd(c, cfg, comm, k=1), "diloco": _diloco,
+    "cdsgd": lambda c, cfg, comm: _cdsgd(c, cfg, comm, _collective_cost(cfg, cfg.params * cfg.bytes_per_param)),
+    "odsgd": lambda c, cfg, comm: _cdsgd(c, cfg, comm, comm, k=1), "diloco": _diloco,
     "asp": _ps, "ssp": lambda c, cfg, comm: _ps(c, cfg, comm, cfg.staleness),
 }
 
@@ -239,14 +238,10 @@ class SimResult:
 
 def simulate(cfg: SimConfig) -> SimResult:
     cfg.validate()
-    rng = np.random.default_rng(cfg.seed)
-    c = _compute_times(cfg, rng)
+    c = _compute_times(cfg, np.random.default_rng(cfg.seed))
     nbytes = cfg.params * cfg.bytes_per_param
     comm = _collective_cost(cfg, nbytes * cfg.compression / (cfg.fragments if cfg.algorithm == "diloco" else 1))
-    if cfg.algorithm == "cdsgd":   # every k-th exchange is full precision
-        total = _cdsgd(c, cfg, comm, comm_full=_collective_cost(cfg, nbytes))
-    else:
-        total = SCHEDULES[cfg.algorithm](c, cfg, comm)
+    total = SCHEDULES[cfg.algorithm](c, cfg, comm)
     alone = _local(c, cfg, comm)
     return SimResult(cfg.algorithm, cfg.workers, float(total), float(total) / cfg.steps, float(alone / total),
                      comm.time)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from itertools import islice
 from typing import Callable
 
 import torch
@@ -142,8 +143,5 @@ class MGWFBP(Profiled):
         order = list(reversed(range(len(self.params))))      # backward order
         ready = [self.ready_times[i] for i in order]
         sizes = [self.params[i].numel() * self.params[i].element_size() for i in order]
-        groups, at = [], 0
-        for count in merge_plan(ready, sizes, self.cost, self.cost(0.0)):
-            groups.append(order[at:at + count])
-            at += count
-        self._build(groups)
+        members = iter(order)
+        self._build([list(islice(members, count)) for count in merge_plan(ready, sizes, self.cost, self.cost(0.0))])

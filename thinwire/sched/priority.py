@@ -187,10 +187,7 @@ class Priority(Profiled):
 
     # -- the step: hand the buffer over, update lazily -------------------------------------------------
     def finish_step(self) -> None:
-        self._begin()
-        for i in range(len(self.params)):
-            if not self._ready[i]:
-                self.take(i)
+        super().flush()      # the gradients backward did not produce into their chunks (Scheduler's hand-over)
         self._pending = set(range(len(self.params)))
         self._done_events = self._unit_done
         self.result = self._launch_result

@@ -138,13 +138,9 @@ class Scheduler:
     def flush(self) -> None:
         """Hand over every bucket backward has not: missing gradients count as zeros (or as p.grad if set)."""
         self._begin()
-        for b in range(self._next, len(self.sizes)):
-            for i in self.buckets.buckets[b].members:
-                if not self._ready[i]:
-                    self.buckets.adopt(i)
-                    self._ready[i] = True
-            self._count[b] = self.sizes[b]
-        self._launch_ready()
+        for i in range(len(self.params)):   # (take hands the buckets over in bucket order)
+            if not self._ready[i]:
+                self.take(i)
 
     def end_step(self) -> None:
         """The step is over (the algorithm applied what it needed)."""
