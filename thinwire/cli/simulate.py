@@ -26,14 +26,14 @@ def _parse_algorithms(text: str) -> list[tuple[str, str, dict]]:
     return out
 
 
-def _numbers(text: str, what: str, unit: float = 1.0, kind=float) -> list:
+def _numbers(text: str, what: str, kind=float) -> list:
     try:
         values = [kind(v.strip().removesuffix("ms")) for v in text.split(",") if v.strip()]
     except ValueError:
         raise UserError(f"malformed {what} list {text!r}" + ("; e.g. 4,16,256" if kind is int else "")) from None
     if not values:
         raise UserError(f"{what} needs at least one value, got {text!r}")
-    return [v * unit for v in values] if kind is float else values
+    return values
 
 
 MAX_WORKERS, MAX_STEPS, MAX_LATENCY_MS = 65536, 1_000_000, 60_000.0
@@ -41,7 +41,7 @@ MAX_WORKERS, MAX_STEPS, MAX_LATENCY_MS = 65536, 1_000_000, 60_000.0
 
 def check_numbers(args) -> None:
     """Every number of `simulate` in its range before anything runs (NaN and infinities included)."""
-    from ..run.train import MAX_SEED, check_int, check_number
+    from ..run.train import MAX_SEED, check_int, check_number, check_writable_dir
     check_number("--params", args.params, 1, 1e13)
     check_number("--compute-ms", args.compute_ms, 0, 3.6e6, low_open=True)
     check_number("--compute-cv", args.compute_cv, 0, 10)
@@ -50,7 +50,6 @@ def check_numbers(args) -> None:
     check_int("--servers", args.servers, 1, MAX_WORKERS)
     check_int("--seed", args.seed, 0, MAX_SEED)
     if args.out:
-        from ..run.train import check_writable_dir
         check_writable_dir(args.out, "--out")
 
 

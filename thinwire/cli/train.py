@@ -33,17 +33,15 @@ def add_run_options(p) -> None:
 
 
 def config_from_args(args):
+    """The TrainConfig of `train`'s flags: each flag sets the field of its name, and --budget `budget_s`, the
+    extra options `params`, --json / --quiet `progress`; checkpoints go to OUT/checkpoint by default."""
+    from dataclasses import fields
+
     from ..run.train import TrainConfig
-    return TrainConfig(workload=args.workload, algorithm=args.algorithm, workers=args.workers,
-                       network=args.network, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
-                       lr=args.lr, momentum=args.momentum, seed=args.seed, eval_every=args.eval_every,
-                       target=args.target, compressor=args.compressor, memory=args.memory,
-                       servers=args.servers, params=dict(args.extra), trace=args.trace,
-                       progress=not args.json and not args.quiet, checkpoint_every=args.checkpoint_every,
-                       checkpoint_dir=args.checkpoint_dir or (os.path.join(args.out, "checkpoint") if args.out else None),
-                       resume=args.resume, nonfinite=args.nonfinite, on_failure=args.on_failure, device=args.device,
-                       progress_timeout=args.progress_timeout, budget_s=args.budget,
-                       stop_at_target=args.stop_at_target, optimizer=args.optimizer, tensorboard=args.tensorboard)
+    flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    default_dir = os.path.join(args.out, "checkpoint") if args.out else None
+    return TrainConfig(**{**flags, "checkpoint_dir": args.checkpoint_dir or default_dir, "budget_s": args.budget,
+                          "params": dict(args.extra), "progress": not args.json and not args.quiet})
 
 
 def format_summary(s: dict) -> str:

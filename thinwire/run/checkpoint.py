@@ -181,9 +181,8 @@ def load(directory: str, rank: int) -> dict:
     state, error = _torch_load(data)
     if state is not None and not (isinstance(state, dict) and _is_int(state.get("step"))):
         state, error = None, "is not a thinwire checkpoint (no dict with a step)"
-    found = state.get("step") if state is not None else None
-    if state is not None and found != step:  # a whole file of another step: a torn checkpoint, not bit rot
-        raise UserError(f"checkpoint file {path!r} is from step {found}, the manifest says step {step}: "
+    if state is not None and state["step"] != step:  # a whole file of another step: a torn checkpoint, not bit rot
+        raise UserError(f"checkpoint file {path!r} is from step {state['step']}, the manifest says step {step}: "
                         f"the checkpoint is inconsistent")
     if want is not None and got != want:
         raise UserError(f"checkpoint file {path!r} is corrupt: its sha256 {got[:16]}... differs from the "

@@ -214,11 +214,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         MEMBERSHIP.watch(world_size)
         threading.Thread(target=_watch_membership, args=(host, port, world_size), daemon=True).start()
     results.put((rank, -1, "ok", b"", ""))
-    while True:
-        task = tasks.get()
-        if task is None:
-            break
-        task_id, blob = task
+    for task_id, blob in iter(tasks.get, None):  # until close() sends None
         try:
             fn, args, network, seed = pickle.loads(blob)
             set_default_network(network, seed)

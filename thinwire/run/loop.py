@@ -60,10 +60,10 @@ FAR = 0.25              # ... or half-way to the predicted crossing, at most a q
 # -- steppers ---------------------------------------------------------------------------------------------
 class Stepper:
     """What the loop drives. `model` is what forward runs through (a DDP wrapper for a peer), `module` the
-    model evaluated and fingerprinted. `step()` applies one step after backward and returns this step's traffic
-    ({"bytes_sent", "emulated_s", "wait_s"}); `close()` drains what is in flight (inside the training clock);
-    `counted(before)` gives (meter, metrics) of the whole run; `shutdown()` releases what the stepper holds
-    (always called, also after an error)."""
+    model evaluated and fingerprinted, `optimizer` (each stepper sets it) the one `zero_grad()` clears. `step()`
+    applies one step after backward and returns this step's traffic ({"bytes_sent", "emulated_s", "wait_s"});
+    `close()` drains what is in flight (inside the training clock); `counted(before)` gives (meter, metrics) of
+    the whole run; `shutdown()` releases what the stepper holds (always called, also after an error)."""
 
     role = "worker"
 
@@ -78,7 +78,7 @@ class Stepper:
         raise NotImplementedError
 
     def zero_grad(self) -> None:
-        raise NotImplementedError
+        self.optimizer.zero_grad(set_to_none=False)
 
     def close(self) -> None:
         pass
@@ -103,14 +103,7 @@ class Stepper:
 
 def make_optimizer(cfg, wl, parameters) -> torch.optim.Optimizer:
     """The workload's optimizer (or `cfg.optimizer` by name) with `cfg.lr` / `cfg.momentum` over it."""
-    return wl.make_optimizer(parameters, lr=cfg.lr, momentum=cfg.momentum, optimizer=getattr(cfg, "optimizer", None))
-
-
-def run_device(cfg):
-    """The device a worker trains on: its current CUDA device (set by the launcher) for `device="cuda"`."""
-    if getattr(cfg, "device", "cpu") == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return wl.make_optimizer(parameters, lr=cfg.lr, momentum=cfg.momentum, optimizer=cfg.optimizer)
 
 
 class TrainerStepper(Stepper):
@@ -118,13 +111,14 @@ class TrainerStepper(Stepper):
 
     def __init__(self, cfg, wl, rank: int, tracer=None):
         from ..trainer import Trainer
-        model = wl.model(cfg.seed).to(run_device(cfg))
+        # device="cuda": the worker's current CUDA device, which the launcher set
+        device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+        model = wl.model(cfg.seed).to(device)
         self.trainer = Trainer(model, make_optimizer(cfg, wl, model.parameters()), algorithm=cfg.algorithm,
                                compressor=cfg.compressor, memory=cfg.memory, network=cfg.network, tracer=tracer,
-                               nonfinite=cfg.nonfinite, on_failure=getattr(cfg, "on_failure", "stop"),
-                               **cfg.component_params())
+                               nonfinite=cfg.nonfinite, on_failure=cfg.on_failure, **cfg.component_params())
         super().__init__(model, model, getattr(self.trainer.algorithm, "worker_rank", rank))
-        self.role = getattr(self.trainer.algorithm, "role", "worker")
+        self.optimizer, self.role = self.trainer.optimizer, getattr(self.trainer.algorithm, "role", "worker")
 
     @property
     def parameters(self) -> list:
@@ -132,9 +126,6 @@ class TrainerStepper(Stepper):
 
     def step(self) -> dict:
         return self.trainer.step()
-
-    def zero_grad(self) -> None:
-        self.trainer.optimizer.zero_grad(set_to_none=False)
 
     def close(self) -> None:
         self.trainer.close()
@@ -166,18 +157,19 @@ class TrainerStepper(Stepper):
         cut where every worker's pushes of that step are answered (PSServer.serve). Returns what the checkpoint
         it resumed from had counted (None: a fresh start)."""
         before = _restore(cfg, rank, self).get("counted") if cfg.resume else None
-        if cfg.checkpoint_every:
-            save = lambda step: _save(cfg, rank, world_size, step, self, before)
-            self.trainer.algorithm.serve(checkpoint=(cfg.checkpoint_every, total, save))
-        else:
-            self.trainer.algorithm.serve()
+        save = lambda step: _save(cfg, rank, world_size, step, self, before)
+        self.trainer.algorithm.serve(checkpoint=(cfg.checkpoint_every, total, save) if cfg.checkpoint_every else None)
         return before
 
 
 def make_stepper(cfg, wl, rank: int, world_size: int, tracer=None) -> Stepper:
-    from .peers import PEER_PARAMS, make_peer
-    if cfg.algorithm in PEER_PARAMS:
-        return make_peer(cfg, wl, rank, world_size)
+    """The stepper of `cfg.algorithm`: torchft's DiLoCo or a DDP peer (`run/peers.py`), else thinwire's Trainer."""
+    if cfg.algorithm == "torchft-diloco":
+        from .torchft_peer import TorchftDiLoCoStepper
+        return TorchftDiLoCoStepper(cfg, wl, rank, world_size)
+    if cfg.peer:
+        from .peers import DDPStepper
+        return DDPStepper(cfg, wl, rank, world_size)
     return TrainerStepper(cfg, wl, rank, tracer)
 
 
@@ -360,7 +352,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     bar = board = None
     if cfg.progress and wrank == 0 and not os.environ.get("THINWIRE_NO_PROGRESS"):
         bar = progress_bar(total=total, desc=f"{cfg.algorithm} on {cfg.network}", unit="step", leave=False)
-    if getattr(cfg, "tensorboard", None) and wrank == 0:
+    if cfg.tensorboard and wrank == 0:
         board = Board(cfg.tensorboard, wl.metric)
     steps, evals, clock, first, before, stop = [], [], 0.0, 1, None, None
 
@@ -403,8 +395,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             dt = _now() - t0
             clock += dt
             rec = {"step": step, "loss": loss.item(), "t": clock, "step_s": dt,
-                   "bytes_sent": traffic["bytes_sent"], "emulated_s": traffic["emulated_s"],
-                   "wait_s": traffic["wait_s"]}
+                   **{k: traffic[k] for k in ("bytes_sent", "emulated_s", "wait_s")}}
             steps.append(rec)
             if board is not None:
                 board.step(rec)

@@ -198,8 +198,7 @@ def _build(cfg, wl, model, workers: int):
         hook, desc = hooks[name]
         ddp.register_comm_hook(None, hook)
         return ddp, make_optimizer(cfg, wl, ddp.parameters()), desc
-    if name not in ("ddp-postlocalsgd", "ddp-hierarchical"):
-        raise ValueError(f"unknown DDP peer {name!r}")
+    # ddp-postlocalsgd and ddp-hierarchical: post-local SGD, then a model averager
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
     from torch.distributed.optim import PostLocalSGDOptimizer
     warmup = int(p.get("warmup", 8))
@@ -250,9 +249,6 @@ class PeerStepper(Stepper):
         self._before = now
         return out
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)
-
     def counted(self, before) -> tuple[dict, dict]:
         return {"total": self.counter.totals()}, {"peer": self.desc}
 
@@ -272,10 +268,3 @@ class DDPStepper(PeerStepper):
     def shutdown(self) -> None:
         self.counter.__exit__(None, None, None)
         self.model = None  # DDP's reducer goes with it
-
-
-def make_peer(cfg, wl, rank: int, world_size: int) -> Stepper:
-    if cfg.algorithm == "torchft-diloco":
-        from .torchft_peer import TorchftDiLoCoStepper
-        return TorchftDiLoCoStepper(cfg, wl, rank, world_size)
-    return DDPStepper(cfg, wl, rank, world_size)

@@ -340,16 +340,14 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
     if out:
         check_writable_dir(out, "--out")  # before training: never lose the results to a bad path
     cfg.validate()
-    world = cfg.workers + cfg.servers
     t0 = _now()
     if pool is not None:
         results = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed)
     else:
-        results = launch(train_worker, world, network=cfg.network, args=(cfg,), seed=cfg.seed,
+        results = launch(train_worker, cfg.workers + cfg.servers, network=cfg.network, args=(cfg,), seed=cfg.seed,
                          progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT, on_failure=cfg.on_failure,
                          device=cfg.device)
-    wall = _now() - t0
-    summary, rows = summarize(cfg, results, wall)
+    summary, rows = summarize(cfg, results, _now() - t0)
     if out:
         write_outputs(out, cfg, summary, rows, results)
     return summary
@@ -369,8 +367,7 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
     """Under torchrun: train as one worker of the job; rank 0 gathers the records (as JSON, never pickle)
     and writes the outputs. Returns the summary on rank 0, None elsewhere."""
     import torch.distributed as dist
-    if world_size != cfg.workers + cfg.resolve_servers():
-        cfg.workers = world_size - cfg.servers
+    cfg.workers = world_size - cfg.resolve_servers()  # the workers are what torchrun started
     if cfg.resume and not checkpoint.exists(cfg.resume):
         # torchrun runs the same command on every (re)start: `--resume DIR` before DIR's first checkpoint
         # starts fresh; an elastic restart after a failure then continues from the last checkpoint
