@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from .files import atomic_write
 
 TRACKS = ("compute", "compress", "communicate", "emulated", "wait", "optimizer", "forward", "backward")
-_ORDER = ("forward", "backward", "compute", "compress", "communicate", "emulated", "wait", "optimizer")
+ORDER = ("forward", "backward", "compute", "compress", "communicate", "emulated", "wait", "optimizer")
 LANE = 100   # overlapping spans of one track go to extra threads tid + LANE·k, so every thread is well nested
 
 
@@ -81,7 +81,7 @@ def write_chrome_trace(path: str, events_by_rank: list[list[dict]]) -> None:
             base = TRACKS[tid % LANE] if tid % LANE < len(TRACKS) else "other"
             name = base if tid < LANE else f"{base} {tid // LANE + 1}"
             events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
-            order = _ORDER.index(base) if base in _ORDER else len(_ORDER)
+            order = ORDER.index(base) if base in ORDER else len(ORDER)
             events.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid,
                            "args": {"sort_index": order * LANE + tid // LANE}})
         events.extend(evs)

@@ -270,8 +270,7 @@ class Harness:
                 ran, why = tuned[cell.label, network]
                 t0 = _now()
                 row = {"key": key, "label": cell.label, "network": network, "seed": seed, "device": cfg.device,
-                       "peer": cell.peer,
-                       "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
+                       "peer": cell.peer, "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
                        "config": asdict(self.train_config(ran, network, seed))}
                 try:
                     row.update(self.run_cell(ran, network, seed))
@@ -433,9 +432,9 @@ def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
     out.sort(key=lambda e: order.get(e["network"], 99))
     for n in {e["network"] for e in out}:
         here = rank([e for e in out if e["network"] == n])
-        if not here or here[0]["status"] != "ok":
-            continue
         best = here[0]
+        if best["status"] != "ok":
+            continue
         for e in here:  # defined when the best reached the target: do the ranges of time to target overlap?
             e["within_noise_of_best"] = (None if not best["reached"] else
                                          e is not best and e["status"] == "ok" and e["ttt_min"] is not None

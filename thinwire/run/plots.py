@@ -15,12 +15,16 @@ def _style(results: dict) -> dict:
                   "marker": "s" if lab in peers else "o"} for i, lab in enumerate(labels)}
 
 
-def _minor_label(v: float, _pos) -> str:
-    """Label the 2× and 5× minor ticks of a log axis too (a newcomer reads 0.2, 0.5 more easily than 10^-1)."""
-    if v <= 0:
-        return ""
-    mant = round(v / 10 ** math.floor(math.log10(v)), 3)
-    return f"{v:g}" if mant in (2.0, 5.0) else ""
+def _log_labels(axis) -> None:
+    """Label a log axis in plain numbers, its 2× and 5× minor ticks too (a newcomer reads 0.2, 0.5 more easily
+    than 10^-1)."""
+    from matplotlib.ticker import FuncFormatter
+
+    def minor(v: float, _pos) -> str:
+        mant = round(v / 10 ** math.floor(math.log10(v)), 3) if v > 0 else 0.0
+        return f"{v:g}" if mant in (2.0, 5.0) else ""
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(minor))
 
 
 def _grid(n: int):
@@ -56,10 +60,8 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
             ax.annotate(f"target {target}", (0.01, target), xycoords=("axes fraction", "data"),
                         textcoords="offset points", xytext=(2, 3), fontsize=8, color="grey")
         if log_x:
-            from matplotlib.ticker import FuncFormatter
             ax.set_xscale("log")
-            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.xaxis.set_minor_formatter(FuncFormatter(_minor_label))
+            _log_labels(ax.xaxis)
         ax.set_title(f"network: {net}", fontsize=11)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test " + metric)
@@ -79,7 +81,6 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
 
 def _ttt(results: dict, path: str) -> str:
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
     style = _style(results)
     nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
     fig, ax = plt.subplots(figsize=(8.5, 5.2))
@@ -106,8 +107,7 @@ def _ttt(results: dict, path: str) -> str:
     if reached:
         ax.set_yscale("log")
         ax.set_ylim(min(reached) / 1.5, ceiling * 1.4)
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
+        _log_labels(ax.yaxis)
         ax.set_ylabel("time to target (s, log scale; lower is better)")
     else:
         ax.set_ylim(0, 1.5)

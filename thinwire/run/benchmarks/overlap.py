@@ -30,6 +30,7 @@ import torch
 
 from ...errors import UserError
 from ...net import parse_network, ring_allreduce
+from ...trace import ORDER
 from . import pyplot, save
 
 _now = time.perf_counter
@@ -82,11 +83,9 @@ def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
                 model.register_comm_hook(*ddp_hook("none"))
             elif name == "ddp+pyhook":
                 model.register_comm_hook(None, _python_allreduce_hook)
-        if name in VARIANTS:
-            params, comp = VARIANTS[name]
-            runs[name] = (model, opt, Trainer(model, opt, compressor=comp, **params))
-        else:                                           # compute only, or DDP
-            runs[name] = (model, opt, None)
+        params, comp = VARIANTS.get(name, ({}, None))
+        tr = Trainer(model, opt, compressor=comp, **params) if name in VARIANTS else None  # compute only, or DDP
+        runs[name] = (model, opt, tr)
     times = {n: [] for n in names}
     waits = {n: [] for n in names}
 
@@ -177,9 +176,9 @@ def render_trace(path: str, png: str, start_s: float | None = None, span_s: floa
     spans = [e for e in events if e.get("ph") == "X"]
     t_lo = min(e["ts"] for e in spans) / 1e6 + (start_s or 0.0)
     t_hi = t_lo + span_s if span_s else max(e["ts"] + e["dur"] for e in spans) / 1e6
+    track = lambda k: names.get(k, "").split(" ")[0]
     rows = sorted({(e["pid"], e["tid"]) for e in spans},
-                  key=lambda k: (k[0], _ORDER.index(names.get(k, "").split(" ")[0])
-                                 if names.get(k, "").split(" ")[0] in _ORDER else 99, k[1]))
+                  key=lambda k: (k[0], ORDER.index(track(k)) if track(k) in ORDER else 99, k[1]))
     colors = {"forward": "tab:blue", "backward": "tab:cyan", "compute": "tab:gray", "compress": "tab:purple",
               "communicate": "tab:orange", "emulated": "tab:red", "wait": "black", "optimizer": "tab:green"}
     fig, ax = plt.subplots(figsize=(12, 0.32 * len(rows) + 1.2))
@@ -198,9 +197,6 @@ def render_trace(path: str, png: str, start_s: float | None = None, span_s: floa
     ax.set_xlabel("time (ms)")
     ax.set_title(f"thinwire trace: {path.split('/')[-2] if '/' in path else path}")
     save(fig, png, dpi=120)
-
-
-_ORDER = ("forward", "backward", "compute", "compress", "communicate", "emulated", "wait", "optimizer")
 
 
 def _fmt(r: dict) -> str:
@@ -230,14 +226,11 @@ def run(args) -> int:
         workers = [int(w) for w in args.workers.split(",")]
     except ValueError:
         raise UserError(f"--workers takes comma-separated integers, e.g. 2,4; got {args.workers!r}") from None
-    networks = args.network.split(",")
-    for n in networks:
-        parse_network(n)
+    links = [(n, parse_network(n)) for n in args.network.split(",")]   # every profile checked before any run
     results = []
     for w in workers:
-        for n in networks:
-            emulated = parse_network(n).emulated
-            r = measure(w, n, args.rounds, args.wan_steps if emulated else args.steps, args.warmup)
+        for n, link in links:
+            r = measure(w, n, args.rounds, args.wan_steps if link.emulated else args.steps, args.warmup)
             results.append(r)
             if not args.json:
                 print(_fmt(r), flush=True)
