@@ -33,7 +33,7 @@ class Gossip(Algorithm):
                  architecture: str | None = None):
         super().__init__(architecture)
         if topology not in self.topologies:
-            raise UserError(f"algorithm {self.name!r} does not run on topology {topology!r}; "
+            raise UserError(f"{self.name} on gossip does not run on topology {topology!r}; "
                             f"valid: {', '.join(self.topologies)}")
         if not isinstance(consensus_every, int) or consensus_every < 0:
             raise UserError(f"consensus_every must be an integer >= 0 (0: only at close), got {consensus_every!r}")

@@ -21,11 +21,16 @@ from ..exchange import Exchange
 from ..sched import step_subset, views
 
 
+def copy_each(tensors: list[torch.Tensor], sources) -> None:
+    """Copy each of `sources` into the tensor beside it (outside autograd: parameters too)."""
+    with torch.no_grad():
+        for t, s in zip(tensors, sources):
+            t.copy_(s)
+
+
 def copy_flat(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy `flat`, the tensors concatenated (flattened), into them."""
-    with torch.no_grad():
-        for t, v in zip(tensors, views(flat, tensors)):
-            t.copy_(v)
+    copy_each(tensors, views(flat, tensors))
 
 
 def int_at_least(what: str, value, low: int, hint: str = "") -> int:

@@ -47,7 +47,7 @@ from ..errors import UserError
 from ..net import cdsgd as time_model
 from ..sched import views
 from . import register
-from .base import copy_flat, int_at_least
+from .base import copy_each, copy_flat, int_at_least
 from .bsp import BSP
 from .ps_sync import PSMixin
 
@@ -147,8 +147,8 @@ class CDSGD(BSP):
         self.timed = _TimedCompressor(self.compressor) if self.compress else None
         self.quant = self.make_exchange(self.timed, self.memory) if self.compress else None
         self.pending: dict[int, object] = {}
-        with torch.no_grad():   # global weights (rank 0's, broadcast); without the local update, the model itself
-            self.W = [p.detach().clone() if self.local_update else p.detach() for p in self.params]
+        # global weights (rank 0's, broadcast); without the local update, the model itself
+        self.W = [p.detach().clone() if self.local_update else p.detach() for p in self.params]
         self.W_prev = [w.clone() for w in self.W]                # before the last global update
         self.buf: list[torch.Tensor] | None = None               # momentum buffer of the global update
         self.prev: dict[int, tuple] = {}       # formal iterations: last step's exchanges, applied this step
@@ -199,14 +199,13 @@ class CDSGD(BSP):
             self._synchronous_update(hyper)
         elif formal:                       # eq. 11 now; eq. 10 of this step is applied at the next one
             self._apply_global(self.prev, hyper)                   # W_i: the previous exchange only
-            self._set_model(self._local(hyper))
-            self.prev, self.pending = self._take_pending(), {}
+            copy_each(self.params, self._local(hyper))
+            self.prev = self._take_pending()
         else:
             # Algorithm 1 lines 5–6, 11–12: the last warm-up iteration also prepares W^loc_{n+1} = W_n − η_loc·g_n
             w_loc = self._local(hyper) if self.iteration == self.warmup - 1 else None
             self._apply_global(self._take_pending(), hyper)
-            self.pending = {}
-            self._set_model(w_loc if w_loc is not None else self.W)
+            copy_each(self.params, w_loc if w_loc is not None else self.W)
         self.iteration += 1
         self.counter += formal
         self._last_end = _now()
@@ -218,7 +217,7 @@ class CDSGD(BSP):
         self.optimizer_step()
 
     def _take_pending(self) -> dict:
-        return {b.index: (b.members, self.pending[b.index]) for b in self.scheduler.buckets}
+        return {b.index: (b.members, self.pending.pop(b.index)) for b in self.scheduler.buckets}
 
     def _local(self, hyper: dict) -> list[torch.Tensor]:
         """W^loc_{i+1} = W_i − η_loc·g_i (seed 001 eq. 11), plus the known momentum step μ·(W_i − W_{i−1})."""
@@ -255,16 +254,11 @@ class CDSGD(BSP):
                         d = d.add(self.buf[i], alpha=mu) if h["nesterov"] else self.buf[i]
                     W.add_(d, alpha=-h["lr"])
 
-    def _set_model(self, weights: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for p, w in zip(self.params, weights):
-                p.copy_(w)
-
     def close(self):
         if self.local_update:
             self._apply_global(self.prev, _sgd_hyper(self.optimizer))
             self.prev = {}
-            self._set_model(self.W)
+            copy_each(self.params, self.W)
         self.scheduler.close()
 
     # -- reporting and state ---------------------------------------------------------------------------
@@ -370,7 +364,6 @@ class PSCDSGD(PSMixin, CDSGD):
 
     def _synchronous_update(self, hyper: dict) -> None:
         self._apply_global(self._take_pending(), hyper)
-        self.pending = {}
 
 
 @register("bitsgd", variant="ps")

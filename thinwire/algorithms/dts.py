@@ -16,7 +16,7 @@ from ..comm.engine import Ready
 from ..errors import UserError
 from ..sched import views
 from . import register
-from .base import Algorithm, copy_flat, int_at_least
+from .base import Algorithm, copy_each, copy_flat, int_at_least
 
 
 _IDENTITY = ((1.0, 0.0), (0.0, 1.0))
@@ -276,8 +276,7 @@ class DTS(Algorithm):
             raise UserError(f"checkpoint has delay={state['delay']}, period={state['period']}; "
                             f"this {self.name} has delay={self.delay}, period={self.period}")
         self.steps, self._in_window = state["steps"], state["in_window"]
-        for mine, saved in zip(self._c + (self._b or []), state["c"] + (state["b"] or [])):
-            mine.copy_(saved)
+        copy_each(self._c + (self._b or []), state["c"] + (state["b"] or []))
         self._ref = None if state["ref"] is None else list(state["ref"])
         self._flight = deque([f["end"], [(list(m), loc.clone(), Ready(avg.clone())) for m, loc, avg in f["launches"]],
                               list(f["ref"]), [tuple(tuple(row) for row in m) for m in f["post"]]]

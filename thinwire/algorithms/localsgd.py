@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
 from . import register
-from .base import copy_flat, int_at_least
+from .base import copy_each, copy_flat, int_at_least
 from .bsp import BSP
 from .ps_sync import PSMixin
 
@@ -72,9 +71,7 @@ class LocalSGD(BSP):
     def recover(self):
         super().recover()
         self._momenta.clear()
-        with torch.no_grad():
-            for a, p in zip(self.anchor, self.params):   # the survivors restart from the new rank 0's model
-                a.copy_(p)
+        copy_each(self.anchor, self.params)   # the survivors restart from the new rank 0's model
         self.local_steps = 0
 
     def _start_average(self, bucket) -> None:
@@ -135,9 +132,7 @@ class PostLocalSGD(LocalSGD):
     def __init__(self, switch: int = 100, period: int = 4, average_momentum: bool = False,
                  architecture: str | None = None):
         super().__init__(period, average_momentum, architecture)
-        if not isinstance(switch, int) or isinstance(switch, bool) or switch < 0:
-            raise UserError(f"postlocalsgd switch must be a step number >= 0, got {switch!r}")
-        self.switch = switch
+        self.switch = int_at_least(f"{self.name} switch", switch, 0)
         self.steps = 0
 
     def synchronous(self) -> bool:
@@ -156,8 +151,7 @@ class PostLocalSGD(LocalSGD):
     def step(self):
         if self.synchronous():
             BSP.step(self)          # phase 1: bsp's step, and the anchor follows the model
-            for a, p in zip(self.anchor, self.params):
-                a.copy_(p.detach())
+            copy_each(self.anchor, self.params)
         else:
             super().step()
         self.steps += 1

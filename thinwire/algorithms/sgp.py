@@ -27,7 +27,6 @@ class SGP(Gossip):
     """Stochastic Gradient Push: push-sum gossip to one rotating out-peer per step."""
 
     compression = False
-    topologies = ("ring", "torus", "exponential", "random", "complete")
 
     def __init__(self, topology: str = "exponential", consensus_every: int = 0, final_average: bool = True,
                  architecture: str | None = None):
@@ -52,9 +51,8 @@ class SGP(Gossip):
         for bucket in self.scheduler.buckets:
             got = self.received(bucket)
             total = got[self.rank].clone()
-            for j in sorted(got):
-                if j != self.rank:
-                    total.add_(got[j])
+            for j in sorted(got.keys() - {self.rank}):
+                total.add_(got[j])
             totals.append(total)
         self.weight = float(totals[0][-1])
         for bucket, total in zip(self.scheduler.buckets, totals):

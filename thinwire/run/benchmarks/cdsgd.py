@@ -18,6 +18,8 @@ import os
 from ...errors import UserError
 from . import pyplot, save, write_json
 
+_TIME_MODEL = ("tau_s", "phi_s", "psi_s", "delta_s")   # seed 001 Table 1: τ, φ, ψ, δ, measured by each run
+
 
 def _thresholds(text: str) -> dict:
     """`0.01` (every workload) or `workload=value,workload=value`; empty: the compressor's default."""
@@ -66,9 +68,8 @@ def run(args) -> int:
                            "steps": s["steps"], "accuracy": s.get("final_accuracy"),
                            "best_accuracy": s.get("best_accuracy"), "target": s["target"],
                            "time_to_target_s": s["time_to_target_s"], "train_s": s["train_s"],
-                           "measured_step_s": m.get("measured_step_s"), "predicted_step_s": m.get("predicted_step_s"),
-                           "tau_s": m.get("tau_s"), "phi_s": m.get("phi_s"), "psi_s": m.get("psi_s"),
-                           "delta_s": m.get("delta_s"), "bytes_per_step": s["bytes_sent_per_worker_per_step"]}
+                           **{k: m.get(k) for k in ("measured_step_s", "predicted_step_s", *_TIME_MODEL)},
+                           "bytes_per_step": s["bytes_sent_per_worker_per_step"]}
                     rows.append(row)
                     print(f"{workload:<11} {network:<8} {label:<12} acc {row['accuracy']:.4f}  "
                           f"ttt {row['time_to_target_s'] if row['time_to_target_s'] is not None else '-'}  "
@@ -89,7 +90,7 @@ def table(rows: list[dict]) -> str:
         ttt = f"{r['time_to_target_s']:.2f}" if r["time_to_target_s"] is not None else "not reached"
         out.append(f"| {r['workload']} | {r['network']} | {r['algorithm']} | {r['steps']} | {r['accuracy']:.4f} | "
                    f"{ttt} | {r['train_s']:.2f} | {_ms(r['measured_step_s'])} | {_ms(r['predicted_step_s'])} | "
-                   f"{_ms(r['tau_s'])} / {_ms(r['phi_s'])} / {_ms(r['psi_s'])} / {_ms(r['delta_s'])} | "
+                   f"{' / '.join(_ms(r[k]) for k in _TIME_MODEL)} | "
                    f"{r['bytes_per_step'] / 1e3:.1f} |")
     return "\n".join(out)
 
