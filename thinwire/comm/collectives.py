@@ -210,7 +210,7 @@ def _double_binary_tree(tp, flat, members, me, combine, _size=None) -> None:
     and in its own tree it adds its children's block j to its own and passes it up as soon as they are in, so
     no wait of one tree holds the other back. Once a tree's root holds the sums, block j goes down the same way.
     Each block is summed once (at its tree's root) and copied: identical on every rank."""
-    k = tree_blocks(flat.numel() * flat.element_size())
+    k = tree_blocks(flat.nbytes)
     parts = [half.tensor_split(k) for half in flat.tensor_split(2)]
     links = [tree[me] for tree in double_trees(len(members))]     # per tree: (parent, children) of this rank
     blocks = [[j for j in range(k) if parts[t][j].numel()] for t in (0, 1)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -327,7 +328,7 @@ class Transport:
         works = []
         if self.world_size > 1:
             works = [dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True)]
-        cost = ring_allreduce(self.collective_link, self.world_size, tensor.numel() * tensor.element_size())
+        cost = ring_allreduce(self.collective_link, self.world_size, tensor.nbytes)
         post = (lambda t: t.div_(self.world_size)) if op == "mean" and self.world_size > 1 else None
         return Handle(self, "all_reduce", works, cost, tensor, post, issued)
 
@@ -371,8 +372,7 @@ class Transport:
             works = []
             if self.world_size > 1:
                 works = [dist.broadcast(tensor, src=self.global_of(src), group=self.group, async_op=True)]
-            cost = tree_broadcast(self.collective_link, self.world_size, tensor.numel() * tensor.element_size(),
-                                  self.rank, src)
+            cost = tree_broadcast(self.collective_link, self.world_size, tensor.nbytes, self.rank, src)
             return Handle(self, "broadcast", works, cost, tensor, None, issued)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "broadcast", async_op)
@@ -391,8 +391,7 @@ class Transport:
         before it (`thinwire.comm.emulation`)."""
         def program():
             issued = _now()
-            c = p2p(self.link, tensor.numel() * tensor.element_size())
-            cost = Cost(c.latency, c.transfer, c.sent, 0.0)
+            cost = replace(p2p(self.link, tensor.nbytes), received=0.0)
             data, out = tensor.contiguous(), None
             if self.link.emulated:
                 out = self.clock.schedule(issued, cost, tx=True, rx=False, latency=False)
@@ -409,9 +408,8 @@ class Transport:
         no earlier than α after the sender's link pushed its last byte out."""
         def program():
             issued = _now()
-            nbytes = tensor.numel() * tensor.element_size()
-            c = p2p(self.link, nbytes)
-            cost = Cost(c.latency, c.transfer, 0.0, c.received)
+            nbytes = tensor.nbytes
+            cost = replace(p2p(self.link, nbytes), sent=0.0)
             if not self.link.emulated:
                 work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
                 return Handle(self, "recv", [work], cost, tensor, None, issued, tx=False)

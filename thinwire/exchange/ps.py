@@ -245,7 +245,7 @@ class PSServer:
                  downlink_scale: float = 1.0):
         if rule not in self.RULES:
             raise UserError(f"unknown PS rule {rule!r}; valid: {', '.join(self.RULES)}")
-        self.t, self.layout, self.keys, self.params = transport, layout, list(keys), list(params)
+        self.layout, self.keys, self.params = layout, list(keys), list(params)
         self.codecs, self.update, self.rule, self.backups = list(codecs), update, rule, backups
         self.downlink, self.scale = downlink, float(downlink_scale)
         self.k = layout.shard_of(transport.rank)
@@ -273,13 +273,12 @@ class PSServer:
         tick = None
         if checkpoint is not None:
             every, total, save = checkpoint
-            cut = [(self.step // every + 1) * every]
 
             def tick() -> bool:
-                if cut[0] < total and self._quiet_at(pushes_at(cut[0])):
-                    self.step = cut[0]
-                    save(cut[0])
-                    cut[0] += every
+                cut = (self.step // every + 1) * every       # the next checkpoint after the last one saved
+                if cut < total and self._quiet_at(pushes_at(cut)):
+                    self.step = cut
+                    save(cut)
                     return True
                 return False
         self.loop.run(self._on_message, tick)
@@ -314,12 +313,8 @@ class PSServer:
             self._try_sync(b)
 
     def _try_sync(self, b: int) -> None:
-        pend = self.pending[b]
-        while self.version[b] in pend:
-            got = pend[self.version[b]]
-            expected = sum(1 for w in range(self.layout.workers) if not self.done[w] or w in got)
-            if len(got) < expected:
-                return
+        pend = self.pending[b]      # round r is released when every worker still pushing has pushed it
+        while self.version[b] in pend and all(done or w in pend[self.version[b]] for w, done in enumerate(self.done)):
             self._release(b, pend.pop(self.version[b]))
 
     def _try_backup(self, b: int) -> None:

@@ -67,4 +67,4 @@ def unpack(buf: torch.Tensor) -> list[torch.Tensor]:
 
 def packed_size(tensors: list[torch.Tensor]) -> int:
     """Bytes `pack(tensors)` takes."""
-    return 4 + 8 * len(tensors) + sum(t.numel() * t.element_size() for t in tensors)
+    return 4 + 8 * len(tensors) + sum(t.nbytes for t in tensors)

@@ -53,7 +53,7 @@ class Link:
         (gloo's all-reduce, all-gather and broadcast) sees it: every step starts with a round trip, so its
         start-up cost α is twice the one-way latency. Measured under the real-network mode: a 2-rank gloo
         all-reduce at 50 ms one-way takes 4 one-way latencies, a broadcast 2 (BENCHMARKS.md)."""
-        return replace(self, latency=2 * self.latency, name=self.name)
+        return replace(self, latency=2 * self.latency)
 
     def to_dict(self) -> dict:
         return asdict(self)

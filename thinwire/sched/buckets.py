@@ -25,14 +25,11 @@ def assign(params: list[torch.Tensor], bucket_bytes: float, first_bucket_bytes: 
     cap = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
     for i in reversed(range(len(params))):
         p = params[i]
-        if cur and params[cur[-1]].dtype != p.dtype:
+        if cur and (size >= cap or params[cur[-1]].dtype != p.dtype):   # full, or another dtype: closed
             groups.append(cur)
             cur, size, cap = [], 0, bucket_bytes
         cur.append(i)
         size += p.numel() * p.element_size()
-        if size >= cap:
-            groups.append(cur)
-            cur, size, cap = [], 0, bucket_bytes
     if cur:
         groups.append(cur)
     return groups

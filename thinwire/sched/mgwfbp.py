@@ -84,10 +84,10 @@ class Profiled(Scheduler):
         rows = self._profiles[1:] or self._profiles     # the first step warms up allocators and caches
         rel = []
         for row in rows:
-            t0 = min((t for t in row if t == t), default=0.0)
-            end = max((t for t in row if t == t), default=0.0)
+            seen = [t for t in row if t == t]
+            t0, end = min(seen, default=0.0), max(seen, default=0.0)
             rel.append([(t if t == t else end) - t0 for t in row])   # no gradient: ready at the end
-        ready = [statistics.median(r[i] for r in rel) if rel else 0.0 for i in range(n)]
+        ready = [statistics.median(column) for column in zip(*rel)] if rel else [0.0] * n
         a, b = self._measure_cost()
         msg = torch.tensor(ready + [a, b], dtype=torch.float64, device=self.transport.device)
         if self.transport.world_size > 1:
@@ -102,21 +102,17 @@ class Profiled(Scheduler):
         link, n = t.link, t.world_size
         if link.emulated or n == 1:
             a = ring_allreduce(link, n, 0).time
-            b = ring_allreduce(link, n, 1.0).time - a
-            return a, b
+            return a, ring_allreduce(link, n, 1.0).time - a
         big = 1 << 20
-        times = {}
+        best = {4: float("inf"), big: float("inf")}
         t.all_reduce(torch.zeros(1, device=t.device))     # warm-up
-        for nbytes in (4, big):
+        for nbytes in best:
             x = torch.zeros(nbytes // 4, device=t.device)
-            best = float("inf")
             for _ in range(3):
                 t0 = _now()
                 t.all_reduce(x)
-                best = min(best, _now() - t0)
-            times[nbytes] = best
-        b = max(0.0, (times[big] - times[4]) / (big - 4))
-        return times[4], b
+                best[nbytes] = min(best[nbytes], _now() - t0)
+        return best[4], max(0.0, (best[big] - best[4]) / (big - 4))
 
     def cost(self, nbytes: float) -> float:
         a, b = self.cost_ab or (0.0, 0.0)

@@ -88,7 +88,6 @@ class Priority(Profiled):
     def attach(self, model, params, algorithm, transport, tracer=None, optimizer=None):
         self.optimizer = optimizer
         self.exchange = algorithm.exchange       # priority decides the update too: bsp's exchange, per chunk
-        self._inplace = self.exchange.identity
         super().attach(model, params, algorithm, transport, tracer)
         for m in model.modules():
             own = [self.index[id(p)] for p in m.parameters(recurse=False) if id(p) in self.index]
@@ -113,8 +112,7 @@ class Priority(Profiled):
         per_unit = collections.Counter(u for us in self.param_units for u in us)
         self.unit_params = [per_unit[u] for u in range(len(self.units))]
         self.flat = [torch.zeros(self.numel, dtype=p0.dtype, device=p0.device) for _ in range(2)]
-        self._result_buf = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
-        self.result = self._result_buf
+        self.result = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)   # the averages the update applies
         self.cur = 0
         self.order = list(reversed(range(len(self.units))))   # FIFO in backward order until planned
         self._thread: threading.Thread | None = None
@@ -140,7 +138,7 @@ class Priority(Profiled):
     def before_first_grad(self) -> None:
         self.flush()
         # in place (identity exchange): the averages land in the buffer that was sent, kept until the next flush
-        self._launch_result = self.flat[self.cur] if self._inplace else self._result_buf
+        self._launch_result = self.flat[self.cur] if self.exchange.identity else self.result
         self._thread = threading.Thread(target=self._launcher, args=(self.flat[self.cur], self._launch_result,
                                         list(self.order), self._unit_ready, self._unit_done),
                                         name="thinwire-priority", daemon=True)
@@ -192,17 +190,13 @@ class Priority(Profiled):
         self._done_events = self._unit_done
         self.result = self._launch_result
         self.cur ^= 1                            # the next backward accumulates into the other buffer
-        with torch.no_grad():
-            self.flat[self.cur].zero_()
-            for i, p in enumerate(self.params):
-                p.grad = self._view(self.flat[self.cur], i)
+        self.flat[self.cur].zero_()
+        self._point(self.flat[self.cur], range(len(self.params)))
         self.end_step()
 
     def _make_pre_hook(self, own: list[int]):
-        def hook(module, args):
-            if self._pending:
-                self._apply([i for i in own if i in self._pending])
-        return hook
+        """Before the module's forward: its parameters still pending wait for their chunks and are updated."""
+        return lambda module, args: self._apply([i for i in own if i in self._pending])
 
     def _apply(self, idx: list[int]) -> None:
         if not idx:
@@ -218,23 +212,22 @@ class Priority(Profiled):
         if self._error is not None:
             err, self._error = self._error, None
             raise err
-        params = [self.params[i] for i in idx]
-        with torch.no_grad():
-            for i in idx:
-                self.params[i].grad = self._view(self.result, i)
+        self._point(self.result, idx)   # the averaged gradients, for the update only
         try:
             with self.tracer.span("optimizer", "optimizer"):
-                step_subset(self.optimizer, params)
+                step_subset(self.optimizer, [self.params[i] for i in idx])
         finally:
-            with torch.no_grad():
-                for i in idx:
-                    self.params[i].grad = self._view(self.flat[self.cur], i)
+            self._point(self.flat[self.cur], idx)
         self._pending.difference_update(idx)
+
+    def _point(self, flat: torch.Tensor, idx) -> None:
+        """The gradients of parameters `idx` become their views of `flat`."""
+        for i in idx:
+            self.params[i].grad = self._view(flat, i)
 
     def flush(self) -> None:
         """Finish the previous step: every chunk received, every parameter updated."""
-        if self._pending:
-            self._apply(sorted(self._pending))
+        self._apply(sorted(self._pending))
         if self._thread is not None:
             self._thread.join()
             self._thread = None

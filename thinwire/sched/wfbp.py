@@ -62,9 +62,8 @@ class Scheduler:
         if self.overlap:
             for p in self.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        compresses = getattr(getattr(algorithm, "compressor", None), "name", "none") != "none"
-        if self.pipelined is None:
-            self.pipelined = self.overlap and compresses
+        if self.pipelined is None:   # on when the exchange compresses
+            self.pipelined = self.overlap and getattr(getattr(algorithm, "compressor", None), "name", "none") != "none"
         if self.serial is None:   # (exchanges that outlive their step, DTS's windows, run side by side as on gloo)
             self.serial = self.overlap and transport.link.emulated and not algorithm.overlaps_steps
         transport.background = bool(self.pipelined)   # compress bucket b while b-1 is on the wire
