@@ -23,6 +23,7 @@ from .comm import Transport
 from .comm.engine import ENGINE
 from .comm.membership import MEMBERSHIP, PeerLost
 from .compress import compressors, memories
+from .compress.finite import NonFiniteError
 from .errors import UserError
 from .registry import call
 from .trace import NULL, Tracer
@@ -146,6 +147,13 @@ def hand_over_momentum(optimizer, algorithm, compressor, memory) -> float:
     return mu
 
 
+def nonfinite_stop(rank: int, step: int) -> NonFiniteError:
+    """The error of the NaN/Inf policy `stop` (the Trainer's and the peers'): this rank raises, nothing of the step
+    was applied, and the launcher stops every rank."""
+    return NonFiniteError(f"rank {rank}: NaN or Inf in the gradient at step {step}; nothing was applied "
+                          f"(policy nonfinite=stop)")
+
+
 ON_FAILURE = ("stop", "continue")
 
 
@@ -253,8 +261,6 @@ class Trainer:
             try:
                 self._step()
             except PeerLost as lost:
-                if self.on_failure != "continue":
-                    raise
                 self._recover(lost)
         self.step_count += 1
         return self.transport.meter.mark_step()
@@ -279,15 +285,16 @@ class Trainer:
                 self.scheduler._reset()
                 return
         elif bad is not None and bool(bad):         # (one host read per step)
-            from .compress.finite import NonFiniteError
-            raise NonFiniteError(f"rank {self.transport.rank}: NaN or Inf in the gradient at step "
-                                 f"{self.step_count + 1}; nothing was applied (policy nonfinite=stop)")
+            raise nonfinite_stop(self.transport.rank, self.step_count + 1)
         self.algorithm.step()
 
     def _recover(self, lost: PeerLost) -> None:
-        """The survivors of `lost` form a new group and go on: the interrupted step is abandoned everywhere,
-        every survivor takes the new rank 0's model and optimizer state, and a survivor that got less far
-        skips the steps it is behind (so every rank's loop issues the same operations again)."""
+        """With `on_failure="continue"`, the survivors of `lost` form a new group and go on (else `lost` is raised):
+        the interrupted step is abandoned everywhere, every survivor takes the new rank 0's model and optimizer
+        state, and a survivor that got less far skips the steps it is behind (so every rank's loop issues the
+        same operations again)."""
+        if self.on_failure != "continue":
+            raise lost
         ENGINE.abandon(lost)
         group = dist.new_group(lost.members, use_local_synchronization=True)
         self.transport.regroup(group)
@@ -308,8 +315,6 @@ class Trainer:
         try:
             self.algorithm.close()
         except PeerLost as lost:         # lost while draining: survive it, then drain the survivors' way
-            if self.on_failure != "continue":
-                raise
             self._recover(lost)
             self.algorithm.close()
 

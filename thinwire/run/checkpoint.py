@@ -34,8 +34,7 @@ _FREE = {"epochs", "steps", "progress", "trace", "eval_every", "target", "checkp
 def fingerprint(cfg) -> str:
     from dataclasses import asdict
     fields = {k: v for k, v in asdict(cfg).items() if k not in _FREE}
-    if hasattr(cfg, "resolve_servers"):     # omitted (None) and the default it stands for are the same run
-        fields["servers"] = cfg.resolve_servers()
+    fields["servers"] = cfg.resolve_servers()   # omitted (None) and the default it stands for are the same run
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -133,13 +133,14 @@ def _threads_per_worker(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, world_size))
 
 
-def _report_and_exit(results, message, code: int) -> None:
-    """Report to the launcher and exit; the queue is flushed first so the report is never lost."""
-    results.put(message)
+def _fail_and_exit(results, rank: int, task_id: int, kind: str, cause: str) -> None:
+    """Report a failure, with the exception being handled, to the launcher and exit; the queue is flushed first
+    so the report is never lost."""
+    results.put((rank, task_id, kind, cause, traceback.format_exc()))
     results.close()
     results.join_thread()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(1)
 
 
 def _heartbeat(beats, rank: int, every: float = 0.5) -> None:
@@ -191,8 +192,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         if worker_init is not None:  # first, on this (main) thread: e.g. enter a network namespace
             worker_init(rank, world_size)
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
-        _report_and_exit(results, (rank, -1, "error", f"cannot start: worker_init failed: {type(e).__name__}: {e}",
-                                   traceback.format_exc()), 1)
+        _fail_and_exit(results, rank, -1, "error", f"cannot start: worker_init failed: {type(e).__name__}: {e}")
     if _is_loopback(host) and os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too, not the host's address
     import threading
@@ -209,7 +209,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
-        _report_and_exit(results, (rank, -1, "error", f"cannot start: {e}", traceback.format_exc()), 1)
+        _fail_and_exit(results, rank, -1, "error", f"cannot start: {e}")
     if on_failure == "continue":
         MEMBERSHIP.watch(world_size)
         threading.Thread(target=_watch_membership, args=(host, port, world_size), daemon=True).start()
@@ -218,12 +218,10 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         try:
             fn, args, network, seed = pickle.loads(blob)
             set_default_network(network, seed)
-            value = fn(rank, world_size, *args)
-            out = pickle.dumps(value)
+            out = pickle.dumps(fn(rank, world_size, *args))
         except BaseException as e:  # noqa: BLE001
             kind = "usererror" if isinstance(e, UserError) else "error"
-            _report_and_exit(results, (rank, task_id, kind, f"{type(e).__name__}: {e}",
-                                       traceback.format_exc()), 1)
+            _fail_and_exit(results, rank, task_id, kind, f"{type(e).__name__}: {e}")
         results.put((rank, task_id, "ok", out, ""))
     try:
         dist.destroy_process_group()
@@ -310,14 +308,14 @@ class Pool:
     def _collect(self, task_id: int, timeout: float | None) -> list:
         got: dict[int, bytes] = {}
         errors: list[WorkerError] = []
-        deadline = time.monotonic() + (timeout if timeout else self.timeout)
+        timeout = timeout or self.timeout
+        deadline = time.monotonic() + timeout
         watch = _Watchdog(self._steps, self._times, self.progress_timeout) if task_id >= 0 else None
         while len(got) < self.world_size:
             try:
                 rank, tid, status, payload, tb = self._results.get(timeout=0.05)
                 if status == "usererror":  # bad input found inside a worker: the caller's error, not a crash
-                    self.close(force=True)
-                    raise UserError(payload.split(": ", 1)[-1])
+                    self._fail(UserError(payload.split(": ", 1)[-1]))
                 if status == "error":
                     errors.append(WorkerError(rank, payload, tb))
                 elif tid == task_id:
@@ -339,9 +337,9 @@ class Pool:
             stuck = watch.check(now, running) if watch else None
             if stuck is not None:
                 self._fail(stuck)
-            if time.monotonic() > deadline:
+            if now > deadline:
                 missing = [r for r in range(self.world_size) if r not in got]
-                self._fail(WorkerError(missing[0], f"stalled: no result within {timeout or self.timeout:.0f} s "
+                self._fail(WorkerError(missing[0], f"stalled: no result within {timeout:.0f} s "
                                                    f"(ranks {missing} still running)"))
             if len(got) + len(self._gone) == self.world_size:
                 break
@@ -393,9 +391,8 @@ class Pool:
         parse_network(network)  # a bad profile is the caller's error, reported before any work starts
         self._task_id += 1
         blob = pickle.dumps((fn, args, network, seed))
-        for r in range(self.world_size):  # the last run's steps are not this run's progress
-            self._steps[r] = -1
-            self._times[r] = 0.0
+        self._steps[:] = [-1] * self.world_size   # the last run's steps are not this run's progress
+        self._times[:] = [0.0] * self.world_size
         for q in self._tasks:
             q.put((self._task_id, blob))
         out = [None if b is None else pickle.loads(b) for b in self._collect(self._task_id, timeout)]
@@ -475,9 +472,9 @@ class _Watchdog:
         limit = max(self.bound, PROGRESS_STEPS * statistics.median(self.step_s or [0.0]))
         if idle <= limit:
             return None
-        return self._verdict(now, watched, [r for r in running if r not in self.seen], limit)
+        return self._verdict(now, idle, watched, [r for r in running if r not in self.seen], limit)
 
-    def _verdict(self, now, watched, quiet, limit) -> NoProgressError:
+    def _verdict(self, now, idle, watched, quiet, limit) -> NoProgressError:
         at = {r: self.seen[r][0] for r in watched}
         low = min(at.values())
         behind = [r for r in watched if at[r] == low]
@@ -492,11 +489,9 @@ class _Watchdog:
                                               f"others at {others}{note}){bound}")
         if len(watched) == 1 and not quiet:  # the only rank still running
             r = watched[0]
-            return NoProgressError(r, f"rank {r} made no progress for {now - self.seen[r][1]:.0f} s (stuck at "
-                                      f"step {low}){bound}")
-        return NoProgressError(-1, f"no rank made progress for {now - max(self.seen[r][1] for r in watched):.0f} s "
-                                   f"(ranks {watched} all at step {low}{note}): a collective is stuck or every "
-                                   f"worker is blocked{bound}")
+            return NoProgressError(r, f"rank {r} made no progress for {idle:.0f} s (stuck at step {low}){bound}")
+        return NoProgressError(-1, f"no rank made progress for {idle:.0f} s (ranks {watched} all at step {low}{note}): "
+                                   f"a collective is stuck or every worker is blocked{bound}")
 
 
 def launch(fn, world_size: int, network="lan", backend: str | None = None, args: tuple = (),

@@ -86,11 +86,6 @@ class Stepper:
     def counted(self, before: dict | None) -> tuple[dict, dict]:
         raise NotImplementedError
 
-    def tally(self, before: dict | None) -> dict:
-        """What a checkpoint stores of the counters, so that a resumed run's summary counts the whole run."""
-        meter, metrics = self.counted(before)
-        return {"meter": meter, "skipped_steps": metrics.get("skipped_steps", 0)}
-
     def state_dict(self) -> dict:
         raise UserError(f"{type(self).__name__} does not write checkpoints")
 
@@ -120,10 +115,6 @@ class TrainerStepper(Stepper):
         super().__init__(model, model, getattr(self.trainer.algorithm, "worker_rank", rank))
         self.optimizer, self.role = self.trainer.optimizer, getattr(self.trainer.algorithm, "role", "worker")
 
-    @property
-    def parameters(self) -> list:
-        return self.trainer.parameters
-
     def step(self) -> dict:
         return self.trainer.step()
 
@@ -132,7 +123,7 @@ class TrainerStepper(Stepper):
 
     def counted(self, before: dict | None) -> tuple[dict, dict]:
         """This rank's meter (bytes, ops, emulated and exposed time, by kind and in total) and metrics over the
-        whole run: on resume, what the checkpoint counted (`before`, from `tally`) plus this segment's."""
+        whole run: on resume, what the checkpoint counted (`before`, written by `_save`) plus this segment's."""
         trainer = self.trainer
         meter, metrics = trainer.transport.meter.to_dict(), trainer.metrics()
         if not before:
@@ -182,16 +173,14 @@ def worker_group(is_worker: bool):
     group training uses, so that an agreement never interleaves with an exchange in flight. Every rank of the
     job calls this, in the same order; groups are kept for the life of the process (pools run many runs)."""
     world = dist.get_world_size()
-    key = ("all", world)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(backend="gloo")
-    control = _GROUPS[key]
     flags = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(flags, torch.tensor([1.0 if is_worker else 0.0]), group=control)
-    ranks = tuple(r for r, f in enumerate(flags) if f.item() > 0)
-    if len(ranks) == world:
-        return control
-    key = ("workers", world, ranks)
+    dist.all_gather(flags, torch.tensor([1.0 if is_worker else 0.0]), group=_gloo_group(tuple(range(world))))
+    return _gloo_group(tuple(r for r, f in enumerate(flags) if f.item() > 0))
+
+
+def _gloo_group(ranks: tuple):
+    """The gloo group of `ranks`, made once per process and world size."""
+    key = (dist.get_world_size(), ranks)
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(list(ranks), backend="gloo")
     return _GROUPS[key]
@@ -436,10 +425,12 @@ def _timed(fn) -> float:
 
 
 def _save(cfg, rank, world_size, step, stepper, before, **more) -> None:
-    """A checkpoint of this rank at `step`: the stepper's state, the RNG streams, the counters so far and `more`
-    (a worker's loader position, records, clock and schedule)."""
-    state = {"step": step, "trainer": stepper.state_dict(), "rng": checkpoint.rng_state(),
-             "counted": stepper.tally(before), **more}
+    """A checkpoint of this rank at `step`: the stepper's state, the RNG streams, the counters so far (so that a
+    resumed run's summary counts the whole run) and `more` (a worker's loader position, records, clock and
+    schedule)."""
+    state = {"step": step, "trainer": stepper.state_dict(), "rng": checkpoint.rng_state()}
+    meter, metrics = stepper.counted(before)   # after state_dict(), which may wait for exchanges in flight
+    state.update(counted={"meter": meter, "skipped_steps": metrics.get("skipped_steps", 0)}, **more)
     checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
 
 

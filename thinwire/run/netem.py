@@ -1,7 +1,7 @@
 """Real-network mode (`thinwire compare --netem`; Linux, root): every worker in its own network namespace, on a
 link shaped for real, so unmodified programs (PyTorch DDP) face the same network as thinwire.
 
-This kernel has no `netem` qdisc (`available()` checks that `tc qdisc add ... netem` fails before we use the
+This kernel has no `netem` qdisc (`has_netem_qdisc()` checks that `tc qdisc add ... netem` fails before we use the
 fallback), so the link is built from what it has:
 
     worker r (namespace twPIDnR)                                forwarder process (ours)

@@ -29,10 +29,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..algorithms.base import int_at_least
 from ..comm import LinkClock
 from ..comm.context import default_seed
 from ..errors import UserError
 from ..net import parse_network, ring_allreduce
+from ..trainer import nonfinite_stop
 from .loop import Stepper, make_optimizer
 
 _now = time.perf_counter
@@ -71,9 +73,8 @@ def check_peer(name: str, params: dict, workers: int) -> None:
     if why:
         raise UserError(why)
     for k, v in params.items():
-        low = 0 if k in ("warmup", "fragment_sync_delay") else 1
-        if k in _INTS and (isinstance(v, bool) or not isinstance(v, int) or v < low):
-            raise UserError(f"{name}: {k} must be an integer >= {low}, got {v!r}")
+        if k in _INTS:
+            int_at_least(f"{name}: {k}", v, 0 if k in ("warmup", "fragment_sync_delay") else 1)
     if name == "ddp-hierarchical":
         period, local, group = _hierarchy(params, workers)
         if not (local < period and period % local == 0):
@@ -181,6 +182,7 @@ def _build(cfg, wl, model, workers: int):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
     name, p = cfg.algorithm, cfg.params
+    opt = make_optimizer(cfg, wl, model.parameters())   # DDP's parameters are the model's
     hooks = {"ddp": (default_hooks.allreduce_hook, "allreduce_hook (fp32)"),
              "ddp-fp16": (default_hooks.fp16_compress_hook, "fp16_compress_hook")}
     if name == "ddp-powersgd":
@@ -192,12 +194,12 @@ def _build(cfg, wl, model, workers: int):
                                    random_seed=cfg.seed)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         desc = f"powerSGD_hook rank {state.matrix_approximation_rank}, one bucket (bucket_cap_mb={bucket:.0f})"
-        return ddp, make_optimizer(cfg, wl, ddp.parameters()), desc
+        return ddp, opt, desc
     ddp = DDP(model)
     if name in hooks:
         hook, desc = hooks[name]
         ddp.register_comm_hook(None, hook)
-        return ddp, make_optimizer(cfg, wl, ddp.parameters()), desc
+        return ddp, opt, desc
     # ddp-postlocalsgd and ddp-hierarchical: post-local SGD, then a model averager
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
     from torch.distributed.optim import PostLocalSGDOptimizer
@@ -205,7 +207,6 @@ def _build(cfg, wl, model, workers: int):
     state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
                               post_local_gradient_allreduce=False)
     ddp.register_comm_hook(state, post_localSGD_hook)
-    opt = make_optimizer(cfg, wl, ddp.parameters())
     if name == "ddp-postlocalsgd":
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
         period = int(p.get("period", 8))
@@ -223,15 +224,6 @@ def _build(cfg, wl, model, workers: int):
     return ddp, PostLocalSGDOptimizer(optim=opt, averager=averager), desc
 
 
-def finite_or_raise(parameters, rank: int, step: int) -> None:
-    """The NaN/Inf policy `stop` for a peer: a non-finite gradient is never applied; this rank raises (the
-    launcher then stops every rank)."""
-    if any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in parameters):
-        from ..compress.finite import NonFiniteError
-        raise NonFiniteError(f"rank {rank}: NaN or Inf in the gradient at step {step}; nothing was applied "
-                             f"(policy nonfinite=stop)")
-
-
 class PeerStepper(Stepper):
     """What the peers share: `step()` is `self.optimizer`'s step after the NaN/Inf check (a peer applies no
     non-finite gradient), and its traffic is what `self.counter` (a `_Counter`) saw since the last one.
@@ -242,7 +234,8 @@ class PeerStepper(Stepper):
 
     def step(self) -> dict:
         self.steps += 1
-        finite_or_raise(self.parameters, self.worker_rank, self.steps)
+        if any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in self.parameters):
+            raise nonfinite_stop(self.worker_rank, self.steps)
         self.optimizer.step()
         now = self.counter.totals()
         out = {k: now[k] - self._before[k] for k in ("bytes_sent", "emulated_s", "wait_s")}

@@ -175,8 +175,7 @@ class TrainConfig:
         if self.checkpoint_every is not None and self.servers:
             from ..algorithms.ps_sync import checkpointable_on_ps
             if not checkpointable_on_ps(self.algorithm):
-                from ..algorithms import names
-                ok = [n for n in names() if n in ("bsp", "ssp", "asp", "backup") or checkpointable_on_ps(n)]
+                ok = [n for n in algorithms.names() if n in ("bsp", "ssp", "asp", "backup") or checkpointable_on_ps(n)]
                 raise UserError(f"checkpoints of {self.algorithm} on the parameter server are not supported; "
                                 f"checkpointable there: {', '.join(ok)} (or {self.algorithm} on all-reduce)")
         if self.resume is not None:
@@ -275,13 +274,10 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
     servers = [r for r in results if r is not None and r["role"] != "worker"]
     n_steps = len(workers[0]["steps"])
     rows = []
-    for i in range(n_steps):
+    for i in range(n_steps):   # each step: the slowest worker's clock and step time, the workers' mean of the rest
         per = [w["steps"][i] for w in workers]
-        rows.append({"step": i + 1, "loss": statistics.fmean(p["loss"] for p in per),
-                     "t": max(p["t"] for p in per), "step_s": max(p["step_s"] for p in per),
-                     "bytes_sent": statistics.fmean(p["bytes_sent"] for p in per),
-                     "emulated_s": statistics.fmean(p["emulated_s"] for p in per),
-                     "wait_s": statistics.fmean(p["wait_s"] for p in per)})
+        rows.append({"step": i + 1, **{k: (max if k in ("t", "step_s") else statistics.fmean)(p[k] for p in per)
+                                       for k in ("loss", "t", "step_s", "bytes_sent", "emulated_s", "wait_s")}})
     evals = []
     for i in range(len(workers[0]["evals"])):
         per = [w["evals"][i] for w in workers]
@@ -347,20 +343,21 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
         results = launch(train_worker, cfg.workers + cfg.servers, network=cfg.network, args=(cfg,), seed=cfg.seed,
                          progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT, on_failure=cfg.on_failure,
                          device=cfg.device)
-    summary, rows = summarize(cfg, results, _now() - t0)
+    return summarize_and_write(cfg, results, _now() - t0, out)
+
+
+def summarize_and_write(cfg: TrainConfig, results: list[dict], wall_s: float, out: str | None) -> dict:
+    """The summary (`summarize`); with `out`, also written: `out/metrics.jsonl`, `out/summary.json` and, with
+    `cfg.trace`, `out/trace.json` (each atomically)."""
+    summary, rows = summarize(cfg, results, wall_s)
     if out:
-        write_outputs(out, cfg, summary, rows, results)
+        os.makedirs(out, exist_ok=True)
+        if cfg.trace:
+            write_chrome_trace(os.path.join(out, "trace.json"), [r["trace"] for r in results])
+            summary["trace"] = os.path.join(out, "trace.json")
+        atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+        atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def write_outputs(out: str, cfg: TrainConfig, summary: dict, rows: list[dict], results: list[dict]) -> None:
-    """`out/metrics.jsonl`, `out/summary.json` and, with `cfg.trace`, `out/trace.json` (each atomically)."""
-    os.makedirs(out, exist_ok=True)
-    if cfg.trace:
-        write_chrome_trace(os.path.join(out, "trace.json"), [r["trace"] for r in results])
-        summary["trace"] = os.path.join(out, "trace.json")
-    atomic_write(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
-    atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
 
 
 def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str | None) -> dict | None:
@@ -401,7 +398,4 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
     if rank != 0:
         return None
     results = [json.loads(bytes(g[:int(s.item())].tolist()).decode()) for g, s in zip(got, sizes)]
-    summary, rows = summarize(cfg, results, _now() - t0)
-    if out:
-        write_outputs(out, cfg, summary, rows, results)
-    return summary
+    return summarize_and_write(cfg, results, _now() - t0, out)

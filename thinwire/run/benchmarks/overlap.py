@@ -105,31 +105,31 @@ def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
             times[name].append(dt)
             waits[name].append((tr.transport.meter.wait_s - w0) if tr else 0.0)
 
+    def settle(name, record):
+        """Priority defers its update to the next forward: finish it before another variant uses the wire. The
+        last step's deferred update belongs to it: `record` charges the flush to that step."""
+        tr = runs[name][2]
+        if tr is None or not tr.algorithm.scheduler.defers_update:
+            return
+        w0, t0 = tr.transport.meter.wait_s, _now()
+        tr.algorithm.scheduler.flush()
+        if record:
+            times[name][-1] += _now() - t0
+            waits[name][-1] += tr.transport.meter.wait_s - w0
+
     for name in names:
         for _ in range(warmup):
             one(name, False)
-        _settle(runs[name][2])
+        settle(name, False)
     for _ in range(rounds):
         for name in names:
             for _ in range(steps):
                 one(name, True)
-            tr = runs[name][2]
-            if tr is not None and tr.algorithm.scheduler.defers_update:
-                # the last step's deferred update belongs to it: charge the flush to that step
-                w0, t0 = tr.transport.meter.wait_s, _now()
-                _settle(tr)
-                times[name][-1] += _now() - t0
-                waits[name][-1] += tr.transport.meter.wait_s - w0
-    for name in names:
-        if runs[name][2] is not None:
-            runs[name][2].close()
+            settle(name, True)
+    for _, _, tr in runs.values():
+        if tr is not None:
+            tr.close()
     return {"times": times, "waits": waits}
-
-
-def _settle(trainer) -> None:
-    """Priority defers its update to the next forward: finish it before another variant uses the wire."""
-    if trainer is not None and trainer.algorithm.scheduler.defers_update:
-        trainer.algorithm.scheduler.flush()
 
 
 def measure(workers: int, network: str, rounds: int, steps: int, warmup: int) -> dict:
