@@ -14,8 +14,3 @@ class ASP(StalenessAware, PSBSP):
     pushes each bucket during backward and waits for its own answers at `step()`."""
 
     rule = "async"
-
-    def __init__(self, architecture: str | None = None, scale: str = "staleness", implicit_momentum: bool = True,
-                 servers: int = 1, downlink_compressor: str = "none", downlink_params: dict | None = None):
-        super().__init__(architecture, servers, downlink_compressor, downlink_params)
-        self._staleness_init(scale, implicit_momentum)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from . import register
+from .base import int_at_least
 from .ps_sync import PSBSP
 
 
@@ -20,9 +21,7 @@ class Backup(PSBSP):
     def __init__(self, architecture: str | None = None, backups: int = 1, servers: int = 1,
                  downlink_compressor: str = "none", downlink_params: dict | None = None):
         super().__init__(architecture, servers, downlink_compressor, downlink_params)
-        if not isinstance(backups, int) or isinstance(backups, bool) or backups < 0:
-            raise UserError(f"backup needs backups (n_b) >= 0, got {backups!r}")
-        self.backups = backups
+        self.backups = int_at_least("backup backups (n_b)", backups, 0)
 
     def setup(self):
         workers = self.world_size - self.servers

@@ -137,3 +137,27 @@ class Algorithm:
 
     def flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+
+class Periodic:
+    """(mixed in first) H local steps, then a synchronisation: the bookkeeping of local SGD on all-reduce and on
+    gossip."""
+
+    def _period_init(self, period: int, hint: str) -> None:
+        self.period = int_at_least(f"{self.name} period H", period, 1, hint)
+        self.local_steps = 0      # since the last synchronisation
+        self.syncs = 0
+
+    def syncing(self) -> bool:
+        """Whether this step ends a period (its models are averaged)."""
+        return self.local_steps + 1 >= self.period
+
+    def metrics(self):
+        return {**super().metrics(), "period": self.period, "syncs": self.syncs}
+
+    def state_dict(self):
+        return {**super().state_dict(), "local_steps": self.local_steps, "syncs": self.syncs}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.local_steps, self.syncs = state["local_steps"], state["syncs"]

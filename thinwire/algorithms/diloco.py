@@ -59,7 +59,7 @@ from ..comm.engine import Ready
 from ..errors import UserError
 from ..sched import step_subset, views
 from . import register
-from .base import Algorithm, int_at_least
+from .base import Algorithm, copy_each, int_at_least
 
 DEFAULT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 
@@ -164,21 +164,18 @@ class DiLoCo(Algorithm):
         self.exchange = self.make_exchange()
         sizes = [p.numel() for p in self.params]
         self.bounds = fragment_bounds(sum(sizes), self.fragments)
-        # θ per segment (a parameter's elements in one fragment): the same on every worker
         self.segs = segments(sizes, self.bounds)
-        self.anchor = []
-        for i, f, lo, hi in self.segs:
-            p = self.params[i].detach()
-            whole = hi - lo == p.numel()
-            if not whole and not p.is_contiguous():
-                raise UserError(f"diloco: a fragment boundary cuts parameter {i} {tuple(p.shape)}, which is not "
-                                f"contiguous; use fewer fragments or a contiguous layout")
-            self.anchor.append(p.clone() if whole else p.reshape(-1)[lo:hi].clone())
         self.by_param: list[list[int]] = [[] for _ in self.params]      # parameter -> its segments
         self.by_fragment: list[list[int]] = [[] for _ in range(self.fragments)]
-        for k, (i, f, _, _) in enumerate(self.segs):
+        for k, (i, f, lo, hi) in enumerate(self.segs):
+            p = self.params[i]
+            if hi - lo < p.numel() and not p.is_contiguous():
+                raise UserError(f"diloco: a fragment boundary cuts parameter {i} {tuple(p.shape)}, which is not "
+                                f"contiguous; use fewer fragments or a contiguous layout")
             self.by_param[i].append(k)
             self.by_fragment[f].append(k)
+        # θ per segment (a parameter's elements in one fragment): the same on every worker
+        self.anchor = [self._local(k).clone() for k in range(len(self.segs))]
         self.outer = self._make_outer(self.anchor)
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise UserError(f"outer_optimizer must build a torch.optim.Optimizer, got {type(self.outer).__name__}")
@@ -237,9 +234,8 @@ class DiLoCo(Algorithm):
 
     def step(self):
         n = self.steps + 1
-        starting = self.starting(n)
         self.scheduler.flush()      # on a starting step: every bucket's inner step taken and its Δ started
-        if starting is None:
+        if self.starting(n) is None:
             self.optimizer_step()
         self.steps = n
         self._dirty = [True] * self.fragments
@@ -336,9 +332,7 @@ class DiLoCo(Algorithm):
             raise UserError(f"checkpoint of diloco with {({k: state.get(k) for k in self._config()})}; this "
                             f"run has {self._config()}")
         self.steps, self.syncs, self._dirty = state["steps"], state["syncs"], list(state["dirty"])
-        with torch.no_grad():
-            for a, saved in zip(self.anchor, state["anchor"]):
-                a.copy_(saved)
+        copy_each(self.anchor, state["anchor"])
         self.outer.load_state_dict(copy.deepcopy(state["outer"]))
         self._pending = [(list(m), Ready(v.clone())) for m, v in state["pending"]]
         self._pending_fragment = state["pending_fragment"]

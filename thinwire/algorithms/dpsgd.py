@@ -22,7 +22,7 @@ from __future__ import annotations
 from ..errors import UserError
 from . import register
 from ._gossip import Gossip
-from .base import copy_flat, int_at_least
+from .base import Periodic, copy_flat
 
 
 @register("dpsgd")
@@ -66,7 +66,7 @@ class BSPOnGossip(DPSGD):
 
 
 @register("localsgd", variant="gossip")
-class LocalSGDOnGossip(DPSGD):
+class LocalSGDOnGossip(Periodic, DPSGD):
     """Local SGD on gossip (seed 000 Table II): H local steps, then a gossip averaging step over the topology,
     x_i ← Σ_j W_ij x_j (D-PSGD's atc mixing, every H-th step). The default topology is `complete`, on which the
     averaging is exact model averaging (= `localsgd` on all-reduce)."""
@@ -75,35 +75,19 @@ class LocalSGDOnGossip(DPSGD):
                  final_average: bool = True, architecture: str | None = None):
         super().__init__(topology=topology, consensus_every=consensus_every, final_average=final_average,
                          architecture=architecture)
-        self.period = int_at_least("localsgd period H", period, 1, "; H = 1 is D-PSGD")
-        self.local_steps = 0
-        self.syncs = 0
-
-    def syncing(self) -> bool:
-        """Whether this step ends a period (its models are mixed)."""
-        return self.local_steps + 1 >= self.period
+        self._period_init(period, "; H = 1 is D-PSGD")
 
     def on_bucket(self, bucket):
         if self.syncing():
             super().on_bucket(bucket)
 
     def step(self):
-        if not self.syncing():
+        if self.syncing():
+            super().step()
+            self.local_steps = 0
+            self.syncs += 1
+        else:
             self.scheduler.flush()
             self.optimizer_step()
             self.local_steps += 1
             self.after_step()
-            return
-        super().step()
-        self.local_steps = 0
-        self.syncs += 1
-
-    def metrics(self):
-        return {**super().metrics(), "period": self.period, "syncs": self.syncs}
-
-    def state_dict(self):
-        return {**super().state_dict(), "local_steps": self.local_steps, "syncs": self.syncs}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.local_steps, self.syncs = state["local_steps"], state["syncs"]

@@ -24,13 +24,13 @@ from __future__ import annotations
 import torch
 
 from . import register
-from .base import copy_each, copy_flat, int_at_least
+from .base import Periodic, copy_each, copy_flat, int_at_least
 from .bsp import BSP
 from .ps_sync import PSMixin
 
 
 @register("localsgd")
-class LocalSGD(BSP):
+class LocalSGD(Periodic, BSP):
     """Local SGD: H local steps, then average the models (the deltas go through the compressor)."""
 
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
@@ -39,10 +39,8 @@ class LocalSGD(BSP):
 
     def __init__(self, period: int = 4, average_momentum: bool = False, architecture: str | None = None):
         super().__init__(architecture)
-        self.period = int_at_least(f"{self.name} period H", period, 1, "; H = 1 is synchronous SGD (bsp)")
+        self._period_init(period, "; H = 1 is synchronous SGD (bsp)")
         self.average_momentum = bool(average_momentum)
-        self.local_steps = 0
-        self.syncs = 0
 
     def setup(self):
         super().setup()
@@ -51,10 +49,6 @@ class LocalSGD(BSP):
         self._momenta: dict[int, object] = {}
 
     # -- local steps and averaging ---------------------------------------------------------------------------
-    def syncing(self) -> bool:
-        """Whether this step ends a period (its models are averaged)."""
-        return self.local_steps + 1 >= self.period
-
     def on_bucket(self, bucket):
         if not self.syncing():
             return
@@ -112,17 +106,12 @@ class LocalSGD(BSP):
             self.average()
         self.scheduler.close()
 
-    def metrics(self):
-        return {**super().metrics(), "period": self.period, "syncs": self.syncs}
-
     def state_dict(self):
-        return {"exchange": self.exchange.state_dict(), "anchor": [a.clone() for a in self.anchor],
-                "local_steps": self.local_steps, "syncs": self.syncs}
+        return {**super().state_dict(), "anchor": [a.clone() for a in self.anchor]}
 
     def load_state_dict(self, state):
-        self.exchange.load_state_dict(state["exchange"])
+        super().load_state_dict(state)
         self.anchor = [a.clone() for a in state["anchor"]]
-        self.local_steps, self.syncs = state["local_steps"], state["syncs"]
 
 
 @register("postlocalsgd")

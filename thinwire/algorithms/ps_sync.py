@@ -149,8 +149,7 @@ class PSMixin:
         if self.server is not None:
             opt = getattr(self, "server_opt", None)
             return {"server": self.server.state_dict(), "optimizer": None if opt is None else opt.state_dict()}
-        state = super().state_dict()
-        return {**state, "worker": self.worker.state_dict(),
+        return {**super().state_dict(), "worker": self.worker.state_dict(),
                 "ps_exchanges": [ex.state_dict() for ex in self._exchanges]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -226,7 +225,9 @@ class StalenessAware:
     # error-feedback memory it applied 0.9 on top of the stale gradients: ssp + topk ended at 0.15 (issue 17 matrix)
     exchanges_gradients = False
 
-    def _staleness_init(self, scale: str, implicit_momentum: bool) -> None:
+    def __init__(self, architecture: str | None = None, scale: str = "staleness", implicit_momentum: bool = True,
+                 servers: int = 1, downlink_compressor: str = "none", downlink_params: dict | None = None):
+        super().__init__(architecture, servers, downlink_compressor, downlink_params)
         if scale not in self.SCALES:
             raise UserError(f"{self.name} scale must be one of {', '.join(self.SCALES)}, got {scale!r}")
         if not isinstance(implicit_momentum, bool):

@@ -25,9 +25,8 @@ class SSP(StalenessAware, PSBSP):
     def __init__(self, architecture: str | None = None, staleness: int = 2, scale: str = "staleness",
                  implicit_momentum: bool = True, servers: int = 1, downlink_compressor: str = "none",
                  downlink_params: dict | None = None):
-        super().__init__(architecture, servers, downlink_compressor, downlink_params)
+        super().__init__(architecture, scale, implicit_momentum, servers, downlink_compressor, downlink_params)
         self.staleness = int_at_least("ssp staleness bound", staleness, 0)
-        self._staleness_init(scale, implicit_momentum)
         self._window: deque = deque()    # clocks in flight: ({bucket index: (answer, own gradient)}, τ)
 
     def on_bucket(self, bucket):
