@@ -82,8 +82,8 @@ def from_bytes(data: torch.Tensor) -> np.ndarray:
     return np.unpackbits(data.reshape(-1).numpy().astype(np.uint8, copy=False))
 
 
-def header(*fields: int, device="cpu") -> torch.Tensor:
-    return torch.tensor(fields, dtype=torch.int32, device=device)
+def header(*fields: int) -> torch.Tensor:
+    return torch.tensor(fields, dtype=torch.int32, device="cpu")
 
 
 def zigzag(levels: torch.Tensor) -> torch.Tensor:

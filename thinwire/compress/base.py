@@ -90,11 +90,6 @@ def pick_collective(compressor: "Compressor", numel: int, world_size: int, allre
     return "allreduce" if ar < ag else "allgather"
 
 
-def summed_itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element an integer tensor of `dtype` takes on the wire when all-reduce sums it (gloo)."""
-    return torch.empty(0, dtype=GLOO_SUM_WIDEN.get(dtype, dtype), device="cpu").element_size()   # a size only
-
-
 def regroup(state: dict, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> dict:
     """Per-key flat state (an error-feedback residual per bucket) carried over a change of bucketing.
 
@@ -184,7 +179,7 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return sum(t.nbytes for t in self.tensors)
 
 
 class Compressor(Stateful):

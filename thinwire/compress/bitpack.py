@@ -72,14 +72,6 @@ def _stages(bits: int):
     return out
 
 
-def _as_words(codes: torch.Tensor) -> torch.Tensor:
-    """The codes padded to a multiple of 8 and viewed as int64 words (a copy only when padding is needed)."""
-    pad = (-codes.numel()) % 8
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad)])
-    return codes.view(torch.int64)
-
-
 def pack(codes: torch.Tensor, bits: int, inplace: bool = False) -> torch.Tensor:
     """Pack 1-D uint8 `codes` (each < 2**bits) into `packed_nbytes(n, bits)` bytes. `inplace` lets it scratch
     over `codes` (saves a copy when the caller no longer needs them)."""
@@ -90,9 +82,12 @@ def pack(codes: torch.Tensor, bits: int, inplace: bool = False) -> torch.Tensor:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
     if bits == 8:
         return codes.clone() if not inplace else codes
-    if not inplace and codes.numel() % 8 == 0:      # (padding copies them anyway)
+    pad = (-codes.numel()) % 8                      # eight codes to an int64 word
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])    # (a copy: the caller's codes stay)
+    elif not inplace:
         codes = codes.clone()
-    words = _as_words(codes)
+    words = codes.view(torch.int64)
     if bits in _GATHERS:   # one multiply gathers the codes of a word into its top byte (code j -> bits b*j..)
         dtype, magic, shift = _GATHERS[bits]
         return words.view(dtype).mul_(magic).bitwise_right_shift_(shift).to(torch.uint8)

@@ -32,7 +32,7 @@ def _to_host(head: torch.Tensor, data: torch.Tensor) -> tuple[torch.Tensor, torc
     """A coded stream's int32 header and bytes on the host (the coders are numpy) in one device-to-host copy."""
     if head.device.type == "cpu" and data.device.type == "cpu":
         return head, data
-    nh = head.numel() * head.element_size()
+    nh = head.nbytes
     both = torch.cat([head.reshape(-1).view(torch.uint8), data.reshape(-1).view(torch.uint8)]).cpu()
     return both[:nh].view(head.dtype), both[nh:]
 
@@ -73,7 +73,7 @@ class Coded(Compressor):
         head, data = self.coder.encode(sym.cpu())                  # entropy coders run on the host (numpy)
         return [head.to(sym.device), data.to(sym.device), *p.tensors[1:]]
 
-    def _decode_levels(self, tensors, ctx) -> list[torch.Tensor]:
+    def _decode_levels(self, tensors) -> list[torch.Tensor]:
         sym = self.coder.decode(*_to_host(tensors[0], tensors[1])).to(tensors[0].device)
         codes = unzigzag(sym) + self._offset if self._offset else sym
         return [pack(codes.to(torch.uint8), self.base.bits), *tensors[2:]]
@@ -102,8 +102,8 @@ class Coded(Compressor):
             return pack(unpack(t, b, k)[perm].contiguous(), b)
         return t
 
-    def _decode_indices(self, tensors, ctx) -> list[torch.Tensor]:
-        pos, numel = ctx["pos"], ctx["numel"]
+    def _decode_indices(self, tensors, numel: int) -> list[torch.Tensor]:
+        pos = self.base.index_slot
         idx = ungaps(self.coder.decode(*_to_host(tensors[0], tensors[1]))).to(tensors[0].device, index_dtype(numel))
         rest = list(tensors[2:])
         return rest[:pos] + [idx] + rest[pos:]
@@ -112,22 +112,16 @@ class Coded(Compressor):
     def compress(self, tensor, key=None, step=0, agreed=None):
         p = self.base.compress(tensor, key, step)
         ts = self._encode_levels(p) if self.mode == "levels" else self._encode_indices(p)
-        return Payload(ts, ctx=self._ctx(p.ctx, tensor.numel()))
+        return Payload(ts, ctx=p.ctx)          # the compressor's own ctx
 
     def context(self, shape, dtype, key=None, step=0):
-        return self._ctx(self.base.context(shape, dtype, key, step), torch.Size(shape).numel())
-
-    def _ctx(self, base_ctx, numel: int) -> dict:
-        if self.mode == "levels":
-            return {"base": base_ctx}
-        return {"base": base_ctx, "pos": self.base.index_slot, "numel": numel}
+        return self.base.context(shape, dtype, key, step)
 
     def decode(self, payload: Payload) -> Payload:
         """The compressor's own payload back, exactly."""
-        ctx = payload.ctx
-        ts = [t.reshape(-1) for t in payload.tensors]
-        ts = self._decode_levels(ts, ctx) if self.mode == "levels" else self._decode_indices(ts, ctx)
-        return Payload(ts, ctx["base"])
+        ts = [t.reshape(-1) for t in payload.tensors]    # ctx: the compressor's (a sparsifier's: shape, dtype, numel)
+        ts = self._decode_levels(ts) if self.mode == "levels" else self._decode_indices(ts, payload.ctx[2])
+        return Payload(ts, payload.ctx)
 
     def decompress(self, payload):
         return self.base.decompress(self.decode(payload))

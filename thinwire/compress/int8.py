@@ -6,7 +6,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from .base import Payload, reused, summed_itemsize
+from .base import GLOO_SUM_WIDEN, Payload, reused
 from .finite import check_scale
 from .rounding import Stochastic, stochastic_codes
 
@@ -29,7 +29,8 @@ def widened(total: int) -> torch.dtype:
 
 def summed_level_bits(total: int) -> int:
     """Bits per level on the wire when levels summing to at most `total` are all-reduced (gloo: int16 as int32)."""
-    return 8 * summed_itemsize(widened(total))
+    dtype = widened(total)
+    return 8 * GLOO_SUM_WIDEN.get(dtype, dtype).itemsize
 
 
 class ScaledLevels(Stochastic):
