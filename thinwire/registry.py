@@ -50,7 +50,7 @@ class Registry:
         self.compose: Callable | None = None   # optional: builds the constructor of a composite "a+b" name
         # one constructor per (name, value of `variant_param`), e.g. an algorithm per architecture
         self.variant_param = variant_param
-        self.default_variant = default_variant      # constructor -> the variant value it is the default for
+        self.default_variant = default_variant      # (with variant_param) constructor -> its default variant value
         self._variants: dict[str, dict[str, Callable]] = {}
 
     def register(self, name: str | None = None, variant: str | None = None):
@@ -84,11 +84,11 @@ class Registry:
         return name in self._table
 
     def lookup(self, name: str) -> Callable:
-        if name not in self._table and self.compose is not None and "+" in name:
+        if name in self._table:
+            return self._table[name]
+        if self.compose is not None and "+" in name:
             return self.compose(name)
-        if name not in self._table:
-            raise UserError(f"unknown {self.family} {name!r}; valid: {', '.join(self.names())}")
-        return self._table[name]
+        raise UserError(f"unknown {self.family} {name!r}; valid: {', '.join(self.names())}")
 
     def parameters(self, name: str) -> dict[str, Any]:
         """The keyword parameters a constructor takes, with their defaults (None when required); with
@@ -111,10 +111,10 @@ class Registry:
             return name
         ctor = self.constructor(name, params)
         if self.variant_param is not None:      # a parameter of another variant: say which one takes it
-            own = set(inspect.signature(ctor).parameters)
+            own = inspect.signature(ctor).parameters
             main = self.lookup(name)
-            default = self.default_variant(main) if self.default_variant else "default"
-            everyone = {**({default: main} if self.default_variant else {}), **self._variants.get(name, {})}
+            default = self.default_variant(main)
+            everyone = {default: main, **self._variants.get(name, {})}
             for key in params:
                 takers = [v for v, c in everyone.items() if c is not ctor and key in inspect.signature(c).parameters]
                 if key not in own and takers:

@@ -9,7 +9,6 @@ survivors at that synchronization point and goes on (`thinwire.trainer.Trainer.s
 from __future__ import annotations
 
 import threading
-import time
 
 from ..errors import WorkerError
 
@@ -51,10 +50,8 @@ class _Membership:
 
     def wait_change(self, since: int, timeout: float) -> PeerLost | None:
         """Wait up to `timeout` s for a change after `since` (an operation failed: was a peer lost?)."""
-        end = time.monotonic() + timeout
         with self._changed:
-            while self.generation <= since and time.monotonic() < end:
-                self._changed.wait(min(0.1, max(0.0, end - time.monotonic())))
+            self._changed.wait_for(lambda: self.generation > since, timeout)
         return self.lost(since)
 
 

@@ -64,8 +64,6 @@ class Topology:
     # -- edges ---------------------------------------------------------------------------------------------
     def _edges(self, i: int) -> list[int]:
         n = self.n
-        if n == 1:
-            return []
         if self.name == "ring":
             peers = [(i + 1) % n, (i - 1) % n]
         elif self.name == "complete":

@@ -318,13 +318,11 @@ class PSServer:
             self._release(b, pend.pop(self.version[b]))
 
     def _try_backup(self, b: int) -> None:
-        active = sum(1 for d in self.done if not d)
-        need = min(self.layout.workers - self.backups, max(active, 1))
-        if len(self.fresh[b]) < need:        # need >= 1: backups < workers (Backup.setup)
-            return
-        # catalog §2.1.2: x_{t+1} = x_t - γ (1/n) Σ_{i ∈ A_t} G_i, A_t the first n arrivals (fresh: τ = 0)
-        self._release(b, self.fresh[b])
-        self.fresh[b] = {}
+        need = min(self.layout.workers - self.backups, max(self.done.count(False), 1))
+        if len(self.fresh[b]) >= need:        # need >= 1: backups < workers (Backup.setup)
+            # catalog §2.1.2: x_{t+1} = x_t - γ (1/n) Σ_{i ∈ A_t} G_i, A_t the first n arrivals (fresh: τ = 0)
+            self._release(b, self.fresh[b])
+            self.fresh[b] = {}
 
     def _mean(self, items: list) -> torch.Tensor:
         """The mean of the contributions (seed 000 eq. 6), or their majority vote, by the codec's algebra."""

@@ -18,6 +18,7 @@ import pickle
 import random
 import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,15 +53,6 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((st[0], state["numpy"].numpy().astype(np.uint32), *st[2:]))
 
 
-def _atomic_save(obj, path: str) -> str:
-    """Write `obj` to `path` atomically; returns the sha256 of the bytes written."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    atomic_write(path, data)
-    return hashlib.sha256(data).hexdigest()
-
-
 def _staged(directory: str, rank: int, step: int) -> str:
     return os.path.join(directory, f"rank-{rank}.step-{step}.pt")
 
@@ -77,14 +69,14 @@ def save(directory: str, rank: int, world_size: int, step: int, cfg, state: dict
     staged file of the committed step when a crash came before its promotion. Each rank leaves the sha256 of
     its staged file in a sidecar, which rank 0 copies into the manifest."""
     os.makedirs(directory, exist_ok=True)
-    digest = _atomic_save(state, _staged(directory, rank, step))
-    atomic_write(_digest_file(directory, rank, step), digest.encode())
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    atomic_write(_staged(directory, rank, step), data)
+    atomic_write(_digest_file(directory, rank, step), hashlib.sha256(data).hexdigest().encode())
     barrier()
     if rank == 0:
-        sums = {}
-        for r in range(world_size):
-            with open(_digest_file(directory, r, step)) as f:
-                sums[str(r)] = f.read().strip()
+        sums = {str(r): Path(_digest_file(directory, r, step)).read_text().strip() for r in range(world_size)}
         manifest = {"step": step, "world_size": world_size, "fingerprint": fingerprint(cfg),
                     "algorithm": cfg.algorithm, "workload": cfg.workload, "sha256": sums}
         atomic_write(os.path.join(directory, MANIFEST), json.dumps(manifest))
@@ -105,8 +97,7 @@ def _manifest(directory: str) -> dict:
     """The manifest of `directory`, checked for shape (a planted or damaged one is refused in one line)."""
     path = os.path.join(directory, MANIFEST)
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise UserError(f"no checkpoint in {directory!r} (missing {MANIFEST})") from None
     except (OSError, ValueError) as e:
@@ -172,8 +163,7 @@ def load(directory: str, rank: int) -> dict:
     if not os.path.exists(path):
         path = os.path.join(directory, f"rank-{rank}.pt")
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise UserError(f"checkpoint file {path!r} is corrupt or unreadable: {_one_line(e)}") from None
     got = hashlib.sha256(data).hexdigest()

@@ -121,7 +121,7 @@ class Emulation:
         self.bridge = f"twb{self.tag}"
         self.forwarder: subprocess.Popen | None = None
         self.network: str | None = None
-        self._made: list[str] = []
+        self._undo: list[tuple[str, ...]] = []   # the commands that remove what _build made, in order made
         self._old_term = None
         self.netem_qdisc = None
 
@@ -145,13 +145,13 @@ class Emulation:
 
     def _build(self) -> None:
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
-        self._made.append("bridge")
+        self._undo.append(("ip", "link", "del", self.bridge))
         _sh("ip", "addr", "add", f"{CTL_NET}.254/24", "dev", self.bridge)
         _sh("ip", "link", "set", self.bridge, "up")
         for r in range(self.slots):
             ns = self.ns(r)
             _sh("ip", "netns", "add", ns)
-            self._made.append(ns)
+            self._undo.append(("ip", "netns", "del", ns))
             ex = ("ip", "netns", "exec", ns)
             _sh(*ex, "ip", "link", "set", "lo", "up")
             host_end, ns_end = f"twv{self.tag}r{r}", f"twp{self.tag}r{r}"
@@ -206,12 +206,9 @@ class Emulation:
             self.forwarder.kill()
             self.forwarder.wait()
             self.forwarder = None
-        for name in reversed(self._made):
-            if name == "bridge":
-                _sh("ip", "link", "del", self.bridge, check=False)
-            else:
-                _sh("ip", "netns", "del", name, check=False)
-        self._made.clear()
+        for cmd in reversed(self._undo):
+            _sh(*cmd, check=False)
+        self._undo.clear()
         if self._old_term is not None:
             signal.signal(signal.SIGTERM, self._old_term)
             self._old_term = None
@@ -230,8 +227,7 @@ def _open_tun_in(ns_path: str) -> int:
         fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
         fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", b"tw0", IFF_TUN | IFF_NO_PI))
     finally:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.setns(home, CLONE_NEWNET)
+        ctypes.CDLL("libc.so.6", use_errno=True).setns(home, CLONE_NEWNET)
         os.close(home)
     return fd
 
