@@ -28,20 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_extra(tokens: list[str]) -> dict:
     """Turn leftover `--name value` / `--name=value` / `--param name=value` tokens into parameters."""
     params: dict = {}
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
+    rest = iter(tokens)
+    for tok in rest:
         if not tok.startswith("--") or len(tok) < 3:
             raise UserError(f"unexpected argument {tok!r}")
-        name = tok[2:]
-        if "=" in name:
-            name, value = name.split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+        name, eq, value = tok[2:].partition("=")
+        if not eq:
+            value = next(rest, None)
+            if value is None or value.startswith("--"):
                 raise UserError(f"option --{name} needs a value")
-            value = tokens[i + 1]
-            i += 2
         if name == "param":
             if "=" not in value:
                 raise UserError(f"--param takes key=value, got {value!r}")

@@ -102,38 +102,35 @@ def run(args) -> int:
 
 
 def plot(rows: list[dict], out: str) -> list[str]:
-    from ..run.benchmarks import pyplot
-    plt = pyplot()
     paths = []
-    labels = list(dict.fromkeys(r["schedule"] for r in rows))
     lats = sorted({r["latency_s"] for r in rows if r["latency_s"] is not None})
     workers = sorted({r["workers"] for r in rows})
     if len(lats) > 1:
         n0 = workers[0]
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for lab in labels:
-            pts = sorted((r["latency_s"] * 1e3, r["scalability"]) for r in rows
-                         if r["schedule"] == lab and r["workers"] == n0 and r["latency_s"] is not None)
-            ax.plot(*zip(*pts), marker="o", label=lab)
-        ax.set(xlabel="one-way latency (ms)", ylabel="scalability (throughput / no-communication throughput)",
-               title=f"Simulated scalability vs latency, {n0} workers", ylim=(0, 1.05))
-        paths.append(_save(fig, ax, os.path.join(out, "scalability_vs_latency.png")))
+        paths.append(_plot(rows, os.path.join(out, "scalability_vs_latency.png"), lambda r: r["latency_s"] * 1e3,
+                           lambda r: r["workers"] == n0 and r["latency_s"] is not None,
+                           xlabel="one-way latency (ms)",
+                           ylabel="scalability (throughput / no-communication throughput)",
+                           title=f"Simulated scalability vs latency, {n0} workers"))
     if len(workers) > 1:
         l0 = lats[0] if lats else None
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for lab in labels:
-            pts = sorted((r["workers"], r["scalability"]) for r in rows if r["schedule"] == lab and r["latency_s"] == l0)
-            ax.plot(*zip(*pts), marker="o", label=lab)
-        ax.set_xscale("log", base=2)
         where = "four world regions" if l0 is None else f"{l0 * 1e3:.0f} ms one-way"
-        ax.set(xlabel="workers", ylabel="scalability", title=f"Simulated scalability vs workers ({where})",
-               ylim=(0, 1.05))
-        paths.append(_save(fig, ax, os.path.join(out, "scalability_vs_workers.png")))
+        paths.append(_plot(rows, os.path.join(out, "scalability_vs_workers.png"), lambda r: r["workers"],
+                           lambda r: r["latency_s"] == l0, log2=True, xlabel="workers", ylabel="scalability",
+                           title=f"Simulated scalability vs workers ({where})"))
     return paths
 
 
-def _save(fig, ax, path: str) -> str:
-    from ..run.benchmarks import save
+def _plot(rows: list[dict], path: str, x, keep, log2: bool = False, **labels) -> str:
+    """One line of scalability against `x(row)` per schedule, over the rows `keep(row)` selects, written to `path`."""
+    from ..run.benchmarks import pyplot, save
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    for lab in dict.fromkeys(r["schedule"] for r in rows):
+        pts = sorted((x(r), r["scalability"]) for r in rows if r["schedule"] == lab and keep(r))
+        ax.plot(*zip(*pts), marker="o", label=lab)
+    if log2:
+        ax.set_xscale("log", base=2)
+    ax.set(**labels, ylim=(0, 1.05))
     ax.grid(alpha=0.3)
     ax.legend()
     save(fig, path)

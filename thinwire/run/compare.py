@@ -161,12 +161,12 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
 class Harness:
     """Runs a matrix, one cell at a time, keeping worker pools between cells."""
 
-    def __init__(self, cfg: CompareConfig, out: str, netem_env=None, log=None, pool=None):
+    def __init__(self, cfg: CompareConfig, out: str, netem_env=None, pool=None):
         self.cfg, self.out = cfg, out
         self.netem_env = netem_env  # a thinwire.run.netem.Emulation when --netem
         self._pools: dict[int, object] = {}
         self._given = pool  # a caller's pool of cfg.workers workers (tests): used, never closed here
-        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.log = lambda msg: print(msg, file=sys.stderr)
 
     # -- pools ---------------------------------------------------------------------------------------
     def pool(self, world: int, network: str):
@@ -309,7 +309,7 @@ def _ran_with(cell: presets.Cell) -> str:
     return ", ".join(parts) or "defaults"
 
 
-def _curve(celldir: str, metric: str, total_sent: float | None = None) -> list:
+def _curve(celldir: str, metric: str, total_sent: float) -> list:
     """[training time s, bytes sent per worker so far, metric] at every evaluation (for the plots). Bytes of
     transfers still in flight at the last step (drained by `close()`) are counted at the last point."""
     pts, sent = [], 0.0
@@ -320,7 +320,7 @@ def _curve(celldir: str, metric: str, total_sent: float | None = None) -> list:
             sent += r["bytes_sent"]
             if name in r:
                 pts.append([r["t"], sent, r[name]])
-    if pts and total_sent is not None:
+    if pts:
         pts[-1][1] = max(pts[-1][1], total_sent)
     return pts
 
@@ -491,8 +491,7 @@ def load(out: str) -> tuple[CompareConfig, dict]:
     return CompareConfig(**{k: v for k, v in results["matrix"].items() if k in known}), results
 
 
-def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress: bool = True, log=None,
-            pool=None) -> dict:
+def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress: bool = True, pool=None) -> dict:
     """Run (or resume) the matrix into `out`; write results.json, report.md and the plots; return the results."""
     from .plots import plot_all
     from .report import write_report
@@ -502,16 +501,15 @@ def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress:
     env = None
     if cfg.netem:
         from .netem import Emulation
-        env = Emulation(cfg.workers + 1)
-        env.__enter__()
-    harness = Harness(cfg, out, netem_env=env, log=log, pool=pool)
+        env = Emulation(cfg.workers + 1).__enter__()
+    harness = Harness(cfg, out, netem_env=env, pool=pool)
     t0 = _now()
     try:
         harness.run(results, progress=progress)
     finally:
         harness.close()
         if env is not None:
-            env.__exit__(None, None, None)
+            env.close()
         results["matrix_wall_s"] = results.get("matrix_wall_s", 0.0) + (_now() - t0)
         if results["cells"]:
             finish(results)
