@@ -203,6 +203,17 @@ def test_existing_loss_and_evaluation_unchanged():
     assert lr.evaluate(m) == mse
 
 
+def test_a_loss_workload_is_evaluated_with_its_own_loss():
+    # a custom loss without an eval_fn was scored by MSE on the held-out set, not by the loss it trains on
+    x, y = torch.randn(64, 3), torch.randn(64)
+    wl = Workload("l1", (x, y, x, y), lambda: torch.nn.Linear(3, 1), metric="loss",
+                  loss_fn=lambda out, t: F.l1_loss(out.reshape(-1), t))
+    m = wl.model(0)
+    with torch.no_grad():
+        l1, mse = F.l1_loss(m(x).reshape(-1), y), F.mse_loss(m(x).reshape(-1), y)
+    assert wl.evaluate(m) == pytest.approx(float(l1)) and float(l1) != pytest.approx(float(mse))
+
+
 def test_exactly_the_target_accuracy_reaches_it():
     # 19 of 20 right is 0.95: a float32 mean read it as 0.94999999, below the target (a survivor of
     # tests/test_survive.py at exactly 95% was reported as missing it)

@@ -124,7 +124,7 @@ class Workload:
         if self.metric == "accuracy":
             # hits / total in Python: a float32 mean reads exactly 95% as 0.94999999 < 0.95, a missed target
             return int((out.argmax(1) == y).sum()) / y.numel()
-        return float(F.mse_loss(out.reshape(-1), y.reshape(-1)))
+        return float(self.loss(out, y))   # the training loss on the held-out set (`loss_fn`, else MSE)
 
     def derived_metrics(self, value: float) -> dict:
         """The workload's other readings of a metric value (e.g. {"bits_per_byte": ...} from a loss)."""
