@@ -28,6 +28,7 @@ from .base import Algorithm, copy_flat
 class Gossip(Algorithm):
     architectures = ("gossip",)
     topologies: tuple[str, ...] = NAMES
+    exchange_class = NeighborExchange
 
     def __init__(self, topology: str = "ring", consensus_every: int = 0, final_average: bool = True,
                  architecture: str | None = None):
@@ -46,8 +47,7 @@ class Gossip(Algorithm):
     def setup(self):
         from ..comm.context import default_seed
         self.topology = Topology(self.topology_name, self.world_size, seed=default_seed())
-        self.exchange = NeighborExchange(self.transport, self.compressor, self.memory)
-        self._exchanges.append(self.exchange)
+        self.exchange = self.make_exchange()
         self.pending: dict[int, object] = {}   # bucket index -> the future of its neighbour exchange
         self.gossip_setup()
 

@@ -52,6 +52,7 @@ class Algorithm:
     #   memory that applies momentum before compression takes the optimizer's: Trainer's hand_over_momentum)
     overlaps_steps: bool = False                # its exchanges outlive the step that started them (DTS, CD-SGD)
     survives_failures: ClassVar[bool] = False   # its averages stay meaningful over fewer workers (recover())
+    exchange_class: ClassVar[type] = Exchange   # what make_exchange builds (the PS and gossip forms: their own)
 
     def __init__(self, architecture: str | None = None):
         arch = architecture or self.architectures[0]
@@ -110,10 +111,10 @@ class Algorithm:
         for ex in self._exchanges:
             ex.rekey(old, new)
 
-    def make_exchange(self, compressor=None, memory=None) -> Exchange:
-        """An exchange on the trainer's transport (by default through the trainer's compressor and memory)."""
-        ex = Exchange(self.transport, self.compressor if compressor is None else compressor,
-                      self.memory if memory is None else memory)
+    def make_exchange(self, compressor=None, memory=None, **options) -> Exchange:
+        """An `exchange_class` on the trainer's transport (by default through the trainer's compressor and memory)."""
+        ex = self.exchange_class(self.transport, self.compressor if compressor is None else compressor,
+                                 self.memory if memory is None else memory, **options)
         self._exchanges.append(ex)
         return ex
 

@@ -55,6 +55,7 @@ class PSMixin:
     schedules = PS_SCHEDULES
     rule = "sync"
     backups = 0
+    exchange_class = PSExchange
 
     def _ps_init(self, servers, downlink_compressor: str = "none", downlink_params: dict | None = None) -> None:
         if not isinstance(servers, int) or isinstance(servers, bool) or servers < 1:
@@ -73,10 +74,7 @@ class PSMixin:
 
     # -- wiring --------------------------------------------------------------------------------------------
     def make_exchange(self, compressor=None, memory=None) -> PSExchange:
-        ex = PSExchange(self.transport, self.compressor if compressor is None else compressor,
-                        self.memory if memory is None else memory, codec=len(self._exchanges))
-        self._exchanges.append(ex)
-        return ex
+        return super().make_exchange(compressor, memory, codec=len(self._exchanges))
 
     def attach(self, trainer) -> None:
         super().attach(trainer)            # setup(), then the scheduler builds its buckets

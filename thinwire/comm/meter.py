@@ -20,7 +20,6 @@ class Meter:
 
     by_kind: dict = field(default_factory=lambda: defaultdict(lambda: dict.fromkeys(FIELDS, 0.0)))
     wait_s: float = 0.0
-    steps: list = field(default_factory=list)
     _last: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -49,11 +48,10 @@ class Meter:
         return self.totals()["bytes_recv"]
 
     def mark_step(self) -> dict:
-        """Close a training step: returns (and keeps in `steps`) what was counted since the previous mark."""
+        """Close a training step: returns what was counted since the previous mark."""
         now = self.totals()
         delta = {k: now[k] - self._last.get(k, 0.0) for k in now}
         self._last = now
-        self.steps.append(delta)
         return delta
 
     def to_dict(self) -> dict:
