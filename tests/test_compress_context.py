@@ -96,3 +96,16 @@ def test_decoding_is_safe_beside_decoding_and_encoding_on_other_threads(name):
     stop.set()
     encoder.join()
     assert not wrong, f"{name}: {len(wrong)} of 100 decodes differed"
+
+
+@pytest.mark.parametrize("name", ["qsparse", "qsgd", "terngrad", "natural", "randomk", "topk"])
+def test_the_contraction_probes_measure_the_same_on_every_rank(name, monkeypatch):
+    """CHOCO's γ and a PS downlink's scale come from probes each rank runs: a compressor's per-rank stream (qsparse's
+    rounding, seeded by the rank on first use) gave every rank its own numbers, so CHOCO's γ differed by rank."""
+    from thinwire.compress import _sparse, base, rounding
+    seen = set()
+    for r in range(3):
+        monkeypatch.setattr(rounding, "rank", lambda r=r: r)
+        monkeypatch.setattr(_sparse, "rank", lambda r=r: r)
+        seen.add(base.contractive_scale(compressors.get(name), "probe", "it would not converge"))
+    assert len(seen) == 1

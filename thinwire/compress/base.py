@@ -310,19 +310,18 @@ def _probes(compressor: "Compressor", trials: int = 3, numel: int = 4096):
 
     from .rounding import Uniforms
     probe = copy.deepcopy(compressor)
-    # a stochastic compressor draws from a stream seeded by its rank: the probes take one fixed stream, so every
-    # rank measures the same numbers and takes the same decision (terngrad sits near 1: ranks disagreed and hung)
+    # a stochastic compressor draws from a stream seeded by its rank on first use (`_gen`: Uniforms, qsparse's
+    # rounding): the probes take one fixed stream, so every rank measures the same numbers and takes the same
+    # decision (terngrad sits near 1: ranks disagreed and hung; qsparse's CHOCO γ differed by rank)
     todo, seen = [probe], set()
     while todo:
         obj = todo.pop()
         if id(obj) in seen or not hasattr(obj, "__dict__"):
             continue
         seen.add(id(obj))
-        for v in vars(obj).values():
-            if isinstance(v, Uniforms):
-                v._gen = torch.Generator().manual_seed(0)
-            elif isinstance(v, Compressor):
-                todo.append(v)
+        if "_gen" in vars(obj):
+            obj._gen = torch.Generator().manual_seed(0)
+        todo += [v for v in vars(obj).values() if isinstance(v, (Compressor, Uniforms))]
     gen = torch.Generator().manual_seed(0)
     for t in range(trials):
         v = torch.randn(numel, generator=gen, device="cpu")   # probes at construction, on the host
