@@ -81,7 +81,8 @@ class RandomK(Compressor):
         vals = payload.tensors[0].reshape(-1).to(dtype)
         if self.scale and idx.numel():
             vals = vals * (d / idx.numel())
-        return torch.zeros(d, dtype=dtype, device=vals.device).index_copy_(0, idx, vals).view(shape)
+        # (a receiver's `context` draws the indices on the host: they follow the payload to its device)
+        return torch.zeros(d, dtype=dtype, device=vals.device).index_copy_(0, idx.to(vals.device), vals).view(shape)
 
     def aggregate(self, payloads):
         total = payloads[0].tensors[0].reshape(-1).clone()
