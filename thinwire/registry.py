@@ -134,6 +134,25 @@ class Registry:
         return rows
 
 
+def route(named: dict, params: dict, fixed: tuple = ()) -> list[dict]:
+    """`params` by name: a dict for each `what: (registry, name)` of `named`, of the parameters the registered
+    `name` declares (a ready-made object declares none), then one for each tuple of names in `fixed`; a
+    parameter none of them takes is a UserError (the Trainer's routing and `ddp_hook`'s)."""
+    tables = list(named.values())
+    routed: list[dict] = [{} for _ in range(len(tables) + len(fixed))]
+    for key, value in params.items():
+        takers = [i for i, (reg, name) in enumerate(tables) if isinstance(name, str) and reg.accepts(name, key)]
+        takers += [len(tables) + i for i, names in enumerate(fixed) if key in names]
+        if not takers:
+            valid = sorted({p for reg, name in tables if isinstance(name, str) for p in reg.parameters(name)}
+                           | {p for names in fixed for p in names})
+            owners = ", ".join(f"{what} {name!r}" for what, (_, name) in named.items())
+            raise UserError(f"unknown parameter {key!r} for {owners}; valid: {', '.join(valid) or 'none'}")
+        for i in takers:
+            routed[i][key] = value
+    return routed
+
+
 def call(ctor: Callable, what: str, params: dict):
     """`ctor(**params)` with CLI strings converted to the types its signature declares; an unknown parameter
     or a bad value is a UserError naming `what` and its valid parameters."""

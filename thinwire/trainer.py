@@ -25,36 +25,11 @@ from .comm.membership import MEMBERSHIP, PeerLost
 from .compress import compressors, memories
 from .compress.finite import NonFiniteError
 from .errors import UserError
-from .registry import call
+from .registry import call, route
 from .trace import NULL, Tracer
 
 SCHED_PARAMS = tuple(inspect.signature(sched.make).parameters)
 TRANSPORT_PARAMS = ("allreduce",)
-
-
-def _route(algorithm: str, compressor: str, memory: str, params: dict) -> tuple[dict, ...]:
-    """(algorithm, compressor, memory, scheduler, transport) parameters, each taking the names it declares."""
-    params = dict(params)
-    if isinstance(algorithm, str) and algorithms.registry.accepts(algorithm, "downlink_params"):
-        down = {k: params.pop(k) for k in list(params)
-                if k.startswith("downlink_") and k not in ("downlink_compressor", "downlink_params")}
-        if down:   # the downlink compressor's own parameters (it names the valid ones)
-            params["downlink_params"] = {**(params.get("downlink_params") or {}),
-                                         **{k[len("downlink_"):]: v for k, v in down.items()}}
-    tables = [(algorithms.registry, algorithm), (compressors, compressor), (memories, memory)]
-    fixed = [SCHED_PARAMS, TRANSPORT_PARAMS]
-    routed: list[dict] = [{}, {}, {}, {}, {}]
-    for key, value in params.items():
-        takers = [i for i, (reg, name) in enumerate(tables) if isinstance(name, str) and reg.accepts(name, key)]
-        takers += [3 + i for i, names in enumerate(fixed) if key in names]
-        if not takers:
-            valid = sorted({p for reg, name in tables if isinstance(name, str) for p in reg.parameters(name)}
-                           | {p for names in fixed for p in names})
-            raise UserError(f"unknown parameter {key!r} for algorithm {algorithm!r}, compressor {compressor!r}, "
-                            f"memory {memory!r}; valid: {', '.join(valid) or 'none'}")
-        for i in takers:
-            routed[i][key] = value
-    return tuple(routed)
 
 
 def build_components(algorithm, compressor=None, memory=None, **params):
@@ -65,8 +40,15 @@ def build_components(algorithm, compressor=None, memory=None, **params):
                else type(algorithm))
     compressor = compressor or getattr(alg_cls, "default_compressor", "none")
     memory = memory or getattr(alg_cls, "default_memory", "none")
-    alg_params, comp_params, mem_params, sched_params, transport_params = _route(algorithm, compressor, memory,
-                                                                                 params)
+    if isinstance(algorithm, str) and algorithms.registry.accepts(algorithm, "downlink_params"):
+        down = {k: params.pop(k) for k in list(params)
+                if k.startswith("downlink_") and k not in ("downlink_compressor", "downlink_params")}
+        if down:   # the downlink compressor's own parameters (it names the valid ones)
+            params["downlink_params"] = {**(params.get("downlink_params") or {}),
+                                         **{k[len("downlink_"):]: v for k, v in down.items()}}
+    alg_params, comp_params, mem_params, sched_params, transport_params = route(
+        {"algorithm": (algorithms.registry, algorithm), "compressor": (compressors, compressor),
+         "memory": (memories, memory)}, params, (SCHED_PARAMS, TRANSPORT_PARAMS))
     if not getattr(alg_cls, "compression", True) and compressor != "none":
         raise UserError(f"algorithm {alg_cls.name!r} does not exchange gradients through a compressor; "
                         f"drop --compressor or use one of: "

@@ -27,8 +27,8 @@ import torch
 
 from ..compress import compressors, memories
 from ..compress.base import assemble
-from ..errors import UserError
-from .exchange import Exchange, allowed_collectives
+from ..registry import route
+from .exchange import Exchange, resolve_collective
 
 
 class HookState:
@@ -105,18 +105,8 @@ def ddp_hook(compressor="none", memory="none", process_group=None, network=None,
              check_finite: bool | None = None, **params):
     """`(state, hook)` for `DistributedDataParallel.register_comm_hook`; `params` go to the compressor and the
     memory by name (e.g. `ratio=0.01`, `rank=4`, `momentum=0.9`); an unknown one is a UserError."""
-    def own(name, registry) -> dict:    # the parameters a registered name takes (none: a ready-made object)
-        return registry.parameters(name) if isinstance(name, str) else {}
-    comp_keys, mem_keys = own(compressor, compressors), own(memory, memories)
-    unknown = [key for key in params if key not in comp_keys and key not in mem_keys]
-    if unknown:
-        raise UserError(f"unknown parameter {unknown[0]!r} for compressor {compressor!r}, memory {memory!r}; "
-                        f"valid: {', '.join(sorted(set(comp_keys) | set(mem_keys))) or 'none'}")
-    comp = compressors.get(compressor, **{k: v for k, v in params.items() if k in comp_keys})
-    mem = memories.get(memory, **{k: v for k, v in params.items() if k in mem_keys})
+    comp_params, mem_params = route({"compressor": (compressors, compressor), "memory": (memories, memory)}, params)
+    comp, mem = compressors.get(compressor, **comp_params), memories.get(memory, **mem_params)
+    resolve_collective(comp, collective)   # fail at construction, not at the first backward, on a bad collective
     state = HookState(comp, mem, process_group, network, collective, check_finite)
-    # fail at construction, not at the first backward, on a collective the algebra does not allow
-    if collective != "auto" and collective not in allowed_collectives(comp):
-        raise UserError(f"compressor {comp.name!r} cannot use collective {collective!r}; "
-                        f"valid: {', '.join(allowed_collectives(comp))}")
     return state, thinwire_hook

@@ -66,6 +66,26 @@ def allowed_collectives(compressor: Compressor) -> list[str]:
     return out
 
 
+def resolve_collective(compressor: Compressor, collective: str) -> str:
+    """The collective `collective` names for `compressor` ("auto": its natural one); a UserError where it is
+    unknown or the compressor's algebra does not allow it (at construction, not a wrong answer later)."""
+    if collective not in COLLECTIVES:
+        raise UserError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
+    allowed = allowed_collectives(compressor)
+    if collective == "auto":
+        collective = allowed[0]
+    if collective not in allowed:
+        raise UserError(f"compressor {compressor.name!r} (aggregation {compressor.aggregation!r}, "
+                        f"linear={compressor.linear}) cannot use collective {collective!r}; "
+                        f"valid: {', '.join(allowed)}")
+    if collective == "allreduce" and not compressor.linear:
+        raise UserError(f"compressor {compressor.name!r} is not linear: its payloads cannot be summed by "
+                        f"all-reduce; valid: allgather")
+    if collective == "custom" and not hasattr(compressor, "exchange"):
+        raise UserError(f"compressor {compressor.name!r} declares custom aggregation without an exchange")
+    return collective
+
+
 def _backend(transport) -> str:
     try:
         import torch.distributed as dist
@@ -98,24 +118,9 @@ class Exchange:
             raise UserError(f"unexpected exchange parameters: {sorted(params)}; valid: collective, check_finite, "
                             f"sparse_collective")
         self.transport = transport
-        self.compressor = compressors.get(compressor) if isinstance(compressor, str) else compressor
-        self.memory = memories.get(memory) if isinstance(memory, str) else memory
-        if collective not in COLLECTIVES:
-            raise UserError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
-        allowed = allowed_collectives(self.compressor)
+        self.compressor, self.memory = compressors.get(compressor), memories.get(memory)   # an object: as it is
         self.auto = collective == "auto" and self.compressor.pick_by_bytes
-        if collective == "auto":
-            collective = allowed[0]
-        if collective not in allowed:
-            raise UserError(f"compressor {self.compressor.name!r} (aggregation {self.compressor.aggregation!r}, "
-                            f"linear={self.compressor.linear}) cannot use collective {collective!r}; "
-                            f"valid: {', '.join(allowed)}")
-        if collective == "allreduce" and not self.compressor.linear:
-            raise UserError(f"compressor {self.compressor.name!r} is not linear: its payloads cannot be summed by "
-                            f"all-reduce; valid: allgather")
-        if collective == "custom" and not hasattr(self.compressor, "exchange"):
-            raise UserError(f"compressor {self.compressor.name!r} declares custom aggregation without an exchange")
-        self.collective = collective
+        self.collective = resolve_collective(self.compressor, collective)
         self.check_finite = check_finite
         self.world_size = transport.world_size
         self._gloo = _backend(transport) == "gloo"
@@ -126,9 +131,9 @@ class Exchange:
         self.sparse = None
         if _sparse.check(sparse_collective) != "allgather":
             self.sparse = _sparse.SparseCollective(sparse_collective, transport, self.compressor)
-            if collective != "allgather":
+            if self.collective != "allgather":
                 raise UserError(f"sparse collective {sparse_collective!r} replaces the all-gather; it cannot run "
-                                f"with collective {collective!r}; valid: auto, allgather")
+                                f"with collective {self.collective!r}; valid: auto, allgather")
         self.steps: dict[Any, int] = {}
 
     # -- the exchange ----------------------------------------------------------------------------------

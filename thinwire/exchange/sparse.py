@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compress import Payload
+from ..compress import Payload, bitpack
 from ..compress._sparse import check_collective as check
 from ..compress._sparse import is_sparse
 from ..errors import UserError
@@ -95,16 +95,13 @@ def broadcast_buf(tr, buf: torch.Tensor | None, src: int, dtype, device):
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """A bool mask as uint8 bytes, 8 flags per byte (little-endian bit order)."""
-    pad = torch.zeros((-mask.numel()) % 8, dtype=torch.bool, device=mask.device)
-    bits = torch.cat([mask.reshape(-1), pad]).view(-1, 8).to(torch.int32)
-    return (bits << torch.arange(8, dtype=torch.int32, device=mask.device)).sum(1).to(torch.uint8)
+    """A bool mask as uint8 bytes, 8 flags per byte (little-endian bit order: `bitpack` with 1-bit codes)."""
+    return bitpack.pack(mask.to(torch.uint8), 1)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first n flags `pack_bits` packed."""
-    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
-    return ((packed.to(torch.int32).unsqueeze(1) >> shifts) & 1).reshape(-1)[:n].bool()
+    return bitpack.unpack(packed, 1, n).bool()
 
 
 def _set(idx, vals, extra: list) -> torch.Tensor:
