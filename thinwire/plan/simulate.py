@@ -111,16 +111,6 @@ def _bsp(c, cfg, comm):
     return float((c.max(axis=1) + comm.time).sum())  # every step waits for the slowest worker, then exchanges
 
 
-def _localsgd(c, cfg, comm):
-    h = cfg.period
-    f = np.zeros(cfg.workers)
-    for s in range(cfg.steps):
-        f += c[s]
-        if (s + 1) % h == 0:
-            f[:] = f.max() + comm.time
-    return f.max()
-
-
 def _dts(c, cfg, comm, delay=None, period=None):
     """Seed 004 §3: the window of `period` steps is launched when its last step ends and applied `delay`−1
     windows later; at most two exchanges run at once (gloo's threads) and their transfers share the link."""
@@ -142,11 +132,11 @@ def _dts(c, cfg, comm, delay=None, period=None):
     return f.max()
 
 
-def _diloco(c, cfg, comm):
+def _diloco(c, cfg, comm, k=None, lag=None):
     """DiLoCo / Streaming DiLoCo: every K = period/fragments steps one fragment (`comm` is its exchange) starts
     when the last worker has taken its pseudo-gradient and is waited for `overlap` steps later; one fragment
-    in flight at a time, the transfers queued on the link."""
-    k, lag = cfg.period // cfg.fragments, cfg.overlap
+    in flight at a time, the transfers queued on the link. Local SGD: the whole model every period (K = H, lag 0)."""
+    k, lag = k or cfg.period // cfg.fragments, cfg.overlap if lag is None else lag
     f = np.zeros(cfg.workers)
     link_free, due = 0.0, {}
     for s in range(cfg.steps):
@@ -214,7 +204,8 @@ def _ps(c, cfg, comm, staleness=None):
 
 
 SCHEDULES = {
-    "local": _local, "bsp": _bsp, "localsgd": _localsgd, "dts": _dts,
+    "local": _local, "bsp": _bsp, "dts": _dts,
+    "localsgd": lambda c, cfg, comm: _diloco(c, cfg, comm, k=cfg.period, lag=0),
     "delayed": lambda c, cfg, comm: _dts(c, cfg, comm, period=1),
     "tsparse": lambda c, cfg, comm: _dts(c, cfg, comm, delay=1),
     "cdsgd": lambda c, cfg, comm: _cdsgd(c, cfg, comm, _collective_cost(cfg, cfg.params * cfg.bytes_per_param)),

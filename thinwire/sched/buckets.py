@@ -29,7 +29,7 @@ def assign(params: list[torch.Tensor], bucket_bytes: float, first_bucket_bytes: 
             groups.append(cur)
             cur, size, cap = [], 0, bucket_bytes
         cur.append(i)
-        size += p.numel() * p.element_size()
+        size += p.nbytes
     if cur:
         groups.append(cur)
     return groups
@@ -59,7 +59,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.buffer.nbytes
 
     @property
     def shapes(self) -> list[tuple]:

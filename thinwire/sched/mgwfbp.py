@@ -56,8 +56,9 @@ def merge_plan(ready: list[float], sizes: list[float], cost: Callable[[float], f
 class Profiled(Scheduler):
     """A scheduler that measures gradient ready times and the link's all-reduce cost for `profile_steps`."""
 
-    def __init__(self, profile_steps: int = 3, **kw):
-        super().__init__(**kw)
+    def __init__(self, profile_steps: int = 3, pipeline: bool | None = None, serial: bool | None = None):
+        # profiling runs per-layer WFBP (bucket_mb=0): it measures each gradient's own ready time
+        super().__init__(bucket_mb=0.0, first_bucket_mb=0.0, pipeline=pipeline, serial=serial)
         if profile_steps < 1:
             raise UserError(f"profile_steps must be >= 1, got {profile_steps}")
         self.profile_steps = profile_steps
@@ -67,8 +68,7 @@ class Profiled(Scheduler):
 
     def _reset(self) -> None:
         super()._reset()
-        profiling = self.steps < self.profile_steps and self.overlap
-        self._stamps = [float("nan")] * len(self.params) if profiling else None
+        self._stamps = [float("nan")] * len(self.params) if self.steps < self.profile_steps else None
 
     def end_step(self) -> None:
         if self._stamps is not None:    # a profiled step
@@ -76,24 +76,22 @@ class Profiled(Scheduler):
         super().end_step()
 
     def after_step(self) -> None:
-        if self.steps == self.profile_steps and self.ready_times is None:
+        if self.steps == self.profile_steps:   # (steps only grow: once)
             self._finish_profile()
 
     def _finish_profile(self) -> None:
-        n = len(self.params)
-        rows = self._profiles[1:] or self._profiles     # the first step warms up allocators and caches
         rel = []
-        for row in rows:
+        for row in self._profiles[1:] or self._profiles:   # the first step warms up allocators and caches
             seen = [t for t in row if t == t]
             t0, end = min(seen, default=0.0), max(seen, default=0.0)
             rel.append([(t if t == t else end) - t0 for t in row])   # no gradient: ready at the end
-        ready = [statistics.median(column) for column in zip(*rel)] if rel else [0.0] * n
+        ready = [statistics.median(column) for column in zip(*rel)]
         a, b = self._measure_cost()
         msg = torch.tensor(ready + [a, b], dtype=torch.float64, device=self.transport.device)
         if self.transport.world_size > 1:
             self.transport.broadcast(msg, src=0)              # every rank plans from rank 0's numbers
         vals = msg.tolist()                                   # host: once per re-plan
-        self.ready_times, self.cost_ab = vals[:n], (vals[n], vals[n + 1])
+        self.ready_times, self.cost_ab = vals[:-2], tuple(vals[-2:])
         self.plan()
 
     def _measure_cost(self) -> tuple[float, float]:
@@ -130,14 +128,9 @@ class Profiled(Scheduler):
 class MGWFBP(Profiled):
     name = "mgwfbp"
 
-    def __init__(self, profile_steps: int = 3, pipeline: bool | None = None, serial: bool | None = None):
-        # profiling runs per-layer WFBP (bucket_mb=0): it measures each gradient's own ready time
-        super().__init__(profile_steps=profile_steps, bucket_mb=0.0, first_bucket_mb=0.0, pipeline=pipeline,
-                         serial=serial)
-
     def plan(self) -> None:
         order = list(reversed(range(len(self.params))))      # backward order
         ready = [self.ready_times[i] for i in order]
-        sizes = [self.params[i].numel() * self.params[i].element_size() for i in order]
+        sizes = [self.params[i].nbytes for i in order]
         members = iter(order)
         self._build([list(islice(members, count)) for count in merge_plan(ready, sizes, self.cost, self.cost(0.0))])

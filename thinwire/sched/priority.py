@@ -78,8 +78,8 @@ class Priority(Profiled):
     defers_update = True
 
     def __init__(self, chunk_mb: float = 0.0, credit_mb: float = 0.0, profile_steps: int = 3):
-        super().__init__(profile_steps=profile_steps, bucket_mb=0.0, first_bucket_mb=0.0, pipeline=False,
-                         serial=False)   # its own launcher thread orders and bounds the transfers
+        # its own launcher thread orders and bounds the transfers
+        super().__init__(profile_steps=profile_steps, pipeline=False, serial=False)
         if chunk_mb < 0 or credit_mb < 0:
             raise UserError("chunk_mb and credit_mb must be >= 0 (0: chosen from the link)")
         self.chunk_mb, self.credit_mb = chunk_mb, credit_mb
@@ -136,10 +136,10 @@ class Priority(Profiled):
 
     # -- backward: mark chunks ready; the launcher thread sends them ------------------------------------
     def before_first_grad(self) -> None:
-        self.flush()
-        # in place (identity exchange): the averages land in the buffer that was sent, kept until the next flush
-        self._launch_result = self.flat[self.cur] if self.exchange.identity else self.result
-        self._thread = threading.Thread(target=self._launcher, args=(self.flat[self.cur], self._launch_result,
+        self.flush()     # (the previous step's averages are all applied: `result` is free)
+        if self.exchange.identity:   # in place: the averages land in the buffer that was sent
+            self.result = self.flat[self.cur]
+        self._thread = threading.Thread(target=self._launcher, args=(self.flat[self.cur], self.result,
                                         list(self.order), self._unit_ready, self._unit_done),
                                         name="thinwire-priority", daemon=True)
         self._thread.start()
@@ -188,7 +188,6 @@ class Priority(Profiled):
         super().flush()      # the gradients backward did not produce into their chunks (Scheduler's hand-over)
         self._pending = set(range(len(self.params)))
         self._done_events = self._unit_done
-        self.result = self._launch_result
         self.cur ^= 1                            # the next backward accumulates into the other buffer
         self.flat[self.cur].zero_()
         self._point(self.flat[self.cur], range(len(self.params)))
