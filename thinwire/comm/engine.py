@@ -265,9 +265,8 @@ class Engine:
         with self._cv:
             if serial and error is None and isinstance(value, Future) and not value.is_completed():
                 self._barrier = value
-            self._busy = False
-            if self._queue:
-                self._busy = True           # the next program is the engine thread's; nobody else starts
+            self._busy = bool(self._queue)  # a queued program is the engine thread's next; nobody else starts
+            if self._busy:
                 self._cv.notify()
 
     def _loop(self) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..errors import UserError
 from ..net import Cost, Link, p2p, parse_network, ring_allgather, ring_allreduce, tree_broadcast
 from ..trace import NULL, Tracer
+from . import collectives
 from .context import default_network, default_seed
 from .emulation import LinkClock
 from .engine import ENGINE, Future, Ready
@@ -33,7 +34,7 @@ class Handle(Future):
 
     def __init__(self, transport: "Transport", kind: str, works: Sequence, cost: Cost, result,
                  post: Callable | None = None, issued: float | None = None, tx: bool = True, rx: bool = True,
-                 latency: bool = True, reserved: float | None = None, not_before: Callable | None = None):
+                 reserved: float | None = None, not_before: Callable | None = None):
         self.transport, self.kind, self.cost = transport, kind, cost
         self._reserved = reserved        # a send: its slot on the link, taken when it was issued
         self._not_before = not_before    # a receive: when its last byte left the sender (read off the message)
@@ -41,7 +42,7 @@ class Handle(Future):
         self._works = list(works)
         self._result, self._post = result, post
         self._issued = _now() if issued is None else issued
-        self._flags = (tx, rx, latency)
+        self._flags = (tx, rx)
         self.deadline: float | None = None
         self._done = False
         self._lock = threading.Lock()
@@ -124,13 +125,12 @@ class Handle(Future):
         fn(self)
 
     def _schedule(self, t_done: float) -> None:
-        tx, rx, latency = self._flags
         if self._reserved is not None:
             self.deadline = max(self._reserved, t_done)
         else:
+            tx, rx = self._flags
             after = self._not_before() if self._not_before is not None else 0.0
-            self.deadline = self.transport.clock.schedule(t_done, self.cost, tx=tx, rx=rx, latency=latency,
-                                                          not_before=after)
+            self.deadline = self.transport.clock.schedule(t_done, self.cost, tx=tx, rx=rx, not_before=after)
         self.transport.meter.record(self.kind, self.cost.sent, self.cost.received,
                                     real_s=t_done - self._issued, emulated_s=self.deadline - t_done)
         tr = self.transport.tracer
@@ -256,8 +256,7 @@ class Transport:
         self.clock = clock or LinkClock(self.link, dist.get_rank(), default_seed() if seed is None else seed)
         self.collective_link = self.link.handshaking()  # gloo's collectives: a round trip per step
         self.tracer = tracer or NULL
-        from .collectives import parse as _parse_allreduce
-        _parse_allreduce(allreduce, self.world_size)
+        collectives.parse(allreduce, self.world_size)
         self.allreduce = allreduce  # "gloo" (native) or an algorithm of thinwire.comm.collectives
         self.serial = False        # programs: one in flight at a time (each delivered before the next starts)
         self.background = False    # programs: never on the caller's thread (compression off the training thread)
@@ -321,8 +320,7 @@ class Transport:
         if op not in ops:
             raise UserError(f"unknown reduce op {op!r}; valid: {', '.join(ops)}")
         if self.allreduce != "gloo":  # a point-to-point algorithm, costed message by message
-            from .collectives import all_reduce_program
-            yield from all_reduce_program(self, tensor, op, self.allreduce)
+            yield from collectives.all_reduce_program(self, tensor, op, self.allreduce)
             return Ready(tensor)
         issued = _now()
         works = []
@@ -398,8 +396,7 @@ class Transport:
                 stamp = torch.tensor([out], dtype=torch.float64, device=data.device).view(torch.uint8)
                 data = torch.cat([data.reshape(-1).view(torch.uint8), stamp])
             work = dist.isend(data, dst=self.global_of(dst), group=self.group, tag=tag)
-            return Handle(self, "send", [work], cost, tensor, None, issued, rx=False, latency=False,
-                                reserved=out)
+            return Handle(self, "send", [work], cost, tensor, None, issued, rx=False, reserved=out)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "send", async_op)
 
