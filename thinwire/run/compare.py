@@ -47,7 +47,7 @@ from . import presets, workloads
 from .launcher import MAX_LOCAL_WORKERS, Pool, pick_backend
 from .loop import check_tensorboard, progress_bar, train_worker
 from .peers import PEER_AS, PEER_PARAMS
-from .train import MAX_SEED, TrainConfig, check_int, check_number, run_training, summarize
+from .train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
 
 _now = time.perf_counter
 RESULTS = "results.json"
@@ -84,18 +84,13 @@ class CompareConfig:
         if not self.networks:
             raise UserError("give at least one network, e.g. --network wan")
         check_int("--workers", self.workers, 1, MAX_LOCAL_WORKERS - 1)  # + 1 rank for a parameter server
-        if self.epochs is not None and self.steps is not None:
-            raise UserError("give --epochs or --steps, not both")
-        if self.epochs is not None:
-            check_number("--epochs", self.epochs, 0, low_open=True)
+        check_lengths(self, counts=("eval_every",))
         if self.target is not None:
             check_number("--target", self.target, 0, why=" (an accuracy in [0, 1], or a loss)")
         if self.budget_s is not None:
             check_number("--budget", self.budget_s, 0, low_open=True, why=" (seconds of training time per cell)")
         check_int("--seeds", self.seeds, 1, 100)
         check_int("--seed", self.seed, 0, MAX_SEED)
-        if self.eval_every is not None:
-            check_int("--eval-every", self.eval_every, 1)
         if self.batch_size is not None:
             check_int("batch size", self.batch_size, 1, 1 << 20)
         if self.tensorboard is not None:

@@ -414,8 +414,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
             "model_sha256": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest(),
             "meter": meter, "metrics": metrics, "stopped": stop or "steps",
-            "trace": tracer.events, "num_params": sum(p.numel() for p in params),
-            "dtype_bytes": params[0].element_size(), "train_s": clock}
+            "trace": tracer.events, "num_params": sum(p.numel() for p in params), "train_s": clock}
 
 
 def _timed(fn) -> float:

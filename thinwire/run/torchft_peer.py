@@ -56,19 +56,17 @@ def check(params: dict) -> None:
     period = int(params.get("period", 8))
     fragments = int(params.get("fragments", 1))
     delay = int(params.get("fragment_sync_delay", 0))
-    alpha = params.get("fragment_update_alpha", 0.0)
     if period % fragments:
         raise UserError(f"torchft-diloco: fragments ({fragments}) must divide period ({period})")
     if delay >= period // fragments:
         raise UserError(f"torchft-diloco: fragment_sync_delay ({delay}) must be below period / fragments "
                         f"({period // fragments})")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
-        raise UserError(f"torchft-diloco: fragment_update_alpha must be in [0, 1], got {alpha!r}")
-    for k in ("outer_lr", "outer_momentum"):
+    ranges = {"fragment_update_alpha": ("[0, 1]", lambda v: 0 <= v <= 1),
+              "outer_lr": ("(0, 10]", lambda v: 0 < v <= 10), "outer_momentum": ("[0, 1)", lambda v: 0 <= v < 1)}
+    for k, (span, ok) in ranges.items():
         v = params.get(k, 0.5)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 10 if k == "outer_lr" else 0 <= v < 1):
-            raise UserError(f"torchft-diloco: {k} must be {'in (0, 10]' if k == 'outer_lr' else 'in [0, 1)'}, "
-                            f"got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise UserError(f"torchft-diloco: {k} must be in {span}, got {v!r}")
     for k in ("nesterov", "quantize", "bucketize"):
         if k in params and not isinstance(params[k], bool):
             raise UserError(f"torchft-diloco: {k} must be true or false, got {params[k]!r}")
@@ -105,13 +103,10 @@ class TorchftDiLoCoStepper(PeerStepper):
         p = cfg.params
         period, fragments = int(p.get("period", 8)), int(p.get("fragments", 1))
         self.counter = _Counter(rank, parse_network(cfg.network))
-        self.lighthouse = self.manager = self.diloco = self.store = None
         module = wl.model(cfg.seed)
         super().__init__(module, module, rank)
-        address = [None]
-        if rank == 0:
-            self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=world_size)
-            address = [self.lighthouse.address()]
+        self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=world_size) if rank == 0 else None
+        address = [self.lighthouse.address() if rank == 0 else None]
         dist.broadcast_object_list(address, src=0)
         fd, port = _listen("127.0.0.1", 0)
         self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
@@ -132,9 +127,9 @@ class TorchftDiLoCoStepper(PeerStepper):
                             f"modules to split")
         bounds = [round(i * len(children) / fragments) for i in range(fragments + 1)]
         parts = [torch.nn.ModuleList(children[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-        outer = [torch.optim.SGD(part.parameters(), lr=float(p.get("outer_lr", 0.7)),
-                                 momentum=float(p.get("outer_momentum", 0.9)), nesterov=bool(p.get("nesterov", True)))
-                 for part in parts]
+        lr, momentum = float(p.get("outer_lr", 0.7)), float(p.get("outer_momentum", 0.9))
+        nesterov = bool(p.get("nesterov", True))
+        outer = [torch.optim.SGD(part.parameters(), lr=lr, momentum=momentum, nesterov=nesterov) for part in parts]
         self.diloco = DiLoCo(self.manager, parts, self.optimizer, outer, sync_every=period,
                              use_bucketization=bool(p.get("bucketize", True)),
                              should_quantize=bool(p.get("quantize", False)),
@@ -142,9 +137,8 @@ class TorchftDiLoCoStepper(PeerStepper):
                              fragment_update_alpha=float(p.get("fragment_update_alpha", 0.0)))
         self.diloco.__enter__()
         quant = " (quantize asked: needs Triton, so full precision on CPU)" if p.get("quantize") else ""
-        self.desc = (f"torchft {_version()} DiLoCo, sync every {period} steps, outer SGD lr "
-                     f"{float(p.get('outer_lr', 0.7)):g} momentum {float(p.get('outer_momentum', 0.9)):g}"
-                     f"{' Nesterov' if p.get('nesterov', True) else ''}, {fragments} fragment(s){quant}; quorum "
+        self.desc = (f"torchft {_version()} DiLoCo, sync every {period} steps, outer SGD lr {lr:g} momentum "
+                     f"{momentum:g}{' Nesterov' if nesterov else ''}, {fragments} fragment(s){quant}; quorum "
                      f"charged one round trip per sync")
         self._start_counting()
 
@@ -176,15 +170,13 @@ class TorchftDiLoCoStepper(PeerStepper):
 
     def shutdown(self) -> None:
         clean = sys.exc_info()[0] is None
-        if self.diloco is not None:
-            self.diloco.__exit__(None, None, None)
-        if self.manager is not None:
-            self.manager.shutdown(wait=False)
+        self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
         if clean and dist.is_initialized():
             dist.barrier()  # every replica is done before the Lighthouse goes
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
-        self.pg.shutdown() if hasattr(self, "pg") else None
+        self.pg.shutdown()
         self.store = None
 
 

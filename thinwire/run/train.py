@@ -55,6 +55,18 @@ def check_number(flag: str, value, low: float, high: float = math.inf, low_open:
         raise UserError(f"{flag} must be a finite number {span}, got {value!r}{why}")
 
 
+def check_lengths(cfg, counts=("steps", "batch_size", "eval_every", "checkpoint_every")) -> None:
+    """`cfg`'s --epochs or --steps (not both), --epochs > 0, and its `counts` >= 1 where given (a training run's
+    or a matrix's)."""
+    if cfg.epochs is not None and cfg.steps is not None:
+        raise UserError("give --epochs or --steps, not both")
+    if cfg.epochs is not None:
+        check_number("--epochs", cfg.epochs, 0, low_open=True)
+    for name in counts:
+        if getattr(cfg, name) is not None:
+            check_int(f"--{name.replace('_', '-')}", getattr(cfg, name), 1)
+
+
 def check_writable_dir(path, flag: str) -> None:
     """`path` is a directory this process can write in, or one it can create: else a UserError naming `flag`.
     Run before any worker starts, so that no result is lost to a bad path after training. Creates nothing
@@ -123,20 +135,21 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         workloads.registry.lookup(self.workload)
         self._check_race()
-        if self.peer:
-            return self._validate_peer()
-        algorithms.registry.lookup(self.algorithm)
-        if self.compressor is not None:
-            compressors.lookup(self.compressor)
-        if self.memory is not None:
-            memories.lookup(self.memory)
+        if not self.peer:
+            algorithms.registry.lookup(self.algorithm)
+            if self.compressor is not None:
+                compressors.lookup(self.compressor)
+            if self.memory is not None:
+                memories.lookup(self.memory)
         parse_network(self.network)
         check_int("--workers", self.workers, 1)
+        check_int("--seed", self.seed, 0, MAX_SEED)
+        if self.peer:
+            return self._validate_peer()
         arch = self.architecture()
         self.resolve_servers()
         check_int("--servers", self.servers, 0)
         pick_backend(None, self.device, 1 if under_torchrun() else self.workers + self.servers)
-        check_int("--seed", self.seed, 0, MAX_SEED)
         if self.workers + self.servers > MAX_LOCAL_WORKERS and not under_torchrun():
             raise UserError(f"--workers + --servers must be at most {MAX_LOCAL_WORKERS} on one machine, got "
                             f"{self.workers + self.servers} (each rank is a process with its own interpreter, "
@@ -149,7 +162,7 @@ class TrainConfig:
         if self.servers and arch != "ps":
             raise UserError(f"--servers is for the parameter-server architecture (bsp --architecture ps, ssp, "
                             f"asp, backup); {self.algorithm} runs on {arch}")
-        self._check_lengths()
+        check_lengths(self)
         if self.checkpoint_every is not None and self.servers and self.total_steps(workloads.get(self.workload)) is None:
             raise UserError("checkpoints on the parameter server need a step bound: give --steps or --epochs")
         if self.checkpoint_every is not None and not self.checkpoint_dir:
@@ -202,11 +215,8 @@ class TrainConfig:
 
     def _validate_peer(self) -> "TrainConfig":
         """A peer: its own parameters only; no thinwire compressor, servers or checkpoints."""
-        check_int("--workers", self.workers, 1)
-        check_int("--seed", self.seed, 0, MAX_SEED)
         if self.workers > MAX_LOCAL_WORKERS and not under_torchrun():
             raise UserError(f"--workers must be at most {MAX_LOCAL_WORKERS} on one machine, got {self.workers}")
-        parse_network(self.network)
         if self.compressor or self.memory or self.servers:
             raise UserError(f"{self.algorithm} is a peer (PyTorch's or torchft's own): it takes no thinwire "
                             f"--compressor, --memory or --servers")
@@ -220,20 +230,10 @@ class TrainConfig:
         if self.on_failure != "stop":
             raise UserError(f"{self.algorithm} is a peer: --on-failure stop only (survivors regroup in thinwire's "
                             f"Trainer)")
-        self._check_lengths()
+        check_lengths(self)
         self._check_lr_momentum()
         check_peer(self.algorithm, self.params, self.workers)
         return self
-
-    def _check_lengths(self) -> None:
-        """--epochs or --steps (not both), --epochs > 0, and the counts >= 1 where given."""
-        if self.epochs is not None and self.steps is not None:
-            raise UserError("give --epochs or --steps, not both")
-        if self.epochs is not None:
-            check_number("--epochs", self.epochs, 0, low_open=True)
-        for name in ("steps", "batch_size", "eval_every", "checkpoint_every"):
-            if getattr(self, name) is not None:
-                check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1)
 
     def _check_lr_momentum(self, why: str = "") -> None:
         if self.lr is not None:
@@ -389,8 +389,7 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
     size = torch.tensor([blob.numel()], dtype=torch.int64)
     sizes = [torch.zeros_like(size) for _ in range(world_size)]
     dist.all_gather(sizes, size)
-    largest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(largest, dtype=torch.uint8)
+    padded = torch.zeros(int(max(s.item() for s in sizes)), dtype=torch.uint8)
     padded[:blob.numel()] = blob
     got = [torch.zeros_like(padded) for _ in range(world_size)]
     dist.all_gather(got, padded)
