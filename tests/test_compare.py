@@ -443,3 +443,11 @@ def test_real_network_mode_trains_the_same(emulated_vs_real):
 
 # How close the emulator's step time comes to the real shaped link's is a measurement, not a test (issue 19):
 # `thinwire compare ... --netem` against the same command without it; BENCHMARKS.md has the command and result.
+
+
+def test_the_plots_take_the_metric_from_a_cell_that_ran():
+    # the learning-curve plots read the first cell's metric: a failed first cell has none, so a loss race's
+    # curves were labelled "test accuracy"
+    from thinwire.run import plots
+    assert plots._metric({"cells": [{"status": "error"}, {"metric": "loss"}]}) == "loss"
+    assert plots._metric({"cells": [{"status": "error"}]}) == "accuracy"

@@ -275,7 +275,6 @@ class Pool:
         import torch.distributed as dist
         self.world_size, self.timeout, self.stall_timeout = world_size, timeout, stall_timeout
         self.progress_timeout = progress_timeout
-        self._closed = True  # until there is something to close
         fd, self.port = _listen(host, port)  # the store listens on `host` only
         try:  # the launcher hosts the rendezvous store: no free-port race
             self._store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
@@ -341,7 +340,7 @@ class Pool:
                 missing = [r for r in range(self.world_size) if r not in got]
                 self._fail(WorkerError(missing[0], f"stalled: no result within {timeout:.0f} s "
                                                    f"(ranks {missing} still running)"))
-            if len(got) + len(self._gone) == self.world_size:
+            if len(got.keys() | self._gone) == self.world_size:   # (a rank lost after it answered counts once)
                 break
         return [got.get(r) for r in range(self.world_size)]
 

@@ -27,20 +27,20 @@ def _log_labels(axis) -> None:
     axis.set_minor_formatter(FuncFormatter(minor))
 
 
-def _grid(n: int):
-    import matplotlib.pyplot as plt
-    cols = min(n, 3)
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.8 * rows + 0.6), squeeze=False)
-    return fig, [a for row in axes for a in row]
+def _metric(results: dict) -> str:
+    """The race's metric, from the first cell that ran (a failed cell has none)."""
+    return next((r.get("metric") for r in results["cells"] if r.get("metric")), "accuracy")
 
 
 def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log_x: bool) -> str:
     import matplotlib.pyplot as plt
     style = _style(results)
     nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
-    fig, axes = _grid(len(nets))
-    metric = results["cells"][0].get("metric", "accuracy")
+    cols = min(len(nets), 3)   # one panel per network, up to three a row
+    rows = (len(nets) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.8 * rows + 0.6), squeeze=False)
+    axes = list(axes.flat)
+    metric = _metric(results)
     handles = {}
     for ax, net in zip(axes, nets):
         target, lows = None, []
@@ -136,7 +136,7 @@ def plot_all(results: dict, out: str) -> dict:
         return {}
     m = results["matrix"]
     sub = f"{m['workload']}, {m['workers']} workers"
-    metric = next((r.get("metric") for r in results["cells"] if r.get("metric")), "accuracy")
+    metric = _metric(results)
     better = "up and to the left is better" if metric == "accuracy" else "down and to the left is better"
     name = "accuracy" if metric == "accuracy" else "loss"
     plots = {
