@@ -30,8 +30,7 @@ def run(args) -> int:
     for family, rows in cat.items():
         print(f"{family}:")
         for row in rows:
-            params = row.get("parameters")
-            ptxt = ", ".join(f"{k}={v!r}" for k, v in params.items()) if params else ""
+            ptxt = ", ".join(f"{k}={v!r}" for k, v in (row.get("parameters") or {}).items())
             print(f"  {row['name']:<22} {row['summary']}" + (f"  [{ptxt}]" if ptxt else ""))
         print()
     return 0

@@ -14,15 +14,15 @@ def _path() -> str:
     return os.path.join(_cache_dir(), "calibration.json")
 
 
-def _median_s(fn, repeats: int, before=None) -> float:
-    """The median time of `repeats` calls of `fn`, each after an untimed `before()` if given."""
+def median_s(fn, repeats: int, before=None, clock=time.perf_counter) -> float:
+    """The median time on `clock` of `repeats` calls of `fn`, each after an untimed `before()` if given."""
     times = []
     for _ in range(repeats):
         if before is not None:
             before()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -33,7 +33,7 @@ def _allreduce_times(rank, world_size, sizes, repeats):
     for n in sizes:
         t = torch.zeros(max(1, n // 4))
         dist.all_reduce(t)
-        out[n] = _median_s(lambda: dist.all_reduce(t), repeats, before=dist.barrier)
+        out[n] = median_s(lambda: dist.all_reduce(t), repeats, before=dist.barrier)
     return out
 
 
@@ -41,14 +41,14 @@ def _compressor_x_memcpy(numel: int = 1 << 20, repeats: int = 5) -> dict:
     import torch
     from ..compress import compressors
     x = torch.randn(numel)
-    memcpy = _median_s(lambda: x.clone(), repeats)
+    memcpy = median_s(lambda: x.clone(), repeats)
     out = {}
     for name in compressors.names():
         try:
             comp = compressors.get(name)
             if comp.aggregation == "custom":
                 continue
-            out[name] = _median_s(lambda: comp.decompress(comp.compress(x, key="cal", step=0)), repeats) / memcpy
+            out[name] = median_s(lambda: comp.decompress(comp.compress(x, key="cal", step=0)), repeats) / memcpy
         except Exception:  # noqa: BLE001 - a compressor that needs parameters is left to the default table
             continue
     return out

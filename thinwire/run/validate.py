@@ -43,16 +43,15 @@ def compare(pool, workload: str = "digits-mlp", networks=("cluster", "wan"), nam
     n_params = workloads.get(workload).num_params()
     no_compression_cost = dict.fromkeys(DEFAULT_X_MEMCPY, 0.0)   # measured inside the lan step time
     rows = []
-    # millisecond steps are noisy on a shared 2-core machine: twice the steps on low-latency links, and the
-    # local (lan) time measured before and after the networks' runs
+    # millisecond steps are noisy on a shared 2-core machine: twice the steps on low-latency links (`lan`
+    # included), and the local (lan) time measured before and after the networks' runs
     steps_on = lambda net: 2 * steps if parse_network(net).latency < 0.01 else steps
     for name in names:
         algorithm, params = CONFIGS[name]
-        skip = WARMUP.get(name)
-        before = measure(pool, workload, algorithm, params, "lan", 2 * steps, workers, skip)
-        measured = {net: measure(pool, workload, algorithm, params, net, steps_on(net), workers, skip)
-                    for net in networks}
-        local = (before + measure(pool, workload, algorithm, params, "lan", 2 * steps, workers, skip)) / 2
+        on = lambda net: measure(pool, workload, algorithm, params, net, steps_on(net), workers, WARMUP.get(name))
+        before = on("lan")
+        measured = {net: on(net) for net in networks}
+        local = (before + on("lan")) / 2
         for net in networks:
             s = Scenario(params=n_params, compute_s=local, link=parse_network(net), workers=workers,
                          handshake=True, x_memcpy=no_compression_cost)

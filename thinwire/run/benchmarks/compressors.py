@@ -24,6 +24,7 @@ import statistics
 import time
 
 from ...errors import UserError
+from ..calibrate import median_s
 from . import pyplot, save, write_json
 
 
@@ -46,13 +47,8 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
     x = torch.randn(shape, generator=gen)
     dst = torch.empty_like(x)
     dst.copy_(x)
-    copies = []
-    for _ in range(max(repeat, 3)):
-        t0 = now()
-        dst.copy_(x)
-        copies.append(now() - t0)
+    memcpy_ms = median_s(lambda: dst.copy_(x), max(repeat, 3), clock=now) * 1e3
     del dst
-    memcpy_ms = _median_ms(copies)
     rows = []
     for name in names:
         row = {"name": name}
