@@ -108,10 +108,11 @@ class Then(Future):
             Future.add_done_callback(self, fn)
 
     def is_completed(self) -> bool:
-        if self._state is not None:
-            inner = self._state[1]
-            return not isinstance(inner, Future) or inner.is_completed()
-        return self.base.is_completed()
+        base = self.base        # read first: result() on another thread sets _state, then drops base
+        if self._state is None:
+            return base.is_completed()
+        inner = self._state[1]
+        return not isinstance(inner, Future) or inner.is_completed()
 
     def result(self) -> Any:
         with self._lock:
