@@ -49,10 +49,6 @@ class Gossip(Algorithm):
         self.topology = Topology(self.topology_name, self.world_size, seed=default_seed())
         self.exchange = self.make_exchange()
         self.pending: dict[int, object] = {}   # bucket index -> the future of its neighbour exchange
-        self.gossip_setup()
-
-    def gossip_setup(self) -> None:
-        """Per-algorithm state (called once the trainer is wired)."""
 
     # -- per bucket --------------------------------------------------------------------------------------------
     def send(self, bucket, tensor: torch.Tensor, dsts: list[int], srcs: list[int]) -> None:
@@ -100,11 +96,7 @@ class Gossip(Algorithm):
         if self.consensus_every and self.t % self.consensus_every == 0:
             self.measure_consensus()
 
-    def drain(self) -> None:
-        """Finish in-flight gossip (asynchronous methods)."""
-
     def close(self):
-        self.drain()
         self.measure_consensus(set_average=self.final_average)
         super().close()
 

@@ -46,7 +46,8 @@ class ADPSGD(Gossip):
                                       " (steps an averaging runs in the background before it is applied)")
         self.pairings = 0
 
-    def gossip_setup(self):
+    def setup(self):
+        super().setup()
         self.inflight: dict[int, tuple] = {}            # bucket index -> (members, x_i^s, future, partner)
         self.corrections: dict[int, torch.Tensor] = {}  # parameter index -> its (x_j^s - x_i^s)/2, arrived
 
@@ -65,8 +66,8 @@ class ADPSGD(Gossip):
         peer = self.partner()
         if peer >= 0:
             snap = self.flat_of(bucket)
-            self.inflight[bucket.index] = (bucket.members, snap, self.exchange.start(snap, bucket.key, [peer], [peer]),
-                                           peer)
+            fut = self.exchange.start(snap, bucket.key, [peer], [peer])
+            self.inflight[bucket.index] = (bucket.members, snap, fut, peer)
 
     def step(self):
         self.scheduler.flush()
@@ -96,8 +97,9 @@ class ADPSGD(Gossip):
                 if c is not None:
                     self.params[i].add_(c)
 
-    def drain(self):
-        self.apply(range(len(self.params)))
+    def close(self):
+        self.apply(range(len(self.params)))     # the last averaging, before consensus and the final average
+        super().close()
 
     def rekey(self, old, new):
         self.resolve()                      # the buckets change: keep the arrived corrections per parameter

@@ -63,8 +63,6 @@ class CHOCO(Gossip):
     def setup(self):
         self.q_scale = self.check_components(self.compressor, self.memory)
         super().setup()
-
-    def gossip_setup(self):
         self.peers = self.topology.neighbors(self.rank)
         x0 = [p.detach().clone() for p in self.params]
         self.hat_self = [x.clone() for x in x0]

@@ -20,18 +20,11 @@ from ..sched import step_subset
 from . import register
 from .base import Algorithm, copy_flat
 
-PS_SCHEDULES = ("none", "wfbp", "fusion")
 # Table II of seed 000: which architectures each PS-only scheme lacks, and what to use instead
 _ALTERNATIVES = {
     "allreduce": "for all-reduce use bsp or localsgd",
     "gossip": "for gossip use dpsgd, adpsgd, sgp or choco",
 }
-
-
-def check_ps_architecture(name: str, architecture: str | None) -> None:
-    if architecture not in (None, "ps"):
-        alt = _ALTERNATIVES.get(architecture, "valid: ps")
-        raise UserError(f"{name} runs on the parameter server only (architecture=ps); {alt}")
 
 
 def clone_optimizer(template: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:
@@ -52,7 +45,7 @@ class PSMixin:
     (default: the worker's optimizer on the mean gradient, seed 000 eq. 6)."""
 
     architectures = ("ps",)
-    schedules = PS_SCHEDULES
+    schedules = ("none", "wfbp", "fusion")
     rule = "sync"
     backups = 0
     exchange_class = PSExchange
@@ -180,7 +173,10 @@ class PSBSP(PSMixin, Algorithm):
 
     def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
                  downlink_params: dict | None = None):
-        check_ps_architecture(self.name or type(self).__name__.lower(), architecture)
+        if architecture not in (None, "ps"):
+            alt = _ALTERNATIVES.get(architecture, "valid: ps")
+            raise UserError(f"{self.name or type(self).__name__.lower()} runs on the parameter server only "
+                            f"(architecture=ps); {alt}")
         Algorithm.__init__(self, architecture)
         self._ps_init(servers, downlink_compressor, downlink_params)
 

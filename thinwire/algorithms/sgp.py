@@ -50,8 +50,8 @@ class SGP(Gossip):
         totals = []
         for bucket in self.scheduler.buckets:
             got = self.received(bucket)
-            total = got[self.rank].clone()
-            for j in sorted(got.keys() - {self.rank}):
+            total = got.pop(self.rank).clone()
+            for j in sorted(got):
                 total.add_(got[j])
             totals.append(total)
         self.weight = float(totals[0][-1])

@@ -146,22 +146,21 @@ class Topology:
         lam = np.sort(np.linalg.eigvalsh(self.expected_matrix()))
         return float(1.0 - max(abs(lam[-2]), abs(lam[0])))
 
+    def _halves(self, peer: list[int]) -> np.ndarray:
+        """m_jj = m_{p j} = 1/2 with p = peer[j] (m_jj = 1 where peer[j] = -1): column j splits j's mass."""
+        M = np.eye(self.n)
+        for j, p in enumerate(peer):
+            if p >= 0:
+                M[j, j] = M[p, j] = 0.5
+        return M
+
     def push_matrix(self, step: int) -> np.ndarray:
         """SGP's column-stochastic P at `step`: p_jj = p_{o j} = 1/2 with o = out_peer(j, step) (p_jj = 1 alone)."""
-        P = np.eye(self.n)
-        for j in range(self.n):
-            o = self.out_peer(j, step)
-            if o >= 0:
-                P[j, j] = P[o, j] = 0.5
-        return P
+        return self._halves([self.out_peer(j, step) for j in range(self.n)])
 
     def pair_matrix(self, step: int) -> np.ndarray:
         """The pairwise averages of `matching(step)`: w_ii = w_ij = 1/2 for partners i, j (1 alone)."""
-        W = np.eye(self.n)
-        for i, p in enumerate(self.matching(step)):
-            if p >= 0:
-                W[i, i] = W[i, p] = 0.5
-        return W
+        return self._halves(self.matching(step))
 
     def push_gap(self) -> float:
         """The gap of the push-sum mixing (see the module docstring), per step."""
