@@ -90,9 +90,7 @@ def send(transport, dst: int, header: Header, body: torch.Tensor | None, tags=PU
 def _arrived(fut: Future) -> bool:
     """Whether a receive's bytes are in its buffer (its emulated delivery may be later)."""
     if isinstance(fut, Task):
-        if not fut.issued:
-            return False
-        fut = fut.unwrap()
+        fut = fut.unwrap()      # the task itself until its program returned: not arrived
     return isinstance(fut, Handle) and fut.arrived()
 
 

@@ -155,7 +155,7 @@ def shared(tr, compressor, c, key, step):
     leader = step % tr.world_size
     ids = contribution(compressor, flat, key, step)[0].to(torch.int32) if tr.rank == leader else None
     ids = (yield from broadcast_buf(tr, ids, leader, torch.int32, c.device)).long()
-    vals = flat[ids].clone()
+    vals = flat[ids]                 # (a copy: the all-reduce below sums it in place)
     sent = _dense(ids, vals, c)
     yield (yield from tr.all_reduce_program(vals, op="sum"))
     return _dense(ids, vals, c), sent

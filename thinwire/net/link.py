@@ -106,8 +106,7 @@ def parse_network(spec: "str | Link | None") -> Link:
         return Link(bandwidth=bw, latency=lat, name=spec)
     if spec.startswith("custom:"):
         fields: dict = {}
-        body = spec[len("custom:"):]
-        for item in filter(None, body.split(",")):
+        for item in filter(None, spec.removeprefix("custom:").split(",")):
             if "=" not in item:
                 raise UserError(f"malformed network {spec!r}: {item!r} is not key=value")
             key, value = (s.strip() for s in item.split("=", 1))

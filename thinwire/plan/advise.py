@@ -152,7 +152,6 @@ def format_diloco(rec: dict) -> str:
 
 
 def format_table(rows: list[Advice], s: Scenario) -> str:
-    mb = 1e6
     lines = [f"{s.params / 1e6:.1f} M params, compute {s.compute_s * 1e3:.0f} ms/iteration, {s.workers} workers, "
              f"network {s.link.name} ({'unlimited' if s.link.bandwidth is None else f'{s.link.bandwidth / 1e6:.0f} Mbit/s'}, "
              f"{s.link.latency * 1e3:.1f} ms one-way)",
@@ -161,7 +160,7 @@ def format_table(rows: list[Advice], s: Scenario) -> str:
     for i, a in enumerate(rows, 1):
         p = a.prediction
         lines.append(f"{i:>4}  {a.label:<26} {p.collective:<12} {p.iteration_s * 1e3:>8.1f}ms {p.scalability:>11.3f} "
-                     f"{p.bytes_per_step / mb:>9.2f}  {a.note}")
+                     f"{p.bytes_per_step / 1e6:>9.2f}  {a.note}")
     return "\n".join(lines)
 
 

@@ -71,19 +71,17 @@ class Scenario:
 
 
 def sparse_exchange_cost(s: Scenario, comp, name: str) -> Cost:
-    """One exchange of a top-k-family compressor's k-sparse gradient through sparse collective `name`
-    (net/cost.py; seed 000 §VI-B: the all-gather's n·k build-up vs gTop-k's 2α log n + 4kβ log n). gTop-k and
-    shared-index move the raw contribution (int32 index + a value of `bytes_per_param`), the all-gather and the
-    hierarchical leaders the compressor's own payload. gTop-k's rounds are point-to-point (no collective
-    handshake); the others are collectives."""
+    """One exchange of a top-k-family compressor's k-sparse gradient through sparse collective `name` other than
+    the all-gather, which `exchange` costs from the compressor's wire bits (net/cost.py; seed 000 §VI-B: the
+    all-gather's n·k build-up vs gTop-k's 2α log n + 4kβ log n). gTop-k and shared-index move the raw contribution
+    (int32 index + a value of `bytes_per_param`), the hierarchical leaders the compressor's own payload. gTop-k's
+    rounds are point-to-point (no collective handshake); the others are collectives."""
     numel = int(s.params)
     payload = comp.nominal_bits(numel) * numel / 8
     ratio = getattr(comp, "ratio", None)
     pair = 4 + s.bytes_per_param
     k = max(1, min(numel, int(ratio * numel))) if ratio else max(1.0, payload / pair)
     link, n = s.collective_link, s.workers
-    if name == "allgather":
-        return netcost.ring_allgather(link, n, payload)
     if name == "gtopk":
         return netcost.gtopk_allreduce(s.link, n, k, pair)
     if name == "shared":

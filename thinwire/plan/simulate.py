@@ -54,7 +54,7 @@ class SimConfig:
     fragments: int = 1                 # diloco: fragments synced in turn, one every period/fragments steps
     overlap: int = 0                   # diloco: inner steps a fragment's sync overlaps before it is waited for
 
-    def validate(self) -> "SimConfig":
+    def validate(self) -> None:
         if self.workers < 1 or self.steps < 1:
             raise UserError("workers and steps must be >= 1")
         if self.algorithm not in SCHEDULES:
@@ -66,7 +66,6 @@ class SimConfig:
         if self.fragments < 1 or self.period % self.fragments or not 0 <= self.overlap < self.period // self.fragments:
             raise UserError(f"diloco needs fragments >= 1 dividing period and 0 <= overlap < period/fragments; got "
                             f"period={self.period}, fragments={self.fragments}, overlap={self.overlap}")
-        return self
 
 
 def _collective_cost(cfg: SimConfig, nbytes: float) -> Cost:

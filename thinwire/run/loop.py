@@ -36,6 +36,7 @@ reports that interval with every reading (`time_to_target_resolution_s`), so eac
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -124,8 +125,7 @@ class TrainerStepper(Stepper):
     def counted(self, before: dict | None) -> tuple[dict, dict]:
         """This rank's meter (bytes, ops, emulated and exposed time, by kind and in total) and metrics over the
         whole run: on resume, what the checkpoint counted (`before`, written by `_save`) plus this segment's."""
-        trainer = self.trainer
-        meter, metrics = trainer.transport.meter.to_dict(), trainer.metrics()
+        meter, metrics = self.trainer.transport.meter.to_dict(), self.trainer.metrics()
         if not before:
             return meter, metrics
         add = lambda a, b: {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
@@ -165,25 +165,20 @@ def make_stepper(cfg, wl, rank: int, world_size: int, tracer=None) -> Stepper:
 
 
 # -- when to evaluate and when to stop --------------------------------------------------------------------
-_GROUPS: dict = {}
-
-
 def worker_group(is_worker: bool):
     """A gloo group of the worker ranks (parameter servers left out) for the loop's agreements, apart from every
     group training uses, so that an agreement never interleaves with an exchange in flight. Every rank of the
     job calls this, in the same order; groups are kept for the life of the process (pools run many runs)."""
     world = dist.get_world_size()
     flags = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(flags, torch.tensor([1.0 if is_worker else 0.0]), group=_gloo_group(tuple(range(world))))
-    return _gloo_group(tuple(r for r, f in enumerate(flags) if f.item() > 0))
+    dist.all_gather(flags, torch.tensor([1.0 if is_worker else 0.0]), group=_gloo_group(world, tuple(range(world))))
+    return _gloo_group(world, tuple(r for r, f in enumerate(flags) if f.item() > 0))
 
 
-def _gloo_group(ranks: tuple):
+@functools.cache
+def _gloo_group(world: int, ranks: tuple):
     """The gloo group of `ranks`, made once per process and world size."""
-    key = (dist.get_world_size(), ranks)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks), backend="gloo")
-    return _GROUPS[key]
+    return dist.new_group(list(ranks), backend="gloo")
 
 
 def racing(cfg) -> bool:

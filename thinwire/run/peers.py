@@ -105,11 +105,10 @@ class _Counter:
         self._sleepers = 0           # buckets' callbacks may sleep concurrently: count their union once
         self._since = 0.0
 
-    def __enter__(self):
+    def install(self) -> None:
         dist.all_reduce = self.all_reduce
-        return self
 
-    def __exit__(self, *exc):
+    def uninstall(self) -> None:
         dist.all_reduce = self._orig
 
     def charge(self, n: int, nbytes: int):
@@ -252,12 +251,12 @@ class DDPStepper(PeerStepper):
 
     def __init__(self, cfg, wl, rank: int, world_size: int):
         self.counter = _Counter(rank, parse_network(cfg.network))
-        self.counter.__enter__()
+        self.counter.install()
         module = wl.model(cfg.seed)
         ddp, self.optimizer, self.desc = _build(cfg, wl, module, world_size)
         super().__init__(ddp, module, rank)
         self._start_counting()
 
     def shutdown(self) -> None:
-        self.counter.__exit__(None, None, None)
+        self.counter.uninstall()
         self.model = None  # DDP's reducer goes with it

@@ -92,9 +92,8 @@ class Buckets:
         for b, members in enumerate(groups):
             ps = [params[i] for i in members]
             buf = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-            bucket = Bucket(b, list(members), buf, params=ps, key=f"bucket:{members[0]}-{members[-1]}")
-            bucket.views = bucket.split(buf)
-            self.buckets.append(bucket)
+            self.buckets.append(Bucket(b, list(members), buf, views=views(buf, ps), params=ps,
+                                       key=f"bucket:{members[0]}-{members[-1]}"))
             for k, i in enumerate(members):
                 self.slot[i] = (b, k)
         with torch.no_grad():

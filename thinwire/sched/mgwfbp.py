@@ -74,8 +74,6 @@ class Profiled(Scheduler):
         if self._stamps is not None:    # a profiled step
             self._profiles.append(self._stamps)
         super().end_step()
-
-    def after_step(self) -> None:
         if self.steps == self.profile_steps:   # (steps only grow: once)
             self._finish_profile()
 

@@ -36,8 +36,7 @@ _now = time.perf_counter
 def priority_order(ready: list[float], sizes: list[float], cost, credit: float) -> list[int]:
     """Launch order of chunks (index = priority, 0 highest) by simulating the credit-window priority queue:
     at each moment the highest-priority ready chunk is launched if the bytes in flight leave room."""
-    k = len(ready)
-    left = set(range(k))
+    left = set(range(len(ready)))
     order: list[int] = []
     inflight: collections.deque = collections.deque()   # (end time, bytes)
     t, link_free = 0.0, 0.0
@@ -153,27 +152,27 @@ class Priority(Profiled):
                 self._unit_ready[u].set()
 
     def _launcher(self, flat, result, order, ready, done) -> None:
-        inflight: collections.deque = collections.deque()   # (unit, handle, bytes)
+        inflight: collections.deque = collections.deque()   # (unit, handle)
         busy = 0
         try:
             for u in order:
                 ready[u].wait()
                 while inflight and busy + self.unit_bytes[u] > self.credit:
-                    busy -= self._complete(inflight.popleft(), result, done)
+                    busy -= self._complete(*inflight.popleft(), result, done)
                 lo, hi = self.units[u]
                 with self.tracer.span(f"start chunk {u}", "compress", bytes=self.unit_bytes[u]):
                     h = self.exchange.start(flat[lo:hi], f"chunk:{lo}-{hi}", inplace=True)
-                inflight.append((u, h, self.unit_bytes[u]))
+                inflight.append((u, h))
                 busy += self.unit_bytes[u]
             while inflight:
-                self._complete(inflight.popleft(), result, done)
+                self._complete(*inflight.popleft(), result, done)
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
             self._error = e
             for ev in done:
                 ev.set()
 
-    def _complete(self, item, result, done) -> int:
-        u, h, nbytes = item
+    def _complete(self, u: int, h, result, done) -> int:
+        """Wait for chunk u's exchange, its average into `result`: the bytes it frees in the window."""
         while not h.is_completed():    # poll: waiting here is not exposed time, the training thread goes on
             time.sleep(2e-4)
         res = h.wait()
@@ -181,7 +180,7 @@ class Priority(Profiled):
         if res.data_ptr() != result[lo:hi].data_ptr():
             result[lo:hi].copy_(res.reshape(-1))
         done[u].set()
-        return nbytes
+        return self.unit_bytes[u]
 
     # -- the step: hand the buffer over, update lazily -------------------------------------------------
     def finish_step(self) -> None:

@@ -145,10 +145,6 @@ class Scheduler:
         """The step is over (the algorithm applied what it needed)."""
         self.steps += 1
         self._reset()
-        self.after_step()
-
-    def after_step(self) -> None:
-        """Called after each step (MG-WFBP re-plans its buckets here)."""
 
     def close(self) -> None:
         for h in self._hooks:
