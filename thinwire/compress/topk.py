@@ -34,11 +34,11 @@ class QuantizedTopK(TopK):
 
     def quantize(self, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes in [0, 2^bits), the one-element fp32 scale) of the kept values `vals` (fp32)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define quantize")
 
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The fp32 values of `codes` (int64) under `scale` (a 0-d tensor)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define dequantize")
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
