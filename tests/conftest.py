@@ -16,7 +16,7 @@ class LazyPool:
         self._pool = None
 
     def run(self, fn, *args, network="lan", seed=0, timeout=300):
-        from thinwire.run.launcher import Pool
+        from thinwire.launcher.pool import Pool
         if self._pool is None or self._pool._closed:
             self._pool = Pool(self.world_size, timeout=timeout)
         return self._pool.run(fn, *args, network=network, seed=seed, timeout=timeout)

@@ -62,7 +62,7 @@ def test_bad_input_found_in_a_worker_leaves_nothing_behind():
 
 def test_port_in_use_is_reported():
     from thinwire.errors import UserError
-    from thinwire.run.launcher import Pool
+    from thinwire.launcher.pool import Pool
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     s.listen()
@@ -152,7 +152,7 @@ def test_bad_paths_and_numbers_are_refused_before_anything_starts(args, needle, 
 
     def tripwire(*a, **k):
         raise AssertionError("started despite bad input")
-    with mock.patch("thinwire.run.launcher.launch", tripwire), mock.patch("thinwire.run.compare.compare", tripwire):
+    with mock.patch("thinwire.launcher.pool.launch", tripwire), mock.patch("thinwire.compare.matrix.compare", tripwire):
         assert main(args) == 2
     err = capsys.readouterr().err
     assert needle in err, err

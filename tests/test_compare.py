@@ -16,8 +16,9 @@ import pytest
 from thinwire.cli.compare import _networks, split_cells
 from thinwire.errors import UserError
 from thinwire.net import parse_network
-from thinwire.run import compare as cmp
-from thinwire.run import presets
+from thinwire.compare import matrix as cmp
+from thinwire.compare import results
+from thinwire.compare import presets
 
 
 # -- pure logic ------------------------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ def test_seeds_give_median_range_and_noise(pool2, tmp_path):
         ttt = sorted(rows[e["label"], s]["time_to_target_s"] for s in (3, 4))
         assert e["seeds"] == e["reached"] == 2
         assert (e["ttt_min"], e["ttt_max"]) == (ttt[0], ttt[1]) and e["ttt_median"] == pytest.approx(sum(ttt) / 2)
-    best, other = cmp.rank(res["summary"])
+    best, other = results.rank(res["summary"])
     assert other["within_noise_of_best"] == (other["ttt_min"] <= best["ttt_max"])
     report = open(tmp_path / "report.md").read()
     assert "median over 2 seeds" in report and ("Within noise of it" in report or "outside the seed" in report)
@@ -262,8 +263,8 @@ def test_noise_is_overlapping_ranges():
         for i, t in enumerate(ttts):
             rows.append({"label": label, "network": "wan", "seed": i, "status": "ok", "metric": "accuracy",
                          "time_to_target_s": t, "best_accuracy": 0.9, "cell": {}})
-    out = {x["label"]: x for x in cmp.aggregate(rows, ["wan"])}
-    assert [x["label"] for x in cmp.rank(list(out.values()))] == ["a", "b", "c", "d"]  # d: 1/3 seeds reached
+    out = {x["label"]: x for x in results.aggregate(rows, ["wan"])}
+    assert [x["label"] for x in results.rank(list(out.values()))] == ["a", "b", "c", "d"]  # d: 1/3 seeds reached
     assert out["b"]["within_noise_of_best"] and not out["c"]["within_noise_of_best"]
     assert out["d"]["within_noise_of_best"]  # [9, ∞] overlaps [10, 12]: one good seed is not a verdict
     assert (out["a"]["ttt_median"], out["a"]["ttt_min"], out["a"]["ttt_max"]) == (11, 10, 12)
@@ -348,7 +349,7 @@ def test_presets_name_the_papers_matrices():
 
 # -- real-network mode -----------------------------------------------------------------------------------------
 def _netem_skip():
-    from thinwire.run.netem import available
+    from thinwire.launcher.netem import available
     return available()
 
 
@@ -384,7 +385,7 @@ def _timings(rank, world, nbytes):
 def test_netem_shapes_real_links_and_cleans_up():
     import subprocess
 
-    from thinwire.run.netem import Emulation
+    from thinwire.launcher.netem import Emulation
     with Emulation(2) as em:
         assert em.netem_qdisc is False or em.netem_qdisc is True
         prefix = em.prefix
@@ -410,8 +411,8 @@ def test_netem_shapes_real_links_and_cleans_up():
 def emulated_vs_real():
     """bsp and dts on `wan`, 4 workers, in the same namespaces: once with the Transport's in-process emulation
     over an unshaped link, once on the real shaped link with no in-process emulation."""
-    from thinwire.run.compare import _PoolView
-    from thinwire.run.netem import Emulation
+    from thinwire.compare.matrix import _PoolView
+    from thinwire.launcher.netem import Emulation
     from thinwire.run.train import TrainConfig, run_training
     out = {}
     with Emulation(4) as em:
@@ -448,6 +449,6 @@ def test_real_network_mode_trains_the_same(emulated_vs_real):
 def test_the_plots_take_the_metric_from_a_cell_that_ran():
     # the learning-curve plots read the first cell's metric: a failed first cell has none, so a loss race's
     # curves were labelled "test accuracy"
-    from thinwire.run import plots
+    from thinwire.compare import plots
     assert plots._metric({"cells": [{"status": "error"}, {"metric": "loss"}]}) == "loss"
     assert plots._metric({"cells": [{"status": "error"}]}) == "accuracy"

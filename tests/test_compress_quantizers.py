@@ -359,7 +359,7 @@ def test_fp16_overflow_and_bad_parameters():
 # ---------------------------------------------------------------- benchmark
 
 def test_bench_covers_every_registered_compressor(tmp_path):
-    from thinwire.run.benchmarks.compressors import _table, bench, plot
+    from thinwire.bench.compressors import _table, bench, plot
     result = bench(4096, compressors.names(), repeat=1)
     assert set(result) == {"numel", "world_size", "memcpy_ms", "compressors"} and result["memcpy_ms"] > 0
     assert [r["name"] for r in result["compressors"]] == compressors.names()

@@ -103,7 +103,7 @@ def test_a_model_on_the_device_trains_through_the_trainer(one_process_group, alg
 
 
 def test_launch_rejects_a_device_it_cannot_serve():
-    from thinwire.run.launcher import pick_backend
+    from thinwire.launcher.pool import pick_backend
     assert pick_backend(None, None) == ("gloo", "cpu")
     assert pick_backend("gloo", "cpu") == ("gloo", "cpu")
     with pytest.raises(UserError, match="valid: cpu, cuda"):
@@ -302,13 +302,13 @@ def test_compare_rejects_cuda_without_a_gpu_before_any_work(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "device cuda" in lines[0] and "valid: device cpu" in lines[0]
     assert not out.exists()
-    from thinwire.run.compare import CompareConfig
+    from thinwire.compare.matrix import CompareConfig
     with pytest.raises(UserError, match="valid: cpu, cuda"):
         CompareConfig(cells=["bsp"], networks=["lan"], device="tpu").validate()
 
 
 def test_compare_records_the_device_in_every_result(device, pool2, tmp_path):
-    from thinwire.run.compare import CompareConfig, compare
+    from thinwire.compare.matrix import CompareConfig, compare
     workers = 2 if device == "cpu" else 1          # (a GPU per worker: one is enough here)
     cfg = CompareConfig(workload="digits-mlp", workers=workers, networks=["lan"], cells=["bsp", "localsgd"],
                         steps=4, eval_every=2, device=device)

@@ -371,7 +371,7 @@ def test_trains_digits_mlp_with_adamw(name, pool4):
 def test_cli_flags_and_compare_cells_reach_diloco(pool2):
     from thinwire.cli import build_parser, parse_extra
     from thinwire.cli.train import config_from_args
-    from thinwire.run.presets import parse_cell
+    from thinwire.compare.presets import parse_cell
     from thinwire.run.train import run_training
     args, extra = build_parser().parse_known_args(
         ["train", "--workload", "digits-mlp", "--algorithm", "diloco", "--workers", "2", "--steps", "12", "--period",
@@ -439,7 +439,7 @@ def _torchft_side(rank, world, lighthouse, params):
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    from thinwire.run.launcher import _listen
+    from thinwire.launcher.pool import _listen
     fd, port = _listen("127.0.0.1", 0)
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
     wait = timedelta(seconds=60)
@@ -581,7 +581,7 @@ def test_advise_recommends_period_fragments_and_bits_for_the_network(capsys):
 
 def test_bench_crossover_measures_every_family_against_a_baseline_of_the_same_run(pool4, capsys):
     from thinwire.cli import main
-    from thinwire.run.benchmarks.diloco import CROSSOVER, crossover, format_crossover
+    from thinwire.bench.diloco import CROSSOVER, crossover, format_crossover
     net = "custom:bandwidth=1gbit,latency=1ms"
     rows = crossover(pool4, "digits-mlp", 4, 8, (net,))
     assert [r["config"] for r in rows] == ["local"] + [c[0] for c in CROSSOVER]

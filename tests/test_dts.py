@@ -435,7 +435,7 @@ def test_weight_decay_folded_into_the_compensation(pool4):
 
 def test_accuracy_benchmark_table():
     """`thinwire bench dts-accuracy`'s table: Δ vs bsp per momentum, in percentage points."""
-    from thinwire.run.benchmarks.dts_accuracy import markdown
+    from thinwire.bench.dts_accuracy import markdown
     row = lambda a, m, acc: {"workload": "digits-cnn", "momentum": m, "algorithm": a, "accuracy": acc,
                              "min": acc - 0.01, "max": acc + 0.01}
     table = markdown({"workers": 4, "steps": 80, "seeds": [0, 1],

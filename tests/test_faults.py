@@ -417,7 +417,7 @@ def _kill_self_after(rank, world_size, cfg, victim, after_s, stamp):
 
 def test_parameter_server_killed_mid_run_stops_the_run_naming_it(tmp_path):
     from thinwire import algorithms
-    from thinwire.run.launcher import Pool
+    from thinwire.launcher.pool import Pool
     try:
         import thinwire.comm.ps  # noqa: F401
     except ImportError:

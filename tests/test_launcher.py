@@ -8,6 +8,7 @@ import time
 import pytest
 
 import thinwire as tw
+import thinwire.launcher.pool  # noqa: F401  (tw.launcher.pool below)
 from thinwire.errors import UserError, WorkerError
 
 
@@ -92,7 +93,7 @@ def _feeders(pool) -> list:
     return [q._thread for q in pool._tasks if getattr(q, "_thread", None) is not None and q._thread.is_alive()]
 
 
-class _CtrlCOnSecondStart(tw.run.launcher._ctx.Process):
+class _CtrlCOnSecondStart(tw.launcher.pool._ctx.Process):
     started: list = []   # pids of the workers that did start
 
     def start(self):
@@ -117,7 +118,7 @@ def test_a_run_with_its_progress_bar_ends_without_a_leaked_semaphore():
 
 
 def test_ctrl_c_between_two_worker_starts_leaves_nothing(monkeypatch):
-    from thinwire.run import launcher
+    from thinwire.launcher import pool as launcher
     monkeypatch.setattr(launcher._ctx, "Process", _CtrlCOnSecondStart)
     _CtrlCOnSecondStart.started = []
     with pytest.raises(KeyboardInterrupt):  # not an error of the clean-up ("can only join a started process")
@@ -202,7 +203,7 @@ def test_store_and_gloo_listen_on_loopback_only():
 def test_bad_pool_arguments_start_nothing(kwargs, message):
     from unittest import mock
 
-    from thinwire.run import launcher
+    from thinwire.launcher import pool as launcher
 
     class Tripwire:  # were a check missing, nothing is spawned (513 workers would exhaust a small machine)
         def __getattr__(self, name):

@@ -16,8 +16,11 @@ BELOW["sched"] = {"exchange"} | BELOW["exchange"]
 BELOW["algorithms"] = {"sched"} | BELOW["sched"]
 BELOW["trainer"] = {"algorithms"} | BELOW["algorithms"]
 BELOW["plan"] = {"net", "compress"}
-BELOW["run"] = {"trainer", "plan"} | BELOW["trainer"]
-BELOW["cli"] = {"run"} | BELOW["run"]
+BELOW["launcher"] = {"comm", "net"}
+BELOW["run"] = {"launcher", "trainer", "plan"} | BELOW["trainer"] | BELOW["launcher"]
+BELOW["compare"] = {"run"} | BELOW["run"]
+BELOW["bench"] = {"compare"} | BELOW["compare"]
+BELOW["cli"] = {"bench"} | BELOW["bench"]
 
 
 def _layer(module: str) -> str | None:
@@ -69,3 +72,50 @@ def test_every_layer_is_known():
     layers = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     layers |= {p.stem for p in ROOT.glob("*.py") if p.stem not in UTILITIES | {"__init__"}}
     assert layers == set(BELOW), layers ^ set(BELOW)
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the thinwire modules it imports (anywhere in it, inside functions too); `from pkg import name`
+    counts as an import of pkg.name where that is a module, else of pkg."""
+    modules = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        module = ("thinwire." + ".".join(path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+        modules[module] = path
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for _, target in _imports(path, module):
+            while target and target not in modules:       # `from .x import name`: the module x
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def test_no_import_circles_between_modules():
+    graph, circles, state = _graph(), [], {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_importing_thinwire_loads_no_launcher():
+    import subprocess
+    import sys
+    code = ("import sys, thinwire; loaded = sorted(m for m in sys.modules if m.startswith(('thinwire.launcher', "
+            "'thinwire.run', 'thinwire.compare', 'thinwire.bench', 'thinwire.cli'))); print(loaded); "
+            "assert not loaded; assert callable(thinwire.launch)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from thinwire.errors import UserError
-from thinwire.run.benchmarks import matrix
+from thinwire.bench import matrix
 
 STEPS = 2
 

@@ -105,7 +105,7 @@ def test_stopped_worker_is_detected_by_its_silence():
     import threading
     import time
 
-    from thinwire.run.launcher import Pool
+    from thinwire.launcher.pool import Pool
     pool = Pool(2, stall_timeout=3.0)
     threading.Timer(1.5, lambda: os.kill(pool.pids[1], signal.SIGSTOP)).start()
     t0 = time.monotonic()
@@ -157,7 +157,7 @@ def _slow_then_deadlocked(rank, world_size):
     receive from each other: a stuck collective, no rank ahead."""
     import time as _t
     import torch.distributed as dist
-    from thinwire.run.launcher import report_progress
+    from thinwire.launcher.pool import report_progress
     for step in range(1, 6):
         _t.sleep(0.2)
         report_progress(step)
@@ -167,7 +167,7 @@ def _slow_then_deadlocked(rank, world_size):
 
 
 def test_a_stalled_training_thread_is_named_by_the_progress_watchdog():
-    from thinwire.run.launcher import NoProgressError, Pool
+    from thinwire.launcher.pool import NoProgressError, Pool
     cfg = TrainConfig(workload="linreg", algorithm="bsp", workers=2, steps=10**6, progress=False)
     pool = Pool(2, progress_timeout=2.0)
     pids = pool.pids
@@ -181,7 +181,7 @@ def test_a_stalled_training_thread_is_named_by_the_progress_watchdog():
 
 
 def test_the_watchdog_scales_with_the_step_time_and_names_a_stuck_collective():
-    from thinwire.run.launcher import NoProgressError, Pool
+    from thinwire.launcher.pool import NoProgressError, Pool
     pool = Pool(2, progress_timeout=1.0)
     with pytest.raises(NoProgressError, match=r"no rank made progress for .* all at step 6\): a collective is "
                                               r"stuck") as err:

@@ -40,7 +40,7 @@ def test_wan_step_time_rises_by_the_ring_allreduce_cost(pool4):
 
 
 def test_run_training_writes_outputs(tmp_path):
-    from thinwire.run.launcher import Pool
+    from thinwire.launcher.pool import Pool
     import json
     cfg = TrainConfig(workload="linreg", algorithm="bsp", workers=2, steps=20, progress=False, trace=True)
     with Pool(2) as pool:
@@ -196,8 +196,9 @@ def test_a_race_refuses_on_failure_continue():
 
 def test_torchft_missing_is_one_line_naming_the_extra(monkeypatch):
     from thinwire.errors import UserError
-    from thinwire.run import presets, torchft_peer
-    monkeypatch.setattr(torchft_peer.importlib.util, "find_spec", lambda name: None)
+    from thinwire.compare import presets
+    from thinwire.run import peers
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"thinwire\[peers\]"):
         TrainConfig(workload="digits-mlp", algorithm="torchft-diloco", workers=2, steps=4).validate()
     cells, notes = presets.resolve(["bsp", "torchft-diloco"], strict=False)

@@ -15,10 +15,19 @@ from .comm import Transport
 from .compress import compressors, memories
 from .errors import UserError, WorkerError
 from .net import Link, parse_network
-from .run.launcher import Pool, init, launch, report_progress
 from .trainer import Trainer
 
 __version__ = "0.1.0"
+
+_LAUNCH = ("Pool", "init", "launch", "report_progress")
+
+
+def __getattr__(name):
+    """The launcher's names, imported when first used (`import thinwire` in a worker loads no launcher)."""
+    if name in _LAUNCH:
+        from . import launcher as _launcher
+        return getattr(_launcher, name)
+    raise AttributeError(f"module 'thinwire' has no attribute {name!r}")
 
 
 def ddp_hook(*args, **kwargs):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..sched import views
-from . import register
+from ._registry import register
 from ._gossip import Gossip
 from .base import int_at_least
 

@@ -1,7 +1,7 @@
 """`asp`: asynchronous SGD on the parameter server (seed 000 §III-C; catalog §2.1.5)."""
 from __future__ import annotations
 
-from . import register
+from ._registry import register
 from .ps_sync import PSBSP, StalenessAware
 
 

@@ -3,7 +3,7 @@ seed 000 §III-B; catalog §2.1.2), on the parameter server."""
 from __future__ import annotations
 
 from ..errors import UserError
-from . import register
+from ._registry import register
 from .base import int_at_least
 from .ps_sync import PSBSP
 

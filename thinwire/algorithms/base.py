@@ -57,7 +57,7 @@ class Algorithm:
     def __init__(self, architecture: str | None = None):
         arch = architecture or self.architectures[0]
         if arch not in self.architectures:
-            from . import architectures
+            from ._registry import architectures
             valid = architectures(self.name) if self.name else self.architectures
             raise UserError(f"algorithm {self.name!r} does not run on architecture {arch!r}; "
                             f"valid: {', '.join(valid)}")

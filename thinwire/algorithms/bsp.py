@@ -7,7 +7,7 @@ The parameter-server form is `bsp` with `architecture="ps"` (`thinwire.algorithm
 """
 from __future__ import annotations
 
-from . import register
+from ._registry import register
 from .base import Algorithm
 
 

@@ -27,7 +27,7 @@ import torch
 
 from ..compress.base import contractive_scale
 from ..errors import UserError
-from . import register
+from ._registry import register
 from ._gossip import Gossip
 from .base import copy_flat
 

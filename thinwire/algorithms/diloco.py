@@ -58,7 +58,7 @@ import torch
 from ..comm.engine import Ready
 from ..errors import UserError
 from ..sched import step_subset, views
-from . import register
+from ._registry import register
 from .base import Algorithm, copy_each, int_at_least
 
 DEFAULT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}

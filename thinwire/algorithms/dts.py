@@ -15,7 +15,7 @@ import torch
 from ..comm.engine import Ready
 from ..errors import UserError
 from ..sched import views
-from . import register
+from ._registry import register
 from .base import Algorithm, copy_each, copy_flat, int_at_least
 
 

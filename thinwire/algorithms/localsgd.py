@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import register
+from ._registry import register
 from .base import Periodic, copy_each, copy_flat, int_at_least
 from .bsp import BSP
 from .ps_sync import PSMixin

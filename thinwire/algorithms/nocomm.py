@@ -5,7 +5,7 @@ nothing, so scalability = throughput / throughput of `local` (seed 004's speedup
 """
 from __future__ import annotations
 
-from . import register
+from ._registry import register
 from .base import Algorithm
 
 

@@ -17,7 +17,7 @@ from ..errors import UserError
 from ..exchange.ps import PSExchange, PSServer, PSWorker, downlink_scale
 from ..comm.ps import PSLayout
 from ..sched import step_subset
-from . import register
+from ._registry import register
 from .base import Algorithm, copy_flat
 
 # Table II of seed 000: which architectures each PS-only scheme lacks, and what to use instead
@@ -157,7 +157,7 @@ class PSMixin:
 
 def checkpointable_on_ps(algorithm: str) -> bool:
     """Whether `algorithm`'s parameter-server runs can be checkpointed: the ones built on PSMixin."""
-    from . import registry
+    from ._registry import registry
     ctor = registry.constructor(algorithm, {"architecture": "ps"})
     return isinstance(ctor, type) and issubclass(ctor, PSMixin)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import register
+from ._registry import register
 from ._gossip import Gossip
 from .base import copy_flat
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from . import register
+from ._registry import register
 from .base import copy_flat, int_at_least
 from .ps_sync import PSBSP, StalenessAware
 

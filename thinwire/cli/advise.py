@@ -28,7 +28,7 @@ def check_numbers(args) -> None:
 def run(args) -> int:
     from ..net import parse_network
     from ..plan.advise import advise, format_diloco, format_table, recommend_diloco
-    from ..run.calibrate import calibrate, load_calibration
+    from ..bench.calibrate import calibrate, load_calibration
     from ..plan.costmodel import Scenario
     check_numbers(args)
     if args.calibrate:

@@ -1,4 +1,4 @@
-"""`thinwire bench NAME ...`: the benchmarks of `thinwire.run.benchmarks` (one module each), and
+"""`thinwire bench NAME ...`: the benchmarks of `thinwire.bench` (one module each), and
 `thinwire bench all --out DIR`, which runs every one of them at its defaults and writes each one's output, with
 the command and the machine's load, to DIR/NAME.md (the tables of BENCHMARKS.md)."""
 from __future__ import annotations
@@ -13,12 +13,13 @@ import time
 
 
 def register(sub) -> None:
-    from ..run import benchmarks
+    from .. import bench as benchmarks
     p = sub.add_parser("bench", help="benchmarks (compressors, overlap, ...) against same-run baselines")
     inner = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=type(p))
     for mod in sorted(pkgutil.iter_modules(benchmarks.__path__), key=lambda m: m.name):
-        if not mod.name.startswith("_"):
-            importlib.import_module(f"{benchmarks.__name__}.{mod.name}").register(inner)
+        module = importlib.import_module(f"{benchmarks.__name__}.{mod.name}")
+        if hasattr(module, "register"):         # calibrate and validate are the planner's, not benchmarks
+            module.register(inner)
     names = sorted(inner.choices)
     a = inner.add_parser("all", help="run every benchmark at its defaults; DIR/NAME.md per benchmark")
     a.add_argument("--out", required=True, help="directory for NAME.md (and each benchmark's own files)")
@@ -51,7 +52,7 @@ def _load() -> str:
 
 def run_all(bench, inner, names: list[str], args) -> int:
     from ..errors import UserError
-    from ..run.train import check_writable_dir
+    from ..files import check_writable_dir
     chosen = [n for n in args.only.split(",") if n] or names
     skip = [n for n in args.skip.split(",") if n]
     bad = [n for n in chosen + skip if n not in names]

@@ -33,7 +33,7 @@ def split_cells(text: str) -> list[str]:
 
 
 def register(sub) -> None:
-    from ..run import presets
+    from ..compare import presets
     p = sub.add_parser("compare", help="compare algorithms (and PyTorch's options) on your networks",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", help="workload (default: the preset's, else digits-mlp)")
@@ -78,8 +78,8 @@ def config_from_args(args):
     from dataclasses import replace
 
     from ..errors import UserError
-    from ..run import presets
-    from ..run.compare import CompareConfig
+    from ..compare import presets
+    from ..compare import CompareConfig
     if args.preset:
         pr = presets.get(args.preset)
         own = not args.workload or args.workload == pr.workload  # the preset's target and batch are for its workload
@@ -101,8 +101,8 @@ def config_from_args(args):
 def run(args) -> int:
     import json
     from ..errors import UserError
-    from ..run.compare import compare
-    from ..run.train import check_writable_dir
+    from ..compare import compare
+    from ..files import check_writable_dir
     if args.resume:
         if args.preset or args.algorithms or args.network:
             raise UserError("--resume DIR continues the matrix stored in DIR; give no --preset/--algorithms/--network")

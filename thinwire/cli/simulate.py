@@ -41,7 +41,8 @@ MAX_WORKERS, MAX_STEPS, MAX_LATENCY_MS = 65536, 1_000_000, 60_000.0
 
 def check_numbers(args) -> None:
     """Every number of `simulate` in its range before anything runs (NaN and infinities included)."""
-    from ..run.train import MAX_SEED, check_int, check_number, check_writable_dir
+    from ..files import check_writable_dir
+    from ..run.train import MAX_SEED, check_int, check_number
     check_number("--params", args.params, 1, 1e13)
     check_number("--compute-ms", args.compute_ms, 0, 3.6e6, low_open=True)
     check_number("--compute-cv", args.compute_cv, 0, 10)
@@ -93,7 +94,7 @@ def run(args) -> int:
             print(f"{r['schedule']:<26} {r['workers']:>7} {lat:>9} {r['iteration_s'] * 1e3:>9.1f}ms "
                   f"{r['scalability']:>11.3f}")
     if args.out:
-        from ..run.benchmarks import write_json
+        from ..files import write_json
         write_json(rows, args.out, "simulate.json", indent=2)
         for path in plot(rows, args.out):
             if not args.json:
@@ -123,7 +124,7 @@ def plot(rows: list[dict], out: str) -> list[str]:
 
 def _plot(rows: list[dict], path: str, x, keep, log2: bool = False, **labels) -> str:
     """One line of scalability against `x(row)` per schedule, over the rows `keep(row)` selects, written to `path`."""
-    from ..run.benchmarks import pyplot, save
+    from ..files import pyplot, save
     fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for lab in dict.fromkeys(r["schedule"] for r in rows):
         pts = sorted((x(r), r["scalability"]) for r in rows if r["schedule"] == lab and keep(r))

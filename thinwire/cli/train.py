@@ -73,8 +73,9 @@ def format_summary(s: dict) -> str:
 
 def run(args) -> int:
     from ..errors import UserError
-    from ..run.launcher import init, under_torchrun
-    from ..run.train import check_writable_dir, run_training, run_torchrun_worker
+    from ..launcher import init, under_torchrun
+    from ..files import check_writable_dir
+    from ..run.train import run_training, run_torchrun_worker
     if args.out:  # first: checkpoints go under it by default, and no result may be lost to it after training
         check_writable_dir(args.out, "--out")
     cfg = config_from_args(args)

@@ -308,7 +308,6 @@ def _probes(compressor: "Compressor", trials: int = 3, numel: int = 4096):
     """(v, C(v)) on Gaussian probes, from a copy of `compressor` (its own state is untouched)."""
     import copy
 
-    from .rounding import Uniforms
     probe = copy.deepcopy(compressor)
     # a stochastic compressor draws from a stream seeded by its rank on first use (`_gen`: Uniforms, qsparse's
     # rounding): the probes take one fixed stream, so every rank measures the same numbers and takes the same
@@ -321,7 +320,8 @@ def _probes(compressor: "Compressor", trials: int = 3, numel: int = 4096):
         seen.add(id(obj))
         if "_gen" in vars(obj):
             obj._gen = torch.Generator().manual_seed(0)
-        todo += [v for v in vars(obj).values() if isinstance(v, (Compressor, Uniforms))]
+        todo += [v for v in vars(obj).values()     # the compressors inside it and their streams (Uniforms)
+                 if isinstance(v, Compressor) or "_gen" in getattr(v, "__dict__", {})]
     gen = torch.Generator().manual_seed(0)
     for t in range(trials):
         v = torch.randn(numel, generator=gen, device="cpu")   # probes at construction, on the host

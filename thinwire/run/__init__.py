@@ -1,4 +1,3 @@
-"""Running things: the local launcher, workloads, training runs, the comparison harness."""
-from .launcher import Pool, init, launch, report_progress, under_torchrun
-
-__all__ = ["Pool", "init", "launch", "report_progress", "under_torchrun"]
+"""One training run: the workloads (models and bundled data, the byte-level LM), the training loop and its
+steppers (thinwire's Trainer, PyTorch's DDP peers, torchft's DiLoCo), checkpoints, and `thinwire train`'s core
+(`train.py`)."""

@@ -49,8 +49,9 @@ import torch.distributed as dist
 
 from ..errors import UserError
 from ..trace import Tracer
+from ..launcher import report_progress
 from . import checkpoint, workloads
-from .launcher import report_progress
+from .stepper import Stepper, make_optimizer
 
 _now = time.perf_counter
 EVAL_PRECISION = 0.02   # in a race, evaluations come every 2 % of the training clock (see the module's doc) ...
@@ -59,49 +60,6 @@ FAR = 0.25              # ... or half-way to the predicted crossing, at most a q
 
 
 # -- steppers ---------------------------------------------------------------------------------------------
-class Stepper:
-    """What the loop drives. `model` is what forward runs through (a DDP wrapper for a peer), `module` the
-    model evaluated and fingerprinted, `optimizer` (each stepper sets it) the one `zero_grad()` clears. `step()`
-    applies one step after backward and returns this step's traffic ({"bytes_sent", "emulated_s", "wait_s"});
-    `close()` drains what is in flight (inside the training clock); `counted(before)` gives (meter, metrics) of
-    the whole run; `shutdown()` releases what the stepper holds (always called, also after an error)."""
-
-    role = "worker"
-
-    def __init__(self, model: torch.nn.Module, module: torch.nn.Module, worker_rank: int):
-        self.model, self.module, self.worker_rank = model, module, worker_rank
-
-    @property
-    def parameters(self) -> list:
-        return [p for p in self.module.parameters() if p.requires_grad]
-
-    def step(self) -> dict:
-        raise NotImplementedError
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)
-
-    def close(self) -> None:
-        pass
-
-    def counted(self, before: dict | None) -> tuple[dict, dict]:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict:
-        raise UserError(f"{type(self).__name__} does not write checkpoints")
-
-    def load_state_dict(self, state: dict) -> None:
-        raise UserError(f"{type(self).__name__} does not resume from checkpoints")
-
-    def shutdown(self) -> None:
-        pass
-
-
-def make_optimizer(cfg, wl, parameters) -> torch.optim.Optimizer:
-    """The workload's optimizer (or `cfg.optimizer` by name) with `cfg.lr` / `cfg.momentum` over it."""
-    return wl.make_optimizer(parameters, lr=cfg.lr, momentum=cfg.momentum, optimizer=cfg.optimizer)
-
-
 class TrainerStepper(Stepper):
     """thinwire's own algorithms (and `local`, the no-communication reference) through `thinwire.Trainer`."""
 
@@ -267,7 +225,7 @@ def check_tensorboard(path) -> None:
     if importlib.util.find_spec("tensorboard") is None:
         raise UserError("--tensorboard needs the optional extra: pip install 'thinwire[tensorboard]' "
                         "(the tensorboard package)")
-    from .train import check_writable_dir
+    from ..files import check_writable_dir
     check_writable_dir(path, "--tensorboard")
 
 

@@ -23,6 +23,7 @@ network and the wrapper only counts. torchft's process group is wrapped the same
 """
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 
@@ -35,7 +36,7 @@ from ..comm.context import default_seed
 from ..errors import UserError
 from ..net import parse_network, ring_allreduce
 from ..trainer import nonfinite_stop
-from .loop import Stepper, make_optimizer
+from .stepper import Stepper, make_optimizer
 
 _now = time.perf_counter
 
@@ -58,8 +59,7 @@ _INTS = ("rank", "period", "warmup", "local_period", "group", "fragments", "frag
 def optional_missing(name: str) -> str | None:
     """Why peer `name` cannot run here (its optional extra is not installed), or None."""
     if name == "torchft-diloco":
-        from .torchft_peer import missing
-        return missing()
+        return missing_torchft()
     return None
 
 
@@ -83,8 +83,39 @@ def check_peer(name: str, params: dict, workers: int) -> None:
             raise UserError(f"ddp-hierarchical: group ({group}) must divide the {workers} workers and be smaller "
                             f"(HierarchicalModelAverager's subgroups)")
     if name == "torchft-diloco":
-        from .torchft_peer import check
-        check(params)
+        check_torchft(params)
+
+
+# -- torchft's DiLoCo (`torchft_peer.py`): its checks here, where they run before any worker starts --------
+EXTRA = "pip install 'thinwire[peers]' (torch==2.13.0 torchft==0.2.0)"
+
+
+def missing_torchft() -> str | None:
+    """Why torchft's DiLoCo cannot run here, or None."""
+    if importlib.util.find_spec("torchft") is None:
+        return f"torchft-diloco needs the optional extra: {EXTRA}"
+    return None
+
+
+def check_torchft(params: dict) -> None:
+    """Values torchft's DiLoCo accepts (its own checks raise deep inside a worker): a one-line UserError."""
+    period = int(params.get("period", 8))
+    fragments = int(params.get("fragments", 1))
+    delay = int(params.get("fragment_sync_delay", 0))
+    if period % fragments:
+        raise UserError(f"torchft-diloco: fragments ({fragments}) must divide period ({period})")
+    if delay >= period // fragments:
+        raise UserError(f"torchft-diloco: fragment_sync_delay ({delay}) must be below period / fragments "
+                        f"({period // fragments})")
+    ranges = {"fragment_update_alpha": ("[0, 1]", lambda v: 0 <= v <= 1),
+              "outer_lr": ("(0, 10]", lambda v: 0 < v <= 10), "outer_momentum": ("[0, 1)", lambda v: 0 <= v < 1)}
+    for k, (span, ok) in ranges.items():
+        v = params.get(k, 0.5)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise UserError(f"torchft-diloco: {k} must be in {span}, got {v!r}")
+    for k in ("nesterov", "quantize", "bucketize"):
+        if k in params and not isinstance(params[k], bool):
+            raise UserError(f"torchft-diloco: {k} must be true or false, got {params[k]!r}")
 
 
 def _hierarchy(params: dict, workers: int) -> tuple[int, int, int]:

@@ -26,7 +26,6 @@ silently sends full precision. The cell's description says so; its bytes are wha
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
@@ -38,39 +37,8 @@ import torch.distributed as dist
 
 from ..errors import UserError
 from ..net import parse_network
-from .loop import make_optimizer
-from .peers import PeerStepper, _Counter, _Work
-
-EXTRA = "pip install 'thinwire[peers]' (torch==2.13.0 torchft==0.2.0)"
-
-
-def missing() -> str | None:
-    """Why torchft's DiLoCo cannot run here, or None."""
-    if importlib.util.find_spec("torchft") is None:
-        return f"torchft-diloco needs the optional extra: {EXTRA}"
-    return None
-
-
-def check(params: dict) -> None:
-    """Values torchft's DiLoCo accepts (its own checks raise deep inside a worker): a one-line UserError."""
-    period = int(params.get("period", 8))
-    fragments = int(params.get("fragments", 1))
-    delay = int(params.get("fragment_sync_delay", 0))
-    if period % fragments:
-        raise UserError(f"torchft-diloco: fragments ({fragments}) must divide period ({period})")
-    if delay >= period // fragments:
-        raise UserError(f"torchft-diloco: fragment_sync_delay ({delay}) must be below period / fragments "
-                        f"({period // fragments})")
-    ranges = {"fragment_update_alpha": ("[0, 1]", lambda v: 0 <= v <= 1),
-              "outer_lr": ("(0, 10]", lambda v: 0 < v <= 10), "outer_momentum": ("[0, 1)", lambda v: 0 <= v < 1)}
-    for k, (span, ok) in ranges.items():
-        v = params.get(k, 0.5)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-            raise UserError(f"torchft-diloco: {k} must be in {span}, got {v!r}")
-    for k in ("nesterov", "quantize", "bucketize"):
-        if k in params and not isinstance(params[k], bool):
-            raise UserError(f"torchft-diloco: {k} must be true or false, got {params[k]!r}")
-
+from .peers import PeerStepper, _Counter, _Work, missing_torchft
+from .stepper import make_optimizer
 
 def _emulated_gloo(counter, timeout: timedelta):
     """torchft's ProcessGroupGloo whose all-reduces are delivered by the emulated link and counted (see above)."""
@@ -90,7 +58,7 @@ class TorchftDiLoCoStepper(PeerStepper):
     (torchft's) starts the quorum and the pseudo-gradient all-reduce and applies the outer step every `period`."""
 
     def __init__(self, cfg, wl, rank: int, world_size: int):
-        why = missing()
+        why = missing_torchft()
         if why:
             raise UserError(why)
         os.environ.setdefault("RUST_LOG", "warn")
@@ -99,7 +67,7 @@ class TorchftDiLoCoStepper(PeerStepper):
         from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo
 
-        from .launcher import _listen
+        from ..launcher.pool import _listen
         p = cfg.params
         period, fragments = int(p.get("period", 8)), int(p.get("fragments", 1))
         self.counter = _Counter(rank, parse_network(cfg.network))

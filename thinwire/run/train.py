@@ -21,12 +21,12 @@ import torch
 from .. import algorithms
 from ..compress import compressors, memories
 from ..errors import UserError
-from ..files import atomic_write
+from ..files import atomic_write, check_writable_dir
 from ..net import parse_network, ring_allreduce
 from ..trace import write_chrome_trace
 from ..trainer import build_components, check_momentum
 from . import checkpoint, workloads
-from .launcher import MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, launch, pick_backend, under_torchrun
+from ..launcher import MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, launch, pick_backend, under_torchrun
 from .loop import check_tensorboard, train_worker
 from .peers import PEER_PARAMS, check_peer
 
@@ -65,34 +65,6 @@ def check_lengths(cfg, counts=("steps", "batch_size", "eval_every", "checkpoint_
     for name in counts:
         if getattr(cfg, name) is not None:
             check_int(f"--{name.replace('_', '-')}", getattr(cfg, name), 1)
-
-
-def check_writable_dir(path, flag: str) -> None:
-    """`path` is a directory this process can write in, or one it can create: else a UserError naming `flag`.
-    Run before any worker starts, so that no result is lost to a bad path after training. Creates nothing
-    (a probe file in the nearest existing directory comes and goes)."""
-    import tempfile
-    if not isinstance(path, str) or not path.strip() or "\0" in path:
-        raise UserError(f"{flag} needs a directory name, got {path!r}")
-    probe, missing = os.path.abspath(path), []
-    while not os.path.lexists(probe):
-        probe, name = os.path.split(probe)
-        missing.append(name)
-    if not os.path.isdir(probe):
-        what = "names a file" if probe == os.path.abspath(path) else f"lies under the file {probe!r}"
-        raise UserError(f"{flag} {path!r} {what}, not a directory")
-    try:
-        longest = os.pathconf(probe, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        longest = 255
-    if any(len(name.encode()) > longest for name in missing):
-        raise UserError(f"{flag} {path!r}: a name in it is longer than {longest} bytes")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".thinwire-probe-")
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        raise UserError(f"{flag} {path!r}: cannot write in {probe!r} ({e.strerror or e})") from None
 
 
 @dataclass

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 
-from ...errors import UserError
-from . import pyplot, save, write_json
+from ..errors import UserError
+from ..files import pyplot, save, write_json
 
 _TIME_MODEL = ("tau_s", "phi_s", "psi_s", "delta_s")   # seed 001 Table 1: τ, φ, ψ, δ, measured by each run
 
@@ -43,7 +43,7 @@ def _ms(v):
 
 def run(args) -> int:
     from ..launcher import Pool
-    from ..train import TrainConfig, run_training
+    from ..run.train import TrainConfig, run_training
     ks = [int(k) for k in args.ks.split(",")]
     alphas = _thresholds(args.thresholds)
     lr = {"local_lr": args.local_lr} if args.local_lr else {}

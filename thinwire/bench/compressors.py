@@ -23,9 +23,9 @@ import os
 import statistics
 import time
 
-from ...errors import UserError
-from ..calibrate import median_s
-from . import pyplot, save, write_json
+from ..errors import UserError
+from .calibrate import median_s
+from ..files import pyplot, save, write_json
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -41,7 +41,7 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
     if clock not in ("wall", "cpu"):
         raise UserError(f"clock must be one of wall, cpu; got {clock!r}")
     now = time.perf_counter if clock == "wall" else time.process_time
-    from ...compress import compressors
+    from ..compress import compressors
     gen = torch.Generator().manual_seed(seed)
     shape = (numel // 1024, 1024) if numel >= 1024 and numel % 1024 == 0 else (numel,)
     x = torch.randn(shape, generator=gen)
@@ -129,7 +129,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def run(args) -> int:
-    from ...compress import compressors
+    from ..compress import compressors
     names = compressors.names() + ["qsgd+elias", "qsgd+huffman", "topk+golomb"]  # coded (compress/coded.py)
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]

@@ -18,8 +18,8 @@ from .. import algorithms
 from ..compress import compressors, memories
 from ..errors import UserError
 from ..registry import _convert
-from . import workloads
-from .peers import PEER_PARAMS, optional_missing
+from ..run import workloads
+from ..run.peers import PEER_PARAMS, optional_missing
 
 PEERS = tuple(PEER_PARAMS)
 # algorithms whose update compensates plain or momentum SGD only (DTS's eqs. 2-4, CD-SGD's local update; their

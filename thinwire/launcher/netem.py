@@ -35,7 +35,7 @@ from functools import partial
 
 from ..errors import UserError
 from ..net import parse_network
-from .launcher import Pool, _die_with_parent
+from .pool import Pool, _die_with_parent
 
 CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
@@ -164,7 +164,7 @@ class Emulation:
             _sh(*ex, "ip", "link", "set", "ctl0", "up")
             _sh(*ex, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0", check=False)
         self.forwarder = subprocess.Popen(
-            [sys.executable, "-c", "from thinwire.run.netem import forward_main; forward_main()", self.prefix,
+            [sys.executable, "-c", "from thinwire.launcher.netem import forward_main; forward_main()", self.prefix,
              str(self.slots)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
             preexec_fn=_die_with_parent)
         line = self.forwarder.stdout.readline().strip()

@@ -19,7 +19,7 @@ falls by F, the bytes per step stay DiLoCo's. Predicted against measured step ti
 """
 from __future__ import annotations
 
-from . import emit
+from ..files import emit
 
 CASES = [  # label, compressor, parameters
     ("diloco H=8", None, {"period": 8}),
@@ -44,10 +44,10 @@ CROSSOVER_NETWORKS = ("custom:bandwidth=1gbit,latency=1ms", "custom:bandwidth=10
 def crossover(pool, workload: str, workers: int, steps: int, networks=CROSSOVER_NETWORKS) -> list[dict]:
     """Rows of {network, config, step_s, vs_local, vs_bsp, predicted_s, bytes_per_step, accuracy/loss,
     time_to_target_s}; `local` on lan first, the baseline of every ratio (measured in this run)."""
-    from ...net import parse_network
-    from ...plan.costmodel import Scenario, predict
-    from .. import workloads
-    from ..train import TrainConfig, run_training
+    from ..net import parse_network
+    from ..plan.costmodel import Scenario, predict
+    from ..run import workloads
+    from ..run.train import TrainConfig, run_training
     wl = workloads.get(workload)
 
     def train(algorithm, comp, params, network):
@@ -97,11 +97,11 @@ def format_crossover(rows: list[dict], metric: str) -> str:
 
 
 def bytes_per_sync(pool, workload: str, workers: int, steps: int) -> list[dict]:
-    from ...net import parse_network
-    from ...plan.costmodel import Scenario, predict
-    from .. import workloads
-    from ...algorithms import get
-    from ..train import TrainConfig, train_worker
+    from ..net import parse_network
+    from ..plan.costmodel import Scenario, predict
+    from ..run import workloads
+    from ..algorithms import get
+    from ..run.train import TrainConfig, train_worker
     n_params = workloads.get(workload).num_params()
     rows = []
     for label, comp, params in CASES:
@@ -125,13 +125,13 @@ def bytes_per_sync(pool, workload: str, workers: int, steps: int) -> list[dict]:
 
 
 def run(args) -> int:
-    from ...errors import UserError
+    from ..errors import UserError
     from ..launcher import Pool
     if args.steps < 8 or args.steps % 8:
         raise UserError(f"--steps must be a multiple of 8 (the period of every configuration), got {args.steps}")
     if args.crossover_steps < 8 or args.crossover_steps % 8:
         raise UserError(f"--crossover-steps must be a multiple of 8, got {args.crossover_steps}")
-    from ...net import parse_network
+    from ..net import parse_network
     for net in args.crossover_networks:
         parse_network(net)                                  # a bad network fails before any work starts
     out = {}
@@ -148,7 +148,7 @@ def run(args) -> int:
                       f"{r['peak_step_bytes']:>11.0f} "
                       f"{r['bytes_per_step']:>9.0f} {r['predicted_bytes_per_step']:>9.0f}", flush=True)
         if args.crossover:
-            from .. import workloads
+            from ..run import workloads
             out["crossover"] = cross = crossover(pool, args.crossover_workload, args.workers, args.crossover_steps,
                                                  tuple(args.crossover_networks))
             if not args.json:

@@ -28,10 +28,10 @@ import time
 
 import torch
 
-from ...errors import UserError
-from ...net import parse_network, ring_allreduce
-from ...trace import ORDER
-from . import pyplot, save
+from ..errors import UserError
+from ..net import parse_network, ring_allreduce
+from ..trace import ORDER
+from ..files import pyplot, save
 
 _now = time.perf_counter
 
@@ -68,7 +68,7 @@ def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ...trainer import Trainer
+    from ..trainer import Trainer
     g = torch.Generator().manual_seed(rank)
     data = [(torch.randn(batch, widths[0], generator=g), torch.randint(0, widths[-1], (batch,), generator=g))
             for _ in range(4)]
@@ -79,7 +79,7 @@ def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
         if name.startswith("ddp"):
             model = DDP(model)
             if name == "ddp+hook":
-                from ...exchange.ddp import ddp_hook
+                from ..exchange.ddp import ddp_hook
                 model.register_comm_hook(*ddp_hook("none"))
             elif name == "ddp+pyhook":
                 model.register_comm_hook(None, _python_allreduce_hook)

@@ -33,7 +33,6 @@ run with SGD on a workload whose optimizer is another. The report states each ce
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
@@ -43,11 +42,13 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import UserError, WorkerError
 from ..files import atomic_write
 from ..net import parse_network
-from . import presets, workloads
-from .launcher import MAX_LOCAL_WORKERS, Pool, pick_backend
-from .loop import check_tensorboard, progress_bar, train_worker
-from .peers import PEER_AS, PEER_PARAMS
-from .train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
+from ..launcher import MAX_LOCAL_WORKERS, Pool, pick_backend
+from ..run import workloads
+from ..run.loop import check_tensorboard, progress_bar, train_worker
+from ..run.peers import PEER_AS, PEER_PARAMS
+from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
+from . import presets
+from .results import aggregate
 
 _now = time.perf_counter
 RESULTS = "results.json"
@@ -158,7 +159,7 @@ class Harness:
 
     def __init__(self, cfg: CompareConfig, out: str, netem_env=None, pool=None):
         self.cfg, self.out = cfg, out
-        self.netem_env = netem_env  # a thinwire.run.netem.Emulation when --netem
+        self.netem_env = netem_env  # a thinwire.launcher.netem.Emulation when --netem
         self._pools: dict[int, object] = {}
         self._given = pool  # a caller's pool of cfg.workers workers (tests): used, never closed here
         self.log = lambda msg: print(msg, file=sys.stderr)
@@ -385,72 +386,6 @@ def predict_missing(rows: list[dict]) -> None:
                                  f"{r['step_time_s'] * 1e3:.0f} ms")
 
 
-def metric_name(r: dict) -> str:
-    """The metric of a row or summary entry as its fields name it (`best_accuracy`, `best_loss`)."""
-    return "accuracy" if r.get("metric", "accuracy") == "accuracy" else "loss"
-
-
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
-    """One entry per (contestant, network): the seeds' median and range of time to target (a seed that missed
-    it counts as +∞), how many reached it, medians of the other figures, and which contestants are within noise
-    of the best one (ranges overlap)."""
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault((r["label"], r["network"]), []).append(r)
-    out = []
-    for (label, network), rs in groups.items():
-        ok = [r for r in rs if r.get("status") == "ok"]
-        first = (ok or rs)[0]
-        name = metric_name(first)
-        ttt = [r.get("time_to_target_s") if r.get("time_to_target_s") is not None else math.inf for r in ok]
-        entry = {"label": label, "network": network, "peer": first.get("peer"),
-                 "algorithm": (first.get("cell") or {}).get("algorithm"), "metric": first.get("metric"),
-                 "target": first.get("target"), "seeds": len(rs), "ok": len(ok),
-                 "reached": sum(1 for t in ttt if t < math.inf),
-                 "ttt_median": _median(ttt), "ttt_min": min(ttt, default=None), "ttt_max": max(ttt, default=None),
-                 "ran_with": first.get("ran_with"), "why": first.get("why", []),
-                 "status": "ok" if ok else first.get("status"), "error": None if ok else first.get("error")}
-        for k in ("best_" + name, "final_" + name, "step_time_s", "bytes_sent_per_worker_per_step",
-                  "compression_ratio", "exposed_comm_s", "scalability", "predicted_step_time_s",
-                  "predicted_time_to_target_s", "train_s", "steps"):
-            entry[k] = _median(r.get(k) for r in ok)
-        entry["stop_reasons"] = sorted({r.get("stop_reason") for r in ok if r.get("stop_reason")})
-        entry["ttt_resolution"] = _median(r["time_to_target_resolution_s"] / r["time_to_target_s"] for r in ok
-                                          if r.get("time_to_target_resolution_s") and r.get("time_to_target_s"))
-        out.append(entry)
-    order = {n: i for i, n in enumerate(networks)}
-    out.sort(key=lambda e: order.get(e["network"], 99))
-    for n in {e["network"] for e in out}:
-        here = rank([e for e in out if e["network"] == n])
-        best = here[0]
-        if best["status"] != "ok":
-            continue
-        for e in here:  # defined when the best reached the target: do the ranges of time to target overlap?
-            e["within_noise_of_best"] = (None if not best["reached"] else
-                                         e is not best and e["status"] == "ok" and e["ttt_min"] is not None
-                                         and max(e["ttt_min"], best["ttt_min"]) <= min(e["ttt_max"], best["ttt_max"]))
-    return out
-
-
-def rank(entries: list[dict]) -> list[dict]:
-    """Contestants that reached the target in most seeds first, by median time to target; then the rest by their
-    median best metric; failures last."""
-    def key(e):
-        if e.get("status") != "ok":
-            return (2, math.inf, 0.0)
-        up = metric_name(e) == "accuracy"
-        best = e.get("best_" + metric_name(e)) or 0.0
-        if e["reached"] * 2 > e["ok"] and e["ttt_median"] is not None:
-            return (0, e["ttt_median"], -best if up else best)
-        return (1, -best if up else best, e.get("train_s") or 0.0)
-    return sorted(entries, key=key)
-
-
 def finish(results: dict) -> None:
     """The cross-cell fields: predictions for cells out of budget, then the per-contestant summary."""
     predict_missing(results["cells"])
@@ -495,7 +430,7 @@ def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress:
     os.makedirs(out, exist_ok=True)
     env = None
     if cfg.netem:
-        from .netem import Emulation
+        from ..launcher.netem import Emulation
         env = Emulation(cfg.workers + 1).__enter__()
     harness = Harness(cfg, out, netem_env=env, pool=pool)
     t0 = _now()

@@ -14,8 +14,8 @@ Algorithms that take no compressor are run once (compressor "none").
 """
 from __future__ import annotations
 
-from ...errors import UserError
-from . import emit
+from ..errors import UserError
+from ..files import emit
 
 # Compressors whose own error-feedback memory shares their name; biased ones otherwise pair with `residual`
 # (error feedback, seed 002 §3.1); unbiased ones and plain casts need none.
@@ -28,7 +28,7 @@ EPOCHS_FACTOR = 5
 
 def natural_memory(compressor: str) -> str:
     """The memory a compressor is meant to run with."""
-    from ...compress import compressors, memories
+    from ..compress import compressors, memories
     if compressor in memories.names():
         return compressor
     comp = compressors.get(compressor) if compressor != "none" else None
@@ -39,9 +39,9 @@ def natural_memory(compressor: str) -> str:
 
 def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
     """Every (algorithm, architecture, compressor, memory) cell with its refusal (None where it is valid)."""
-    from ... import algorithms as algs
-    from ...compress import compressors as comps
-    from ..train import TrainConfig
+    from .. import algorithms as algs
+    from ..compress import compressors as comps
+    from ..run.train import TrainConfig
     out = []
     for alg in algorithms or algs.names():
         archs = algs.architectures(alg)
@@ -69,7 +69,7 @@ def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
 
 
 def config(cell: dict, workload: str, workers: int, **kw):
-    from ..train import TrainConfig
+    from ..run.train import TrainConfig
     return TrainConfig(workload=workload, algorithm=cell["algorithm"], workers=workers,
                        compressor=cell["compressor"], memory=cell["memory"], servers=cell["servers"],
                        params=dict(cell["params"]), progress=False, **kw)
@@ -94,9 +94,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
-    from .. import workloads
+    from ..run import workloads
     from ..launcher import Pool
-    from ..train import run_training
+    from ..run.train import run_training
     wl = workloads.get(args.workload)
     def split(s):
         return [x for x in s.split(",") if x]

@@ -16,17 +16,17 @@ import json
 import os
 import time
 
-from ...compress._sparse import SPARSE_COLLECTIVES as COLLECTIVES
-from . import pyplot, save, write_json
+from ..compress._sparse import SPARSE_COLLECTIVES as COLLECTIVES
+from ..files import pyplot, save, write_json
 
 
 def _collectives_worker(rank, world_size, numel, densities, steps):
     import torch
     import torch.distributed as dist
 
-    from ...comm import Transport
-    from ...compress import compressors, memories
-    from ...exchange import Exchange
+    from ..comm import Transport
+    from ..compress import compressors, memories
+    from ..exchange import Exchange
     torch.set_num_threads(1)
     tr = Transport()
     out = []
@@ -53,8 +53,8 @@ def _collectives_worker(rank, world_size, numel, densities, steps):
 
 
 def collectives(workers, networks, densities, numel, steps) -> list[dict]:
-    from ...net import parse_network
-    from ...net.cost import sparse_collective
+    from ..net import parse_network
+    from ..net.cost import sparse_collective
     from ..launcher import launch
     rows = []
     for net in networks:
@@ -73,9 +73,9 @@ def collectives(workers, networks, densities, numel, steps) -> list[dict]:
 def qsgd_bits(numel: int, repeat: int = 3) -> list[dict]:
     import torch
 
-    from ...compress import coders, compressors
-    from ...compress._coding import entropy_bits, zigzag
-    from ...compress.bitpack import unpack
+    from ..compress import coders, compressors
+    from ..compress._coding import entropy_bits, zigzag
+    from ..compress.bitpack import unpack
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     rows = []
     for levels in (1, 3, 7, 15, 63):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 
-from ...errors import UserError
-from ...net import parse_network, ring_allreduce
-from . import pyplot, save, write_json
+from ..errors import UserError
+from ..net import parse_network, ring_allreduce
+from ..files import pyplot, save, write_json
 
 
 def _spec(text: str) -> tuple[str, dict]:
@@ -31,7 +31,7 @@ def _spec(text: str) -> tuple[str, dict]:
 
 def specs(texts: list[str]) -> list[tuple[str, dict]]:
     """Every `--algorithms` spec parsed, its algorithm checked to be registered before any run starts."""
-    from ...algorithms import registry
+    from ..algorithms import registry
     out = [_spec(t) for t in texts]
     for name, _ in out:
         registry.lookup(name)
@@ -44,8 +44,8 @@ def _label(name: str, params: dict) -> str:
 
 def run(args) -> int:
     from ..launcher import Pool
-    from ..train import TrainConfig, run_training
-    from ..workloads import get as get_workload
+    from ..run.train import TrainConfig, run_training
+    from ..run.workloads import get as get_workload
     algorithms = specs(args.algorithms)
     latencies = [float(x) for x in args.latencies.split(",")]
     wl = get_workload(args.workload)

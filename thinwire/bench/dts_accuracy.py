@@ -14,12 +14,12 @@ from __future__ import annotations
 import statistics
 import time
 
-from . import write_json
+from ..files import write_json
 from .latency import _label, specs
 
 
 def _one(pool, workers, workload, name, params, steps, seed, momentum, lr):
-    from ..train import TrainConfig, summarize, train_worker
+    from ..run.train import TrainConfig, summarize, train_worker
     cfg = TrainConfig(workload=workload, algorithm=name, workers=workers, network="lan", steps=steps, seed=seed,
                       momentum=momentum, lr=lr, params=dict(params), eval_every=steps, progress=False)
     cfg.validate()

@@ -28,7 +28,7 @@ WARMUP = {"dts": 16}   # steps before steady state: the first averages are appli
 def measure(pool, workload: str, algorithm: str, params: dict, network: str, steps: int, workers: int,
             skip: int | None = None) -> float:
     """Mean step time (the slowest worker's) after `skip` warm-up steps (default: the first fifth)."""
-    from .train import TrainConfig, train_worker
+    from ..run.train import TrainConfig, train_worker
     cfg = TrainConfig(workload=workload, algorithm=algorithm, workers=workers, network=network, steps=steps,
                       params=dict(params), progress=False, eval_every=10 ** 6)
     results = pool.run(train_worker, cfg, network=network)
@@ -39,7 +39,7 @@ def measure(pool, workload: str, algorithm: str, params: dict, network: str, ste
 def compare(pool, workload: str = "digits-mlp", networks=("cluster", "wan"), names=tuple(CONFIGS),
             steps: int = 48, workers: int = 4) -> list[dict]:
     """Rows of {network, config, measured_s, predicted_s, error, local_s} for each network × configuration."""
-    from . import workloads
+    from ..run import workloads
     n_params = workloads.get(workload).num_params()
     no_compression_cost = dict.fromkeys(DEFAULT_X_MEMCPY, 0.0)   # measured inside the lan step time
     rows = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..net import parse_network
-from .compare import metric_name, rank
+from .results import metric_name, rank
 
 
 def _fmt(v, spec, scale=1):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from . import emit
+from ..files import emit
 
 CASES = [("bsp", None, {}), ("localsgd", None, {"period": 4}), ("localsgd", None, {"period": 16}),
          ("dpsgd", None, {"topology": "ring"}), ("choco", "topk", {"ratio": 0.1, "gamma": 0.5}),
@@ -21,8 +21,8 @@ def _time_allreduce(rank, world_size, numel):
     import torch
     import torch.distributed as dist
 
-    from ...comm import Transport
-    from ...comm.collectives import ALGORITHMS
+    from ..comm import Transport
+    from ..comm.collectives import ALGORITHMS
     tp = Transport()
     out = {}
     for algo in ALGORITHMS:
@@ -42,10 +42,10 @@ def _time_allreduce(rank, world_size, numel):
 
 
 def run(args) -> int:
-    from ...net import parse_network
-    from ...net.cost import ALLREDUCE
+    from ..net import parse_network
+    from ..net.cost import ALLREDUCE
     from ..launcher import Pool
-    from ..train import TrainConfig, run_training
+    from ..run.train import TrainConfig, run_training
     rows = []
     with Pool(args.workers, timeout=900, start_timeout=600) as pool:
         for net in args.networks:

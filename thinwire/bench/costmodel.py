@@ -1,6 +1,6 @@
 """`thinwire bench costmodel`: the planner's predicted step times against measured ones.
 
-Each configuration of `thinwire.run.validate.CONFIGS` trains briefly on `lan` (the machine's own compute and
+Each configuration of `thinwire.bench.validate.CONFIGS` trains briefly on `lan` (the machine's own compute and
 loopback cost, the model's τ) and on each emulated network; the table gives measured and predicted step times
 and the relative error of the prediction. This was a test with a 25% bound; a wall-clock bound on a shared
 machine is a benchmark's figure, not a correctness property (issue 19).
@@ -13,7 +13,7 @@ import json
 
 
 def register(sub) -> None:
-    from ..validate import CONFIGS
+    from .validate import CONFIGS
     p = sub.add_parser("costmodel", help="predicted vs measured step times of the planner's cost model")
     p.add_argument("--workload", default="digits-mlp")
     p.add_argument("--networks", default="cluster,wan", help="comma-separated network presets or custom: specs")
@@ -25,11 +25,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ...errors import UserError
-    from ...net import parse_network
+    from ..errors import UserError
+    from ..net import parse_network
     from ..launcher import Pool
-    from ..validate import CONFIGS, compare
-    from ..workloads import get as get_workload
+    from .validate import CONFIGS, compare
+    from ..run.workloads import get as get_workload
     names = [n for n in args.configs.split(",") if n]
     bad = [n for n in names if n not in CONFIGS]
     if bad:

@@ -10,7 +10,7 @@ from ..files import atomic_write
 
 
 def _path() -> str:
-    from .workloads import _cache_dir
+    from ..run.workloads import _cache_dir
     return os.path.join(_cache_dir(), "calibration.json")
 
 
@@ -56,7 +56,7 @@ def _compressor_x_memcpy(numel: int = 1 << 20, repeats: int = 5) -> dict:
 
 def calibrate(workers: int = 2) -> dict:
     """Fit the ring all-reduce cost 2(n-1)α + 2(n-1)/n Nβ to loopback all-reduces of 4 B and 16 MB."""
-    from .launcher import launch
+    from ..launcher import launch
     small, large = 4, 16 << 20
     times = launch(_allreduce_times, workers, args=([small, large], 10))[0]
     n = workers

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from . import pyplot, save, write_json
+from ..files import pyplot, save, write_json
 
 
 def _runs(staleness: list[int], servers: int, momentum=None) -> list[tuple[str, str, int, dict]]:
@@ -30,7 +30,7 @@ def _fmt(v, digits=1):
 
 def run(args) -> int:
     from ..launcher import Pool
-    from ..train import TrainConfig, run_training
+    from ..run.train import TrainConfig, run_training
     staleness = [int(s) for s in args.staleness.split(",") if s]
     rows, pools = [], {}  # one pool per world size (workers, workers + servers): start-up is paid once
     try:

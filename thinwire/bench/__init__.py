@@ -1,0 +1,6 @@
+"""Benchmarks behind `thinwire bench NAME`: one module each with `register(subparsers)` adding its parser, and the
+planner's calibration (`calibrate`) and validation (`validate`).
+
+Each benchmark prints numbers and ratios against a baseline measured in the same run (memcpy, PyTorch DDP, the
+uncompressed algorithm); `--json` prints them machine-readably.
+"""
