@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from thinwire.errors import UserError
-from thinwire.sched import Buckets, assign, make, merge_plan, priority_order, step_subset
+from thinwire.optim import step_subset
+from thinwire.sched import Buckets, assign, make, merge_plan, priority_order
 
 SCHEDULES = [("none", {}), ("wfbp", {}), ("fusion", {"bucket_mb": 0.0004}),
              ("fusion", {"bucket_mb": 0.0004, "pipeline": True}), ("mgwfbp", {"profile_steps": 2}),

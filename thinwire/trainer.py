@@ -25,6 +25,7 @@ from .comm.membership import MEMBERSHIP, PeerLost
 from .compress import compressors, memories
 from .compress.finite import NonFiniteError
 from .errors import UserError
+from .optim import heavy_ball
 from .registry import call, route
 from .trace import NULL, Tracer
 
@@ -88,19 +89,6 @@ def check_momentum(algorithm, compressor, memory, momentum: float, explicit: boo
 
 def replaces_momentum(algorithm, memory) -> bool:
     return bool(getattr(algorithm, "exchanges_gradients", False) and getattr(memory, "replaces_momentum", False))
-
-
-def heavy_ball(optimizer: torch.optim.Optimizer) -> float | None:
-    """The momentum of a plain heavy-ball SGD (every group the same; no dampening, Nesterov or weight decay, so
-    that momentum applied before the exchange is the same update), else None."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return None
-    groups = optimizer.param_groups
-    mus = {g.get("momentum", 0.0) for g in groups}
-    if len(mus) != 1 or any(g.get("nesterov") or g.get("dampening", 0.0) or g.get("weight_decay", 0.0)
-                            for g in groups):
-        return None
-    return float(mus.pop())
 
 
 def hand_over_momentum(optimizer, algorithm, compressor, memory) -> float:

@@ -22,7 +22,8 @@ import torch
 from ..comm.topology import NAMES, Topology
 from ..errors import UserError
 from ..exchange.gossip import NeighborExchange
-from .base import Algorithm, copy_flat
+from ..tensors import copy_flat
+from .base import Algorithm
 
 
 class Gossip(Algorithm):

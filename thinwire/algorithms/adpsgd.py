@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sched import views
+from ..tensors import views
 from ._registry import register
 from ._gossip import Gossip
 from .base import int_at_least

@@ -18,19 +18,7 @@ import torch
 
 from ..errors import UserError
 from ..exchange import Exchange
-from ..sched import step_subset, views
-
-
-def copy_each(tensors: list[torch.Tensor], sources) -> None:
-    """Copy each of `sources` into the tensor beside it (outside autograd: parameters too)."""
-    with torch.no_grad():
-        for t, s in zip(tensors, sources):
-            t.copy_(s)
-
-
-def copy_flat(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy `flat`, the tensors concatenated (flattened), into them."""
-    copy_each(tensors, views(flat, tensors))
+from ..optim import step_subset
 
 
 def int_at_least(what: str, value, low: int, hint: str = "") -> int:

@@ -45,9 +45,9 @@ import torch
 from ..compress import Compressor
 from ..errors import UserError
 from ..net import cdsgd as time_model
-from ..sched import views
+from ..tensors import copy_each, copy_flat, views
 from ._registry import register
-from .base import copy_each, copy_flat, int_at_least
+from .base import int_at_least
 from .bsp import BSP
 from .ps_sync import PSMixin
 

@@ -27,9 +27,9 @@ import torch
 
 from ..compress.base import contractive_scale
 from ..errors import UserError
+from ..tensors import copy_flat
 from ._registry import register
 from ._gossip import Gossip
-from .base import copy_flat
 
 
 @register("choco")

@@ -57,9 +57,10 @@ import torch
 
 from ..comm.engine import Ready
 from ..errors import UserError
-from ..sched import step_subset, views
+from ..optim import step_subset
+from ..tensors import copy_each, views
 from ._registry import register
-from .base import Algorithm, copy_each, int_at_least
+from .base import Algorithm, int_at_least
 
 DEFAULT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 

@@ -20,9 +20,10 @@ atc mixing above) over the topology; with H = 1 it is D-PSGD, on the complete gr
 from __future__ import annotations
 
 from ..errors import UserError
+from ..tensors import copy_flat
 from ._registry import register
 from ._gossip import Gossip
-from .base import Periodic, copy_flat
+from .base import Periodic
 
 
 @register("dpsgd")

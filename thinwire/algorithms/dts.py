@@ -14,9 +14,9 @@ import torch
 
 from ..comm.engine import Ready
 from ..errors import UserError
-from ..sched import views
+from ..tensors import copy_each, copy_flat, views
 from ._registry import register
-from .base import Algorithm, copy_each, copy_flat, int_at_least
+from .base import Algorithm, int_at_least
 
 
 _IDENTITY = ((1.0, 0.0), (0.0, 1.0))

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from ..tensors import copy_each, copy_flat
 from ._registry import register
-from .base import Periodic, copy_each, copy_flat, int_at_least
+from .base import Periodic, int_at_least
 from .bsp import BSP
 from .ps_sync import PSMixin
 

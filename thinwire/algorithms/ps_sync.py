@@ -16,9 +16,10 @@ from ..compress import compressors
 from ..errors import UserError
 from ..exchange.ps import PSExchange, PSServer, PSWorker, downlink_scale
 from ..comm.ps import PSLayout
-from ..sched import step_subset
+from ..optim import step_subset
+from ..tensors import copy_flat
 from ._registry import register
-from .base import Algorithm, copy_flat
+from .base import Algorithm
 
 # Table II of seed 000: which architectures each PS-only scheme lacks, and what to use instead
 _ALTERNATIVES = {

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from ..tensors import copy_flat
 from ._registry import register
 from ._gossip import Gossip
-from .base import copy_flat
 
 
 @register("sgp")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..tensors import copy_flat
 from ._registry import register
-from .base import copy_flat, int_at_least
+from .base import int_at_least
 from .ps_sync import PSBSP, StalenessAware
 
 

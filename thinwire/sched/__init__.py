@@ -25,9 +25,9 @@ bucket b-1 is on the wire and backward goes on. Both are options of the transpor
 from __future__ import annotations
 
 from ..errors import UserError
-from .buckets import Buckets, assign, views
+from .buckets import Buckets, assign
 from .mgwfbp import MGWFBP, merge_plan
-from .priority import Priority, priority_order, step_subset
+from .priority import Priority, priority_order
 from .wfbp import Scheduler
 
 SCHEDULES = ("none", "wfbp", "fusion", "mgwfbp", "priority")
@@ -54,4 +54,4 @@ def make(schedule: str = "fusion", bucket_mb: float = 25.0, pipeline: bool | Non
 
 
 __all__ = ["Buckets", "MGWFBP", "Priority", "SCHEDULES", "Scheduler", "assign", "make",
-           "merge_plan", "priority_order", "step_subset", "views"]
+           "merge_plan", "priority_order"]

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..tensors import views
+
 
 def assign(params: list[torch.Tensor], bucket_bytes: float, first_bucket_bytes: float | None = None
            ) -> list[list[int]]:
@@ -72,11 +74,6 @@ class Bucket:
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat tensor in the bucket's layout as per-member views shaped like the parameters."""
         return views(flat, self.params)
-
-
-def views(flat: torch.Tensor, like) -> list[torch.Tensor]:
-    """`flat`, the tensors `like` concatenated (flattened), as views of it shaped like each of them."""
-    return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 class Buckets:

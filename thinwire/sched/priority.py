@@ -26,6 +26,7 @@ import time
 import torch
 
 from ..errors import UserError
+from ..optim import step_subset
 from .buckets import adopt_view
 from .mgwfbp import Profiled
 from .wfbp import MB
@@ -57,19 +58,6 @@ def priority_order(ready: list[float], sizes: list[float], cost, credit: float) 
         nxt = [ready[j] for j in left if ready[j] > t] + [e for e, _ in inflight]
         t = min(nxt)
     return order
-
-
-def step_subset(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-    """`optimizer.step()` restricted to `params` (their state, lr and momentum as in a full step)."""
-    ids = {id(p) for p in params}
-    saved = [g["params"] for g in optimizer.param_groups]
-    try:
-        for g in optimizer.param_groups:
-            g["params"] = [p for p in g["params"] if id(p) in ids]
-        optimizer.step()
-    finally:
-        for g, s in zip(optimizer.param_groups, saved):
-            g["params"] = s
 
 
 class Priority(Profiled):
