@@ -1,4 +1,4 @@
-"""`bsp` on architecture="gossip" (D-PSGD, seed 000 Table II/IV Gossip/BSP): rules, parameter routing, and on
+"""`bsp` on architecture="gossip" (D-PSGD, Tang et al. 2020, arXiv 2003.06307, Table II/IV Gossip/BSP): rules, parameter routing, and on
 linreg (float64) across 4 real workers: the complete graph equals bsp on all-reduce, a ring does not."""
 from __future__ import annotations
 

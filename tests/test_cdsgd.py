@@ -1,4 +1,4 @@
-"""CD-SGD and its comparison set (seed 001): the quantizer, the time model, the update rules against a
+"""CD-SGD and its comparison set (Yu et al. 2021, arXiv 2106.10796): the quantizer, the time model, the update rules against a
 single-process simulation of eqs. 10–11, the equivalences, checkpoint/resume and the overlap in the trace."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_threshold2bit_values_packing_and_algebra():
         compressors.get("threshold2bit", threshold=0)
 
 
-# -- the time model (seed 001 eqs. 2, 4-9) ------------------------------------------------------------------
+# -- the time model (eqs. 2, 4-9) ------------------------------------------------------------------------------
 def test_time_model_cases():
     assert tm.ssgd(3, 5) == 8 and tm.local_update(3, 5) == 5 and tm.local_update(6, 5) == 6
     assert tm.bitsgd(3, 1, 0.5) == 4.5
@@ -150,7 +150,7 @@ def _suite(rank, world):
 
 def _simulate(world, steps, warmup, k, eta_loc, compressed, local=True, flush=False, local_momentum=True,
               momentum_first=False):
-    """Seed 001 eqs. 10–11 (and Algorithm 1's warm-up) in one process, with the 2-bit quantizer + residual;
+    """The paper's eqs. 10–11 (and Algorithm 1's warm-up) in one process, with the 2-bit quantizer + residual;
     `local_momentum`: the local update also takes the known momentum step μ·(W_i − W_{i−1});
     `momentum_first` (bitsgd): each worker's memory applies the momentum before the quantizer (EF-SGDM) and W
     takes the plain step."""
@@ -338,7 +338,7 @@ def test_trace_shows_next_forward_during_communication(pool4, tmp_path):
         counts[alg] = [_overlapped_iterations(trace, pid) for pid in range(4)]
         assert any(e["cat"] == "compress" for e in trace["traceEvents"] if e.get("ph") == "X")
         assert s["algorithm_metrics"]["predicted_step_s"] is not None
-    # seed 001 Fig. 5: a formal iteration's exchange runs while the next iteration computes, never in the
+    # the paper's Fig. 5: a formal iteration's exchange runs while the next iteration computes, never in the
     # warm-up. With the link far slower than compute (80 ms per hop, ms of compute) the exchanges of two
     # iterations can travel together (gloo runs two collectives at once) and end together, so not every next
     # forward finds its predecessor's exchange still in flight; some must.

@@ -305,7 +305,7 @@ class _Adam:
 
 
 def test_a_presets_batch_size_reaches_every_cell_and_the_reference():
-    """paper-dts trains with a larger per-worker batch (compute per step ≈ one-way latency, as in seed 004): the
+    """paper-dts trains with a larger per-worker batch (compute per step ≈ one-way latency, as in Zhu et al. 2019, DTS): the
     preset's batch goes to the matrix (not when another workload is named), to every cell and the baseline."""
     import argparse
 

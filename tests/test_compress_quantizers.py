@@ -180,9 +180,9 @@ def test_variance_bounds():
     for s, bucket in [(1, 1024), (4, 256), (7, 512)]:
         _, _, err = _monte_carlo(compressors.get("qsgd", levels=s, bucket=bucket), x, 400)
         bound = sum(min(bucket / s**2, math.sqrt(bucket) / s) * float(b.norm()) ** 2 for b in x.split(bucket))
-        assert float(err) <= 1.05 * bound        # seed 002 §5.2.1: E||C(g) - g||^2 <= min(d/s^2, sqrt(d)/s)||g||^2
+        assert float(err) <= 1.05 * bound        # QSGD (arXiv 1610.02132), Lemma 3.1: E||C(g) - g||^2 <= min(d/s^2, sqrt(d)/s)||g||^2
     _, _, err = _monte_carlo(compressors.get("natural"), x, 400)
-    assert float(err) <= 1.05 * float(x.norm()) ** 2 / 8     # seed 002 §5.2.2: omega = 1/8
+    assert float(err) <= 1.05 * float(x.norm()) ** 2 / 8     # natural compression (arXiv 1905.10988): omega = 1/8
     _, _, err = _monte_carlo(compressors.get("terngrad", clip=0), x, 400)
     assert float(err) <= 1.05 * float(x.abs().max() * x.abs().sum())   # E||C||^2 <= ||g||_inf ||g||_1
 
@@ -306,7 +306,7 @@ def test_lr_scaled_memory_invariant():
         mem.update(p, "w", sent)
         sent_total += sent.double()
         in_total += grad.double()
-    # seed 002 EF-SignSGD [58]: lr * sum(Delta / lr) + e_final = lr * sum(g)
+    # EF-SignSGD (arXiv 1901.09847): lr * sum(Delta / lr) + e_final = lr * sum(g)
     assert torch.allclose(0.05 * sent_total + mem.errors["w"].double(), 0.05 * in_total, atol=1e-5)
     mem.lr = 0.1               # the stored error is in update units: compensating divides by the current lr
     assert torch.allclose(mem.compensate(torch.zeros(100), "w"), mem.errors["w"] / 0.1)

@@ -62,7 +62,7 @@ def test_topk_contraction_and_payload():
         c = tw.compressors.get("topk", ratio=ratio)
         p = c.compress(x, key="w")
         k = num_kept(ratio, d)
-        # ‖x − C(x)‖² ≤ (1 − k/d)‖x‖²  (catalog 3.3 [O])
+        # ‖x − C(x)‖² ≤ (1 − k/d)‖x‖²  (top-k: Stich et al. 2018, arXiv 1809.07599)
         err = (x - c.decompress(p)).pow(2).sum()
         assert err <= (1 - k / d) * x.pow(2).sum()
         assert p.nbytes == k * (4 + 4) and p.tensors[1].dtype == torch.int32   # values fp32, indices int32
@@ -79,7 +79,7 @@ def test_randomk_scaled_is_unbiased_with_the_known_variance():
     # unbiased: the Monte-Carlo mean is within a few standard errors of x
     se = math.sqrt((d / k - 1) * x.pow(2).max().item() / trials)
     assert (outs.mean(0) - x).abs().max() < 5 * se
-    # E‖C(x) − x‖² = (d/k − 1)‖x‖²  (catalog 3.2 [O])
+    # E‖C(x) − x‖² = (d/k − 1)‖x‖²  (rand-k, scaled: Stich et al. 2018)
     var = (outs - x).pow(2).sum(1).mean()
     assert var.item() == pytest.approx((d / k - 1) * x.pow(2).sum().item(), rel=0.1)
     assert c.unbiased and c.linear and c.randomness == "shared"
@@ -246,7 +246,7 @@ def test_dgc_local_clipping_threshold():
     mem = tw.memories.get("dgc", momentum=0.0, clip_norm=2.0)
     mem.setup(4)
     v = mem.compensate(torch.full((100,), 1.0), "w")
-    assert v.norm().item() == pytest.approx(2.0 / math.sqrt(4))      # seed 000 eq. 28: N^-1/2 · thr
+    assert v.norm().item() == pytest.approx(2.0 / math.sqrt(4))      # DGC's local clipping (arXiv 1712.01887): N^-1/2 · thr
     small = mem.compensate(torch.full((100,), 0.001), "x")
     assert torch.allclose(small, torch.full((100,), 0.001))
 

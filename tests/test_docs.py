@@ -59,3 +59,17 @@ def test_cli_reference_is_generated_from_the_parsers():
     for command in ("thinwire train", "thinwire compare", "thinwire advise", "thinwire bench latency"):
         assert f"`{command}`" in page
     assert "--algorithm" in page and "--network" in page
+
+
+# our working notes (the "seed NNN" paper texts and the catalogs made from them) are not the reader's: cite the paper
+_NOTES = re.compile("|".join([r"\bseed 0\d\d\b", r"\bseed \d{3}\b", r"\bseed survey\b", r"\bcatalog\s*(?:§|\d|'s|Appendix|\[)",
+                              r"\bthe catalog\b", r"\[(?:SUPP|O|ERRATUM)\]", r"\berratum \d+ of\b"]), re.I)
+
+
+def test_citations_name_the_paper_not_our_notes():
+    files = [ROOT / "README.md"] + sorted(DOCS.rglob("*.md")) + sorted(DOCS.rglob("*.py"))
+    files += sorted((ROOT / "thinwire").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for p in files if p.name != "test_docs.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if _NOTES.search(line)]
+    assert not found, "cite the paper (authors, year, title or arXiv id, equation), not a seed or catalog:\n" + \
+        "\n".join(found)

@@ -1,4 +1,5 @@
-"""DTS (seed 004 §3): delayed, temporally sparse and combined updates with error compensation, and `local`.
+"""DTS (Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World", §3): delayed, temporally sparse and
+combined updates with error compensation, and `local`.
 
 Exactness on `linreg` in float64 against single-process simulations written here: eq. 3 (delayed), eq. 4 /
 model averaging (temporally sparse), the momentum compensation, and the replay property (after close() every
@@ -124,7 +125,7 @@ def _jitter(rank, world):
 
 
 def _lr_factor(step):
-    """A warm-up then a decay, per optimizer step (the shape of seed 004's warm-up + cosine schedule)."""
+    """A warm-up then a decay, per optimizer step (the shape of the DTS paper's warm-up + cosine schedule)."""
     return (step + 1) / 4 if step < 3 else 0.7 ** (step - 3)
 
 

@@ -34,7 +34,7 @@ def test_limits_reduce_to_bsp():
     bsp = predict(s, "bsp").iteration_s
     assert predict(s, "dts", delay=1, period=1).iteration_s == pytest.approx(bsp)
     assert predict(s, "localsgd", period=1).iteration_s == pytest.approx(bsp)
-    # seed 001 eq. 4: with communication dominating, OD-SGD costs max(τ, φ)
+    # CD-SGD (Yu et al. 2021, arXiv 2106.10796) eq. 4: with communication dominating, OD-SGD costs max(τ, φ)
     phi = ring_allreduce(WAN, 4, 4e6).time
     assert predict(s, "odsgd").iteration_s == pytest.approx(max(0.1, phi))
 

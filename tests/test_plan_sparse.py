@@ -21,7 +21,7 @@ def _rows(s: Scenario, label: str) -> dict:
 
 
 def _topk_bsp(s: Scenario, comm_s: float) -> float:
-    """bsp iteration: τ + compress time + exchange (seed 000 §III-A, no overlap)."""
+    """bsp iteration: τ + compress time + exchange (Tang et al. 2020, arXiv 2003.06307, §III-A, no overlap)."""
     return s.compute_s + s.compress_s("topk") + comm_s
 
 
@@ -33,7 +33,7 @@ def test_gtopk_beats_allgather_on_many_workers_high_latency():
     k = 250_000                                                 # 1 % of 25e6
     a, b = link.alpha, link.beta
     allgather = 63 * a + 63 * 8 * k * b                         # ring all-gather of 64 payloads of 8k bytes
-    gtopk = 2 * 6 * a + 2 * 6 * 8 * k * b                       # seed 000 §VI-B: 2α log n + 4kβ log n (4-byte words)
+    gtopk = 2 * 6 * a + 2 * 6 * 8 * k * b                       # Tang et al. §VI-B: 2α log n + 4kβ log n (4-byte words)
     assert allgather == pytest.approx(3.15 + 10.08) and gtopk == pytest.approx(0.6 + 1.92)
     assert rows["allgather"].iteration_s == pytest.approx(_topk_bsp(s, allgather))
     assert rows["gtopk"].iteration_s == pytest.approx(_topk_bsp(s, gtopk))

@@ -1,7 +1,8 @@
-"""Single-process replica of seed 001 eqs. 10–11 as thinwire/algorithms/cdsgd.py implements them (ssgd, bitsgd,
-odsgd, cdsgd; 2-bit threshold quantizer with residual; heavy-ball momentum on W; optional local momentum step),
-for multi-seed sweeps on a loaded 2-core machine. Its final accuracies equal those of real 4-worker runs
-(`thinwire train ... --json`) bit for bit on every configuration checked (docs/benchmarks/cdsgd-accuracy.md).
+"""Single-process replica of CD-SGD's eqs. 10–11 (Yu et al. 2021, arXiv 2106.10796) as thinwire/algorithms/cdsgd.py
+implements them (ssgd, bitsgd, odsgd, cdsgd; 2-bit threshold quantizer with residual; heavy-ball momentum on W;
+optional local momentum step), for multi-seed sweeps on a loaded 2-core machine. Its final accuracies equal those of
+real 4-worker runs (`thinwire train ... --json`) bit for bit on every configuration checked
+(docs/benchmarks/cdsgd-accuracy.md).
 
     .venv/bin/python docs/benchmarks/cdsgd-accuracy-sim.py 0,1,2,3 <<< '{"alg":"cdsgd","mom":0.0,"lr":0.5}'
 

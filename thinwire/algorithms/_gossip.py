@@ -6,13 +6,15 @@ algorithm takes the bucket's local step if its rule steps before mixing (atc) an
 takes one, one wire format, point to point); `step()` waits for the buckets and mixes. So gossip gets wait-free
 backprop, fusion and MG-WFBP like bsp does.
 
-Consensus distance (seed 000 §II-B, §VIII): mean_i ‖x_i - x̄‖², the spread of the workers' models around their
-average. Measuring it costs communication (one all-reduce of the model and one of a scalar), which goes through
-the Transport and is counted like any other traffic. It is measured in `close()` (before the final average)
-and, with `consensus_every=K`, every K steps as well (those steps are slower and carry the extra bytes).
+Consensus distance (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
+Comprehensive Survey", arXiv 2003.06307, §II-B, §VIII): mean_i ‖x_i - x̄‖², the spread of the workers' models around
+their average. Measuring it costs communication (one all-reduce of the model and one of a scalar), which goes through
+the Transport and is counted like any other traffic. It is measured in `close()` (before the final average) and, with
+`consensus_every=K`, every K steps as well (those steps are slower and carry the extra bytes).
 
 `close()` leaves every worker with the average model x̄ (`final_average=true`, the default): the model the
-gossip convergence guarantees are stated for (D-PSGD [51], CHOCO [164]: the averaged iterate). With
+gossip convergence guarantees are stated for (D-PSGD: Lian et al. 2017, arXiv 1705.09056; CHOCO-SGD: Koloskova et al.
+2019, arXiv 1902.00340: the averaged iterate). With
 `final_average=false` the workers keep their own models.
 """
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""`adpsgd`: asynchronous decentralized parallel SGD (Lian et al. [216]; catalog §2.2.3 (c)).
+"""`adpsgd`: asynchronous decentralized parallel SGD (Lian, Zhang, Zhang, Liu 2018, "Asynchronous
+Decentralized Parallel Stochastic Gradient Descent", arXiv 1710.06952, Algorithm 1).
 
 AD-PSGD's worker loop: read the model x̂_i and compute g = ∇F_i(x̂_i); atomically average with one peer,
 x_i, x_j ← (x_i + x_j)/2; apply x_i ← x_i - γ g. The gradients are computed on a model read before averagings
-still in flight were applied (its staleness is bounded, [216] Assumption 1), and a worker waits for nobody's
-computation: in [216] a communication thread averages while the compute thread goes on.
+still in flight were applied (its staleness is bounded, Lian et al. 2018, Assumption 1), and a worker waits for
+nobody's computation: in Lian et al. 2018 a communication thread averages while the compute thread goes on.
 
 Here, deterministic and deadlock-free: averagings start every `staleness` = τ steps with the partner of a
 matching (topology `random`: a random perfect matching drawn from (seed, round); `ring`: alternating even/odd
@@ -11,7 +12,7 @@ edges), so every pair posts its sends and receives together. At a pairing step s
 it over, takes its optimizer step and its parameters x_i^s go to the partner (`NeighborExchange`); the exchange
 completes in the background while the worker runs the next τ steps on its own; at step s + τ, before that step's
 own update of the bucket, the average arrives as the correction
-    x_i ← x_i + (x_j^s - x_i^s) / 2        (the atomic pairwise average of the step-s models, [216] step 2)
+    x_i ← x_i + (x_j^s - x_i^s) / 2        (the atomic pairwise average of the step-s models, Algorithm 1 step 2)
 so x_i = (x_i^s + x_j^s)/2 + the worker's own updates since s, and the partners' corrections are exact opposites
 (Σ_i x_i is unchanged, as by the atomic average). A worker blocks only on an averaging still in flight τ steps
 after it started (bounded staleness, in logical steps, so runs are reproducible); τ = 1 is the averaging

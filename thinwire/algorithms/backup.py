@@ -1,5 +1,7 @@
 """`backup`: synchronous SGD with backup workers (Chen et al., "Revisiting distributed synchronous SGD";
-seed 000 §III-B; catalog §2.1.2), on the parameter server."""
+Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive Survey", arXiv
+2003.06307, §III-B; Chen, Pan, Monga, Bengio, Jozefowicz 2016, "Revisiting Distributed Synchronous SGD", arXiv
+1604.00981), on the parameter server."""
 from __future__ import annotations
 
 from ..errors import UserError
@@ -11,7 +13,7 @@ from .ps_sync import PSBSP
 @register("backup")
 class Backup(PSBSP):
     """Of the n + n_b workers (`--workers` counts all of them, `backups` is n_b), the server averages the first
-    n fresh pushes of each bucket's round, x_{t+1} = x_t - γ (1/n) Σ_{i∈A_t} G_i(x_t) (catalog §2.1.2), and answers
+    n fresh pushes of each bucket's round, x_{t+1} = x_t - γ (1/n) Σ_{i∈A_t} G_i(x_t) (Chen et al. 2016), and answers
     those n at once; a push computed on an older model arrives late and is dropped (its worker gets the current
     model). Rounds are per bucket (as BytePS's keys): A_t is the first n arrivals of that bucket. Dropped pushes
     of the first bucket are counted (`dropped` in the metrics)."""

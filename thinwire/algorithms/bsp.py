@@ -1,4 +1,5 @@
-"""`bsp`: bulk-synchronous parallel SGD (seed 000 §III-A, eq. 6): every step, the mean gradient of all workers.
+"""`bsp`: bulk-synchronous parallel SGD (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep
+Learning: A Comprehensive Survey", arXiv 2003.06307, §III-A, eq. 6): every step, the mean gradient of all workers.
 
 Each bucket's exchange starts as soon as backward hands the bucket over (WFBP, fusion, MG-WFBP or priority, the
 scheduler's choice) and `step()` waits for all of them, then applies the optimizer to the averaged gradients.
@@ -13,7 +14,7 @@ from .base import Algorithm
 
 @register("bsp")
 class BSP(Algorithm):
-    """Synchronous SGD: x_{t+1} = x_t - γ (1/n) Σ_i G_i(x_t) (seed 000 eq. 6)."""
+    """Synchronous SGD: x_{t+1} = x_t - γ (1/n) Σ_i G_i(x_t) (eq. 6)."""
 
     architectures = ("allreduce",)
     schedules = ("none", "wfbp", "fusion", "mgwfbp", "priority")

@@ -1,4 +1,6 @@
-"""`cdsgd`: distributed SGD with compression and delay compensation (seed 001, Algorithm 1, eqs. 10–11).
+"""`cdsgd`: distributed SGD with compression and delay compensation (Yu, Dong, Xu, Ouyang, Liao 2021, "CD-SGD:
+Distributed Stochastic Gradient Descent with Compression and Delay Compensation", arXiv 2106.10796,
+Algorithm 1, eqs. 10–11).
 
 Global weights W are identical on every worker (all-reduce architecture); the model holds each worker's local
 weights W^loc, on which the gradients are computed. With η the optimizer's lr and η_loc = `local_lr`:
@@ -32,7 +34,7 @@ docs/benchmarks/cdsgd-accuracy.md).
 without the local update (`local_update=False`) the global weights are the model and the step is bsp's (wait for
 the averaged gradient, apply the optimizer), compressed (BIT-SGD) or not (S-SGD). Each measures the time model's
 inputs on its own run (τ compute, φ full-precision exchange, ψ compressed exchange, δ compression) and reports in
-`metrics()` the iteration time that seed 001 §3.3 predicts from them (`thinwire.net.cdsgd`) beside the measured
+`metrics()` the iteration time that the paper's §3.3 predicts from them (`thinwire.net.cdsgd`) beside the measured
 one.
 """
 from __future__ import annotations
@@ -103,7 +105,7 @@ def _sgd_hyper(optimizer) -> dict:
 
 @register("cdsgd")
 class CDSGD(BSP):
-    """CD-SGD (seed 001): 2-bit exchange hidden behind the next iteration by a local update, k-step correction.
+    """CD-SGD (Yu et al. 2021): 2-bit exchange hidden behind the next iteration by a local update, k-step correction.
 
     The local update is eq. 11; every k-th formal iteration is a full-precision correction; the first `warmup`
     iterations are synchronous and full precision."""
@@ -164,7 +166,7 @@ class CDSGD(BSP):
         return self.iteration >= self.warmup
 
     def _compressed(self) -> bool:
-        """Q is the compressor (k-step rule, seed 001 eq. 6 / Algorithm 1 line 23), else the identity."""
+        """Q is the compressor (k-step rule, eq. 6 / Algorithm 1 line 23), else the identity."""
         return self.compress and self._formal() and time_model.compressed(self.counter, self.k)
 
     def on_bucket(self, bucket):
@@ -176,7 +178,7 @@ class CDSGD(BSP):
         self.pending[bucket.index] = ex.start(g, bucket.key, shapes=bucket.shapes, inplace=True)
 
     def _stamp(self, compressed: bool) -> None:
-        """When the last bucket's exchange of this step completes: φ or ψ (seed 001 Table 1)."""
+        """When the last bucket's exchange of this step completes: φ or ψ (Table 1)."""
         if not self.pending or self._comm_start is None:
             return
         start, kind = self._comm_start, ("psi" if compressed else "phi")
@@ -220,7 +222,7 @@ class CDSGD(BSP):
         return {b.index: (b.members, self.pending.pop(b.index)) for b in self.scheduler.buckets}
 
     def _local(self, hyper: dict) -> list[torch.Tensor]:
-        """W^loc_{i+1} = W_i − η_loc·g_i (seed 001 eq. 11), plus the known momentum step μ·(W_i − W_{i−1})."""
+        """W^loc_{i+1} = W_i − η_loc·g_i (eq. 11), plus the known momentum step μ·(W_i − W_{i−1})."""
         eta = hyper["lr"] if self.local_lr is None else self.local_lr
         mu = hyper["momentum"] if self.local_momentum else 0.0
         out = []
@@ -232,7 +234,7 @@ class CDSGD(BSP):
         return out
 
     def _apply_global(self, exchanges: dict, h: dict) -> None:
-        """W_{i+1} = W_i − η·mean_j Q_j(g_{i,j}) (seed 001 eq. 10; eq. 1 when Q is the identity), with
+        """W_{i+1} = W_i − η·mean_j Q_j(g_{i,j}) (eq. 10; eq. 1 when Q is the identity), with
         torch.optim.SGD's update of the averaged gradient d (see the module docstring)."""
         if not exchanges:
             return
@@ -301,7 +303,7 @@ class _FullPrecision:
 
 @register("bitsgd")
 class BitSGD(CDSGD):
-    """BIT-SGD (seed 001 eq. 5): synchronous SGD on 2-bit threshold-quantized gradients with residual:
+    """BIT-SGD (eq. 5): synchronous SGD on 2-bit threshold-quantized gradients with residual:
     W_{i+1} = W_i − η·mean_j Q_j(g_{i,j}) with g_{i,j} = ∇L_j(W_i), every iteration waiting for its own
     compressed exchange (T^bit = τ + δ + ψ).
 
@@ -316,7 +318,7 @@ class BitSGD(CDSGD):
 
 @register("odsgd")
 class ODSGD(_FullPrecision, CDSGD):
-    """OD-SGD (seed 001 eqs. 3–4; its ref. [38]): W^loc_{i+1,j} = W_i − η_loc·g_{i,j} lets iteration i+1 start
+    """OD-SGD (eqs. 3–4; Yu et al.'s ref. [38]): W^loc_{i+1,j} = W_i − η_loc·g_{i,j} lets iteration i+1 start
     at once while the full-precision exchange and W_{i+1} = W_i − η·mean_j g_{i,j} complete (T^loc = max(τ, φ));
     CD-SGD with every iteration a correction step, the same warm-up."""
 
@@ -328,17 +330,17 @@ class ODSGD(_FullPrecision, CDSGD):
 
 @register("ssgd")
 class SSGD(_FullPrecision, CDSGD):
-    """S-SGD (seed 001 eq. 1): bsp, with seed 001's time model measured (τ, φ) and predicted
+    """S-SGD (eq. 1): bsp, with the paper's time model measured (τ, φ) and predicted
     (T^ssgd = τ + φ, eq. 2; and OD-SGD's max(τ, φ)) in its metrics."""
 
     def __init__(self, architecture: str | None = None):
         super().__init__(architecture, k=1, warmup=0, local_update=False, compress=False)
 
 
-# -- the parameter server (seed 001 §3.2) --------------------------------------------------------------------
+# -- the parameter server (Yu et al. §3.2) ----------------------------------------------------------------
 @register("cdsgd", variant="ps")
 class PSCDSGD(PSMixin, CDSGD):
-    """CD-SGD on the parameter server (seed 001 §3.2): each bucket is pushed as backward hands it over, compressed
+    """CD-SGD on the parameter server (§3.2): each bucket is pushed as backward hands it over, compressed
     (Q_j, with the worker's memory) or not by the k-step rule, the header naming the codec; the server applies the
     worker's optimizer to mean_j Q_j(g_{i,j}) (eq. 10) and answers W_{i+1}; the workers keep W^loc (eq. 11) and
     take the answer at the next iteration, as on all-reduce. `bitsgd`, `odsgd` and `ssgd` on the PS are this class
@@ -368,7 +370,7 @@ class PSCDSGD(PSMixin, CDSGD):
 
 @register("bitsgd", variant="ps")
 class PSBitSGD(PSCDSGD):
-    """BIT-SGD on the parameter server (seed 001 eq. 5): every push compressed, every step waits for its answer."""
+    """BIT-SGD on the parameter server (eq. 5): every push compressed, every step waits for its answer."""
 
     def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
                  downlink_params: dict | None = None):
@@ -378,7 +380,7 @@ class PSBitSGD(PSCDSGD):
 
 @register("odsgd", variant="ps")
 class PSODSGD(_FullPrecision, PSCDSGD):
-    """OD-SGD on the parameter server (seed 001 eqs. 3–4): full-precision pushes, W^loc while the answer travels."""
+    """OD-SGD on the parameter server (eqs. 3–4): full-precision pushes, W^loc while the answer travels."""
 
     def __init__(self, architecture: str | None = None, warmup: int = 10, local_lr: float | None = None,
                  local_momentum: bool = True, servers: int = 1, downlink_compressor: str = "none",
@@ -390,7 +392,7 @@ class PSODSGD(_FullPrecision, PSCDSGD):
 
 @register("ssgd", variant="ps")
 class PSSSGD(_FullPrecision, PSCDSGD):
-    """S-SGD on the parameter server (seed 001 eq. 1): bsp on the PS, with seed 001's time model measured."""
+    """S-SGD on the parameter server (eq. 1): bsp on the PS, with the paper's time model measured."""
 
     def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
                  downlink_params: dict | None = None):

@@ -1,4 +1,5 @@
-"""`choco`: CHOCO-SGD, compressed gossip (Koloskova, Stich, Jaggi [164]; catalog §2.2.3 (h)).
+"""`choco`: CHOCO-SGD, compressed gossip (Koloskova, Stich, Jaggi 2019, "Decentralized Stochastic
+Optimization and Gossip Algorithms with Compressed Communication", arXiv 1902.00340, Algorithm 2).
 
 Every worker keeps public copies x̂ of its own model and of its neighbours' models, all of which it can update
 from what crossed the wire only. With a compressor Q (biased ones such as top-k are fine: it needs only

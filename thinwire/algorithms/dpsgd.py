@@ -1,20 +1,23 @@
-"""`dpsgd`: decentralized parallel SGD (Lian et al. [51]; seed 000 §IV-C, catalog §2.2.3 (a)) — BSP on gossip;
+"""`dpsgd`: decentralized parallel SGD (Lian, Zhang, Zhang, Hsieh, Zhang, Liu 2017, "Can Decentralized
+Algorithms Outperform Centralized Algorithms?", arXiv 1705.09056, Algorithm 1) — BSP on gossip;
 and local SGD on gossip.
 
 Each step every worker takes its local step and averages with its neighbours under the mixing matrix W of the
 topology (symmetric, doubly stochastic):
-    atc (default, "adapt then combine", Cooperative SGD [221]: X_{k+1} = (X_k - γ G_k) W):
+    atc (default, "adapt then combine", Cooperative SGD, Wang & Joshi 2018, arXiv 1808.07576:
+    X_{k+1} = (X_k - γ G_k) W):
         x_{i,t+1} = Σ_j W_ij (x_{j,t} - γ G_j(x_{j,t}))
-    lian (the form of [51], catalog [SUPP]):
+    lian (the form of Lian et al. 2017, Algorithm 1):
         x_{i,t+1} = Σ_j W_ij x_{j,t} - γ G_i(x_{i,t})
 On the complete graph (W = 11ᵀ/n) the atc form is exactly synchronous SGD (bsp), momentum included.
 Per bucket, during backward: atc takes the bucket's local step as soon as backward hands the bucket over (its
 gradients are final and no later backward work reads its parameters) and sends the stepped parameters to the
 neighbours; lian sends the parameters the gradients were computed on. `step()` mixes every bucket and (lian)
-then applies the own gradient. 32 N n_peers bits per step (seed 000 Table IV Gossip/BSP). `close()` measures
+then applies the own gradient. 32 N n_peers bits per step (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient
+Distributed Deep Learning: A Comprehensive Survey", arXiv 2003.06307, Table IV Gossip/BSP). `close()` measures
 the consensus distance and averages the models (see _gossip).
 
-`localsgd` on gossip (seed 000 Table II, Gossip/Local SGD): H local steps, then one gossip averaging step (the
+`localsgd` on gossip (Tang et al. Table II, Gossip/Local SGD): H local steps, then one gossip averaging step (the
 atc mixing above) over the topology; with H = 1 it is D-PSGD, on the complete graph local SGD on all-reduce.
 """
 from __future__ import annotations
@@ -57,7 +60,7 @@ class DPSGD(Gossip):
 
 @register("bsp", variant="gossip")
 class BSPOnGossip(DPSGD):
-    """`bsp` on the gossip architecture is D-PSGD (seed 000 Table II/IV Gossip/BSP, Lian et al. [51]): each worker
+    """`bsp` on the gossip architecture is D-PSGD (Tang et al. Table II/IV Gossip/BSP, Lian et al. 2017): each worker
     averages its stepped model with its neighbours under the topology's mixing matrix (atc form). The default
     topology is `complete` (W = 11ᵀ/n), on which the update is exactly the all-reduce one;
     `topology=ring|torus|exponential|random` trades that for 2 or more peers per step."""
@@ -68,7 +71,7 @@ class BSPOnGossip(DPSGD):
 
 @register("localsgd", variant="gossip")
 class LocalSGDOnGossip(Periodic, DPSGD):
-    """Local SGD on gossip (seed 000 Table II): H local steps, then a gossip averaging step over the topology,
+    """Local SGD on gossip (Tang et al. Table II): H local steps, then a gossip averaging step over the topology,
     x_i ← Σ_j W_ij x_j (D-PSGD's atc mixing, every H-th step). The default topology is `complete`, on which the
     averaging is exact model averaging (= `localsgd` on all-reduce)."""
 

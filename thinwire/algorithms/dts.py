@@ -1,6 +1,7 @@
-"""`dts`, `delayed`, `tsparse`: delayed and temporally sparse updates with error compensation (seed 004 §3).
+"""`dts`, `delayed`, `tsparse`: delayed and temporally sparse updates with error compensation
+(Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World" (DTS), §3).
 
-Every step a worker updates its model with its own gradient (seed 004 eq. 2) and keeps what it used; every
+Every step a worker updates its model with its own gradient (eq. 2) and keeps what it used; every
 `period` steps it launches the average of its window, bucket by bucket as backward hands the buckets over, and
 goes on training; `delay` - 1 windows later it waits
 for that average and corrects the model by the difference between the average and what it used (eqs. 3, 4).
@@ -32,7 +33,7 @@ def _carry(m, rate: float, decay: float, mu: float):
 
 @register("dts")
 class DTS(Algorithm):
-    """Delayed (delay t) + temporally sparse (period p) SGD with error compensation (seed 004 eqs. 2-4).
+    """Delayed (delay t) + temporally sparse (period p) SGD with error compensation (eqs. 2-4).
 
     Steps s = 1, 2, ...; window k holds steps (k-1)p+1 .. kp. Worker j, vanilla SGD, rate γ_s at step s:
       every step       w <- w - γ_s g_{s,j}                                      (eq. 2, local update)
@@ -60,7 +61,7 @@ class DTS(Algorithm):
     the last step (Δ counted from each window's last step): every worker then holds the same model up to
     float rounding (the compensations start from each worker's own weights), and rank 0's model and momentum
     buffers are broadcast so that the models are bitwise identical.
-    What is averaged can go through any compressor and memory of the Trainer (seed 004 §4.3 uses DGC).
+    What is averaged can go through any compressor and memory of the Trainer (Zhu et al. §4.3 use DGC).
     """
 
     architectures = ("allreduce",)
@@ -165,7 +166,7 @@ class DTS(Algorithm):
         self.steps += 1
         if self._in_window == self.period:
             self._close_window()
-        self.optimizer_step()                       # seed 004 eq. 2: local gradient now
+        self.optimizer_step()                       # eq. 2: local gradient now
         mu = self.mu                                # this step carries each in-flight window on: M <- S_s M
         for entry in self._flight:
             if entry[0] < self.steps:
@@ -194,7 +195,7 @@ class DTS(Algorithm):
     def _compensate(self, members: list[int], err_c: torch.Tensor, err_b: torch.Tensor, ref: list[float],
                     post: list) -> None:
         """(Δw, Δb) = M (-γ_ref (C̄ - C), B̄ - B): with λ = 0, w -= γ_ref (C̄ - C) + F (B̄ - B) and
-        b += μ^Δ (B̄ - B)   (seed 004 eqs. 3-4; docs/dts.md)."""
+        b += μ^Δ (B̄ - B)   (eqs. 3-4; docs/dts.md)."""
         mu = self.mu
         ps = [self.params[i] for i in members]
         for i, p, ec, eb in zip(members, ps, views(err_c, ps), views(err_b, ps)):
@@ -287,7 +288,7 @@ class DTS(Algorithm):
 
 @register("delayed")
 class Delayed(DTS):
-    """Delayed update (seed 004 eqs. 2-3): local step now, average of step s applied at step s + delay - 1."""
+    """Delayed update (eqs. 2-3): local step now, average of step s applied at step s + delay - 1."""
 
     def __init__(self, delay: int = 4, architecture: str | None = None):
         super().__init__(delay=delay, period=1, architecture=architecture)
@@ -303,7 +304,7 @@ class Delayed(DTS):
 
 @register("tsparse")
 class TemporallySparse(DTS):
-    """Temporally sparse update (seed 004 eq. 4): local steps, compensation every `period` steps."""
+    """Temporally sparse update (eq. 4): local steps, compensation every `period` steps."""
 
     def __init__(self, period: int = 4, architecture: str | None = None):
         super().__init__(delay=1, period=period, architecture=architecture)

@@ -1,16 +1,19 @@
-"""`localsgd`: local SGD / model averaging / PR-SGD (seed 000 §III-D, catalog §2.1.11–2.1.12).
+"""`localsgd`: local SGD / model averaging / PR-SGD (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient
+Distributed Deep Learning: A Comprehensive Survey", arXiv 2003.06307, §III-D).
 
 Every worker takes local optimizer steps; every H steps the models are averaged:
     x_{i,t+1} = x_{i,t} - γ G_{i,t}(x_{i,t})                       if t+1 ∉ I_T
     x_{i,t+1} = (1/n) Σ_j (x_{j,t} - γ G_{j,t}(x_{j,t}))           if t+1 ∈ I_T = {H, 2H, ...}
-(catalog Appendix B item 3: seed 000's eq. 9 as printed averages gradients and never the models; this is the
-corrected form, Stich [73].) The average travels through an `Exchange` as the model *delta* since the last
-average, x = x_anchor + mean_j(C(x_j - x_anchor)), so a compressor applies to the deltas and a memory gives
-error feedback on them: local SGD with compressed model deltas (Qsparse-local-SGD, Basu et al. [181]).
+(Tang et al.'s eq. 9 as printed averages gradients and never the models; this is the corrected form of Stich 2019,
+"Local SGD Converges Fast and Communicates Little", arXiv 1805.09767.) The average travels through an `Exchange` as
+the model *delta* since the last average, x = x_anchor + mean_j(C(x_j - x_anchor)), so a compressor applies to the
+deltas and a memory gives error feedback on them: local SGD with compressed model deltas (Qsparse-local-SGD, Basu et
+al. 2019, arXiv 1906.02367).
 
-Momentum local SGD (Yu, Jin, Yang [111]): with an optimizer that has momentum, each worker keeps its own
-buffer u_i ← βu_i + G_i, x_i ← x_i - γu_i (the default); `average_momentum=true` also averages the momentum
-buffers at every synchronisation (the paper's variant with global momentum; costs a second exchange).
+Momentum local SGD (Yu, Jin, Yang 2019, "On the Linear Speedup Analysis of Communication Efficient
+Momentum SGD for Distributed Non-Convex Optimization", arXiv 1905.03817): with an optimizer that has momentum, each
+worker keeps its own buffer u_i ← βu_i + G_i, x_i ← x_i - γu_i (the default); `average_momentum=true` also averages
+the momentum buffers at every synchronisation (the paper's variant with global momentum; costs a second exchange).
 With H = 1 and no compressor, local SGD is exactly synchronous SGD (bsp), momentum included.
 `close()` averages the models once more if steps were taken since the last average: every worker ends with
 the same model.
@@ -117,7 +120,8 @@ class LocalSGD(Periodic, BSP):
 
 @register("postlocalsgd")
 class PostLocalSGD(LocalSGD):
-    """Post-local SGD (Lin, Stich, Jaggi [121]): synchronous SGD until step `switch`, then local SGD."""
+    """Post-local SGD (Lin, Stich, Patel, Jaggi 2020, "Don't Use Large Mini-Batches, Use Local SGD",
+    arXiv 1808.07217): synchronous SGD until step `switch`, then local SGD."""
 
     def __init__(self, switch: int = 100, period: int = 4, average_momentum: bool = False,
                  architecture: str | None = None):
@@ -129,7 +133,7 @@ class PostLocalSGD(LocalSGD):
         return self.steps < self.switch
 
     def on_bucket(self, bucket):
-        if self.synchronous():      # phase 1: mini-batch SGD on the mean gradient (seed 000 eq. 6)
+        if self.synchronous():      # phase 1: mini-batch SGD on the mean gradient (Tang et al. eq. 6)
             self.pending[bucket.index] = self.grad_exchange.start(bucket.buffer, bucket.key, shapes=bucket.shapes)
         else:
             super().on_bucket(bucket)
@@ -159,10 +163,10 @@ class PostLocalSGD(LocalSGD):
 
 @register("localsgd", variant="ps")
 class PSLocalSGD(PSMixin, LocalSGD):
-    """Local SGD on the parameter server (seed 000 Table II, PS / Local SGD): H local steps on every worker, then
+    """Local SGD on the parameter server (Tang et al. Table II, PS / Local SGD): H local steps on every worker, then
     each worker pushes its model delta x_i - x (bucket by bucket, as backward hands the bucket over, through the
     compressor and memory) and the server averages them, x <- x + (1/n) Σ_i C(x_i - x) (the corrected eq. 9,
-    catalog Appendix B item 3), and answers x, which every worker continues from. Momentum stays local
+    Tang et al.'s eq. 9 corrected as above), and answers x, which every worker continues from. Momentum stays local
     (per-worker buffers, as on all-reduce)."""
 
     def __init__(self, period: int = 4, architecture: str | None = None, servers: int = 1,

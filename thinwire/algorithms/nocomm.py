@@ -1,7 +1,8 @@
 """`local`: every worker trains alone, with no communication at all.
 
 The no-communication limit: its throughput is what the same workers reach on this machine when the wire costs
-nothing, so scalability = throughput / throughput of `local` (seed 004's speedup / N, measured here).
+nothing, so scalability = throughput / throughput of `local` (Zhu, Lu, Lin, Han 2019, "Distributed Training Across
+the World" (DTS): speedup / N, measured here).
 """
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ from ..tensors import copy_flat
 from ._registry import register
 from .base import Algorithm
 
-# Table II of seed 000: which architectures each PS-only scheme lacks, and what to use instead
+# Table II of Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive
+# Survey", arXiv 2003.06307: which architectures each PS-only scheme lacks, and what to use instead
 _ALTERNATIVES = {
     "allreduce": "for all-reduce use bsp or localsgd",
     "gossip": "for gossip use dpsgd, adpsgd, sgp or choco",
@@ -43,7 +44,7 @@ class PSMixin:
     or `Algorithm`). The base class's `setup()` makes its exchanges with `make_exchange` as usual: here they are
     `PSExchange`s, one codec each (a server decodes a push with the compressor of the exchange that made it).
     Class attributes: `rule` (the server's: "sync", "async", "backup"). The server applies `server_update`
-    (default: the worker's optimizer on the mean gradient, seed 000 eq. 6)."""
+    (default: the worker's optimizer on the mean gradient, Tang et al. eq. 6)."""
 
     architectures = ("ps",)
     schedules = ("none", "wfbp", "fusion")
@@ -165,8 +166,8 @@ def checkpointable_on_ps(algorithm: str) -> bool:
 
 @register("bsp", variant="ps")
 class PSBSP(PSMixin, Algorithm):
-    """`bsp` on the PS: a bucket's round is released when every worker's push of it is in (catalog §2.1.1); the
-    server applies the worker's optimizer to the mean (seed 000 eq. 6) and answers everyone with the new slice.
+    """`bsp` on the PS: a bucket's round is released when every worker's push of it is in (Tang et al. §III-A); the
+    server applies the worker's optimizer to the mean (Tang et al. eq. 6) and answers everyone with the new slice.
     Each bucket is pushed as soon as backward hands it over; `step()` waits for every answer."""
 
     checks_finite = True      # each bucket is checked (Exchange._check_finite) before it is pushed

@@ -1,10 +1,11 @@
-"""`sgp`: Stochastic Gradient Push (Assran et al. [53]; seed 000 §IV-C, catalog §2.2.3 (b)).
+"""`sgp`: Stochastic Gradient Push (Assran, Loizou, Ballas, Rabbat 2019, "Stochastic Gradient Push for
+Distributed Deep Learning", arXiv 1811.10792, Algorithm 1).
 
 Push-sum gossip: every worker sends to its out-peer without waiting for an answer from it, over a directed,
 time-varying graph with a column-stochastic mixing matrix P (each worker keeps half its mass and pushes half to
 one peer: the peer rotates through the topology's neighbours, step by step, `Topology.out_peer`). Each worker
 holds a numerator x_i and a push-sum weight w_i (w_i = 1 at start); the model the gradient is computed on is
-z_i = x_i / w_i (catalog §2.2.3 (b) [SUPP]):
+z_i = x_i / w_i (Assran et al., Algorithm 1):
     x_i^{k+1/2} = x_i^k - γ ∇F_i(z_i^k)
     x_i^{k+1} = Σ_j p_ij x_j^{k+1/2},   w_i^{k+1} = Σ_j p_ij w_j^k,   z_i^{k+1} = x_i^{k+1} / w_i^{k+1}
 Per bucket, during backward: the bucket's numerator takes its optimizer step and half of it is pushed to the

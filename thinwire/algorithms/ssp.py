@@ -1,5 +1,7 @@
-"""`ssp`: stale-synchronous parallel SGD on the parameter server (Ho et al. 2013; seed 000 §III-B, eq. 7 with the
-catalog's erratum: the guaranteed-visible sum stops at k = t - s - 1; catalog §2.1.3)."""
+"""`ssp`: stale-synchronous parallel SGD on the parameter server (Ho et al. 2013, "More Effective Distributed
+ML via a Stale Synchronous Parallel Parameter Server", NeurIPS 2013; Tang, Shi, Chu, Wang, Li 2020,
+"Communication-Efficient Distributed Deep Learning: A Comprehensive Survey", arXiv 2003.06307, §III-B, eq. 7, whose
+guaranteed-visible sum stops at k = t - s - 1, not at t as printed)."""
 from __future__ import annotations
 
 from collections import deque
@@ -13,10 +15,10 @@ from .ps_sync import PSBSP, StalenessAware
 @register("ssp")
 class SSP(StalenessAware, PSBSP):
     """Workers run up to s clocks ahead. The server applies a bucket's clock-c update, the mean of the n workers'
-    clock-c gradients (seed 000 eq. 6), when the last of them arrives, and answers each with the slice that
+    clock-c gradients (Tang et al. eq. 6), when the last of them arrives, and answers each with the slice that
     includes it. A worker keeps up to s clocks in flight: after pushing clock c it waits only for the answers to
-    clock c - s, so the model it holds has every update of clocks <= c - s (the SSP read rule, catalog §2.1.3
-    [SUPP]), and computes on seed 000 eq. 7:
+    clock c - s, so the model it holds has every update of clocks <= c - s (the SSP read rule of Ho et al.
+    2013), and computes on Tang et al. eq. 7:
         x_{i,c+1} = x_0 - γ Σ_{k<=c-s} Σ_j G_{j,k} - γ Σ_{k=c-s+1}^{c} G_{i,k} - γ Σ_{(j,k) ∈ S} G_{j,k}
     i.e. the server's model as answered (first and third terms) plus this worker's own updates the server has not
     answered yet (second term), each as the server will apply it: -(γ_τ/n)·G_{i,k}, γ_τ the staleness-aware rate
@@ -44,7 +46,7 @@ class SSP(StalenessAware, PSBSP):
 
     def _settle(self, keep: int = 0) -> None:
         """Take the answers to every clock but the last `keep` (the answers to clock c - s are required) and any
-        fresher ones already in, then load seed 000 eq. 7: those answers plus this worker's own updates not
+        fresher ones already in, then load Tang et al. eq. 7: those answers plus this worker's own updates not
         answered yet."""
         window = self._window
         while window and (len(window) > keep or all(f.is_completed() for f, _ in window[0][0].values())):

@@ -1,13 +1,15 @@
-"""`thinwire bench cdsgd`: seed 001's comparison set (Table 2, Figs. 6–10) on our workloads and networks.
+"""`thinwire bench cdsgd`: the comparison set of Yu, Dong, Xu, Ouyang, Liao 2021, "CD-SGD: Distributed Stochastic
+Gradient Descent with Compression and Delay Compensation", arXiv 2106.10796 (Table 2, Figs. 6–10) on our workloads
+and networks.
 
 For each workload and network it trains ssgd, bitsgd, odsgd and cdsgd for each k, with the same seed, and
 records final accuracy, training time to the target, the measured median iteration time and the one the time
-model of seed 001 §3.3 predicts from the inputs the run measured itself (τ, φ, ψ, δ).
+model of the paper's §3.3 predicts from the inputs the run measured itself (τ, φ, ψ, δ).
 
     thinwire bench cdsgd --workloads digits-cnn wide-mlp --networks cluster wan --ks 2,5,10,20 \
         --thresholds digits-cnn=0.005,wide-mlp=0.001 --warmup 10 --out docs/benchmarks
 
-Without --thresholds every run uses threshold2bit's default α (0.15625: seed 001's 0.5/32 on batch-mean
+Without --thresholds every run uses threshold2bit's default α (0.15625: the paper's 0.5/32 on batch-mean
 gradients, over 1 − 0.9 for momentum);
 `--momentum 0 --lr 0.5` runs all four with plain SGD, the paper's setting (docs/benchmarks/cdsgd-accuracy.md).
 """
@@ -18,7 +20,7 @@ import os
 from ..errors import UserError
 from ..files import pyplot, save, write_json
 
-_TIME_MODEL = ("tau_s", "phi_s", "psi_s", "delta_s")   # seed 001 Table 1: τ, φ, ψ, δ, measured by each run
+_TIME_MODEL = ("tau_s", "phi_s", "psi_s", "delta_s")   # the paper's Table 1: τ, φ, ψ, δ, measured by each run
 
 
 def _thresholds(text: str) -> dict:

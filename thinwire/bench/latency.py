@@ -1,4 +1,5 @@
-"""`thinwire bench latency`: scalability and accuracy of algorithms across one-way latencies (seed 004 Fig. 3).
+"""`thinwire bench latency`: scalability and accuracy of algorithms across one-way latencies (Zhu, Lu, Lin, Han 2019,
+"Distributed Training Across the World" (DTS), Fig. 3).
 
 For each algorithm and each latency (a `custom:` network at a fixed bandwidth) it trains the workload for a
 fixed number of steps and reports throughput / throughput of the same workers with `local` (no communication,
@@ -146,7 +147,7 @@ def _plot(result: dict, path: str) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("latency", help="scalability and accuracy vs one-way latency (seed 004 Fig. 3)")
+    p = sub.add_parser("latency", help="scalability and accuracy vs one-way latency (Zhu et al. 2019, DTS, Fig. 3)")
     p.add_argument("--workload", default="wide-mlp")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=200)

@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..files import emit
 
 # Compressors whose own error-feedback memory shares their name; biased ones otherwise pair with `residual`
-# (error feedback, seed 002 §3.1); unbiased ones and plain casts need none.
+# (error feedback: Stich, Cordonnier, Jaggi 2018, arXiv 1809.07599); unbiased ones and plain casts need none.
 CASTS = ("fp16", "bf16", "fp8", "fp4")
 # Every cell trains this many times the workload's default epochs (digits-mlp: 30 epochs, 330 steps at 4 workers):
 # a compressor that sends 1 % of a coordinate's updates per step needs more steps than bsp's 40, and the table's

@@ -63,7 +63,9 @@ def format_summary(s: dict) -> str:
     for f in s.get("failures") or []:
         lines.append(f"  lost workers      {f['lost']} at step {f['step']}: the survivors {f['members']} went on")
     am = s.get("algorithm_metrics") or {}
-    if am.get("predicted_step_s") is not None and am.get("measured_step_s") is not None:  # seed 001 §3.3
+    # CD-SGD's time model: Yu et al. 2021, "CD-SGD: Distributed Stochastic Gradient Descent with Compression and Delay
+    # Compensation", arXiv 2106.10796, §3.3
+    if am.get("predicted_step_s") is not None and am.get("measured_step_s") is not None:
         ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"
         lines.append(f"  iteration time    predicted {ms(am['predicted_step_s'])} ms, measured "
                      f"{ms(am['measured_step_s'])} ms   (τ {ms(am.get('tau_s'))}, φ {ms(am.get('phi_s'))}, "

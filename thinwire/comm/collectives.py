@@ -2,7 +2,8 @@
 
 Every message goes through `Transport.isend`/`irecv`, so the meter counts each algorithm's real traffic and the
 emulated link charges α + Nβ per message on this rank's queue: the emulated time of each algorithm follows its
-own α-β formula (seed 000 Table III; `thinwire.net.cost`) without any formula being applied here.
+own α-β formula (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive
+Survey", arXiv 2003.06307, Table III; `thinwire.net.cost`) without any formula being applied here.
 
     transport.allreduce = "ring"        # or: recursive_doubling, recursive_halving, tree, double_binary_tree,
                                         #     hierarchical[:m], torus[:X], gloo
@@ -108,7 +109,7 @@ def _ring_pass(tp, chunks, members, me, combine=None) -> None:
 
 
 def _ring(tp, flat, members, me, combine, _size=None) -> None:
-    """Ring all-reduce: 2(n-1) α + 2(n-1)/n N β (seed 000 Table III)."""
+    """Ring all-reduce: 2(n-1) α + 2(n-1)/n N β (Tang et al. Table III)."""
     chunks = flat.tensor_split(len(members))
     yield from _ring_pass(tp, chunks, members, me, combine)
     yield from _ring_pass(tp, chunks, members, me)
@@ -137,7 +138,7 @@ def _power_of_two(core):
 
 @_power_of_two
 def _recursive_doubling(tp, flat, members, me, combine, p) -> None:
-    """Recursive doubling: log n rounds exchanging the full vector with me ⊕ 2^r (seed 000 Table III)."""
+    """Recursive doubling: log n rounds exchanging the full vector with me ⊕ 2^r (Tang et al. Table III)."""
     buf = torch.empty_like(flat)
     for r in range(p.bit_length() - 1):
         partner = members[me ^ (1 << r)]
@@ -147,7 +148,8 @@ def _recursive_doubling(tp, flat, members, me, combine, p) -> None:
 
 @_power_of_two
 def _recursive_halving(tp, flat, members, me, combine, p) -> None:
-    """Rabenseifner's all-reduce (Thakur, Rabenseifner, Gropp 2005 §4.4; seed 000 [145]) over p = 2^⌊log2 n⌋
+    """Rabenseifner's all-reduce (Thakur, Rabenseifner, Gropp 2005, "Optimization of Collective
+    Communication Operations in MPICH", §4.4) over p = 2^⌊log2 n⌋
     ranks, the vector cut into p blocks: log p rounds of reduce-scatter by recursive halving (exchange half of
     the blocks still held with me ⊕ p/2, me ⊕ p/4, ..., keep the half on my side, add the partner's copy of
     it), after which rank me holds block me summed; then log p rounds of all-gather by recursive doubling.
@@ -203,7 +205,8 @@ def double_trees(n: int) -> list[list[tuple[int | None, list[int]]]]:
 
 
 def _double_binary_tree(tp, flat, members, me, combine, _size=None) -> None:
-    """Double binary tree all-reduce (seed 000 §IV-B [148]): the vector's two halves are reduced up and then
+    """Double binary tree all-reduce (Sanders, Speck, Träff 2009, "Two-Tree Algorithms for Full
+    Bandwidth Broadcast, Reduction and Scan"): the vector's two halves are reduced up and then
     broadcast down two complementary binary trees, each half cut into k blocks that follow one another through
     the tree (pipelined): 2 d α + 2 (k + d − 1)/k N β (`thinwire.net.cost.double_binary_tree_allreduce`).
     A rank is an inner node of at most one tree: its blocks of the other tree (where it is a leaf) go up at once,
@@ -275,13 +278,13 @@ def _tree_broadcast(tp, flat, members, me) -> None:
 
 
 def _tree(tp, flat, members, me, combine, _size=None) -> None:
-    """Binary (binomial) tree: reduce then broadcast, 2 α log n + 2 N β log n (seed 000 Table III)."""
+    """Binary (binomial) tree: reduce then broadcast, 2 α log n + 2 N β log n (Tang et al. Table III)."""
     yield from _tree_reduce(tp, flat, members, me, combine)
     yield from _tree_broadcast(tp, flat, members, me)
 
 
 def _hierarchical(tp, flat, members, me, combine, group_size=None) -> None:
-    """Hierarchical (seed 000 §IV-B, [23]): intra-group reduce to the leader, ring all-reduce among the
+    """Hierarchical (Jia et al. 2018, arXiv 1807.11205): intra-group reduce to the leader, ring all-reduce among the
     leaders, intra-group broadcast. Groups are runs of m consecutive ranks (one machine each, say)."""
     m = group_size or grid_shape(len(members))[1]
     g, i = divmod(me, m)
@@ -293,7 +296,7 @@ def _hierarchical(tp, flat, members, me, combine, group_size=None) -> None:
 
 
 def _torus(tp, flat, members, me, combine, width=None) -> None:
-    """2-D torus (seed 000 §IV-B, [151][152]) on an X×Y grid, rank = row·X + column: reduce-scatter along
+    """2-D torus (Mikami et al. 2018, arXiv 1811.05233) on an X×Y grid, rank = row·X + column: reduce-scatter along
     the row, all-reduce the owned chunk along the column, all-gather along the row."""
     x, _ = grid_shape(len(members), width)
     row, col = divmod(me, x)

@@ -20,7 +20,8 @@ returns at once and completes while the caller computes. Transport operations ca
 the engine too, so nothing a training thread issues can overtake a queued program (or be overtaken by it).
 
 Options of a submission: `background=True` never runs the program on the caller's thread (compression overlaps
-backward, the compress/communicate pipeline of seed 000 §II-D); `serial=True` waits for the program's result to be
+backward, the compress/communicate pipeline of Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed
+Deep Learning: A Comprehensive Survey", arXiv 2003.06307, §II-D); `serial=True` waits for the program's result to be
 delivered before the next program starts (one transfer in flight: a NCCL stream, Horovod's background thread).
 """
 from __future__ import annotations

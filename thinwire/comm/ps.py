@@ -1,4 +1,5 @@
-"""Parameter-server messaging (seed 000 §IV-A; catalog §2.2.1): roles, shards, framed messages, the server's loop.
+"""Parameter-server messaging (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
+Comprehensive Survey", arXiv 2003.06307, §IV-A): roles, shards, framed messages, the server's loop.
 
 Roles. The world's last K ranks are servers, ranks 0..n-1 are workers (`PSLayout`). Each bucket of gradients
 (the scheduler's, the same on every rank) is cut into K contiguous slices (sizes differing by at most one

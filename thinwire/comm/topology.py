@@ -1,9 +1,10 @@
 """Gossip topologies: who talks to whom at each step, with the mixing matrix W and its spectral gap.
 
 Static topologies use Metropolis–Hastings weights W_ij = 1/(1 + max(d_i, d_j)) on their edges and
-W_ii = 1 - Σ_j W_ij (catalog §2.2.3 [SUPP]): symmetric and doubly stochastic (W = Wᵀ, W1 = 1; seed 000 §VIII,
-with its printed "W1 = W" corrected, catalog Appendix B item 10). The spectral gap is 1 - ρ with
-ρ = max(|λ2(W)|, |λn(W)|), the second-largest eigenvalue magnitude (Appendix B item 10).
+W_ii = 1 - Σ_j W_ij (Xiao, Boyd 2004, "Fast Linear Iterations for Distributed Averaging"): symmetric and
+doubly stochastic (W = Wᵀ, W1 = 1; Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep
+Learning: A Comprehensive Survey", arXiv 2003.06307, §VIII, prints "W1 = W"). The spectral gap is 1 - ρ with
+ρ = max(|λ2(W)|, |λn(W)|), the second-largest eigenvalue magnitude (what Tang et al. §VIII calls the spectral gap).
 
 | name | edges | W | gap (n = 4 / 8 / 16) |
 | --- | --- | --- | --- |

@@ -2,7 +2,8 @@
 
 One object wraps a torch.distributed process group. Each operation runs for real on the group (gloo on
 127.0.0.1, or NCCL) and completes no earlier than the emulated link would have delivered it: the α-β cost of
-the algorithm that runs (seed 000 Table III), queued behind this rank's earlier transfers. Asynchronous
+the algorithm that runs (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
+Comprehensive Survey", arXiv 2003.06307, Table III), queued behind this rank's earlier transfers. Asynchronous
 operations return a `Handle`; compute done before `Handle.wait()` overlaps the emulated transfer.
 """
 from __future__ import annotations

@@ -166,7 +166,8 @@ PRESETS: dict[str, Preset] = {
         ["bsp", "delayed:delay=4", "tsparse:period=4", "dts:delay=4,period=4", "dts",
          "dts:delay=4,period=4+dgc:ratio=0.001,memory=residual"],
         budget_s=60, batch_size=128,
-        doc="seed 004 Fig. 3 / Table 1 at the paper's ratio of compute to latency: bsp, delayed update (t=4), "
+        doc="Zhu, Lu, Lin, Han 2019, \"Distributed Training Across the World\" (DTS), Fig. 3 / Table 1 at the "
+            "paper's ratio of compute to latency: bsp, delayed update (t=4), "
             "temporally sparse update (p=4), DTS at the paper's t=4, p=4 with and without DGC (0.1 %), and DTS with "
             "the planner's settings (within the accuracy bound (t-1)p <= 3 at momentum 0.9, which t=p=4, 12 steps, "
             "is not: on this workload it did not learn), momentum SGD, one-way latency 0, 250 and 1000 ms at "
@@ -182,7 +183,8 @@ PRESETS: dict[str, Preset] = {
         _SGD, 4, ["cluster", "wan"],
         ["ssgd", "bitsgd", "odsgd", "cdsgd:k=2", "cdsgd:k=5", "cdsgd:k=10", "cdsgd:k=20"],
         budget_s=150,
-        doc="seed 001 §4: S-SGD, BIT-SGD (2-bit threshold quantization), OD-SGD (local update) and CD-SGD with "
+        doc="Yu et al. 2021 (CD-SGD, arXiv 2106.10796) §4: S-SGD, BIT-SGD (2-bit threshold quantization), "
+            "OD-SGD (local update) and CD-SGD with "
             "k = 2, 5, 10, 20 on the momentum-SGD workload"),
     "world": Preset(
         _LM, 4, ["world"],

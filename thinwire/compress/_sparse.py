@@ -1,7 +1,7 @@
 """Shared pieces of the sparsifiers: the (values, indices) payload, fast exact top-k, bit packing of codes.
 
-Indices travel as int16 when the tensor has at most 2^15 elements, else int32 (seed 002 §3.1: the index vector
-is the unavoidable cost of a sparse payload, so it takes no more bits than the tensor needs).
+Indices travel as int16 when the tensor has at most 2^15 elements, else int32 (the index vector is the
+unavoidable cost of a sparse payload, so it takes no more bits than the tensor needs).
 """
 from __future__ import annotations
 

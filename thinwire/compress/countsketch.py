@@ -1,4 +1,5 @@
-"""`countsketch`: a Count Sketch of the tensor (seed 002 §4.3.3; catalog 3.5 [O]) with heavy-hitter recovery.
+"""`countsketch`: a Count Sketch of the tensor (Charikar, Chen, Farach-Colton 2002, "Finding Frequent Items in
+Data Streams", ICALP 2002) with heavy-hitter recovery.
 
 r rows × c columns; row j has a bucket hash h_j: [d] → [c] and a sign hash s_j: [d] → {±1}, drawn from a seed
 shared by every rank (seed, key); pairwise independent, and structured so that inserting and querying sweep

@@ -1,16 +1,17 @@
-"""`dgc`: Deep Gradient Compression's sparsifier (Lin, Han, Mao, Wang, Dally, ICLR 2018; seed 002 §4.3.2).
+"""`dgc`: Deep Gradient Compression's sparsifier (Lin, Han, Mao, Wang, Dally 2018, "Deep Gradient
+Compression: Reducing the Communication Bandwidth for Distributed Training", arXiv 1712.01887, ICLR 2018).
 
 The threshold is estimated from a random sample (1% by default) by a top-k on the sample; applied to the whole
 tensor it selects about k = ρ·d coordinates. If more pass than 1.03k, the exact top-k of the selected ones
 is taken, as the paper does ("an exact threshold is then calculated from the filtered elements"); if fewer than
-0.97k, the threshold is lowered ×0.7 and re-applied, up to 10 times (GRACE's refinement, catalog 3.4 [O], which
-uses a 0.7k–1.3k band; the 3% band keeps the payload within 3% of its nominal ρ·d pairs, at the price of the
-exact step on ~1 call in 5, when the 1% sample's estimate misses by more than 3%). The count sent is therefore
-in [0.97k, 1.03k] but for pathological tensors.
+0.97k, the threshold is lowered ×0.7 and re-applied, up to 10 times (GRACE's refinement of the paper's sampled
+threshold, which uses a 0.7k–1.3k band; the 3% band keeps the payload within 3% of its nominal ρ·d pairs, at the
+price of the exact step on ~1 call in 5, when the 1% sample's estimate misses by more than 3%). The count sent is
+therefore in [0.97k, 1.03k] but for pathological tensors.
 
 The warm-up of the DGC recipe lives here because it sets the density: over the first `warmup_steps`
 exchanges of a tensor the density falls exponentially 25% → 6.25% → 1.5625% → 0.39% (sparsity 75% → 93.75% →
-98.4375% → 99.6%, seed 000 §IX-D / catalog 2.6.7), then stays at `ratio`. Momentum correction, masking and
+98.4375% → 99.6%, the paper's warm-up training), then stays at `ratio`. Momentum correction, masking and
 local clipping are in the `dgc` memory below.
 """
 from __future__ import annotations
@@ -71,8 +72,8 @@ class DGC(SparseCompressor):
 class DGCMemory(Memory):
     """DGC memory: momentum correction, momentum factor masking, local clipping at N^-1/2·clip_norm.
 
-    Per key (seed 000 §IX-B, catalog 2.6.4 with its [ERRATUM] applied):
-        g ← g · min(1, N^{-1/2} clip_norm / ‖g‖₂)     local gradient clipping, seed 000 eq. 28 (off when 0)
+    Per key (the paper's momentum correction and momentum factor masking, the sent coordinates of v and u reset):
+        g ← g · min(1, N^{-1/2} clip_norm / ‖g‖₂)     local gradient clipping (Lin et al.; off when 0)
         u ← m u + g                                  momentum correction
         v ← v + u                                    error accumulation; v is what gets compressed
     and after compression, with `sent` the coordinates that left:
@@ -102,7 +103,7 @@ class DGCMemory(Memory):
     def compensate(self, tensor, key):
         g = tensor
         if self.clip_norm > 0:
-            thr = self.clip_norm / math.sqrt(self.world_size)           # seed 000 eq. 28
+            thr = self.clip_norm / math.sqrt(self.world_size)           # local gradient clipping: thr · N^{-1/2}
             norm = float(g.norm())
             if norm > thr:
                 g = g * (thr / norm)

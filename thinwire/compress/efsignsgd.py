@@ -1,4 +1,6 @@
-"""`efsignsgd`: scaled sign (seed 002 §5.1, EF-SignSGD [58]: Delta = (||p||_1 / d) sign(p)), 1 bit per element plus
+"""`efsignsgd`: scaled sign (EF-SignSGD: Karimireddy, Rebjock, Stich, Jaggi 2019, "Error
+Feedback Fixes SignSGD and other Gradient Compression Schemes", arXiv 1901.09847, Algorithm 1:
+Delta = (||p||_1 / d) sign(p)), 1 bit per element plus
 one fp32 scale. Meant to run with the `efsignsgd` (learning-rate-scaled) or `residual` memory. The scales differ
 per rank, so payloads are gathered and each rank's scaled signs are summed."""
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Elias-gamma and Elias-delta codes of non-negative integers (QSGD's lossless stage, seed 002 §5.2.1 [61]).
+"""Elias-gamma and Elias-delta codes of non-negative integers (QSGD's lossless stage: Alistarh et al.
+2017, arXiv 1610.02132).
 
 A value v ≥ 0 is coded as u = v + 1 ≥ 1 with N = ⌊log2 u⌋:
   gamma: N zeros, a one, then the N low bits of u                          (2N + 1 bits; 1 bit for v = 0)

@@ -1,4 +1,5 @@
-"""`fp16`: cast to half precision (seed 002 §5.1, FP16 [53]: C(g) = fp16(s g), D(q) = fp32(q) / s)."""
+"""`fp16`: cast to half precision (Micikevicius et al. 2018, "Mixed Precision Training", arXiv 1710.03740, §3.2
+loss scaling: C(g) = fp16(s g), D(q) = fp32(q) / s)."""
 from __future__ import annotations
 
 import torch

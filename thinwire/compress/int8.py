@@ -1,4 +1,5 @@
-"""`int8`: uniform 8-bit quantization scaled by the max-abs (seed 002 §5.1; GRACE's uniform variant of [54]):
+"""`int8`: uniform 8-bit quantization scaled by the max-abs (GRACE's uniform variant of Dettmers 2016, "8-Bit
+Approximations for Parallelism in Deep Learning", arXiv 1511.04561):
 q = round(127 g / max|g|) (or the unbiased stochastic rounding), D(q) = q max|g| / 127."""
 from __future__ import annotations
 

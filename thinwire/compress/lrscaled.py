@@ -1,4 +1,5 @@
-"""`efsignsgd` memory: the learning-rate-scaled error feedback of EF-SignSGD (seed 002 §5.1, [58]; catalog §10.3):
+"""`efsignsgd` memory: the learning-rate-scaled error feedback of EF-SignSGD (Karimireddy, Rebjock, Stich, Jaggi
+2019, "Error Feedback Fixes SignSGD and other Gradient Compression Schemes", arXiv 1901.09847, Algorithm 1):
 p_t = lr g_t + e_t, Delta_t = C(p_t), e_{t+1} = p_t - Delta_t, and the aggregate is divided by lr again because the
 optimizer applies the learning rate. The exchange sees gradient units: `compensate` returns p_t / lr and `update`
 stores e = lr (p_t / lr - D(C(p_t / lr))), which equals p_t - Delta_t for scale-equivariant compressors (all sign

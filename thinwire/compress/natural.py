@@ -1,4 +1,5 @@
-"""`natural`: natural compression (seed 002 §5.2.2, NC [84], in the corrected form of the catalog, erratum 3):
+"""`natural`: natural compression (Horváth, Ho, Horváth, Sahu, Canini, Richtárik 2019, "Natural
+Compression for Distributed Deep Learning", arXiv 1905.10988; the compression surveys print it garbled):
 |t| in [a, 2a) with a = 2^floor(log2|t|) becomes a with probability (2a - |t|) / a, else 2a; 0 stays 0. Unbiased,
 E||C(x) - x||^2 <= ||x||^2 / 8. Bit-exact on the fp32 encoding: adding a uniform 23-bit integer r to the bits of
 |t| carries into the exponent exactly when mantissa + r >= 2^23, i.e. with probability mantissa / 2^23, and the

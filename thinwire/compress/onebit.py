@@ -1,6 +1,8 @@
-"""`onebit`: 1-bit SGD (seed 002 §5.1, 1-Bit SGD [55]): one bit per element, 1[g >= 0], decoded to the mean of the
-non-negative values for 1 and the mean of the negative values for 0 (two fp32 per tensor, as in GRACE; the
-original takes them per column). Meant to run with the `residual` memory. Ranks' means differ: gathered."""
+"""`onebit`: 1-bit SGD (Seide, Fu, Droppo, Li, Yu 2014, "1-Bit Stochastic Gradient Descent and its
+Application to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014): one bit per element, 1[g >= 0],
+decoded to the mean of the non-negative values for 1 and the mean of the negative values for 0 (two fp32 per tensor,
+as in GRACE; the original takes them per column). Meant to run with the `residual` memory. Ranks' means differ:
+gathered."""
 from __future__ import annotations
 
 import torch

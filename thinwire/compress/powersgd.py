@@ -1,4 +1,5 @@
-"""`powersgd`: rank-r PowerSGD (Vogels, Karimireddy, Jaggi 2019; seed 002 §4.4, catalog 3.6 [O]).
+"""`powersgd`: rank-r PowerSGD (Vogels, Karimireddy, Jaggi 2019, "PowerSGD: Practical Low-Rank
+Gradient Compression for Distributed Optimization", arXiv 1905.13727, Algorithms 1 and 2).
 
 For each matrix M (a parameter of ndim ≥ 2 reshaped to a × b, after error feedback M = G + e):
     P = M Q            Q warm-started from the previous step (first: N(0,1) from a seed shared by all ranks)
@@ -11,8 +12,8 @@ all-reduce. `exchange` is a program (`thinwire.comm.engine`): `Exchange.start` r
 all-reduces run in order on the engine while the caller computes. A flat tensor
 (bucket, whole model) is split by `shapes`, the parameter shapes it is made of; without
 `shapes` a 1-D tensor is sent uncompressed. Aggregation is "custom": the compressor runs its two all-reduces.
-Use with `--memory powersgd` (its error feedback: e ← M − own contribution; the catalog's [!] notes that
-PowerSGD does need EF, contrary to the survey's Table 1).
+Use with `--memory powersgd` (its error feedback: e ← M − own contribution; PowerSGD does need EF, as the
+paper's Algorithm 2 has it, though Wang et al. 2023's survey, Table 1, lists it without).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""`qsgd`: QSGD (seed 002 §5.2.1, [61]): C(g_i) = ||g||_2 sign(g_i) xi_i(g, s), xi the unbiased random rounding of
-s|g_i|/||g|| to the levels {0, 1/s, ..., 1} (s intervals: erratum 4 of the catalog), the norm taken per bucket.
+"""`qsgd`: QSGD (Alistarh, Grubic, Li, Tomioka, Vojnovic 2017, "QSGD: Communication-Efficient SGD via
+Gradient Quantization and Encoding", arXiv 1610.02132): C(g_i) = ||g||_2 sign(g_i) xi_i(g, s), xi the unbiased random
+rounding of s|g_i|/||g|| to the levels {0, 1/s, ..., 1} (s intervals, s + 1 levels), the norm taken per bucket.
 Sign and level travel as one code in [0, 2s], packed to ceil(log2(2s + 1)) bits, plus one fp32 norm per bucket.
 
 "allreduce": the ranks agree on the per-bucket max of their norms (the levels stay unbiased, since

@@ -1,6 +1,8 @@
-"""`qsparse`: top-k, then QSGD of the kept values, scaled down (Qsparse-local-SGD, Basu et al. 2019; seed 002 §6):
+"""`qsparse`: top-k, then QSGD of the kept values, scaled down (Qsparse-local-SGD: Basu, Data, Karakus,
+Diggavi 2019, "Qsparse-local-SGD: Distributed SGD with Quantization, Sparsification, and Local Computations",
+arXiv 1906.02367):
 
-    QsTop_k(x) = Q_s(Top_k(x)) / (1 + β_{k,s}),  β_{k,s} = min(k/s², √k/s)        (catalog 3.13 [O])
+    QsTop_k(x) = Q_s(Top_k(x)) / (1 + β_{k,s}),  β_{k,s} = min(k/s², √k/s)        (Basu et al. 2019)
 
 Q_s is QSGD with s levels on the k values v: ‖v‖₂ · sign(v_i) · ξ_i/s, ξ_i = ⌊s|v_i|/‖v‖₂⌋ + Bernoulli(frac)
 (unbiased stochastic rounding, local randomness). Payload: indices, one fp32 norm, and the signed level

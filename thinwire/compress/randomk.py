@@ -1,9 +1,11 @@
-"""`randomk`: k coordinates drawn uniformly without replacement (Stich, Cordonnier, Jaggi 2018; seed 002 §4.2).
+"""`randomk`: k coordinates drawn uniformly without replacement (Stich, Cordonnier, Jaggi 2018, "Sparsified
+SGD with Memory", arXiv 1809.07599, rand_k).
 
 Every rank draws the SAME indices, from a seed derived from (seed, key, step), so only the k values travel and
-they are summed by all-reduce (catalog 3.2 AR*). `scale=True`: C(g)_i = (d/k) g_i 1[i ∈ Ω], unbiased with
-E‖C(g) − g‖² = (d/k − 1)‖g‖²; `scale=False`: g ⊙ 1_Ω, biased, E‖C(g) − g‖² = (1 − k/d)‖g‖², the form to use
-with error feedback (scaling inside EF is unstable, catalog 10.5).
+they are summed by all-reduce (the shared indices make the payloads addable). `scale=True`:
+C(g)_i = (d/k) g_i 1[i ∈ Ω], unbiased with E‖C(g) − g‖² = (d/k − 1)‖g‖²; `scale=False`: g ⊙ 1_Ω, biased,
+E‖C(g) − g‖² = (1 − k/d)‖g‖², the form to use with error feedback (scaling by d/k inside error feedback amplifies
+the residual: unstable).
 
 Default ratio 0.5. The unbiased form multiplies the gradient noise: averaged over n workers the variance grows
 by ω/n with ω = d/k − 1, and the step size that trains shrinks by about 1 + ω/n (the bound of unbiased

@@ -1,4 +1,5 @@
-"""`residual`: error feedback (seed 002 §2.3 / catalog §1.3 and §10.3, Stich et al. [22]; the beta, gamma form of
+"""`residual`: error feedback (Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory",
+arXiv 1809.07599, Algorithm 1; the beta, gamma form of
 GRACE's ResidualMemory): c = beta e + gamma g is compressed, and e <- c - D(C(c)) keeps what was not sent.
 With beta = gamma = 1: sum of what was sent + the final residual = sum of the inputs (nothing is lost, only delayed).
 State is per key (parameter, bucket or whole model); a key whose shape changes starts again from a zero residual.

@@ -100,7 +100,8 @@ class Stochastic(Compressor):
 def stochastic_codes(x: torch.Tensor, inv_scale: torch.Tensor | float, levels: int, uniforms: Uniforms,
                      bucket: int | None = None, clip: bool = False) -> torch.Tensor:
     """uint8 codes in [0, 2*levels] of floor(x * inv_scale + u) + levels, the unbiased rounding of x * inv_scale
-    to the integers -levels..levels (seed 002 §5.2.1: QSGD's xi(g, s) and TernGrad's Bernoulli are both this rounding).
+    to the integers -levels..levels (QSGD's xi(g, s), Alistarh et al. 2017, arXiv 1610.02132, and TernGrad's
+    Bernoulli, Wen et al. 2017, arXiv 1705.07878, are both this rounding).
     `inv_scale` is a scalar or one value per bucket of `bucket` elements (the last bucket may be shorter).
     `clip`: values of |x * inv_scale| may exceed `levels` and are clipped to it (TernGrad's clipping); without it
     they must not (QSGD: |x| <= norm), and only float round-off is guarded against, on the bytes."""

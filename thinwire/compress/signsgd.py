@@ -1,4 +1,6 @@
-"""`signsgd`: one bit per element, the sign (seed 002 §5.1, SignSGD [56,57]: C(g) = 1[g >= 0], D(b) = 2b - 1),
+"""`signsgd`: one bit per element, the sign (Bernstein, Wang, Azizzadenesheli, Anandkumar
+2018, "signSGD: Compressed Optimisation for Non-Convex Problems", arXiv 1802.04434; majority vote:
+Bernstein, Zhao, Azizzadenesheli, Anandkumar 2019, arXiv 1810.05291: C(g) = 1[g >= 0], D(b) = 2b - 1),
 combined across ranks by majority vote, scaled by default by the ranks' mean ‖g‖₁/d (see `SignSGD`). Zero counts as
 positive (ties go to +1, as in GRACE)."""
 from __future__ import annotations
@@ -23,7 +25,7 @@ class SignSGD(Compressor):
     """Packed sign bits and (`scale=True`) one fp32 scale ‖x‖₁/d; the exchange takes the element-wise majority
     vote times the ranks' mean scale; `decompress` gives scale·(±1).
 
-    The scale is EF-SignSGD's (Karimireddy et al. 2019, Alg. 1: C(p) = (‖p‖₁/d) sign(p); seed 002 §5.1): with it
+    The scale is EF-SignSGD's (Karimireddy et al. 2019, arXiv 1901.09847, Alg. 1: C(p) = (‖p‖₁/d) sign(p)): with it
     a sign step has the gradient's mean magnitude, so the optimizer's learning rate means what it means for SGD,
     and `residual` error feedback is bounded (C is a contraction: ‖C(p) − p‖² = ‖p‖² − ‖p‖₁²/d). Without it
     (`scale=False`, signSGD with majority vote as Bernstein et al. 2018/2019 print it: x ← x − η sign(Σ sign g))

@@ -1,4 +1,6 @@
-"""`signum`: the sign of a momentum kept per tensor (seed 002 §5.1, Signum [56]: send sign(m_t)), combined by
+"""`signum`: the sign of a momentum kept per tensor (Signum: Bernstein, Wang, Azizzadenesheli,
+Anandkumar 2018, "signSGD: Compressed Optimisation for Non-Convex Problems", arXiv 1802.04434:
+send sign(m_t)), combined by
 majority vote and scaled as `signsgd` is (the ranks' mean ‖m‖₁/d).
 
 The momentum is heavy ball's, m_t = β m_{t−1} + g_t. Signum prints the dampened m_t = β m_{t−1} + (1 − β) g_t; the

@@ -1,5 +1,6 @@
 """`stc`: Sparse Ternary Compression (Sattler et al.): top-k, then every kept value becomes μ·sign(g_i) with
-one mean μ = mean_{i∈top-k} |g_i| for the tensor (seed 002 §6, the ternary form of SBC's binarisation).
+one mean μ = mean_{i∈top-k} |g_i| for the tensor (Sattler, Wiedemann, Müller, Samek 2019,
+"Robust and Communication-Efficient Federated Learning from Non-IID Data", arXiv 1903.02891).
 
 Payload: indices, 1 bit per kept sign, one fp32 μ. Biased: use `--memory residual`.
 """

@@ -1,13 +1,14 @@
-"""`terngrad`: TernGrad (seed 002 §5.2.1, [63]): C(g_i) = s sign(g_i) b_i, b_i ~ Bernoulli(|g_i| / s), after clipping
-g to +-c sigma (c = 2.5, sigma the tensor's standard deviation), so s = min(max|g|, c sigma). Ternary values travel
-as 2-bit codes (4 per byte) plus one fp32 scale per tensor.
+"""`terngrad`: TernGrad (Wen, Xu, Yan, Wu, Wang, Chen, Li 2017, "TernGrad: Ternary Gradients to Reduce
+Communication in Distributed Deep Learning", arXiv 1705.07878): C(g_i) = s sign(g_i) b_i, b_i ~ Bernoulli(|g_i| / s),
+after clipping g to +-c sigma (c = 2.5, sigma the tensor's standard deviation), so s = min(max|g|, c sigma). Ternary
+values travel as 2-bit codes (4 per byte) plus one fp32 scale per tensor.
 
 "allreduce" ("scaler sharing"): the ranks agree on the max of their scales, and the ternary values are summed in
 an integer type wide enough for world_size of them (that type crosses the wire: 8 bits up to 127 ranks).
 "allgather": each rank sends its packed codes and its own scale. "auto" (default): all-reduce unless the
 all-gather sends fewer bytes at the world size (2-bit codes: gathered up to 7 ranks on a ring; `pick_collective`).
 
-Bias: E[C(g)] is the *clipped* gradient clamp(g, −cσ, cσ), not g (TernGrad's own clipping, [63] §3.2): the
+Bias: E[C(g)] is the *clipped* gradient clamp(g, −cσ, cσ), not g (TernGrad's own clipping, Wen et al. §3.2): the
 compressor is unbiased only with `clip=0`, and says so (`unbiased` is `clip == 0`). Clipping trades that bias
 on the few outliers for a smaller scale s and so a smaller variance s·|g_i| − g_i² on every other element.
 """

@@ -1,4 +1,6 @@
-"""`threshold`: every coordinate with |g_i| ≥ v (Threshold-v, Dutta et al.; seed 002 §4.3.2).
+"""`threshold`: every coordinate with |g_i| ≥ v (Threshold-v: Dutta et al. 2020, "On the Discrepancy between
+the Theoretical Analysis and Practical Implementations of Compressed Communication for Distributed Deep Learning",
+arXiv 1911.08250, AAAI 2020).
 
 O(d), no sorting, but the number sent varies with the gradient's scale (the payload size is exchanged before
 the gather). Biased: use `--memory residual`.

@@ -1,11 +1,13 @@
-"""`threshold2bit`: MXNet's 2-bit threshold quantizer, the compressor of BIT-SGD and CD-SGD (seed 001 §2.3, §3.4.1).
+"""`threshold2bit`: MXNet's 2-bit threshold quantizer, the compressor of BIT-SGD and CD-SGD (Yu, Dong, Xu, Ouyang,
+Liao 2021, "CD-SGD: Distributed Stochastic Gradient Descent with Compression and Delay Compensation", arXiv
+2106.10796, §2.3, §3.4.1).
 
 Each element becomes +α where it is ≥ α, −α where it is ≤ −α, and 0 otherwise; with the `residual` memory the
 dropped part (x − Q(x)) is carried to the next step, so small gradients accumulate until they cross ±α. The
 codes (0 → 0, 1 → +α, 2 → −α) are packed four per byte: 2 bits per element on the wire, no scale (α is a
 parameter every rank knows).
 
-Default α = 0.15625 = (0.5/32)/(1 − 0.9). MXNet's default, and seed 001's setting for LeNet (§4.2, plain SGD),
+Default α = 0.15625 = (0.5/32)/(1 − 0.9). MXNet's default, and Yu et al.'s setting for LeNet (§4.2, plain SGD),
 is α = 0.5 on the gradient MXNet pushes, which is the *sum* over the worker's batch (the 1/batch rescale is the
 optimizer's), with a batch of 32 per GPU; thinwire's losses are batch means, so the paper's quantizer is
 α = 0.5/32 = 0.015625 (for a batch B, 0.5/B). Under heavy-ball momentum μ the quantity that crosses the
@@ -31,7 +33,8 @@ from .bitpack import pack, unpack
 
 @compressors.register("threshold2bit")
 class Threshold2Bit(Compressor):
-    """2-bit threshold quantizer (MXNet, seed 001): ±threshold where |x| ≥ threshold, else 0; 2 bits per element."""
+    """2-bit threshold quantizer (MXNet, Yu et al. 2021): ±threshold where |x| ≥ threshold, else 0; 2 bits per
+    element."""
 
     unbiased = False
     linear = False
@@ -47,7 +50,7 @@ class Threshold2Bit(Compressor):
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         a = self.threshold
-        codes = (flat >= a).to(torch.uint8) | ((flat <= -a).to(torch.uint8) << 1)   # seed 001 §3.4.1
+        codes = (flat >= a).to(torch.uint8) | ((flat <= -a).to(torch.uint8) << 1)   # Yu et al. §3.4.1
         return Payload([pack(codes, 2)], ctx=(tensor.shape, tensor.dtype, tensor.numel()))
 
     def _signs(self, payload: Payload) -> torch.Tensor:

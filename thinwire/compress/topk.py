@@ -1,4 +1,5 @@
-"""`topk`: the k largest-magnitude coordinates (seed 002 §4.3.1; Stich et al.): C(g) = g ⊙ 1[|g_i| ≥ |g|_(k)].
+"""`topk`: the k largest-magnitude coordinates (Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory", arXiv
+1809.07599, Top-k): C(g) = g ⊙ 1[|g_i| ≥ |g|_(k)].
 
 Biased (a contraction: ‖g − C(g)‖² ≤ (1 − k/d)‖g‖²), so pair it with `--memory residual`.
 The selection is an exact top-k found by a sampled threshold search (see `_sparse.topk_indices`), not a full

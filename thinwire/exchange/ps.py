@@ -14,10 +14,12 @@ Server (`PSServer`, one per server rank). It decodes each push with the codec's 
 rank knows: shape, dtype, key, step; nothing is compressed to learn it), aggregates with the compressor's own
 algebra (`aggregate`; the majority vote for sign compressors) and applies a rule per bucket:
 - "sync": round r of a bucket is applied when every active worker's r-th push of it is in; the mean of the
-  contributions (seed 000 eq. 6) goes to `update`, and every contributor is answered with the new slice;
-- "async": each push is applied as it arrives, x <- x - γ G_i(x_{t-τ}) (catalog §2.1.5, operational form of
-  eq. 8), τ = the updates of the bucket applied since the worker's copy;
-- "backup": the first n - n_b fresh pushes of a round are averaged (catalog §2.1.2); a push computed on an older
+  contributions (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive
+  Survey", arXiv 2003.06307, eq. 6) goes to `update`, and every contributor is answered with the new slice;
+- "async": each push is applied as it arrives, x <- x - γ G_i(x_{t-τ}) (Tang et al. eq. 8 in its operational
+  form: its printed delay indices disagree), τ = the updates of the bucket applied since the worker's copy;
+- "backup": the first n - n_b fresh pushes of a round are averaged (Chen, Pan, Monga, Bengio, Jozefowicz 2016,
+  "Revisiting Distributed Synchronous SGD", arXiv 1604.00981); a push computed on an older
   model arrives late and is dropped (answered with the current slice).
 `update(bucket, param, mean, info)` is the algorithm's (the worker's optimizer, or model averaging), with
 info = {"taus": staleness of each contribution, "workers": who contributed}.
@@ -302,7 +304,7 @@ class PSServer:
         if self.rule == "async":
             self._release(b, {w: item})
         elif self.rule == "backup":
-            if header.version < self.version[b]:       # a late gradient of a finished round (catalog §2.1.2)
+            if header.version < self.version[b]:       # a late gradient of a finished round (Chen et al. 2016)
                 self.dropped += b == self.ref
                 self._reply(w, b, DROPPED)
                 return
@@ -320,12 +322,12 @@ class PSServer:
     def _try_backup(self, b: int) -> None:
         need = min(self.layout.workers - self.backups, max(self.done.count(False), 1))
         if len(self.fresh[b]) >= need:        # need >= 1: backups < workers (Backup.setup)
-            # catalog §2.1.2: x_{t+1} = x_t - γ (1/n) Σ_{i ∈ A_t} G_i, A_t the first n arrivals (fresh: τ = 0)
+            # Chen et al. 2016: x_{t+1} = x_t - γ (1/n) Σ_{i ∈ A_t} G_i, A_t the first n arrivals (fresh: τ = 0)
             self._release(b, self.fresh[b])
             self.fresh[b] = {}
 
     def _mean(self, items: list) -> torch.Tensor:
-        """The mean of the contributions (seed 000 eq. 6), or their majority vote, by the codec's algebra."""
+        """The mean of the contributions (Tang et al. eq. 6), or their majority vote, by the codec's algebra."""
         codecs = {c for c, _, _ in items}
         total = None
         for c in sorted(codecs):

@@ -5,9 +5,10 @@ exchange can feed `c − sent` to the residual memory: summed over ranks, sent i
 (nothing is lost, only delayed). Every byte goes through the Transport (point to point, all-reduce, broadcast),
 so the meter counts it and the emulated link delays it.
 
-- `gtopk` (gTop-k, seed 000 §VI-B [191][192]; catalog §10.4): recursive doubling over log2 n rounds; in round j a
-  rank swaps its (index, value) set with rank ^ 2^j, both sum duplicates and re-select the top k of the same
-  merged set (sorted by index, so both partners compute the identical result). A rank's own contribution to an
+- `gtopk` (gTop-k: Shi et al. 2019, "A Distributed Synchronous SGD Algorithm with
+  Global Top-k Sparsification for Low Bandwidth Networks", arXiv 1901.04359): recursive doubling over log2 n rounds;
+  in round j a rank swaps its (index, value) set with rank ^ 2^j, both sum duplicates and re-select the top k of the
+  same merged set (sorted by index, so both partners compute the identical result). A rank's own contribution to an
   index survives iff that index stayed in its set through every round; what was dropped returns to its residual.
   Any n: with p the largest power of two ≤ n, each extra rank p + i first folds its set into rank i (which
   merges and re-selects), the p ranks run the doubling, and rank i returns the result to p + i with a bit mask

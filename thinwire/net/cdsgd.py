@@ -1,6 +1,8 @@
-"""The time model of seed 001 §2–3.3: iteration time of S-SGD, OD-SGD (local update), BIT-SGD and CD-SGD.
+"""The time model of Yu, Dong, Xu, Ouyang, Liao 2021, "CD-SGD: Distributed Stochastic Gradient Descent with
+Compression and Delay Compensation", arXiv 2106.10796, §2–3.3: iteration time of S-SGD, OD-SGD (local update),
+BIT-SGD and CD-SGD.
 
-Inputs (seconds per iteration, Table 1 of seed 001): τ compute (forward + backward), φ uncompressed
+Inputs (seconds per iteration, Table 1 of the paper): τ compute (forward + backward), φ uncompressed
 communication, ψ compressed communication, δ the extra time of compression (encode + decode).
 The algorithms of `thinwire.algorithms.cdsgd` measure these on their own run and report the prediction beside
 the measured iteration time in `metrics()`.
@@ -9,51 +11,51 @@ from __future__ import annotations
 
 
 def ssgd(tau: float, phi: float) -> float:
-    """T^ssgd = τ + φ (seed 001 eq. 2)."""
+    """T^ssgd = τ + φ (eq. 2)."""
     return tau + phi
 
 
 def local_update(tau: float, phi: float) -> float:
-    """T^loc = τ if τ > φ else φ (seed 001 eq. 4): OD-SGD hides communication behind the next iteration."""
+    """T^loc = τ if τ > φ else φ (eq. 4): OD-SGD hides communication behind the next iteration."""
     return tau if tau > phi else phi
 
 
 def bitsgd(tau: float, psi: float, delta: float) -> float:
-    """T^bit = τ + δ + ψ (seed 001 eq. 5)."""
+    """T^bit = τ + δ + ψ (eq. 5)."""
     return tau + delta + psi
 
 
 def compressed(i: int, k: int) -> bool:
     """Whether CD-SGD's iteration i (counted from the first formal iteration, 0-based) is compressed:
-    i mod k ≠ 0 (seed 001 eq. 6, Algorithm 1 line 23); k = 0 means never corrected (always compressed)."""
+    i mod k ≠ 0 (eq. 6, Algorithm 1 line 23); k = 0 means never corrected (always compressed)."""
     return k == 0 or i % k != 0
 
 
 def cd_communication(i: int, k: int, phi: float, psi: float, delta: float) -> float:
-    """φ^cd of iteration i (seed 001 eq. 6): δ + ψ on compressed iterations, φ on correction iterations."""
+    """φ^cd of iteration i (eq. 6): δ + ψ on compressed iterations, φ on correction iterations."""
     return delta + psi if compressed(i, k) else phi
 
 
 def cdsgd_iteration(i: int, k: int, tau: float, phi: float, psi: float, delta: float) -> float:
-    """T^cd of iteration i (seed 001 eq. 7): τ if τ > φ^cd, else φ^cd (δ + ψ or φ)."""
+    """T^cd of iteration i (eq. 7): τ if τ > φ^cd, else φ^cd (δ + ψ or φ)."""
     return local_update(tau, cd_communication(i, k, phi, psi, delta))
 
 
 def cdsgd(tau: float, phi: float, psi: float, delta: float, k: int) -> float:
     """Mean T^cd over one period of k iterations; when communication dominates it is
-    ((k−1)(δ+ψ) + φ)/k (seed 001 §3.3 ②)."""
+    ((k−1)(δ+ψ) + φ)/k (§3.3 ②)."""
     period = max(1, k)
     return sum(cdsgd_iteration(i, k, tau, phi, psi, delta) for i in range(period)) / period
 
 
 def saving_vs_local(i: int, k: int, tau: float, phi: float, psi: float, delta: float) -> float:
-    """T_s^loc = T^loc − T^cd of iteration i (seed 001 eq. 8). Computed as the difference of eqs. 4 and 7, which
+    """T_s^loc = T^loc − T^cd of iteration i (eq. 8). Computed as the difference of eqs. 4 and 7, which
     is the printed case table wherever its cases apply (its case 3, φ − δ − ψ, assumes τ < φ)."""
     return local_update(tau, phi) - cdsgd_iteration(i, k, tau, phi, psi, delta)
 
 
 def saving_vs_bit(i: int, k: int, tau: float, phi: float, psi: float, delta: float) -> float:
-    """T_s^bit = T^bit − T^cd of iteration i (seed 001 eq. 9): δ+ψ if τ > φ^cd; τ on compressed iterations
+    """T_s^bit = T^bit − T^cd of iteration i (eq. 9): δ+ψ if τ > φ^cd; τ on compressed iterations
     with τ < φ^cd; τ + δ + ψ − φ on correction iterations with τ < φ^cd."""
     return bitsgd(tau, psi, delta) - cdsgd_iteration(i, k, tau, phi, psi, delta)
 

@@ -1,4 +1,5 @@
-"""α-β cost of the collectives (seed 000 Table III and §IV-B), per rank: time, bytes sent, bytes received.
+"""α-β cost of the collectives (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
+Comprehensive Survey", arXiv 2003.06307, Table III and §IV-B), per rank: time, bytes sent, bytes received.
 
 Every function takes the link, the number of ranks n and the message size in bytes, and returns a `Cost`:
 `latency` (the α part), `transfer` (the β part: time the link is busy) and the bytes this rank sends and
@@ -50,7 +51,7 @@ def p2p(link: Link, nbytes: float) -> Cost:
 
 
 def ring_allreduce(link: Link, n: int, nbytes: float) -> Cost:
-    """Ring: 2(n-1) α + 2(n-1)/n N β (seed 000 Table III)."""
+    """Ring: 2(n-1) α + 2(n-1)/n N β (Tang et al. Table III)."""
     if n <= 1:
         return ZERO
     moved = 2 * (n - 1) / n * nbytes
@@ -58,12 +59,13 @@ def ring_allreduce(link: Link, n: int, nbytes: float) -> Cost:
 
 
 def recursive_doubling_allreduce(link: Link, n: int, nbytes: float) -> Cost:
-    """Recursive doubling: α log n + N β log n (seed 000 Table III)."""
+    """Recursive doubling: α log n + N β log n (Tang et al. Table III)."""
     return _tree_rounds(link, n, nbytes)
 
 
 def recursive_halving_allreduce(link: Link, n: int, nbytes: float) -> Cost:
-    """Rabenseifner's all-reduce (seed 000 [145]; Thakur, Rabenseifner, Gropp 2005 §4.4): reduce-scatter by
+    """Rabenseifner's all-reduce (Thakur, Rabenseifner, Gropp 2005, "Optimization of Collective
+    Communication Operations in MPICH", §4.4): reduce-scatter by
     recursive halving, then all-gather by recursive doubling, over p = 2^⌊log2 n⌋ ranks:
     2 log2(p) α + 2 (p−1)/p N β (bandwidth-optimal like the ring, logarithmic latency like doubling). With n not a
     power of two the n − p extra ranks first fold their vector into a partner and get the result back:
@@ -89,7 +91,8 @@ def tree_blocks(nbytes: float) -> int:
 
 
 def double_binary_tree_allreduce(link: Link, n: int, nbytes: float, blocks: int | None = None) -> Cost:
-    """Double binary trees (seed 000 §IV-B [148], Sanders, Speck, Träff 2009; NCCL ≥ 2.4): two complementary
+    """Double binary trees (Sanders, Speck, Träff 2009, "Two-Tree Algorithms for Full Bandwidth
+    Broadcast, Reduction and Scan"; NCCL ≥ 2.4): two complementary
     in-order binary trees of height d = ⌊log2 n⌋ (a leaf of one is an inner node of the other) each reduce then
     broadcast half of the data, pipelined in k blocks. Per phase each rank sends and receives about one block
     per tree per step (2 · N/2k bytes), so a phase takes d α + (k + d − 1) N/k β (the pipeline fills in d
@@ -104,7 +107,7 @@ def double_binary_tree_allreduce(link: Link, n: int, nbytes: float, blocks: int 
 
 
 def tree_allreduce(link: Link, n: int, nbytes: float) -> Cost:
-    """Binary tree (reduce then broadcast): 2 α log n + 2 N β log n (seed 000 Table III)."""
+    """Binary tree (reduce then broadcast): 2 α log n + 2 N β log n (Tang et al. Table III)."""
     return _tree_rounds(link, n, nbytes) + _tree_rounds(link, n, nbytes)
 
 
@@ -133,14 +136,16 @@ def grid_shape(n: int, width: int | None = None) -> tuple[int, int]:
 
 
 def hierarchical_allreduce(link: Link, n: int, nbytes: float, group_size: int | None = None) -> Cost:
-    """Hierarchical (seed 000 §IV-B [23]): binomial reduce inside groups of m, ring all-reduce among the g = n/m
+    """Hierarchical (Jia et al. 2018, "Highly Scalable Deep Learning Training System with Mixed-Precision",
+    arXiv 1807.11205): binomial reduce inside groups of m, ring all-reduce among the g = n/m
     leaders, binomial broadcast inside groups: 2⌈log2 m⌉(α + Nβ) + 2(g-1)α + 2(g-1)/g Nβ (critical path)."""
     m = group_size or grid_shape(n)[1]
     return _tree_rounds(link, m, nbytes) + ring_allreduce(link, n // m, nbytes) + _tree_rounds(link, m, nbytes)
 
 
 def torus_allreduce(link: Link, n: int, nbytes: float, width: int | None = None) -> Cost:
-    """2-D torus (seed 000 §IV-B [151][152]) on an X×Y grid: ring reduce-scatter along rows, ring all-reduce of
+    """2-D torus (Mikami et al. 2018, "Massively Distributed SGD: ImageNet/ResNet-50 Training in a Flash",
+    arXiv 1811.05233) on an X×Y grid: ring reduce-scatter along rows, ring all-reduce of
     the N/X share along columns, ring all-gather along rows:
     2(X-1)α + 2(Y-1)α + 2(X-1)/X Nβ + 2(Y-1)/Y (N/X)β."""
     x, y = grid_shape(n, width)
@@ -161,8 +166,9 @@ ALLREDUCE = {
 
 # -- sparse collectives (thinwire/exchange/sparse.py): k (index, value) pairs per rank, `pair` bytes each ----------
 def gtopk_allreduce(link: Link, n: int, k: float, pair: float = 8) -> Cost:
-    """gTop-k (seed 000 §VI-B, Shi et al.): 2α log n + 4kβ log n in 4-byte words, i.e. per round two messages
-    (α each: the set's size, then the set) and k pairs each way (2·k·pair bytes of link time per round).
+    """gTop-k (Shi et al. 2019, arXiv 1901.04359; Tang et al. §VI-B): 2α log n + 4kβ log n in 4-byte words, i.e. per
+    round two messages (α each: the set's size, then the set) and k pairs each way (2·k·pair bytes of link time per
+    round).
 
     n not a power of two: the doubling runs over p = 2^⌊log2 n⌋ ranks, the n − p extra ranks fold their k pairs
     into a partner first (two messages) and get the result back with a ⌈k/8⌉-byte survival mask (two more):
@@ -204,7 +210,7 @@ def hierarchical_topk(link: Link, n: int, k: float, numel: float, group_size: in
 
 def sparse_collective(name: str, link: Link, n: int, k: float, numel: float, pair: float = 8) -> Cost:
     """α-β cost of aggregating k-sparse tensors of `numel` elements with the named sparse collective. Top-k by
-    all-gather: every rank receives the n−1 others' k pairs, (n−1)α + (n−1)k·pair β (seed 000 §VI-B:
+    all-gather: every rank receives the n−1 others' k pairs, (n−1)α + (n−1)k·pair β (Tang et al. §VI-B:
     "α log n + 2(n−1)kβ" with a tree's latency; gloo's all-gather is a ring)."""
     if name == "allgather":
         return ring_allgather(link, n, k * pair)

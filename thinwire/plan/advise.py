@@ -12,26 +12,38 @@ SPARSE_NOTES = {"allgather": "", "gtopk": "; gTop-k: the global top k of the sum
                 "shared": "; shared-index: one leader's k indices per step", "hierarchical":
                 "; hierarchical: dense reduce in groups, top-k of group sums"}
 
-# (label, algorithm, compressor, params, convergence note drawn from the seeds' results)
+# (label, algorithm, compressor, params, convergence note drawn from the papers' results). The notes cite short:
+#   Tang et al. 2020: Tang, Shi, Chu, Wang, Li, "Communication-Efficient Distributed Deep Learning: A Comprehensive
+#     Survey", arXiv 2003.06307;
+#   Alistarh et al. 2017: "QSGD: Communication-Efficient SGD via Gradient Quantization and Encoding", arXiv 1610.02132;
+#   Stich et al. 2018: Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", arXiv 1809.07599;
+#   Lin et al. 2018: "Deep Gradient Compression", arXiv 1712.01887;
+#   Shi et al. 2019: Shi, Chu, Cheung, See, "Understanding Top-k Sparsification in Distributed Deep Learning",
+#     arXiv 1911.08772;
+#   Vogels et al. 2019: "PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization",
+#     arXiv 1905.13727;
+#   Yu et al. 2021: Yu, Dong, Xu, Ouyang, Liao, "CD-SGD: Distributed Stochastic Gradient Descent with Compression
+#     and Delay Compensation", arXiv 2106.10796;
+#   Zhu et al. 2019: Zhu, Lu, Lin, Han, "Distributed Training Across the World" (DTS).
 CANDIDATES = [
-    ("bsp", "bsp", "none", {}, "exact synchronous SGD: the accuracy reference (seed 000 §III-A)"),
+    ("bsp", "bsp", "none", {}, "exact synchronous SGD: the accuracy reference (Tang et al. 2020, §III-A)"),
     ("bsp + WFBP overlap", "bsp", "none", {"overlap": True}, "same trajectory as bsp; hides comm behind backward"),
     ("bsp + fp16", "bsp", "fp16", {}, "half precision: negligible accuracy loss in practice"),
-    ("bsp + qsgd(s=16)", "bsp", "qsgd", {"levels": 16}, "unbiased, bounded variance: converges like SGD with more noise (seed 002 §3)"),
-    ("bsp + topk(1%) + EF", "bsp", "topk", {"ratio": 0.01}, "biased, 100x compression: needs error feedback; EF keeps SGD's rate (seed 000 §IX)"),
-    ("bsp + dgc(0.1%) + EF", "bsp", "dgc", {"ratio": 0.001}, "sampled-threshold top-k; with momentum correction and warm-up DGC reports 270-600x (catalog 2.4.15)"),
-    ("bsp + gaussiank(1%) + EF", "bsp", "gaussiank", {"ratio": 0.01}, "Gaussian-threshold top-k: about k kept, cheaper to select (seed 002 §4.3.2)"),
-    ("bsp + randomk(1%) + EF", "bsp", "randomk", {"ratio": 0.01}, "random k, shared seed: one all-reduce of k values; needs memory (seed 002 §4.2)"),
-    ("bsp + powersgd(r=4) + EF", "bsp", "powersgd", {"rank": 4}, "biased low-rank with EF: near-SGD accuracy at rank 2-4 (seed 002 §5)"),
-    ("bitsgd (2-bit)", "bitsgd", "none", {}, "2-bit threshold + residual: small accuracy loss (seed 001 Table 2)"),
-    ("odsgd (local update)", "odsgd", "none", {}, "one-step delayed update: compensated by the local step (seed 001 eq. 4)"),
-    ("cdsgd k=5", "cdsgd", "none", {"k": 5}, "within 0.1-0.5 pp of S-SGD in seed 001's experiments"),
+    ("bsp + qsgd(s=16)", "bsp", "qsgd", {"levels": 16}, "unbiased, bounded variance: converges like SGD with more noise (Alistarh et al. 2017)"),
+    ("bsp + topk(1%) + EF", "bsp", "topk", {"ratio": 0.01}, "biased, 100x compression: needs error feedback; EF keeps SGD's rate (Stich et al. 2018)"),
+    ("bsp + dgc(0.1%) + EF", "bsp", "dgc", {"ratio": 0.001}, "sampled-threshold top-k; with momentum correction and warm-up DGC reports 270-600x (Lin et al. 2018)"),
+    ("bsp + gaussiank(1%) + EF", "bsp", "gaussiank", {"ratio": 0.01}, "Gaussian-threshold top-k: about k kept, cheaper to select (Shi et al. 2019)"),
+    ("bsp + randomk(1%) + EF", "bsp", "randomk", {"ratio": 0.01}, "random k, shared seed: one all-reduce of k values; needs memory (Stich et al. 2018)"),
+    ("bsp + powersgd(r=4) + EF", "bsp", "powersgd", {"rank": 4}, "biased low-rank with EF: near-SGD accuracy at rank 2-4 (Vogels et al. 2019)"),
+    ("bitsgd (2-bit)", "bitsgd", "none", {}, "2-bit threshold + residual: small accuracy loss (Yu et al. 2021, Table 2)"),
+    ("odsgd (local update)", "odsgd", "none", {}, "one-step delayed update: compensated by the local step (Yu et al. 2021, eq. 4)"),
+    ("cdsgd k=5", "cdsgd", "none", {"k": 5}, "within 0.1-0.5 pp of S-SGD in Yu et al. 2021's experiments"),
     ("localsgd H=4", "localsgd", "none", {"period": 4}, "model averaging every 4 steps: mild drift between workers"),
     ("localsgd H=16", "localsgd", "none", {"period": 16}, "more drift; may need more steps to the same accuracy"),
-    ("dts t=4 p=4", "dts", "none", {"delay": 4, "period": 4}, "no accuracy loss in seed 004; here (t-1)p=12 stale steps cost 2-7 pp under momentum 0.9 (docs/dts.md)"),
-    ("dts t=20 p=4", "dts", "none", {"delay": 20, "period": 4}, "tolerates latency up to ~20 windows of compute (seed 004 §3); 76 stale steps: use small lr or no momentum"),
-    ("asp (1 server)", "asp", "none", {}, "stale gradients: often converges worse (seed 000 §III-C)"),
-    ("ssp", "ssp", "none", {}, "bounded staleness: converges at O(1/sqrt T) (seed 000 §III-B)"),
+    ("dts t=4 p=4", "dts", "none", {"delay": 4, "period": 4}, "no accuracy loss in Zhu et al. 2019; here (t-1)p=12 stale steps cost 2-7 pp under momentum 0.9 (docs/dts.md)"),
+    ("dts t=20 p=4", "dts", "none", {"delay": 20, "period": 4}, "tolerates latency up to ~20 windows of compute (Zhu et al. 2019, §3); 76 stale steps: use small lr or no momentum"),
+    ("asp (1 server)", "asp", "none", {}, "stale gradients: often converges worse (Tang et al. 2020, §III-C)"),
+    ("ssp", "ssp", "none", {}, "bounded staleness: converges at O(1/sqrt T) (Tang et al. 2020, §III-B)"),
     ("dpsgd ring", "dpsgd", "none", {"degree": 2}, "decentralized: consensus error shrinks with the spectral gap"),
     ("diloco H=50", "diloco", "none", {"period": 50}, "DiLoCo (outer Nesterov on the averaged pseudo-gradient): near-synchronous quality at H 50-500 on LMs, drift grows with H (Douillard et al. 2023)"),
     ("diloco H=100 + fp8", "diloco", "fp8", {"period": 100}, "8-bit outer gradients, fp32 accumulation: no measurable loss in Streaming DiLoCo (2025)"),
@@ -187,7 +199,8 @@ WITHIN = 0.25   # the least stale setting whose predicted step is within 25 % of
 # - CD-SGD: k, the steps between full-precision corrections. Under momentum 0.9 the 2-bit quantizer winds up
 #   (docs/cdsgd.md, Limitations: digits-cnn k = 5 3–9 pp below ssgd, k = 2 within noise); on stdlib-lm (SGD lr 0.1,
 #   4 workers, 50 steps on `lan`) k = 2 reached loss 3.09 against ssgd's 2.97, k = 3 4.23, and k = 5 diverged
-#   (6.05). With plain SGD, the paper's setting, k up to 20 (seed 001 §4).
+#   (6.05). With plain SGD, the paper's setting, k up to 20 (Yu, Dong, Xu, Ouyang, Liao 2021, "CD-SGD: Distributed
+# Stochastic Gradient Descent with Compression and Delay Compensation", arXiv 2106.10796, §4).
 MAX_STALENESS = {"dts": (3, 20), "delayed": (3, 20), "cdsgd": (2, 20)}
 
 
@@ -200,7 +213,7 @@ def staleness_bound(momentum: float, algorithm: str = "dts") -> int | None:
 
 def _unapplied(algorithm: str, p: dict) -> int:
     """The quantity bounded by MAX_STALENESS: (t − 1)·p, the steps a window's average waits after its launch (DTS,
-    delayed update; seed 004 §3), or CD-SGD's k."""
+    delayed update; Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World" (DTS), §3), or CD-SGD's k."""
     if algorithm == "cdsgd":
         return int(p.get("k", 1))
     return (int(p.get("delay", 1)) - 1) * int(p.get("period", 1))

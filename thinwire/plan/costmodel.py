@@ -1,12 +1,13 @@
 """The cost model: predicted iteration time of every algorithm from compute τ, the link and the payload.
 
-Collectives cost what `thinwire.net.cost` says (seed 000 Table III and §IV-B); a compressor costs the bits
+Collectives cost what `thinwire.net.cost` says (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed
+Deep Learning: A Comprehensive Survey", arXiv 2003.06307, Table III and §IV-B); a compressor costs the bits
 its exchange really sends at the scenario's world size (`Compressor.wire_bits`: all-gather of packed codes or
 all-reduce of widened levels, whichever the exchange picks) and its compression time (a multiple of one memcpy of the
 tensor: measured by `thinwire bench compressors` / `thinwire advise --calibrate`, else a default table measured
 on our machine); an algorithm's iteration time combines them as its schedule does. Scalability is the
-throughput relative to the same workers with no communication: τ / iteration time (seed 004's definition,
-measured against the no-communication limit).
+throughput relative to the same workers with no communication: τ / iteration time (Zhu, Lu, Lin, Han 2019,
+"Distributed Training Across the World" (DTS)'s definition, measured against the no-communication limit).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ MEMCPY_BYTES_PER_S = 9.0e9  # one fp32 memcpy moves 4 bytes per element (measure
 def ps_push_pull(link: Link, n: int, up: float, down: float, servers: int = 1) -> Cost:
     """Parameter server with k servers, parameters sharded evenly: each worker pushes N_up/k to each server and
     pulls N_down/k back; a server's link receives n·N_up/k (incast) and sends n·N_down/k, so one round costs
-    2α + (n N_up + n N_down)/k β on the servers' links (seed 000 §IV-A, Table IV)."""
+    2α + (n N_up + n N_down)/k β on the servers' links (Tang et al. §IV-A, Table IV)."""
     k = max(1, servers)
     return Cost(2 * link.alpha, (n * up + n * down) / k * link.beta, up, down)
 
@@ -72,7 +73,7 @@ class Scenario:
 
 def sparse_exchange_cost(s: Scenario, comp, name: str) -> Cost:
     """One exchange of a top-k-family compressor's k-sparse gradient through sparse collective `name` other than
-    the all-gather, which `exchange` costs from the compressor's wire bits (net/cost.py; seed 000 §VI-B: the
+    the all-gather, which `exchange` costs from the compressor's wire bits (net/cost.py; Tang et al. §VI-B: the
     all-gather's n·k build-up vs gTop-k's 2α log n + 4kβ log n). gTop-k and shared-index move the raw contribution
     (int32 index + a value of `bytes_per_param`), the hierarchical leaders the compressor's own payload. gTop-k's
     rounds are point-to-point (no collective handshake); the others are collectives."""
@@ -139,9 +140,11 @@ class Prediction:
 def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool = False, **p) -> Prediction:
     """Iteration time of `algorithm` (with `compressor`) in scenario `s`.
 
-    bsp: τ + δ + C (no overlap), τ + max(0, C − τ_b) with WFBP; bitsgd / odsgd / cdsgd: seed 001 eqs. 4–7;
+    bsp: τ + δ + C (no overlap), τ + max(0, C − τ_b) with WFBP; bitsgd / odsgd / cdsgd: Yu, Dong, Xu, Ouyang, Liao
+    2021, "CD-SGD: Distributed Stochastic Gradient Descent with Compression and Delay Compensation", arXiv
+    2106.10796, eqs. 4–7;
     localsgd: τ + C/H; ssp/asp: each worker τ + its push/pull, bounded below by the servers' link (incast);
-    dpsgd / gossip: τ + α + dNβ; dts / delayed / tsparse (seed 004 §3): a window of p steps launches one
+    dpsgd / gossip: τ + α + dNβ; dts / delayed / tsparse (Zhu et al. §3): a window of p steps launches one
     exchange, waited t−1 steps later: τ + max(0, C − (t−1)τ)/p, bounded below by C/(2p) (gloo runs two
     collectives at a time) and by the link's occupancy C_β/p. diloco (`period` H, `fragments` F, `overlap`
     τ_o): every K = H/F steps one fragment of N/F parameters is averaged (its exchange C_F, compression δ_F),
@@ -179,7 +182,7 @@ def _predict(s: Scenario, algorithm: str, compressor: str, overlap, comm: Cost, 
         full = s.allreduce(s.nbytes)
         qc = compressor if compressor != "none" else "threshold2bit"   # the quantizer of compressed iterations
         quant, dq = exchange(s, qc)[1], s.compress_s(qc)
-        # seed 001 eq. 7 keeps one exchange in flight: T^cd = max(τ, φ^cd). Here iteration t+1's exchange starts
+        # Yu et al. eq. 7 keeps one exchange in flight: T^cd = max(τ, φ^cd). Here iteration t+1's exchange starts
         # from the scheduler while t's is still on the link (t's average is applied at the end of t+1) and gloo
         # runs two collectives at once, so two iterations share one latency but not the link's bandwidth:
         # T = max(τ, φ^cd / slots, transfer). Measured on `wan`: 204 ms; eq. 7 alone predicted 361 ms.

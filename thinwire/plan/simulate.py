@@ -5,7 +5,8 @@ are placed in regions with a latency matrix (e.g. four regions across the world)
 link. Events — a worker finishing its compute, an exchange launched, an exchange delivered, a server applying
 an update — are processed in time order: synchronous schedules as per-step recurrences over all workers
 (vectorised), the parameter server's arrivals through an event queue. The collective's time is the cost model's
-(`thinwire.net.cost`, seed 000 Table III) with the latency of the slowest hop it crosses.
+(`thinwire.net.cost`, Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
+Comprehensive Survey", arXiv 2003.06307, Table III) with the latency of the slowest hop it crosses.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cost as netcost
 from .costmodel import COLLECTIVES
 
-# One-way latencies (s) of an illustrative four-region deployment like seed 004's (Tokyo, London, Oregon,
-# Ohio). These values are our assumption of typical inter-region delays, not figures read off the paper.
+# One-way latencies (s) of an illustrative four-region deployment like Zhu, Lu, Lin, Han 2019, "Distributed Training
+# Across the World" (DTS)'s (Tokyo, London, Oregon, Ohio). These values are our assumption of typical inter-region
+# delays, not figures read off the paper.
 WORLD_LATENCY = np.array([[0.0, 0.110, 0.050, 0.075],
                           [0.110, 0.0, 0.070, 0.040],
                           [0.050, 0.070, 0.0, 0.025],
@@ -111,8 +113,8 @@ def _bsp(c, cfg, comm):
 
 
 def _dts(c, cfg, comm, delay=None, period=None):
-    """Seed 004 §3: the window of `period` steps is launched when its last step ends and applied `delay`−1
-    windows later; at most two exchanges run at once (gloo's threads) and their transfers share the link."""
+    """Zhu et al. 2019 (DTS), §3: the window of `period` steps is launched when its last step ends and applied
+    `delay`−1 windows later; at most two exchanges run at once (gloo's threads) and their transfers share the link."""
     t, p = delay or cfg.delay, period or cfg.period
     f = np.zeros(cfg.workers)
     link_free, running = 0.0, []
@@ -150,8 +152,8 @@ def _diloco(c, cfg, comm, k=None, lag=None):
 
 
 def _cdsgd(c, cfg, comm, full, k=None):
-    """Seed 001 eqs. 6–7: iteration i+1 computes while iteration i communicates; the local update of
-    iteration i needs W_i, i.e. the exchange of iteration i−1. Every k-th exchange is `full` (full precision)."""
+    """Yu et al. 2021 (CD-SGD, arXiv 2106.10796), eqs. 6–7: iteration i+1 computes while iteration i communicates;
+    the local update of iteration i needs W_i, i.e. the exchange of iteration i−1. Every k-th exchange is `full` (full precision)."""
     k = k or cfg.k
     f = np.zeros(cfg.workers)
     prev_arrival = 0.0

@@ -127,7 +127,7 @@ class TrainConfig:
                             f"{self.workers + self.servers} (each rank is a process with its own interpreter, "
                             f"torch runtime and copy of the model); across machines run under torchrun")
         if arch not in algorithms.architectures(self.algorithm):
-            algorithms.registry.lookup(self.algorithm)(architecture=arch)  # its own message (seed 000 Table II)
+            algorithms.registry.lookup(self.algorithm)(architecture=arch)  # its own message (Tang et al. 2020 Table II)
         if arch == "ps" and self.servers < 1:  # server ranks come beside the workers: world = workers + servers
             raise UserError(f"{self.algorithm} on the parameter server needs --servers K >= 1 "
                             f"(server ranks beside the {self.workers} workers)")

@@ -1,4 +1,5 @@
-"""When each gradient enters the exchange: the "how to overlap" dimension (seed 000 §II-D, §VII).
+"""When each gradient enters the exchange: the "how to overlap" dimension (Tang, Shi, Chu, Wang, Li 2020,
+"Communication-Efficient Distributed Deep Learning: A Comprehensive Survey", arXiv 2003.06307, §II-D, §VII).
 
     sched = thinwire.sched.make("fusion", bucket_mb=25)      # or "none" | "wfbp" | "mgwfbp" | "priority"
     sched.attach(model, params, algorithm, transport)         # registers the hooks (the Trainer does this)

@@ -2,7 +2,7 @@
 
 `assign(params, bucket_bytes, first_bucket_bytes)` walks the parameters in backward order (the reverse of the
 order they are registered, which is the forward order for sequential models) and closes a bucket once it holds
-at least `bucket_bytes` (Horovod / DDP-style fixed-threshold fusion, catalog §2.5.3); a dtype change also
+at least `bucket_bytes` (Horovod / DDP-style fixed-threshold fusion); a dtype change also
 closes one. `bucket_bytes=0` gives one bucket per parameter (plain WFBP, per-layer exchange).
 
 `Buckets` allocates one flat buffer per bucket and makes every `p.grad` a view into it (as DDP's

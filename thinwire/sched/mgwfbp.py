@@ -1,12 +1,14 @@
-"""MG-WFBP, merged-gradient wait-free backprop (Shi, Chu, Li [64]; catalog §2.5.3): merge buckets so that the
+"""MG-WFBP, merged-gradient wait-free backprop (Shi, Chu, Li 2019, "MG-WFBP: Efficient Data
+Communication for Distributed Synchronous SGD Algorithms", arXiv 1811.11141): merge buckets so that the
 start-up latency of a collective is not paid per layer on high-latency links, but only where the merge does not
 delay the pipeline.
 
 `Profiled` measures, during the first `profile_steps` steps, when each gradient becomes ready in backward (the
 layer-wise BP times t_b) and takes the link's all-reduce cost T_ar(bytes) = a + b·bytes from the emulated
-profile (α-β of the ring, seed 000 Table III) or, on an unemulated link, from a few timed all-reduces through
-the Transport (1 MiB and 4 bytes, 3 times each: counted like any traffic). Rank 0's measurements are broadcast so every rank plans the same
-buckets. `merge_plan` is the merge rule; `MGWFBP` applies it once profiling is done.
+profile (α-β of the ring, Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
+Comprehensive Survey", arXiv 2003.06307, Table III) or, on an unemulated link, from a few timed all-reduces through
+the Transport (1 MiB and 4 bytes, 3 times each: counted like any traffic). Rank 0's measurements are broadcast so
+every rank plans the same buckets. `merge_plan` is the merge rule; `MGWFBP` applies it once profiling is done.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ _now = time.perf_counter
 
 def merge_plan(ready: list[float], sizes: list[float], cost: Callable[[float], float], startup: float
                ) -> list[int]:
-    """MG-WFBP merge rule (catalog §2.5.3, from the authors' implementation), gradients in BP order.
+    """MG-WFBP merge rule (Shi et al. 2019, as the authors' implementation runs it), gradients in BP order.
 
     ready[i]: when gradient i is ready (τ_b + t_b); sizes[i]: its bytes; cost(bytes): T_ar; startup: α of one
     collective. Walking l = L..2, layer l-1 merges into l's communication when it is ready before l's

@@ -1,4 +1,6 @@
-"""Priority scheduling (P3, Jayarajan et al. [68]; ByteScheduler, Peng et al. [67]; catalog §2.5.5-2.5.6).
+"""Priority scheduling (P3: Jayarajan et al. 2019, "Priority-based Parameter Propagation for
+Distributed DNN Training", arXiv 1905.03960; ByteScheduler: Peng et al. 2019, "A Generic Communication Scheduler
+for Distributed DNN Training Acceleration", SOSP 2019).
 
 - The flat gradient, in forward order, is cut into chunks of `chunk_mb` (large tensors are split, small ones
   fused), so a big late layer cannot block a small early one for long.

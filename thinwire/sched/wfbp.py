@@ -1,4 +1,6 @@
-"""Wait-free backprop (WFBP, catalog §2.5.2; Poseidon, S-Caffe) with tensor fusion: `Scheduler`.
+"""Wait-free backprop (WFBP: Zhang et al. 2017, "Poseidon: An Efficient Communication Architecture for
+Distributed Deep Learning on GPU Clusters", arXiv 1706.03292; Awan et al. 2017, S-Caffe, PPoPP 2017) with tensor
+fusion: `Scheduler`.
 
 A post-accumulate-grad hook on every parameter marks its gradient ready during backward; as soon as every
 gradient of a bucket is ready the bucket is handed to the algorithm (`algorithm.on_bucket(bucket)`), which
@@ -40,8 +42,9 @@ class Scheduler:
         self.overlap = overlap
         self.pipelined = pipeline                # None: on when the exchange compresses
         # one collective in flight at a time, in bucket order (a NCCL stream, Horovod's background thread): the
-        # α-β model of WFBP/MG-WFBP (catalog §2.5.2). None: on emulated links, where the link clock would
-        # otherwise let concurrent collectives overlap their start-up latencies; loopback gloo keeps its own.
+        # α-β model of WFBP/MG-WFBP (Shi, Chu, Li 2019, arXiv 1811.11141). None: on emulated links, where the link
+        # clock would otherwise let concurrent collectives overlap their start-up latencies; loopback gloo keeps its
+        # own.
         self.serial = serial
         self._hooks: list = []
         self.steps = 0
