@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms, sched
+from .algorithms.base import Context
 from .comm import Transport
 from .comm.engine import ENGINE
 from .comm.membership import MEMBERSHIP, PeerLost
@@ -185,7 +186,9 @@ class Trainer:
         self._check_models_match(values=not sync_initial_model)
         if sync_initial_model:
             self._broadcast_model()
-        self.algorithm.attach(self)
+        self.context = Context(model, optimizer, self.parameters, self.scheduler, self.transport, self.tracer,
+                               self.compressor, self.memory, failures=self.failures)
+        self.algorithm.attach(self.context)
 
     def _check_models_match(self, values: bool) -> None:
         """Refuse to start when the ranks' models differ in shape (or, without the initial broadcast, in
@@ -226,7 +229,7 @@ class Trainer:
         survivors to form a new group here and go on from the new rank 0's model (`_recover`)."""
         if self._behind:                 # rejoining the survivors' step count after a loss: nothing applied
             self._behind -= 1
-            self.scheduler._reset()
+            self.scheduler.discard_step()
         else:
             try:
                 self._step()
@@ -252,7 +255,7 @@ class Trainer:
                     if p.grad is not None:
                         p.grad.zero_()
                 self.skipped_steps += 1
-                self.scheduler._reset()
+                self.scheduler.discard_step()
                 return
         elif bad is not None and bool(bad):         # (one host read per step)
             raise nonfinite_stop(self.transport.rank, self.step_count + 1)
@@ -268,7 +271,7 @@ class Trainer:
         ENGINE.abandon(lost)
         group = dist.new_group(lost.members, use_local_synchronization=True)
         self.transport.regroup(group)
-        self.scheduler._reset()
+        self.scheduler.discard_step()
         at = torch.tensor([float(self.step_count + 1)], dtype=torch.float64, device=self.transport.device)
         dist.all_reduce(at, op=dist.ReduceOp.MAX, group=group)
         agreed = int(at.item())                     # host: once per recovery

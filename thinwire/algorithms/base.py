@@ -1,7 +1,10 @@
 """The interface every synchronization scheme / training algorithm implements.
 
-The Trainer builds the algorithm from its registered name and parameters, then calls `attach(trainer)`, which
-calls `setup()` and attaches the trainer's scheduler (`thinwire.sched`) to the model. Every gradient then walks one
+The Trainer (or `tw.attach`) builds the algorithm from its registered name and parameters, then calls
+`attach(context)` with a `Context`: what the algorithm sees of the training (model, optimizer, parameters, the
+scheduler's public view, the transport, the tracer, the compressor and memory, the failure record, and the factory
+of its exchanges), never the trainer itself. `attach` calls `setup()` and attaches the scheduler
+(`thinwire.sched`) to the model. Every gradient then walks one
 path: during backward the scheduler hands each full bucket to `on_bucket(bucket)`, where the algorithm decides
 what to do with it at once — start its exchange (`self.exchange.start(...)`, which returns a future), accumulate it,
 take a local optimizer step of its parameters — while backward goes on with the earlier layers. After backward the
@@ -12,13 +15,17 @@ An algorithm that tolerates latency (DTS, CD-SGD) keeps futures across steps ins
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
+from ..comm import Transport
 from ..errors import UserError
 from ..exchange import Exchange
 from ..optim import step_subset
+from ..sched import Scheduler
+from ..trace import Tracer
 
 
 def int_at_least(what: str, value, low: int, hint: str = "") -> int:
@@ -26,6 +33,34 @@ def int_at_least(what: str, value, low: int, hint: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise UserError(f"{what} must be an integer >= {low}, got {value!r}{hint}")
     return value
+
+
+@dataclass
+class Context:
+    """What an algorithm sees of the training it runs in (`Algorithm.attach`).
+
+    `params`: the model's trainable parameters, in model order. `scheduler`: used through its public view only
+    (`buckets`, `flush()`, `end_step()`, `began`, `close()`, `describe()`, `defers_update`, `finish_step()`).
+    `failures`: the record of workers lost and survived (`on_failure="continue"`), one dict per loss
+    (`lost`, `step`: the step every survivor has counted once the interrupted one ends, `members`), appended by
+    whoever drives the steps before it calls `Algorithm.recover()`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list
+    scheduler: Scheduler
+    transport: Transport
+    tracer: Tracer
+    compressor: Any
+    memory: Any
+    failures: list = field(default_factory=list)
+    modes: dict = field(default_factory=dict)     # the scheduler's options for every exchange (`exchange`)
+
+    def exchange(self, cls: type = Exchange, compressor=None, memory=None, **options) -> Exchange:
+        """An exchange of class `cls` on the transport, through `compressor` and `memory` (default: the
+        training's), its programs run as the scheduler's `modes` say (background, serial)."""
+        return cls(self.transport, self.compressor if compressor is None else compressor,
+                   self.memory if memory is None else memory, **self.modes, **options)
 
 
 class Algorithm:
@@ -52,18 +87,17 @@ class Algorithm:
         self.architecture = arch
 
     # -- wiring ----------------------------------------------------------------------------------------
-    def attach(self, trainer) -> None:
-        self.trainer = trainer
-        self.model = trainer.model
-        self.optimizer = trainer.optimizer
-        self.transport = trainer.transport
-        self.params: list[torch.nn.Parameter] = trainer.parameters
+    def attach(self, ctx: Context) -> None:
+        """Wire the algorithm to `ctx`, build its exchanges and state (`setup`), attach the scheduler."""
+        self.ctx = ctx
+        self.model, self.optimizer = ctx.model, ctx.optimizer
+        self.params: list[torch.nn.Parameter] = ctx.params
+        self.transport, self.tracer, self.scheduler = ctx.transport, ctx.tracer, ctx.scheduler
         self.rank = self.transport.rank
         self.world_size = self.transport.world_size
-        self.tracer = trainer.tracer
-        self.compressor, self.memory = trainer.compressor, trainer.memory
-        self.scheduler = trainer.scheduler
+        self.compressor, self.memory = ctx.compressor, ctx.memory
         self._exchanges: list[Exchange] = []
+        ctx.modes = self.scheduler.modes(self.transport, self.compressor, self.overlaps_steps)
         self.setup()
         self.scheduler.attach(self.model, self.params, self, self.transport, self.tracer, self.optimizer)
 
@@ -100,9 +134,9 @@ class Algorithm:
             ex.rekey(old, new)
 
     def make_exchange(self, compressor=None, memory=None, **options) -> Exchange:
-        """An `exchange_class` on the trainer's transport (by default through the trainer's compressor and memory)."""
-        ex = self.exchange_class(self.transport, self.compressor if compressor is None else compressor,
-                                 self.memory if memory is None else memory, **options)
+        """An `exchange_class` from the context's factory (by default through the training's compressor and
+        memory)."""
+        ex = self.ctx.exchange(self.exchange_class, compressor, memory, **options)
         self._exchanges.append(ex)
         return ex
 

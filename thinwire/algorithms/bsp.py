@@ -51,7 +51,7 @@ class BSP(Algorithm):
         self.scheduler.end_step()
 
     def close(self):
-        if not self.scheduler.defers_update and self.scheduler._began:
+        if not self.scheduler.defers_update and self.scheduler.began:
             self.scheduler.flush()         # a backward without its step: its exchanges finish, nothing applied
             self.average_gradients()
             self.scheduler.end_step()

@@ -196,8 +196,8 @@ class DiLoCo(Algorithm):
         """The segments of the bucket's parameters in fragment f, in the bucket's order."""
         return [k for i in bucket.members for k in self.by_param[i] if self.segs[k][1] == f]
 
-    def attach(self, trainer) -> None:
-        super().attach(trainer)
+    def attach(self, ctx) -> None:
+        super().attach(ctx)
         self._layout = self._piece_layout()
 
     # -- the schedule (Streaming DiLoCo Alg. 1; F = 1, τ = 0 is DiLoCo's every H steps) -------------------
@@ -287,7 +287,7 @@ class DiLoCo(Algorithm):
             for v in self.outer.state.get(a, {}).values():
                 if torch.is_tensor(v) and v.dim() > 0:
                     self.transport.broadcast(v, src=0)
-        self.steps = self.trainer.failures[-1]["step"]
+        self.steps = self.ctx.failures[-1]["step"]
         self._dirty = [True] * self.fragments
 
     # -- buckets re-planned (MG-WFBP): per-piece exchange state follows ------------------------------------

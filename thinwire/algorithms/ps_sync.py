@@ -71,8 +71,8 @@ class PSMixin:
     def make_exchange(self, compressor=None, memory=None) -> PSExchange:
         return super().make_exchange(compressor, memory, codec=len(self._exchanges))
 
-    def attach(self, trainer) -> None:
-        super().attach(trainer)            # setup(), then the scheduler builds its buckets
+    def attach(self, ctx) -> None:
+        super().attach(ctx)                # setup(), then the scheduler builds its buckets
         buckets = self.scheduler.buckets
         keys = [b.key for b in buckets]
         with torch.no_grad():
@@ -198,7 +198,7 @@ class PSBSP(PSMixin, Algorithm):
         self.scheduler.end_step()
 
     def close(self) -> None:
-        if self.worker is not None and self.scheduler._began:   # a backward without its step: answered, kept
+        if self.worker is not None and self.scheduler.began:   # a backward without its step: answered, kept
             PSBSP.step(self)
         super().close()
 

@@ -239,8 +239,8 @@ class Transport:
     Every op has a synchronous form (returns the result) and an `async_op=True` form (returns a `Future`).
     Tensors are used in place where torch.distributed does (all_reduce, broadcast, recv). Every op is issued
     through the process's engine (`thinwire.comm.engine`), in the order ops and programs were submitted; inside
-    a program (`run`) ops are issued directly. `serial` and `background` are the options programs submitted
-    through `run` get by default (the scheduler sets them).
+    a program (`run`) ops are issued directly. A program's `serial` and `background` options are the caller's
+    (an `Exchange` carries the ones its scheduler chose): the transport keeps no mode of its own.
     """
 
     def __init__(self, group=None, network: "str | Link | None" = None, seed: int | None = None,
@@ -259,8 +259,6 @@ class Transport:
         self.tracer = tracer or NULL
         collectives.parse(allreduce, self.world_size)
         self.allreduce = allreduce  # "gloo" (native) or an algorithm of thinwire.comm.collectives
-        self.serial = False        # programs: one in flight at a time (each delivered before the next starts)
-        self.background = False    # programs: never on the caller's thread (compression off the training thread)
         self._in_order: collections.deque[Handle] = collections.deque()  # collectives not yet on the link
         self._order_lock = threading.Lock()
         # where this group's buffers (headers included) live: the CUDA device current at construction under
@@ -293,11 +291,11 @@ class Transport:
             h._fire()
 
     # -- programs --------------------------------------------------------------------------------------
-    def run(self, program, label: str = "exchange", background: bool | None = None,
-            serial: bool | None = None):
-        """Submit a program (a generator of futures, see `thinwire.comm.engine`) to the engine; a `Task`."""
-        return ENGINE.submit(program, background=self.background if background is None else background,
-                             serial=self.serial if serial is None else serial,
+    def run(self, program, label: str = "exchange", background: bool = False, serial: bool = False):
+        """Submit a program (a generator of futures, see `thinwire.comm.engine`) to the engine; a `Task`.
+        `background`: never on the caller's thread (compression off the training thread); `serial`: one in
+        flight at a time (delivered before the next program starts)."""
+        return ENGINE.submit(program, background=background, serial=serial,
                              accounting=(self.meter, self.tracer, label))
 
     def _op(self, program, kind: str, async_op: bool):

@@ -108,16 +108,18 @@ class Exchange:
     over ranks of the (decompressed) contributions, same shape and dtype as `tensor` (for "majority": the
     vote, sign of the sum of signs). `aggregate(...)` is the synchronous form. `collective="auto"` takes the
     compressor's natural collective; naming one its algebra does not allow is a `UserError` here, not a wrong
-    answer later.
+    answer later. `background` and `serial` are how its programs run on the engine (`Transport.run`; a
+    scheduler's choice, `thinwire.sched.Scheduler.modes`).
     """
 
     def __init__(self, transport: Transport, compressor: "str | Compressor" = "none",
                  memory: "str | Memory" = "none", collective: str = "auto", check_finite: bool = True,
-                 sparse_collective: str | None = None, **params):
+                 sparse_collective: str | None = None, background: bool = False, serial: bool = False, **params):
         if params:
             raise UserError(f"unexpected exchange parameters: {sorted(params)}; valid: collective, check_finite, "
-                            f"sparse_collective")
+                            f"sparse_collective, background, serial")
         self.transport = transport
+        self.background, self.serial = bool(background), bool(serial)
         self.compressor, self.memory = compressors.get(compressor), memories.get(memory)   # an object: as it is
         self.auto = collective == "auto" and self.compressor.pick_by_bytes
         self.collective = resolve_collective(self.compressor, collective)
@@ -145,7 +147,8 @@ class Exchange:
 
     def start(self, tensor: torch.Tensor, key: Any = None, shapes=None, inplace: bool = False):
         """The mean over ranks of `tensor` (a future; see the module docstring)."""
-        return self.transport.run(self.program(tensor, key, shapes, inplace))
+        return self.transport.run(self.program(tensor, key, shapes, inplace), background=self.background,
+                                  serial=self.serial)
 
     def program(self, tensor: torch.Tensor, key: Any = None, shapes=None, inplace: bool = False):
         """(program) What `start` submits; `yield from` it inside another program."""

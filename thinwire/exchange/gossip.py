@@ -52,8 +52,10 @@ class NeighborExchange(Exchange):
     """Send a (compressed) tensor to `dsts` and receive theirs from `srcs`; compressor and memory state (per
     key), step counters, `state_dict`/`rekey` as for the `Exchange` it extends."""
 
-    def __init__(self, transport, compressor="none", memory="none", check_finite: bool = True):
-        super().__init__(transport, compressor, memory, check_finite=check_finite)
+    def __init__(self, transport, compressor="none", memory="none", check_finite: bool = True,
+                 background: bool = False, serial: bool = False):
+        super().__init__(transport, compressor, memory, check_finite=check_finite, background=background,
+                         serial=serial)
         if self.collective == "custom" or self.sparse is not None:
             what = "its own collective" if self.collective == "custom" else "a sparse collective over every rank"
             raise UserError(f"compressor {self.compressor.name!r} runs {what} and cannot be sent to neighbours; "
@@ -61,7 +63,8 @@ class NeighborExchange(Exchange):
 
     def start(self, tensor: torch.Tensor, key: Any = None, dsts=(), srcs=()):
         """{rank: tensor} for `srcs` and this rank (a future; see the module docstring)."""
-        return self.transport.run(self.program(tensor, key, list(dsts), list(srcs)), label="gossip")
+        return self.transport.run(self.program(tensor, key, list(dsts), list(srcs)), label="gossip",
+                                  background=self.background, serial=self.serial)
 
     def program(self, tensor: torch.Tensor, key: Any = None, dsts=(), srcs=()):
         """(program) What `start` submits."""

@@ -210,8 +210,9 @@ class PSExchange(Exchange):
     key)` returns the future of the server's answer for the bucket named `key` (see the module docstring). It
     keeps the exchange's compressor, memory, per-key steps and state; `bind` attaches the worker's end."""
 
-    def __init__(self, transport, compressor="none", memory="none", codec: int = 0, check_finite: bool = True):
-        super().__init__(transport, compressor, memory, check_finite=check_finite)
+    def __init__(self, transport, compressor="none", memory="none", codec: int = 0, check_finite: bool = True,
+                 background: bool = False, serial: bool = False):
+        super().__init__(transport, compressor, memory, check_finite=check_finite, background=background)
         check_uplink(self.compressor)
         self.codec = codec
         self.worker: PSWorker | None = None
@@ -223,7 +224,8 @@ class PSExchange(Exchange):
     def start(self, tensor: torch.Tensor, key: Any = None, shapes=None, inplace: bool = False):
         """The server's answer for the bucket `key` (a future). Never serial: the answer waits for the other
         workers' pushes, and the pushes of later buckets must not wait for it."""
-        return self.transport.run(self.program(tensor, key, shapes, inplace), label="ps push/pull", serial=False)
+        return self.transport.run(self.program(tensor, key, shapes, inplace), label="ps push/pull",
+                                  background=self.background)
 
     def program(self, tensor: torch.Tensor, key: Any = None, shapes=None, inplace: bool = False):
         x = tensor.detach().reshape(-1)

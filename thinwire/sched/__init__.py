@@ -20,8 +20,9 @@ Schedules:
 `serial=True` (default: on emulated links) keeps one collective in flight at a time, in bucket order, as a NCCL
 stream or Horovod's background thread does: each bucket pays its own start-up α, as the α-β model says.
 `pipeline=True` (default: on when the exchange compresses) compresses bucket b on the engine's thread while
-bucket b-1 is on the wire and backward goes on. Both are options of the transport's engine
-(`thinwire.comm.engine`). Gradients are views into the bucket buffers (no copy).
+bucket b-1 is on the wire and backward goes on. Both are options of the engine (`thinwire.comm.engine`) that
+`sched.modes(transport, compressor, overlaps_steps)` returns and the algorithm's exchanges are built with.
+Gradients are views into the bucket buffers (no copy).
 """
 from __future__ import annotations
 

@@ -11,7 +11,11 @@ another order. `flush()` (the algorithm's `step()` calls it first) hands over wh
 without a gradient this step count as zeros); `end_step()` closes the step (MG-WFBP re-plans here).
 
 With `overlap=False` no hook is registered and every bucket is handed over in `flush()` (no overlap).
-`serial` and `pipeline` are options of the exchanges' programs (`thinwire.comm.engine`), set on the transport.
+`serial` and `pipeline` are options of the exchanges' programs (`thinwire.comm.engine`): `modes()` says which,
+and the algorithm's exchanges are built with them (`thinwire.algorithms.base.Context.exchange`).
+
+What an algorithm may use (its public view): `buckets` (and `layout()`), `flush()`, `end_step()`, `began`,
+`discard_step()`, `close()`, `describe()`, `defers_update` and, where it is set, `finish_step()` (priority).
 """
 from __future__ import annotations
 
@@ -50,6 +54,20 @@ class Scheduler:
         self.steps = 0
 
     # -- wiring ----------------------------------------------------------------------------------------
+    def modes(self, transport, compressor, overlaps_steps: bool) -> dict:
+        """How the exchanges of this schedule run on the engine, as keyword options of an `Exchange`
+        (`Transport.run`): `background` compresses bucket b on the engine's thread while bucket b-1 is on the
+        wire (default: when the exchange compresses); `serial` keeps one collective in flight at a time, in
+        bucket order (default: on emulated links, except for exchanges that outlive their step, DTS's windows,
+        which run side by side as on gloo)."""
+        background = self.pipelined
+        if background is None:
+            background = self.overlap and getattr(compressor, "name", "none") != "none"
+        serial = self.serial
+        if serial is None:
+            serial = self.overlap and transport.link.emulated and not overlaps_steps
+        return {"background": bool(background), "serial": bool(serial)}
+
     def attach(self, model: torch.nn.Module, params, algorithm, transport, tracer=None,
                optimizer=None) -> "Scheduler":
         """Register the hooks; `algorithm.on_bucket(bucket)` receives each full bucket. `optimizer` is used
@@ -65,12 +83,6 @@ class Scheduler:
         if self.overlap:
             for p in self.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        if self.pipelined is None:   # on when the exchange compresses
-            self.pipelined = self.overlap and getattr(getattr(algorithm, "compressor", None), "name", "none") != "none"
-        if self.serial is None:   # (exchanges that outlive their step, DTS's windows, run side by side as on gloo)
-            self.serial = self.overlap and transport.link.emulated and not algorithm.overlaps_steps
-        transport.background = bool(self.pipelined)   # compress bucket b while b-1 is on the wire
-        transport.serial = bool(self.serial)
         return self
 
     def initial_groups(self) -> list[list[int]]:
@@ -93,6 +105,17 @@ class Scheduler:
     def layout(self) -> list[tuple[str, int]]:
         """(key, numel) of every bucket, in bucket order."""
         return [(b.key, b.buffer.numel()) for b in self.buckets]
+
+    @property
+    def began(self) -> bool:
+        """Whether the current step has begun: backward handed in a gradient (or `flush` ran) since the last
+        `end_step` or `discard_step`."""
+        return self._began
+
+    def discard_step(self) -> None:
+        """Forget the step in progress, handing nothing over (a step skipped for a non-finite gradient, a rank
+        catching up with the survivors' step count, a recovery): the next gradient begins a new step."""
+        self._reset()
 
     def _reset(self) -> None:
         self._ready = [False] * len(self.params)
@@ -153,7 +176,6 @@ class Scheduler:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self.transport.serial = self.transport.background = False
 
     def describe(self) -> dict:
         return {"schedule": self.name, "buckets": len(self.sizes),
