@@ -15,11 +15,11 @@ class LazyPool:
         self.world_size = world_size
         self._pool = None
 
-    def run(self, fn, *args, network="lan", seed=0, timeout=300):
+    def run(self, fn, *args, network="lan", seed=0, timeout=300, deadline=None):
         from thinwire.launcher.pool import Pool
         if self._pool is None or self._pool._closed:
-            self._pool = Pool(self.world_size, timeout=timeout)
-        return self._pool.run(fn, *args, network=network, seed=seed, timeout=timeout)
+            self._pool = Pool(self.world_size, timeout=max(timeout, 300))
+        return self._pool.run(fn, *args, network=network, seed=seed, timeout=timeout, deadline=deadline)
 
     @property
     def pool(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -231,3 +232,51 @@ def test_worker_init_runs_in_each_worker_before_the_process_group():
     with pytest.raises(WorkerError, match="worker_init failed: OSError: no such namespace") as err:
         tw.launch(_read_tag, 2, worker_init=_init_fails)
     assert err.value.rank == 1
+
+
+# -- long runs (issue 34, item 1): no global deadline where the progress watchdog watches ---------------------
+def _progressing(rank, world_size, seconds):
+    """Reports a step every 20 ms for `seconds`: a run that progresses."""
+    from thinwire.launcher import report_progress
+    end, step = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        step += 1
+        report_progress(step)
+        time.sleep(0.02)
+    return step
+
+
+def test_a_run_longer_than_the_old_deadline_is_not_cut_off(pool2):
+    """The shortened clock: `timeout=1` stands for launch's 3600 s. A `thinwire train` loop (and any run that
+    reports progress) outlives it; the progress watchdog bounds it instead. Before: `stalled: no result within`."""
+    from thinwire.run.train import TrainConfig, train_worker
+    net = "custom:latency=5ms"
+    cfg = TrainConfig(workload="linreg", algorithm="bsp", workers=2, steps=80, progress=False, network=net).validate()
+    pool2.run(train_worker, replace(cfg, steps=1), network=net)   # warm: the workers import the loop first
+    t0 = time.monotonic()
+    out = pool2.run(train_worker, cfg, network=net, timeout=1.0)
+    assert time.monotonic() - t0 > 1.0 and [len(o["steps"]) for o in out] == [80, 80]
+
+
+def test_an_explicit_deadline_ends_a_progressing_run():
+    with tw.Pool(1) as pool, pytest.raises(tw.launcher.DeadlineError,
+                                           match=r"deadline: no result within 1 s, the run's deadline"):
+        pool.run(_progressing, 30.0, deadline=1.0)
+
+
+def test_train_has_no_deadline_unless_asked(capsys):
+    """`thinwire train` launches with no deadline (the 3600 s one ended longer runs); `--deadline S` sets one."""
+    from unittest import mock
+
+    from thinwire.cli import main
+    seen = []
+
+    def fake_launch(fn, world_size, **kw):
+        seen.append(kw["deadline"])
+        raise UserError("launched")
+    with mock.patch("thinwire.run.train.launch", fake_launch):
+        base = ["train", "--workload", "linreg", "--workers", "2", "--steps", "3"]
+        assert main(base) == 2 and main(base + ["--deadline", "7200"]) == 2
+        assert main(base + ["--deadline", "nan"]) == 2
+    assert seen == [None, 7200.0]
+    assert "--deadline must be a finite number > 0" in capsys.readouterr().err

@@ -127,6 +127,9 @@ def register(sub) -> None:
     p.add_argument("--progress-timeout", type=float, metavar="S",
                    help="stop the run, naming the rank, when no rank has advanced a step for S seconds (default "
                         "300, raised to 50 median step times for slow steps)")
+    p.add_argument("--deadline", type=float, metavar="S",
+                   help="stop the run after S seconds of wall time whatever its progress (default: none; a run "
+                        "lasts as long as it progresses)")
     p.add_argument("--budget", type=float, metavar="S",
                    help="stop after S seconds of training time (evaluations excluded; decided on every rank alike)")
     p.add_argument("--stop-at-target", action="store_true",

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import UserError, WorkerError
 from ..files import atomic_write
 from ..net import parse_network
-from ..launcher import MAX_LOCAL_WORKERS, Pool, pick_backend
+from ..launcher import MAX_LOCAL_WORKERS, DeadlineError, Pool, pick_backend
 from ..run import workloads
 from ..run.loop import check_tensorboard, progress_bar, train_worker
 from ..run.peers import PEER_AS, PEER_PARAMS
@@ -113,8 +113,8 @@ class _PoolView:
         self.pool, self.timeout, self.netem = pool, timeout, netem
 
     def run(self, fn, *args, network="lan", seed=0, timeout=None):
-        limit = self.timeout or timeout
-        extra = {} if limit is None else {"timeout": limit}
+        # the cell's wall limit is a deadline: it ends the cell however it progresses
+        extra = {k: v for k, v in (("timeout", timeout), ("deadline", self.timeout)) if v is not None}
         return self.pool.run(fn, *args, network="lan" if self.netem else network, seed=seed, **extra)
 
 
@@ -272,7 +272,7 @@ class Harness:
                     row.update(self.run_cell(ran, network, seed))
                     row["status"] = "ok"
                 except WorkerError as e:
-                    stalled = "stalled" in str(e)
+                    stalled = isinstance(e, DeadlineError) or "stalled" in str(e)
                     row["status"] = "timeout" if stalled else "failed"
                     row["error"] = (f"stopped after {self.wall_limit():.0f} s of wall time" if stalled and
                                     self.wall_limit() else str(e).splitlines()[0][:300])

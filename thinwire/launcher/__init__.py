@@ -2,8 +2,8 @@
 heartbeats, progress, deadline), membership changes (`launcher.py`), and the real-network mode: network
 namespaces, tbf shaping and a delaying forwarder (`netem.py`). Under torchrun, `init` joins torchrun's job
 instead."""
-from .pool import (MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, NoProgressError, Pool, init, launch, pick_backend,
-                       report_progress, under_torchrun)
+from .pool import (MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, DeadlineError, NoProgressError, Pool, init, launch,
+                   pick_backend, report_progress, under_torchrun)
 
-__all__ = ["MAX_LOCAL_WORKERS", "NoProgressError", "PROGRESS_TIMEOUT", "Pool", "init", "launch", "pick_backend",
-           "report_progress", "under_torchrun"]
+__all__ = ["DeadlineError", "MAX_LOCAL_WORKERS", "NoProgressError", "PROGRESS_TIMEOUT", "Pool", "init", "launch",
+           "pick_backend", "report_progress", "under_torchrun"]

@@ -15,7 +15,11 @@ What the launcher watches, quickest first:
   time seen so far), the rank the others wait for (the lowest step) is named: `rank 2 made no progress for
   95 s (stuck at step 41; others at step 42)`; a stuck collective shows as every rank at one step. This is
   what catches a training thread that blocks while its heartbeat thread beats on;
-- the global deadline (`timeout`: 3600 s under `launch`, 600 s for a bare `Pool`) ends any run, the last resort.
+- a run that reports no progress (none yet, or a function that never calls `report_progress`, or with the
+  watchdog off) is bounded by `timeout` (3600 s under `launch`, 600 s for a bare `Pool`), the last resort. Once a
+  run reports progress the watchdog bounds it instead: a run lasts as long as it progresses (hours, days);
+- `deadline` (`launch(deadline=...)`, `Pool.run(deadline=...)`, `thinwire train --deadline S`; none by default)
+  ends a run at that wall time whatever its progress, for those who want one.
 
 The rendezvous store listens on `host` only (127.0.0.1 by default: the launcher binds the socket there and
 hands it to `TCPStore`, whose own listener would bind every interface), and with a loopback `host` the
@@ -67,6 +71,10 @@ def report_progress(step: int | None = None) -> None:
     value = max(steps[rank], 0) + 1 if step is None else int(step)
     times[rank] = time.monotonic()
     steps[rank] = value
+
+
+class DeadlineError(WorkerError):
+    """The run outlived the deadline it was given (`deadline=`, `--deadline`), progress or not."""
 
 
 class NoProgressError(WorkerError):
@@ -304,11 +312,14 @@ class Pool:
             self.close(force=True)
             raise
 
-    def _collect(self, task_id: int, timeout: float | None) -> list:
+    def _collect(self, task_id: int, timeout: float | None, deadline: float | None = None) -> list:
+        """The workers' answers to task `task_id` (-1: their start). Bounds: `timeout` while the run reports no
+        progress (the watchdog off, or before the first report), then the progress watchdog; `deadline`, if
+        given, whatever the progress."""
         got: dict[int, bytes] = {}
         errors: list[WorkerError] = []
         timeout = timeout or self.timeout
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
         watch = _Watchdog(self._steps, self._times, self.progress_timeout) if task_id >= 0 else None
         while len(got) < self.world_size:
             try:
@@ -336,10 +347,14 @@ class Pool:
             stuck = watch.check(now, running) if watch else None
             if stuck is not None:
                 self._fail(stuck)
-            if now > deadline:
+            if now > start + timeout and not (watch and watch.watching):
                 missing = [r for r in range(self.world_size) if r not in got]
-                self._fail(WorkerError(missing[0], f"stalled: no result within {timeout:.0f} s "
-                                                   f"(ranks {missing} still running)"))
+                self._fail(WorkerError(missing[0], f"stalled: no result within {timeout:.0f} s and no progress "
+                                                   f"reported (ranks {missing} still running)"))
+            if deadline is not None and now > start + deadline:
+                missing = [r for r in range(self.world_size) if r not in got]
+                self._fail(DeadlineError(missing[0], f"deadline: no result within {deadline:.0f} s, the run's "
+                                                     f"deadline (ranks {missing} still running)"))
             if len(got.keys() | self._gone) == self.world_size:   # (a rank lost after it answered counts once)
                 break
         return [got.get(r) for r in range(self.world_size)]
@@ -383,18 +398,23 @@ class Pool:
         self.close(force=True)
         raise error
 
-    def run(self, fn, *args, network="lan", seed: int = 0, timeout: float | None = None) -> list:
-        """Run `fn(rank, world_size, *args)` on every worker; the list of return values by rank."""
+    def run(self, fn, *args, network="lan", seed: int = 0, timeout: float | None = None,
+            deadline: float | None = None) -> list:
+        """Run `fn(rank, world_size, *args)` on every worker; the list of return values by rank. `timeout`
+        (default: the pool's) bounds a run that reports no progress; `deadline` (default none) any run."""
         if self._closed:
             raise RuntimeError("the pool is closed")
         parse_network(network)  # a bad profile is the caller's error, reported before any work starts
+        if timeout is not None:
+            _check_timeout("timeout", timeout)
+        _check_timeout("deadline", deadline, allow_none=True)
         self._task_id += 1
         blob = pickle.dumps((fn, args, network, seed))
         self._steps[:] = [-1] * self.world_size   # the last run's steps are not this run's progress
         self._times[:] = [0.0] * self.world_size
         for q in self._tasks:
             q.put((self._task_id, blob))
-        out = [None if b is None else pickle.loads(b) for b in self._collect(self._task_id, timeout)]
+        out = [None if b is None else pickle.loads(b) for b in self._collect(self._task_id, timeout, deadline)]
         if self._gone:              # the survivors' group is not this pool's any more
             self.close(force=True)
         return out
@@ -449,6 +469,11 @@ class _Watchdog:
         self.seen: dict[int, tuple[int, float]] = {}   # rank -> (step, when) last seen
         self.step_s: deque = deque(maxlen=4096)         # seconds per step, from successive reports
 
+    @property
+    def watching(self) -> bool:
+        """Whether the run is under watch: the watchdog is on and some rank has reported a step."""
+        return self.bound is not None and bool(self.seen)
+
     def check(self, now: float, running: list[int]) -> NoProgressError | None:
         if self.bound is None:
             return None
@@ -463,15 +488,22 @@ class _Watchdog:
                     self.step_s.append((when - old[1]) / (step - old[0]))
                 self.seen[r] = (step, when)
         watched = [r for r in running if r in self.seen]  # ranks that report steps and are not done
-        if not watched:
+        if not self.seen or not running:
             return None
-        idle = now - max(self.seen[r][1] for r in watched)
+        # (when every rank that reports steps is done, the rest are bounded from the last step reported)
+        idle = now - max(self.seen[r][1] for r in (watched or self.seen))
         if idle <= self.bound:
             return None
         limit = max(self.bound, PROGRESS_STEPS * statistics.median(self.step_s or [0.0]))
         if idle <= limit:
             return None
-        return self._verdict(now, idle, watched, [r for r in running if r not in self.seen], limit)
+        quiet = [r for r in running if r not in self.seen]
+        if not watched:
+            who = f"rank {quiet[0]}" if len(quiet) == 1 else f"ranks {quiet}"
+            return NoProgressError(quiet[0], f"{who} still running {idle:.0f} s after the last step reported (the "
+                                             f"ranks that report steps have finished; {who} report none) "
+                                             f"(bound {limit:.0f} s: progress_timeout, --progress-timeout)")
+        return self._verdict(now, idle, watched, quiet, limit)
 
     def _verdict(self, now, idle, watched, quiet, limit) -> NoProgressError:
         at = {r: self.seen[r][0] for r in watched}
@@ -493,21 +525,28 @@ class _Watchdog:
                                    f"a collective is stuck or every worker is blocked{bound}")
 
 
+LAUNCH_TIMEOUT = 3600.0     # launch(): gloo's operation timeout, and the bound of a run that reports no progress
+
+
 def launch(fn, world_size: int, network="lan", backend: str | None = None, args: tuple = (),
            timeout: float | None = None, seed: int = 0, host: str = "127.0.0.1", port: int = 0,
            progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop",
-           device: str | None = None) -> list:
+           device: str | None = None, deadline: float | None = None) -> list:
     """Start `world_size` workers on `host`, run `fn(rank, world_size, *args)` in each under the emulated
     `network`, and return their return values by rank. Raises `WorkerError` if any worker fails (with
-    `on_failure="continue"`, a lost worker's value is None and the others go on; see `Pool`); the run
-    may last `timeout` seconds (default 3600). See `Pool` for `progress_timeout` and `worker_init`.
+    `on_failure="continue"`, a lost worker's value is None and the others go on; see `Pool`). A run that
+    reports progress (`report_progress`; `Trainer.step` does) is bounded by the progress watchdog and may last
+    as long as it progresses; one that reports none, by `timeout` (default 3600 s, also gloo's operation
+    timeout). `deadline` (seconds; default none) ends the run whatever its progress. See `Pool` for
+    `progress_timeout` and `worker_init`.
     `device="cuda"` starts one worker per GPU on NCCL (worker r on cuda:r, its current device); the default is
     the CPU on gloo. `backend` may be left out: it follows from the device."""
     parse_network(network)
-    with Pool(world_size, backend=backend, host=host, port=port, timeout=timeout or 3600.0,
+    _check_timeout("deadline", deadline, allow_none=True)
+    with Pool(world_size, backend=backend, host=host, port=port, timeout=timeout or LAUNCH_TIMEOUT,
               progress_timeout=progress_timeout, worker_init=worker_init, on_failure=on_failure,
               device=device) as pool:
-        return pool.run(fn, *args, network=network, seed=seed, timeout=timeout)
+        return pool.run(fn, *args, network=network, seed=seed, timeout=timeout, deadline=deadline)
 
 
 def under_torchrun() -> bool:

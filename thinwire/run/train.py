@@ -93,6 +93,7 @@ class TrainConfig:
     nonfinite: str = "stop"               # NaN/Inf in a gradient: "stop" every rank, or "skip" the step on all
     on_failure: str = "stop"              # a lost worker: "stop" the job, or "continue" with the survivors
     progress_timeout: float | None = None # the launcher's progress watchdog (s); None: its default
+    deadline: float | None = None         # the launcher ends the run after this wall time (s); None: no deadline
     budget_s: float | None = None         # a race: stop when the training clock reaches this (agreed by all)
     stop_at_target: bool = False          # a race: stop at the first evaluation whose mean metric is on target
     optimizer: str | None = None          # the workload's own by default; "sgd" / "adamw" by name
@@ -143,6 +144,7 @@ class TrainConfig:
             check_number("--target", self.target, 0, why=" (an accuracy in [0, 1], or a loss)")
         if self.progress_timeout is not None:
             check_number("--progress-timeout", self.progress_timeout, 0, low_open=True, why=" (seconds)")
+        self._check_deadline()
         if self.nonfinite not in ("stop", "skip"):
             raise UserError(f"--nonfinite must be stop or skip, got {self.nonfinite!r}")
         if self.on_failure not in ("stop", "continue"):
@@ -185,6 +187,14 @@ class TrainConfig:
         if self.tensorboard is not None:
             check_tensorboard(self.tensorboard)
 
+    def _check_deadline(self) -> None:
+        if self.deadline is None:
+            return
+        check_number("--deadline", self.deadline, 0, low_open=True, why=" (seconds of wall time)")
+        if under_torchrun():
+            raise UserError("--deadline is the embedded launcher's; under torchrun bound the job with torchrun's "
+                            "own options (--monitor-interval, timeouts) or your scheduler's")
+
     def _validate_peer(self) -> "TrainConfig":
         """A peer: its own parameters only; no thinwire compressor, servers or checkpoints."""
         if self.workers > MAX_LOCAL_WORKERS and not under_torchrun():
@@ -203,6 +213,7 @@ class TrainConfig:
             raise UserError(f"{self.algorithm} is a peer: --on-failure stop only (survivors regroup in thinwire's "
                             f"Trainer)")
         check_lengths(self)
+        self._check_deadline()
         self._check_lr_momentum()
         check_peer(self.algorithm, self.params, self.workers)
         return self
@@ -310,11 +321,12 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
     cfg.validate()
     t0 = _now()
     if pool is not None:
-        results = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed)
+        extra = {} if cfg.deadline is None else {"deadline": cfg.deadline}
+        results = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed, **extra)
     else:
         results = launch(train_worker, cfg.workers + cfg.servers, network=cfg.network, args=(cfg,), seed=cfg.seed,
                          progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT, on_failure=cfg.on_failure,
-                         device=cfg.device)
+                         device=cfg.device, deadline=cfg.deadline)
     return summarize_and_write(cfg, results, _now() - t0, out)
 
 
