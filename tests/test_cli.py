@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from leftovers import tagged
@@ -158,3 +159,29 @@ def test_bad_paths_and_numbers_are_refused_before_anything_starts(args, needle, 
     assert needle in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not os.path.exists("/proc/thinwire-run")
+
+
+def test_version_is_the_packages_one(capsys):
+    """`thinwire --version` prints `thinwire.__version__`, the one source pyproject.toml reads (dynamic attr)."""
+    import tomllib
+
+    import thinwire
+    from thinwire.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"thinwire {thinwire.__version__}"
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "thinwire.__version__"}
+
+
+def test_every_extra_the_command_names_exists():
+    """Every `thinwire[EXTRA]` that the help or a message names is an optional dependency of the package."""
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    extras = set(tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = {m for f in (root / "thinwire").rglob("*.py") for m in re.findall(r"thinwire\[(\w+)\]", f.read_text())}
+    assert named and named <= extras, sorted(named - extras)

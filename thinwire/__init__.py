@@ -4,6 +4,8 @@
     trainer = tw.Trainer(model, opt, algorithm="dts", delay=4, period=4, compressor="topk", ratio=0.01)
     tw.launch(worker, world_size=4, network="wan")
 """
+__version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it (setuptools dynamic attr)
+
 import os as _os
 import sys as _sys
 
@@ -16,8 +18,6 @@ from .compress import compressors, memories
 from .errors import UserError, WorkerError
 from .net import Link, parse_network
 from .trainer import Trainer
-
-__version__ = "0.1.0"
 
 _LAUNCH = ("Pool", "init", "launch", "report_progress")
 

@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+from thinwire import __version__
+
 from ..errors import UserError, WorkerError
 
 
@@ -18,6 +20,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="thinwire", description="Communication-efficient distributed training over thin wires.")
+    parser.add_argument("--version", action="version", version=f"thinwire {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if not mod.name.startswith("_"):
