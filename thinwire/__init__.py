@@ -2,6 +2,7 @@
 
     import thinwire as tw
     trainer = tw.Trainer(model, opt, algorithm="dts", delay=4, period=4, compressor="topk", ratio=0.01)
+    with tw.attach(model, opt, algorithm="diloco", period=50): ...   # a loop that calls opt.step() itself
     tw.launch(worker, world_size=4, network="wan")
 """
 __version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it (setuptools dynamic attr)
@@ -17,7 +18,7 @@ from .comm import Transport
 from .compress import compressors, memories
 from .errors import UserError, WorkerError
 from .net import Link, parse_network
-from .trainer import Trainer
+from .trainer import Attachment, Trainer, attach
 
 _LAUNCH = ("Pool", "init", "launch", "report_progress")
 
@@ -36,5 +37,5 @@ def ddp_hook(*args, **kwargs):
     return _hook(*args, **kwargs)
 
 
-__all__ = ["Link", "Pool", "Trainer", "Transport", "UserError", "WorkerError", "algorithms", "compressors",
-           "ddp_hook", "init", "launch", "memories", "parse_network", "report_progress"]
+__all__ = ["Attachment", "Link", "Pool", "Trainer", "Transport", "UserError", "WorkerError", "algorithms", "attach",
+           "compressors", "ddp_hook", "init", "launch", "memories", "parse_network", "report_progress"]

@@ -1,9 +1,34 @@
 """Helpers over `torch.optim` optimizers, for every layer that applies an update: a step of some parameters only
-(a bucket during backward, a layer before its forward, a server's slice, DiLoCo's outer step of one fragment) and
-the momentum of a plain heavy-ball SGD (which the Trainer may hand to an error-feedback memory)."""
+(a bucket during backward, a layer before its forward, a server's slice, DiLoCo's outer step of one fragment), the
+algorithm's own step of the user's optimizer (`own_step`: hooks standing for the training loop's step, those of
+`tw.attach`, let it through) and the momentum of a plain heavy-ball SGD (which the Trainer may hand to an
+error-feedback memory)."""
 from __future__ import annotations
 
 import torch
+
+_stepping: set[int] = set()     # the optimizers an algorithm is stepping now (`own_step`)
+
+
+def own_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor] | None = None) -> None:
+    """The algorithm's own step of `optimizer` (of `params` only, if given): `in_own_step(optimizer)` is true
+    meanwhile, so that step hooks standing for the loop's own call (`tw.attach`) let it through."""
+    key = id(optimizer)
+    outer = key not in _stepping
+    _stepping.add(key)
+    try:
+        if params is None:
+            optimizer.step()
+        else:
+            step_subset(optimizer, params)
+    finally:
+        if outer:
+            _stepping.discard(key)
+
+
+def in_own_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` is being called by an algorithm (`own_step`), not by the training loop."""
+    return id(optimizer) in _stepping
 
 
 def step_subset(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:

@@ -23,7 +23,7 @@ import torch
 from ..comm import Transport
 from ..errors import UserError
 from ..exchange import Exchange
-from ..optim import step_subset
+from ..optim import own_step
 from ..sched import Scheduler
 from ..trace import Tracer
 
@@ -153,10 +153,7 @@ class Algorithm:
     def optimizer_step(self, params: list[torch.Tensor] | None = None) -> None:
         """The user's optimizer: a full step, or a step of `params` only (a bucket, during backward)."""
         with self.tracer.span("optimizer", "optimizer"):
-            if params is None:
-                self.optimizer.step()
-            else:
-                step_subset(self.optimizer, params)
+            own_step(self.optimizer, params)
 
     def flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])

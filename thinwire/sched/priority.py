@@ -28,7 +28,7 @@ import time
 import torch
 
 from ..errors import UserError
-from ..optim import step_subset
+from ..optim import own_step
 from .buckets import adopt_view
 from .mgwfbp import Profiled
 from .wfbp import MB
@@ -203,7 +203,7 @@ class Priority(Profiled):
         self._point(self.result, idx)   # the averaged gradients, for the update only
         try:
             with self.tracer.span("optimizer", "optimizer"):
-                step_subset(self.optimizer, [self.params[i] for i in idx])
+                own_step(self.optimizer, [self.params[i] for i in idx])
         finally:
             self._point(self.flat[self.cur], idx)
         self._pending.difference_update(idx)
