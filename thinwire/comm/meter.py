@@ -5,7 +5,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-FIELDS = ("ops", "bytes_sent", "bytes_recv", "real_s", "emulated_s")
+FIELDS = ("ops", "bytes_sent", "bytes_recv", "real_s", "emulated_s", "bytes_across")
 
 
 @dataclass
@@ -16,6 +16,7 @@ class Meter:
     (ring all-reduce sends 2(n-1)/n of the payload, an all-gather n-1 blocks, padding and size headers included).
     `emulated_s` is the emulated network time of each op (α + β terms, jitter and loss); `real_s` the loopback
     time; `wait_s` the time the caller was blocked waiting for communication (the exposed, non-overlapped part).
+    `bytes_across`: of bytes_sent, those that went over the thin link of a two-tier network (`Islands`).
     """
 
     by_kind: dict = field(default_factory=lambda: defaultdict(lambda: dict.fromkeys(FIELDS, 0.0)))
@@ -23,10 +24,11 @@ class Meter:
     _last: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, kind: str, sent: float, recv: float, real_s: float = 0.0, emulated_s: float = 0.0) -> None:
+    def record(self, kind: str, sent: float, recv: float, real_s: float = 0.0, emulated_s: float = 0.0,
+               across: float = 0.0) -> None:
         with self._lock:
             row = self.by_kind[kind]
-            for k, v in zip(FIELDS, (1, sent, recv, real_s, emulated_s)):
+            for k, v in zip(FIELDS, (1, sent, recv, real_s, emulated_s, across)):
                 row[k] += v
 
     def add_wait(self, seconds: float) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from ..net import Cost, Link, p2p, parse_network, ring_allgather, ring_allreduce, tree_broadcast
+from ..net import Cost, Islands, Link, p2p, parse_network, ring_allgather, ring_allreduce, tree_broadcast
 from ..trace import NULL, Tracer
 from . import collectives
 from .context import default_network, default_seed
@@ -35,8 +35,11 @@ class Handle(Future):
 
     def __init__(self, transport: "Transport", kind: str, works: Sequence, cost: Cost, result,
                  post: Callable | None = None, issued: float | None = None, tx: bool = True, rx: bool = True,
-                 reserved: float | None = None, not_before: Callable | None = None):
+                 reserved: float | None = None, not_before: Callable | None = None, clock: LinkClock | None = None,
+                 across: float = 0.0):
         self.transport, self.kind, self.cost = transport, kind, cost
+        self.clock = transport.clock if clock is None else clock   # the queue of the link this op crosses
+        self.across = across             # of the bytes sent, those over a two-tier network's thin link
         self._reserved = reserved        # a send: its slot on the link, taken when it was issued
         self._not_before = not_before    # a receive: when its last byte left the sender (read off the message)
         self.accounting = (transport.meter, transport.tracer, kind)
@@ -60,7 +63,7 @@ class Handle(Future):
         # but the emulated wire is FIFO (the second queues behind the first, whichever callback fires first).
         # Unemulated, each completes with gloo's (as DDP's own futures do): a small bucket done first is not held
         # behind a large one (that put the small one's completion on a DDP hook's critical path)
-        self._ordered = tx and rx and transport.clock.link.emulated
+        self._ordered = tx and rx and self.clock.link.emulated
         if self._ordered:
             transport._enqueue(self)
         if not self._works:
@@ -131,9 +134,10 @@ class Handle(Future):
         else:
             tx, rx = self._flags
             after = self._not_before() if self._not_before is not None else 0.0
-            self.deadline = self.transport.clock.schedule(t_done, self.cost, tx=tx, rx=rx, not_before=after)
+            self.deadline = self.clock.schedule(t_done, self.cost, tx=tx, rx=rx, not_before=after)
         self.transport.meter.record(self.kind, self.cost.sent, self.cost.received,
-                                    real_s=t_done - self._issued, emulated_s=self.deadline - t_done)
+                                    real_s=t_done - self._issued, emulated_s=self.deadline - t_done,
+                                    across=self.across)
         tr = self.transport.tracer
         tr.complete(self.kind, self._issued, t_done, "communicate", bytes=self.cost.sent)
         if self.deadline > t_done:
@@ -241,11 +245,18 @@ class Transport:
     through the process's engine (`thinwire.comm.engine`), in the order ops and programs were submitted; inside
     a program (`run`) ops are issued directly. A program's `serial` and `background` options are the caller's
     (an `Exchange` carries the ones its scheduler chose): the transport keeps no mode of its own.
+
+    On a two-tier network (`thinwire.net.Islands`) every op is charged on the link it crosses: a collective on
+    its group's path (`inside` when the group lies in one island, else the thin link, whose pace a ring across
+    islands steps at), a point-to-point message on the link between its two ranks, each on that link's queue
+    (`clocks`: one LinkClock per link of this worker, shared by the transports of its subgroups, `sub`). The
+    bytes a rank sends over the thin link are metered apart (`across`): in a ring collective, all of its bytes
+    when its right neighbour is in another island.
     """
 
     def __init__(self, group=None, network: "str | Link | None" = None, seed: int | None = None,
                  tracer: Tracer | None = None, meter: Meter | None = None, clock: LinkClock | None = None,
-                 allreduce: str = "gloo"):
+                 allreduce: str = "gloo", clocks: dict | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise UserError("torch.distributed is not initialised: start workers with thinwire.launch, "
                             "or call thinwire.init() under torchrun")
@@ -254,8 +265,18 @@ class Transport:
         self.world_size = dist.get_world_size(self.group)
         self.link = parse_network(network) if network is not None else default_network()
         self.meter = meter or Meter()
-        self.clock = clock or LinkClock(self.link, dist.get_rank(), default_seed() if seed is None else seed)
-        self.collective_link = self.link.handshaking()  # gloo's collectives: a round trip per step
+        self._seed = default_seed() if seed is None else seed
+        self.clocks = {} if clocks is None else clocks
+        self.members = [self.global_of(r) for r in range(self.world_size)]
+        self.islands = self.link if isinstance(self.link, Islands) else None
+        if self.islands is not None:
+            self.islands.check_workers(dist.get_world_size(), "the world size")
+        self.path = self.islands.path(self.members) if self.islands is not None else self.link
+        self.clock = clock or self.clock_of(self.path)
+        self.clocks.setdefault(self._tier(self.path), self.clock)
+        self.collective_link = self.path.handshaking()  # gloo's collectives: a round trip per step
+        # a ring collective over this group: this rank's bytes cross the thin link when its right neighbour does
+        self._ring_across = self.islands is not None and self.islands.ring_crossing(self.members, self.rank)
         self.tracer = tracer or NULL
         collectives.parse(allreduce, self.world_size)
         self.allreduce = allreduce  # "gloo" (native) or an algorithm of thinwire.comm.collectives
@@ -266,12 +287,43 @@ class Transport:
         nccl = dist.get_backend(self.group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
+    # -- links -----------------------------------------------------------------------------------------
+    def _tier(self, link: Link) -> str:
+        if self.islands is None:
+            return "link"
+        return "inside" if link is self.islands.inside or link == self.islands.inside else "across"
+
+    def clock_of(self, link: Link) -> LinkClock:
+        """This worker's queue on `link` (one per link, shared with the transports of its subgroups)."""
+        tier = self._tier(link)
+        if tier not in self.clocks:
+            self.clocks[tier] = LinkClock(link, dist.get_rank(), self._seed)
+        return self.clocks[tier]
+
+    def link_to(self, peer: int) -> Link:
+        """The link a message between this rank and group rank `peer` crosses."""
+        if self.islands is None:
+            return self.link
+        return self.islands.between(self.global_of(self.rank), self.global_of(peer))
+
+    def sub(self, group) -> "Transport":
+        """A transport on `group` (a subgroup of this one's ranks) on the same network, meter, link queues,
+        tracer and all-reduce algorithm."""
+        return Transport(group=group, network=self.link, seed=self._seed, tracer=self.tracer, meter=self.meter,
+                         allreduce=self.allreduce, clocks=self.clocks)
+
+    def _ring_sent(self, cost: Cost) -> float:
+        return cost.sent if self._ring_across else 0.0
+
     def regroup(self, group) -> None:
         """Go on with `group` (the survivors of a lost worker): ranks renumbered, the old group's operations
         in flight abandoned."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.members = [self.global_of(r) for r in range(self.world_size)]
+        if self.islands is not None:
+            self._ring_across = self.islands.ring_crossing(self.members, self.rank)
         with self._order_lock:
             self._in_order.clear()
 
@@ -327,7 +379,7 @@ class Transport:
             works = [dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True)]
         cost = ring_allreduce(self.collective_link, self.world_size, tensor.nbytes)
         post = (lambda t: t.div_(self.world_size)) if op == "mean" and self.world_size > 1 else None
-        return Handle(self, "all_reduce", works, cost, tensor, post, issued)
+        return Handle(self, "all_reduce", works, cost, tensor, post, issued, across=self._ring_sent(cost))
 
     def all_gather(self, tensor: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False):
         """Gather a 1-D view of `tensor` from every rank; sizes may differ per rank (gloo's all_gather
@@ -360,7 +412,7 @@ class Transport:
         works = [dist.all_gather(out, block, group=self.group, async_op=True)]
         cost = ring_allgather(self.collective_link, n, largest * flat.element_size()) + cost_extra
         post = lambda blocks: [b[:s] for b, s in zip(blocks, sizes)]
-        return Handle(self, "all_gather", works, cost, out, post, issued)
+        return Handle(self, "all_gather", works, cost, out, post, issued, across=self._ring_sent(cost))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from group rank `src`, in place. Costed as a binomial tree."""
@@ -370,9 +422,18 @@ class Transport:
             if self.world_size > 1:
                 works = [dist.broadcast(tensor, src=self.global_of(src), group=self.group, async_op=True)]
             cost = tree_broadcast(self.collective_link, self.world_size, tensor.nbytes, self.rank, src)
-            return Handle(self, "broadcast", works, cost, tensor, None, issued)
+            return Handle(self, "broadcast", works, cost, tensor, None, issued, across=self._tree_across(src, tensor.nbytes))
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "broadcast", async_op)
+
+    def _tree_across(self, src: int, nbytes: float) -> float:
+        """Bytes this rank sends over the thin link in a binomial-tree broadcast from `src` (to the children of
+        `tree_broadcast`: rel + 2^k for each round k where rel < 2^k)."""
+        if self.islands is None:
+            return 0.0
+        n, rel = self.world_size, (self.rank - src) % self.world_size
+        children = [(rel + (1 << k) + src) % n for k in range((n - 1).bit_length()) if rel < (1 << k) and rel + (1 << k) < n]
+        return nbytes * sum(self.islands.crosses(self.members[self.rank], self.members[c]) for c in children)
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -388,14 +449,18 @@ class Transport:
         before it (`thinwire.comm.emulation`)."""
         def program():
             issued = _now()
-            cost = replace(p2p(self.link, tensor.nbytes), received=0.0)
+            link = self.link_to(dst)
+            clock = self.clock_of(link)
+            cost = replace(p2p(link, tensor.nbytes), received=0.0)
             data, out = tensor.contiguous(), None
-            if self.link.emulated:
-                out = self.clock.schedule(issued, cost, tx=True, rx=False, latency=False)
+            if self.link.emulated:      # (on a two-tier network every message carries the stamp)
+                out = clock.schedule(issued, cost, tx=True, rx=False, latency=False)
                 stamp = torch.tensor([out], dtype=torch.float64, device=data.device).view(torch.uint8)
                 data = torch.cat([data.reshape(-1).view(torch.uint8), stamp])
             work = dist.isend(data, dst=self.global_of(dst), group=self.group, tag=tag)
-            return Handle(self, "send", [work], cost, tensor, None, issued, rx=False, reserved=out)
+            across = cost.sent if self._tier(link) == "across" else 0.0
+            return Handle(self, "send", [work], cost, tensor, None, issued, rx=False, reserved=out, clock=clock,
+                          across=across)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "send", async_op)
 
@@ -405,10 +470,12 @@ class Transport:
         def program():
             issued = _now()
             nbytes = tensor.nbytes
-            cost = replace(p2p(self.link, nbytes), sent=0.0)
+            link = self.link_to(src)
+            clock = self.clock_of(link)
+            cost = replace(p2p(link, nbytes), sent=0.0)
             if not self.link.emulated:
                 work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
-                return Handle(self, "recv", [work], cost, tensor, None, issued, tx=False)
+                return Handle(self, "recv", [work], cost, tensor, None, issued, tx=False, clock=clock)
             buf = torch.empty(nbytes + 8, dtype=torch.uint8, device=tensor.device)    # the data, then the sender's push-out time
             work = dist.irecv(buf, src=self.global_of(src), group=self.group, tag=tag)
 
@@ -418,7 +485,8 @@ class Transport:
             def unpack(t: torch.Tensor) -> torch.Tensor:
                 t.reshape(-1).view(torch.uint8).copy_(buf[:nbytes])
                 return t
-            return Handle(self, "recv", [work], cost, tensor, unpack, issued, tx=False, not_before=pushed_out)
+            return Handle(self, "recv", [work], cost, tensor, unpack, issued, tx=False, not_before=pushed_out,
+                          clock=clock)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "recv", async_op)
 

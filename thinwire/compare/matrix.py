@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UserError, WorkerError
 from ..files import atomic_write
-from ..net import parse_network
+from ..net import Islands, parse_network
 from ..launcher import MAX_LOCAL_WORKERS, DeadlineError, Pool, pick_backend
 from ..run import workloads
 from ..run.loop import check_tensorboard, progress_bar, train_worker
@@ -81,7 +81,9 @@ class CompareConfig:
         """Every name known and every number in its range (NaN and infinities included), before any cell starts."""
         workloads.registry.lookup(self.workload)
         for n in self.networks:
-            parse_network(n)
+            net = parse_network(n)
+            if isinstance(net, Islands):
+                net.check_workers(self.workers)
         if not self.networks:
             raise UserError("give at least one network, e.g. --network wan")
         check_int("--workers", self.workers, 1, MAX_LOCAL_WORKERS - 1)  # + 1 rank for a parameter server

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UserError
 
@@ -69,6 +69,7 @@ PROFILES: dict[str, tuple[float | None, float, str]] = {
     "cluster": (1e9, 0.1e-3, "cheap cluster: 1 Gbit/s, 0.1 ms one-way"),
     "wan": (100e6, 50e-3, "wide area: 100 Mbit/s, 50 ms one-way"),
     "world": (50e6, 150e-3, "across the world: 50 Mbit/s, 150 ms one-way"),
+    "home": (10e6, 100e-3, "a consumer link: 10 Mbit/s, 100 ms one-way"),
 }
 
 # what a `custom:` spec may ask for: beyond these, an emulated run would sit idle for hours
@@ -93,8 +94,9 @@ def parse_bandwidth(text: str) -> float:
 
 
 def parse_network(spec: "str | Link | None") -> Link:
-    """A profile name (`lan`, `dc`, `cluster`, `wan`, `world`) or
-    `custom:bandwidth=200mbit,latency=25ms,jitter=5ms,loss=0.01` (each key optional)."""
+    """A profile name (`lan`, `dc`, `cluster`, `wan`, `world`, `home`),
+    `custom:bandwidth=200mbit,latency=25ms,jitter=5ms,loss=0.01` (each key optional), or a two-tier network
+    `islands:2x2,inside=dc,across=world` (an `Islands`)."""
     if isinstance(spec, Link):
         return spec
     if spec is None:
@@ -130,4 +132,114 @@ def parse_network(spec: "str | Link | None") -> Link:
             if key in fields and not fields[key] <= MAX_LATENCY:
                 raise UserError(f"{key} in {spec!r} must be in 0..60s, got {fields[key]:g} s")
         return Link(name=spec, **fields)
-    raise UserError(f"unknown network {spec!r}; valid: {', '.join(PROFILES)}, custom:bandwidth=...,latency=...,jitter=...,loss=...")
+    if spec.startswith("islands:"):
+        return parse_islands(spec)
+    raise UserError(f"unknown network {spec!r}; valid: {', '.join(PROFILES)}, custom:bandwidth=...,latency=...,jitter=...,"
+                    f"loss=..., islands:AxB,inside=NET,across=NET")
+
+
+# -- two-tier networks ------------------------------------------------------------------------------------
+# Two-tier networks: islands of workers on fast links, a thin link between islands.
+#
+#     islands:2x2,inside=dc,across=world      2 islands of 2 workers; `dc` inside an island, `world` between them
+#
+# Ranks are laid out island by island (ranks 0..m-1 are island 0, m..2m-1 island 1, ...). Every message is charged
+# on the link it crosses: a message between two ranks of one island on `inside`, any other on `across`. Each worker
+# has its own path across, as on a flat network (a flat `world` is `islands:4x1,across=world`): a worker's traffic
+# to another site queues behind its own earlier traffic to other sites, not behind its island's neighbours'.
+#
+# `Islands` is a `Link` whose own bandwidth, latency, jitter and loss are the thin link's, so code that sees a
+# network as one link (a scheduler's heuristics, a planner asked about the bottleneck) sees the link that decides:
+# a collective over ranks of several islands steps at the pace of its slowest hop. `path(members)` is the link a
+# group's collectives cross (`inside` when every member is in one island), `between(a, b)` a message's, and
+# `crosses(a, b)` whether it goes over the thin link (the bytes a report counts apart: what a user pays for between
+# sites). Inside/across are profile names or `BANDWIDTH@LATENCY` (`10mbit@100ms`).
+@dataclass(frozen=True)
+class Islands(Link):
+    """`islands` islands of `size` workers each; the Link fields are the thin link between islands."""
+
+    islands: int = 1
+    size: int = 1
+    inside: Link = field(default_factory=Link)
+
+    def __post_init__(self):
+        super().__post_init__()
+        for what, v in (("islands", self.islands), ("workers per island", self.size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"{what} must be an integer >= 1, got {v!r}")
+
+    @property
+    def workers(self) -> int:
+        return self.islands * self.size
+
+    @property
+    def across(self) -> Link:
+        """The thin link between islands, as a plain Link."""
+        return Link(self.bandwidth, self.latency, self.jitter, self.loss, name=self.name.partition("across=")[2]
+                    or "across")
+
+    @property
+    def emulated(self) -> bool:
+        return super().emulated or self.inside.emulated
+
+    def island(self, rank: int) -> int:
+        return rank // self.size
+
+    def crosses(self, a: int, b: int) -> bool:
+        """Whether a message between global ranks a and b goes over the thin link."""
+        return self.island(a) != self.island(b)
+
+    def between(self, a: int, b: int) -> Link:
+        """The link a message between global ranks a and b crosses."""
+        return self.across if self.crosses(a, b) else self.inside
+
+    def path(self, members) -> Link:
+        """The link the collectives of a group of these global ranks cross: `inside` when they are all in one
+        island, else the thin link (a collective steps at the pace of its slowest hop)."""
+        return self.inside if len({self.island(r) for r in members}) <= 1 else self.across
+
+    def ring_crossing(self, members, me: int) -> bool:
+        """Whether member `me` (an index into `members`, global ranks in ring order) sends over the thin link in a
+        ring collective: its right neighbour is in another island."""
+        return len(members) > 1 and self.crosses(members[me], members[(me + 1) % len(members)])
+
+    def handshaking(self) -> "Islands":
+        return replace(self, latency=2 * self.latency, inside=self.inside.handshaking())
+
+    def check_workers(self, n: int, what: str = "--workers") -> None:
+        if n != self.workers:
+            raise UserError(f"network {self.name} has {self.islands} islands of {self.size} workers = "
+                            f"{self.workers}; {what} is {n} (give {what} {self.workers}, or islands:AxB with A·B = {n})")
+
+
+def _tier(text: str, key: str, spec: str) -> Link:
+    """A profile name or BANDWIDTH@LATENCY (e.g. `10mbit@100ms`)."""
+    if text in PROFILES:
+        bw, lat, _ = PROFILES[text]
+        return Link(bandwidth=bw, latency=lat, name=text)
+    if "@" in text:
+        bw, _, lat = text.partition("@")
+        return Link(bandwidth=parse_bandwidth(bw), latency=_number(lat, _UNITS_T, "latency"), name=text)
+    raise UserError(f"malformed network {spec!r}: {key}={text!r} is neither a profile ({', '.join(PROFILES)}) "
+                    f"nor BANDWIDTH@LATENCY (e.g. 10mbit@100ms)")
+
+
+def parse_islands(spec: str) -> Islands:
+    """`islands:AxB[,inside=NET][,across=NET]`: A islands of B workers (inside: `dc`, across: `world` unless
+    given)."""
+    body = spec.removeprefix("islands:")
+    shape, *items = [s.strip() for s in body.split(",")]
+    m = re.fullmatch(r"(\d+)x(\d+)", shape)
+    if not m:
+        raise UserError(f"malformed network {spec!r}: expected islands:AxB (A islands of B workers), e.g. "
+                        f"islands:2x2,inside=dc,across=world")
+    tiers = {"inside": "dc", "across": "world"}
+    for item in filter(None, items):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not eq or key not in tiers:
+            raise UserError(f"malformed network {spec!r}: {item!r}; valid keys: inside, across")
+        tiers[key] = value
+    inside, across = (_tier(tiers[k], k, spec) for k in ("inside", "across"))
+    name = f"islands:{m.group(1)}x{m.group(2)},inside={tiers['inside']},across={tiers['across']}"
+    return Islands(bandwidth=across.bandwidth, latency=across.latency, jitter=across.jitter, loss=across.loss,
+                   name=name, islands=int(m.group(1)), size=int(m.group(2)), inside=inside)

@@ -34,7 +34,7 @@ from ..algorithms.base import int_at_least
 from ..comm import LinkClock
 from ..comm.context import default_seed
 from ..errors import UserError
-from ..net import parse_network, ring_allreduce
+from ..net import Islands, parse_network, ring_allreduce
 from ..trainer import nonfinite_stop
 from .stepper import Stepper, make_optimizer
 
@@ -124,12 +124,16 @@ def _hierarchy(params: dict, workers: int) -> tuple[int, int, int]:
 
 
 class _Counter:
-    """Wraps `torch.distributed.all_reduce` for one peer run: counted and delivered by the emulated link."""
+    """Wraps `torch.distributed.all_reduce` for one peer run: counted and delivered by the emulated link. On a
+    two-tier network (`Islands`) an all-reduce is charged on its group's path (inside one island, or the thin link)
+    on that link's queue, and the bytes this rank sends over the thin link (its ring neighbour in another island)
+    are counted apart, as the Transport does."""
 
     def __init__(self, rank: int, link):
-        self.link = link
-        self.clock = LinkClock(self.link, rank, default_seed())
-        self.bytes_sent = self.emulated_s = self.wait_s = 0.0
+        self.link, self.rank = link, rank
+        self.islands = link if isinstance(link, Islands) else None
+        self.clocks: dict = {}
+        self.bytes_sent = self.emulated_s = self.wait_s = self.bytes_across = 0.0
         self.ops = 0
         self._orig = dist.all_reduce
         self._lock = threading.Lock()
@@ -142,15 +146,26 @@ class _Counter:
     def uninstall(self) -> None:
         dist.all_reduce = self._orig
 
-    def charge(self, n: int, nbytes: int):
-        """Count one ring all-reduce of `nbytes` over `n` ranks (as the Transport does); its cost, to deliver."""
-        cost = ring_allreduce(self.link.handshaking(), n, nbytes)
+    def charge(self, n: int, nbytes: int, members=None, me: int | None = None):
+        """Count one ring all-reduce of `nbytes` over `n` ranks (as the Transport does): its (cost, link), to
+        deliver. `members`: the group's global ranks in ring order and `me` this rank's index there (default: the
+        first n ranks, this rank's own)."""
+        path = self.link
+        members = list(range(n)) if members is None else members
+        me = self.rank if me is None else me
+        if self.islands is not None:
+            path = self.islands.path(members)
+        cost = ring_allreduce(path.handshaking(), n, nbytes)
         self.bytes_sent += cost.sent
+        if self.islands is not None and self.islands.ring_crossing(members, me):
+            self.bytes_across += cost.sent
         self.ops += 1
-        return cost
+        return cost, path
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        cost = self.charge(dist.get_world_size(group), tensor.numel() * tensor.element_size())
+        members = dist.get_process_group_ranks(group) if group is not None else None
+        me = members.index(dist.get_rank()) if members is not None else None
+        cost = self.charge(dist.get_world_size(group), tensor.numel() * tensor.element_size(), members, me)
         work = self._orig(tensor, op=op, group=group, async_op=True)
         if not async_op:
             work.wait()
@@ -158,9 +173,16 @@ class _Counter:
             return None
         return _Work(self, work, cost)
 
-    def deliver(self, cost) -> None:
+    def clock(self, link) -> LinkClock:
+        """This rank's queue on `link` (one per link of a two-tier network)."""
+        if link.name not in self.clocks:
+            self.clocks[link.name] = LinkClock(link, self.rank, default_seed())
+        return self.clocks[link.name]
+
+    def deliver(self, charged) -> None:
+        cost, link = charged
         t = _now()
-        deadline = self.clock.schedule(t, cost)
+        deadline = self.clock(link).schedule(t, cost)
         if deadline <= t:
             return
         with self._lock:
@@ -175,7 +197,8 @@ class _Counter:
                 self.wait_s += _now() - self._since  # time spent waiting on the link, overlaps counted once
 
     def totals(self) -> dict:
-        return {"ops": self.ops, "bytes_sent": self.bytes_sent, "emulated_s": self.emulated_s, "wait_s": self.wait_s}
+        return {"ops": self.ops, "bytes_sent": self.bytes_sent, "emulated_s": self.emulated_s, "wait_s": self.wait_s,
+                "bytes_across": self.bytes_across}
 
 
 class _Work(dist._Work):

@@ -48,7 +48,7 @@ def _emulated_gloo(counter, timeout: timedelta):
         def allreduce(self, tensors, opts):
             work = super().allreduce(tensors, opts)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            return _Work(counter, work, counter.charge(self.size(), nbytes))
+            return _Work(counter, work, counter.charge(self.size(), nbytes, me=self.rank()))
 
     return _EmulatedGloo(timeout=timeout)
 

@@ -22,7 +22,7 @@ from .. import algorithms
 from ..compress import compressors, memories
 from ..errors import UserError
 from ..files import atomic_write, check_writable_dir
-from ..net import parse_network, ring_allreduce
+from ..net import Islands, parse_network, ring_allreduce
 from ..trace import write_chrome_trace
 from ..trainer import build_components, check_momentum
 from . import checkpoint, workloads
@@ -114,8 +114,10 @@ class TrainConfig:
                 compressors.lookup(self.compressor)
             if self.memory is not None:
                 memories.lookup(self.memory)
-        parse_network(self.network)
+        net = parse_network(self.network)
         check_int("--workers", self.workers, 1)
+        if isinstance(net, Islands):
+            net.check_workers(self.workers)
         check_int("--seed", self.seed, 0, MAX_SEED)
         if self.peer:
             return self._validate_peer()
@@ -132,6 +134,9 @@ class TrainConfig:
         if arch == "ps" and self.servers < 1:  # server ranks come beside the workers: world = workers + servers
             raise UserError(f"{self.algorithm} on the parameter server needs --servers K >= 1 "
                             f"(server ranks beside the {self.workers} workers)")
+        if self.servers and isinstance(net, Islands):
+            raise UserError(f"{self.network}: a two-tier network has a place for each of its {net.workers} workers, "
+                            f"none for parameter servers; run {self.algorithm} on all-reduce or on a flat network")
         if self.servers and arch != "ps":
             raise UserError(f"--servers is for the parameter-server architecture (bsp --architecture ps, ssp, "
                             f"asp, backup); {self.algorithm} runs on {arch}")
@@ -294,6 +299,8 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         "time_to_target_resolution_s": hit["t"] - evals[at - 1]["t"] if hit and at > 0 else None,
         "stop_reason": workers[0].get("stopped", "steps"), "budget_s": cfg.budget_s,
         "bytes_sent_per_worker": statistics.fmean(sent),
+        # of those, over a two-tier network's thin link (between islands): what a user pays for between sites
+        "bytes_across_per_worker": statistics.fmean(w["meter"]["total"].get("bytes_across", 0.0) for w in workers),
         "bytes_sent_per_worker_per_step": statistics.fmean(sent) / max(1, n_steps),
         "nominal_bytes_per_worker": nominal_step * n_steps,
         "nominal_bytes_per_worker_per_step": nominal_step,

@@ -1,0 +1,100 @@
+"""Two-tier networks (`islands:AxB,inside=...,across=...`): the spec, and every message charged on the link it
+crosses — a collective on its group's path, a point-to-point message on the link between its two ranks, each on
+that link's queue — with the bytes over the thin link metered apart."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thinwire.errors import UserError
+from thinwire.net import Islands, Link, p2p, parse_network, ring_allreduce
+
+NET = "islands:2x2,inside=10gbit@1ms,across=50mbit@40ms"
+
+
+def test_the_spec_and_the_paths():
+    n = parse_network("islands:2x2,inside=dc,across=world")
+    assert isinstance(n, Islands) and isinstance(n, Link) and n.workers == 4
+    assert (n.bandwidth, n.latency) == (50e6, 0.15) and n.across.name == "world" and n.inside.name == "dc"
+    assert n.path([0, 1]) == n.inside and n.path([2, 3]) == n.inside and n.path([0, 2]) == n.across
+    assert n.between(1, 0) == n.inside and n.between(1, 2) == n.across and n.crosses(0, 3)
+    # a ring 0 → 1 → 2 → 3 → 0 crosses the thin link at 1 → 2 and 3 → 0
+    assert [n.ring_crossing([0, 1, 2, 3], i) for i in range(4)] == [False, True, False, True]
+    assert [n.ring_crossing([0, 2], i) for i in range(2)] == [True, True]
+    h = n.handshaking()
+    assert h.latency == 0.3 and h.inside.latency == pytest.approx(1e-4) and h.islands == 2
+    custom = parse_network("islands:3x1,across=10mbit@100ms")      # inside: dc by default
+    assert (custom.bandwidth, custom.latency, custom.inside.name, custom.workers) == (10e6, 0.1, "dc", 3)
+    assert parse_network("home").bandwidth == 10e6 and parse_network("home").latency == 0.1
+    with pytest.raises(UserError, match="3 islands of 1 workers = 3"):
+        custom.check_workers(4)
+
+
+@pytest.mark.parametrize("spec", ["islands:", "islands:2", "islands:2x", "islands:0x2", "islands:2x2,inside=moon",
+                                  "islands:2x2,over=dc", "islands:2x2,across=10mbit", "islands:2x2,across=x@1ms"])
+def test_bad_island_specs(spec):
+    with pytest.raises(UserError):
+        parse_network(spec)
+
+
+def _charged(rank, world_size):
+    """Ops on the world group, on this rank's island and across: which link each was charged on, its cost, and
+    the bytes metered as crossing the thin link."""
+    import torch.distributed as dist
+
+    from thinwire.comm import Transport
+    from thinwire.run.loop import _gloo_group
+    t = Transport()
+    groups = {ranks: _gloo_group(world_size, ranks) for ranks in ((0, 1), (2, 3), (0, 2), (1, 3))}   # every rank
+    island = t.sub(groups[(0, 1) if rank < 2 else (2, 3)])
+    column = t.sub(groups[(0, 2) if rank % 2 == 0 else (1, 3)])
+    out = {"paths": (t.path.name, island.path.name, column.path.name),
+           "shared": island.clock is t.clocks["inside"] and column.clock is t.clock}
+    x = torch.ones(250)                                 # 1000 bytes
+    for name, tp in (("world", t), ("island", island), ("column", column)):
+        before = tp.meter.totals()
+        h = tp.all_reduce(x.clone(), async_op=True)
+        h.wait()
+        after = tp.meter.totals()
+        out[name] = {"link": h.clock.link.name, "cost": h.cost,
+                     "across": after["bytes_across"] - before["bytes_across"],
+                     "sent": after["bytes_sent"] - before["bytes_sent"]}
+    # point to point: rank 0 to 1 (inside) and to 2 (across); 3 sends nothing
+    sends = {}
+    if rank == 0:
+        for peer in (1, 2):
+            before = t.meter.totals()["bytes_across"]
+            h = t.isend(torch.ones(100), peer)
+            h.wait()
+            sends[peer] = (h.clock.link.name, h.cost, t.meter.totals()["bytes_across"] - before)
+    elif rank in (1, 2):
+        buf = torch.empty(100)
+        h = t.irecv(buf, 0)
+        h.wait()
+        sends[rank] = (h.clock.link.name, h.cost, bool(torch.equal(buf, torch.ones(100))))
+    out["p2p"] = sends
+    dist.barrier()
+    return out
+
+
+def test_every_message_is_charged_on_the_link_it_crosses(pool4):
+    net = parse_network(NET)
+    inside, across = net.inside.handshaking(), net.across.handshaking()
+    out = pool4.run(_charged, network=NET, timeout=120)
+    for rank, o in enumerate(out):
+        assert o["paths"] == (net.across.name, net.inside.name, net.across.name) and o["shared"]
+        # the world's ring steps at the thin link's pace; this rank's bytes cross it when its neighbour is away
+        assert o["world"]["link"] == net.across.name
+        assert o["world"]["cost"] == ring_allreduce(across, 4, 1000)
+        assert o["world"]["across"] == (o["world"]["sent"] if rank in (1, 3) else 0.0)
+        assert o["world"]["sent"] == pytest.approx(1500)
+        assert o["island"]["link"] == net.inside.name and o["island"]["cost"] == ring_allreduce(inside, 2, 1000)
+        assert o["island"]["across"] == 0.0 and o["island"]["sent"] == 1000
+        assert o["column"]["link"] == net.across.name and o["column"]["across"] == o["column"]["sent"] == 1000
+    sent = out[0]["p2p"]
+    assert sent[1][0] == net.inside.name and sent[1][1].latency == net.inside.latency and sent[1][2] == 0.0
+    assert sent[2][0] == net.across.name and sent[2][1].latency == p2p(net.across, 400).latency
+    assert sent[2][1].transfer == pytest.approx(p2p(net.across, 400).transfer)
+    assert sent[2][2] == 400
+    assert out[1]["p2p"][1][0] == net.inside.name and out[2]["p2p"][2][0] == net.across.name
+    assert out[1]["p2p"][1][2] and out[2]["p2p"][2][2]
