@@ -23,6 +23,7 @@ from .algorithms.base import Context
 from .comm import Transport
 from .comm.engine import ENGINE
 from .comm.membership import MEMBERSHIP, PeerLost
+from .comm.state import broadcast_state
 from .compress import compressors, memories
 from .compress.finite import NonFiniteError
 from .errors import UserError
@@ -277,9 +278,10 @@ class Trainer:
         agreed = int(at.item())                     # host: once per recovery
         self._behind = agreed - (self.step_count + 1)
         self._broadcast_model()
-        state = [self.optimizer.state_dict() if self.transport.rank == 0 else None]
-        dist.broadcast_object_list(state, src=self.transport.global_of(0), group=group)
-        self.optimizer.load_state_dict(state[0])
+        # tensors and a checked JSON layout, never a pickle (comm/state.py)
+        self.optimizer.load_state_dict(broadcast_state(self.optimizer.state_dict() if self.transport.rank == 0
+                                                       else None, src=self.transport.global_of(0), group=group,
+                                                       device=self.transport.device))
         # "step": the step every survivor has counted once this one ends (and behind ranks skipped theirs)
         self.failures.append({"lost": lost.lost, "step": agreed, "members": lost.members})
         self.algorithm.recover()

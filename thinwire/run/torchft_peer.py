@@ -35,6 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..comm.state import broadcast_text
 from ..errors import UserError
 from ..net import parse_network
 from .peers import PeerStepper, _Counter, _Work, missing_torchft
@@ -74,8 +75,7 @@ class TorchftDiLoCoStepper(PeerStepper):
         module = wl.model(cfg.seed)
         super().__init__(module, module, rank)
         self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=world_size) if rank == 0 else None
-        address = [self.lighthouse.address() if rank == 0 else None]
-        dist.broadcast_object_list(address, src=0)
+        address = broadcast_text(self.lighthouse.address() if rank == 0 else None, src=0)  # never a pickle
         fd, port = _listen("127.0.0.1", 0)
         self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
                                    use_libuv=False)
@@ -83,7 +83,7 @@ class TorchftDiLoCoStepper(PeerStepper):
         self.optimizer = make_optimizer(cfg, wl, module.parameters())  # the inner one
         self.manager = Manager(pg=self.pg, load_state_dict=self._load, state_dict=self._state,
                                min_replica_size=world_size, use_async_quorum=False, init_sync=False, rank=0,
-                               world_size=1, store_addr="127.0.0.1", store_port=port, lighthouse_addr=address[0],
+                               world_size=1, store_addr="127.0.0.1", store_port=port, lighthouse_addr=address,
                                replica_id=f"thinwire_{rank}", hostname="127.0.0.1",
                                timeout=timedelta(seconds=600), quorum_timeout=timedelta(seconds=600),
                                connect_timeout=timedelta(seconds=60))
