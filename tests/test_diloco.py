@@ -27,7 +27,8 @@ N = 4
     ({"outer_lr": float("nan")}, "outer_lr"), ({"outer_momentum": 1.0}, "outer_momentum"),
     ({"outer_optimizer": "sgdx"}, "valid: .*adam"), ({"outer_optimizer": 3}, "outer_optimizer"),
     ({"outer_optimizer": lambda ps: torch.optim.Adam(ps), "outer_lr": 0.1}, "not both"),
-    ({"architecture": "ps"}, "valid"),
+    ({"architecture": "ps"}, "valid"), ({"period": 8, "eager": True, "overlap": 1}, "eager"),
+    ({"period": 8, "eager": True, "alpha": 0.5}, "eager"),
 ])
 def test_bad_parameters_fail_at_construction(params, match):
     with pytest.raises(UserError, match=match):
@@ -139,6 +140,9 @@ REPLAYS = {   # name -> (model, params, steps): outer Nesterov momentum, AdamW i
     "streaming F=3 τ=2": ("mlp", {"period": 9, "fragments": 3, "overlap": 2}, 20),
     "streaming F=6 fusion": ("mlp", {"period": 12, "fragments": 6, "overlap": 1, "bucket_mb": 0.0005,
                                  "first_bucket_mb": 0.0005}, 26),
+    "eager H=3": ("linreg", {"period": 3, "eager": True}, 13),
+    "eager F=3 fusion": ("mlp", {"period": 6, "fragments": 3, "eager": True, "outer_lr": 0.5, "bucket_mb": 0.0005,
+                             "first_bucket_mb": 0.0005}, 17),
 }
 
 
@@ -157,6 +161,8 @@ def _equivalences(rank, world):
 def replay(model, params, steps, n=N):
     """DiLoCo (Douillard et al. 2023, Alg. 1) / Streaming DiLoCo (2025, Alg. 1) for n workers in one process,
     written from the papers: the outer step is Nesterov momentum written out (b ← μb + Δ; θ ← θ − lr(Δ + μb))."""
+    if params.get("eager"):
+        return replay_eager(model, params, steps, n)[0]
     H, F = params["period"], params.get("fragments", 1)
     tau, alpha = params.get("overlap", 0), params.get("alpha", 0.0)
     lr, mu = params.get("outer_lr", 0.7), params.get("outer_momentum", 0.9)
@@ -195,6 +201,69 @@ def replay(model, params, steps, n=N):
     return [flat(r) for r in range(n)]
 
 
+def replay_eager(model, params, steps, n=N):
+    """Eager updates (Kale, Douillard, Donchev 2025, arXiv 2502.12996) on the staggered fragments of Streaming
+    DiLoCo, for n workers in one process: at fragment f's round t worker m takes Δ_m^t = θ_m − x_m, steps its own
+    θ_m with Δ_m^t/n + (Δ^(t−1) − Δ_m^(t−1)/n) (Δ^(t−1): the average of the previous round) and goes on from it.
+    Returns (the models before close, the model every worker holds after close: the last averages' others' shares
+    applied, then the workers' models averaged)."""
+    H, F = params["period"], params.get("fragments", 1)
+    lr, mu = params.get("outer_lr", 0.7), params.get("outer_momentum", 0.9)
+    wl = workloads.get("linreg")
+    models = [_model(model) for _ in range(n)]
+    opts = [_inner(m, "adamw") for m in models]
+    loaders = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
+    ps = [list(m.parameters()) for m in models]
+    flat = lambda r: torch.cat([p.detach().reshape(-1) for p in ps[r]])     # noqa: E731
+    theta = [flat(0).clone() for _ in range(n)]     # each worker's own θ and momentum
+    buf = [torch.zeros_like(theta[0]) for _ in range(n)]
+    bounds = fragment_bounds(theta[0].numel(), F)
+    K = H // F
+    stepped = [False] * F
+    avg_prev, own_prev = [None] * F, [[None] * F for _ in range(n)]
+
+    def outer(r, f, g):
+        lo, hi = bounds[f], bounds[f + 1]
+        buf[r][lo:hi] = g if not stepped[f] else mu * buf[r][lo:hi] + g
+        theta[r][lo:hi] -= lr * (g + mu * buf[r][lo:hi])
+
+    for t in range(1, steps + 1):
+        for r in range(n):
+            xb, yb = loaders[r].next()
+            wl.loss(models[r](xb), yb).backward()
+            opts[r].step()
+            opts[r].zero_grad()
+        if t % K:
+            continue
+        with torch.no_grad():
+            f = (t // K - 1) % F
+            lo, hi = bounds[f], bounds[f + 1]
+            own = [theta[r][lo:hi] - flat(r)[lo:hi] for r in range(n)]
+            for r in range(n):
+                g = own[r] / n
+                if avg_prev[f] is not None:
+                    g = g + avg_prev[f] - own_prev[r][f] / n
+                outer(r, f, g)
+                new = flat(r)
+                new[lo:hi] = theta[r][lo:hi]
+                torch.nn.utils.vector_to_parameters(new, ps[r])
+                own_prev[r][f] = own[r]
+            avg_prev[f], stepped[f] = sum(own) / n, True
+    before = [flat(r) for r in range(n)]
+    with torch.no_grad():
+        for f in range(F):
+            if avg_prev[f] is None:
+                continue
+            lo, hi = bounds[f], bounds[f + 1]
+            for r in range(n):
+                old = theta[r][lo:hi].clone()
+                outer(r, f, avg_prev[f] - own_prev[r][f] / n)
+                new = flat(r)
+                new[lo:hi] += theta[r][lo:hi] - old
+                torch.nn.utils.vector_to_parameters(new, ps[r])
+    return before, sum(flat(r) for r in range(n)) / n
+
+
 def close(a, b, tol=1e-10):
     return torch.allclose(a, b, rtol=tol, atol=tol * 1e-2)
 
@@ -215,6 +284,10 @@ def test_equivalences_and_replays_on_linreg(pool4):
             assert close(r[name][0], want[rank]), (name, rank, float((r[name][0] - want[rank]).abs().max()))
         afters = [r[name][1] for r in results]
         assert all(torch.equal(afters[0], a) for a in afters[1:]), name     # close(): one model everywhere
+        if params.get("eager"):
+            assert close(afters[0], replay_eager(model, params, steps)[1]), name
+            # the workers' own θ differ while own shares stand in for averages
+            assert not torch.equal(results[0][name][0], results[1][name][0]), name
     # with mixing α > 0 the workers differ until close()
     mixed = [r["streaming F=2 τ=1 α=.5"][0] for r in results]
     assert not torch.equal(mixed[0], mixed[1])

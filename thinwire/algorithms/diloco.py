@@ -33,6 +33,21 @@ Free Lunch", arXiv 2501.18512, Algorithm 1 and §2.2–2.4) are three options of
 With F = 1, τ = 0, α = 0 this is DiLoCo. The schedule (the step that takes fragment p's pseudo-gradient, the step
 that merges it) is torchft's `DiLoCo(..., sync_every=H, fragment_sync_delay=τ, fragment_update_alpha=α)`.
 
+Eager updates (Kale, Douillard, Donchev 2025, "Eager Updates For Overlapped Communication and Computation in
+DiLoCo", arXiv 2502.12996, the eager variant of DiLoCo with delayed outer gradients): `eager=True`. A fragment's
+average is not waited for: the worker steps θ at once with its own outer gradient standing in for the current
+round's average, and the average arrives one round (H steps) later, when it replaces the own share it stood in
+for. On worker m, at the round t of fragment p (every H steps, the fragments staggered as above), with M workers:
+    Δ_m^(t) = θ_m − θ_m,local                                  (its own outer gradient; its average starts)
+    Δ̃_m^(t) = Δ_m^(t) / M + (Δ^(t−1) − Δ_m^(t−1) / M)         (own current share + the others' previous ones:
+                                                                Δ^(t−1) = (1/M) Σ_j Δ_j^(t−1), arrived by now)
+    θ_m ← OuterOpt(θ_m, Δ̃_m^(t));  θ_m,local ← θ_m
+Every worker's outer gradient is applied exactly once, the others' one round late; θ and the outer optimizer's
+state are each worker's own (they differ by the own shares in flight). The sync is hidden behind a whole period:
+H inner steps per fragment round instead of τ (so `overlap` and `alpha` stay 0). `close()` applies the averages
+still in flight (their others' shares), then averages the workers' models once (one all-reduce of the model)
+so that every worker ends with the same model.
+
 Like `localsgd`, on a step that takes a pseudo-gradient each bucket's inner step is taken as soon as backward
 hands the bucket over, and the pseudo-gradient of its elements in the syncing fragment starts averaging at
 once, overlapped with the rest of backward. Exchange state (error-feedback residuals) is kept per piece (a
@@ -118,7 +133,7 @@ class DiLoCo(Algorithm):
 
     def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,
-                 architecture: str | None = None):
+                 eager: bool = False, architecture: str | None = None):
         super().__init__(architecture)
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
             int_at_least(f"diloco {name}", value, low)
@@ -134,6 +149,12 @@ class DiLoCo(Algorithm):
             raise UserError(f"diloco outer_momentum must be in [0, 1), got {outer_momentum!r}")
         if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
             raise UserError(f"diloco alpha must be in [0, 1] (θ ← α θ_local + (1 − α) θ_global), got {alpha!r}")
+        if not isinstance(eager, bool):
+            raise UserError(f"diloco eager must be true or false, got {eager!r}")
+        if eager and (overlap or alpha):
+            raise UserError(f"diloco eager hides a fragment's sync behind a whole period (its average is applied "
+                            f"one round later): give overlap=0 and alpha=0 with it, got overlap={overlap}, "
+                            f"alpha={alpha}")
         given = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
         if outer_optimizer is not None and not isinstance(outer_optimizer, str):
             changed = [k for k, v in given.items() if v != DEFAULT_OUTER[k]]
@@ -145,7 +166,8 @@ class DiLoCo(Algorithm):
         self.outer_spec = outer_optimizer if isinstance(outer_optimizer, str) or outer_optimizer is None \
             else getattr(outer_optimizer, "__name__", "callable")
         self._make_outer = _outer_factory(outer_optimizer, self.outer_lr, self.outer_momentum, self.nesterov)
-        self.overlaps_steps = overlap > 0       # a fragment's average is waited τ steps after it starts
+        self.eager = eager
+        self.overlaps_steps = overlap > 0 or eager   # a fragment's average is waited τ (eager: H) steps later
 
     # -- wiring ----------------------------------------------------------------------------------------
     # an outer gradient is averaged once per period (digits-mlp: 6 times in 330 steps), too few rounds for error
@@ -185,6 +207,10 @@ class DiLoCo(Algorithm):
         self._pending: list = []            # (segments, future of their mean pseudo-gradient) in flight
         self._pending_fragment: int | None = None
         self._dirty = [False] * self.fragments   # the fragment's parameters differ from θ
+        # eager: per fragment, the averages in flight (started a round ago) and this worker's own shares of them
+        self._inflight: list[list] = [[] for _ in range(self.fragments)]
+        self._own: list[dict] = [{} for _ in range(self.fragments)]
+        self._current: dict = {}            # segment -> own outer gradient taken this step (eager)
 
     def _local(self, k: int) -> torch.Tensor:
         """Segment k of the worker's own parameters (a view, shaped like its θ)."""
@@ -230,6 +256,8 @@ class DiLoCo(Algorithm):
             delta = torch.cat([(self.anchor[k] - self._local(k)).reshape(-1) for k in piece])
         fut = self.exchange.start(delta, key=self._key(bucket, f), shapes=[tuple(self.anchor[k].shape)
                                                                            for k in piece])
+        if self.eager:     # the own share stands in for the average until it arrives
+            self._current.update(zip(piece, views(delta.clone(), [self.anchor[k] for k in piece])))
         self._pending.append((piece, fut))
         self._pending_fragment = f
 
@@ -242,8 +270,39 @@ class DiLoCo(Algorithm):
         self._dirty = [True] * self.fragments
         f = self.merging(n)
         if f is not None:
-            self._merge([f], self.alpha)
+            self._eager_step(f) if self.eager else self._merge([f], self.alpha)
         self.scheduler.end_step()
+
+    @torch.no_grad()
+    def _eager_step(self, f: int) -> None:
+        """Fragment f's round under eager updates: θ ← OuterOpt(θ, Δ_m/M + (Δ_prev − Δ_m,prev/M)) at once; this
+        round's average stays in flight until f's next round (Kale et al. 2025, eager updates)."""
+        with self.tracer.span("outer step", "communicate"):
+            m = self.world_size
+            ks = self.by_fragment[f]
+            own = {k: self._current.pop(k) for k in ks if k in self._current}
+            grads = {k: d / m for k, d in own.items()}
+            self._apply_delayed(f, grads)
+            for k in ks:
+                self.anchor[k].grad = grads.get(k, torch.zeros_like(self.anchor[k]))
+            step_subset(self.outer, [self.anchor[k] for k in ks])
+            for k in ks:
+                self.anchor[k].grad = None
+                self._local(k).copy_(self.anchor[k])
+            self._inflight[f], self._own[f] = self._pending, own
+            self._pending, self._pending_fragment = [], None
+            self._dirty[f] = False
+            self.syncs += 1
+
+    def _apply_delayed(self, f: int, grads: dict) -> None:
+        """Add to `grads` the others' shares of fragment f's previous average: Δ_prev − Δ_m,prev / M."""
+        m = self.world_size
+        for piece, fut in self._inflight[f]:
+            for k, avg in zip(piece, views(fut.wait(), [self.anchor[k] for k in piece])):
+                own = self._own[f].get(k)
+                delayed = avg if own is None else avg - own / m
+                grads[k] = delayed if k not in grads else grads[k] + delayed
+        self._inflight[f], self._own[f] = [], {}
 
     @torch.no_grad()
     def _merge(self, fragments: list[int], alpha: float) -> None:
@@ -265,6 +324,10 @@ class DiLoCo(Algorithm):
             self.syncs += len(fragments)
 
     def close(self):
+        if self.eager:
+            self._close_eager()
+            super().close()
+            return
         if self._pending:           # the sync in flight (overlap τ > 0) merges as scheduled
             self._merge([self._pending_fragment], self.alpha)
         due = [f for f in range(self.fragments) if self._dirty[f]]
@@ -276,11 +339,37 @@ class DiLoCo(Algorithm):
         super().close()
 
     @torch.no_grad()
+    def _close_eager(self) -> None:
+        """The averages in flight applied (their others' shares, moving θ and the worker's model alike), then
+        one average of the workers' models: every worker ends with the same model."""
+        for f in range(self.fragments):
+            if not self._inflight[f]:
+                continue
+            grads: dict = {}
+            self._apply_delayed(f, grads)
+            ks = [k for k in self.by_fragment[f] if k in grads]
+            before = [self.anchor[k].clone() for k in ks]
+            for k in ks:
+                self.anchor[k].grad = grads[k]
+            step_subset(self.outer, [self.anchor[k] for k in ks])
+            for k, b in zip(ks, before):
+                self.anchor[k].grad = None
+                self._local(k).add_(self.anchor[k] - b)
+        flat = self.flat_params()
+        self.transport.all_reduce(flat, op="mean")
+        copy_each([p.detach() for p in self.params], views(flat, self.params))
+        for k in range(len(self.segs)):
+            self.anchor[k].copy_(self._local(k))
+        self._dirty = [False] * self.fragments
+
+    @torch.no_grad()
     def recover(self):
         """A worker was lost: the sync in flight is dropped; θ and the outer optimizer's state are taken from the
         new rank 0 (a sync that completed on some survivors only cannot leave them apart), the survivors'
         inner models (broadcast by the Trainer) differ from θ, and the schedule goes on from the agreed step."""
         self._pending, self._pending_fragment = [], None
+        self._inflight, self._own = [[] for _ in range(self.fragments)], [{} for _ in range(self.fragments)]
+        self._current = {}
         for a in self.anchor:
             a.grad = None
             self.transport.broadcast(a, src=0)
@@ -302,8 +391,8 @@ class DiLoCo(Algorithm):
         return out
 
     def rekey(self, old, new):
-        for _, fut in self._pending:    # the exchange's programs have run (their state is settled)
-            fut.result()
+        for _, fut in self._pending + [x for f in self._inflight for x in f]:   # the exchange's programs have
+            fut.result()                                                          # run (their state is settled)
         layout = self._piece_layout()
         for f in range(self.fragments):
             self.exchange.rekey(self._layout[f], layout[f])
@@ -312,20 +401,24 @@ class DiLoCo(Algorithm):
     # -- bookkeeping -----------------------------------------------------------------------------------
     def metrics(self):
         return {**super().metrics(), "period": self.period, "fragments": self.fragments, "overlap": self.overlap,
-                "alpha": self.alpha, "outer_optimizer": self.outer_spec or
+                "alpha": self.alpha, "eager": self.eager, "outer_optimizer": self.outer_spec or
                 f"sgd(lr={self.outer_lr}, momentum={self.outer_momentum}, nesterov={self.nesterov})",
                 "syncs": self.syncs, "fragment_params": [b - a for a, b in zip(self.bounds, self.bounds[1:])]}
 
     def _config(self) -> dict:
-        return {"period": self.period, "fragments": self.fragments, "overlap": self.overlap}
+        return {"period": self.period, "fragments": self.fragments, "overlap": self.overlap, "eager": self.eager}
 
     def state_dict(self):
         """Waits for a sync in flight and stores its average: a resumed run continues exactly."""
         pending = [(list(m), fut.wait().clone()) for m, fut in self._pending]
         self._pending = [(m, Ready(v)) for m, v in pending]
+        inflight = [[(list(m), fut.wait().clone()) for m, fut in f] for f in self._inflight]
+        self._inflight = [[(m, Ready(v)) for m, v in f] for f in inflight]
         return {**self._config(), "steps": self.steps, "syncs": self.syncs, "dirty": list(self._dirty),
                 "anchor": [a.clone() for a in self.anchor], "outer": copy.deepcopy(self.outer.state_dict()),
                 "pending": [(m, v.clone()) for m, v in pending], "pending_fragment": self._pending_fragment,
+                "inflight": [[(m, v.clone()) for m, v in f] for f in inflight],
+                "own": [{k: v.clone() for k, v in f.items()} for f in self._own],
                 "exchange": self.exchange.state_dict()}
 
     def load_state_dict(self, state):
@@ -337,4 +430,6 @@ class DiLoCo(Algorithm):
         self.outer.load_state_dict(copy.deepcopy(state["outer"]))
         self._pending = [(list(m), Ready(v.clone())) for m, v in state["pending"]]
         self._pending_fragment = state["pending_fragment"]
+        self._inflight = [[(list(m), Ready(v.clone())) for m, v in f] for f in state.get("inflight", self._inflight)]
+        self._own = [{k: v.clone() for k, v in f.items()} for f in state.get("own", self._own)]
         self.exchange.load_state_dict(state["exchange"])
