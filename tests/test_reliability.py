@@ -189,6 +189,36 @@ def test_the_watchdog_scales_with_the_step_time_and_names_a_stuck_collective():
     assert err.value.rank == -1
 
 
+def _users_own_loop(rank, world_size, stall_at):
+    """The README's loop: a Trainer inside the user's own function under tw.launch; rank 1 blocks in user code
+    (its heartbeat thread beats on) before step `stall_at`."""
+    import time as _t
+
+    import thinwire as tw
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = tw.Trainer(model, opt, algorithm="bsp")
+    for step in range(1, 10**6):
+        if rank == 1 and step == stall_at:
+            _t.sleep(3600)
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        trainer.step()
+        opt.zero_grad()
+
+
+def test_a_stalled_rank_in_a_users_own_loop_is_named():
+    """Trainer.step reports progress (issue 34, item 2): a user's loop under tw.launch gets the same bound and
+    the same one-line verdict as `thinwire train`. Before: not named after 360 s (only the 3600 s deadline)."""
+    import thinwire as tw
+    from thinwire.launcher import NoProgressError
+    with pytest.raises(NoProgressError) as err:
+        tw.launch(_users_own_loop, 2, args=(5,), progress_timeout=1.0)
+    assert err.value.rank == 1, str(err.value)
+    assert "rank 1 made no progress for" in str(err.value) and "(stuck at step 4; others at step 5)" in str(err.value)
+    assert len(str(err.value).splitlines()) == 1
+
+
 def test_a_resumed_run_counts_the_whole_run(pool2, tmp_path):
     """Bytes, ops, emulated time and skipped steps of the segment before the checkpoint are in the resumed
     run's summary (they were lost: 174 000 bytes reported instead of 348 000)."""

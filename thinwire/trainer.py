@@ -23,6 +23,7 @@ from .algorithms.base import Context
 from .comm import Transport
 from .comm.engine import ENGINE
 from .comm.membership import MEMBERSHIP, PeerLost
+from .comm.progress import report as report_progress
 from .comm.state import broadcast_state
 from .compress import compressors, memories
 from .compress.finite import NonFiniteError
@@ -227,7 +228,11 @@ class Trainer:
         (it costs a round trip of latency) and all skip the step.
 
         With `on_failure="continue"`, a worker lost at this step (the launcher announces it) leaves the
-        survivors to form a new group here and go on from the new rank 0's model (`_recover`)."""
+        survivors to form a new group here and go on from the new rank 0's model (`_recover`).
+
+        Under thinwire's launcher the step is reported to its progress watchdog first (two stores into shared
+        memory, `comm/progress.py`): a rank stuck in the loop around it is named like one of `thinwire train`."""
+        report_progress(self.step_count + 1)
         if self._behind:                 # rejoining the survivors' step count after a loss: nothing applied
             self._behind -= 1
             self.scheduler.discard_step()

@@ -10,7 +10,7 @@ What the launcher watches, quickest first:
 - a worker process that dies is named at once (with its exit code or signal);
 - liveness: each worker's heartbeat thread beats every 0.5 s; a process silent for `stall_timeout` (stopped,
   or wedged as a whole) is named;
-- progress: a worker whose training loop calls `report_progress(step)` every step (`train_worker` does) is
+- progress: a worker whose training loop calls `report_progress(step)` every step (`Trainer.step` does) is
   watched on its steps. When no running rank has advanced for max(`progress_timeout`, 50 x the median step
   time seen so far), the rank the others wait for (the lowest step) is named: `rank 2 made no progress for
   95 s (stuck at step 41; others at step 42)`; a stuck collective shows as every rank at one step. This is
@@ -45,6 +45,7 @@ from collections import deque
 from datetime import timedelta
 
 from ..comm import set_default_network
+from ..comm import progress
 from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
 from ..net import parse_network
@@ -55,22 +56,7 @@ MAX_LOCAL_WORKERS = 512     # processes on one machine: each holds an interprete
 PROGRESS_TIMEOUT = 300.0    # the progress watchdog's bound (s) by default, ...
 PROGRESS_STEPS = 50         # ... raised to this many median step times when steps are slow
 
-_progress = None            # inside a launcher worker: (steps, times, rank), the shared arrays the watchdog reads
-
-
-def report_progress(step: int | None = None) -> None:
-    """Tell the launcher's watchdog that this rank has reached training step `step` (default: one more than
-    its last report). Call it once per step, best after the step's local computation and before the step's
-    communication waits (as `train_worker` does): then a rank that stopped computing is told apart from the
-    ranks waiting for it. Two stores into shared memory; a no-op outside a launcher worker (under torchrun,
-    in a plain process)."""
-    p = _progress
-    if p is None:
-        return
-    steps, times, rank = p
-    value = max(steps[rank], 0) + 1 if step is None else int(step)
-    times[rank] = time.monotonic()
-    steps[rank] = value
+report_progress = progress.report   # thinwire.report_progress: see thinwire/comm/progress.py
 
 
 class DeadlineError(WorkerError):
@@ -194,7 +180,6 @@ def pick_backend(backend: str | None, device: str | None, local_world_size: int 
 
 def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results, beats, steps, times,
                  worker_init, on_failure="stop"):
-    global _progress
     _die_with_parent()
     try:
         if worker_init is not None:  # first, on this (main) thread: e.g. enter a network namespace
@@ -205,7 +190,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too, not the host's address
     import threading
     threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True).start()
-    _progress = (steps, times, rank)
+    progress.install(steps, times, rank)
     import torch
     import torch.distributed as dist
     torch.set_num_threads(_threads_per_worker(world_size))
