@@ -127,6 +127,44 @@ def test_sgd_and_plain_sgd_lower_the_lm_training_loss(lmw, momentum):
     assert after < before - 0.2, (before, after)
 
 
+def test_muon_on_hidden_matrices_adamw_on_the_rest_lowers_the_loss(lmw):
+    """MuLoCo's inner optimizer: Muon (torch.optim.Muon, AdamW-matched RMS) on the hidden weight matrices, AdamW on
+    embeddings, the head, biases and norms; one optimizer whose groups and state are the two's."""
+    from thinwire.optim import MuonWithAdamW, step_subset
+    model = lmw.model(0)
+    opt = lmw.make_optimizer(model, optimizer="muon")
+    assert isinstance(opt, MuonWithAdamW) and [type(o).__name__ for o in opt.inner] == ["Muon", "AdamW"]
+    muon, adamw = (set(map(id, o.param_groups[0]["params"])) for o in opt.inner)
+    hidden = {id(m.weight) for b in model.blocks for m in (b.qkv, b.proj, b.fc, b.out)}
+    assert muon == hidden and id(model.head.weight) in adamw and id(model.tok.weight) in adamw
+    assert opt.inner[0].param_groups[0]["momentum"] == 0.95 and opt.inner[1].param_groups[0]["betas"] == (0.9, 0.95)
+    assert all(g["lr"] == lmw.lr and g["weight_decay"] == 0.1 for g in opt.param_groups)
+    before, after = _steps_lower_loss(lmw, opt, model)
+    assert after < before - 0.5, (before, after)
+    # a step of some parameters only (a bucket during backward) steps those only, with their own optimizer
+    x, y = lmw.data[0][:4], lmw.data[1][:4]
+    lmw.loss(model(x), y).backward()
+    head, qkv = model.head.weight.detach().clone(), model.blocks[0].qkv.weight.detach().clone()
+    step_subset(opt, [model.blocks[0].qkv.weight])
+    assert torch.equal(head, model.head.weight) and not torch.equal(qkv, model.blocks[0].qkv.weight)
+    state = opt.state_dict()
+    again = lmw.make_optimizer(lmw.model(0), optimizer="muon")
+    again.load_state_dict(state)
+    assert again.inner[0].state is again.state and len(again.state) == len(opt.state)
+    with pytest.raises(UserError, match="needs the model"):
+        lmw.make_optimizer(list(model.parameters()), optimizer="muon")
+
+
+def test_muon_is_any_algorithms_inner_optimizer(pool2):
+    """`--optimizer muon` under DiLoCo (MuLoCo) in two real workers: one model at the end, a lower loss."""
+    from thinwire.run.train import TrainConfig, train_worker
+    cfg = TrainConfig(workload="stdlib-lm", algorithm="diloco", workers=2, steps=2, eval_every=2, progress=False,
+                      optimizer="muon", params={"period": 2})
+    results = pool2.run(train_worker, cfg.validate())
+    assert len({r["model_sha256"] for r in results}) == 1
+    assert all(r["final"] < r["evals"][0]["value"] for r in results)
+
+
 def test_evaluation_gives_a_finite_loss_and_bits_per_byte(lmw):
     model = lmw.model(0)
     model.train()
@@ -164,7 +202,7 @@ def test_make_optimizer_names_overrides_and_errors(lmw):
     g = lmw.make_optimizer(params, optimizer="sgd").param_groups[0]
     assert (g["lr"], g["momentum"]) == (lmw.optim["sgd"]["lr"], 0.9)
     assert len(adamw.param_groups) == 1
-    with pytest.raises(UserError, match="sgd, adamw"):
+    with pytest.raises(UserError, match="sgd, adamw, muon"):
         lmw.make_optimizer(params, optimizer="adam")
     with pytest.raises(UserError, match="sgd, adamw"):
         Workload("x", lmw.data, lmw.build, optimizer="lion")

@@ -55,3 +55,65 @@ def heavy_ball(optimizer: torch.optim.Optimizer) -> float | None:
                             for g in groups):
         return None
     return float(mus.pop())
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon on the hidden weight matrices, AdamW on every other parameter: how MuLoCo trains DiLoCo's workers
+    (Thérien, Huang, Defazio, Rish, Belilovsky 2025, "MuLoCo: Muon is a practical inner optimizer for DiLoCo",
+    arXiv 2505.23725), and how Muon is meant to be used (Jordan et al. 2024, "Muon: An optimizer for hidden layers
+    in neural networks": the embeddings, the classifier head, biases and gains stay with AdamW).
+
+    Muon is `torch.optim.Muon`: Nesterov momentum, then the update orthogonalized by five Newton–Schulz iterations,
+    its learning rate scaled by 0.2·√max(A, B) so that its update's RMS matches AdamW's (`adjust_lr_fn=
+    "match_rms_adamw"`, Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv 2502.16982): both parts then
+    take the same learning rate and decoupled weight decay. One optimizer to the algorithms: its param groups are
+    the two inner optimizers' own (Muon's first), its state theirs, so a step of some parameters only
+    (`step_subset`) and `state_dict()` work as for any torch.optim optimizer."""
+
+    def __init__(self, muon_params, adamw_params, lr: float, weight_decay: float, momentum: float = 0.95,
+                 betas: tuple = (0.9, 0.999), eps: float = 1e-8):
+        muon_params, adamw_params = list(muon_params), list(adamw_params)
+        bad = [tuple(p.shape) for p in muon_params if p.dim() != 2]
+        if bad:
+            raise ValueError(f"Muon takes 2-D weight matrices only, got shapes {bad}")
+        self.inner = []
+        if muon_params:
+            self.inner.append(torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                               nesterov=True, adjust_lr_fn="match_rms_adamw"))
+        if adamw_params:
+            self.inner.append(torch.optim.AdamW(adamw_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(muon_params + adamw_params, {"lr": lr, "weight_decay": weight_decay})
+        self._link()
+
+    def _link(self, groups: list | None = None) -> None:
+        """The inner optimizers' groups and state are this optimizer's (the same objects)."""
+        if groups is None:
+            groups = [g for opt in self.inner for g in opt.param_groups]
+        self.param_groups, at = groups, 0
+        for opt in self.inner:
+            n = len(opt.param_groups)
+            opt.param_groups, at = groups[at:at + n], at + n
+            opt.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.inner:
+            opt.step()
+        return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link(self.param_groups)
+
+
+def muon_split(model: torch.nn.Module) -> tuple[list, list]:
+    """(hidden weight matrices, the rest) of `model`'s trainable parameters: the weights of its `nn.Linear` layers
+    but the last one (the output head); embeddings, biases, norms and everything else in the rest."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    hidden = {id(m.weight) for m in linears[:-1] if m.weight.requires_grad}
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [p for p in params if id(p) in hidden], [p for p in params if id(p) not in hidden]

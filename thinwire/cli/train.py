@@ -29,7 +29,8 @@ def add_run_options(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, help="evaluate every N steps (default: twice per epoch)")
     p.add_argument("--target", type=float, help="accuracy (or loss) target (default: the workload's)")
-    p.add_argument("--optimizer", help="sgd or adamw instead of the workload's own optimizer")
+    p.add_argument("--optimizer", help="sgd, adamw or muon (Muon on the hidden weight matrices, AdamW on the rest: "
+                                       "MuLoCo's inner optimizer) instead of the workload's own optimizer")
 
 
 def config_from_args(args):

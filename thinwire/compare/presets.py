@@ -2,7 +2,7 @@
 
 A cell spec names one contestant:  `ALGO[:k=v,...][+COMPRESSOR[:k=v,...]]`, e.g. `bsp`,
 `dts:delay=4,period=4`, `bsp+topk:ratio=0.01,memory=residual` (`memory=` picks the error-feedback memory,
-`optimizer=sgd|adamw` the optimizer instead of the workload's own), or a peer (`ddp`, `ddp-fp16`,
+`optimizer=sgd|adamw|muon` the optimizer instead of the workload's own), or a peer (`ddp`, `ddp-fp16`,
 `ddp-powersgd`, `ddp-postlocalsgd`, `ddp-hierarchical`, `torchft-diloco`; see `thinwire.run.peers`). A cell may also
 be a dict `{"algorithm": ..., "compressor": ..., "memory": ..., "params": {...}, "label": ...}`.
 

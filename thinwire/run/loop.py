@@ -68,7 +68,7 @@ class TrainerStepper(Stepper):
         # device="cuda": the worker's current CUDA device, which the launcher set
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         model = wl.model(cfg.seed).to(device)
-        self.trainer = Trainer(model, make_optimizer(cfg, wl, model.parameters()), algorithm=cfg.algorithm,
+        self.trainer = Trainer(model, make_optimizer(cfg, wl, model), algorithm=cfg.algorithm,
                                compressor=cfg.compressor, memory=cfg.memory, network=cfg.network, tracer=tracer,
                                nonfinite=cfg.nonfinite, on_failure=cfg.on_failure, **cfg.component_params())
         super().__init__(model, model, getattr(self.trainer.algorithm, "worker_rank", rank))

@@ -235,7 +235,7 @@ def _build(cfg, wl, model, workers: int):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
     name, p = cfg.algorithm, cfg.params
-    opt = make_optimizer(cfg, wl, model.parameters())   # DDP's parameters are the model's
+    opt = make_optimizer(cfg, wl, model)   # DDP's parameters are the model's
     hooks = {"ddp": (default_hooks.allreduce_hook, "allreduce_hook (fp32)"),
              "ddp-fp16": (default_hooks.fp16_compress_hook, "fp16_compress_hook")}
     if name == "ddp-powersgd":

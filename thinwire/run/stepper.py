@@ -46,6 +46,7 @@ class Stepper:
         pass
 
 
-def make_optimizer(cfg, wl, parameters) -> torch.optim.Optimizer:
-    """The workload's optimizer (or `cfg.optimizer` by name) with `cfg.lr` / `cfg.momentum` over it."""
-    return wl.make_optimizer(parameters, lr=cfg.lr, momentum=cfg.momentum, optimizer=cfg.optimizer)
+def make_optimizer(cfg, wl, model) -> torch.optim.Optimizer:
+    """The workload's optimizer (or `cfg.optimizer` by name: sgd, adamw, muon) with `cfg.lr` / `cfg.momentum` over
+    `model`'s parameters."""
+    return wl.make_optimizer(model, lr=cfg.lr, momentum=cfg.momentum, optimizer=cfg.optimizer)

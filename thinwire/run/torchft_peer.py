@@ -80,7 +80,7 @@ class TorchftDiLoCoStepper(PeerStepper):
         self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
                                    use_libuv=False)
         self.pg = _emulated_gloo(self.counter, timedelta(seconds=600))
-        self.optimizer = make_optimizer(cfg, wl, module.parameters())  # the inner one
+        self.optimizer = make_optimizer(cfg, wl, module)  # the inner one
         self.manager = Manager(pg=self.pg, load_state_dict=self._load, state_dict=self._state,
                                min_replica_size=world_size, use_async_quorum=False, init_sync=False, rank=0,
                                world_size=1, store_addr="127.0.0.1", store_port=port, lighthouse_addr=address,

@@ -33,10 +33,14 @@ registry = Registry("workload")
 
 # Optimizers a workload can be trained with, and the settings each starts from before the workload's own
 # (`Workload.optim`) and, for its default optimizer, its `lr`/`momentum`. "momentum" is SGD's heavy-ball
-# coefficient and AdamW's beta1 (the decay of its first-moment average: Adam's momentum).
+# coefficient and AdamW's beta1 (the decay of its first-moment average: Adam's momentum), and Muon's momentum.
+# "muon": Muon on the hidden weight matrices, AdamW on the rest (thinwire.optim.MuonWithAdamW, MuLoCo's inner
+# optimizer); it starts from the workload's AdamW settings (learning rate, beta2, weight decay: Muon's update is
+# scaled to AdamW's RMS), with Muon's own momentum 0.95 (torch.optim.Muon's default; AdamW's part keeps beta1 0.9).
 OPTIMIZERS = {
     "sgd": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0},
     "adamw": {"lr": 1e-3, "momentum": 0.9, "beta2": 0.999, "weight_decay": 0.01},  # torch.optim.AdamW's defaults
+    "muon": {"momentum": 0.95},
 }
 
 
@@ -84,6 +88,9 @@ class Workload:
         """(name, settings) of `optimizer` (default: the workload's own) before any override."""
         name = self.optimizer if optimizer is None else optimizer
         check_optimizer(name)
+        if name == "muon":      # the workload's AdamW settings, Muon's momentum
+            settings = {**self.optimizer_settings("adamw")[1], **OPTIMIZERS["muon"], **self.optim.get("muon", {})}
+            return name, settings
         settings = {**OPTIMIZERS[name], **self.optim.get(name, {})}
         if name == self.optimizer:
             settings.update(lr=self.lr, momentum=self.momentum)
@@ -91,11 +98,22 @@ class Workload:
 
     def make_optimizer(self, parameters, lr: float | None = None, momentum: float | None = None,
                        optimizer: str | None = None) -> torch.optim.Optimizer:
-        """The workload's default optimizer, or "sgd" / "adamw" by name, over one parameter group; `lr` and
-        `momentum` override its settings (for AdamW `momentum` is beta1)."""
+        """The workload's default optimizer, or "sgd" / "adamw" / "muon" by name, over `parameters` (or a model's:
+        "muon" needs the model, to tell its hidden weight matrices from its head); `lr` and `momentum` override its
+        settings (for AdamW `momentum` is beta1, for Muon its momentum)."""
         name, s = self.optimizer_settings(optimizer)
         lr = s["lr"] if lr is None else lr
         momentum = s["momentum"] if momentum is None else momentum
+        if name == "muon":
+            from ..optim import MuonWithAdamW, muon_split
+            if not isinstance(parameters, nn.Module):
+                raise UserError("the muon optimizer needs the model (its hidden weight matrices get Muon, the rest "
+                                "AdamW): pass the module")
+            hidden, rest = muon_split(parameters)
+            return MuonWithAdamW(hidden, rest, lr=lr, weight_decay=s["weight_decay"], momentum=momentum,
+                                 betas=(0.9, s["beta2"]))
+        if isinstance(parameters, nn.Module):
+            parameters = parameters.parameters()
         if name == "sgd":
             return torch.optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=s["weight_decay"])
         return torch.optim.AdamW(parameters, lr=lr, betas=(momentum, s["beta2"]), weight_decay=s["weight_decay"])
