@@ -8,10 +8,11 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
+# the integrations' extras too (Lightning, Accelerate), so their tests run against the real packages
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,lightning,accelerate]' 'torch==2.13.0'
 	touch $(STAMP)
 
 # the race includes torchft's DiLoCo: its extra goes beside the torch pin (a note, not a failure, where it cannot)

@@ -21,6 +21,9 @@ BELOW["run"] = {"launcher", "trainer", "plan"} | BELOW["trainer"] | BELOW["launc
 BELOW["compare"] = {"run"} | BELOW["run"]
 BELOW["bench"] = {"compare"} | BELOW["compare"]
 BELOW["cli"] = {"bench"} | BELOW["bench"]
+# the integrations' public names (thinwire.lightning, thinwire.accelerate): aliases over the run layer's modules
+BELOW["lightning"] = {"run"} | BELOW["run"]
+BELOW["accelerate"] = {"run"} | BELOW["run"]
 
 
 def _layer(module: str) -> str | None:

@@ -14,3 +14,38 @@ class WorkerError(RuntimeError):
         if traceback:
             msg += "\n--- traceback of worker %d ---\n%s" % (rank, traceback.rstrip())
         super().__init__(msg)
+
+
+class MissingExtra(UserError, ImportError):
+    """An optional dependency is not installed; the message is one line naming the pip command. Left uncaught in a
+    script, it prints that line alone and exits with status 2, as the CLI does for every `UserError`."""
+
+
+def require_extra(module: str, extra: str, feature: str):
+    """`import module`, or raise `MissingExtra` naming `pip install 'thinwire[extra]'` (beside the torch pin)."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        _exit_2_when_uncaught()
+        raise MissingExtra(f"{feature} needs the optional extra {extra!r}: "
+                           f"pip install 'thinwire[{extra}]' 'torch==2.13.0'") from None
+
+
+def _exit_2_when_uncaught() -> None:
+    """Make an uncaught `MissingExtra` end the program with its one line and status 2 (any other exception keeps
+    Python's own report): installed once, and only where such an error is raised."""
+    import sys
+    previous = sys.excepthook
+    if getattr(previous, "_thinwire", False):
+        return
+
+    def hook(kind, value, tb):
+        if not isinstance(value, MissingExtra):
+            return previous(kind, value, tb)
+        import os
+        sys.stdout.flush()
+        print(f"thinwire: error: {value}", file=sys.stderr, flush=True)
+        os._exit(2)     # Python ends an uncaught exception with status 1; nothing was started before the import
+    hook._thinwire = True
+    sys.excepthook = hook
