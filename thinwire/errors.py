@@ -22,7 +22,7 @@ class MissingExtra(UserError, ImportError):
 
 
 def require_extra(module: str, extra: str, feature: str):
-    """`import module`, or raise `MissingExtra` naming `pip install 'thinwire[extra]'` (beside the torch pin)."""
+    """`import module`, or raise `MissingExtra` naming the pip command that installs `extra` (beside the torch pin)."""
     import importlib
     try:
         return importlib.import_module(module)
