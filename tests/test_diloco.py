@@ -158,18 +158,22 @@ def _equivalences(rank, world):
 
 
 # -- the single-process replay of the papers' algorithms -------------------------------------------------------
-def replay(model, params, steps, n=N):
+def replay(model, params, steps, n=N, island=1):
     """DiLoCo (Douillard et al. 2023, Alg. 1) / Streaming DiLoCo (2025, Alg. 1) for n workers in one process,
-    written from the papers: the outer step is Nesterov momentum written out (b ← μb + Δ; θ ← θ − lr(Δ + μb))."""
+    written from the papers: the outer step is Nesterov momentum written out (b ← μb + Δ; θ ← θ − lr(Δ + μb)).
+    `island` > 1: n / island replicas, each trained by data parallelism over `island` workers' batches (the mean
+    of their gradients); returns one model per worker (a replica's for each of its workers)."""
     if params.get("eager"):
         return replay_eager(model, params, steps, n)[0]
     H, F = params["period"], params.get("fragments", 1)
     tau, alpha = params.get("overlap", 0), params.get("alpha", 0.0)
     lr, mu = params.get("outer_lr", 0.7), params.get("outer_momentum", 0.9)
     wl = workloads.get("linreg")
+    shards = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
+    n //= island
     models = [_model(model) for _ in range(n)]
     opts = [_inner(m, "adamw") for m in models]
-    loaders = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
+    loaders = [_Island(shards[r * island:(r + 1) * island]) for r in range(n)]
     ps = [list(m.parameters()) for m in models]
     flat = lambda r: torch.cat([p.detach().reshape(-1) for p in ps[r]])     # noqa: E731
     theta = flat(0).clone()                         # θ, the model flattened in model order
@@ -179,8 +183,8 @@ def replay(model, params, steps, n=N):
     pending = None
     for t in range(1, steps + 1):
         for r in range(n):
-            xb, yb = loaders[r].next()
-            wl.loss(models[r](xb), yb).backward()
+            for xb, yb in loaders[r].next():      # the island's mean gradient
+                (wl.loss(models[r](xb), yb) / island).backward()
             opts[r].step()
             opts[r].zero_grad()
         with torch.no_grad():
@@ -198,7 +202,17 @@ def replay(model, params, steps, n=N):
                     new = flat(r)
                     new[lo:hi] = alpha * new[lo:hi] + (1 - alpha) * theta[lo:hi]
                     torch.nn.utils.vector_to_parameters(new, ps[r])
-    return [flat(r) for r in range(n)]
+    return [flat(r) for r in range(n) for _ in range(island)]
+
+
+class _Island:
+    """The batches of an island's workers, one from each."""
+
+    def __init__(self, loaders):
+        self.loaders = loaders
+
+    def next(self):
+        return [loader.next() for loader in self.loaders]
 
 
 def replay_eager(model, params, steps, n=N):
@@ -293,6 +307,46 @@ def test_equivalences_and_replays_on_linreg(pool4):
     assert not torch.equal(mixed[0], mixed[1])
     assert results[0]["streaming F=6 fusion"][2]["schedule"]["buckets"] > 1      # pieces of several buckets
     assert results[0]["streaming F=3 τ=2"][2]["fragment_params"] == [72, 72, 73]     # tensors cut
+
+
+# -- hierarchical DiLoCo on a two-tier network --------------------------------------------------------------
+ISLANDS = "islands:2x2,inside=lan,across=lan"     # two islands of two workers (unemulated: the algebra only)
+HIERARCHICAL = {"diloco H=3 islands": ("linreg", {"period": 3, "replicas": "island"}, 10),
+                "streaming F=2 τ=1 islands": ("mlp", {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5,
+                                                      "replicas": "island"}, 11)}
+
+
+def _islands(rank, world):
+    out = {}
+    for name, (model, params, steps) in HIERARCHICAL.items():
+        out[name] = _run(rank, world, "diloco", params, steps, model=model, inner="adamw")
+    flat = _run(rank, world, "diloco", {"period": 3}, 9)         # every worker a replica, on the same network
+    out["flat"] = flat[2]
+    return out
+
+
+def test_hierarchical_diloco_replays_data_parallel_islands(pool4):
+    """replicas=island on islands:2x2: each island trains as one data-parallel replica (the mean gradient of its
+    two workers), the outer step averages the two islands' outer gradients (sharded over the island's workers,
+    gathered back): a replay of DiLoCo with 2 replicas whose inner gradients are island means. Fewer bytes over
+    the thin link than flat DiLoCo, whose ring crosses it at two workers of four."""
+    results = pool4.run(_islands, network=ISLANDS)
+    for name, (model, params, steps) in HIERARCHICAL.items():
+        want = replay(model, params, steps, island=2)
+        for rank, r in enumerate(results):
+            assert close(r[name][0], want[rank]), (name, rank, float((r[name][0] - want[rank]).abs().max()))
+        assert torch.equal(results[0][name][0], results[1][name][0])       # one model per island
+        afters = [r[name][1] for r in results]
+        assert all(torch.equal(afters[0], a) for a in afters[1:]), name
+        assert results[0][name][2]["replicas_averaged"] == 2
+    # per sync of the 16-element float64 model each worker sends its 8-element shard over the thin link (a ring of
+    # the two islands: 64 bytes); the inner steps' gradient all-reduces stay inside the island
+    hier = [r["diloco H=3 islands"][2] for r in results]
+    assert all(h["bytes_across"] == h["syncs"] * 64 and h["bytes_sent"] > h["bytes_across"] for h in hier)
+    # flat DiLoCo's ring of 4 crosses the thin link at workers 1 and 3 with 1.5 models each: 1.5× the bytes a sync
+    flat = [r["flat"] for r in results]
+    assert [f["bytes_across"] > 0 for f in flat] == [False, True, False, True]
+    assert sum(f["bytes_across"] for f in flat) / flat[0]["syncs"] == 1.5 * sum(h["bytes_across"] for h in hier) / hier[0]["syncs"]
 
 
 # -- compressed pseudo-gradients: nothing lost, only delayed -------------------------------------------------

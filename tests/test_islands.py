@@ -42,10 +42,9 @@ def _charged(rank, world_size):
     the bytes metered as crossing the thin link."""
     import torch.distributed as dist
 
-    from thinwire.comm import Transport
-    from thinwire.run.loop import _gloo_group
+    from thinwire.comm import Transport, subgroup
     t = Transport()
-    groups = {ranks: _gloo_group(world_size, ranks) for ranks in ((0, 1), (2, 3), (0, 2), (1, 3))}   # every rank
+    groups = {ranks: subgroup(ranks) for ranks in ((0, 1), (2, 3), (0, 2), (1, 3))}   # every rank, in this order
     island = t.sub(groups[(0, 1) if rank < 2 else (2, 3)])
     column = t.sub(groups[(0, 2) if rank % 2 == 0 else (1, 3)])
     out = {"paths": (t.path.name, island.path.name, column.path.name),
@@ -98,3 +97,18 @@ def test_every_message_is_charged_on_the_link_it_crosses(pool4):
     assert sent[2][2] == 400
     assert out[1]["p2p"][1][0] == net.inside.name and out[2]["p2p"][2][0] == net.across.name
     assert out[1]["p2p"][1][2] and out[2]["p2p"][2][2]
+
+
+def test_the_peers_face_the_same_two_tier_network(pool4):
+    """PyTorch's DDP on islands: its all-reduce of the whole world crosses the thin link at the ring's two
+    crossings (workers 1 and 3), charged and counted like thinwire's (bytes across apart)."""
+    from thinwire.run.train import TrainConfig, train_worker
+    net = "islands:2x2,inside=lan,across=lan"      # (the bytes only: unemulated)
+    cfg = TrainConfig(workload="digits-mlp", algorithm="ddp", workers=4, steps=2, eval_every=2, progress=False,
+                      network=net).validate()
+    out = pool4.run(train_worker, cfg, network=net)
+    totals = [r["meter"]["total"] for r in out]
+    assert all(t["bytes_sent"] > 0 for t in totals)
+    assert [t["bytes_across"] for t in totals] == [0.0, totals[1]["bytes_sent"], 0.0, totals[3]["bytes_sent"]]
+    with pytest.raises(UserError, match="2 islands of 2 workers"):
+        TrainConfig(workload="digits-mlp", algorithm="ddp", workers=2, network=NET).validate()

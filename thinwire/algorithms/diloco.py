@@ -48,6 +48,17 @@ H inner steps per fragment round instead of τ (so `overlap` and `alpha` stay 0)
 still in flight (their others' shares), then averages the workers' models once (one all-reduce of the model)
 so that every worker ends with the same model.
 
+Hierarchical DiLoCo on a two-tier network (`thinwire.net.Islands`): `replicas="island"` makes each island one
+DiLoCo replica, trained by synchronous data parallelism inside (every inner step all-reduces the gradients over
+the island's fast links, as `bsp` does; the island's workers hold the same model), and the outer sync crosses the
+thin link once per island: the island's workers hold the same pseudo-gradient, so worker j of each island
+averages the j-th of m equal shards of it with worker j of the other islands (over the thin link, through the
+training's compressor and error feedback), then the island all-gathers the averaged shards over its fast links
+(the DiLoCo paper's setting: "islands" of well-connected devices, Douillard et al. 2023 §1; the data parallelism
+inside each replica torchft's DiLoCo leaves to the user). The bytes that cross the thin link per sync are those of
+one model per island, spread over its workers' links. M, the number of replicas averaged, is the number of
+islands. On a flat network (or islands of one worker) it is the flat algorithm.
+
 Like `localsgd`, on a step that takes a pseudo-gradient each bucket's inner step is taken as soon as backward
 hands the bucket over, and the pseudo-gradient of its elements in the syncing fragment starts averaging at
 once, overlapped with the rest of backward. Exchange state (error-feedback residuals) is kept per piece (a
@@ -70,7 +81,8 @@ from typing import Callable
 
 import torch
 
-from ..comm.engine import Ready
+from ..comm import subgroup
+from ..comm.engine import Future, Ready
 from ..errors import UserError
 from ..optim import step_subset
 from ..tensors import copy_each, views
@@ -121,6 +133,24 @@ def _outer_factory(outer_optimizer, outer_lr: float, outer_momentum: float, nest
     return outer_optimizer
 
 
+class _Gathered(Future):
+    """The mean of a piece's Δ under replicas="island": this worker's shard averaged across the islands (`fut`),
+    then the island's shards all-gathered over its fast links (on `result`, when the merge asks for it)."""
+
+    def __init__(self, fut, inside, sizes: list[int]):
+        self.fut, self.inside, self.sizes = fut, inside, sizes
+        self._value = None
+
+    def is_completed(self) -> bool:
+        return self._value is not None or self.fut.is_completed()
+
+    def result(self):
+        if self._value is None:
+            mine = self.fut.wait()          # (each wait counts its own exposed time)
+            self._value = torch.cat(self.inside.all_gather(mine.reshape(-1), sizes=self.sizes))
+        return self._value
+
+
 @register("diloco")
 class DiLoCo(Algorithm):
     """DiLoCo (Douillard et al. 2023, Alg. 1): H inner steps, averaged pseudo-gradient, outer Nesterov SGD;
@@ -133,7 +163,7 @@ class DiLoCo(Algorithm):
 
     def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,
-                 eager: bool = False, architecture: str | None = None):
+                 eager: bool = False, replicas: str = "worker", architecture: str | None = None):
         super().__init__(architecture)
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
             int_at_least(f"diloco {name}", value, low)
@@ -149,6 +179,10 @@ class DiLoCo(Algorithm):
             raise UserError(f"diloco outer_momentum must be in [0, 1), got {outer_momentum!r}")
         if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
             raise UserError(f"diloco alpha must be in [0, 1] (θ ← α θ_local + (1 − α) θ_global), got {alpha!r}")
+        if replicas not in ("worker", "island"):
+            raise UserError(f"diloco replicas must be worker (every worker a DiLoCo replica) or island (every island "
+                            f"of a two-tier network one, data parallel inside), got {replicas!r}")
+        self.replicas = replicas
         if not isinstance(eager, bool):
             raise UserError(f"diloco eager must be true or false, got {eager!r}")
         if eager and (overlap or alpha):
@@ -184,7 +218,15 @@ class DiLoCo(Algorithm):
                             f"(or fp8/fp4, Streaming DiLoCo's outer-gradient compressors)")
 
     def setup(self):
-        self.exchange = self.make_exchange()
+        self.island = self._island_transports() if self.replicas == "island" else None
+        if self.island is None:
+            self.exchange = self.make_exchange()
+        else:       # the outer sync among the islands' j-th workers; the inner steps' gradients inside the island
+            inside, column = self.island
+            self.exchange = self.exchange_class(column, self.compressor, self.memory, **self.ctx.modes)
+            self.inner = self.exchange_class(inside, "none", "none", **self.ctx.modes)
+            self._exchanges += [self.exchange, self.inner]
+            self._grads: dict = {}
         sizes = [p.numel() for p in self.params]
         self.bounds = fragment_bounds(sum(sizes), self.fragments)
         self.segs = segments(sizes, self.bounds)
@@ -212,6 +254,19 @@ class DiLoCo(Algorithm):
         self._own: list[dict] = [{} for _ in range(self.fragments)]
         self._current: dict = {}            # segment -> own outer gradient taken this step (eager)
 
+    def _island_transports(self):
+        """(this island's transport, the transport of the islands' j-th workers) on a two-tier network with islands
+        of several workers; None elsewhere (flat DiLoCo). Every rank makes every group, in the same order."""
+        net = self.transport.islands
+        if net is None or net.size == 1:
+            return None
+        if self.transport.members != list(range(net.workers)):
+            raise UserError("diloco replicas=island needs the whole job's group (no regrouped survivors)")
+        m, me = net.size, self.transport.rank
+        islands = [subgroup(range(i * m, (i + 1) * m)) for i in range(net.islands)]
+        columns = [subgroup(range(j, net.workers, m)) for j in range(m)]
+        return self.transport.sub(islands[me // m]), self.transport.sub(columns[me % m])
+
     def _local(self, k: int) -> torch.Tensor:
         """Segment k of the worker's own parameters (a view, shaped like its θ)."""
         i, _, lo, hi = self.segs[k]
@@ -238,6 +293,9 @@ class DiLoCo(Algorithm):
 
     # -- the step --------------------------------------------------------------------------------------
     def on_bucket(self, bucket):
+        if self.island is not None:     # data parallel inside the island: the bucket's mean gradient starts
+            self._grads[bucket.index] = self.inner.start(bucket.buffer, bucket.key, shapes=bucket.shapes, inplace=True)
+            return
         f = self.starting(self.steps + 1)
         if f is None:
             return
@@ -254,8 +312,15 @@ class DiLoCo(Algorithm):
             return
         with torch.no_grad():      # Δ_i = θ − θ_i (DiLoCo Alg. 1 line 12), in the bucket's order
             delta = torch.cat([(self.anchor[k] - self._local(k)).reshape(-1) for k in piece])
-        fut = self.exchange.start(delta, key=self._key(bucket, f), shapes=[tuple(self.anchor[k].shape)
-                                                                           for k in piece])
+        if self.island is None:
+            fut = self.exchange.start(delta, key=self._key(bucket, f), shapes=[tuple(self.anchor[k].shape)
+                                                                               for k in piece])
+        else:       # this worker's shard of the island's Δ across the thin link, the island gathers the rest
+            inside, _ = self.island
+            shards = delta.tensor_split(inside.world_size)
+            mine = shards[inside.rank]
+            fut = _Gathered(self.exchange.start(mine.clone(), key=f"{self._key(bucket, f)}#{inside.rank}",
+                                                shapes=[tuple(mine.shape)]), inside, [t.numel() for t in shards])
         if self.eager:     # the own share stands in for the average until it arrives
             self._current.update(zip(piece, views(delta.clone(), [self.anchor[k] for k in piece])))
         self._pending.append((piece, fut))
@@ -264,7 +329,9 @@ class DiLoCo(Algorithm):
     def step(self):
         n = self.steps + 1
         self.scheduler.flush()      # on a starting step: every bucket's inner step taken and its Δ started
-        if self.starting(n) is None:
+        if self.island is not None:
+            self._island_inner_step(n)
+        elif self.starting(n) is None:
             self.optimizer_step()
         self.steps = n
         self._dirty = [True] * self.fragments
@@ -273,12 +340,24 @@ class DiLoCo(Algorithm):
             self._eager_step(f) if self.eager else self._merge([f], self.alpha)
         self.scheduler.end_step()
 
+    def _island_inner_step(self, n: int) -> None:
+        """The island's mean gradient in every p.grad, the inner step, then (a starting step) the fragment's Δ."""
+        for bucket in self.scheduler.buckets:
+            res = self._grads.pop(bucket.index).wait()
+            if res.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(res.reshape(-1))
+        self.optimizer_step()
+        f = self.starting(n)
+        if f is not None:
+            for bucket in self.scheduler.buckets:
+                self._start(bucket, f)
+
     @torch.no_grad()
     def _eager_step(self, f: int) -> None:
         """Fragment f's round under eager updates: θ ← OuterOpt(θ, Δ_m/M + (Δ_prev − Δ_m,prev/M)) at once; this
         round's average stays in flight until f's next round (Kale et al. 2025, eager updates)."""
         with self.tracer.span("outer step", "communicate"):
-            m = self.world_size
+            m = self.exchange.world_size          # the replicas averaged
             ks = self.by_fragment[f]
             own = {k: self._current.pop(k) for k in ks if k in self._current}
             grads = {k: d / m for k, d in own.items()}
@@ -296,7 +375,7 @@ class DiLoCo(Algorithm):
 
     def _apply_delayed(self, f: int, grads: dict) -> None:
         """Add to `grads` the others' shares of fragment f's previous average: Δ_prev − Δ_m,prev / M."""
-        m = self.world_size
+        m = self.exchange.world_size
         for piece, fut in self._inflight[f]:
             for k, avg in zip(piece, views(fut.wait(), [self.anchor[k] for k in piece])):
                 own = self._own[f].get(k)
@@ -367,6 +446,9 @@ class DiLoCo(Algorithm):
         """A worker was lost: the sync in flight is dropped; θ and the outer optimizer's state are taken from the
         new rank 0 (a sync that completed on some survivors only cannot leave them apart), the survivors'
         inner models (broadcast by the Trainer) differ from θ, and the schedule goes on from the agreed step."""
+        if self.island is not None:
+            raise UserError("diloco replicas=island does not go on after a lost worker (its island's data parallel "
+                            "group lost a member): use on_failure='stop' and resume from a checkpoint")
         self._pending, self._pending_fragment = [], None
         self._inflight, self._own = [[] for _ in range(self.fragments)], [{} for _ in range(self.fragments)]
         self._current = {}
@@ -381,13 +463,17 @@ class DiLoCo(Algorithm):
 
     # -- buckets re-planned (MG-WFBP): per-piece exchange state follows ------------------------------------
     def _piece_layout(self) -> list[list[tuple[str, int]]]:
-        """Per fragment: (key, numel) of its pieces, bucket by bucket (its elements in backward order)."""
+        """Per fragment: (key, numel) of its pieces, bucket by bucket (its elements in backward order); with
+        replicas="island", of this worker's shard of each piece."""
         out: list[list[tuple[str, int]]] = [[] for _ in range(self.fragments)]
         for bucket in self.scheduler.buckets:
             for f in range(self.fragments):
                 n = sum(self.anchor[k].numel() for k in self.pieces(bucket, f))
-                if n:
+                if n and self.island is None:
                     out[f].append((self._key(bucket, f), n))
+                elif n:
+                    m, j = self.island[0].world_size, self.island[0].rank
+                    out[f].append((f"{self._key(bucket, f)}#{j}", n // m + (1 if j < n % m else 0)))
         return out
 
     def rekey(self, old, new):
@@ -401,12 +487,14 @@ class DiLoCo(Algorithm):
     # -- bookkeeping -----------------------------------------------------------------------------------
     def metrics(self):
         return {**super().metrics(), "period": self.period, "fragments": self.fragments, "overlap": self.overlap,
-                "alpha": self.alpha, "eager": self.eager, "outer_optimizer": self.outer_spec or
+                "alpha": self.alpha, "eager": self.eager, "replicas": self.replicas,
+                "replicas_averaged": self.exchange.world_size, "outer_optimizer": self.outer_spec or
                 f"sgd(lr={self.outer_lr}, momentum={self.outer_momentum}, nesterov={self.nesterov})",
                 "syncs": self.syncs, "fragment_params": [b - a for a, b in zip(self.bounds, self.bounds[1:])]}
 
     def _config(self) -> dict:
-        return {"period": self.period, "fragments": self.fragments, "overlap": self.overlap, "eager": self.eager}
+        return {"period": self.period, "fragments": self.fragments, "overlap": self.overlap, "eager": self.eager,
+                "replicas": self.replicas}
 
     def state_dict(self):
         """Waits for a sync in flight and stores its average: a resumed run continues exactly."""

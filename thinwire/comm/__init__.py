@@ -2,6 +2,6 @@
 from .context import default_network, set_default_network
 from .emulation import LinkClock
 from .meter import Meter
-from .transport import Handle, Transport
+from .transport import Handle, Transport, subgroup
 
-__all__ = ["Handle", "LinkClock", "Meter", "Transport", "default_network", "set_default_network"]
+__all__ = ["Handle", "LinkClock", "Meter", "Transport", "default_network", "set_default_network", "subgroup"]

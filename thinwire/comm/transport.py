@@ -9,6 +9,7 @@ operations return a `Handle`; compute done before `Handle.wait()` overlaps the e
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from dataclasses import replace
@@ -235,6 +236,17 @@ class _Work(Future):
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
+
+
+@functools.cache
+def _subgroup(world: int, ranks: tuple, backend: str):
+    return dist.new_group(list(ranks), backend=backend)
+
+
+def subgroup(ranks) -> object:
+    """The process group of these global ranks, made once per process (every rank of the job must ask for the same
+    groups in the same order, as for `dist.new_group`; later asks are free)."""
+    return _subgroup(dist.get_world_size(), tuple(ranks), dist.get_backend())
 
 
 class Transport:
