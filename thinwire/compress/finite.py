@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ._kernels import host_read
+
 
 class NonFiniteError(FloatingPointError):
     """A tensor handed to a compressor holds NaN or Inf."""
@@ -21,7 +23,7 @@ def _fail(name: str, key) -> None:
 def check_scale(value: torch.Tensor, name: str, key=None, tensor: torch.Tensor | None = None) -> None:
     """Raise if a reduction of the tensor (norm, max, sum) is not finite: the tensor holds NaN/Inf, or (when
     `tensor` is given and finite) its values are so large that the reduction overflows fp32."""
-    if not bool(torch.isfinite(value).all()):
+    if not bool(host_read(torch.isfinite(value).all())):         # host: the one read of a compress
         if tensor is not None and bool(torch.isfinite(tensor).all()):
             raise NonFiniteError(f"{name}: the scale of tensor {key!r} overflows fp32 (values near 3e38); "
                                  f"clip the gradients")
@@ -30,6 +32,6 @@ def check_scale(value: torch.Tensor, name: str, key=None, tensor: torch.Tensor |
 
 def check_tensor(x: torch.Tensor, name: str, key=None) -> None:
     """Raise if `x` holds NaN or Inf (one cheap sum; a full check only when the sum is not finite)."""
-    if x.numel() and not torch.isfinite(x.sum()):      # (in x's own type: a widening sum would copy x)
+    if x.numel() and not bool(host_read(torch.isfinite(x.sum()))):      # (x's own type: a widening sum copies x)
         if not bool(torch.isfinite(x).all()):
             _fail(name, key)

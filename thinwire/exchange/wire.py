@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..compress._kernels import host_read
+
 _DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
            torch.float32, torch.float64, torch.bool]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
@@ -35,12 +37,12 @@ def headers(bufs: list[torch.Tensor]) -> list[list[int]]:
     for row, b in zip(rows, bufs):
         m = min(b.numel(), _PREFIX)
         row[:m] = b.reshape(-1)[:m]
-    host = rows.view(torch.int32).tolist()      # host: once per exchange (every rank's header together)
+    host = host_read(rows).view(torch.int32).tolist()      # host: once per exchange (every rank's header together)
     out = []
     for b, head in zip(bufs, host):
         count = head[0]
         if 4 + 8 * count > _PREFIX:
-            head = b[:4 + 8 * count].clone().view(torch.int32).tolist()     # host: a header past _PREFIX bytes
+            head = host_read(b[:4 + 8 * count].clone()).view(torch.int32).tolist()   # host: a header past _PREFIX bytes
         out.append(head[1:1 + 2 * count])
     return out
 
