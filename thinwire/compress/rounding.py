@@ -6,7 +6,8 @@ only need pairwise independence. So the n numbers are laid out as an R x C table
 integers (R + C ~ 2 sqrt(n) draws): each cell is exactly uniform, and any two cells are independent (pairwise,
 not jointly: the xor of four corners of a rectangle is 0). The table is written straight into the bits of fp32
 numbers, so one broadcast op per call produces them, into a scratch buffer reused across calls.
-Local randomness (per rank) comes from a generator seeded with (seed, rank); shared randomness from (seed, step, key).
+Local randomness (per rank) comes from a counter-based stream keyed by (seed, rank) (`_kernels.Stream`): its numbers
+are hashed on the tensor's device, the same on every device; shared randomness from (seed, step, key).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import zlib
 
 import torch
 
+from ._kernels import Stream, random_bits
 from .base import Compressor, reused
 
 _COLS = 4096
@@ -32,17 +34,30 @@ def shared_seed(seed: int, step: int, key) -> int:
 
 
 class Uniforms:
-    """Pairwise-independent uniform numbers in bulk, from a generator seeded with (seed, rank) on first use."""
+    """Pairwise-independent uniform numbers in bulk, from a counter-based `Stream` keyed by (seed, rank) on first
+    use: the table's R + C factors are hashed on the tensor's device (`random_bits`), so the numbers are the
+    same on every device and nothing is copied from the host."""
 
     def __init__(self, seed: int = 0):
         self.seed = seed
-        self._gen: torch.Generator | None = None
+        self._gen: Stream | None = None
         self._ibuf = torch.empty(0, dtype=torch.int32, device="cpu")     # regrown on the requested device
 
-    def generator(self) -> torch.Generator:
-        if self._gen is None:
-            self._gen = torch.Generator().manual_seed(shared_seed(self.seed, -1, ("local", rank())))
+    def stream(self) -> Stream:
+        if not isinstance(self._gen, Stream):
+            # a torch.Generator put here (`base._probes` fixes the streams of a probe copy that way) keys the
+            # stream by its seed alone, the same on every rank
+            self._gen = Stream(self.seed, "local", rank() if self._gen is None else ("fixed", self._gen.initial_seed()))
         return self._gen
+
+    def factors(self, numel: int, bits: int, device="cpu", prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A | prefix as an R x 1 int32 column, B as a 1 x C row), A and B uniform `bits`-bit integers: the
+        table A_i xor B_j, read row by row, holds `numel` (or a few more) pairwise-independent numbers."""
+        cols = min(_COLS, max(numel, 1))
+        rows = math.ceil(numel / cols) if numel else 0
+        key = self.stream().next_key()
+        ab = random_bits(key, rows + cols, bits, device)
+        return ab[:rows].view(rows, 1).bitwise_or_(prefix), ab[rows:].view(1, cols)
 
     def mantissas(self, numel: int, device="cpu") -> torch.Tensor:
         """`numel` pairwise-independent integers uniform on [0, 2**23) as int32: A_i xor B_j over an R x C table
@@ -55,33 +70,34 @@ class Uniforms:
         mantissa bits step by 2^-(23-e); so the bits are (exponent, offset's bits, A_i ^ B_j) with A, B uniform
         (23-e)-bit integers. The grid bounds the rounding bias to 2^-(23-e) of a level (2^-23 for offset 1,
         2^-17 at most for offset <= 127), the order of fp32's own round-off. A view of an internal buffer."""
-        if not 1 <= offset < 2**22:
-            raise ValueError(f"offset must be in 1..2^22, got {offset}")
-        e = offset.bit_length() - 1
-        free = 23 - e
-        prefix = ((127 + e) << 23) | ((offset - (1 << e)) << free)
+        free, prefix = offset_bits(offset)
         return self._xor_table(numel, device, free, prefix).view(torch.float32)
 
     def _xor_table(self, numel: int, device, bits: int, prefix: int = 0) -> torch.Tensor:
         """`numel` int32 (A_i | prefix) xor B_j over an R x C table of the internal buffer, A and B uniform
         `bits`-bit integers."""
-        cols = min(_COLS, max(numel, 1))
-        rows = math.ceil(numel / cols) if numel else 0
-        self._ibuf, table = reused(self._ibuf, rows * cols, device)
-        table = table.view(rows, cols)
-        gen = self.generator()
-        a = torch.randint(0, 1 << bits, (rows, 1), generator=gen, dtype=torch.int32, device=gen.device).to(device)
-        b = torch.randint(0, 1 << bits, (1, cols), generator=gen, dtype=torch.int32, device=gen.device).to(device)
-        torch.bitwise_xor(a.bitwise_or_(prefix), b, out=table)
-        return table.view(-1)[:numel]
+        a, b = self.factors(numel, bits, device, prefix)
+        self._ibuf, table = reused(self._ibuf, a.shape[0] * b.shape[1], device)
+        torch.bitwise_xor(a, b, out=table.view(a.shape[0], b.shape[1]))
+        return table[:numel]
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "gen": None if self._gen is None else self._gen.get_state()}
+        return {"seed": self.seed, "stream": None if self._gen is None else self.stream().state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.seed = state["seed"]
-        if state.get("gen") is not None:
-            self.generator().set_state(state["gen"])
+        if state.get("stream") is not None:
+            self.stream().load_state_dict(state["stream"])
+
+
+def offset_bits(offset: int) -> tuple[int, int]:
+    """(free mantissa bits, the fp32 bit pattern of `offset`) for `Uniforms.offset_uniforms`: offset + u with u on
+    a 2^-free grid of [0, 1) is the float whose bits are pattern | (a free-bit integer)."""
+    if not 1 <= offset < 2**22:
+        raise ValueError(f"offset must be in 1..2^22, got {offset}")
+    e = offset.bit_length() - 1
+    free = 23 - e
+    return free, ((127 + e) << 23) | ((offset - (1 << e)) << free)
 
 
 class Stochastic(Compressor):
