@@ -41,6 +41,8 @@ import torch
 from ..errors import UserError
 from . import compressors
 from ._sparse import check_ratio, generator, num_kept
+from ._kernels import seed_of
+from ._select import largest
 from .base import Compressor, Payload, ScratchLock, reused
 
 
@@ -91,7 +93,7 @@ class CountSketch(Compressor):
         else:
             self.unbiased = rows == 1
         self._hashes: dict = {}
-        self._z = torch.empty(0, device="cpu")     # regrown on the gradient's device
+        self._layouts: dict = {}
         self._est = torch.empty(0, device="cpu")
         self._est_lock = ScratchLock()       # queried on several threads at once (see Compressor)
 
@@ -99,8 +101,29 @@ class CountSketch(Compressor):
         """c, the table's columns: the first prime >= ratio·d / rows (prime: see `_hash`)."""
         return next_prime(max(1, math.ceil(self.ratio * d / self.rows)))
 
+    def _draws(self, key, d: int):
+        """The hash functions' random draws for (key, d), on the host: (c, nb, per row (a_j, b_j, sa_j) and the
+        signs sb (rows × c)) when nb <= c, else (c, nb, per row (bucket, sa) of every element, None)."""
+        c = self.columns(d)
+        nb = max(1, math.ceil(d / c))
+        g = generator(self.seed, "countsketch", key, d)
+        rows = []
+        if nb <= c:
+            for _ in range(self.rows):
+                a = int(torch.randint(1, c, (1,), generator=g, device=g.device))     # (c >= 2: a prime)
+                b = int(torch.randint(c, (1,), generator=g, device=g.device))
+                rows.append((a, b, torch.randint(2, (nb, 1), generator=g, device=g.device)))
+            signs = torch.randint(2, (self.rows, c), generator=g, device=g.device).float().mul_(-2).add_(1)
+            return c, nb, rows, signs
+        for _ in range(self.rows):
+            sa = torch.randint(2, (nb, c), generator=g, device=g.device)
+            rows.append((torch.randint(c, (nb, c), generator=g, device=g.device), sa))
+        return c, nb, rows, None
+
     def _hash(self, key, d: int, device="cpu"):
-        """(slots: rows × nb·c int32, signs: rows × c, c, nb), cached per (key, d).
+        """(slots: rows × nb·c int32, signs: rows × c, c, nb), cached per (key, d): the hash functions as one
+        index per element into a doubled table [S, −S] per row (the definition; `_sketch` and `_estimate` run
+        the block-cyclic ones block by block, and index with these slots only when nb > c).
 
         Element i = hi·c + lo (the tensor cut into nb blocks of c) goes, in row j, to bucket
         h_j(i) = (lo + a_j·hi + b_j) mod c with sign s_j(i) = sa_j[hi]·sb_j[lo], a_j uniform on [1, c), b_j on
@@ -113,52 +136,64 @@ class CountSketch(Compressor):
         and sign instead."""
         got = self._hashes.get((key, d, str(device)))
         if got is None:
-            c = self.columns(d)
-            nb = max(1, math.ceil(d / c))
-            g = generator(self.seed, "countsketch", key, d)
-            slots = torch.empty(self.rows, nb, c, dtype=torch.int32, device=g.device)   # built on the host, moved once
-            if nb <= c:
-                lo = torch.arange(c, dtype=torch.int32, device=g.device).view(1, c)
-                hi = torch.arange(nb, device=g.device).view(nb, 1)
-                for j in range(self.rows):
-                    a = int(torch.randint(1, c, (1,), generator=g, device=g.device))     # (c >= 2: a prime)
-                    b = int(torch.randint(c, (1,), generator=g, device=g.device))
-                    sa = torch.randint(2, (nb, 1), generator=g, device=g.device)
+            c, nb, draws, signs = self._draws(key, d)
+            slots = torch.empty(self.rows, nb, c, dtype=torch.int32, device="cpu")   # built on the host, moved once
+            if signs is not None:
+                lo = torch.arange(c, dtype=torch.int32, device="cpu").view(1, c)
+                hi = torch.arange(nb, device="cpu").view(nb, 1)
+                for j, (a, b, sa) in enumerate(draws):
                     t = torch.add(lo, ((a * hi + b) % c).to(torch.int32), out=slots[j])   # lo + (a·hi + b) mod c
                     t.sub_((t >= c).to(torch.int32) * c)                               # ... mod c
                     t.add_((2 * c * j + sa * c).to(torch.int32))                      # row j's [S, −S] slot
-                signs = torch.randint(2, (self.rows, c), generator=g, device=g.device).float().mul_(-2).add_(1)
             else:
-                for j in range(self.rows):
-                    sa = torch.randint(2, (nb, c), generator=g, device=g.device)
-                    slots[j] = torch.randint(c, (nb, c), generator=g, device=g.device) + sa * c + 2 * c * j
-                signs = None
+                for j, (bucket, sa) in enumerate(draws):
+                    slots[j] = bucket + sa * c + 2 * c * j
             slots = slots.view(self.rows, nb * c)
             got = (slots.to(device), None if signs is None else signs.to(device), c, nb)
             self._hashes[(key, d, str(device))] = got
         return got
 
-    def _signed(self, flat: torch.Tensor, signs: torch.Tensor | None, j: int, c: int, nb: int) -> torch.Tensor:
-        """flat · sb_j over nb·c elements (zero past d), in a reused buffer."""
-        d = flat.numel()
-        self._z, z = reused(self._z, nb * c, flat.device)
-        full = d // c
-        if signs is None:
-            z[:d].copy_(flat)
-        else:
-            torch.mul(flat[: full * c].view(full, c), signs[j], out=z[: full * c].view(full, c))
-            if full * c < d:
-                torch.mul(flat[full * c:], signs[j, : d - full * c], out=z[full * c: d])
-        z[d:].zero_()
-        return z
+    def _blocks(self, key, d: int, device):
+        """(c, per row the blocks' (start, length, shift, negated) with shift = (a_j·hi + b_j) mod c, the signs sb
+        (rows × c) on `device`), cached per (key, d, device), for nb <= c; None when nb > c."""
+        k = (key, d, str(device))
+        got = self._layouts.get(k)
+        if got is None:
+            c, nb, draws, signs = self._draws(key, d)
+            if signs is None:
+                got = (None,)
+            else:
+                got = (c, [[(hi * c, min(c, d - hi * c), (a * hi + b) % c, bool(neg))
+                            for hi, neg in enumerate(sa.view(-1).tolist())]       # host: the draws, once per key
+                           for a, b, sa in draws], signs.to(device))
+            self._layouts[k] = got
+        return None if got[0] is None else got
 
     def _sketch(self, flat: torch.Tensor, key) -> torch.Tensor:
-        """The r·c table of fp32 `flat` (1-D)."""
-        slots, signs, c, nb = self._hash(key, flat.numel(), flat.device)
-        doubled = torch.zeros(self.rows, 2, c, device=flat.device)
-        for j in range(self.rows):                   # one scatter-add per hash function (rows is small)
-            doubled.view(-1).index_add_(0, slots[j], self._signed(flat, signs, j, c, nb))
-        return doubled[:, 0].sub_(doubled[:, 1]).reshape(-1)   # S[j, b] = sum of s_j(i) g_i over h_j(i) = b
+        """The r·c table of fp32 `flat` (1-D): S_j = P_j − N_j, P_j (N_j) the sum of the blocks whose sa_j is +1
+        (−1), each block times sb_j added onto the table as one cyclic run starting at its shift, in block
+        order. So every bucket sums its elements in index order: the same numbers in the same order on every
+        device (a scatter-add's atomics on a GPU add in any order, and the heavy hitters then differ)."""
+        d = flat.numel()
+        got = self._blocks(key, d, flat.device)
+        if got is None:                  # random buckets (tiny sketches): summed in float64, which is exact here
+            slots, signs, c, nb = self._hash(key, d, flat.device)
+            doubled = torch.zeros(self.rows, 2, c, dtype=torch.float64, device=flat.device)
+            z = torch.zeros(nb * c, dtype=torch.float64, device=flat.device)
+            z[:d] = flat
+            for j in range(self.rows):
+                doubled.view(-1).index_add_(0, slots[j], z)
+            return doubled[:, 0].sub_(doubled[:, 1]).float().reshape(-1)
+        c, blocks, signs = got
+        sides = torch.zeros(2, self.rows, c, device=flat.device)        # (P, N)
+        for j in range(self.rows):
+            for start, n, shift, neg in blocks[j]:
+                side = sides[int(neg), j]
+                first = min(n, c - shift)                             # the run up to the table's end ...
+                side[shift:shift + first].addcmul_(flat[start:start + first], signs[j, :first])
+                if first < n:                                          # ... and the rest from its start
+                    side[:n - first].addcmul_(flat[start + first:start + n], signs[j, first:n])
+        return sides[0].sub_(sides[1]).reshape(-1)
 
     def _dense(self, d: int) -> bool:
         """Heavy recovery of d elements sends r·c + k floats: no gain over the tensor itself."""
@@ -167,8 +202,8 @@ class CountSketch(Compressor):
     def _heavy(self, table: torch.Tensor, key, d: int) -> torch.Tensor:
         """The k = heavy·d coordinates of largest |estimate| of the sketch `table`, ascending (every rank
         querying the same summed table gets the same ones)."""
-        est = self._estimate(table, key, d)
-        return torch.topk(est.abs(), num_kept(self.heavy, d), sorted=False).indices.sort().values
+        est = self._estimate(table, key, d).abs_()
+        return largest(est, num_kept(self.heavy, d), seed_of(self.seed, "countsketch", key, d))
 
     def exchange(self, transport, tensor, key, step, shapes=None):
         """(program, heavy > 0) Round 1: all-reduce the sketches; every rank takes the same heavy coordinates
@@ -218,17 +253,24 @@ class CountSketch(Compressor):
 
     def _estimate(self, table: torch.Tensor, key, d: int) -> torch.Tensor:
         """ĝ_i = median_j s_j(i) S[j, h_j(i)] for every i (a fresh fp32 tensor)."""
-        slots, signs, c, nb = self._hash(key, d, table.device)
-        table = table.reshape(self.rows, 1, c).float()
-        signed = torch.cat([table, -table], dim=1).view(-1)     # [S_j, -S_j] per row, as the slots index it
+        table = table.reshape(self.rows, -1).float()
+        got = self._blocks(key, d, table.device)
         with self._est_lock:
-            self._est, est = reused(self._est, self.rows * nb * c, table.device)
-            est = est.view(self.rows, nb * c)
+            self._est, est = reused(self._est, self.rows * d, table.device)
+            est = est.view(self.rows, d)
+            if got is None:
+                slots, signs, c, nb = self._hash(key, d, table.device)
+                signed = torch.cat([table.view(self.rows, 1, c), -table.view(self.rows, 1, c)], dim=1).view(-1)
+                for j in range(self.rows):      # [S_j, -S_j] per row, as the slots index it
+                    est[j] = signed.index_select(0, slots[j][:d])
+                return _median_rows(est)
+            c, blocks, signs = got
             for j in range(self.rows):
-                torch.index_select(signed, 0, slots[j], out=est[j])
-                if signs is not None:
-                    est[j].view(nb, c).mul_(signs[j])
-            return _median_rows(est[:, :d])
+                twice = table[j].repeat(2)                         # a cyclic run of the table is one slice of it
+                signed = (twice, twice.neg())
+                for start, n, shift, neg in blocks[j]:
+                    torch.mul(signed[neg][shift:shift + n], signs[j, :n], out=est[j, start:start + n])
+            return _median_rows(est)
 
     def aggregate(self, payloads):
         if self.heavy > 0:        # (gathered: each rank's own heavy coordinates, one by one)
