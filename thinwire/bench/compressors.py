@@ -8,13 +8,21 @@ on the wire per rank's contribution at `--world-size` ranks on the collective it
 (`Compressor.wire_bits`: a quantizer's all-reduce sums levels widened for that many ranks, e.g. qsgd's 4-bit
 codes as 8-bit levels from 4 ranks and 32-bit ones from 19).
 
-    thinwire bench compressors [--numel 16777216] [--json] [--only qsgd,terngrad] [--repeat 5] [--out DIR]
-                               [--clock wall|cpu] [--world-size 4]
+    thinwire bench compressors [--numel 16777216] [--json] [--only qsgd,terngrad] [--repeat 5]
+                               [--out FILE.json | DIR] [--clock wall|cpu] [--world-size 4] [--device cpu|cuda]
 
-`--out DIR` also writes DIR/compressors.json and DIR/compressors.png (x memcpy per compressor, bits per element).
+`--out FILE.json` writes the result there and the plot (x memcpy per compressor, bits per element) beside it as
+FILE.png; `--out DIR` writes DIR/compressors.json and DIR/compressors.png.
 
 memcpy is `dst.copy_(x)` into a preallocated tensor (the fastest copy; compressors allocate their outputs, which
-costs page faults here: set THP_MEM_ALLOC_ENABLE=1 to let PyTorch use huge pages for large tensors).
+costs page faults on the CPU: set THP_MEM_ALLOC_ENABLE=1 to let PyTorch use huge pages for large tensors).
+`--device cuda` times on the GPU (CUDA-synchronised wall clock; the first calls compile the fused kernels, so a
+warm-up precedes the timed runs) and also times `torch.topk` of 1 % of the input, the yardstick of the top-k
+family there. The table's last column is issue 31's target for the compressor on that device (none for the
+sketches, transforms and coders), marked `OVER` where the measured multiple exceeds it:
+
+    CPU   randomk (any ratio) 4x, quantizers 8x, sparsifiers 12x
+    CUDA  1- and 2-bit quantizers and int8 3x, qsgd/natural/fp4/fp8 4x, randomk 2x, topk/dgc/stc 1.2x torch.topk
 """
 from __future__ import annotations
 
@@ -24,8 +32,26 @@ import statistics
 import time
 
 from ..errors import UserError
-from .calibrate import median_s
-from ..files import pyplot, save, write_json
+from ..files import check_writable_dir, pyplot, save, write_json
+
+
+QUANTIZERS_1_2_BIT = ("signsgd", "signum", "efsignsgd", "onebit", "terngrad", "threshold2bit")
+TARGETS = {   # issue 31: x memcpy per device; "topk": a multiple of torch.topk of 1 % instead
+    "cpu": {**{n: 8.0 for n in QUANTIZERS_1_2_BIT + ("int8", "qsgd", "natural", "fp4", "fp8", "fp16", "bf16")},
+            **{n: 12.0 for n in ("topk", "dgc", "gaussiank", "threshold", "stc", "qsparse", "sparseloco")},
+            "randomk": 4.0},
+    "cuda": {**{n: 3.0 for n in QUANTIZERS_1_2_BIT + ("int8", "fp16", "bf16")},
+             **{n: 4.0 for n in ("qsgd", "natural", "fp4", "fp8")},
+             "randomk": 2.0, **{n: ("topk", 1.2) for n in ("topk", "dgc", "stc")}},
+}
+
+
+def target(result: dict, name: str) -> float | None:
+    """The target multiple of memcpy for compressor `name` on the result's device (None: no target)."""
+    t = TARGETS.get(result.get("device", "cpu"), {}).get(name)
+    if isinstance(t, tuple):
+        return t[1] * result["torch_topk_ms"] / result["memcpy_ms"] if "torch_topk_ms" in result else None
+    return t
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -33,40 +59,64 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: str = "wall",
-          world_size: int = 4) -> dict:
+          world_size: int = 4, device: str = "cpu") -> dict:
     """`clock="cpu"` times with this process's CPU time (all its threads) instead of the wall clock: on a machine
     shared with other jobs it leaves out the time this process waits for a core, so the ratios to memcpy stay
-    meaningful (memory-bandwidth contention still shows)."""
+    meaningful (memory-bandwidth contention still shows). `device="cuda"` puts the input on the GPU and times
+    each call CUDA-synchronised on the wall clock; the result then also names the device and holds the time of
+    `torch.topk` of 1 % (`torch_topk_ms`)."""
     import torch
     if clock not in ("wall", "cpu"):
         raise UserError(f"clock must be one of wall, cpu; got {clock!r}")
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"device must be one of cpu, cuda; got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: torch sees no CUDA device here")
+    if device == "cuda" and clock == "cpu":
+        raise UserError("--clock cpu times the host; on --device cuda the wall clock, CUDA-synchronised, is used")
+    cuda = device == "cuda"
     now = time.perf_counter if clock == "wall" else time.process_time
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     from ..compress import compressors
     gen = torch.Generator().manual_seed(seed)
     shape = (numel // 1024, 1024) if numel >= 1024 and numel % 1024 == 0 else (numel,)
-    x = torch.randn(shape, generator=gen)
+    x = torch.randn(shape, generator=gen).to(device)
     dst = torch.empty_like(x)
     dst.copy_(x)
-    memcpy_ms = median_s(lambda: dst.copy_(x), max(repeat, 3), clock=now) * 1e3
+
+    def timed(fn):
+        sync()
+        t0 = now()
+        out = fn()
+        sync()
+        return now() - t0, out
+
+    memcpy_ms = statistics.median(timed(lambda: dst.copy_(x))[0] for _ in range(max(repeat, 3))) * 1e3
     del dst
+    extra = {}
+    if cuda:
+        flat = x.reshape(-1)
+        k = max(1, numel // 100)
+        timed(lambda: torch.topk(flat.abs(), k, sorted=False))
+        extra = {"device": torch.cuda.get_device_name(x.device),
+                 "torch_topk_ms": statistics.median(timed(lambda: torch.topk(flat.abs(), k, sorted=False))[0]
+                                                    for _ in range(max(repeat, 3))) * 1e3}
     rows = []
     for name in names:
         row = {"name": name}
         try:
             comp = compressors.get(name)
-            payload = comp.compress(x, key="bench", step=0)
-            comp.decompress(payload)
+            for step in range(-2 if cuda else 0, 1):      # (on a GPU: compile and warm up first)
+                payload = comp.compress(x, key="bench", step=step)
+                comp.decompress(payload)
             tc, td = [], []
             for step in range(1, repeat + 1):
                 del payload
-                t0 = now()
-                payload = comp.compress(x, key="bench", step=step)
-                t1 = now()
-                out = comp.decompress(payload)
-                t2 = now()
+                t, payload = timed(lambda: comp.compress(x, key="bench", step=step))
+                tc.append(t)
+                t, out = timed(lambda: comp.decompress(payload))
+                td.append(t)
                 del out
-                tc.append(t1 - t0)
-                td.append(t2 - t1)
             row.update(compress_ms=_median_ms(tc), decompress_ms=_median_ms(td))
             row["x_memcpy"] = (row["compress_ms"] + row["decompress_ms"]) / memcpy_ms
             row["payload_bytes"] = int(payload.nbytes)
@@ -78,27 +128,35 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
         except Exception as exc:          # report and go on: one broken compressor must not hide the others
             row["error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)
-    return {"numel": numel, "world_size": world_size, "memcpy_ms": memcpy_ms, "compressors": rows}
+    return {"numel": numel, "world_size": world_size, "memcpy_ms": memcpy_ms, **extra, "compressors": rows}
 
 
 def _table(result: dict) -> str:
     n = result.get("world_size", 4)
-    lines = [f"numel {result['numel']}, memcpy {result['memcpy_ms']:.2f} ms (medians); wire: per rank's "
-             f"contribution at {n} ranks",
+    where = result.get("device", "cpu")
+    head = (f"numel {result['numel']} on {where}, memcpy {result['memcpy_ms']:.3f} ms (medians); wire: per rank's "
+            f"contribution at {n} ranks")
+    if "torch_topk_ms" in result:
+        head += (f"; torch.topk of 1 %: {result['torch_topk_ms']:.3f} ms = "
+                 f"{result['torch_topk_ms'] / result['memcpy_ms']:.2f}x memcpy")
+    lines = [head,
              f"{'compressor':<14}{'compress ms':>12}{'decomp. ms':>12}{'x memcpy':>10}{'payload B':>12}"
-             f"{'bits/el':>9}{'nominal':>9}{'wire':>9}  collective"]
+             f"{'bits/el':>9}{'nominal':>9}{'wire':>9}  {'collective':<11}target"]
     for r in result["compressors"]:
         if "error" in r:
             lines.append(f"{r['name']:<14}error: {r['error']}")
             continue
+        goal = target(result, r["name"])
+        mark = "" if goal is None else f"<= {goal:.1f}" + (" OVER" if r["x_memcpy"] > goal else "")
         lines.append(f"{r['name']:<14}{r['compress_ms']:>12.2f}{r['decompress_ms']:>12.2f}{r['x_memcpy']:>10.2f}"
                      f"{r['payload_bytes']:>12d}{r['bits_per_element']:>9.4f}{r['nominal_bits_per_element']:>9.4f}"
-                     f"{r['wire_bits_per_element']:>9.4f}  {r['collective']}")
+                     f"{r['wire_bits_per_element']:>9.4f}  {r['collective']:<11}{mark}")
     return "\n".join(lines)
 
 
 def plot(result: dict, path: str) -> None:
-    """Bars of compress + decompress time in memcpys (targets: 8x quantizers, 12x samplers) and of bits/element."""
+    """Bars of compress + decompress time in memcpys (issue 31's targets on the result's device as lines) and of
+    bits/element."""
     plt = pyplot()
     rows = [r for r in result["compressors"] if "error" not in r]
     names = [r["name"] for r in rows]
@@ -106,16 +164,16 @@ def plot(result: dict, path: str) -> None:
     a.bar(names, [r["compress_ms"] / result["memcpy_ms"] for r in rows], label="compress")
     a.bar(names, [r["decompress_ms"] / result["memcpy_ms"] for r in rows],
           bottom=[r["compress_ms"] / result["memcpy_ms"] for r in rows], label="decompress")
-    for y, text, va in ((8, "8x (quantizers)", "top"), (12, "12x (dgc, gaussiank, threshold, randomk)", "bottom")):
-        a.axhline(y, color="gray", ls="--", lw=0.8)
-        a.text(-0.5, y, text, ha="left", va=va, fontsize=8, color="gray")
+    goals = [target(result, r["name"]) for r in rows]
+    a.scatter(names, goals, color="r", marker="_", s=300, label="target")
     top = 40.0                  # one slow outlier must not flatten the rest: clip and label it
     a.set_ylim(0, top)
     for i, r in enumerate(rows):
         if r["x_memcpy"] > top:
             a.text(i, top * 0.97, f"{r['x_memcpy']:.0f}x", ha="center", va="top", fontsize=8, rotation=90)
     a.set_ylabel("time / memcpy")
-    a.set_title(f"{result['numel']} fp32 elements; memcpy {result['memcpy_ms']:.1f} ms")
+    a.set_title(f"{result['numel']} fp32 elements on {result.get('device', 'cpu')}; "
+                f"memcpy {result['memcpy_ms']:.3f} ms")
     a.legend()
     b.bar(names, [r["bits_per_element"] for r in rows], label="actual")
     b.scatter(names, [r["nominal_bits_per_element"] for r in rows], color="k", marker="_", s=200, label="nominal")
@@ -137,9 +195,16 @@ def run(args) -> int:
             compressors.lookup(n)
     if args.numel < 0 or args.repeat < 1 or args.world_size < 1:
         raise UserError("--numel must be >= 0, --repeat >= 1 and --world-size >= 1")
-    result = bench(args.numel, names, args.repeat, args.seed, args.clock, args.world_size)
+    as_file = bool(args.out) and (args.out.endswith(".json") or os.path.isfile(args.out))
+    if args.out:       # before the run: never lose it to a bad path
+        check_writable_dir(os.path.dirname(os.path.abspath(args.out)) if as_file else args.out, "--out")
+    result = bench(args.numel, names, args.repeat, args.seed, args.clock, args.world_size, args.device)
     print(json.dumps(result, indent=1) if args.json else _table(result))
-    if args.out:
+    if as_file:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        plot(result, os.path.splitext(args.out)[0] + ".png")
+    elif args.out:
         write_json(result, args.out, "compressors.json")
         plot(result, os.path.join(args.out, "compressors.png"))
     return 0
@@ -155,6 +220,9 @@ def register(sub) -> None:
                    help="wall clock (default) or this process's CPU time (for a machine shared with other jobs)")
     p.add_argument("--world-size", type=int, default=4,
                    help="ranks the wire bits are reported for (the exchange's collective depends on it)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the input lives (cuda: CUDA-synchronised wall clock, fused kernels compiled first)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", help="directory for compressors.json and compressors.png")
+    p.add_argument("--out", help="FILE.json (and FILE.png beside it), or a directory for compressors.json and "
+                                 "compressors.png")
     p.set_defaults(func=run)
