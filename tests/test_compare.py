@@ -452,3 +452,20 @@ def test_the_plots_take_the_metric_from_a_cell_that_ran():
     from thinwire.compare import plots
     assert plots._metric({"cells": [{"status": "error"}, {"metric": "loss"}]}) == "loss"
     assert plots._metric({"cells": [{"status": "error"}]}) == "accuracy"
+
+
+def test_a_race_where_nothing_was_sent_is_plotted_on_a_linear_axis(tmp_path):
+    # one worker sends no bytes: every point of "accuracy vs bytes" is at 0, which a log axis cannot show
+    # ("Data cannot be log-scaled"), so `compare --workers 1` failed on any device
+    import matplotlib.image
+    from thinwire.compare import plots
+    cell = {"label": "bsp", "network": "lan", "status": "ok", "metric": "accuracy", "target": 0.9,
+            "curve": [[0.0, 0, 0.1], [1.0, 0, 0.5], [2.0, 0, 0.9]]}
+    sent = {**cell, "label": "dts", "network": "wan", "curve": [[0.0, 0, 0.1], [1.0, 5e5, 0.6], [2.0, 1e6, 0.9]]}
+    for cells, nets in (([cell], ["lan"]), ([cell, sent], ["lan", "wan"])):
+        res = {"matrix": {"networks": nets, "workload": "digits-mlp", "workers": 1}, "cells": cells}
+        out = tmp_path / "-".join(nets)
+        out.mkdir()
+        files = plots.plot_all(res, str(out))
+        assert files["accuracy vs bytes sent"] == "accuracy_vs_bytes.png"
+        assert matplotlib.image.imread(out / "accuracy_vs_bytes.png").shape[0] > 100

@@ -44,10 +44,12 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
     handles = {}
     for ax, net in zip(axes, nets):
         target, lows = None, []
-        for r in results["cells"]:
-            if r["network"] != net or r.get("status") != "ok" or not r.get("curve"):
-                continue
-            pts = [p for p in r["curve"] if not (log_x and p[x_index] <= 0)]
+        cells = [r for r in results["cells"] if r["network"] == net and r.get("status") == "ok" and r.get("curve")]
+        # a log axis needs a positive value: where nothing was sent (one worker, or no contestant communicated)
+        # the panel is drawn on a linear axis instead
+        log = log_x and any(p[x_index] > 0 for r in cells for p in r["curve"])
+        for r in cells:
+            pts = [p for p in r["curve"] if not (log and p[x_index] <= 0)]
             xs = [p[x_index] / (1e6 if x_index == 1 else 1) for p in pts]
             s = style[r["label"]]
             h, = ax.plot(xs, [p[2] for p in pts], color=s["color"], ls=s["ls"], marker=s["marker"], ms=3.5,
@@ -59,11 +61,11 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
             ax.axhline(target, color="grey", lw=1, ls=":")
             ax.annotate(f"target {target}", (0.01, target), xycoords=("axes fraction", "data"),
                         textcoords="offset points", xytext=(2, 3), fontsize=8, color="grey")
-        if log_x:
+        if log:
             ax.set_xscale("log")
             _log_labels(ax.xaxis)
         ax.set_title(f"network: {net}", fontsize=11)
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel(xlabel if log or not log_x else xlabel.replace(" (log scale)", "") + " (nothing sent)")
         ax.set_ylabel("test " + metric)
         if metric == "accuracy" and lows:
             ax.set_ylim(max(0.0, min(lows) - 0.05), 1.0)
