@@ -111,10 +111,15 @@ def test_launch_rejects_a_device_it_cannot_serve():
     with pytest.raises(UserError, match="needs device cuda"):
         pick_backend("nccl", "cpu")
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    with pytest.raises(UserError, match="GPUs"):
-        pick_backend(None, "cuda", have + 1)           # one process per GPU
-    if have:
+    if not have:
+        with pytest.raises(UserError, match="no GPU"):
+            pick_backend(None, "cuda", 1)
+    else:   # one process per GPU on NCCL; more processes than GPUs share them over gloo (NCCL cannot)
         assert pick_backend(None, "cuda", have) == ("nccl", "cuda")
+        assert pick_backend(None, "cuda", have + 1) == ("gloo", "cuda")
+        assert pick_backend("gloo", "cuda", 1) == ("gloo", "cuda")
+        with pytest.raises(UserError, match="NCCL takes one process per GPU"):
+            pick_backend("nccl", "cuda", have + 1)
 
 
 # -- host reads (issue 20): a value a device tensor can carry stays on the device --------------------------------

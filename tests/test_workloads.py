@@ -303,3 +303,39 @@ def test_mnist1d_resnet_data_model_and_sgd():
     before, after = _steps_lower_loss(wl, opt, model, steps=5, batch=32)
     assert after < before, (before, after)
     assert 0.0 <= wl.evaluate(model) <= 1.0
+
+
+def _one_device_mode():
+    """A dispatch mode that fails on any op mixing tensors of two devices (0-dim tensors aside: torch moves
+    those itself). The meta device accepts a CPU index where CUDA raises ("Expected all tensors to be on the
+    same device, but got index is on cpu"), so on the CPU this mode makes meta as strict as a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class OneDevice(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            devs = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0}
+            if len(devs) > 1:
+                raise RuntimeError(f"{func} mixes devices {sorted(map(str, devs))}")
+            return func(*args, **(kwargs or {}))
+    return OneDevice()
+
+
+@pytest.mark.parametrize("name", workloads.registry.names())
+def test_every_workload_trains_on_the_models_device(name, device):
+    """The loop's hot path on another device: the shard moved there once, batches cut there, forward, loss and
+    backward with no host tensor mixed in (on the CPU: the meta device under a strict mode; on a GPU: CUDA)."""
+    where = torch.device("meta" if device == "cpu" else device)
+    wl = workloads.get(name)
+    model = wl.model(0).to(where)
+    x, y = wl.shard(0, 1)
+    loader = workloads.ShardLoader(x[:64].to(where), y[:64].to(where), 4, seed=0, rank=0)
+    with _one_device_mode():
+        for _ in range(2):
+            xb, yb = loader.next()
+            assert xb.device == where and yb.device == where
+            wl.loss(model(xb), yb).backward()
+        held = wl.held_out(where)
+        out = model(held[0][:4])
+    assert out.device == where and held[1].device == where
+    assert all(p.grad is not None and p.grad.device == where for p in model.parameters())

@@ -177,7 +177,8 @@ class Trainer:
         self.on_failure = on_failure
         self.failures: list[dict] = []   # workers lost and survived (on_failure="continue")
         self._behind = 0                 # steps to skip to rejoin the survivors' step after a loss
-        self.transport = transport or Transport(network=network, tracer=self.tracer, **transport_params)
+        self.transport = transport or Transport(network=network, tracer=self.tracer,
+                                                device=self.parameters[0].device, **transport_params)
         if transport is not None and "allreduce" in transport_params:
             from .comm.collectives import parse
             parse(transport_params["allreduce"], transport.world_size)

@@ -63,8 +63,8 @@ def register(sub) -> None:
     p.add_argument("--netem", action="store_true",
                    help="real-network mode (Linux, root): workers in network namespaces, links shaped for real")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu (gloo, default) or cuda (NCCL, one worker per GPU: --workers <= the GPUs); "
-                        "recorded in every result")
+                   help="cpu (gloo, default) or cuda (NCCL, one worker per GPU; more workers than GPUs "
+                        "share them over gloo); recorded in every result")
     p.add_argument("--json", action="store_true", help="print results.json to stdout at the end")
     p.set_defaults(func=run)
 

@@ -139,7 +139,8 @@ def register(sub) -> None:
                                                         "exposed communication per step; extra thinwire[tensorboard])")
     p.add_argument("--trace", action="store_true", help="write a Chrome trace to OUT/trace.json")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu (gloo, default) or cuda (NCCL, one worker per GPU: --workers <= the GPUs)")
+                   help="cpu (gloo, default) or cuda (NCCL, one worker per GPU; more workers than GPUs share "
+                        "them over gloo)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run, accepts_params=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import threading
 import time
 from dataclasses import replace
@@ -37,10 +38,12 @@ class Handle(Future):
     def __init__(self, transport: "Transport", kind: str, works: Sequence, cost: Cost, result,
                  post: Callable | None = None, issued: float | None = None, tx: bool = True, rx: bool = True,
                  reserved: float | None = None, not_before: Callable | None = None, clock: LinkClock | None = None,
-                 across: float = 0.0):
+                 across: float = 0.0, land: Callable | None = None, keep=None):
         self.transport, self.kind, self.cost = transport, kind, cost
         self.clock = transport.clock if clock is None else clock   # the queue of the link this op crosses
         self.across = across             # of the bytes sent, those over a two-tier network's thin link
+        self._land = land                # a receive through a buffer of its own: copies it into the caller's tensor
+        self._keep = keep                # what must outlive the real op (a send's staging buffer)
         self._reserved = reserved        # a send: its slot on the link, taken when it was issued
         self._not_before = not_before    # a receive: when its last byte left the sender (read off the message)
         self.accounting = (transport.meter, transport.tracer, kind)
@@ -99,6 +102,8 @@ class Handle(Future):
         with self._lock:
             first = self._real_at is None
             if first:
+                if self._land is not None:   # before anyone can see it arrived: the caller's tensor holds the data
+                    self._land()
                 self._real_at = _now()
                 arrivals, self._arrival = self._arrival, []
         self._real_event.set()
@@ -268,7 +273,7 @@ class Transport:
 
     def __init__(self, group=None, network: "str | Link | None" = None, seed: int | None = None,
                  tracer: Tracer | None = None, meter: Meter | None = None, clock: LinkClock | None = None,
-                 allreduce: str = "gloo", clocks: dict | None = None):
+                 allreduce: str = "gloo", clocks: dict | None = None, device: "torch.device | str | None" = None):
         if not dist.is_available() or not dist.is_initialized():
             raise UserError("torch.distributed is not initialised: start workers with thinwire.launch, "
                             "or call thinwire.init() under torchrun")
@@ -294,10 +299,19 @@ class Transport:
         self.allreduce = allreduce  # "gloo" (native) or an algorithm of thinwire.comm.collectives
         self._in_order: collections.deque[Handle] = collections.deque()  # collectives not yet on the link
         self._order_lock = threading.Lock()
-        # where this group's buffers (headers included) live: the CUDA device current at construction under
-        # NCCL (read here, on the constructing thread: the engine's threads have their own current device)
+        # where this group's buffers (headers included) live: `device` (the Trainer's: its model's), else the
+        # CUDA device current at construction under NCCL (read here, on the constructing thread: the engine's
+        # threads have their own current device), else the CPU
         nccl = dist.get_backend(self.group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        if device is not None:
+            self.device = torch.device(device)
+        else:
+            self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        # gloo's send/recv take host memory only (a CUDA tensor aborts the process: "gloo::IoException ... Bad
+        # address"), so point-to-point ops of device tensors go through host buffers (`_stage`); NCCL's do not.
+        # THINWIRE_STAGE_P2P=1 stages CPU tensors too: the same path, exercised where there is no GPU
+        self.stage_all = os.environ.get("THINWIRE_STAGE_P2P") == "1"
+        self._stage_device = not nccl
 
     # -- links -----------------------------------------------------------------------------------------
     def _tier(self, link: Link) -> str:
@@ -322,7 +336,7 @@ class Transport:
         """A transport on `group` (a subgroup of this one's ranks) on the same network, meter, link queues,
         tracer and all-reduce algorithm."""
         return Transport(group=group, network=self.link, seed=self._seed, tracer=self.tracer, meter=self.meter,
-                         allreduce=self.allreduce, clocks=self.clocks)
+                         allreduce=self.allreduce, clocks=self.clocks, device=self.device)
 
     def _ring_sent(self, cost: Cost) -> float:
         return cost.sent if self._ring_across else 0.0
@@ -454,11 +468,23 @@ class Transport:
             self._op(program(), "barrier", False)
 
     # -- point to point --------------------------------------------------------------------------------
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        """Whether a point-to-point op of `tensor` goes through a host buffer (see `_host_buffer`)."""
+        return self.stage_all or (self._stage_device and tensor.device.type != "cpu")
+
+    @staticmethod
+    def _host_buffer(nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        """A uint8 host buffer for one point-to-point op of `like`: page-locked when `like` is on a CUDA device,
+        so the copy to or from the device is a DMA. Page-locked buffers come from PyTorch's caching host
+        allocator, which keeps freed blocks for reuse (a block is reused only once the copies queued on it are
+        done), so a buffer is allocated once per size in steady state, not per message."""
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=like.device.type == "cuda")
+
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: int = 0):
         """Send to group rank `dst`. The sender's link pushes the bytes out from the moment the send is issued,
         behind what it is already sending; the sender is done once they are out. On an emulated link the
         message carries that moment (8 bytes, not counted as traffic) so the receiver cannot have the data
-        before it (`thinwire.comm.emulation`)."""
+        before it (`thinwire.comm.emulation`). A device tensor under gloo is copied to a host buffer first."""
         def program():
             issued = _now()
             link = self.link_to(dst)
@@ -467,38 +493,52 @@ class Transport:
             data, out = tensor.contiguous(), None
             if self.link.emulated:      # (on a two-tier network every message carries the stamp)
                 out = clock.schedule(issued, cost, tx=True, rx=False, latency=False)
+            if self._staged(data):
+                nbytes = data.nbytes
+                wire = self._host_buffer(nbytes + (8 if out is not None else 0), data)
+                wire[:nbytes].copy_(data.reshape(-1).view(torch.uint8))     # waits for the data to be computed
+                if out is not None:
+                    wire[nbytes:] = torch.tensor([out], dtype=torch.float64, device="cpu").view(torch.uint8)
+                data = wire
+            elif out is not None:
                 stamp = torch.tensor([out], dtype=torch.float64, device=data.device).view(torch.uint8)
                 data = torch.cat([data.reshape(-1).view(torch.uint8), stamp])
             work = dist.isend(data, dst=self.global_of(dst), group=self.group, tag=tag)
             across = cost.sent if self._tier(link) == "across" else 0.0
             return Handle(self, "send", [work], cost, tensor, None, issued, rx=False, reserved=out, clock=clock,
-                          across=across)
+                          across=across, keep=data)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "send", async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: int = 0):
         """Receive from group rank `src` into `tensor`: delivered α + Nβ after the data is there, and (emulated)
-        no earlier than α after the sender's link pushed its last byte out."""
+        no earlier than α after the sender's link pushed its last byte out. Where the message comes into a
+        buffer of its own (the sender's push-out time after the data; a host buffer for a device tensor under
+        gloo), it is copied into `tensor` as soon as it is in, before the receive reports it `arrived`."""
         def program():
             issued = _now()
             nbytes = tensor.nbytes
             link = self.link_to(src)
             clock = self.clock_of(link)
             cost = replace(p2p(link, nbytes), sent=0.0)
-            if not self.link.emulated:
+            stamp = 8 if self.link.emulated else 0
+            if not stamp and not self._staged(tensor):
                 work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
                 return Handle(self, "recv", [work], cost, tensor, None, issued, tx=False, clock=clock)
-            buf = torch.empty(nbytes + 8, dtype=torch.uint8, device=tensor.device)    # the data, then the sender's push-out time
+            # the data, then (emulated) the sender's push-out time
+            if self._staged(tensor):
+                buf = self._host_buffer(nbytes + stamp, tensor)
+            else:
+                buf = torch.empty(nbytes + stamp, dtype=torch.uint8, device=tensor.device)
             work = dist.irecv(buf, src=self.global_of(src), group=self.group, tag=tag)
 
             def pushed_out() -> float:
                 return float(buf[nbytes:].clone().view(torch.float64))
 
-            def unpack(t: torch.Tensor) -> torch.Tensor:
-                t.reshape(-1).view(torch.uint8).copy_(buf[:nbytes])
-                return t
-            return Handle(self, "recv", [work], cost, tensor, unpack, issued, tx=False, not_before=pushed_out,
-                          clock=clock)
+            def land() -> None:   # (a pinned buffer: the copy to the device is queued, not waited for)
+                tensor.reshape(-1).view(torch.uint8).copy_(buf[:nbytes], non_blocking=buf.is_pinned())
+            return Handle(self, "recv", [work], cost, tensor, None, issued, tx=False,
+                          not_before=pushed_out if stamp else None, clock=clock, land=land)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "recv", async_op)
 

@@ -75,7 +75,7 @@ class CompareConfig:
     steps: int | None = None           # an upper bound in steps instead of epochs
     eval_every: int | None = None      # a fixed evaluation cadence instead of the race's
     batch_size: int | None = None      # per worker (None: the workload's), the same for every cell
-    device: str = "cpu"                # "cuda": every cell's workers on GPUs (NCCL), one per GPU
+    device: str = "cpu"                # "cuda": every cell's workers on GPUs (NCCL one per GPU, else shared on gloo)
 
     def validate(self) -> "CompareConfig":
         """Every name known and every number in its range (NaN and infinities included), before any cell starts."""

@@ -56,10 +56,11 @@ class HookState:
             for part in (ex.memory, ex.compressor):
                 part.load_state_dict(assemble(part.state_dict(), key, layout))
 
-    def get_exchange(self) -> Exchange:
+    def get_exchange(self, device=None) -> Exchange:
+        """The exchange, made on first use (the first bucket's: its buffers live on `device`, the bucket's)."""
         if self.exchange is None:
             from ..comm import Transport
-            transport = Transport(group=self.process_group, network=self.network)
+            transport = Transport(group=self.process_group, network=self.network, device=device)
             ex = Exchange(transport, self.compressor, self.memory, collective=self.collective)
             ex.check_finite = (not ex.identity) if self.check_finite is None else bool(self.check_finite)
             self.exchange = ex
@@ -80,7 +81,7 @@ def thinwire_hook(state, bucket):
     """DDP comm hook: the mean of the bucket over ranks, through the state's compressor and memory; a future
     that completes when the exchange does."""
     buf = bucket.buffer()
-    ex, key, shapes = state.get_exchange(), ("bucket", bucket.index(), buf.numel()), None
+    ex, key, shapes = state.get_exchange(buf.device), ("bucket", bucket.index(), buf.numel()), None
     if not ex.identity:     # the identity exchange keeps no state and uses no structure: nothing to follow
         state.follow(bucket, key)
         params = bucket.parameters()

@@ -175,7 +175,7 @@ class Hierarchical:
         # made once, here: every rank creates every group (then the leaders'), in the same order
         groups = [dist.new_group(glob[g * m:(g + 1) * m]) for g in range(-(-n // m))]
         leaders = dist.new_group(glob[::m])
-        share = dict(meter=tr.meter, clock=tr.clock, tracer=tr.tracer, network=tr.link)
+        share = dict(meter=tr.meter, clock=tr.clock, tracer=tr.tracer, network=tr.link, device=tr.device)
         self.group = Transport(group=groups[tr.rank // m], **share)
         self.contexts: dict = {}
         self.leaders = Transport(group=leaders, **share) if tr.rank % m == 0 else None

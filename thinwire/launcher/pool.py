@@ -158,28 +158,40 @@ def _watch_membership(host: str, port: int, world_size: int) -> None:
 
 
 def pick_backend(backend: str | None, device: str | None, local_world_size: int = 1) -> tuple[str, str]:
-    """(backend, device) from what was asked: CUDA means NCCL (one process per GPU), the CPU means gloo.
+    """(backend, device) from what was asked: the CPU means gloo; CUDA means NCCL with one process per GPU, or,
+    with more processes on this machine than GPUs (e.g. 4 workers racing on one workstation GPU), gloo with the
+    processes sharing the GPUs (worker r on GPU r mod count): NCCL refuses two ranks on one device, gloo runs
+    collectives on CUDA tensors, and thinwire's transport stages point-to-point messages through host buffers.
     Bad combinations are the caller's error, raised before any process starts."""
     if backend not in (None, "gloo", "nccl"):
         raise UserError(f"unknown backend {backend!r}; valid: gloo, nccl")
     if device not in (None, "cpu", "cuda"):
         raise UserError(f"unknown device {device!r}; valid: cpu, cuda")
     device = device or ("cuda" if backend == "nccl" else "cpu")
-    backend = backend or ("nccl" if device == "cuda" else "gloo")
     if backend == "nccl" and device != "cuda":
         raise UserError("backend nccl needs device cuda; valid: backend gloo with device cpu, nccl with cuda")
     if device == "cuda":
         import torch
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if have < local_world_size:
-            fewer = f", or at most {have} workers" if have else ""
-            raise UserError(f"device cuda: {local_world_size} workers need {local_world_size} GPUs (one per "
-                            f"process), this machine has {have}; valid: device cpu{fewer}")
-    return backend, device
+        if not have:
+            raise UserError("device cuda: this machine has no GPU that torch can use "
+                            "(torch.cuda.is_available() is False); valid: device cpu")
+        if backend == "nccl" and have < local_world_size:
+            raise UserError(f"backend nccl: {local_world_size} workers need {local_world_size} GPUs (NCCL takes "
+                            f"one process per GPU), this machine has {have}; valid: backend gloo (workers share "
+                            f"the GPUs), or at most {have} workers")
+        backend = backend or ("nccl" if local_world_size <= have else "gloo")
+    return backend or "gloo", device
+
+
+def gpu_of(local_rank: int) -> int:
+    """The GPU a worker of this machine trains on: its own where there are enough, else shared (round robin)."""
+    import torch
+    return local_rank % torch.cuda.device_count()
 
 
 def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results, beats, steps, times,
-                 worker_init, on_failure="stop"):
+                 worker_init, on_failure="stop", device="cpu"):
     _die_with_parent()
     try:
         if worker_init is not None:  # first, on this (main) thread: e.g. enter a network namespace
@@ -196,7 +208,8 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
     torch.set_num_threads(_threads_per_worker(world_size))
     if backend == "nccl":  # one process per GPU: this worker's rank is its local rank
         os.environ["LOCAL_RANK"] = str(rank)
-        torch.cuda.set_device(rank)
+    if device == "cuda":   # its GPU (shared with other workers under gloo) is its current device
+        torch.cuda.set_device(gpu_of(rank))
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -283,7 +296,7 @@ class Pool:
         self._procs = [_ctx.Process(target=_worker_main, name=f"thinwire-worker-{r}", daemon=True,
                                     args=(r, world_size, self.backend, host, self.port, timeout, self._tasks[r],
                                           self._results, self._beats, self._steps, self._times, worker_init,
-                                          on_failure))
+                                          on_failure, self.device))
                        for r in range(world_size)]
         self._task_id = -1
         self._gone: set[int] = set()
@@ -524,8 +537,9 @@ def launch(fn, world_size: int, network="lan", backend: str | None = None, args:
     as long as it progresses; one that reports none, by `timeout` (default 3600 s, also gloo's operation
     timeout). `deadline` (seconds; default none) ends the run whatever its progress. See `Pool` for
     `progress_timeout` and `worker_init`.
-    `device="cuda"` starts one worker per GPU on NCCL (worker r on cuda:r, its current device); the default is
-    the CPU on gloo. `backend` may be left out: it follows from the device."""
+    `device="cuda"` starts one worker per GPU on NCCL (worker r on cuda:r, its current device), or, with more
+    workers than GPUs, workers sharing the GPUs over gloo (`pick_backend`); the default is the CPU on gloo.
+    `backend` may be left out: it follows from the device."""
     parse_network(network)
     _check_timeout("deadline", deadline, allow_none=True)
     with Pool(world_size, backend=backend, host=host, port=port, timeout=timeout or LAUNCH_TIMEOUT,
@@ -542,7 +556,8 @@ def under_torchrun() -> bool:
 def init(network="lan", backend: str | None = None, seed: int = 0, timeout: float = 1800.0,
          device: str | None = None) -> tuple[int, int]:
     """Initialise torch.distributed inside a process started by torchrun; returns (rank, world_size).
-    `device="cuda"`: NCCL, and this process's GPU is cuda:LOCAL_RANK (made the current device)."""
+    `device="cuda"`: this process's GPU is cuda:LOCAL_RANK (made the current device) on NCCL, or, with more
+    processes on this machine than GPUs, GPU LOCAL_RANK mod count, shared over gloo (`pick_backend`)."""
     import torch
     import torch.distributed as dist
     if not under_torchrun():
@@ -552,7 +567,7 @@ def init(network="lan", backend: str | None = None, seed: int = 0, timeout: floa
     backend, device = pick_backend(backend, device, local)
     set_default_network(network, seed)
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(gpu_of(int(os.environ.get("LOCAL_RANK", "0"))))
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or _threads_per_worker(local)))

@@ -75,8 +75,8 @@ def windows(stream: bytes, context: int, count: int | None = None) -> tuple[torc
     if count is None:
         w = t.unfold(0, context + 1, context)
     else:
-        starts = torch.linspace(0, len(t) - context - 1, count).round().long()
-        w = t[starts[:, None] + torch.arange(context + 1)[None, :]]
+        starts = torch.linspace(0, len(t) - context - 1, count, device="cpu").round().long()   # (host data)
+        w = t[starts[:, None] + torch.arange(context + 1, device="cpu")[None, :]]
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
@@ -136,7 +136,7 @@ class ByteLM(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, t) bytes (any integer dtype), t <= context -> (batch, t, 256) logits."""
         x = x.long()
-        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             h = block(h)
         return self.head(self.ln(h))

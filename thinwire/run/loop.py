@@ -51,7 +51,7 @@ from ..errors import UserError
 from ..trace import Tracer
 from ..launcher import report_progress
 from . import checkpoint, workloads
-from .stepper import Stepper, make_optimizer
+from .stepper import Stepper, make_optimizer, model_device
 
 _now = time.perf_counter
 EVAL_PRECISION = 0.02   # in a race, evaluations come every 2 % of the training clock (see the module's doc) ...
@@ -65,9 +65,7 @@ class TrainerStepper(Stepper):
 
     def __init__(self, cfg, wl, rank: int, tracer=None):
         from ..trainer import Trainer
-        # device="cuda": the worker's current CUDA device, which the launcher set
-        device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-        model = wl.model(cfg.seed).to(device)
+        model = wl.model(cfg.seed).to(model_device(cfg))
         self.trainer = Trainer(model, make_optimizer(cfg, wl, model), algorithm=cfg.algorithm,
                                compressor=cfg.compressor, memory=cfg.memory, network=cfg.network, tracer=tracer,
                                nonfinite=cfg.nonfinite, on_failure=cfg.on_failure, **cfg.component_params())
@@ -128,9 +126,10 @@ def worker_group(is_worker: bool):
     group training uses, so that an agreement never interleaves with an exchange in flight. Every rank of the
     job calls this, in the same order; groups are kept for the life of the process (pools run many runs)."""
     world = dist.get_world_size()
-    flags = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(flags, torch.tensor([1.0 if is_worker else 0.0]), group=_gloo_group(world, tuple(range(world))))
-    return _gloo_group(world, tuple(r for r, f in enumerate(flags) if f.item() > 0))
+    flags = [torch.zeros(1, device="cpu") for _ in range(world)]     # (a gloo group: host tensors)
+    mine = torch.tensor([1.0 if is_worker else 0.0], device="cpu")
+    dist.all_gather(flags, mine, group=_gloo_group(world, tuple(range(world))))
+    return _gloo_group(world, tuple(r for r, f in enumerate(flags) if f.item() > 0))   # host: once per run
 
 
 @functools.cache
@@ -167,7 +166,7 @@ class Schedule:
         numbers on every rank (all ranks compute them from the same all-gathered list, in rank order)."""
         if self.group is None or dist.get_world_size(self.group) == 1:
             return value, clock, eval_s
-        mine = torch.tensor([value, clock, eval_s], dtype=torch.float64)
+        mine = torch.tensor([value, clock, eval_s], dtype=torch.float64, device="cpu")   # (a gloo group)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(every, mine, group=self.group)
         return (statistics.fmean(float(v[0]) for v in every), max(float(v[1]) for v in every),
@@ -288,6 +287,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     wrank = stepper.worker_rank
     device = next(stepper.module.parameters()).device
     x, y = wl.shard(wrank, cfg.workers)
+    x, y = x.to(device), y.to(device)   # the shard goes to the model's device once: batches are cut there
     loader = workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=cfg.seed, rank=wrank)
     total = cfg.total_steps(wl)
     schedule = Schedule(cfg, wl, total, cfg.workers, group)
@@ -325,8 +325,6 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
         while total is None or step <= total:
             t0 = _now()
             xb, yb = loader.next()
-            if device.type != "cpu":
-                xb, yb = xb.to(device), yb.to(device)
             with tracer.span("forward", "forward"):
                 loss = wl.loss(stepper.model(xb), yb)
             with tracer.span("backward", "backward"):
@@ -334,9 +332,11 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             report_progress(step)  # computed: the launcher's watchdog tells a stuck rank from those waiting on it
             traffic = stepper.step()
             stepper.zero_grad()
+            # on a GPU this read waits for the step's queued work, which the training clock must include
+            value = loss.item()   # host: once per step (the loss record)
             dt = _now() - t0
             clock += dt
-            rec = {"step": step, "loss": loss.item(), "t": clock, "step_s": dt,
+            rec = {"step": step, "loss": value, "t": clock, "step_s": dt,
                    **{k: traffic[k] for k in ("bytes_sent", "emulated_s", "wait_s")}}
             steps.append(rec)
             if board is not None:
@@ -352,7 +352,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                       records={"steps": steps, "evals": evals}, clock=clock, schedule=schedule.state_dict())
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+                bar.set_postfix(loss=f"{value:.3f}", refresh=False)
             if stop is not None:
                 break
             step += 1

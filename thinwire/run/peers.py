@@ -36,7 +36,7 @@ from ..comm.context import default_seed
 from ..errors import UserError
 from ..net import Islands, parse_network, ring_allreduce
 from ..trainer import nonfinite_stop
-from .stepper import Stepper, make_optimizer
+from .stepper import Stepper, make_optimizer, model_device
 
 _now = time.perf_counter
 
@@ -236,19 +236,21 @@ def _build(cfg, wl, model, workers: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
     name, p = cfg.algorithm, cfg.params
     opt = make_optimizer(cfg, wl, model)   # DDP's parameters are the model's
+    dev = next(model.parameters()).device
+    on = {"device_ids": [dev]} if dev.type == "cuda" else {}   # a model on a GPU: DDP on that one device
     hooks = {"ddp": (default_hooks.allreduce_hook, "allreduce_hook (fp32)"),
              "ddp-fp16": (default_hooks.fp16_compress_hook, "fp16_compress_hook")}
     if name == "ddp-powersgd":
         model_mb = sum(t.numel() * t.element_size() for t in model.parameters()) / 2 ** 20
         bucket = max(25.0, 2 * model_mb + 1)  # one bucket: gloo fails with several (FACTS.md)
-        ddp = DDP(model, bucket_cap_mb=bucket)
+        ddp = DDP(model, bucket_cap_mb=bucket, **on)
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(p.get("rank", 4)),
                                    start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
                                    random_seed=cfg.seed)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         desc = f"powerSGD_hook rank {state.matrix_approximation_rank}, one bucket (bucket_cap_mb={bucket:.0f})"
         return ddp, opt, desc
-    ddp = DDP(model)
+    ddp = DDP(model, **on)
     if name in hooks:
         hook, desc = hooks[name]
         ddp.register_comm_hook(None, hook)
@@ -287,7 +289,8 @@ class PeerStepper(Stepper):
 
     def step(self) -> dict:
         self.steps += 1
-        if any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in self.parameters):
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):  # one host read
             raise nonfinite_stop(self.worker_rank, self.steps)
         self.optimizer.step()
         now = self.counter.totals()
@@ -306,7 +309,7 @@ class DDPStepper(PeerStepper):
     def __init__(self, cfg, wl, rank: int, world_size: int):
         self.counter = _Counter(rank, parse_network(cfg.network))
         self.counter.install()
-        module = wl.model(cfg.seed)
+        module = wl.model(cfg.seed).to(model_device(cfg))
         ddp, self.optimizer, self.desc = _build(cfg, wl, module, world_size)
         super().__init__(ddp, module, rank)
         self._start_counting()

@@ -46,6 +46,12 @@ class Stepper:
         pass
 
 
+def model_device(cfg) -> torch.device:
+    """Where a worker's model lives: `cfg.device` "cuda" is the worker's current CUDA device (the launcher set
+    it: its own GPU, or the GPU it shares with other workers), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+
+
 def make_optimizer(cfg, wl, model) -> torch.optim.Optimizer:
     """The workload's optimizer (or `cfg.optimizer` by name: sgd, adamw, muon) with `cfg.lr` / `cfg.momentum` over
     `model`'s parameters."""

@@ -39,7 +39,7 @@ from ..comm.state import broadcast_text
 from ..errors import UserError
 from ..net import parse_network
 from .peers import PeerStepper, _Counter, _Work, missing_torchft
-from .stepper import make_optimizer
+from .stepper import make_optimizer, model_device
 
 def _emulated_gloo(counter, timeout: timedelta):
     """torchft's ProcessGroupGloo whose all-reduces are delivered by the emulated link and counted (see above)."""
@@ -72,7 +72,7 @@ class TorchftDiLoCoStepper(PeerStepper):
         p = cfg.params
         period, fragments = int(p.get("period", 8)), int(p.get("fragments", 1))
         self.counter = _Counter(rank, parse_network(cfg.network))
-        module = wl.model(cfg.seed)
+        module = wl.model(cfg.seed).to(model_device(cfg))
         super().__init__(module, module, rank)
         self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=world_size) if rank == 0 else None
         address = broadcast_text(self.lighthouse.address() if rank == 0 else None, src=0)  # never a pickle

@@ -98,7 +98,7 @@ class TrainConfig:
     stop_at_target: bool = False          # a race: stop at the first evaluation whose mean metric is on target
     optimizer: str | None = None          # the workload's own by default; "sgd" / "adamw" by name
     tensorboard: str | None = None        # a directory for TensorBoard scalars (worker rank 0 writes them)
-    device: str = "cpu"                   # "cuda": one worker per GPU on NCCL (model, batches, buffers there)
+    device: str = "cpu"                   # "cuda": model, batches, buffers on GPUs (launcher.pick_backend)
 
     @property
     def peer(self) -> bool:

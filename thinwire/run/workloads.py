@@ -69,6 +69,7 @@ class Workload:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (output, target) -> loss
     eval_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], float] | None = None  # (model, x_test, y_test)
     derived: dict = field(default_factory=dict)  # name -> f(metric value), e.g. bits per byte from a loss
+    _held_out: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (x_test, y_test) there
 
     def __post_init__(self):
         check_optimizer(self.optimizer, f"workload {self.name}: optimizer")
@@ -131,8 +132,7 @@ class Workload:
     def evaluate(self, model: nn.Module) -> float:
         was = model.training
         model.eval()
-        dev = next(model.parameters()).device           # the held-out set goes where the model is
-        x, y = self.data[2].to(dev), self.data[3].to(dev)
+        x, y = self.held_out(next(model.parameters()).device)
         try:
             if self.eval_fn is not None:
                 return float(self.eval_fn(model, x, y))
@@ -143,6 +143,13 @@ class Workload:
             # hits / total in Python: a float32 mean reads exactly 95% as 0.94999999 < 0.95, a missed target
             return int((out.argmax(1) == y).sum()) / y.numel()
         return float(self.loss(out, y))   # the training loss on the held-out set (`loss_fn`, else MSE)
+
+    def held_out(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held-out set on `device` (where the model is), copied there once."""
+        key = str(device)
+        if key not in self._held_out:
+            self._held_out[key] = (self.data[2].to(device), self.data[3].to(device))
+        return self._held_out[key]
 
     def derived_metrics(self, value: float) -> dict:
         """The workload's other readings of a metric value (e.g. {"bits_per_byte": ...} from a loss)."""
@@ -170,8 +177,10 @@ class ShardLoader:
         self._order = self._shuffle()
 
     def _shuffle(self) -> torch.Tensor:
+        """This epoch's order, drawn from a host generator (the same on every device) and kept where the shard
+        is: batches are then cut on the shard's device, with no host copy per step."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + self.epoch)
-        return torch.randperm(len(self.x), generator=g)
+        return torch.randperm(len(self.x), generator=g, device="cpu").to(self.x.device)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pos + self.batch_size > len(self.x):
