@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import threading
 
 import torch
 import torch.distributed as dist
@@ -120,11 +121,80 @@ def hand_over_momentum(optimizer, algorithm, compressor, memory) -> float:
     return mu
 
 
-def nonfinite_stop(rank: int, step: int) -> NonFiniteError:
-    """The error of the NaN/Inf policy `stop` (the Trainer's and the peers'): this rank raises, nothing of the step
-    was applied, and the launcher stops every rank."""
-    return NonFiniteError(f"rank {rank}: NaN or Inf in the gradient at step {step}; nothing was applied "
-                          f"(policy nonfinite=stop)")
+def nonfinite_stop(rank: int, step: int, seen: str = "") -> NonFiniteError:
+    """The error of the NaN/Inf policy `stop` (the Trainer's and the peers'): this rank raises, and the launcher
+    stops every rank. Without `seen`: nothing of the step was applied; with it (the Trainer's check, read where
+    `seen` says): nothing computed from the gradient was sent, though this worker's own steps since applied it."""
+    what = "nothing was applied" if not seen else (f"seen {seen}: nothing computed from it was sent (this "
+                                                   f"worker's own steps since applied it)")
+    return NonFiniteError(f"rank {rank}: NaN or Inf in the gradient at step {step}; {what} (policy nonfinite=stop)")
+
+
+def nonfinite_flag(grads: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor | None = None) -> None:
+    """Set `found` (a float tensor of one element, on the gradients' device) to 1 if any of `grads` (on that
+    device) holds NaN or Inf, on the device, nothing read: one fused op (GradScaler's check at a scale of `one`,
+    1: multiplying by 1 leaves every value as it is); sparse or differentiable gradients are only read."""
+    try:
+        with torch.no_grad():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found) if one is None
+                                                             else one)
+    except (NotImplementedError, RuntimeError):      # sparse gradients, differentiable ones (create_graph)
+        for g in grads:
+            g = g.detach().coalesce().values() if g.is_sparse else g.detach()
+            found.copy_(torch.maximum(found, (~torch.isfinite(g).all()).to(found.dtype)))
+
+
+class FiniteGuard:
+    """The NaN/Inf policy `stop` without a host read per step: each step's gradients are checked on their device
+    (`nonfinite_flag`, a few device ops, nothing read), and the verdict is read by the host once, with the next
+    exchange's own finiteness read (`Exchange.guard`: before anything is sent), at a checkpoint and at close. An
+    error names the first step whose gradient was not finite."""
+
+    def __init__(self, params: list[torch.Tensor], rank: int):
+        self.rank = rank
+        devices = sorted({p.device for p in params}, key=str)
+        self.device = devices[0]
+        self.groups = None if len(devices) == 1 else {d: [i for i, p in enumerate(params) if p.device == d]
+                                                      for d in devices}
+        self.flags = torch.zeros(2, device=self.device)      # [found, steps checked before the first bad one]
+        self._found, self._clean, self._one = self.flags[:1], self.flags[1:], torch.ones(1, device=self.device)
+        self.steps: list[int] = []                           # the steps checked since the last verdict
+        self._lock = threading.Lock()
+
+    def check(self, params: list[torch.Tensor], step: int) -> None:
+        """Check the gradients of step `step` (on the device; nothing read)."""
+        with self._lock:
+            found = self._found
+            if self.groups is None:
+                grads = [g for p in params if (g := p.grad) is not None]
+                if grads:
+                    nonfinite_flag(grads, found, self._one)
+            else:
+                for d, idx in self.groups.items():
+                    grads = [params[i].grad for i in idx if params[i].grad is not None]
+                    if grads:
+                        f = found if d == self.device else torch.zeros(1, device=d)
+                        nonfinite_flag(grads, f)
+                        if f is not found:
+                            found.copy_(torch.maximum(found, f.to(self.device)))
+            self._clean.add_(found == 0)
+            self.steps.append(step)
+
+    def read_with(self, extra: torch.Tensor | None = None, seen: str = "with an exchange") -> list[float]:
+        """One host read of `extra` (a small device tensor; may be None) and of the verdict on the gradients
+        checked since the last read; raises `NonFiniteError` if one was not finite, else returns extra's
+        values."""
+        with self._lock:
+            if not self.steps:
+                return [] if extra is None else extra.tolist()
+            parts = [self.flags] if extra is None else [extra.reshape(-1).to(self.device, torch.float32), self.flags]
+            values = torch.cat(parts).tolist()             # the one host read
+            found, clean = values[-2:]
+            if found:
+                raise nonfinite_stop(self.rank, self.steps[int(clean)], seen)
+            self.flags.zero_()
+            self.steps.clear()
+            return values[:-2]
 
 
 ON_FAILURE = ("stop", "continue")
@@ -189,9 +259,14 @@ class Trainer:
         self._check_models_match(values=not sync_initial_model)
         if sync_initial_model:
             self._broadcast_model()
+        # policy stop: every step's gradients checked on the device, the verdict read with the next exchange;
+        # none where the algorithm's exchange checks every gradient bucket itself before sending it
+        self.finite = (FiniteGuard(self.parameters, self.transport.rank)
+                       if nonfinite == "stop" and not getattr(self.algorithm, "checks_finite", False) else None)
         self.context = Context(model, optimizer, self.parameters, self.scheduler, self.transport, self.tracer,
-                               self.compressor, self.memory, failures=self.failures)
+                               self.compressor, self.memory, failures=self.failures, finite=self.finite)
         self.algorithm.attach(self.context)
+        self.scheduler.next_step(self.algorithm.communicates())
 
     def _check_models_match(self, values: bool) -> None:
         """Refuse to start when the ranks' models differ in shape (or, without the initial broadcast, in
@@ -243,19 +318,17 @@ class Trainer:
             except PeerLost as lost:
                 self._recover(lost)
         self.step_count += 1
+        self.scheduler.next_step(self.algorithm.communicates())   # a local step next: no gradient hook runs
         return self.transport.meter.mark_step()
 
     def _step(self) -> None:
-        # algorithms whose exchange checks every bucket before sending it (during backward) are not re-checked:
-        # their gradients may be in flight, being reduced in place
-        checked = self.nonfinite == "stop" and getattr(self.algorithm, "checks_finite", False)
-        grads = [p.grad for p in self.parameters if p.grad is not None] if not checked else []
-        # one flag on the device for every gradient: one host read per step, not one per parameter
-        bad = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else None
         if self.nonfinite == "skip":
-            flag = torch.zeros(1, device=self.transport.device)
-            if bad is not None:
-                flag += bad.to(flag.device)
+            # every rank's verdict before anything is applied: one all-reduce and one host read per step
+            grads = [p.grad for p in self.parameters if p.grad is not None]
+            flag = torch.zeros(1, device=grads[0].device if grads else self.transport.device)
+            if grads:
+                nonfinite_flag(grads, flag)
+            flag = flag.to(self.transport.device)
             self.transport.all_reduce(flag, op="max")
             if flag.item() > 0:                     # host: once per step (every rank's verdict)
                 for p in self.parameters:
@@ -264,8 +337,8 @@ class Trainer:
                 self.skipped_steps += 1
                 self.scheduler.discard_step()
                 return
-        elif bad is not None and bool(bad):         # (one host read per step)
-            raise nonfinite_stop(self.transport.rank, self.step_count + 1)
+        elif self.finite is not None:               # on the device; read with the next exchange
+            self.finite.check(self.parameters, self.step_count + 1)
         self.algorithm.step()
 
     def _recover(self, lost: PeerLost) -> None:
@@ -293,6 +366,8 @@ class Trainer:
         self.algorithm.recover()
 
     def close(self) -> None:
+        if self.finite is not None:
+            self.finite.read_with(seen="at close")
         try:
             self.algorithm.close()
         except PeerLost as lost:         # lost while draining: survive it, then drain the survivors' way
@@ -307,6 +382,8 @@ class Trainer:
         return out
 
     def state_dict(self) -> dict:
+        if self.finite is not None:        # a checkpoint never holds a model a non-finite gradient went into
+            self.finite.read_with(seen="at a checkpoint")
         return {"step": self.step_count, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.state_dict(),
                 "compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}

@@ -70,11 +70,15 @@ class ADPSGD(Gossip):
             fut = self.exchange.start(snap, bucket.key, [peer], [peer])
             self.inflight[bucket.index] = (bucket.members, snap, fut, peer)
 
+    def communicates(self):
+        return self.pairing()
+
     def step(self):
-        self.scheduler.flush()
         if self.pairing():
+            self.scheduler.flush()
             self.pairings += self.partner() >= 0
         else:
+            self.scheduler.local_step()
             self.optimizer_step()
         self.after_step()
 

@@ -11,6 +11,9 @@ take a local optimizer step of its parameters — while backward goes on with th
 user calls `trainer.step()`, which calls `step()`: it calls `self.scheduler.flush()` (the buckets backward did not
 hand over), waits only for what this step needs, applies the update, and ends with `self.scheduler.end_step()`.
 An algorithm that tolerates latency (DTS, CD-SGD) keeps futures across steps instead of waiting.
+A step that sends nothing (`communicates()` is false: DiLoCo's and local SGD's inner steps, DTS's sparse steps)
+costs what a plain `optimizer.step()` costs: no gradient hook runs in its backward and `step()` calls
+`local_update()` (or `self.scheduler.local_step()`) instead of `flush()`.
 `close()` drains in-flight communication and leaves every worker with the model the algorithm defines.
 """
 from __future__ import annotations
@@ -54,13 +57,17 @@ class Context:
     compressor: Any
     memory: Any
     failures: list = field(default_factory=list)
+    finite: Any = None        # the gradients' pending NaN/Inf verdict, read with every exchange's own check
     modes: dict = field(default_factory=dict)     # the scheduler's options for every exchange (`exchange`)
 
     def exchange(self, cls: type = Exchange, compressor=None, memory=None, **options) -> Exchange:
         """An exchange of class `cls` on the transport, through `compressor` and `memory` (default: the
-        training's), its programs run as the scheduler's `modes` say (background, serial)."""
-        return cls(self.transport, self.compressor if compressor is None else compressor,
-                   self.memory if memory is None else memory, **self.modes, **options)
+        training's), its programs run as the scheduler's `modes` say (background, serial); its finiteness check
+        reads the gradients' pending verdict too (`finite`, `Exchange.guard`)."""
+        ex = cls(self.transport, self.compressor if compressor is None else compressor,
+                 self.memory if memory is None else memory, **self.modes, **options)
+        ex.guard = self.finite
+        return ex
 
 
 class Algorithm:
@@ -113,6 +120,19 @@ class Algorithm:
         """Build exchanges and buffers (called once the trainer is wired, before the scheduler attaches)."""
 
     # -- the step --------------------------------------------------------------------------------------
+    def communicates(self) -> bool:
+        """Whether the coming step (its backward and its `step()`) exchanges anything; asked once the previous
+        step is over. False: a local step, whose backward hands no bucket over (no gradient hook runs) and whose
+        `step()` must not call `flush()`."""
+        return True
+
+    def local_update(self) -> None:
+        """A step that sends nothing: the optimizer on the gradients as backward left them (missing ones as zeros,
+        as on every step), and the step closed."""
+        self.scheduler.local_step()
+        self.optimizer_step()
+        self.scheduler.end_step()
+
     def on_bucket(self, bucket) -> None:
         """Backward handed over a full bucket of gradients (`bucket.buffer`, `bucket.params`). Default: keep it."""
 

@@ -226,6 +226,7 @@ class DiLoCo(Algorithm):
             self.exchange = self.exchange_class(column, self.compressor, self.memory, **self.ctx.modes)
             self.inner = self.exchange_class(inside, "none", "none", **self.ctx.modes)
             self._exchanges += [self.exchange, self.inner]
+            self.exchange.guard = self.inner.guard = self.ctx.finite
             self._grads: dict = {}
         sizes = [p.numel() for p in self.params]
         self.bounds = fragment_bounds(sum(sizes), self.fragments)
@@ -326,13 +327,20 @@ class DiLoCo(Algorithm):
         self._pending.append((piece, fut))
         self._pending_fragment = f
 
+    def communicates(self):
+        """A step that takes a pseudo-gradient; every step under replicas="island" (data parallel inside it)."""
+        return self.island is not None or self.starting(self.steps + 1) is not None
+
     def step(self):
         n = self.steps + 1
-        self.scheduler.flush()      # on a starting step: every bucket's inner step taken and its Δ started
         if self.island is not None:
+            self.scheduler.flush()
             self._island_inner_step(n)
-        elif self.starting(n) is None:
+        elif self.starting(n) is None:  # an inner step (a merge waits for what a starting step sent)
+            self.scheduler.local_step()
             self.optimizer_step()
+        else:
+            self.scheduler.flush()      # every bucket's inner step taken and its Δ started
         self.steps = n
         self._dirty = [True] * self.fragments
         f = self.merging(n)

@@ -81,6 +81,9 @@ class LocalSGDOnGossip(Periodic, DPSGD):
                          architecture=architecture)
         self._period_init(period, "; H = 1 is D-PSGD")
 
+    def communicates(self):
+        return self.syncing()
+
     def on_bucket(self, bucket):
         if self.syncing():
             super().on_bucket(bucket)
@@ -91,7 +94,7 @@ class LocalSGDOnGossip(Periodic, DPSGD):
             self.local_steps = 0
             self.syncs += 1
         else:
-            self.scheduler.flush()
+            self.scheduler.local_step()
             self.optimizer_step()
             self.local_steps += 1
             self.after_step()

@@ -106,6 +106,7 @@ class DTS(Algorithm):
         # C_{k,j} and B_{k,j} of this window, per parameter: the rate-weighted sum and the μ-discounted sum
         # (momentum, p > 1) of the local gradients. A bucket's [C|B] (interleaved element by element, so the
         # exchange's per-bucket state follows a re-plan of buckets) is averaged at the window's last step.
+        self._every = list(range(len(self.params)))
         self._c = [torch.zeros_like(p) for p in self.params]
         self._b = [torch.zeros_like(p) for p in self.params] if self._two else None
         self._in_window = 0
@@ -118,15 +119,24 @@ class DTS(Algorithm):
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     # -- the step --------------------------------------------------------------------------------------
+    def communicates(self):
+        """Only the window's last step sends (its buckets' averages start during its backward)."""
+        return self._in_window + 1 == self.period
+
     def on_bucket(self, bucket):
         """This step's gradients of the bucket into the window's sums; at the window's last step, the bucket's
         average starts at once (overlapping the rest of backward)."""
+        self._accumulate(bucket.members, bucket.views)
+        if self._in_window + 1 == self.period:
+            self._launch(bucket.members, bucket.key)
+
+    def _accumulate(self, members: list[int], grads: list[torch.Tensor]) -> None:
+        """This step's gradients `grads` of parameters `members` into the window's sums C (and B)."""
         rates = self._rates()                   # the rates this step's optimizer update uses
         if self._ref is None:   # p = 1: C = g exactly (ratio 1), the rate may be 0; else a nonzero unit
             self._ref = list(rates) if self.period == 1 else [r if r != 0.0 else 1.0 for r in rates]
-        members = bucket.members
-        grads = bucket.views
-        decayed = [i for i in members if self._decay[self._gi[i]] != 0.0 and self._in_window > 0]
+        decayed = ({i for i in members if self._decay[self._gi[i]] != 0.0} if self._in_window > 0 and
+                   any(self._decay) else ())
         if self._two:
             bs = [self._b[i] for i in members]
             torch._foreach_mul_(bs, self.mu)                     # B <- μ B + g (- λ C with weight decay)
@@ -136,16 +146,18 @@ class DTS(Algorithm):
             source = [g.clone() for g in grads]                  # B = g - λ C, this step's only
         else:
             source = grads                                       # C += (γ_s / γ_ref) g
-        for k, i in enumerate(members):                          # C in units of γ_ref: λ γ_ref C
+        for k, i in enumerate(members if decayed else ()):       # C in units of γ_ref: λ γ_ref C
             gi = self._gi[i]
             if i in decayed:
                 source[k].sub_(self._c[i], alpha=self._decay[gi] * self._ref[gi])
+        if len(self._decay) == 1:               # one parameter group: one fused add
+            ratio = 1.0 if self.period == 1 else rates[0] / self._ref[0]
+            torch._foreach_add_([self._c[i] for i in members], source, alpha=ratio)
+            return
         for gi in sorted({self._gi[i] for i in members}):
             ks = [k for k, i in enumerate(members) if self._gi[i] == gi]
             ratio = 1.0 if self.period == 1 else rates[gi] / self._ref[gi]
             torch._foreach_add_([self._c[members[k]] for k in ks], [source[k] for k in ks], alpha=ratio)
-        if self._in_window + 1 == self.period:
-            self._launch(bucket.members, bucket.key)
 
     def _launch(self, members: list[int], key: str) -> None:
         flat = torch.cat([self._c[i].reshape(-1) for i in members])
@@ -160,7 +172,11 @@ class DTS(Algorithm):
         self._launched.append((members, local, self.exchange.start(flat, key=key)))
 
     def step(self):
-        self.scheduler.flush()                  # every bucket summed (and launched, at a window's end)
+        if self.communicates():
+            self.scheduler.flush()              # every bucket summed and launched (at the window's end)
+        else:                                   # a sparse step: this step's gradients into the sums, here
+            self.scheduler.local_step()
+            self._accumulate(self._every, [p.grad for p in self.params])
         rates = self._rates()
         self._in_window += 1
         self.steps += 1

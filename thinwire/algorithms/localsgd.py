@@ -94,14 +94,17 @@ class LocalSGD(Periodic, BSP):
     def _merge(self, anchor: torch.Tensor, mean: torch.Tensor) -> None:
         anchor.add_(mean)           # x_anchor + mean_j C(x_j - x_anchor)
 
+    def communicates(self):
+        return self.syncing()
+
     def step(self):
-        self.scheduler.flush()
         if self.syncing():
+            self.scheduler.flush()
             self.average()          # the local step of every bucket was taken when backward handed it over
+            self.scheduler.end_step()
         else:
-            self.optimizer_step()
             self.local_steps += 1
-        self.scheduler.end_step()
+            self.local_update()
 
     def close(self):
         if self.local_steps:        # steps since the last average: one more average, no further local step
@@ -131,6 +134,9 @@ class PostLocalSGD(LocalSGD):
 
     def synchronous(self) -> bool:
         return self.steps < self.switch
+
+    def communicates(self):
+        return self.synchronous() or self.syncing()
 
     def on_bucket(self, bucket):
         if self.synchronous():      # phase 1: mini-batch SGD on the mean gradient (Tang et al. eq. 6)

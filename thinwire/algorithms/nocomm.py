@@ -17,7 +17,8 @@ class Local(Algorithm):
     architectures = ("allreduce",)
     compression = False
 
+    def communicates(self):
+        return False
+
     def step(self):
-        self.scheduler.flush()
-        self.optimizer_step()
-        self.scheduler.end_step()
+        self.local_update()

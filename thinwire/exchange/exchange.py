@@ -260,11 +260,16 @@ class Exchange:
             self._check_finite(x, key)
         return step
 
+    guard = None   # a pending verdict on earlier gradients (the Trainer's `FiniteGuard`), read with this check
+
     def _check_finite(self, x: torch.Tensor, key: Any) -> None:
         if not x.is_floating_point():
             return
         s = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-        if not torch.isfinite(s) and not bool(torch.isfinite(x).all()):
+        # one host read: this tensor's sum and, with a guard, the verdict on the gradients checked since the last
+        finite = (bool(torch.isfinite(s)) if self.guard is None
+                  else self.guard.read_with(torch.isfinite(s).reshape(1))[0] > 0)
+        if not finite and not bool(torch.isfinite(x).all()):
             raise NonFiniteError(f"rank {self.transport.rank}: non-finite value (NaN/Inf) in the tensor "
                                      f"exchanged under key {key!r}; nothing was sent (lower the learning rate, "
                                      f"clip gradients, or use loss scaling)")

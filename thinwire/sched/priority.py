@@ -78,10 +78,11 @@ class Priority(Profiled):
         self.optimizer = optimizer
         self.exchange = algorithm.exchange       # priority decides the update too: bsp's exchange, per chunk
         super().attach(model, params, algorithm, transport, tracer)
+        self._module_hooks = []
         for m in model.modules():
             own = [self.index[id(p)] for p in m.parameters(recurse=False) if id(p) in self.index]
             if own:
-                self._hooks.append(m.register_forward_pre_hook(self._make_pre_hook(own)))
+                self._module_hooks.append(m.register_forward_pre_hook(self._make_pre_hook(own)))
         return self
 
     def _build(self, groups) -> None:  # the flat layout is fixed; `groups` (per-layer) only feed profiling
@@ -236,6 +237,9 @@ class Priority(Profiled):
         if self._began:
             self.finish_step()
         self.flush()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
         super().close()
 
     def describe(self) -> dict:

@@ -11,11 +11,19 @@ another order. `flush()` (the algorithm's `step()` calls it first) hands over wh
 without a gradient this step count as zeros); `end_step()` closes the step (MG-WFBP re-plans here).
 
 With `overlap=False` no hook is registered and every bucket is handed over in `flush()` (no overlap).
+
+A step that sends nothing (DiLoCo's and local SGD's inner steps, DTS's sparse steps: `Algorithm.communicates()`
+is false) runs no per-parameter Python in its backward: whoever drives the steps says after each one whether the
+next communicates (`next_step`), the hooks are removed before a local step and put back by a forward pre-hook on
+the model before the next step that communicates (one Python call per forward). The algorithm's `step()` of a
+local step calls `local_step()` (missing gradients become zeros, as `flush()` makes them), not `flush()`. A step
+that communicates but whose forward did not run through the model hands every bucket over in `flush()`.
 `serial` and `pipeline` are options of the exchanges' programs (`thinwire.comm.engine`): `modes()` says which,
 and the algorithm's exchanges are built with them (`thinwire.algorithms.base.Context.exchange`).
 
-What an algorithm may use (its public view): `buckets` (and `layout()`), `flush()`, `end_step()`, `began`,
-`discard_step()`, `close()`, `describe()`, `defers_update` and, where it is set, `finish_step()` (priority).
+What an algorithm may use (its public view): `buckets` (and `layout()`), `flush()`, `local_step()`, `end_step()`,
+`began`, `discard_step()`, `close()`, `describe()`, `defers_update` and, where it is set, `finish_step()`
+(priority). The driver (the Trainer) calls `next_step()` and `discard_step()`.
 """
 from __future__ import annotations
 
@@ -50,7 +58,9 @@ class Scheduler:
         # clock would otherwise let concurrent collectives overlap their start-up latencies; loopback gloo keeps its
         # own.
         self.serial = serial
-        self._hooks: list = []
+        self._hooks: list = []        # the gradient hooks, while they are on (`_arm`)
+        self._forward = None          # the model's forward pre-hook that puts them back
+        self._handing = True          # the current step hands its buckets to the algorithm (`next_step`)
         self.steps = 0
 
     # -- wiring ----------------------------------------------------------------------------------------
@@ -81,9 +91,35 @@ class Scheduler:
         self._stamps: list[float] | None = None
         self._build(self.initial_groups())
         if self.overlap:
-            for p in self.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._arm()
+            self._forward = model.register_forward_pre_hook(self._before_forward)
         return self
+
+    def _arm(self) -> None:
+        if not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _disarm(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _wants_hooks(self) -> bool:
+        """Whether the current step's backward runs the gradient hooks: it hands buckets over, or it is profiled
+        (MG-WFBP and priority measure ready times during their first steps, local or not)."""
+        return self.overlap and (self._handing or self._stamps is not None)
+
+    def _before_forward(self, module, args) -> None:
+        if not self._hooks and self._wants_hooks():
+            self._arm()
+
+    def next_step(self, communicates: bool) -> None:
+        """(the driver, once a step is over) Whether the next step communicates (`Algorithm.communicates()`):
+        if not, its backward runs no gradient hook (removed now; the model's forward puts them back before a step
+        that communicates)."""
+        self._handing = bool(communicates)
+        if self._hooks and not self._wants_hooks():
+            self._disarm()
 
     def initial_groups(self) -> list[list[int]]:
         if not self.overlap:
@@ -128,6 +164,8 @@ class Scheduler:
         i = self.index[id(p)]
         if self._stamps is not None:
             self._stamps[i] = _now()
+        if not self._handing:        # a local step, profiled: its ready times only
+            return
         if self._ready[i]:
             raise UserError("a gradient was produced twice before trainer.step(): call trainer.step() after "
                             "each backward (or use schedule='none' to accumulate gradients)")
@@ -167,15 +205,23 @@ class Scheduler:
             if not self._ready[i]:
                 self.take(i)
 
+    def local_step(self) -> None:
+        """(a step that sends nothing, instead of `flush`) Parameters without a gradient get zeros, as `flush()`
+        gives them, so that the optimizer's update is the same; no bucket is handed over."""
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                self.buckets.adopt(i)
+
     def end_step(self) -> None:
         """The step is over (the algorithm applied what it needed)."""
         self.steps += 1
         self._reset()
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self._disarm()
+        if self._forward is not None:
+            self._forward.remove()
+            self._forward = None
 
     def describe(self) -> dict:
         return {"schedule": self.name, "buckets": len(self.sizes),
