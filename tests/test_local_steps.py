@@ -76,6 +76,29 @@ def test_a_local_step_runs_no_hook_and_reads_nothing(group, reads, algorithm, pa
     trainer.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_local_step_on_the_gpu_never_synchronises(group):
+    """On CUDA, with torch's sync debug mode raising on any synchronising call: the local steps of localsgd and
+    DiLoCo (forward, backward, Trainer.step) run without one."""
+    device = "cuda"
+    for algorithm in ("localsgd", "diloco"):
+        model = _model().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+        trainer = tw.Trainer(model, opt, algorithm=algorithm, period=3)
+        x = torch.randn(4, 6, device=device)
+        for _ in range(6):
+            local = not trainer.algorithm.communicates()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if local else "default")
+            try:
+                model(x).square().mean().backward()
+                trainer.step()
+                opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        trainer.close()
+
+
 def test_a_nan_on_a_local_step_stops_the_run_before_anything_is_sent(group):
     """The verdict of a local step's check is read with the next exchange: the error names the step whose
     gradient was not finite, and the exchange raises before it sends (its own tensor is finite here)."""
