@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from .files import atomic_write
 
@@ -33,11 +33,13 @@ class Tracer:
             ev["args"] = args
         self.events.append(ev)
 
-    @contextmanager
     def span(self, name: str, track: str = "compute", **args):
-        if not self.enabled:
-            yield
-            return
+        """A context manager timing its block as one event (nothing at all, not even a generator, when the
+        tracer is off: the training path opens spans on every step)."""
+        return self._span(name, track, args) if self.enabled else _OFF
+
+    @contextmanager
+    def _span(self, name: str, track: str, args: dict):
         start = time.perf_counter()
         try:
             yield
@@ -45,6 +47,7 @@ class Tracer:
             self.complete(name, start, time.perf_counter(), track, **args)
 
 
+_OFF = nullcontext()
 NULL = Tracer(enabled=False)
 
 
