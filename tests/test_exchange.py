@@ -11,6 +11,7 @@ from thinwire.compress._sparse import num_kept
 from thinwire.errors import UserError
 from thinwire.exchange import Exchange
 from thinwire.exchange import wire
+from thinwire.exchange.choose import wire_bits
 
 NATURAL_MEMORY = {"dgc": "dgc", "powersgd": "powersgd", "efsignsgd": "efsignsgd"}
 
@@ -216,7 +217,7 @@ def test_bytes_on_the_wire_match_payloads(pool4):
     for r in res:
         for name, want in (("qsgd", "allreduce"), ("terngrad", "allgather"), ("int8", "allgather")):
             sent, coll, count = r[name]
-            bits = tw.compressors.get(name).nominal_bits(d, world_size=n)
+            bits = wire_bits(tw.compressors.get(name), d, n)[1]
             assert coll == want, name
             if coll == "allreduce":
                 assert sent == pytest.approx(ring * bits * d / 8), name
@@ -264,7 +265,7 @@ class CountingTransport:
 @pytest.mark.parametrize("world", [4, 19, 200])
 def test_quantizer_wire_bits_at_any_world_size(world):
     """qsgd, terngrad, int8 on their default paths at 4, 19 and 200 ranks: the exchange picks the collective that
-    sends fewer bytes, sums in the type `nominal_bits(d, world_size)` counts (at 19 ranks qsgd's levels need
+    sends fewer bytes, sums in the type `wire_bits(comp, d, world_size)` counts (at 19 ranks qsgd's levels need
     int16, which gloo sums as int32: as many bytes as fp32), and the counted bytes are those bits."""
     d = 3000
     x = torch.randn(d, generator=torch.Generator().manual_seed(0))
@@ -277,9 +278,9 @@ def test_quantizer_wire_bits_at_any_world_size(world):
         tp = CountingTransport(world)
         ex = Exchange(tp, name)
         comp = ex.compressor
-        assert ex.collective_for(d) == coll == comp.wire_bits(d, world)[0], name
+        assert ex.collective_for(d) == coll == wire_bits(comp, d, world)[0], name
         y = ex.aggregate(x, "x")
-        bits = comp.nominal_bits(d, world_size=world)
+        bits = wire_bits(comp, d, world)[1]
         ring_ar, ring_ag = 2 * (world - 1) / world, world - 1
         if coll == "allreduce":
             assert tp.summed[-1] == dtype, name      # the widened levels, after the agreed scale's max

@@ -10,12 +10,15 @@ import thinwire
 ROOT = pathlib.Path(thinwire.__file__).parent
 UTILITIES = {"errors", "files", "optim", "registry", "tensors", "trace", "__main__"}
 # package -> the packages it may import (DESIGN.md's "depends on", transitively closed)
-BELOW: dict[str, set[str]] = {"net": set(), "comm": {"net"}, "compress": {"net"}}
-BELOW["exchange"] = {"comm", "compress"} | BELOW["comm"] | BELOW["compress"]
+# compress: nothing — a compressor declares its payload, the exchange chooses the collective and runs the rounds
+BELOW: dict[str, set[str]] = {"net": set(), "comm": {"net"}, "compress": set()}
+BELOW["exchange"] = {"comm", "compress", "net"} | BELOW["comm"] | BELOW["compress"]
 BELOW["sched"] = {"exchange"} | BELOW["exchange"]
 BELOW["algorithms"] = {"sched"} | BELOW["sched"]
 BELOW["trainer"] = {"algorithms"} | BELOW["algorithms"]
-BELOW["plan"] = {"net", "compress"}
+# plan: nominal sizes from compressors, costs from net, and the collective the exchange would choose
+# (`thinwire.exchange.choose`, pure: the planner predicts with the rule the exchange runs)
+BELOW["plan"] = {"net", "compress", "exchange"} | BELOW["exchange"]
 BELOW["launcher"] = {"comm", "net"}
 BELOW["run"] = {"launcher", "trainer", "plan"} | BELOW["trainer"] | BELOW["launcher"]
 BELOW["compare"] = {"run"} | BELOW["run"]
@@ -69,6 +72,17 @@ def test_no_module_imports_from_a_layer_above_it():
                 continue
             upward.append(f"{path.relative_to(ROOT.parent)}:{line} ({mine}) imports {target} ({theirs})")
     assert not upward, "imports from a layer above:\n" + "\n".join(upward)
+
+
+def test_compress_imports_no_network_transport_or_exchange():
+    """Compressors declare their payloads and know nothing of collectives: no module of `thinwire.compress` imports
+    `net`, `comm` or `exchange`, at the top or inside a function."""
+    found = []
+    for path in sorted((ROOT / "compress").rglob("*.py")):
+        module = ("thinwire." + ".".join(path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+        found += [f"{path.relative_to(ROOT.parent)}:{line} imports {target}" for line, target in _imports(path, module)
+                  if _layer(target) in ("net", "comm", "exchange")]
+    assert not found, "compress imports what it must not know:\n" + "\n".join(found)
 
 
 def test_every_layer_is_known():

@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from ..compress._sparse import SPARSE_COLLECTIVES as COLLECTIVES
+from ..exchange.sparse import SPARSE_COLLECTIVES as COLLECTIVES
 from ..files import pyplot, save, write_json
 
 

@@ -5,7 +5,7 @@ and nominal). Times are medians of `--repeat` runs after one warm-up; the input 
 only: `compress(x, key, step)` then `decompress(payload)`; a compressor that fails is reported with its error.
 Bits per element: the payload as compressed (actual, and its `nominal_bits`), and what the exchange really puts
 on the wire per rank's contribution at `--world-size` ranks on the collective it picks there
-(`Compressor.wire_bits`: a quantizer's all-reduce sums levels widened for that many ranks, e.g. qsgd's 4-bit
+(`thinwire.exchange.choose.wire_bits`: a quantizer's all-reduce sums levels widened for that many ranks, e.g. qsgd's 4-bit
 codes as 8-bit levels from 4 ranks and 32-bit ones from 19).
 
     thinwire bench compressors [--numel 16777216] [--json] [--only qsgd,terngrad] [--repeat 5]
@@ -78,6 +78,7 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
     now = time.perf_counter if clock == "wall" else time.process_time
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     from ..compress import compressors
+    from ..exchange.choose import wire_bits
     gen = torch.Generator().manual_seed(seed)
     shape = (numel // 1024, 1024) if numel >= 1024 and numel % 1024 == 0 else (numel,)
     x = torch.randn(shape, generator=gen).to(device)
@@ -122,7 +123,7 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
             row["payload_bytes"] = int(payload.nbytes)
             row["bits_per_element"] = payload.nbytes * 8.0 / max(numel, 1)
             row["nominal_bits_per_element"] = float(comp.nominal_bits(numel))
-            row["collective"], wire = comp.wire_bits(numel, world_size)
+            row["collective"], wire = wire_bits(comp, numel, world_size)
             row["wire_bits_per_element"] = float(wire)
             del payload
         except Exception as exc:          # report and go on: one broken compressor must not hide the others

@@ -25,13 +25,16 @@ def check_ratio(ratio: float, name: str = "ratio") -> float:
     return float(ratio)
 
 
-SPARSE_COLLECTIVES = ("allgather", "gtopk", "shared", "hierarchical")   # run by thinwire/exchange/sparse.py
+# The sparse collectives the exchange runs (`thinwire.exchange.sparse` names them and registers them here, in its
+# order): a top-k-family compressor carries its user's `sparse_collective` request to the exchange, and checks the
+# name at construction against this list (an unknown one is a UserError before anything runs).
+ROUTES: list[str] = []
 
 
 def check_collective(name: str) -> str:
-    """`sparse_collective` of a top-k-family compressor: how the exchange aggregates its sparse payloads."""
-    if name not in SPARSE_COLLECTIVES:
-        raise UserError(f"unknown sparse collective {name!r}; valid: {', '.join(SPARSE_COLLECTIVES)}")
+    """`sparse_collective` of a top-k-family compressor: the request it carries to the exchange, which runs it."""
+    if ROUTES and name not in ROUTES:
+        raise UserError(f"unknown sparse collective {name!r}; valid: {', '.join(ROUTES)}")
     return name
 
 
@@ -94,7 +97,7 @@ class SparseCompressor(Compressor):
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, sparse_collective: str = "allgather"):
         """About k = ratio·d coordinates kept; `seed` seeds any sampling."""
-        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
+        self.sparse_collective = check_collective(sparse_collective)   # a request: thinwire.exchange.sparse
         self.ratio = check_ratio(ratio)
         self.seed = seed
 

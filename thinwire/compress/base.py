@@ -2,42 +2,43 @@
 
 A `Payload` holds the tensors that cross the wire (already packed: bits, levels, indices, scales) and the local
 context needed to decompress them, which never crosses the wire (shape, dtype: every rank knows them).
-Each compressor declares its algebra so the exchange layer can pick the collective it allows:
+A compressor knows nothing of collectives, networks or transports: it DECLARES what its payload is, and the
+exchange (`thinwire.exchange`, the one place payloads are framed for the wire) chooses the collective from that
+and runs every round. The declarations:
 - `unbiased`: E[decompress(compress(x))] = x;
-- `linear`: payloads of different ranks may be summed element-wise (by all-reduce) and decompressed as one;
+- `linear`: payloads of different ranks may be summed element-wise and decompressed as one;
 - `randomness`: "none", "shared" (every rank must draw the same numbers: seeded by step and key) or "local";
-- `aggregation`: how the exchange combines ranks:
-  "allreduce"  payload tensors are summed element-wise across ranks (after `sum_payload` widens them if the sum
-               needs a wider type); `decompress` of the summed payload is the sum of the contributions.
-               If the ranks must first agree on something (a shared scale), `agree` returns a small tensor that
-               is all-reduced with max and handed to `compress(..., agreed=...)`.
-  "allgather"  every rank's payload is gathered (sizes may differ); `aggregate(payloads)` sums the contributions.
-  "majority"   the exchange returns the element-wise sign of `aggregate(payloads)`: for sign payloads the
-               majority vote of the ranks' signs (signsgd), for DeMo's `sign=true` the sign of the summed update.
-  "custom"     the compressor runs its own communication: `exchange(transport, tensor, key, step, shapes)` is a
-               program (a generator, see `thinwire.comm.engine`: it yields a future whenever it needs its
-               result) returning `(sum over ranks, this rank's own contribution)`; the exchange divides by the
-               world size and feeds the contribution to the memory (PowerSGD).
+- `fixed_size`: the payload size depends only on the tensor's shape (ranks need not tell each other sizes);
+- `aggregation`: the algebra that combines the ranks' payloads:
+  "allreduce"  summable: payload tensors add element-wise (after `sum_payload` widens them to the type their sum
+               needs: `sum_dtypes` declares it); `decompress` of the summed payload is the sum of the
+               contributions. If the ranks must first agree on something (a shared scale), `agree` returns a
+               small tensor whose element-wise max every rank needs, handed to `compress(..., agreed=...)`.
+  "allgather"  one by one: every rank's payload is needed (sizes may differ); `aggregate(payloads)` sums the
+               contributions.
+  "majority"   a vote: the element-wise sign of `aggregate(payloads)`: for sign payloads the majority vote of the
+               ranks' signs (signsgd), for DeMo's `sign=true` the sign of the summed update.
+  "custom"     several rounds, named in `rounds` (PowerSGD's ("P", "Q")): `begin` does the local math before
+               the first round and returns a `Round` whose `send` (fp32) every rank contributes to a sum;
+               `advance(round, summed)` does the local math after it and returns the next `Round` or the
+               `Result` (sum over ranks, this rank's own contribution, which the memory subtracts). The
+               exchange runs each round's sum and divides the result by the world size.
+  `pick_by_bytes` (a linear payload that `compress` also packs for gathering) lets the exchange sum it or gather it,
+  whichever puts fewer bytes on the wire.
 Payloads of other ranks ("allgather", "majority") arrive as 1-D tensors of the same dtypes, in the same order,
 with THIS rank's `ctx`: a compressor must put in `ctx` only what every rank knows (shape, dtype, a shared seed's
 indices), never something about its own data. A rank that decodes without having compressed (a parameter server
 decoding pushes, a worker decoding the server's compressed reply) asks `context(shape, dtype, key, step)` for the
-ctx `compress` would have made: computed from what every rank knows, without compressing, touching no state. `fixed_size = True` says the payload size depends only on the
-tensor's shape, so a gather can skip the size exchange.
+ctx `compress` would have made: computed from what every rank knows, without compressing, touching no state.
 `sum_payload` may also pre-scale (fp16 divides by the world size before the sum, as PyTorch's
 `fp16_compress_hook` does, so the fp16 sum cannot overflow), as long as `decompress` of the summed payload still
 returns the sum of the contributions (it records the scale in `ctx`).
 
-Wire bits. `nominal_bits(numel)` is the payload as `compress` makes it (packed codes: what an all-gather
-carries). A linear quantizer summed by all-reduce sends something else: its levels widened so that the sum of
-`world_size` of them fits (`sum_payload`; gloo sums no int16, so those travel as int32) plus the scale agreed
-first. `summed_bits(numel, world_size)` is that, and `wire_bits(numel, world_size, allreduce)` the collective the
-exchange really picks at that world size with its bits: a linear compressor whose `pick_by_bytes` is set may go
-either way, and `pick_collective` takes the one that puts fewer bytes on this rank's wire (the α-β counts of
-`thinwire.net.cost`: all-reduce 2(n−1)/n of the summed payload on a ring, all-gather n−1 packed payloads), the
-compressor's natural one on a tie. QSGD (4-bit codes, 8-bit summed levels) is gathered on 2–3 ranks and
-all-reduced from 4; TernGrad (2-bit codes, 8-bit sums) is gathered up to 7 ranks; int8 (int32 sums) from 8 ranks
-is all-reduced.
+Sizes. `nominal_bits(numel)` is the payload as `compress` makes it (packed codes: what gathering carries).
+A summable quantizer's sum is made of something else: its levels widened so that the sum of `world_size` of them
+fits, plus the scale agreed first; `sum_dtypes(numel, world_size)` declares those tensors' types and sizes, and
+the exchange (`thinwire.exchange.choose`) turns them into the bits the transport really carries and picks the
+collective.
 """
 from __future__ import annotations
 
@@ -50,8 +51,6 @@ import torch
 from ..errors import UserError
 
 
-GLOO_SUM_WIDEN = {torch.int16: torch.int32, torch.bool: torch.uint8}   # gloo's all-reduce has no int16 / bool sum
-PICKABLE = ("allreduce", "allgather")
 _CONSTANTS: dict = {}
 
 
@@ -67,27 +66,6 @@ def constant(key: tuple, device, build) -> torch.Tensor:
     if t is None:
         t = _CONSTANTS[k] = build().to(k[1])
     return t
-
-
-def pick_collective(compressor: "Compressor", numel: int, world_size: int, allreduce: str = "ring") -> str:
-    """The collective an exchange of `numel` elements through `compressor` runs at `world_size` ranks with the
-    all-reduce algorithm `allreduce` ("gloo" is a ring): for a linear compressor that lets the exchange choose
-    (`pick_by_bytes`), all-reduce of the summed payload or all-gather of the packed one, whichever sends fewer
-    bytes per rank (ties: the natural one); otherwise its natural collective."""
-    natural = compressor.aggregation
-    if (world_size <= 1 or numel <= 0 or not compressor.linear or natural not in PICKABLE
-            or not getattr(compressor, "pick_by_bytes", False)):
-        return natural
-    from ..net.cost import ALLREDUCE, ring_allgather
-    from ..net.link import Link
-    name = allreduce.partition(":")[0]
-    unit = Link()
-    ar = ALLREDUCE["ring" if name == "gloo" else name](unit, world_size,
-                                                      compressor.summed_bits(numel, world_size) * numel / 8).sent
-    ag = ring_allgather(unit, world_size, compressor.nominal_bits(numel) * numel / 8).sent
-    if natural == "allreduce":
-        return "allgather" if ag < ar else "allreduce"
-    return "allreduce" if ar < ag else "allgather"
 
 
 def regroup(state: dict, old: list[tuple[Any, int]], new: list[tuple[Any, int]]) -> dict:
@@ -172,6 +150,22 @@ class Stateful:
 
 
 @dataclass
+class Round:
+    """One round of a multi-round compressor ("custom"): `send`, this rank's fp32 buffer that every rank contributes
+    to a sum over ranks, and the compressor's own state carried to `Compressor.advance`."""
+    name: str
+    send: torch.Tensor
+    state: Any = None
+
+
+@dataclass
+class Result:
+    """What a multi-round compressor's last round gives: the sum over ranks and this rank's own contribution."""
+    total: torch.Tensor
+    own: torch.Tensor
+
+
+@dataclass
 class Payload:
     tensors: list[torch.Tensor]
     ctx: Any = None
@@ -189,7 +183,8 @@ class Compressor(Stateful):
     randomness: ClassVar[str] = "none"
     aggregation: ClassVar[str] = "allreduce"
     fixed_size: ClassVar[bool] = False
-    pick_by_bytes: ClassVar[bool] = False   # (linear) the exchange may all-gather or all-reduce, whichever is smaller
+    pick_by_bytes: ClassVar[bool] = False   # (linear) the exchange may gather or sum it, whichever sends fewer bytes
+    rounds: ClassVar[tuple[str, ...]] = ()  # ("custom") the rounds it needs, in order (`begin`, `advance`)
     takes_momentum: ClassVar[bool] = False  # applies the training's momentum itself (see `Memory`: signum)
     # a 1-bit (sign) quantizer that trains only with the momentum applied before it (EF-SGDM or signum's, the
     # Trainer's hand-over), not after it (docs/matrix.md): algorithms that compensate momentum SGD after the exchange
@@ -215,7 +210,7 @@ class Compressor(Stateful):
         return (shape, dtype, shape.numel())
 
     def agree(self, tensor: torch.Tensor, key: Any = None, step: int = 0) -> torch.Tensor | None:
-        """("allreduce" only) a small tensor all ranks must agree on (all-reduced with max) before compressing."""
+        """("allreduce" only) a small tensor whose element-wise max over ranks every rank needs before compressing."""
         return None
 
     def sum_payload(self, payload: Payload, world_size: int) -> Payload:
@@ -238,16 +233,21 @@ class Compressor(Stateful):
         """Bits per element of the payload as `compress` makes it (what an all-gather carries)."""
         return 32.0
 
-    def summed_bits(self, numel: int, world_size: int) -> float:
-        """("allreduce") bits per element this rank puts into all-reduces at `world_size` ranks: the payload as
-        `sum_payload` widens it (as gloo sums it) plus what `agree` all-reduces first. Default: the payload."""
-        return self.nominal_bits(numel)
+    def sum_dtypes(self, numel: int, world_size: int) -> list[tuple[torch.dtype, int, int]] | None:
+        """("allreduce") what this rank contributes to sums over `world_size` ranks, per element of a tensor of
+        `numel` elements: `(dtype, count, per)`, `count` values of `dtype` for every `per` elements, for each tensor
+        `sum_payload` makes and then for what `agree` asks the ranks to agree on. None (the default): the payload
+        as `compress` packs it (`nominal_bits`)."""
+        return None
 
-    def wire_bits(self, numel: int, world_size: int, allreduce: str = "ring") -> tuple[str, float]:
-        """(collective, bits per element of this rank's contribution on it): what an exchange of `numel`
-        elements really sends at `world_size` ranks (`pick_collective`), for benchmarks and the planner."""
-        coll = pick_collective(self, numel, world_size, allreduce)
-        return coll, (self.summed_bits(numel, world_size) if coll == "allreduce" else self.nominal_bits(numel))
+    def begin(self, tensor: torch.Tensor, key: Any, step: int, shapes, world_size: int) -> Round:
+        """("custom") The local math before the first of `rounds`: its `Round`."""
+        raise NotImplementedError(f"{type(self).__name__} declares rounds {self.rounds} but no `begin`")
+
+    def advance(self, last: Round, summed: torch.Tensor) -> "Round | Result":
+        """("custom") The local math after round `last`, given the sum over ranks of its `send`: the next round's
+        `Round`, or the `Result`. Dispatches to the compressor's `after_<round name>` method."""
+        return getattr(self, f"after_{last.name}")(last, summed)
 
 
 class Memory(Stateful):

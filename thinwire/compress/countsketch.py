@@ -4,23 +4,25 @@ Data Streams", ICALP 2002) with heavy-hitter recovery.
 r rows × c columns; row j has a bucket hash h_j: [d] → [c] and a sign hash s_j: [d] → {±1}, drawn from a seed
 shared by every rank (seed, key); pairwise independent, and structured so that inserting and querying sweep
 memory in order (see `_hash`). Insert: S[j, h_j(i)] += s_j(i) g_i; query: ĝ_i = median_j s_j(i) S[j, h_j(i)].
-Because S(g₁) + S(g₂) = S(g₁ + g₂), the all-reduced sketch is the sketch of the sum and its query estimates the
+Because S(g₁) + S(g₂) = S(g₁ + g₂), the summed sketch is the sketch of the sum and its query estimates the
 sum. c = the first prime ≥ ratio·d / r.
 
 Heavy-hitter recovery (`heavy` > 0, the default): the exchange takes the two rounds of Sketched-SGD (Ivkin et al.,
 NeurIPS 2019, Algorithm 1 / §4: workers sketch their error-accumulated vectors, the sketches are summed, the
 heavy coordinates of the sum are found by querying the summed sketch, then the workers' exact values at those
 coordinates are summed in a second round; FetchSGD, Rothchild et al., ICML 2020, Algorithm 1 line
-"Δ = Top-k(U(S_e))", notes the same second round for exact values): round 1 all-reduces the sketches (r·c
+"Δ = Top-k(U(S_e))", notes the same second round for exact values): round 1 sums the sketches over the ranks (r·c
 floats), every rank queries the summed sketch and takes the same k = heavy·d coordinates of largest |estimate|,
-round 2 all-reduces this rank's exact values there (k floats). The aggregate is exact on those k coordinates and
+round 2 sums the ranks' exact values there (k floats). The aggregate is exact on those k coordinates and
 zero elsewhere, and this rank's contribution (what the memory subtracts) is its own values there, so with
 `--memory residual` (its pairing: Sketched-SGD's error accumulation) the residual keeps exactly what was not sent
-and stays bounded like top-k's. Tensors too small to gain (r·c + k ≥ d) are all-reduced exactly.
-Aggregation "custom" then (two all-reduces; the single-process `compress` makes the sketch and this rank's own
-values at the top-k of its own estimate). Wire: 32 (r·c + k) / d bits per element.
+and stays bounded like top-k's. Tensors too small to gain (r·c + k ≥ d) are summed exactly.
+Aggregation "custom" then: the compressor declares the rounds ("sketch", "values") and does their local math
+(`begin`, `after_sketch`, `after_values`), the exchange sums each round over the ranks; the single-process
+`compress` makes the sketch and this rank's own values at the top-k of its own estimate.
+Wire: 32 (r·c + k) / d bits per element.
 
-`heavy=0`: the plain one-round sketch, linear, summed by all-reduce, decoded to the dense median estimate of
+`heavy=0`: the plain one-round sketch, linear, summable, decoded to the dense median estimate of
 every coordinate (unbiased with one row). Its estimate errs on every coordinate by ~‖g‖/√c, so do not pair it
 with error feedback: the residual then accumulates that error (the dense estimate is not a contraction) and
 training diverges (the defect of issue 17).
@@ -43,7 +45,7 @@ from . import compressors
 from ._sparse import check_ratio, generator, num_kept
 from ._kernels import seed_of
 from ._select import largest
-from .base import Compressor, Payload, ScratchLock, reused
+from .base import Compressor, Payload, Result, Round, ScratchLock, reused
 
 
 def _median_rows(est: torch.Tensor) -> torch.Tensor:
@@ -73,7 +75,7 @@ def next_prime(n: int) -> int:
 @compressors.register("countsketch")
 class CountSketch(Compressor):
     """Count Sketch (rows × ~ratio·d/rows table, shared hashes); heavy > 0: the exact top heavy·d coordinates of
-    the summed sketch's estimate in a second all-reduce (Sketched-SGD); heavy = 0: one linear all-reduce."""
+    the summed sketch's estimate in a second summed round (Sketched-SGD); heavy = 0: one linear, summable payload."""
 
     linear = True
     randomness = "shared"
@@ -90,6 +92,7 @@ class CountSketch(Compressor):
         self.rows, self.seed, self.heavy = rows, seed, float(heavy)
         if self.heavy > 0:      # two rounds: the sketch, then the exact heavy coordinates (not summable alone)
             self.aggregation, self.linear, self.unbiased = "custom", False, False
+            self.rounds = ("sketch", "values")     # ("dense" alone where the tensor is too small to gain)
         else:
             self.unbiased = rows == 1
         self._hashes: dict = {}
@@ -205,24 +208,33 @@ class CountSketch(Compressor):
         est = self._estimate(table, key, d).abs_()
         return largest(est, num_kept(self.heavy, d), seed_of(self.seed, "countsketch", key, d))
 
-    def exchange(self, transport, tensor, key, step, shapes=None):
-        """(program, heavy > 0) Round 1: all-reduce the sketches; every rank takes the same heavy coordinates
-        of the summed sketch's estimate; round 2: all-reduce the exact values there. Returns (sum over ranks,
-        this rank's own contribution), exact on the heavy coordinates, zero elsewhere (Sketched-SGD)."""
+    def begin(self, tensor, key, step, shapes, world_size):
+        """(heavy > 0) Round "sketch": this rank's sketch (or, too small to gain, round "dense": the tensor)."""
         flat = tensor.reshape(-1).float()
-        d = flat.numel()
-        if self._dense(d):
-            total = flat.clone()
-            yield (yield from transport.all_reduce_program(total, op="sum"))
-            return total.to(tensor.dtype).view(tensor.shape), tensor
-        table = self._sketch(flat, key)
-        yield (yield from transport.all_reduce_program(table, op="sum"))             # round 1: the sketch
-        idx = self._heavy(table, key, d)
+        if self._dense(flat.numel()):
+            return Round("dense", flat.clone(), dict(tensor=tensor))
+        return Round("sketch", self._sketch(flat, key), dict(tensor=tensor, flat=flat, key=key))
+
+    def after_dense(self, last, summed):
+        tensor = last.state["tensor"]
+        return Result(summed.to(tensor.dtype).view(tensor.shape), tensor)
+
+    def after_sketch(self, last, summed):
+        """After Σ_ranks sketches: every rank takes the same heavy coordinates of the summed sketch's estimate;
+        round "values" sends this rank's exact values there (Sketched-SGD)."""
+        s = last.state
+        flat = s["flat"]
+        idx = self._heavy(summed, s["key"], flat.numel())
         vals = flat[idx]
         local = torch.zeros_like(flat).index_copy_(0, idx, vals)
-        yield (yield from transport.all_reduce_program(vals, op="sum"))              # round 2: exact values
-        total = torch.zeros_like(flat).index_copy_(0, idx, vals)
-        return total.to(tensor.dtype).view(tensor.shape), local.to(tensor.dtype).view(tensor.shape)
+        return Round("values", vals, dict(s, idx=idx, local=local))
+
+    def after_values(self, last, summed):
+        """The sum over ranks, exact on the heavy coordinates and zero elsewhere, and this rank's own values there."""
+        s = last.state
+        tensor = s["tensor"]
+        total = torch.zeros_like(s["flat"]).index_copy_(0, s["idx"], summed)
+        return Result(total.to(tensor.dtype).view(tensor.shape), s["local"].to(tensor.dtype).view(tensor.shape))
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         """The sketch (heavy = 0); with heavy recovery, one rank's own two rounds: the sketch and its exact

@@ -7,7 +7,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from .base import GLOO_SUM_WIDEN, Payload, reused
+from .base import Payload, reused
 from .finite import check_scale
 from .rounding import Stochastic, stochastic_codes
 
@@ -23,21 +23,15 @@ def maxabs(flat: torch.Tensor) -> torch.Tensor:
 
 def widened(total: int) -> torch.dtype:
     """The narrowest signed integer type holding every value in [-total, total]: for a sum of world_size levels
-    in [-s, s], total = world_size * s (this type, as gloo sums it, is what all-reduce puts on the wire:
-    `summed_level_bits`)."""
+    in [-s, s], total = world_size * s (the type `sum_payload` gives and `sum_dtypes` declares)."""
     return torch.int8 if total <= 127 else torch.int16 if total <= 32767 else torch.int32
-
-
-def summed_level_bits(total: int) -> int:
-    """Bits per level on the wire when levels summing to at most `total` are all-reduced (gloo: int16 as int32)."""
-    dtype = widened(total)
-    return 8 * GLOO_SUM_WIDEN.get(dtype, dtype).itemsize
 
 
 class ScaledLevels(Stochastic):
     """Integer levels times fp32 scales (int8, qsgd, terngrad), linear: "allreduce" sums the levels (widened by
     `sum_payload`) under scales the ranks agree on first, "allgather" sends each rank's codes and own scales, and
-    "auto" takes the class's natural collective unless the other sends fewer bytes (`pick_collective`)."""
+    "auto" takes the class's natural collective unless the other sends fewer bytes (`pick_by_bytes`: the exchange
+    picks, `thinwire.exchange.choose`)."""
 
     linear = True
     fixed_size = True         # the payload size depends only on the shape
@@ -61,9 +55,9 @@ class ScaledLevels(Stochastic):
         ctx = self.context(tensor.shape, tensor.dtype)
         return Payload([codes, scale], ctx=ctx) if agreed is None else Payload([codes], ctx={**ctx, **known})
 
-    def nominal_bits(self, numel, world_size=None):
-        """Packed (`packed_bits`: the codes and the scales); at `world_size` ranks: what the exchange sends there."""
-        return self.packed_bits(numel) if world_size is None else self.wire_bits(numel, world_size)[1]
+    def nominal_bits(self, numel):
+        """Packed (`packed_bits`: the codes and the scales); summed, `sum_dtypes`."""
+        return self.packed_bits(numel)
 
     def packed_bits(self, numel: int) -> float:
         """Bits per element of a packed payload (codes and scales); every subclass defines it."""
@@ -76,7 +70,7 @@ class Int8(ScaledLevels):
     ((n−1)·8 bits per element leave each rank on a ring). "allreduce": the ranks agree on the largest max-abs and
     the levels are summed in a widened integer type; the sum of two ranks already needs int16, which gloo sums as
     int32 (2(n−1)/n·32 bits per element). "auto" (default): all-gather, all-reduce where that sends fewer bytes
-    (from 8 ranks on a ring: `pick_collective`)."""
+    (from 8 ranks on a ring: `thinwire.exchange.choose`)."""
 
     unbiased = False
     randomness = "none"
@@ -124,5 +118,5 @@ class Int8(ScaledLevels):
     def packed_bits(self, numel):
         return 8.0 + 32.0 / max(numel, 1)       # 8 bits per element and the scale
 
-    def summed_bits(self, numel, world_size):
-        return summed_level_bits(LEVELS * world_size) + 32.0 / max(numel, 1)     # levels + the agreed max-abs
+    def sum_dtypes(self, numel, world_size):
+        return [(widened(LEVELS * world_size), 1, 1), (torch.float32, 1, max(numel, 1))]   # levels + the agreed max-abs

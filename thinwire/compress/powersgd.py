@@ -3,15 +3,15 @@ Gradient Compression for Distributed Optimization", arXiv 1905.13727, Algorithms
 
 For each matrix M (a parameter of ndim ≥ 2 reshaped to a × b, after error feedback M = G + e):
     P = M Q            Q warm-started from the previous step (first: N(0,1) from a seed shared by all ranks)
-    P ← Σ_ranks P      all-reduce (one fused buffer for every matrix and every uncompressed tensor)
+    P ← Σ_ranks P      round "P" (one buffer for every matrix and every uncompressed tensor)
     P̂ = orthogonalise(P)  (column Gram–Schmidt; the scale of P does not matter, so the sum serves as the mean)
-    Q = Mᵀ P̂;  Q ← Σ_ranks Q   second all-reduce
+    Q = Mᵀ P̂;  Q ← Σ_ranks Q   round "Q"
     mean over ranks ≈ P̂ Qᵀ / n,  this rank's own contribution = P̂ (Mᵀ P̂)ᵀ (what the memory subtracts)
-1-D tensors (biases, norms) and matrices too small to gain ((a + b) r ≥ a b) travel uncompressed in the first
-all-reduce. `exchange` is a program (`thinwire.comm.engine`): `Exchange.start` returns at once and both
-all-reduces run in order on the engine while the caller computes. A flat tensor
-(bucket, whole model) is split by `shapes`, the parameter shapes it is made of; without
-`shapes` a 1-D tensor is sent uncompressed. Aggregation is "custom": the compressor runs its two all-reduces.
+1-D tensors (biases, norms) and matrices too small to gain ((a + b) r ≥ a b) travel uncompressed in round "P".
+The compressor declares the two rounds ("P", "Q") and does their local math (`begin`, `after_P`,
+`after_Q`); the exchange sums each round's buffer over the ranks (`thinwire.exchange.rounds`), on the engine while
+the caller computes. A flat tensor (bucket, whole model) is split by `shapes`, the parameter shapes it is made of;
+without `shapes` a 1-D tensor is sent uncompressed. Aggregation is "custom": two rounds.
 Use with `--memory powersgd` (its error feedback: e ← M − own contribution; PowerSGD does need EF, as the
 paper's Algorithm 2 has it, though Wang et al. 2023's survey, Table 1, lists it without).
 """
@@ -24,7 +24,7 @@ import torch
 from ..errors import UserError
 from . import compressors, memories
 from ._sparse import generator
-from .base import Compressor, Memory, Payload
+from .base import Compressor, Memory, Payload, Result, Round
 
 
 def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -43,12 +43,13 @@ def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 @compressors.register("powersgd")
 class PowerSGD(Compressor):
-    """PowerSGD rank-r low-rank compression (two all-reduces, warm start); 1-D tensors uncompressed."""
+    """PowerSGD rank-r low-rank compression (two summed rounds, warm start); 1-D tensors uncompressed."""
 
     unbiased = False
     linear = False
     randomness = "shared"
     aggregation = "custom"
+    rounds = ("P", "Q")          # summed over ranks by the exchange; Q only where a matrix is compressed
     state_attrs = ("q",)         # the warm-start Q of each matrix
 
     def __init__(self, rank: int = 2, warm_start: bool = True, seed: int = 0):
@@ -84,8 +85,9 @@ class PowerSGD(Compressor):
             q = torch.randn(b, r, generator=gen, device="cpu").to(device)
         return q
 
-    def exchange(self, transport, tensor, key, step, shapes=None):
-        """(program) The two all-reduces; returns (sum over ranks, this rank's own contribution)."""
+    def begin(self, tensor, key, step, shapes, world_size):
+        """Round P's local math: P = M Q for every matrix (Q warm-started), sent in one buffer with the tensors that
+        travel uncompressed (1-D ones, matrices too small to gain)."""
         x = tensor.reshape(-1).float()
         mats = self._layout(x.numel(), tensor.shape, shapes)
         self._seen[x.numel()] = [tuple(tensor.shape)] if shapes is None else [tuple(t) for t in shapes]
@@ -96,28 +98,45 @@ class PowerSGD(Compressor):
             ps.append(x[off:off + a * b].view(a, b) @ self._start(key, (off, a, b, r), step, x.device))
         dense = x[dense_mask]
         buf = torch.cat([p.reshape(-1) for p in ps] + [dense])
-        summed = yield (yield from transport.all_reduce_program(buf, op="sum"))    # round 1: P (and the rest)
-        *p_sums, rest = summed.split([a * r for _, a, _, r in mats] + [dense.numel()])
+        return Round("P", buf, dict(tensor=tensor, x=x, key=key, mats=mats, dense_mask=dense_mask, dense=dense,
+                                    world_size=world_size))
+
+    def after_P(self, last, summed):
+        """After Σ_ranks P: orthogonalise each P̂ and take round Q's Mᵀ P̂ (or, with no matrix, the result)."""
+        s = last.state
+        x, mats, dense_mask = s["x"], s["mats"], s["dense_mask"]
+        *p_sums, rest = summed.split([a * r for _, a, _, r in mats] + [s["dense"].numel()])
         total = torch.empty_like(x)
         local = torch.empty_like(x)
         total[dense_mask] = rest
-        local[dense_mask] = dense
+        local[dense_mask] = s["dense"]
         hats = [orthogonalize(p.view(a, r).clone()) for p, (_, a, _, r) in zip(p_sums, mats)]
         q_local = [x[off:off + a * b].view(a, b).t() @ p_hat for p_hat, (off, a, b, _) in zip(hats, mats)]
-        if mats:
-            qbuf = torch.cat([q.reshape(-1) for q in q_local])
-            yield (yield from transport.all_reduce_program(qbuf, op="sum"))             # round 2: Q
-            q_sums = qbuf.split([b * r for _, _, b, r in mats])
-            for (off, a, b, r), p_hat, ql, q_sum in zip(mats, hats, q_local, q_sums):
-                q_sum = q_sum.view(b, r)
-                total[off:off + a * b] = (p_hat @ q_sum.t()).reshape(-1)
-                local[off:off + a * b] = (p_hat @ ql.t()).reshape(-1)
-                self.q[(key, off, a, b, r)] = q_sum / transport.world_size       # warm start from the mean Q
-        return total.to(tensor.dtype).view(tensor.shape), local.to(tensor.dtype).view(tensor.shape)
+        if not mats:
+            return self._result(s["tensor"], total, local)
+        qbuf = torch.cat([q.reshape(-1) for q in q_local])
+        return Round("Q", qbuf, dict(s, total=total, local=local, hats=hats, q_local=q_local))
+
+    def after_Q(self, last, summed):
+        """After Σ_ranks Q: the mean's low-rank factors P̂ Qᵀ and this rank's own P̂ (Mᵀ P̂)ᵀ; the mean Q is the next
+        step's warm start."""
+        s = last.state
+        total, local, key = s["total"], s["local"], s["key"]
+        q_sums = summed.split([b * r for _, _, b, r in s["mats"]])
+        for (off, a, b, r), p_hat, ql, q_sum in zip(s["mats"], s["hats"], s["q_local"], q_sums):
+            q_sum = q_sum.view(b, r)
+            total[off:off + a * b] = (p_hat @ q_sum.t()).reshape(-1)
+            local[off:off + a * b] = (p_hat @ ql.t()).reshape(-1)
+            self.q[(key, off, a, b, r)] = q_sum / s["world_size"]       # warm start from the mean Q
+        return self._result(s["tensor"], total, local)
+
+    @staticmethod
+    def _result(tensor, total, local):
+        return Result(total.to(tensor.dtype).view(tensor.shape), local.to(tensor.dtype).view(tensor.shape))
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         """One rank's own low-rank payload [P̂, Q] (or [tensor] when not compressible): the single-process
-        form, for benchmarks and tests; across ranks the exchange runs `exchange` (two all-reduces)."""
+        form, for benchmarks and tests; across ranks the exchange runs the rounds (`begin`, `after_P`, `after_Q`)."""
         mats = self._layout(tensor.numel(), tensor.shape, None)
         self._seen[tensor.numel()] = [tuple(tensor.shape)]
         if not mats:

@@ -7,7 +7,7 @@ Sign and level travel as one code in [0, 2s], packed to ceil(log2(2s + 1)) bits,
 |g_i| <= agreed norm), and the signed levels are summed in an integer type wide enough for world_size of them;
 that widened type is what crosses the wire then (8 bits up to 127/s ranks, then int16, which gloo sums as int32).
 "allgather": the packed codes and norms of each rank travel. "auto" (default): all-reduce unless the all-gather
-sends fewer bytes at the world size (with s = 7, 4-bit codes: gathered on 2–3 ranks; `pick_collective`).
+sends fewer bytes at the world size (with s = 7, 4-bit codes: gathered on 2–3 ranks; `thinwire.exchange.choose`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from . import compressors
 from .base import Payload
 from .bitpack import pack, unpack
 from .finite import check_scale
-from .int8 import ScaledLevels, summed_level_bits, widened
+from .int8 import ScaledLevels, widened
 from .rounding import stochastic_codes
 
 
@@ -103,7 +103,7 @@ class QSGD(ScaledLevels):
         """The codes and one fp32 norm per bucket."""
         return self.bits + 32.0 * math.ceil(numel / self.bucket) / max(numel, 1)
 
-    def summed_bits(self, numel, world_size):
-        """The signed levels widened for world_size of them, plus the norms agreed first (a max all-reduce)."""
+    def sum_dtypes(self, numel, world_size):
+        """The signed levels widened for world_size of them, plus the norms agreed first (their max)."""
         total = max(2 * self.levels, world_size * self.levels)
-        return summed_level_bits(total) + 32.0 * math.ceil(numel / self.bucket) / max(numel, 1)
+        return [(widened(total), 1, 1), (torch.float32, math.ceil(numel / self.bucket), max(numel, 1))]

@@ -6,7 +6,7 @@ values travel as 2-bit codes (4 per byte) plus one fp32 scale per tensor.
 "allreduce" ("scaler sharing"): the ranks agree on the max of their scales, and the ternary values are summed in
 an integer type wide enough for world_size of them (that type crosses the wire: 8 bits up to 127 ranks).
 "allgather": each rank sends its packed codes and its own scale. "auto" (default): all-reduce unless the
-all-gather sends fewer bytes at the world size (2-bit codes: gathered up to 7 ranks on a ring; `pick_collective`).
+all-gather sends fewer bytes at the world size (2-bit codes: gathered up to 7 ranks on a ring; `thinwire.exchange.choose`).
 
 Bias: E[C(g)] is the *clipped* gradient clamp(g, −cσ, cσ), not g (TernGrad's own clipping, Wen et al. §3.2): the
 compressor is unbiased only with `clip=0`, and says so (`unbiased` is `clip == 0`). Clipping trades that bias
@@ -21,7 +21,7 @@ from . import compressors
 from .base import Payload
 from .bitpack import decode, pack, unpack
 from .finite import check_scale
-from .int8 import ScaledLevels, maxabs, summed_level_bits, widened
+from .int8 import ScaledLevels, maxabs, widened
 from .rounding import stochastic_codes
 
 
@@ -77,5 +77,5 @@ class TernGrad(ScaledLevels):
     def packed_bits(self, numel):
         return 2.0 + 32.0 / max(numel, 1)       # 2-bit codes and the scale
 
-    def summed_bits(self, numel, world_size):
-        return summed_level_bits(max(2, world_size)) + 32.0 / max(numel, 1)    # levels + the agreed scale
+    def sum_dtypes(self, numel, world_size):
+        return [(widened(max(2, world_size)), 1, 1), (torch.float32, 1, max(numel, 1))]   # levels + the agreed scale

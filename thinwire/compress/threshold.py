@@ -98,7 +98,7 @@ class Threshold(SparseCompressor):
     """Threshold-v sparsification: send g_i where |g_i| ≥ v, as (values, indices)."""
 
     def __init__(self, threshold: float = 0.01, sparse_collective: str = "allgather"):
-        self.sparse_collective = check_collective(sparse_collective)   # exchange/sparse.py
+        self.sparse_collective = check_collective(sparse_collective)   # a request: thinwire.exchange.sparse
         if not threshold >= 0:
             raise UserError(f"threshold must be >= 0, got {threshold}")
         self.threshold = float(threshold)

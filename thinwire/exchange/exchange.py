@@ -9,11 +9,12 @@ The flow of one `start(tensor, key)` (GRACE's compensate → compress → update
    - "allreduce": payload tensors summed element-wise (widened or pre-scaled by `sum_payload` so the sum
      cannot overflow; tensors of one dtype are fused into one all-reduce); with `collective="auto"` a quantizer
      whose packed codes are narrower than its summed levels (qsgd, terngrad, int8) is all-gathered instead when
-     that sends fewer bytes at this world size (`collective_for`);
+     that sends fewer bytes at this world size (`collective_for`, `choose.pick`);
    - "allgather": each rank's payload packed into ONE uint8 buffer with a small header (`wire.pack`), one
      variable-size all-gather, then `compressor.aggregate` (e.g. `index_add_` of the sparse parts);
    - "majority": as all-gather, then the element-wise sign of the sum of the ranks' signs (a vote, not a mean);
-   - "custom": the compressor communicates itself (PowerSGD: all-reduce P, orthogonalise, all-reduce Q);
+   - "custom": the rounds the compressor declares, each summed over ranks here with the compressor's local math
+     between them (`rounds.run_rounds`; PowerSGD: sum P, orthogonalise, sum Q);
 5. the future's `wait()` decompresses/aggregates and returns the mean over ranks (same shape and dtype).
 
 `start` submits all of this as one program to the engine (`thinwire.comm.engine`) and returns its future at
@@ -44,46 +45,14 @@ import torch
 from ..comm import Transport
 from ..comm.engine import Ready
 from ..compress import Compressor, Memory, Payload, compressors, memories
-from ..compress.base import GLOO_SUM_WIDEN as _GLOO_WIDEN, pick_collective
 from ..compress.finite import NonFiniteError
 from ..errors import UserError
 from . import sparse as _sparse
 from . import wire
+from .choose import COLLECTIVES, GLOO_SUM_WIDEN as _GLOO_WIDEN, allowed_collectives, pick, resolve_collective
+from .rounds import run_rounds
 
-COLLECTIVES = ("auto", "allreduce", "allgather", "majority", "custom")
-
-
-def allowed_collectives(compressor: Compressor) -> list[str]:
-    """The collectives a compressor's algebra allows (the first is its natural one)."""
-    agg = compressor.aggregation
-    if agg == "custom":
-        return ["custom"]
-    out = [agg]
-    if agg != "allgather":
-        out.append("allgather")  # any non-custom payload can be gathered and aggregated one by one
-    elif compressor.linear:
-        out.append("allreduce")  # a linear payload can be summed (int8: at 8 ranks or more it sends fewer bytes)
-    return out
-
-
-def resolve_collective(compressor: Compressor, collective: str) -> str:
-    """The collective `collective` names for `compressor` ("auto": its natural one); a UserError where it is
-    unknown or the compressor's algebra does not allow it (at construction, not a wrong answer later)."""
-    if collective not in COLLECTIVES:
-        raise UserError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
-    allowed = allowed_collectives(compressor)
-    if collective == "auto":
-        collective = allowed[0]
-    if collective not in allowed:
-        raise UserError(f"compressor {compressor.name!r} (aggregation {compressor.aggregation!r}, "
-                        f"linear={compressor.linear}) cannot use collective {collective!r}; "
-                        f"valid: {', '.join(allowed)}")
-    if collective == "allreduce" and not compressor.linear:
-        raise UserError(f"compressor {compressor.name!r} is not linear: its payloads cannot be summed by "
-                        f"all-reduce; valid: allgather")
-    if collective == "custom" and not hasattr(compressor, "exchange"):
-        raise UserError(f"compressor {compressor.name!r} declares custom aggregation without an exchange")
-    return collective
+__all__ = ["COLLECTIVES", "Exchange", "allowed_collectives", "resolve_collective"]
 
 
 def _backend(transport) -> str:
@@ -169,7 +138,7 @@ class Exchange:
             c = self.memory.compensate(x, key)
         if self.collective == "custom" or self.sparse is not None:
             # the compressor's own rounds, or a sparse collective: (sum over ranks, this rank's own contribution)
-            rounds = self.sparse.program(c, key, step) if self.sparse else comp.exchange(tr, c, key, step, shapes)
+            rounds = self.sparse.program(c, key, step) if self.sparse else run_rounds(tr, comp, c, key, step, shapes)
             total, local = yield from rounds
             if self._memory_updates:        # state changes in the program, in the same order on every rank
                 self.memory.update(c, key, local)
@@ -188,11 +157,11 @@ class Exchange:
     def collective_for(self, numel: int) -> str:
         """The collective an exchange of `numel` elements runs: the one named at construction, or with "auto"
         for a quantizer that may go either way, the one sending fewer bytes at this world size
-        (`thinwire.compress.base.pick_collective`: all-gather of packed codes or all-reduce of widened levels).
+        (`choose.pick`: all-gather of packed codes or all-reduce of widened levels).
         Every rank computes the same from the same size."""
         if not self.auto:
             return self.collective
-        return pick_collective(self.compressor, numel, self.world_size, getattr(self.transport, "allreduce", "gloo"))
+        return pick(self.compressor, numel, self.world_size, getattr(self.transport, "allreduce", "gloo"))
 
     def aggregate(self, tensor: torch.Tensor, key: Any = None, shapes=None) -> torch.Tensor:
         return self.start(tensor, key, shapes).wait()

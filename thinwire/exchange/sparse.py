@@ -26,11 +26,21 @@ from __future__ import annotations
 import torch
 
 from ..compress import Payload, bitpack
-from ..compress._sparse import check_collective as check
+from ..compress import _sparse
 from ..compress._sparse import is_sparse
 from ..errors import UserError
 from ..net.cost import sparse_group_size
 from . import wire
+
+SPARSE_COLLECTIVES = ("allgather", "gtopk", "shared", "hierarchical")
+_sparse.ROUTES[:] = SPARSE_COLLECTIVES        # what a top-k-family compressor may ask for (checked at construction)
+
+
+def check(name: str) -> str:
+    """A sparse collective's name; a UserError naming the valid ones where it is unknown."""
+    if name not in SPARSE_COLLECTIVES:
+        raise UserError(f"unknown sparse collective {name!r}; valid: {', '.join(SPARSE_COLLECTIVES)}")
+    return name
 
 
 def contribution(compressor, c: torch.Tensor, key, step) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,7 +75,7 @@ def _variants(comp: str, params: dict) -> list:
     every other configuration on the one collective its algebra allows."""
     try:
         from ..compress import compressors
-        from ..compress._sparse import SPARSE_COLLECTIVES
+        from ..exchange.sparse import SPARSE_COLLECTIVES
         own = {k: v for k, v in params.items() if comp == "none" or compressors.accepts(comp, k)}
         sparse = is_sparse(comp, **own)     # (the algorithm's parameters, e.g. diloco's period, are not its own)
     except (KeyError, UserError):

@@ -2,7 +2,7 @@
 
 Collectives cost what `thinwire.net.cost` says (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed
 Deep Learning: A Comprehensive Survey", arXiv 2003.06307, Table III and §IV-B); a compressor costs the bits
-its exchange really sends at the scenario's world size (`Compressor.wire_bits`: all-gather of packed codes or
+its exchange really sends at the scenario's world size (`thinwire.exchange.choose.wire_bits`: all-gather of packed codes or
 all-reduce of widened levels, whichever the exchange picks) and its compression time (a multiple of one memcpy of the
 tensor: measured by `thinwire bench compressors` / `thinwire advise --calibrate`, else a default table measured
 on our machine); an algorithm's iteration time combines them as its schedule does. Scalability is the
@@ -109,10 +109,11 @@ def exchange(s: Scenario, compressor: str = "none", sparse_collective: str | Non
     if compressor == "none":
         return s.collective, s.allreduce(s.nbytes)
     from ..compress import compressors
+    from ..exchange.choose import wire_bits
     comp = compressors.get(compressor, **params)
     if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
         return sparse_collective, sparse_exchange_cost(s, comp, sparse_collective)
-    coll, bits = comp.wire_bits(int(s.params), s.workers, s.collective)   # what the exchange picks and sends
+    coll, bits = wire_bits(comp, int(s.params), s.workers, s.collective)   # what the exchange picks and sends
     payload = bits * s.params / 8
     if coll in ("allreduce", "custom"):
         return s.collective, s.allreduce(payload)
