@@ -111,7 +111,7 @@ class Algorithm:
     def check_components(self, compressor, memory) -> None:
         """Raise UserError (naming what to use instead) if this algorithm cannot run with `compressor` and
         `memory`; called at construction, before any worker starts. The parameter server's links cannot carry a
-        compressor that runs its own collective."""
+        compressor whose rounds are summed over every rank (aggregation "custom")."""
         if self.architecture == "ps" and compressor is not None:
             from ..exchange.ps import check_uplink
             check_uplink(compressor)

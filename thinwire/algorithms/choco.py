@@ -51,7 +51,7 @@ class CHOCO(Gossip):
 
     def check_components(self, comp, mem):
         if getattr(comp, "aggregation", "allreduce") == "custom":
-            raise UserError(f"compressor {comp.name!r} runs its own collective and cannot be gossiped; "
+            raise UserError(f"compressor {comp.name!r} needs rounds summed over every rank and cannot be gossiped; "
                             "use a payload compressor (e.g. topk, randomk, qsgd, fp16, signsgd)")
         if getattr(mem, "name", "none") != "none":
             raise UserError(f"choco's public copies are its error feedback: drop --memory {mem.name} "

@@ -12,8 +12,9 @@ messages in place of the collective:
    `fixed_size`, its size (one int64) goes first, so sizes may differ per rank and per step;
 3. `isend` to every rank of `dsts`, `irecv` from every rank of `srcs`; the future completes when all did;
    decompression runs when the result is first asked for.
-No scale agreement: a neighbour's payload carries its own scale (as on the all-gather path). Compressors that run
-their own collective (PowerSGD) or a sparse collective (gTop-k...) need every rank and are refused here.
+No scale agreement: a neighbour's payload carries its own scale (as on the all-gather path). Compressors whose rounds
+are summed over every rank (PowerSGD) or that ask for a sparse collective (gTop-k...) need every rank and are
+refused here.
 Nothing compressed or remembered (compressor `none`, memory `none`): the tensor itself travels, no header.
 
 Deadlock-free as long as every rank submits its neighbour exchanges in the same order with matching `dsts`
@@ -57,8 +58,9 @@ class NeighborExchange(Exchange):
         super().__init__(transport, compressor, memory, check_finite=check_finite, background=background,
                          serial=serial)
         if self.collective == "custom" or self.sparse is not None:
-            what = "its own collective" if self.collective == "custom" else "a sparse collective over every rank"
-            raise UserError(f"compressor {self.compressor.name!r} runs {what} and cannot be sent to neighbours; "
+            what = ("rounds summed over every rank" if self.collective == "custom"
+                    else "a sparse collective over every rank")
+            raise UserError(f"compressor {self.compressor.name!r} needs {what} and cannot be sent to neighbours; "
                             "use a payload compressor (e.g. topk, randomk, qsgd, int8, fp16, signsgd)")
 
     def start(self, tensor: torch.Tensor, key: Any = None, dsts=(), srcs=()):

@@ -52,9 +52,9 @@ DROPPED = -1       # a reply's aux: the push was dropped (a backup round finishe
 
 def check_uplink(compressor: Compressor) -> None:
     if compressor.aggregation == "custom":
-        raise UserError(f"compressor {compressor.name!r} runs its own collective and cannot push to a parameter "
-                        f"server; use one whose payload travels (aggregation allreduce, allgather or majority: "
-                        f"e.g. none, fp16, topk, qsgd, signsgd)")
+        raise UserError(f"compressor {compressor.name!r} needs rounds summed over every rank and cannot push to a "
+                        f"parameter server; use one whose payload travels (aggregation allreduce, allgather or "
+                        f"majority: e.g. none, fp16, topk, qsgd, signsgd)")
 
 
 def downlink_scale(compressor: Compressor) -> float:
