@@ -42,7 +42,7 @@ if [ "${DRY:-0}" = 1 ]; then      # the CPU, tiny sizes: checks that every stage
 else
     DEV=cuda
     TESTS=(tests)
-    BENCH=()
+    BENCH=(--parts overhead,race,compressors)   # compressors last: their first calls compile kernels
     OVERHEAD=(--device cuda)
     TRAIN=(--device cuda --steps 200)
 fi
@@ -87,14 +87,14 @@ if [ "$DEV" = cuda ]; then nvidia-smi --query-gpu=name,memory.total,driver_versi
 
 # the CUDA parametrisation (the `device` fixture's cuda cases) and the tests of workers sharing the GPU
 if [ "$DEV" = cuda ]; then
-    stage "tests (cuda)" 200 tests.log -- "$PYTHON" -m pytest -q -p no:cacheprovider -n 4 --dist loadfile \
+    stage "tests (cuda)" 180 tests.log -- "$PYTHON" -m pytest -q -p no:cacheprovider -n 4 --dist loadfile \
         -k "cuda or shared_gpu" -m "not processes" --timeout 150 "${TESTS[@]}"
 else
     stage "tests (cpu)" 200 tests.log -- "$PYTHON" -m pytest -q -p no:cacheprovider \
         --timeout 150 "${TESTS[@]}"
 fi
 
-stage "bench gpu" 300 bench_gpu.log -- "$PYTHON" -m thinwire bench gpu "${BENCH[@]}" --out "$WORK/bench_gpu"
+stage "bench gpu" 280 bench_gpu.log -- "$PYTHON" -m thinwire bench gpu "${BENCH[@]}" --out "$WORK/bench_gpu"
 cp "$WORK/bench_gpu/bench_gpu.json" "$OUT/" 2>/dev/null
 
 if "$PYTHON" -m thinwire bench overhead --help >/dev/null 2>&1; then
@@ -104,7 +104,7 @@ else
     rows+=("$(printf '%-22s %-10s %6s  %s' "bench overhead" "absent" "-" "thinwire bench overhead is not in this checkout")")
 fi
 
-stage "train stdlib-lm" 90 train.log -- "$PYTHON" -m thinwire train --workload stdlib-lm --workers 1 \
+stage "train stdlib-lm" 60 train.log -- "$PYTHON" -m thinwire train --workload stdlib-lm --workers 1 \
     "${TRAIN[@]}" --out "$WORK/train"
 
 {
