@@ -158,7 +158,7 @@ def register(subparsers) -> None:
                                                "per algorithm's local steps, DDP, bsp")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--steps", type=int, default=300, help="timed iterations per case (default 300)")
-    p.add_argument("--round", type=int, default=50, help="iterations of one case before the next (default 50)")
+    p.add_argument("--round", type=int, default=10, help="iterations of one case before the next (default 10)")
     p.add_argument("--layers", type=int, default=75, help="Linear layers side by side (2 parameters each)")
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
