@@ -325,7 +325,7 @@ def _one_device_mode():
 def test_every_workload_trains_on_the_models_device(name, device):
     """The loop's hot path on another device: the shard moved there once, batches cut there, forward, loss and
     backward with no host tensor mixed in (on the CPU: the meta device under a strict mode; on a GPU: CUDA)."""
-    where = torch.device("meta" if device == "cpu" else device)
+    where = torch.device("meta") if device == "cpu" else torch.device(device, torch.cuda.current_device())
     wl = workloads.get(name)
     model = wl.model(0).to(where)
     x, y = wl.shard(0, 1)
