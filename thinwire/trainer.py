@@ -186,9 +186,9 @@ class FiniteGuard:
         values."""
         with self._lock:
             if not self.steps:
-                return [] if extra is None else extra.tolist()
+                return [] if extra is None else extra.tolist()   # host: the one read of this exchange
             parts = [self.flags] if extra is None else [extra.reshape(-1).to(self.device, torch.float32), self.flags]
-            values = torch.cat(parts).tolist()             # the one host read
+            values = torch.cat(parts).tolist()             # host: the one read of this exchange
             found, clean = values[-2:]
             if found:
                 raise nonfinite_stop(self.rank, self.steps[int(clean)], seen)

@@ -88,7 +88,7 @@ def _layout(header: bytes) -> tuple[object, list[tuple[torch.dtype, list[int], i
                 raise ValueError(f"malformed state header: bad tensor {str(body)[:80]}")
             dtype = DTYPES[body[0]]
             specs.append((dtype, body[1], end[0]))
-            nbytes = math.prod(body[1]) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(body[1]) * dtype.itemsize
             end[0] = _aligned(end[0] + nbytes)
             return
         if not isinstance(body, list):
@@ -112,7 +112,7 @@ def decode(header: bytes, buffer: torch.Tensor):
     total = specs.pop()[2]
     if buffer.numel() != total:
         raise ValueError(f"malformed state: {buffer.numel()} bytes of tensors, the header declares {total}")
-    built = iter([buffer[off:off + math.prod(shape) * torch.empty((), dtype=dtype).element_size()]
+    built = iter([buffer[off:off + math.prod(shape) * dtype.itemsize]
                   .view(dtype).reshape(shape).clone() for dtype, shape, off in specs])
 
     def build(x):
@@ -147,7 +147,7 @@ def broadcast_state(obj, src: int, group=None, device=None):
     else:
         lengths = torch.zeros(2, dtype=torch.int64, device=device)
     dist.broadcast(lengths, src=src, group=group)
-    n_header, n_buffer = (int(v) for v in lengths.tolist())
+    n_header, n_buffer = (int(v) for v in lengths.tolist())   # host: once per state transfer
     if not (0 < n_header <= MAX_HEADER and n_buffer >= 0):
         raise ValueError(f"malformed state: header of {n_header} bytes (at most {MAX_HEADER}), buffer of {n_buffer}")
     head = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device) if mine
@@ -171,7 +171,7 @@ def broadcast_text(text: str | None, src: int, group=None, device=None, limit: i
         raise ValueError(f"text of {len(data)} bytes, at most {limit}")
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(n, src=src, group=group)
-    size = int(n.item())
+    size = int(n.item())     # host: once per text
     if not 0 <= size <= limit:
         raise ValueError(f"malformed text: {size} bytes (at most {limit})")
     buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if mine and size
