@@ -1,11 +1,13 @@
 """Helpers over `torch.optim` optimizers, for every layer that applies an update: a step of some parameters only
 (a bucket during backward, a layer before its forward, a server's slice, DiLoCo's outer step of one fragment), the
 algorithm's own step of the user's optimizer (`own_step`: hooks standing for the training loop's step, those of
-`tw.attach`, let it through) and the momentum of a plain heavy-ball SGD (which the Trainer may hand to an
-error-feedback memory)."""
+`tw.attach`, let it through) and the momentum of a plain heavy-ball SGD, which the Trainer and the DDP hook hand to the
+error-feedback memory that applies it before compression (`hand_over_momentum`)."""
 from __future__ import annotations
 
 import torch
+
+from .errors import UserError
 
 _stepping: set[int] = set()     # the optimizers an algorithm is stepping now (`own_step`)
 
@@ -55,6 +57,59 @@ def heavy_ball(optimizer: torch.optim.Optimizer) -> float | None:
                             for g in groups):
         return None
     return float(mus.pop())
+
+
+def momentum_taker(algorithm, compressor, memory):
+    """The component that applies the training's momentum itself where `algorithm` exchanges the gradients its
+    optimizer applies (`Memory` in compress/base.py, "Momentum"): the compressor (signum) before the memory;
+    None where nothing takes it."""
+    if not getattr(algorithm, "exchanges_gradients", False):
+        return None
+    return next((c for c in (compressor, memory) if getattr(c, "takes_momentum", False)), None)
+
+
+def check_momentum(algorithm, compressor, memory, momentum: float, explicit: bool = True) -> None:
+    """Refuse momentum applied twice: a component given its own momentum while the optimizer has one too, or
+    (`explicit`: the user's `--momentum`) an optimizer momentum beside a memory that replaces it (demo, sparseloco)."""
+    taker = momentum_taker(algorithm, compressor, memory)
+    if taker is not None and taker.momentum and momentum:
+        kind = "memory" if taker is memory else "compressor"
+        raise UserError(f"{kind} {taker.name!r} applies momentum {taker.momentum:g} itself (before compression) and "
+                        f"the optimizer has momentum {momentum:g}: run the optimizer with momentum 0 (--momentum 0), "
+                        f"or leave the {kind}'s momentum unset so it takes the optimizer's")
+    if explicit and momentum and replaces_momentum(algorithm, memory):
+        raise UserError(f"memory {memory.name!r} keeps its own momentum (its beta) and the optimizer would add "
+                        f"momentum {momentum:g} on top: leave --momentum unset or 0 (or use memory residual)")
+
+
+def replaces_momentum(algorithm, memory) -> bool:
+    return bool(getattr(algorithm, "exchanges_gradients", False) and getattr(memory, "replaces_momentum", False))
+
+
+def hand_over_momentum(optimizer, algorithm, compressor, memory) -> float:
+    """Move the optimizer's heavy-ball momentum into the component that applies it before compression (where
+    the algorithm exchanges gradients and the component's momentum is unset) and run the optimizer without it:
+    error feedback with momentum after compression loses (EF-SGDM, Zheng et al. 2019; DGC's momentum correction,
+    Lin et al. 2018 §3.2). Returns the momentum handed over (0: none)."""
+    if replaces_momentum(algorithm, memory):     # DeMo's / SparseLoCo's accumulator is the momentum
+        for g in optimizer.param_groups:
+            if "momentum" in g:
+                g["momentum"] = 0.0
+        return 0.0
+    taker = momentum_taker(algorithm, compressor, memory)
+    mu = heavy_ball(optimizer)
+    if taker is None or mu is None:
+        return 0.0
+    check_momentum(algorithm, compressor, memory, mu)
+    if taker.momentum is not None:
+        return 0.0
+    taker.momentum = mu
+    for other in (compressor, memory):      # a second component able to take it applies none
+        if other is not taker and getattr(other, "takes_momentum", False) and other.momentum is None:
+            other.momentum = 0.0
+    for g in optimizer.param_groups:
+        g["momentum"] = 0.0
+    return mu
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

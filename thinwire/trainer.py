@@ -29,7 +29,7 @@ from .comm.state import broadcast_state
 from .compress import compressors, memories
 from .compress.finite import NonFiniteError
 from .errors import UserError
-from .optim import heavy_ball, in_own_step
+from .optim import check_momentum, hand_over_momentum, in_own_step, momentum_taker, replaces_momentum  # noqa: F401
 from .registry import call, route
 from .trace import NULL, Tracer
 
@@ -66,59 +66,6 @@ def build_components(algorithm, compressor=None, memory=None, **params):
                       memories.get(memory, **mem_params))
     alg.check_components(comp, mem)      # invalid pairings are refused here, before any worker starts
     return alg, comp, mem, call(sched.make, "schedule", sched_params), transport_params
-
-
-def momentum_taker(algorithm, compressor, memory):
-    """The component that applies the training's momentum itself where `algorithm` exchanges the gradients its
-    optimizer applies (`Memory` in compress/base.py, "Momentum"): the compressor (signum) before the memory;
-    None where nothing takes it."""
-    if not getattr(algorithm, "exchanges_gradients", False):
-        return None
-    return next((c for c in (compressor, memory) if getattr(c, "takes_momentum", False)), None)
-
-
-def check_momentum(algorithm, compressor, memory, momentum: float, explicit: bool = True) -> None:
-    """Refuse momentum applied twice: a component given its own momentum while the optimizer has one too, or
-    (`explicit`: the user's `--momentum`) an optimizer momentum beside a memory that replaces it (demo, sparseloco)."""
-    taker = momentum_taker(algorithm, compressor, memory)
-    if taker is not None and taker.momentum and momentum:
-        kind = "memory" if taker is memory else "compressor"
-        raise UserError(f"{kind} {taker.name!r} applies momentum {taker.momentum:g} itself (before compression) and "
-                        f"the optimizer has momentum {momentum:g}: run the optimizer with momentum 0 (--momentum 0), "
-                        f"or leave the {kind}'s momentum unset so it takes the optimizer's")
-    if explicit and momentum and replaces_momentum(algorithm, memory):
-        raise UserError(f"memory {memory.name!r} keeps its own momentum (its beta) and the optimizer would add "
-                        f"momentum {momentum:g} on top: leave --momentum unset or 0 (or use memory residual)")
-
-
-def replaces_momentum(algorithm, memory) -> bool:
-    return bool(getattr(algorithm, "exchanges_gradients", False) and getattr(memory, "replaces_momentum", False))
-
-
-def hand_over_momentum(optimizer, algorithm, compressor, memory) -> float:
-    """Move the optimizer's heavy-ball momentum into the component that applies it before compression (where
-    the algorithm exchanges gradients and the component's momentum is unset) and run the optimizer without it:
-    error feedback with momentum after compression loses (EF-SGDM, Zheng et al. 2019; DGC's momentum correction,
-    Lin et al. 2018 §3.2). Returns the momentum handed over (0: none)."""
-    if replaces_momentum(algorithm, memory):     # DeMo's / SparseLoCo's accumulator is the momentum
-        for g in optimizer.param_groups:
-            if "momentum" in g:
-                g["momentum"] = 0.0
-        return 0.0
-    taker = momentum_taker(algorithm, compressor, memory)
-    mu = heavy_ball(optimizer)
-    if taker is None or mu is None:
-        return 0.0
-    check_momentum(algorithm, compressor, memory, mu)
-    if taker.momentum is not None:
-        return 0.0
-    taker.momentum = mu
-    for other in (compressor, memory):      # a second component able to take it applies none
-        if other is not taker and getattr(other, "takes_momentum", False) and other.momentum is None:
-            other.momentum = 0.0
-    for g in optimizer.param_groups:
-        g["momentum"] = 0.0
-    return mu
 
 
 def nonfinite_stop(rank: int, step: int, seen: str = "") -> NonFiniteError:

@@ -78,10 +78,10 @@ class PowerSGD(Compressor):
     def _start(self, key, mat, step: int, device) -> torch.Tensor:
         """The Q that matrix `mat` = (offset, a, b, r) starts from: the last step's (warm start), else N(0, 1) drawn
         from a seed shared by all ranks."""
-        off, _, b, r = mat
+        _, a, b, r = mat
         q = self.q.get((key, *mat)) if self.warm_start else None
-        if q is None:
-            gen = generator(self.seed, "powersgd", key, off, 0 if self.warm_start else step)
+        if q is None:   # drawn per matrix shape, not per bucket or offset: the same start whatever the bucketing
+            gen = generator(self.seed, "powersgd", a, b, 0 if self.warm_start else step)
             q = torch.randn(b, r, generator=gen, device="cpu").to(device)
         return q
 
@@ -174,6 +174,17 @@ class PowerSGD(Compressor):
         mats = self._layout(numel, (numel,), shapes)
         dense = numel - sum(a * b for _, a, b, _ in mats)
         return 32.0 * (dense + sum((a + b) * r for _, a, b, r in mats)) / max(1, numel)
+
+    def regroup(self, key, pieces) -> None:
+        """A bucket `key` made of `pieces` = [(old key, lo, hi)] in order (a DDP bucket rebuild): the warm-start Q
+        of each matrix that starts in a piece follows it to `key` at its new offset (the old entries stay)."""
+        at, moved = 0, {}
+        for old, lo, hi in pieces:
+            for (k, off, a, b, r), q in self.q.items():
+                if k == old and old is not None and lo <= off < hi:
+                    moved[(key, at + off - lo, a, b, r)] = q
+            at += hi - lo
+        self.q.update(moved)
 
     def rekey(self, old, new):
         """The buckets changed: each matrix's warm-start Q follows its elements to the new bucket and offset."""

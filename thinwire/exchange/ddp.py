@@ -19,14 +19,28 @@ of `thinwire bench overlap`). `check_finite=True` checks there too.
 DDP rebuilds its buckets after the first iteration (in the order gradients became ready). Per-bucket error
 feedback follows each parameter into its new bucket: the first time a bucket is seen, the memory's and the
 compressor's flat per-bucket state is assembled from the slices its parameters held in their old buckets
-(`thinwire.compress.base.assemble`), so nothing a residual held is dropped.
+(`thinwire.compress.base.assemble`), so nothing a residual held is dropped; per-matrix state (PowerSGD's
+warm-start Q) follows its matrix (`regroup`). A compressor that works per parameter matrix therefore gives the
+same result whatever DDP's bucketing (PowerSGD: its start Q is drawn per matrix shape, not per bucket).
+
+Momentum. An error-feedback memory (or compressor) that applies the training's momentum before compression
+(`residual`, `efsignsgd`, `dgc`, `signum`) cannot see an optimizer that applies it after: error feedback does not
+survive momentum after compression (EF-SGDM, Zheng et al. 2019), and onebit + residual beside SGD momentum 0.9 does
+not train. `ddp_hook(..., optimizer=opt)` moves the optimizer's heavy-ball momentum into that component and runs
+the optimizer without it, as `tw.Trainer` does; built without it, the hook warns (once, one line) at the first
+step of an optimizer with momentum over its parameters.
 """
 from __future__ import annotations
 
+import types
+import warnings
+
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..compress import compressors, memories
 from ..compress.base import assemble
+from ..optim import hand_over_momentum, momentum_taker
 from ..registry import route
 from .exchange import Exchange, resolve_collective
 
@@ -55,6 +69,25 @@ class HookState:
             ex = self.get_exchange()
             for part in (ex.memory, ex.compressor):
                 part.load_state_dict(assemble(part.state_dict(), key, layout))
+            regroup = getattr(ex.compressor, "regroup", None)
+            if regroup is not None:     # per-matrix state (PowerSGD's warm-start Q) follows its matrix
+                regroup(key, layout)
+
+    def watch_momentum(self, taker) -> None:
+        """Warn (once) at the first step of an optimizer over the hooked parameters that applies momentum itself
+        while `taker`, which would apply it before compression, has none."""
+        def check(optimizer, args, kwargs):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if not any(id(p) in self.slots for p in params):
+                return          # another optimizer, or before the first bucket
+            handle.remove()
+            mu = max((g.get("momentum", 0.0) or 0.0 for g in optimizer.param_groups), default=0.0)
+            if mu and taker.momentum is None:
+                warnings.warn(f"tw.ddp_hook: {taker.name!r} applies momentum before compression but "
+                              f"{type(optimizer).__name__} applies momentum {mu:g} after it, which error feedback "
+                              f"does not survive: pass optimizer=<your optimizer> to tw.ddp_hook (its momentum "
+                              f"moves into {taker.name!r}, as tw.Trainer does)", UserWarning, stacklevel=2)
+        handle = register_optimizer_step_pre_hook(check)      # every optimizer: the one beside DDP is unknown
 
     def get_exchange(self, device=None) -> Exchange:
         """The exchange, made on first use (the first bucket's: its buffers live on `device`, the bucket's)."""
@@ -102,12 +135,23 @@ def thinwire_hook(state, bucket):
 thinwire_hook.__annotations__ = {"return": torch.futures.Future[torch.Tensor]}
 
 
+_GRADIENTS = types.SimpleNamespace(exchanges_gradients=True)   # what DDP all-reduces (for the momentum hand-over)
+
+
 def ddp_hook(compressor="none", memory="none", process_group=None, network=None, collective: str = "auto",
-             check_finite: bool | None = None, **params):
+             check_finite: bool | None = None, optimizer: torch.optim.Optimizer | None = None, **params):
     """`(state, hook)` for `DistributedDataParallel.register_comm_hook`; `params` go to the compressor and the
-    memory by name (e.g. `ratio=0.01`, `rank=4`, `momentum=0.9`); an unknown one is a UserError."""
+    memory by name (e.g. `ratio=0.01`, `rank=4`, `momentum=0.9`); an unknown one is a UserError. `optimizer`: the
+    optimizer that steps the DDP model, whose heavy-ball momentum moves into a memory (or compressor) that applies
+    it before compression, as `tw.Trainer` does (see the module's docstring)."""
     comp_params, mem_params = route({"compressor": (compressors, compressor), "memory": (memories, memory)}, params)
     comp, mem = compressors.get(compressor, **comp_params), memories.get(memory, **mem_params)
     resolve_collective(comp, collective)   # fail at construction, not at the first backward, on a bad collective
     state = HookState(comp, mem, process_group, network, collective, check_finite)
+    if optimizer is not None:
+        hand_over_momentum(optimizer, _GRADIENTS, comp, mem)
+    else:
+        taker = momentum_taker(_GRADIENTS, comp, mem)
+        if taker is not None and taker.momentum is None:
+            state.watch_momentum(taker)
     return state, thinwire_hook
