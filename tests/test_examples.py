@@ -1,5 +1,6 @@
-"""Every script in examples/ runs as its docstring says, to the end, and prints what it promises. They run at the
-same time, two at once (each waits on its launcher's start-up and its emulated link part of the time; more
+"""Every script in examples/ runs as its docstring says, and so does every complete program in the README and the
+docs (a Python block that launches its workers under `__main__`): each to the end, printing what it promises. They
+run at the same time, two at once (each waits on its launcher's start-up and its emulated link part of the time; more
 would only crowd two cores), each in a temporary folder."""
 from __future__ import annotations
 
@@ -33,14 +34,14 @@ def test_every_example_is_listed():
 
 
 @pytest.mark.slow
-def test_every_example_runs(tmp_path):
+def test_every_example_and_documented_program_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
            "THINWIRE_NO_PROGRESS": "1", "HF_HUB_OFFLINE": "1"}
-    procs, failed = {}, []
+    procs, failed, runs = {}, [], dict(RUNS)
 
     def finish(name):
         out, _ = procs[name].communicate(timeout=600)
-        if procs[name].returncode != 0 or RUNS[name][1] not in out:
+        if procs[name].returncode != 0 or runs[name][1] not in out:
             failed.append(f"--- {name}: exit {procs[name].returncode}\n{out[-3000:]}")
 
     for name, (command, _, extra) in RUNS.items():
@@ -57,6 +58,15 @@ def test_every_example_runs(tmp_path):
         run_dir.mkdir()
         procs[name] = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True)
+    from test_docs import complete_programs
+    for i, (where, code) in enumerate(complete_programs()):
+        if len(procs) >= AT_ONCE:
+            finish(list(procs)[len(procs) - AT_ONCE])
+        script = tmp_path / f"doc{i}.py"
+        script.write_text(code)
+        runs[where] = ("", "", None)        # it runs to the end (exit 0); what it prints is its own
+        procs[where] = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
     for name in list(procs)[-AT_ONCE:]:
         finish(name)
     assert not failed, "\n".join(failed)
