@@ -105,3 +105,11 @@ def test_attach_leaves_the_optimizer_as_it_found_it(group):
     model(torch.ones(2, 3)).sum().backward()
     opt.step()                                  # a plain step again
     assert torch.equal(model.weight.detach(), before - 0.1 * 2)
+
+
+def test_a_model_wrapped_in_ddp_is_refused(group):
+    """DDP would all-reduce every gradient beside the algorithm's own exchange: one line naming what to pass."""
+    from thinwire.errors import UserError
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
+    with pytest.raises(UserError, match=r"pass the module inside it \(model.module\)"):
+        tw.attach(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), algorithm="diloco")

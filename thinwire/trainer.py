@@ -170,6 +170,9 @@ class Trainer:
                  on_failure: str = "stop", **params):
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise UserError("the model is wrapped in DistributedDataParallel, which all-reduces every gradient "
+                            "itself: pass the module inside it (model.module) and let the algorithm communicate")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.model, self.optimizer = model, optimizer
