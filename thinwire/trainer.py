@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import algorithms, sched
 from .algorithms.base import Context
 from .comm import Transport
+from .comm import elastic
 from .comm.engine import ENGINE
 from .comm.membership import MEMBERSHIP, PeerLost
 from .comm.progress import report as report_progress
@@ -163,6 +164,18 @@ def check_on_failure(on_failure: str, algorithm) -> None:
                         "--on-failure continue); under torchrun use on_failure='stop' and --max-restarts")
 
 
+def check_elastic(algorithm, scheduler) -> None:
+    """An elastic job needs an algorithm that names its synchronization boundaries (where newcomers join)."""
+    if type(algorithm).join_boundary is algorithms.base.Algorithm.join_boundary:
+        valid = sorted(n for n in algorithms.names()
+                       if algorithms.registry.lookup(n).join_boundary is not algorithms.base.Algorithm.join_boundary)
+        raise UserError(f"an elastic job needs an algorithm that takes newcomers in at its synchronization "
+                        f"boundaries; {algorithm.name!r} does not; valid: {', '.join(valid)}")
+    if getattr(scheduler, "defers_update", False):
+        raise UserError("an elastic job cannot run schedule='priority' (its update is applied in the next "
+                        "forward, so a step's end is no synchronization boundary); use fusion, wfbp or mgwfbp")
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm="bsp",
                  compressor=None, memory=None, transport: Transport | None = None, network=None,
@@ -193,10 +206,26 @@ class Trainer:
         (self.algorithm, self.compressor, self.memory, self.scheduler,
          transport_params) = build_components(algorithm, compressor, memory, **params)
         self.momentum_handed = hand_over_momentum(optimizer, self.algorithm, self.compressor, self.memory)
+        self.elastic = elastic.MEMBER if transport is None else None   # a member of an elastic job, or None
+        if self.elastic is not None:
+            check_elastic(self.algorithm, self.scheduler)
+            on_failure = "continue"      # an elastic job survives a loss (the algorithm allows it: checked above)
         check_on_failure(on_failure, self.algorithm)
         self.on_failure = on_failure
         self.failures: list[dict] = []   # workers lost and survived (on_failure="continue")
+        self.joins: list[dict] = []      # newcomers taken in (an elastic job)
         self._behind = 0                 # steps to skip to rejoin the survivors' step after a loss
+        self.step_count = 0
+        joined = None
+        if self.elastic is not None:     # the generation's own group (thinwire.comm.elastic)
+            self.elastic.agree("trainer", self.describe(params))
+            if self.elastic.joining:
+                joined = self.elastic.join()
+            elif self.elastic.group is None:
+                self.elastic.start()
+            transport = Transport(group=self.elastic.group, network=network, tracer=self.tracer,
+                                  device=self.parameters[0].device, **transport_params)
+            transport.generation = self.elastic.gen
         self.transport = transport or Transport(network=network, tracer=self.tracer,
                                                 device=self.parameters[0].device, **transport_params)
         if transport is not None and "allreduce" in transport_params:
@@ -205,10 +234,10 @@ class Trainer:
             transport.allreduce = transport_params["allreduce"]
         if tracer is not None:
             self.transport.tracer = tracer
-        self.step_count = 0
-        self._check_models_match(values=not sync_initial_model)
-        if sync_initial_model:
-            self._broadcast_model()
+        if joined is None:               # a newcomer is checked by its fingerprint and takes a live peer's state
+            self._check_models_match(values=not sync_initial_model)
+            if sync_initial_model:
+                self._broadcast_model()
         # policy stop: every step's gradients checked on the device, the verdict read with the next exchange;
         # none where the algorithm's exchange checks every gradient bucket itself before sending it
         self.finite = (FiniteGuard(self.parameters, self.transport.rank)
@@ -216,6 +245,8 @@ class Trainer:
         self.context = Context(model, optimizer, self.parameters, self.scheduler, self.transport, self.tracer,
                                self.compressor, self.memory, failures=self.failures, finite=self.finite)
         self.algorithm.attach(self.context)
+        if joined is not None:
+            self._welcome(joined, previous=[])
         self.scheduler.next_step(self.algorithm.communicates())
 
     def _check_models_match(self, values: bool) -> None:
@@ -244,7 +275,7 @@ class Trainer:
             return
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                dist.broadcast(t.data, src=self.transport.global_of(0), group=self.transport.group)
+                dist.broadcast(t.data, group=self.transport.group, group_src=0)
 
     def step(self) -> dict:
         """Communicate and update as the algorithm dictates; returns this step's traffic counters.
@@ -268,7 +299,10 @@ class Trainer:
             except PeerLost as lost:
                 self._recover(lost)
         self.step_count += 1
-        self.scheduler.next_step(self.algorithm.communicates())   # a local step next: no gradient hook runs
+        if self.elastic is not None and not self._behind and self.algorithm.join_boundary(self.step_count):
+            self._boundary()
+        # a local step next, or one skipped to rejoin the others: no gradient hook runs
+        self.scheduler.next_step(self.algorithm.communicates() and not self._behind)
         return self.transport.meter.mark_step()
 
     def _step(self) -> None:
@@ -291,7 +325,7 @@ class Trainer:
             self.finite.check(self.parameters, self.step_count + 1)
         self.algorithm.step()
 
-    def _recover(self, lost: PeerLost) -> None:
+    def _recover(self, lost: PeerLost, counted: int | None = None) -> None:
         """With `on_failure="continue"`, the survivors of `lost` form a new group and go on (else `lost` is raised):
         the interrupted step is abandoned everywhere, every survivor takes the new rank 0's model and optimizer
         state, and a survivor that got less far skips the steps it is behind (so every rank's loop issues the
@@ -299,21 +333,101 @@ class Trainer:
         if self.on_failure != "continue":
             raise lost
         ENGINE.abandon(lost)
-        group = dist.new_group(lost.members, use_local_synchronization=True)
-        self.transport.regroup(group)
+        if self.elastic is not None:     # the newest generation's own group (it may take newcomers in too)
+            previous = self.elastic.members
+            rec = self.elastic.regroup(lost.generation)
+            self._regrouped(rec, previous)
+        else:
+            self.transport.regroup(dist.new_group(lost.members, use_local_synchronization=True))
+        self._resync(lost, self.step_count + 1 if counted is None else counted)
+
+    def _resync(self, lost: PeerLost, counted: int) -> None:
+        """After a loss, on the new group: agree on the step (the most any member has counted once `counted`, this
+        member's, ends; a member behind skips the steps it lacks), and every member takes rank 0's model,
+        optimizer state and algorithm state. A newcomer (`counted` 0) starts at the agreed step."""
         self.scheduler.discard_step()
-        at = torch.tensor([float(self.step_count + 1)], dtype=torch.float64, device=self.transport.device)
-        dist.all_reduce(at, op=dist.ReduceOp.MAX, group=group)
+        at = torch.tensor([float(counted)], dtype=torch.float64, device=self.transport.device)
+        dist.all_reduce(at, op=dist.ReduceOp.MAX, group=self.transport.group)
         agreed = int(at.item())                     # host: once per recovery
-        self._behind = agreed - (self.step_count + 1)
+        if counted == 0:
+            self.step_count = agreed
+        else:
+            self._behind = agreed - counted
         self._broadcast_model()
         # tensors and a checked JSON layout, never a pickle (comm/state.py)
-        self.optimizer.load_state_dict(broadcast_state(self.optimizer.state_dict() if self.transport.rank == 0
-                                                       else None, src=self.transport.global_of(0), group=group,
-                                                       device=self.transport.device))
+        mine = self.optimizer.state_dict() if self.transport.rank == 0 else None
+        if self.elastic is not None:     # (a group of its own: addressed through the transport)
+            state = elastic.broadcast_state(self.transport, mine, 0)
+        else:
+            state = broadcast_state(mine, src=self.transport.global_of(0), group=self.transport.group,
+                                    device=self.transport.device)
+        self.optimizer.load_state_dict(state)
         # "step": the step every survivor has counted once this one ends (and behind ranks skipped theirs)
         self.failures.append({"lost": lost.lost, "step": agreed, "members": lost.members})
         self.algorithm.recover()
+
+    # -- elastic jobs: newcomers (docs/reliability.md, "Workers that join a running job") -------------------
+    def describe(self, params: dict) -> dict:
+        """What every member of an elastic job must share, JSON-able: a newcomer that differs is refused."""
+        return {"algorithm": self.algorithm.name, "algorithm parameters": dict(sorted(params.items())),
+                "compressor": self.compressor.name, "memory": self.memory.name,
+                "optimizer": type(self.optimizer).__name__,
+                "optimizer settings": [{k: v for k, v in sorted(g.items()) if k != "params"}
+                                       for g in self.optimizer.param_groups],
+                "model": [[name, list(p.shape), str(p.dtype)] for name, p in self.model.named_parameters()]}
+
+    def _boundary(self) -> None:
+        """A synchronization boundary of the algorithm: admit newcomers (rank 0), switch to a join generation
+        whose boundary this is (every member), or survive a loss announced since (this step is counted: it
+        ended at the boundary). A newcomer lost while it takes its state is such a loss."""
+        try:
+            if not self.elastic.boundary(self.step_count, self.algorithm.join_after):
+                return
+            self.algorithm.before_switch()          # e.g. DTS applies every average in flight
+            previous = self.elastic.members
+            rec = self.elastic.switch()
+            self._regrouped(rec, previous)
+            if rec["kind"] == "loss":               # a loss while the group formed: as any loss
+                lost = sorted(set(previous) - set(rec["members"]))
+                self._resync(PeerLost(self.elastic.gen, rec["members"], lost), self.step_count)
+            else:
+                self._welcome(rec, previous)
+        except PeerLost as lost:
+            self._recover(lost, self.step_count)
+
+    def _regrouped(self, rec: dict, previous: list) -> None:
+        self.transport.regroup(self.elastic.group, self.elastic.gen)
+        self.elastic.retire_old()
+        self.algorithm.regrouped()
+        new = [m for m in rec["members"] if m not in previous]
+        if new:
+            self.joins.append({"joined": new, "step": self.step_count, "members": list(rec["members"])})
+
+    def _welcome(self, rec: dict, previous: list) -> None:
+        """A join generation formed: rank 0 hands each newcomer its state (point to point, tensors behind a JSON
+        manifest); the others keep theirs. A newcomer pulled into a loss generation goes through the loss's
+        resynchronisation with everyone instead."""
+        if rec["kind"] == "loss":
+            self._resync(PeerLost(self.elastic.gen, rec["members"], rec.get("lost", [])), 0)
+            return
+        newcomers = [rec["members"].index(m) for m in rec["members"] if m not in previous]
+        if not previous:               # this process is the newcomer
+            state = elastic.recv_state(self.transport, 0)
+            self.step_count = int(state["step"])
+            with torch.no_grad():
+                for t, v in zip(self._model_tensors(), state["model"]):
+                    t.copy_(v)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.algorithm.take_newcomer_state(state["algorithm"])
+        elif self.transport.rank == 0:
+            state = {"step": self.step_count, "model": self._model_tensors(),
+                     "optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.newcomer_state()}
+            for r in newcomers:
+                elastic.send_state(self.transport, state, r)
+        self.algorithm.after_join()
+
+    def _model_tensors(self) -> list[torch.Tensor]:
+        return [t.data for t in list(self.model.parameters()) + list(self.model.buffers())]
 
     def close(self) -> None:
         if self.finite is not None:

@@ -148,6 +148,35 @@ class Algorithm:
         (`Trainer._recover`); drop what the interrupted step had in flight."""
         raise NotImplementedError(f"{self.name} does not survive a lost worker")
 
+    # -- elastic jobs (docs/reliability.md, "Workers that join a running job") ------------------------------
+    def join_boundary(self, step: int) -> bool:
+        """Whether the step `step` (1-based, just ended) is a synchronization boundary where newcomers may join.
+        An algorithm that leaves this out cannot run in an elastic job."""
+        return False
+
+    def join_after(self, step: int) -> int:
+        """The boundary where a join announced at boundary `step` switches: far enough ahead that no member can
+        pass it before rank 0 wrote the announcement (it needs rank 0's part of a synchronization issued later)."""
+        return step + 1
+
+    def before_switch(self) -> None:
+        """At the boundary where the members switch to a generation with newcomers: leave nothing in flight
+        on the old group."""
+
+    def regrouped(self) -> None:
+        """The transport's group changed (a newcomer, a loss): the rank and the world size follow."""
+        self.rank, self.world_size = self.transport.rank, self.transport.world_size
+
+    def newcomer_state(self) -> dict:
+        """(rank 0 of a join generation) The algorithm's state a newcomer takes: tensors, numbers, lists."""
+        return {}
+
+    def take_newcomer_state(self, state: dict) -> None:
+        """(a newcomer) `newcomer_state()` of rank 0; the Trainer loaded the model and optimizer before."""
+
+    def after_join(self) -> None:
+        """Every member of the join generation, once the newcomers have their state (collectives allowed)."""
+
     def rekey(self, old: list, new: list) -> None:
         """The scheduler re-planned its buckets ((key, numel) lists): per-bucket exchange state follows."""
         for ex in self._exchanges:

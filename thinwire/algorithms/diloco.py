@@ -469,6 +469,28 @@ class DiLoCo(Algorithm):
         self.steps = self.ctx.failures[-1]["step"]
         self._dirty = [True] * self.fragments
 
+    # -- elastic jobs: a newcomer joins at a fragment's merge ---------------------------------------------
+    def join_boundary(self, step):
+        """A step that merged a fragment (nothing is in flight then: at most one fragment is, until its merge)."""
+        return self.merging(self.steps) is not None and not self._pending
+
+    def join_after(self, step):
+        return step + self.period // self.fragments
+
+    def newcomer_state(self):
+        return {"anchor": self.anchor, "outer": self.outer.state_dict(), "steps": self.steps, "syncs": self.syncs,
+                "dirty": list(self._dirty)}
+
+    @torch.no_grad()
+    def take_newcomer_state(self, state):
+        """θ and the outer optimizer's state of rank 0; the newcomer's inner model is θ in every fragment (it
+        joins each fragment's schedule at that fragment's next merge), the counters and flags rank 0's."""
+        copy_each(self.anchor, state["anchor"])
+        self.outer.load_state_dict(state["outer"])
+        for k, a in enumerate(self.anchor):
+            self._local(k).copy_(a)
+        self.steps, self.syncs, self._dirty = int(state["steps"]), int(state["syncs"]), list(state["dirty"])
+
     # -- buckets re-planned (MG-WFBP): per-piece exchange state follows ------------------------------------
     def _piece_layout(self) -> list[list[tuple[str, int]]]:
         """Per fragment: (key, numel) of its pieces, bucket by bucket (its elements in backward order); with

@@ -235,6 +235,31 @@ class DTS(Algorithm):
         self._launched, self._flight, self._ref = [], deque(), None
         self._in_window = self.steps % self.period          # the current window goes on (from empty sums)
 
+    # -- elastic jobs: a newcomer joins at a window's end, where the members drain ------------------------
+    def join_boundary(self, step):
+        return self._in_window == 0 and self.steps > 0
+
+    def join_after(self, step):
+        """Members run up to t - 1 windows apart (a rank waits only for the average launched t - 1 windows ago)."""
+        return step + self.delay * self.period
+
+    def before_switch(self):
+        """Every average in flight is applied now (on the old group): the new group starts with none."""
+        while self._flight:
+            self._apply_oldest()
+
+    def newcomer_state(self):
+        return {"steps": self.steps, "counters": [self.launched, self.applied, self.max_in_flight]}
+
+    def take_newcomer_state(self, state):
+        self.steps, self._in_window = int(state["steps"]), 0
+        self.launched, self.applied, self.max_in_flight = (int(v) for v in state["counters"])
+
+    def after_join(self):
+        """The members drained to the same model up to float rounding: rank 0's makes them (and the newcomer's)
+        bitwise equal, momentum buffers included."""
+        self._same_everywhere()
+
     def rekey(self, old, new):
         """Per-bucket exchange state is kept per element of [C|B] (two elements per parameter element when B
         travels too)."""
@@ -265,7 +290,7 @@ class DTS(Algorithm):
             tensors += [b for b in (self.optimizer.state[p].get("momentum_buffer") for p in self.params)
                         if b is not None]
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        dist.broadcast(flat, src=self.transport.global_of(0), group=self.transport.group)
+        dist.broadcast(flat, group=self.transport.group, group_src=0)
         copy_flat(tensors, flat)
 
     # -- bookkeeping -----------------------------------------------------------------------------------

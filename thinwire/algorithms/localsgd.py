@@ -51,6 +51,7 @@ class LocalSGD(Periodic, BSP):
         self.anchor = [p.detach().clone() for p in self.params]   # the last averaged model
         self._momentum_exchange = self.make_exchange("none", "none") if self.average_momentum else None
         self._momenta: dict[int, object] = {}
+        self._averaged = False    # the last step averaged the models (a synchronization boundary)
 
     # -- local steps and averaging ---------------------------------------------------------------------------
     def on_bucket(self, bucket):
@@ -72,6 +73,21 @@ class LocalSGD(Periodic, BSP):
         copy_each(self.anchor, self.params)   # the survivors restart from the new rank 0's model
         self.local_steps = 0
 
+    def join_boundary(self, step):
+        """A step that averaged the models (the anchor is every member's model)."""
+        return self._averaged
+
+    def join_after(self, step):
+        return step + self.period
+
+    def newcomer_state(self):
+        return {"anchor": self.anchor, "syncs": self.syncs}
+
+    def take_newcomer_state(self, state):
+        copy_each(self.anchor, state["anchor"])
+        copy_each(self.params, state["anchor"])
+        self.local_steps, self.syncs = 0, int(state["syncs"])
+
     def _start_average(self, bucket) -> None:
         with torch.no_grad():
             delta = bucket.flat([p - self.anchor[i] for p, i in zip(bucket.params, bucket.members)])
@@ -90,6 +106,7 @@ class LocalSGD(Periodic, BSP):
                     copy_flat(bufs, fut.wait())
         self.local_steps = 0
         self.syncs += 1
+        self._averaged = True
 
     def _merge(self, anchor: torch.Tensor, mean: torch.Tensor) -> None:
         anchor.add_(mean)           # x_anchor + mean_j C(x_j - x_anchor)
@@ -98,6 +115,7 @@ class LocalSGD(Periodic, BSP):
         return self.syncing()
 
     def step(self):
+        self._averaged = False
         if self.syncing():
             self.scheduler.flush()
             self.average()          # the local step of every bucket was taken when backward handed it over

@@ -27,6 +27,7 @@ class _Membership:
         self.world: list[int] | None = None   # the original ranks, once a launcher publishes changes (watching)
         self.generation = 0
         self.members: list[int] = []
+        self._lost: list[int] | None = None
         self._changed = threading.Condition()
 
     @property
@@ -36,17 +37,26 @@ class _Membership:
     def watch(self, world_size: int) -> None:
         self.world, self.members = list(range(world_size)), list(range(world_size))
 
-    def announce(self, generation: int, members: list[int]) -> None:
+    def reset(self) -> None:
+        """A new run of an elastic pool: generations count from 0 again, every change comes with its lost ids."""
+        with self._changed:
+            self.world, self.generation, self.members, self._lost = [], 0, [], None
+
+    def announce(self, generation: int, members: list[int], lost: list[int] | None = None) -> None:
+        """Generation `generation` has `members`; `lost`: who left since the last one (default: the original
+        ranks not among the members). An elastic job's members are ids that grow (`thinwire.comm.elastic`)."""
         with self._changed:
             if generation > self.generation:
                 self.generation, self.members = generation, list(members)
+                self._lost = None if lost is None else list(lost)
                 self._changed.notify_all()
 
     def lost(self, since: int) -> PeerLost | None:
         """The change since membership generation `since`, if any."""
         if self.generation <= since:
             return None
-        return PeerLost(self.generation, self.members, sorted(set(self.world or []) - set(self.members)))
+        lost = self._lost if self._lost is not None else sorted(set(self.world or []) - set(self.members))
+        return PeerLost(self.generation, self.members, lost)
 
     def wait_change(self, since: int, timeout: float) -> PeerLost | None:
         """Wait up to `timeout` s for a change after `since` (an operation failed: was a peer lost?)."""

@@ -32,6 +32,14 @@ from .meter import Meter
 _now = time.perf_counter
 
 
+def backend_of(group) -> str:
+    """"gloo" or "nccl": the backend of `group` (an elastic generation's own group is gloo)."""
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError, AttributeError):
+        return "gloo"
+
+
 class Handle(Future):
     """An operation in flight: its result once the real op is done and the link delivered it."""
 
@@ -62,7 +70,9 @@ class Handle(Future):
         self._callbacks: list = []
         self._arrival: list = []                    # on_arrival callbacks
         self._real_event = threading.Event()          # the real op completed (or failed)
-        self.generation = MEMBERSHIP.generation      # the membership it was issued in
+        # the membership it was issued in: its group's (an elastic generation's), else the newest announced
+        own = getattr(transport, "generation", None)
+        self.generation = MEMBERSHIP.generation if own is None else own
         # a collective is delivered in issue order: gloo's two threads may finish the second collective first,
         # but the emulated wire is FIFO (the second queues behind the first, whichever callback fires first).
         # Unemulated, each completes with gloo's (as DDP's own futures do): a small bucket done first is not held
@@ -274,12 +284,14 @@ class Transport:
     def __init__(self, group=None, network: "str | Link | None" = None, seed: int | None = None,
                  tracer: Tracer | None = None, meter: Meter | None = None, clock: LinkClock | None = None,
                  allreduce: str = "gloo", clocks: dict | None = None, device: "torch.device | str | None" = None):
-        if not dist.is_available() or not dist.is_initialized():
+        if group is None and (not dist.is_available() or not dist.is_initialized()):
             raise UserError("torch.distributed is not initialised: start workers with thinwire.launch, "
                             "or call thinwire.init() under torchrun")
+        # a group of torch.distributed's world, or one of its own (an elastic generation's: thinwire.comm.elastic);
+        # ranks are addressed within the group (group_src / group_dst), so both work
         self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        self.rank, self.world_size = self.group.rank(), self.group.size()
+        self.generation: int | None = None   # an elastic generation's number (its waits watch later losses)
         self.link = parse_network(network) if network is not None else default_network()
         self.meter = meter or Meter()
         self._seed = default_seed() if seed is None else seed
@@ -287,6 +299,9 @@ class Transport:
         self.members = [self.global_of(r) for r in range(self.world_size)]
         self.islands = self.link if isinstance(self.link, Islands) else None
         if self.islands is not None:
+            if not dist.is_initialized():
+                raise UserError("two-tier networks (islands:...) need torch.distributed's world: an elastic job "
+                                "runs on one link")
             self.islands.check_workers(dist.get_world_size(), "the world size")
         self.path = self.islands.path(self.members) if self.islands is not None else self.link
         self.clock = clock or self.clock_of(self.path)
@@ -302,7 +317,7 @@ class Transport:
         # where this group's buffers (headers included) live: `device` (the Trainer's: its model's), else the
         # CUDA device current at construction under NCCL (read here, on the constructing thread: the engine's
         # threads have their own current device), else the CPU
-        nccl = dist.get_backend(self.group) == "nccl"
+        nccl = backend_of(self.group) == "nccl"
         if device is not None:
             self.device = torch.device(device)
         else:
@@ -323,7 +338,7 @@ class Transport:
         """This worker's queue on `link` (one per link, shared with the transports of its subgroups)."""
         tier = self._tier(link)
         if tier not in self.clocks:
-            self.clocks[tier] = LinkClock(link, dist.get_rank(), self._seed)
+            self.clocks[tier] = LinkClock(link, dist.get_rank() if dist.is_initialized() else self.rank, self._seed)
         return self.clocks[tier]
 
     def link_to(self, peer: int) -> Link:
@@ -341,12 +356,11 @@ class Transport:
     def _ring_sent(self, cost: Cost) -> float:
         return cost.sent if self._ring_across else 0.0
 
-    def regroup(self, group) -> None:
-        """Go on with `group` (the survivors of a lost worker): ranks renumbered, the old group's operations
-        in flight abandoned."""
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+    def regroup(self, group, generation: int | None = None) -> None:
+        """Go on with `group` (the survivors of a lost worker; an elastic job's next generation): ranks
+        renumbered, the old group's operations in flight abandoned."""
+        self.group, self.generation = group, generation
+        self.rank, self.world_size = group.rank(), group.size()
         self.members = [self.global_of(r) for r in range(self.world_size)]
         if self.islands is not None:
             self._ring_across = self.islands.ring_crossing(self.members, self.rank)
@@ -383,7 +397,14 @@ class Transport:
         return fut if async_op else fut.wait()
 
     def global_of(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank) if self.group is not dist.group.WORLD else group_rank
+        """The rank in torch.distributed's world of group rank `group_rank`; in a group of its own (an elastic
+        generation's, outside any world) the group rank."""
+        if self.group is dist.group.WORLD:
+            return group_rank
+        try:
+            return dist.get_global_rank(self.group, group_rank)
+        except (ValueError, RuntimeError):
+            return group_rank
 
     # -- collectives -----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
@@ -446,7 +467,7 @@ class Transport:
             issued = _now()
             works = []
             if self.world_size > 1:
-                works = [dist.broadcast(tensor, src=self.global_of(src), group=self.group, async_op=True)]
+                works = [dist.broadcast(tensor, group=self.group, async_op=True, group_src=src)]
             cost = tree_broadcast(self.collective_link, self.world_size, tensor.nbytes, self.rank, src)
             return Handle(self, "broadcast", works, cost, tensor, None, issued, across=self._tree_across(src, tensor.nbytes))
             yield  # noqa: unreachable - makes this a program
@@ -503,7 +524,7 @@ class Transport:
             elif out is not None:
                 stamp = torch.tensor([out], dtype=torch.float64, device=data.device).view(torch.uint8)
                 data = torch.cat([data.reshape(-1).view(torch.uint8), stamp])
-            work = dist.isend(data, dst=self.global_of(dst), group=self.group, tag=tag)
+            work = dist.isend(data, group=self.group, tag=tag, group_dst=dst)
             across = cost.sent if self._tier(link) == "across" else 0.0
             return Handle(self, "send", [work], cost, tensor, None, issued, rx=False, reserved=out, clock=clock,
                           across=across, keep=data)
@@ -523,14 +544,14 @@ class Transport:
             cost = replace(p2p(link, nbytes), sent=0.0)
             stamp = 8 if self.link.emulated else 0
             if not stamp and not self._staged(tensor):
-                work = dist.irecv(tensor, src=self.global_of(src), group=self.group, tag=tag)
+                work = dist.irecv(tensor, group=self.group, tag=tag, group_src=src)
                 return Handle(self, "recv", [work], cost, tensor, None, issued, tx=False, clock=clock)
             # the data, then (emulated) the sender's push-out time
             if self._staged(tensor):
                 buf = self._host_buffer(nbytes + stamp, tensor)
             else:
                 buf = torch.empty(nbytes + stamp, dtype=torch.uint8, device=tensor.device)
-            work = dist.irecv(buf, src=self.global_of(src), group=self.group, tag=tag)
+            work = dist.irecv(buf, group=self.group, tag=tag, group_src=src)
 
             def pushed_out() -> float:
                 return float(buf[nbytes:].clone().view(torch.float64))

@@ -56,11 +56,8 @@ __all__ = ["COLLECTIVES", "Exchange", "allowed_collectives", "resolve_collective
 
 
 def _backend(transport) -> str:
-    try:
-        import torch.distributed as dist
-        return str(dist.get_backend(transport.group))
-    except (RuntimeError, ValueError, AttributeError):
-        return "gloo"
+    from ..comm.transport import backend_of
+    return backend_of(getattr(transport, "group", None))
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -93,9 +90,8 @@ class Exchange:
         self.auto = collective == "auto" and self.compressor.pick_by_bytes
         self.collective = resolve_collective(self.compressor, collective)
         self.check_finite = check_finite
-        self.world_size = transport.world_size
         self._gloo = _backend(transport) == "gloo"
-        self.memory.setup(self.world_size)
+        self.memory.setup(transport.world_size)
         self._memory_updates = type(self.memory).update is not Memory.update
         # top-k family: "gtopk" | "shared" | "hierarchical" replace the all-gather (exchange/sparse.py)
         sparse_collective = sparse_collective or getattr(self.compressor, "sparse_collective", "allgather")
@@ -108,6 +104,12 @@ class Exchange:
         self.steps: dict[Any, int] = {}
 
     # -- the exchange ----------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """The ranks the mean is over: the transport's, which changes when the group does (a lost worker, a
+        newcomer)."""
+        return self.transport.world_size
+
     @property
     def identity(self) -> bool:
         """Nothing compressed, nothing remembered: a plain all-reduce of the tensor."""

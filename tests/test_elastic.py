@@ -1,0 +1,104 @@
+"""Elastic jobs (issue 34, items 5 and 7): a worker that joins a running job at its algorithm's next
+synchronization boundary, with the model, optimizer and algorithm state of a live peer; refused and failed joins.
+
+One elastic pool (2 members + 1 process in reserve) serves every test: a newcomer of one run is the reserve of
+the next."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+
+import pytest
+import torch
+
+import thinwire as tw
+from thinwire.comm import elastic
+from thinwire.run import workloads
+
+TARGET = workloads.get("digits-mlp").target
+
+
+def _sha(model) -> str:
+    return hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()).hexdigest()
+
+
+def _train(member, workers, algorithm, params, want, after, other=None, cap=3000):
+    """Train digits-mlp until the job has `want` members, then `after` more steps (every member stops at the same
+    step: they switched at the same boundary). The newcomer (`member` >= `workers`) may run `other` parameters
+    (a refused join) or die while it takes its state (`other == "die"`)."""
+    wl = workloads.get("digits-mlp")
+    model = wl.model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=wl.lr, momentum=0.9)
+    if member >= workers and other == "die":
+        def die(*a, **k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        elastic.recv_state = die
+    mine = params if member < workers or other in (None, "die") else other
+    trainer = tw.Trainer(model, opt, algorithm=algorithm, network="custom:latency=1ms", **mine)
+    gen, stop, at_join = None, None, None
+    while trainer.step_count < (cap if stop is None else stop):
+        if stop is None and trainer.transport.world_size >= want:
+            stop, at_join = trainer.step_count + after, (trainer.step_count, _sha(model))
+        if stop is None and other == "die" and trainer.failures:    # the newcomer was lost: go on a while
+            stop = trainer.step_count + after
+        if trainer.elastic.gen != gen:     # the data follows the membership: this generation's shard
+            gen, rank, size = trainer.elastic.gen, trainer.transport.rank, trainer.transport.world_size
+            loader = workloads.ShardLoader(*wl.shard(rank, size), 16, seed=gen, rank=rank)
+        x, y = loader.next()
+        wl.loss(model(x), y).backward()
+        tw.report_progress(trainer.step_count + 1)
+        trainer.step()
+        opt.zero_grad()
+    trainer.close()
+    return {"sha": _sha(model), "at_join": at_join, "steps": trainer.step_count, "accuracy": wl.evaluate(model),
+            "joins": trainer.joins, "failures": trainer.metrics().get("failures", []), "gen": trainer.elastic.gen}
+
+
+@pytest.fixture(scope="module")
+def epool():
+    from thinwire.launcher.elastic import ElasticPool
+    with ElasticPool(2, max_workers=3, spares=1, timeout=300) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("algorithm,params", [("bsp", {}), ("localsgd", {"period": 4}),
+                                              ("diloco", {"period": 4, "outer_lr": 0.6, "outer_momentum": 0.5}),
+                                              ("dts", {"delay": 2, "period": 2})])
+def test_a_newcomer_joins_at_the_boundary_with_a_peers_state(epool, algorithm, params):
+    out = epool.run(_train, algorithm, params, 3, 150, joins=[("time", 0)])
+    assert sorted(out) == [0, 1, 2] and not epool.lost and not epool.refused
+    gens = epool.generations
+    assert [g["kind"] for g in gens] == ["start", "join"] and gens[1]["members"] == [0, 1, 2]
+    # at the boundary where it joined, the newcomer holds the members' model, bitwise; so at the end
+    assert len({o["at_join"] for o in out.values()}) == 1, algorithm
+    assert len({o["sha"] for o in out.values()}) == 1, algorithm
+    step = out[0]["at_join"][0]
+    assert out[0]["joins"] == [{"joined": [2], "step": step, "members": [0, 1, 2]}]
+    for o in out.values():                      # training went on: every member, the same steps, to the target
+        assert o["steps"] == step + 150 and o["gen"] == 1
+        assert o["accuracy"] >= TARGET, (algorithm, o["accuracy"])
+    if algorithm == "bsp":
+        assert step >= 1
+    else:                                       # the boundary: a model average, a fragment merge, a window's end
+        period = params["period"]
+        assert step % period == 0, (algorithm, step)
+
+
+def test_a_newcomer_of_another_configuration_is_refused_and_the_job_goes_on(epool):
+    out = epool.run(_train, "localsgd", {"period": 4}, 2, 20, {"period": 8}, joins=[("time", 0)])
+    assert sorted(out) == [0, 1] and not epool.lost
+    assert epool.refused == {2: "cannot join: the job runs algorithm parameters period 4, this worker 8"}
+    assert [g["kind"] for g in epool.generations] == ["start"]
+    assert out[0]["sha"] == out[1]["sha"]
+
+
+def test_a_newcomer_lost_while_it_takes_its_state_leaves_the_members_running(epool):
+    out = epool.run(_train, "bsp", {}, 3, 150, "die", joins=[("time", 0)])
+    assert sorted(out) == [0, 1]
+    assert [e["member"] for e in epool.lost] == [2] and "signal 9" in epool.lost[0]["reason"]
+    assert [g["kind"] for g in epool.generations] == ["start", "join", "loss"]
+    assert epool.generations[-1]["members"] == [0, 1]
+    assert out[0]["sha"] == out[1]["sha"] and out[0]["steps"] == out[1]["steps"]
+    assert out[0]["failures"] and out[0]["failures"][0]["lost"] == [2]
+    assert out[0]["accuracy"] >= TARGET

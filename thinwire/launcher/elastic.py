@@ -1,0 +1,471 @@
+"""The elastic launcher: worker processes on 127.0.0.1 whose membership changes while they train.
+
+`ElasticPool(workers, max_workers=...)` starts `workers` processes and runs `fn(member, workers, *args)` in each
+(`member`: the worker's member id, 0..workers-1 for the first ones; a worker's rank in the current generation is
+`trainer.transport.rank`). A worker that dies does not stop the job: the launcher announces a *loss generation*
+in its store and the survivors go on (thinwire.comm.elastic). Newcomers join at the algorithm's next
+synchronization boundary and take a live peer's state:
+- `replace=True` starts a replacement for each lost worker (`replace_delay` seconds later; a fresh process);
+- `run(..., joins=[...])` starts extra workers during the run: `("time", s)` s seconds after it began,
+  `("step", k)` once a member reported step k (tests);
+- `thinwire train --join HOST:PORT` joins by hand from another process (the store address is printed).
+Up to `max_workers` members at a time (rank 0 refuses the rest); the job fails when fewer than `min_workers`
+remain. The design: docs/reliability.md, "Workers that join a running job".
+
+Watches: exit codes (a death is a loss, survived), heartbeats (a stalled worker is killed and taken for lost),
+progress (no member advancing for the bound fails the job, as in `Pool`) and the deadline. A worker that raises
+fails the job, unless its error says only that a peer went away (then it is taken for lost); a newcomer refused
+(another configuration, the job full) is recorded in `refused`, not a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+from datetime import timedelta
+
+from ..comm import set_default_network
+from ..comm import elastic
+from ..comm.membership import MEMBERSHIP
+from ..errors import UserError, WorkerError
+from ..net import parse_network
+from . import pool as _pool
+from .pool import (PROGRESS_TIMEOUT, _check_timeout, _ctx, _die_with_parent, _died, _is_loopback, _listen,
+                   _peer_failure, _Watchdog, check_world_size)
+
+FOREIGN_SILENCE_S = 3.0      # a member joined by hand (no child of this launcher) is lost after this much silence
+
+
+def _beat_store(store, me: int, every: float = 0.25) -> None:
+    """(thread, a member joined by hand) tell the launcher through its store that this process is alive."""
+    while True:
+        try:
+            store.set(f"alive/{me}", repr(time.time()))
+        except Exception:   # noqa: BLE001 - the store is gone: the job is over
+            return
+        time.sleep(every)
+
+
+def _run_member(store_client, prefix: str, task, member: int, joining: bool, max_members, timeout: float):
+    """Run one task's function as member `member` of the elastic job under `prefix`; (status, payload)."""
+    fn, args, network, seed, workers = task
+    set_default_network(network, seed)
+    MEMBERSHIP.reset()
+    import torch.distributed as dist
+    me = elastic.Member(dist.PrefixStore(prefix, store_client), member, joining, timeout, max_members)
+    elastic.set_member(me)
+    try:
+        return "ok", fn(member, workers, *args)
+    except elastic.JoinRefused as e:
+        return "refused", str(e)
+    except elastic.Dropped as e:
+        return "dropped", str(e)
+    finally:
+        elastic.set_member(None)
+        me.retire_old()
+        box = [me.group]
+        me.group = None
+        elastic.retire(box)
+
+
+def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, times, worker_init, threads):
+    """A worker process of an ElasticPool: runs tasks (one training each) as the member the launcher names."""
+    _die_with_parent()
+    try:
+        if worker_init is not None:
+            worker_init(slot, -1)
+    except BaseException as e:  # noqa: BLE001
+        _pool._fail_and_exit(results, slot, -1, "error", f"cannot start: worker_init failed: {type(e).__name__}: {e}")
+    if _is_loopback(host) and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    threading.Thread(target=_pool._heartbeat, args=(beats, slot), daemon=True).start()
+    _pool._progress = (steps, times, slot)
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(threads)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except BaseException as e:  # noqa: BLE001
+        _pool._fail_and_exit(results, slot, -1, "error", f"cannot start: {e}")
+    results.put((slot, -1, -1, "ok", b"", ""))
+    for task_id, blob, member, joining, prefix, max_members in iter(tasks.get, None):
+        try:
+            status, value = _run_member(store, prefix, pickle.loads(blob), member, joining, max_members, timeout_s)
+            out = pickle.dumps(value) if status == "ok" else value
+        except BaseException as e:  # noqa: BLE001
+            kind = "usererror" if isinstance(e, UserError) else "error"
+            _pool._fail_and_exit(results, slot, task_id, kind, f"{type(e).__name__}: {e}")
+        results.put((slot, task_id, member, status, out, ""))
+    os._exit(0)
+
+
+class ElasticPool:
+    """Elastic workers on one machine (see the module doc). `spares` processes are started ahead and wait, so
+    that a join in a test does not pay a process start; replacements (`replace=True`) are fresh processes."""
+
+    def __init__(self, workers: int, max_workers: int | None = None, min_workers: int = 1, spares: int = 0,
+                 host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0, start_timeout: float = 120.0,
+                 stall_timeout: float = 60.0, progress_timeout: float | None = PROGRESS_TIMEOUT,
+                 replace: bool = False, replace_delay: float = 0.0, worker_init=None, threads: int | None = None):
+        check_world_size(workers)
+        max_workers = workers if max_workers is None else max_workers
+        check_world_size(max_workers)
+        if not 1 <= min_workers <= workers <= max_workers:
+            raise UserError(f"elastic workers need 1 <= min <= workers <= max, got min {min_workers}, workers "
+                            f"{workers}, max {max_workers}")
+        for name, value in (("timeout", timeout), ("start_timeout", start_timeout), ("stall_timeout", stall_timeout)):
+            _check_timeout(name, value)
+        _check_timeout("progress_timeout", progress_timeout, allow_none=True)
+        if not (isinstance(replace_delay, (int, float)) and 0 <= replace_delay < 3600):
+            raise UserError(f"replace_delay must be in [0, 3600) seconds, got {replace_delay!r}")
+        import torch.distributed as dist
+        self.workers, self.max_workers, self.min_workers = workers, max_workers, min_workers
+        self.timeout, self.stall_timeout, self.progress_timeout = timeout, stall_timeout, progress_timeout
+        self.replace, self.replace_delay, self.worker_init = replace, float(replace_delay), worker_init
+        self.threads = threads or _pool._threads_per_worker(workers)
+        self.spares, self.start_timeout = spares, start_timeout
+        self.host = host
+        fd, self.port = _listen(host, port)
+        try:
+            self._store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=timeout), master_listen_fd=fd)
+        except (RuntimeError, OSError) as e:
+            os.close(fd)
+            raise UserError(f"cannot listen on {host}:{self.port}: {e}") from None
+        self._results = _ctx.Queue()
+        self._slots: list[dict] = []       # {"proc", "tasks", "member", "busy"}
+        cap = max_workers + spares + 64    # slots are reused; a replacement takes a dead worker's slot
+        self._beats = _ctx.Array("d", cap, lock=False)
+        self._steps = _ctx.Array("q", cap, lock=False)
+        self._times = _ctx.Array("d", cap, lock=False)
+        self._cap = cap
+        self._task_id = -1
+        self._closed = False
+        self.lost: list[dict] = []         # {"member", "reason", "t"} of the last run
+        self.joined: list[dict] = []       # {"member", "t"} newcomers started in the last run
+        self.refused: dict[int, str] = {}  # member -> the one-line refusal
+        self.generations: list[dict] = []  # the last run's generations, from the store
+        try:
+            for _ in range(workers + spares):
+                self._spawn()
+            self._await_ready(start_timeout)
+        except BaseException:
+            self.close(force=True)
+            raise
+
+    # -- processes ---------------------------------------------------------------------------------------
+    def _spawn(self, slot: int | None = None) -> int:
+        if slot is None:
+            free = [i for i, s in enumerate(self._slots) if s["proc"] is None]
+            slot = free[0] if free else len(self._slots)
+            if slot >= self._cap:
+                raise WorkerError(-1, f"more than {self._cap} worker processes")
+        tasks = _ctx.Queue()
+        self._beats[slot], self._steps[slot], self._times[slot] = 0.0, -1, 0.0
+        proc = _ctx.Process(target=_elastic_main, name=f"thinwire-elastic-{slot}", daemon=True,
+                            args=(slot, self.host, self.port, self.timeout, tasks, self._results, self._beats,
+                                  self._steps, self._times, self.worker_init, self.threads))
+        entry = {"proc": proc, "tasks": tasks, "member": None, "ready": False, "started": time.monotonic()}
+        if slot == len(self._slots):
+            self._slots.append(entry)
+        else:
+            self._slots[slot] = entry
+        proc.start()
+        return slot
+
+    def _await_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(s["ready"] for s in self._slots if s["proc"] is not None):
+            try:
+                slot, tid, _, status, payload, tb = self._results.get(timeout=0.05)
+            except queue.Empty:
+                slot = None
+            if slot is not None and tid == -1:      # (an earlier run's late answers are dropped)
+                if status != "ok":
+                    raise WorkerError(slot, payload, tb)
+                self._slots[slot]["ready"] = True
+            for i, s in enumerate(self._slots):
+                if s["proc"] is not None and s["proc"].exitcode is not None:
+                    raise WorkerError(i, _died(s["proc"].exitcode))
+            if time.monotonic() > deadline:
+                raise WorkerError(-1, f"workers did not start within {timeout:.0f} s")
+
+    def _idle_spare(self) -> int | None:
+        return next((i for i, s in enumerate(self._slots)
+                     if s["proc"] is not None and s["ready"] and s["member"] is None), None)
+
+    # -- a run -------------------------------------------------------------------------------------------
+    def run(self, fn, *args, network="lan", seed: int = 0, timeout: float | None = None, joins=(),
+            replace: bool | None = None) -> dict:
+        """Run `fn(member, workers, *args)` as an elastic job; {member id: return value} of the members of the
+        last generation (the lost and the refused are in `lost` and `refused`). `replace` overrides the pool's
+        for this run."""
+        if self._closed:
+            raise RuntimeError("the pool is closed")
+        parse_network(network)
+        for kind, value in joins:
+            if kind not in ("time", "step"):
+                raise UserError(f"a join is ('time', seconds) or ('step', k), got {(kind, value)!r}")
+        self._task_id += 1
+        tid = self._task_id
+        self.prefix = f"thinwire/elastic/{tid}/"
+        import torch.distributed as dist
+        store = dist.PrefixStore(self.prefix, self._store)
+        self._run_store = store
+        store.set("config", json.dumps({"max": self.max_workers, "min": self.min_workers}))
+        store.add("next_id", self.workers)
+        elastic.write_gen(store, 0, {"members": list(range(self.workers)), "kind": "start", "at": None,
+                                     "joined": [], "lost": []})
+        self._store.set("thinwire/elastic/current", self.prefix)
+        self.lost, self.joined, self.refused, self.generations = [], [], {}, []
+        self._blob = pickle.dumps((fn, args, network, seed, self.workers))
+        self._steps[:] = [-1] * self._cap
+        self._times[:] = [0.0] * self._cap
+        for s in self._slots:                  # reap what an earlier run stopped (newcomers still waiting at its end)
+            if s["proc"] is not None and not s["proc"].is_alive():
+                s["proc"].join()
+                s["proc"], s["member"] = None, None
+        live = [s for s in self._slots if s["proc"] is not None]
+        for _ in range(self.workers + self.spares - len(live)):   # processes lost in an earlier run
+            self._spawn()
+        self._await_ready(self.start_timeout)
+        idle = [i for i, s in enumerate(self._slots) if s["proc"] is not None and s["ready"]]
+        for member, slot in enumerate(idle[:self.workers]):
+            self._assign(slot, member, joining=False)
+        self._t0 = time.monotonic()
+        self._pending_joins = sorted(((v, "time") if k == "time" else (v, "step") for k, v in joins),
+                                     key=lambda j: (j[1], j[0]))
+        self._replacements: list[float] = []
+        self._replace = self.replace if replace is None else replace
+        try:
+            out = self._collect(tid, timeout or self.timeout)
+        except BaseException:
+            self.close(force=True)
+            raise
+        self.generations = self._read_generations()
+        return out
+
+    def _assign(self, slot: int, member: int, joining: bool) -> None:
+        s = self._slots[slot]
+        s["member"], s["joining"] = member, joining
+        self._steps[slot], self._times[slot] = -1, 0.0
+        s["tasks"].put((self._task_id, self._blob, member, joining, self.prefix, self.max_workers))
+
+    def start_joiner(self) -> int:
+        """Start one newcomer now (an idle spare, else a fresh process); its member id."""
+        member = self._run_store.add("next_id", 1) - 1
+        slot = self._idle_spare()
+        if slot is None:
+            slot = self._spawn()
+            self._slots[slot]["pending_member"] = member
+            self._slots[slot]["member"] = member      # assigned once the process is ready
+            self._slots[slot]["joining"] = True
+        else:
+            self._assign(slot, member, joining=True)
+        self.joined.append({"member": member, "t": time.monotonic() - self._t0})
+        return member
+
+    def _newest(self) -> tuple[int, dict]:
+        g = elastic.newest(self._run_store, 0)
+        return g, elastic.read_gen(self._run_store, g)
+
+    def _read_generations(self) -> list[dict]:
+        out, g = [], 0
+        while self._run_store.check([elastic.gen_key(g)]):
+            out.append(elastic.read_gen(self._run_store, g))
+            g += 1
+        return out
+
+    def _lose(self, member: int, reason: str) -> None:
+        """A member (or a newcomer not yet taken in) is gone: announce it; start a replacement if asked."""
+        if any(entry["member"] == member for entry in self.lost):
+            return
+        self.lost.append({"member": member, "reason": reason, "t": time.monotonic() - self._t0})
+        if elastic.publish_loss(self._run_store, [member]) is None:
+            self._run_store.append("gone", f"{member},")   # never a member: rank 0 will not admit it
+        _, rec = self._newest()
+        if len(rec["members"]) < self.min_workers:
+            raise WorkerError(member, f"{reason}; {len(rec['members'])} workers remain, fewer than the minimum "
+                                      f"{self.min_workers}")
+        if self._replace:
+            self._replacements.append(time.monotonic() + self.replace_delay)
+
+    def _collect(self, tid: int, timeout: float) -> dict:
+        got: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        watch = _Watchdog(self._steps, self._times, self.progress_timeout)
+        done_at = None
+        while True:
+            try:
+                slot, t, member, status, payload, tb = self._results.get(timeout=0.05)
+            except queue.Empty:
+                slot = None
+            if slot is not None:
+                s = self._slots[slot]
+                if t == -1:                             # a fresh process is ready: give it its task
+                    s["ready"] = True
+                    if s.get("pending_member") is not None:
+                        self._assign(slot, s.pop("pending_member"), joining=True)
+                elif t == tid:
+                    s["member"] = None
+                    if status == "ok":
+                        got[member] = pickle.loads(payload)
+                    elif status == "refused":
+                        self.refused[member] = payload
+                    elif status == "dropped":
+                        self._lose(member, payload)
+                    elif status == "usererror":
+                        raise UserError(payload.split(": ", 1)[-1])
+                    elif status == "error" and _peer_failure(payload):
+                        self._lose(member, payload)         # it saw a peer go away: taken for lost
+                    else:
+                        raise WorkerError(member, payload, tb)
+            now = time.monotonic()
+            for i, s in enumerate(self._slots):
+                p = s["proc"]
+                if p is None or p.exitcode is None:
+                    continue
+                member = s["member"]
+                s["proc"], s["member"] = None, None
+                if member is not None and member not in got:
+                    self._lose(member, _died(p.exitcode))
+            for i, s in enumerate(self._slots):
+                if (s["proc"] is not None and s["member"] is not None and s["ready"]
+                        and 0 < self._beats[i] < now - self.stall_timeout):
+                    os.kill(s["proc"].pid, signal.SIGKILL)     # stalled: taken for lost (its exit is seen next)
+            while self._replacements and self._replacements[0] <= now:
+                self._replacements.pop(0)
+                self.start_joiner()
+            while self._pending_joins and self._join_due(*self._pending_joins[0], now):
+                self._pending_joins.pop(0)
+                self.start_joiner()
+            self._watch_foreign(got, now)
+            g, rec = self._newest()
+            members = rec["members"]
+            running = [i for i, s in enumerate(self._slots) if s["member"] in members and s["proc"] is not None]
+            stuck = watch.check(now, running)
+            if stuck is not None:
+                raise stuck
+            if all(m in got for m in members):
+                if done_at is None:
+                    self._run_store.set("done", "1")   # newcomers still waiting give up (refused: the job ended)
+                    done_at = now
+                busy = [s for s in self._slots if s["proc"] is not None and s["member"] is not None]
+                if not busy or now > done_at + 30.0:
+                    for s in busy:
+                        os.kill(s["proc"].pid, signal.SIGKILL)
+                        s["proc"].join(timeout=5)
+                        s["proc"], s["member"] = None, None
+                    return {m: got[m] for m in members}
+            if now > deadline:
+                missing = [m for m in members if m not in got]
+                raise WorkerError(missing[0] if missing else -1, f"stalled: no result within {timeout:.0f} s "
+                                                                  f"(members {missing} still running)")
+
+    def _join_due(self, value, kind, now) -> bool:
+        if kind == "time":
+            return now - self._t0 >= value
+        return max(self._steps[:len(self._slots)] or [-1]) >= value
+
+    def _watch_foreign(self, got: dict, now: float) -> None:
+        """Members joined by hand (`thinwire train --join`): their results and heartbeats come through the store."""
+        if not self._run_store.check(["foreign"]):
+            return
+        for m in {int(x) for x in self._run_store.get("foreign").decode().split(",") if x}:
+            if m in got or any(e["member"] == m for e in self.lost):
+                continue
+            if self._run_store.check([f"result/{m}"]):
+                status, value = json.loads(self._run_store.get(f"result/{m}").decode())
+                if status == "ok":
+                    got[m] = value
+                elif status == "refused":
+                    self.refused[m] = value
+                else:
+                    self._lose(m, value)
+            elif self._run_store.check([f"alive/{m}"]):
+                if time.time() - float(self._run_store.get(f"alive/{m}").decode()) > FOREIGN_SILENCE_S:
+                    self._lose(m, f"no heartbeat for {FOREIGN_SILENCE_S:.0f} s (joined by hand)")
+
+    # -- the end ---------------------------------------------------------------------------------------
+    def close(self, force: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        live = [s for s in self._slots if s["proc"] is not None and s["proc"].pid is not None]
+        if not force:
+            for s in live:
+                s["tasks"].put(None)
+            for s in live:
+                s["proc"].join(timeout=10)
+        for s in live:
+            if s["proc"].is_alive():
+                s["proc"].terminate()
+        for s in live:
+            s["proc"].join(timeout=2)
+            if s["proc"].is_alive():
+                s["proc"].kill()
+                s["proc"].join()
+        for s in self._slots:
+            s["tasks"].close()
+            s["tasks"].cancel_join_thread()
+        self._results.close()
+        self._results.cancel_join_thread()
+        for s in self._slots:
+            feeder = getattr(s["tasks"], "_thread", None)
+            if feeder is not None:
+                feeder.join(timeout=5)
+        self._store = self._run_store = None
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """{member id: pid} of the members running now."""
+        return {s["member"]: s["proc"].pid for s in self._slots if s["proc"] is not None and s["member"] is not None}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(force=exc[0] is not None)
+
+
+def join_by_hand(address: str, fn, *args, timeout: float = 3600.0):
+    """Join the elastic job whose launcher's store is at `address` ("HOST:PORT") from this process (`thinwire
+    train --join`, also under torchrun: each process joins as one member): run `fn(member, workers, *args)` as a
+    newcomer and hand the result (JSON-able) to the launcher through its store. Returns the result."""
+    import torch.distributed as dist
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--join takes HOST:PORT (the address an elastic job prints), got {address!r}")
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    except (RuntimeError, OSError) as e:
+        raise UserError(f"cannot reach the elastic job at {address}: {e}") from None
+    if not store.check(["thinwire/elastic/current"]):
+        raise UserError(f"{address} is no thinwire elastic job")
+    prefix = store.get("thinwire/elastic/current").decode()
+    run = dist.PrefixStore(prefix, store)
+    config = json.loads(run.get("config").decode())
+    member = run.add("next_id", 1) - 1
+    run.append("foreign", f"{member},")
+    threading.Thread(target=_beat_store, args=(run, member), daemon=True).start()
+    if _is_loopback(host) and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    MEMBERSHIP.reset()
+    me = elastic.Member(run, member, True, timeout, config["max"])
+    elastic.set_member(me)
+    try:
+        value = fn(member, len(elastic.read_gen(run, 0)["members"]), *args)
+    except elastic.JoinRefused as e:
+        run.set(f"result/{member}", json.dumps(["refused", str(e)]))
+        raise
+    except BaseException as e:
+        run.set(f"result/{member}", json.dumps(["error", f"{type(e).__name__}: {e}"]))
+        raise
+    finally:
+        elastic.set_member(None)
+    run.set(f"result/{member}", json.dumps(["ok", value]))
+    return value
