@@ -46,8 +46,8 @@ def pool4():
 
 # Modules whose tests kill, stall or restart worker processes (or start processes of their own): the property
 # they test is the process boundary. `make test` runs them; `make test-fast` (the inner loop) leaves them out.
-PROCESS_MODULES = {"test_faults", "test_survive", "test_reliability", "test_reliability_ps", "test_launcher",
-                   "test_torchrun"}
+PROCESS_MODULES = {"test_faults", "test_survive", "test_elastic", "test_reliability", "test_reliability_ps",
+                   "test_launcher", "test_torchrun"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,7 +17,9 @@ PICKLING = {"broadcast_object_list", "all_gather_object", "gather_object", "scat
             "cloudpickle"}
 # the only places that unpickle, and why it is not network bytes
 UNPICKLES = {"launcher/pool.py": "the launcher's tasks and results through multiprocessing pipes to its own "
-                                 "child processes on this machine"}
+                                 "child processes on this machine",
+             "launcher/elastic.py": "the same, for the elastic launcher's own child processes (a member joined by "
+                                    "hand hands its result over as JSON)"}
 # torch.load: files only (checkpoints, the Lightning strategy's sidecars), always with weights_only=True
 
 
