@@ -44,7 +44,7 @@ def _train(member, workers, algorithm, params, want, after, other=None, cap=3000
             stop = trainer.step_count + after
         if trainer.elastic.gen != gen:     # the data follows the membership: this generation's shard
             gen, rank, size = trainer.elastic.gen, trainer.transport.rank, trainer.transport.world_size
-            loader = workloads.ShardLoader(*wl.shard(rank, size), 16, seed=gen, rank=rank)
+            loader = workloads.ShardLoader(*wl.shard(rank, size), 32, seed=gen, rank=rank)
         x, y = loader.next()
         wl.loss(model(x), y).backward()
         tw.report_progress(trainer.step_count + 1)
