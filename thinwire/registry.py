@@ -2,43 +2,199 @@
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import sys
 from typing import Any, Callable
 
 from .errors import UserError
 
 
-def _convert(value: Any, default: Any, annotation: Any) -> Any:
-    """Turn a CLI string into the type a parameter expects (taken from its default or annotation)."""
-    if not isinstance(value, str):
-        return value
-    kind = type(default) if default not in (inspect.Parameter.empty, None) else None
-    if kind is None and isinstance(annotation, str):
-        kind = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation.split("|")[0].strip())
-    if kind is None and annotation in (int, float, bool, str):
-        kind = annotation
-    if kind is bool:
-        low = value.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "None": type(None)}
+_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_KIND = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+
+
+class Limit:
+    """The range a numeric parameter may take, declared beside its constructor (`limits = {"levels":
+    between(1, 127)}` on the class, or the attribute of a function) and checked by the registry before the
+    constructor runs, with the type its signature declares: the one validation path of the CLI, `thinwire
+    compare`'s cells, the benchmarks and the Python API (`compressors.get`, `Trainer(...)`)."""
+
+    def __init__(self, low: float = -math.inf, high: float = math.inf, low_open: bool = False,
+                 high_open: bool = False, infinite: bool = False):
+        self.low, self.high, self.low_open, self.high_open = low, high, low_open, high_open
+        self.infinite = infinite      # +inf (and -inf) allowed: "no limit"
+
+    def ok(self, v: float) -> bool:
+        if math.isnan(v):
             return False
-        raise UserError(f"expected true/false, got {value!r}")
-    if kind in (int, float):
+        if math.isinf(v) and not self.infinite:
+            return False
+        return (v > self.low if self.low_open else v >= self.low) and (v < self.high if self.high_open
+                                                                          else v <= self.high)
+
+    def describe(self, integer: bool) -> str:
+        if integer and not self.low_open and not self.high_open and math.isfinite(self.low) \
+                and math.isfinite(self.high):
+            return f"in {self.low:g}..{self.high:g}"
+        if math.isinf(self.high):
+            return "" if math.isinf(self.low) else f"{'>' if self.low_open else '>='} {self.low:g}"
+        if math.isinf(self.low):
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+def at_least(low: float, **kw) -> Limit:
+    return Limit(low, **kw)
+
+
+def above(low: float, **kw) -> Limit:
+    return Limit(low, low_open=True, **kw)
+
+
+def between(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Limit:
+    return Limit(low, high, low_open, high_open)
+
+
+NON_NEGATIVE, POSITIVE, FRACTION = at_least(0), above(0), between(0, 1)
+SEED = between(0, 2**63 - 1)
+
+
+class Param:
+    """One parameter as the registry checks it: the types it takes (None: unknown, taken as given), its
+    default, and its declared `Limit` (None: any value of its type, finite for numbers)."""
+
+    def __init__(self, name: str, kinds: tuple | None, default=None, limit: Limit | None = None):
+        self.name, self.kinds, self.default, self.limit = name, kinds, default, limit
+
+    def describe(self) -> str:
+        kinds = [k for k in (self.kinds or ()) if k is not type(None)]
+        kind = " or ".join(_KIND.get(k, k.__name__) for k in kinds) or "a value"
+        span = self.limit.describe(kinds == [int]) if self.limit else ""
+        if self.limit and self.limit.infinite:
+            kind = kind.replace("a finite number", "a number")
+        return f"{kind} {span}".strip() + (" (or none)" if type(None) in (self.kinds or ()) else "")
+
+    def coerce(self, value, what: str):
+        """`value` as this parameter takes it (a CLI string converted to its type); a UserError naming `what`,
+        the parameter and what it takes otherwise."""
+        got = self._typed(value)
+        if got is _BAD:
+            raise UserError(f"{what}: {self.name} must be {self.describe()}, got {value!r}")
+        if isinstance(got, float) and not isinstance(got, bool):
+            if not (self.limit.ok(got) if self.limit else math.isfinite(got)):
+                raise UserError(f"{what}: {self.name} must be {self.describe()}, got {value!r}")
+        elif isinstance(got, int) and not isinstance(got, bool) and self.limit and not self.limit.ok(got):
+            raise UserError(f"{what}: {self.name} must be {self.describe()}, got {value!r}")
+        return got
+
+    def _typed(self, value):
+        kinds = self.kinds
+        if kinds is None:
+            return parse_scalar(value) if isinstance(value, str) else value
+        if value is None:
+            return None if type(None) in kinds or self.default is None else _BAD
+        if isinstance(value, str):
+            for kind in kinds:
+                got = _from_text(value, kind)
+                if got is not _BAD:
+                    return got
+            return _BAD
+        if isinstance(value, bool):
+            return value if bool in kinds else _BAD
+        if int in kinds and isinstance(value, numbers.Integral):
+            return int(value)
+        if int in kinds and float not in kinds and isinstance(value, numbers.Real) and math.isfinite(value) \
+                and float(value).is_integer():
+            return int(value)                       # 2.0 is the integer 2; 2.5 is not
+        if float in kinds and isinstance(value, numbers.Real):
+            return float(value)
+        return value if any(k not in (int, float, bool, str, type(None)) for k in kinds) else _BAD
+
+
+_BAD = object()
+
+
+def _from_text(text: str, kind):
+    if kind is bool:
+        return _WORDS.get(text.strip().lower(), _BAD)
+    if kind is int:
         try:
-            number = float(value)
-            if kind is int:          # "1e3" and "2.0" are integers too
-                return int(number) if number.is_integer() else int(value)
-            return number
+            number = float(text)
         except ValueError:
-            raise UserError(f"expected {'an integer' if kind is int else 'a number'}, got {value!r}") from None
-    if kind is None:  # no type information: best effort number parsing
-        for conv in (int, float):
-            try:
-                return conv(value)
-            except ValueError:
-                pass
-    return value
+            return _BAD
+        if math.isfinite(number) and number.is_integer():   # "1e3" and "2.0" are integers too
+            return int(number) if "." in text or "e" in text.lower() else int(text)
+        return _BAD
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            return _BAD
+    if kind is str:
+        return text
+    return _BAD
+
+
+def parse_scalar(text: str):
+    """A value given as text with no declared type: an integer, else a number, else the text itself."""
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _kinds(p: inspect.Parameter) -> tuple | None:
+    """The types `p` takes, from its annotation ("int", "float | None", "float | str"; None where it names other
+    types) or else from its default."""
+    ann = p.annotation
+    if isinstance(ann, str) and ann.strip():
+        names = [a.strip() for a in ann.split("|")]
+        return tuple(_TYPES[n] for n in names) if all(n in _TYPES for n in names) else None
+    if ann in (int, float, bool, str):
+        return (ann,)
+    if ann is inspect.Parameter.empty and type(p.default) in (int, float, bool, str):
+        return (type(p.default),)
+    return None
+
+
+def declared_limits(ctor) -> dict[str, Limit]:
+    """The `limits` a constructor declares (a class's, merged down its bases; a function's attribute)."""
+    if isinstance(ctor, type):
+        out: dict[str, Limit] = {}
+        for klass in reversed(ctor.__mro__):
+            out.update(vars(klass).get("limits", {}))
+        return out
+    return dict(getattr(ctor, "limits", {}))
+
+
+def params_of(ctor) -> dict[str, Param]:
+    """The keyword parameters of `ctor` as the registry checks them (signature and declared limits)."""
+    limits = declared_limits(ctor)
+    return {p.name: Param(p.name, _kinds(p), None if p.default is inspect.Parameter.empty else p.default,
+                          limits.get(p.name))
+            for p in inspect.signature(ctor).parameters.values()
+            if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def check_params(what: str, declared: dict[str, Param], params: dict, takes_more: bool = False) -> dict:
+    """`params` converted and checked against `declared` (name -> Param): the same rules for a constructor's
+    signature (`call`) and for a declaration of its own (the PyTorch peers' parameters). An unknown name or a bad
+    value is a UserError naming `what`."""
+    out = {}
+    for key, value in params.items():
+        p = declared.get(key)
+        if p is None:
+            if not takes_more:
+                names = ", ".join(declared) or "none"
+                raise UserError(f"{what} has no parameter {key!r}; its parameters: {names}")
+            out[key] = parse_scalar(value) if isinstance(value, str) else value
+            continue
+        out[key] = p.coerce(value, what)
+    return out
 
 
 class Registry:
@@ -154,20 +310,11 @@ def route(named: dict, params: dict, fixed: tuple = ()) -> list[dict]:
 
 
 def call(ctor: Callable, what: str, params: dict):
-    """`ctor(**params)` with CLI strings converted to the types its signature declares; an unknown parameter
-    or a bad value is a UserError naming `what` and its valid parameters."""
-    valid = {p.name: p for p in inspect.signature(ctor).parameters.values() if p.name != "self"}
-    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in valid.values())
-    kwargs = {}
-    for key, value in params.items():
-        if key not in valid and not takes_kwargs:
-            names = ", ".join(k for k, p in valid.items() if p.kind != p.VAR_KEYWORD) or "none"
-            raise UserError(f"{what} has no parameter {key!r}; its parameters: {names}")
-        p = valid.get(key)
-        try:
-            kwargs[key] = _convert(value, p.default if p else None, p.annotation if p else None)
-        except UserError as e:
-            raise UserError(f"{what} parameter {key!r}: {e}") from None
+    """`ctor(**params)` with CLI strings converted to the types its signature declares and every value checked
+    (type, finiteness, the `limits` it declares); an unknown parameter or a bad value is a UserError naming
+    `what` and its valid parameters."""
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(ctor).parameters.values())
+    kwargs = check_params(what, params_of(ctor), params, takes_more=takes_kwargs)
     try:
         return ctor(**kwargs)
     except TypeError as e:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from .. import algorithms
 from ..compress import compressors, memories
 from ..errors import UserError
-from ..registry import _convert
+from ..registry import parse_scalar
 from ..run import workloads
 from ..run.peers import PEER_PARAMS, optional_missing
 
@@ -65,7 +65,7 @@ def _kv(text: str, spec: str) -> dict:
         if "=" not in item:
             raise UserError(f"malformed cell {spec!r}: {item!r} is not key=value; e.g. bsp+topk:ratio=0.01")
         k, v = (s.strip() for s in item.split("=", 1))
-        out[k.replace("-", "_")] = _convert(v, None, None)
+        out[k.replace("-", "_")] = parse_scalar(v)
     return out
 
 

@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import UserError
+from ..registry import SEED
 
 
 _CONSTANTS: dict = {}
@@ -190,6 +191,9 @@ class Compressor(Stateful):
     # Trainer's hand-over), not after it (docs/matrix.md): algorithms that compensate momentum SGD after the exchange
     # refuse it
     needs_momentum_first: ClassVar[bool] = False
+    # ranges of constructor parameters, checked by the registry with the types the signature declares (a
+    # subclass adds its own; thinwire/registry.py `Limit`)
+    limits: ClassVar[dict] = {"seed": SEED}
 
     def compress(self, tensor: torch.Tensor, key: Any = None, step: int = 0, agreed=None) -> Payload:
         raise NotImplementedError

@@ -21,6 +21,7 @@ import math
 import torch
 
 from ..errors import UserError
+from ..registry import NON_NEGATIVE
 from . import compressors, memories
 from ._sparse import SparseCompressor, check_ratio, generator, num_kept
 from .base import Memory, optional_momentum
@@ -40,6 +41,7 @@ class DGC(SparseCompressor):
     """DGC sparsification: sampled threshold + refinement (≈ ratio·d sent), with an optional density warm-up."""
 
     low, high = 0.97, 1.03      # the band of counts kept as they are (see the module docstring)
+    limits = {"warmup_steps": NON_NEGATIVE}
 
     def __init__(self, ratio: float = 0.01, sample: float = 0.01, warmup_steps: int = 0, seed: int = 0,
                  sparse_collective: str = "allgather"):

@@ -14,6 +14,7 @@ from statistics import NormalDist
 
 import torch
 
+from ..registry import NON_NEGATIVE
 from . import compressors
 from ._sparse import SparseCompressor, num_kept
 from .threshold import Scratch, reselect, select_beyond
@@ -22,6 +23,7 @@ from .threshold import Scratch, reselect, select_beyond
 @compressors.register("gaussiank")
 class GaussianK(SparseCompressor):
     """Gaussian-k: threshold from the normal fit μ + σΦ⁻¹(1−ρ/2), adjusted ×0.5/×1.5 toward k = ρ·d."""
+    limits = {"adjust": NON_NEGATIVE}     # rounds of adjustment
 
     def __init__(self, ratio: float = 0.01, adjust: int = 5, seed: int = 0, sparse_collective: str = "allgather"):
         super().__init__(ratio, seed, sparse_collective)

@@ -30,30 +30,47 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..algorithms.base import int_at_least
 from ..comm import LinkClock
 from ..comm.context import default_seed
 from ..errors import UserError
+from ..registry import Param, at_least, between, check_params
 from ..net import Islands, parse_network, ring_allreduce
 from ..trainer import nonfinite_stop
 from .stepper import Stepper, make_optimizer, model_device
 
 _now = time.perf_counter
 
-PEER_PARAMS: dict[str, tuple[str, ...]] = {
-    "ddp": (),
-    "ddp-fp16": (),
-    "ddp-powersgd": ("rank",),
-    "ddp-postlocalsgd": ("period", "warmup"),
-    "ddp-hierarchical": ("period", "local_period", "group", "warmup"),
-    "torchft-diloco": ("period", "outer_lr", "outer_momentum", "nesterov", "fragments", "fragment_sync_delay",
-                       "fragment_update_alpha", "quantize"),
+def _int(name: str, default: int, low: int = 1) -> Param:
+    return Param(name, (int,), default, at_least(low))
+
+
+def _flag(name: str, default: bool) -> Param:
+    return Param(name, (bool,), default)
+
+
+def _peer(*params: Param) -> dict[str, Param]:
+    return {p.name: p for p in params}
+
+
+# each peer's parameters, declared for the registry's one validation path (types, ranges; `check_params`)
+_PERIOD, _WARMUP = _int("period", 8), _int("warmup", 8, 0)
+PEER_PARAMS: dict[str, dict[str, Param]] = {
+    "ddp": {},
+    "ddp-fp16": {},
+    "ddp-powersgd": _peer(_int("rank", 4)),
+    "ddp-postlocalsgd": _peer(_PERIOD, _WARMUP),
+    # local_period: period / 4, group: half the workers (None: derived in `_hierarchy`)
+    "ddp-hierarchical": _peer(_PERIOD, Param("local_period", (int, type(None)), None, at_least(1)),
+                              Param("group", (int, type(None)), None, at_least(1)), _WARMUP),
+    "torchft-diloco": _peer(_PERIOD, Param("outer_lr", (float,), 0.7, between(0, 10, low_open=True)),
+                            Param("outer_momentum", (float,), 0.9, between(0, 1, high_open=True)),
+                            _flag("nesterov", True), _int("fragments", 1), _int("fragment_sync_delay", 0, 0),
+                            Param("fragment_update_alpha", (float,), 0.0, between(0, 1)), _flag("quantize", False)),
 }
 # what the planner and the defaults see each peer as: (thinwire algorithm, compressor)
 PEER_AS = {"ddp": ("bsp", "none"), "ddp-fp16": ("bsp", "fp16"), "ddp-powersgd": ("bsp", "powersgd"),
            "ddp-postlocalsgd": ("localsgd", "none"), "ddp-hierarchical": ("localsgd", "none"),
            "torchft-diloco": ("localsgd", "none")}
-_INTS = ("rank", "period", "warmup", "local_period", "group", "fragments", "fragment_sync_delay")
 
 
 def optional_missing(name: str) -> str | None:
@@ -63,8 +80,9 @@ def optional_missing(name: str) -> str | None:
     return None
 
 
-def check_peer(name: str, params: dict, workers: int) -> None:
-    """A UserError (one line) for parameters the peer does not take or cannot run with."""
+def check_peer(name: str, params: dict, workers: int) -> dict:
+    """`params` converted to the types the peer declares (`PEER_PARAMS`, the registry's rules: CLI strings like
+    every other parameter's); a UserError (one line) for parameters the peer does not take or cannot run with."""
     bad = [k for k in params if k not in PEER_PARAMS[name]]
     if bad:
         takes = ", ".join(PEER_PARAMS[name]) or "no parameters"
@@ -72,9 +90,7 @@ def check_peer(name: str, params: dict, workers: int) -> None:
     why = optional_missing(name)
     if why:
         raise UserError(why)
-    for k, v in params.items():
-        if k in _INTS:
-            int_at_least(f"{name}: {k}", v, 0 if k in ("warmup", "fragment_sync_delay") else 1)
+    params = check_params(f"peer {name!r}", PEER_PARAMS[name], params)
     if name == "ddp-hierarchical":
         period, local, group = _hierarchy(params, workers)
         if not (local < period and period % local == 0):
@@ -84,6 +100,7 @@ def check_peer(name: str, params: dict, workers: int) -> None:
                             f"(HierarchicalModelAverager's subgroups)")
     if name == "torchft-diloco":
         check_torchft(params)
+    return params
 
 
 # -- torchft's DiLoCo (`torchft_peer.py`): its checks here, where they run before any worker starts --------
@@ -98,29 +115,23 @@ def missing_torchft() -> str | None:
 
 
 def check_torchft(params: dict) -> None:
-    """Values torchft's DiLoCo accepts (its own checks raise deep inside a worker): a one-line UserError."""
-    period = int(params.get("period", 8))
-    fragments = int(params.get("fragments", 1))
-    delay = int(params.get("fragment_sync_delay", 0))
+    """Combinations torchft's DiLoCo refuses (its own checks raise deep inside a worker), on parameters already
+    converted and range-checked (`check_peer`): a one-line UserError."""
+    period = params.get("period", 8)
+    fragments = params.get("fragments", 1)
+    delay = params.get("fragment_sync_delay", 0)
     if period % fragments:
         raise UserError(f"torchft-diloco: fragments ({fragments}) must divide period ({period})")
     if delay >= period // fragments:
         raise UserError(f"torchft-diloco: fragment_sync_delay ({delay}) must be below period / fragments "
                         f"({period // fragments})")
-    ranges = {"fragment_update_alpha": ("[0, 1]", lambda v: 0 <= v <= 1),
-              "outer_lr": ("(0, 10]", lambda v: 0 < v <= 10), "outer_momentum": ("[0, 1)", lambda v: 0 <= v < 1)}
-    for k, (span, ok) in ranges.items():
-        v = params.get(k, 0.5)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-            raise UserError(f"torchft-diloco: {k} must be in {span}, got {v!r}")
-    for k in ("nesterov", "quantize", "bucketize"):
-        if k in params and not isinstance(params[k], bool):
-            raise UserError(f"torchft-diloco: {k} must be true or false, got {params[k]!r}")
 
 
 def _hierarchy(params: dict, workers: int) -> tuple[int, int, int]:
     period = int(params.get("period", 8))
-    return period, int(params.get("local_period", max(1, period // 4))), int(params.get("group", max(1, workers // 2)))
+    local, group = params.get("local_period"), params.get("group")
+    return period, int(max(1, period // 4) if local is None else local), \
+        int(max(1, workers // 2) if group is None else group)
 
 
 class _Counter:

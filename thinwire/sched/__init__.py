@@ -27,6 +27,7 @@ Gradients are views into the bucket buffers (no copy).
 from __future__ import annotations
 
 from ..errors import UserError
+from ..registry import NON_NEGATIVE, at_least
 from .buckets import Buckets, assign
 from .mgwfbp import MGWFBP, merge_plan
 from .priority import Priority, priority_order
@@ -54,6 +55,10 @@ def make(schedule: str = "fusion", bucket_mb: float = 25.0, pipeline: bool | Non
     s.name = schedule
     return s
 
+
+# ranges of make()'s parameters (sizes in MB, 0: none), checked by the registry's `call` with their types
+make.limits = {"bucket_mb": NON_NEGATIVE, "chunk_mb": NON_NEGATIVE, "credit_mb": NON_NEGATIVE,
+               "first_bucket_mb": NON_NEGATIVE, "profile_steps": at_least(1)}
 
 __all__ = ["Buckets", "MGWFBP", "Priority", "SCHEDULES", "Scheduler", "assign", "make",
            "merge_plan", "priority_order"]
