@@ -145,11 +145,48 @@ class FiniteGuard:
             return values[:-2]
 
 
+def nonfinite_params(nonfinite: str, params: dict) -> dict:
+    """`params` with the schedule the NaN/Inf policy `nonfinite` needs: "skip" agrees on every rank before any
+    gradient is sent, so it runs schedule "none" (another schedule is refused); "stop" changes nothing."""
+    if nonfinite not in ("stop", "skip"):
+        raise UserError(f"nonfinite must be 'stop' or 'skip', got {nonfinite!r}")
+    if nonfinite == "stop":
+        return params
+    if params.get("schedule", "none") != "none":
+        raise UserError("nonfinite='skip' needs schedule='none' (gradients are checked on every rank "
+                        "before any is sent); use nonfinite='stop' with overlapping schedules")
+    return {**params, "schedule": "none"}
+
+
+def check_run(algorithm, transport_params: dict, world_size: int, optimizer=None, on_failure: str = "stop",
+              watching: bool | None = None) -> None:
+    """What built components cannot check alone, before any worker starts (`TrainConfig.validate`): the
+    all-reduce algorithm over `world_size` ranks, the algorithm's own limits on the run (`Algorithm.check_run`:
+    the world size, the optimizer) and `on_failure`."""
+    if "allreduce" in transport_params:
+        from .comm.collectives import parse
+        parse(transport_params["allreduce"], world_size)
+    algorithm.check_run(world_size, optimizer)
+    check_on_failure(on_failure, algorithm, watching)
+
+
+def check_optimizer_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that holds tensors other than `model`'s parameters (another model's: it would update
+    nothing the algorithm exchanges, and no rank would notice)."""
+    mine = {id(p) for p in model.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = sum(id(p) not in mine for p in held)
+    if foreign:
+        raise UserError(f"the optimizer holds {foreign} of {len(held)} tensors that are not the model's parameters "
+                        f"(another model's?): build it from this model's parameters (model.parameters())")
+
+
 ON_FAILURE = ("stop", "continue")
 
 
-def check_on_failure(on_failure: str, algorithm) -> None:
-    """`continue` only for algorithms whose averages stay meaningful over a smaller group."""
+def check_on_failure(on_failure: str, algorithm, watching: bool | None = None) -> None:
+    """`continue` only for algorithms whose averages stay meaningful over a smaller group, and only where a
+    launcher announces the survivors (`watching`; default: whether this process's launcher does)."""
     if on_failure not in ON_FAILURE:
         raise UserError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
     if on_failure == "continue" and not getattr(algorithm, "survives_failures", False):
@@ -158,7 +195,7 @@ def check_on_failure(on_failure: str, algorithm) -> None:
         raise UserError(f"on_failure='continue' needs an algorithm whose averages stay meaningful over fewer "
                         f"workers; {algorithm.name!r} is not one; valid: {', '.join(valid)} "
                         f"(elsewhere: on_failure='stop' and resume from a checkpoint)")
-    if on_failure == "continue" and not MEMBERSHIP.watching:
+    if on_failure == "continue" and not (MEMBERSHIP.watching if watching is None else watching):
         raise UserError("on_failure='continue' needs thinwire's launcher to announce the survivors: start the "
                         "workers with thinwire.launch(..., on_failure='continue') (thinwire train "
                         "--on-failure continue); under torchrun use on_failure='stop' and --max-restarts")
@@ -192,17 +229,11 @@ class Trainer:
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if not self.parameters:
             raise UserError("the model has no trainable parameters")
+        check_optimizer_of(model, optimizer)
         self.tracer = tracer or NULL
-        if nonfinite not in ("stop", "skip"):
-            raise UserError(f"nonfinite must be 'stop' or 'skip', got {nonfinite!r}")
+        params = nonfinite_params(nonfinite, params)   # skip: no exchange during backward
         self.nonfinite = nonfinite
         self.skipped_steps = 0
-        if nonfinite == "skip":
-            # every rank must agree to skip before any gradient is sent: no exchange during backward
-            if params.get("schedule", "none") != "none":
-                raise UserError("nonfinite='skip' needs schedule='none' (gradients are checked on every rank "
-                                "before any is sent); use nonfinite='stop' with overlapping schedules")
-            params["schedule"] = "none"
         (self.algorithm, self.compressor, self.memory, self.scheduler,
          transport_params) = build_components(algorithm, compressor, memory, **params)
         self.momentum_handed = hand_over_momentum(optimizer, self.algorithm, self.compressor, self.memory)

@@ -25,9 +25,13 @@ class Backup(PSBSP):
         super().__init__(architecture, servers, downlink_compressor, downlink_params)
         self.backups = int_at_least("backup backups (n_b)", backups, 0)
 
-    def setup(self):
-        workers = self.world_size - self.servers
+    def check_run(self, world_size, optimizer=None):
+        super().check_run(world_size, optimizer)
+        workers = world_size - self.servers
         if workers >= 1 and self.backups >= workers:
             raise UserError(f"backups={self.backups} leaves no gradient to wait for with {workers} workers; "
                             f"valid: 0..{workers - 1}")
+
+    def setup(self):
+        self.check_run(self.world_size)
         super().setup()

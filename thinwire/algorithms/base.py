@@ -116,6 +116,11 @@ class Algorithm:
             from ..exchange.ps import check_uplink
             check_uplink(compressor)
 
+    def check_run(self, world_size: int, optimizer=None) -> None:
+        """Raise UserError if this algorithm cannot run with `world_size` ranks (servers included) or the run's
+        `optimizer` (None: not known yet); called before any worker starts (`TrainConfig.validate`, with an
+        optimizer of the run's kind and settings) and again by `setup` where it matters."""
+
     def setup(self) -> None:
         """Build exchanges and buffers (called once the trainer is wired, before the scheduler attaches)."""
 

@@ -143,6 +143,11 @@ class CDSGD(BSP):
             raise UserError(f"{self.name} exchanges full-precision gradients; drop --compressor "
                             f"(compressed: cdsgd, bitsgd)")
 
+    def check_run(self, world_size, optimizer=None):
+        super().check_run(world_size, optimizer)
+        if optimizer is not None:
+            _sgd_hyper(optimizer)
+
     def setup(self):
         _sgd_hyper(self.optimizer)
         self.plain = self.make_exchange("none", "none")

@@ -84,18 +84,24 @@ class DTS(Algorithm):
                             "trains only with the momentum applied before the sign (EF-SGDM): use signum, topk, "
                             f"qsgd or terngrad with {self.name}, or {compressor.name} with bsp, bitsgd or cdsgd")
 
-    def setup(self):
-        opt = self.optimizer
-        if type(opt) is not torch.optim.SGD:
+    def check_run(self, world_size, optimizer=None):
+        super().check_run(world_size, optimizer)
+        if optimizer is None:
+            return
+        if type(optimizer) is not torch.optim.SGD:
             raise UserError(f"{self.name} compensates plain or momentum SGD; got optimizer "
-                            f"{type(opt).__name__}; valid: torch.optim.SGD")
-        momenta = {float(g.get("momentum", 0.0)) for g in opt.param_groups}
-        for g in opt.param_groups:
+                            f"{type(optimizer).__name__}; valid: torch.optim.SGD (--optimizer sgd)")
+        momenta = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
+        for g in optimizer.param_groups:
             if g.get("nesterov") or g.get("dampening", 0.0) != 0.0 or g.get("maximize"):
                 raise UserError(f"{self.name} supports SGD with dampening=0, nesterov=False, maximize=False")
         if len(momenta) != 1 or not 0.0 <= next(iter(momenta)) < 1.0:
             raise UserError(f"{self.name} needs one momentum in [0, 1) for all parameter groups, got {sorted(momenta)}")
-        self.mu = next(iter(momenta))
+
+    def setup(self):
+        opt = self.optimizer
+        self.check_run(self.world_size, opt)
+        self.mu = float(opt.param_groups[0].get("momentum", 0.0))
         self._decay = [float(g.get("weight_decay", 0.0)) for g in opt.param_groups]   # λ per group
         self.exchange = self.make_exchange()
         # with p = 1 the discounted sum B equals C; with μ = 0 it is not needed

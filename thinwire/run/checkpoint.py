@@ -135,8 +135,10 @@ def _torch_load(data: bytes):
         return None, f"is corrupt or unreadable: {_one_line(e)}"
 
 
-def check(directory: str, world_size: int, cfg) -> dict:
-    """The manifest of `directory` if it fits this run; a UserError saying why not otherwise."""
+def check(directory: str, world_size: int, cfg, files: bool = False) -> dict:
+    """The manifest of `directory` if it fits this run; a UserError saying why not otherwise. With `files`, every
+    rank's file is read and checked as `load` will check it in that rank (its sha256, its step, its contents), so
+    that a damaged one is refused before any worker starts."""
     manifest = _manifest(directory)
     if manifest.get("world_size") != world_size:
         raise UserError(f"checkpoint in {directory!r} is from {manifest.get('world_size')} ranks, "
@@ -149,6 +151,9 @@ def check(directory: str, world_size: int, cfg) -> dict:
         if not (os.path.exists(os.path.join(directory, f"rank-{r}.pt"))
                 or os.path.exists(_staged(directory, r, manifest.get("step")))):
             raise UserError(f"checkpoint in {directory!r} lacks rank-{r}.pt")
+    if files:
+        for r in range(world_size):
+            load(directory, r)
     return manifest
 
 

@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..files import atomic_write, check_writable_dir
 from ..net import Islands, parse_network, ring_allreduce
 from ..trace import write_chrome_trace
-from ..trainer import build_components, check_momentum
+from ..trainer import build_components, check_momentum, check_run, nonfinite_params
 from . import checkpoint, workloads
 from ..launcher import MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, launch, pick_backend, under_torchrun
 from .loop import check_tensorboard, train_worker
@@ -147,6 +147,8 @@ class TrainConfig:
             raise UserError("--checkpoint-every N needs a directory (--out or --checkpoint-dir)")
         if self.target is not None:
             check_number("--target", self.target, 0, why=" (an accuracy in [0, 1], or a loss)")
+        workloads.get(self.workload).check_target(self.target)
+        workloads.get(self.workload).check_batch_size(self.workers, self.batch_size)
         if self.progress_timeout is not None:
             check_number("--progress-timeout", self.progress_timeout, 0, low_open=True, why=" (seconds)")
         self._check_deadline()
@@ -170,14 +172,19 @@ class TrainConfig:
                 ok = [n for n in algorithms.names() if n in ("bsp", "ssp", "asp", "backup") or checkpointable_on_ps(n)]
                 raise UserError(f"checkpoints of {self.algorithm} on the parameter server are not supported; "
                                 f"checkpointable there: {', '.join(ok)} (or {self.algorithm} on all-reduce)")
-        if self.resume is not None:
-            checkpoint.check(self.resume, self.workers + self.servers, self)
+        if self.resume is not None:   # every rank's file too, where one launcher starts every rank
+            checkpoint.check(self.resume, self.workers + self.servers, self, files=not under_torchrun())
         if self.checkpoint_dir is not None:
             check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
         self._check_lr_momentum(why=f" (plain SGD diverges far below {MAX_LR:g})")
-        alg, comp, mem, _, _ = build_components(self.algorithm, self.compressor, self.memory,
-                                                **self.component_params())  # before launch
-        name, settings = workloads.get(self.workload).optimizer_settings(self.optimizer)
+        # every component built as each worker will build it, and every pairing checked, before any starts
+        params = nonfinite_params(self.nonfinite, self.component_params())
+        alg, comp, mem, _, transport = build_components(self.algorithm, self.compressor, self.memory, **params)
+        wl = workloads.get(self.workload)
+        optimizer = wl.optimizer_stand_in(self.lr, self.momentum, self.optimizer)   # the run's kind and settings
+        check_run(alg, transport, self.workers + self.servers, optimizer, self.on_failure,
+                  watching=not under_torchrun())
+        name, settings = wl.optimizer_settings(self.optimizer)
         if name == "sgd":
             check_momentum(alg, comp, mem, settings["momentum"] if self.momentum is None else self.momentum,
                            explicit=self.momentum is not None)
@@ -218,9 +225,11 @@ class TrainConfig:
             raise UserError(f"{self.algorithm} is a peer: --on-failure stop only (survivors regroup in thinwire's "
                             f"Trainer)")
         check_lengths(self)
+        workloads.get(self.workload).check_target(self.target)
+        workloads.get(self.workload).check_batch_size(self.workers, self.batch_size)
         self._check_deadline()
         self._check_lr_momentum()
-        check_peer(self.algorithm, self.params, self.workers)
+        self.params = check_peer(self.algorithm, self.params, self.workers)   # typed, like every parameter
         return self
 
     def _check_lr_momentum(self, why: str = "") -> None:

@@ -102,27 +102,62 @@ class Workload:
         """The workload's default optimizer, or "sgd" / "adamw" / "muon" by name, over `parameters` (or a model's:
         "muon" needs the model, to tell its hidden weight matrices from its head); `lr` and `momentum` override its
         settings (for AdamW `momentum` is beta1, for Muon its momentum)."""
+        cls, kwargs = self._optimizer(lr, momentum, optimizer)
+        if cls.__name__ == "MuonWithAdamW":
+            from ..optim import muon_split
+            if not isinstance(parameters, nn.Module):
+                raise UserError("the muon optimizer needs the model (its hidden weight matrices get Muon, the rest "
+                                "AdamW): pass the module")
+            return cls(*muon_split(parameters), **kwargs)
+        if isinstance(parameters, nn.Module):
+            parameters = parameters.parameters()
+        return cls(parameters, **kwargs)
+
+    def _optimizer(self, lr, momentum, optimizer) -> tuple[type, dict]:
+        """(the class, its keyword arguments) of `make_optimizer`'s optimizer."""
         name, s = self.optimizer_settings(optimizer)
         lr = s["lr"] if lr is None else lr
         momentum = s["momentum"] if momentum is None else momentum
         if name == "muon":
-            from ..optim import MuonWithAdamW, muon_split
-            if not isinstance(parameters, nn.Module):
-                raise UserError("the muon optimizer needs the model (its hidden weight matrices get Muon, the rest "
-                                "AdamW): pass the module")
-            hidden, rest = muon_split(parameters)
-            return MuonWithAdamW(hidden, rest, lr=lr, weight_decay=s["weight_decay"], momentum=momentum,
-                                 betas=(0.9, s["beta2"]))
-        if isinstance(parameters, nn.Module):
-            parameters = parameters.parameters()
+            from ..optim import MuonWithAdamW
+            return MuonWithAdamW, dict(lr=lr, weight_decay=s["weight_decay"], momentum=momentum,
+                                       betas=(0.9, s["beta2"]))
         if name == "sgd":
-            return torch.optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=s["weight_decay"])
-        return torch.optim.AdamW(parameters, lr=lr, betas=(momentum, s["beta2"]), weight_decay=s["weight_decay"])
+            return torch.optim.SGD, dict(lr=lr, momentum=momentum, weight_decay=s["weight_decay"])
+        return torch.optim.AdamW, dict(lr=lr, betas=(momentum, s["beta2"]), weight_decay=s["weight_decay"])
+
+    def optimizer_stand_in(self, lr: float | None = None, momentum: float | None = None,
+                           optimizer: str | None = None) -> torch.optim.Optimizer:
+        """An optimizer of `make_optimizer`'s class with its settings in one parameter group of no parameters,
+        never initialised (torch.optim's constructor imports torch._dynamo: seconds in a process that trains
+        nothing): what an algorithm checks before any worker starts (`Algorithm.check_run`)."""
+        import inspect
+        cls, kwargs = self._optimizer(lr, momentum, optimizer)
+        defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        stand_in = cls.__new__(cls)
+        stand_in.defaults = {**defaults, **kwargs}
+        stand_in.param_groups = [{**stand_in.defaults, "params": []}]
+        return stand_in
 
     def shard(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank's disjoint part of the training set (interleaved after a fixed permutation)."""
         x, y = self.data[0], self.data[1]
         return x[rank::world_size], y[rank::world_size]
+
+    def check_batch_size(self, world_size: int, batch_size: int | None = None) -> None:
+        """Refuse a batch larger than the smallest worker's shard (`ShardLoader` would, in every worker)."""
+        batch = batch_size or self.batch_size
+        smallest = len(self.data[0]) // world_size
+        if smallest < batch:
+            raise UserError(f"a worker's shard of {smallest} samples is smaller than the batch size {batch}; "
+                            f"use a smaller --batch-size or fewer --workers")
+
+    def check_target(self, target: float | None, flag: str = "--target") -> None:
+        """A target this workload's metric can reach: an accuracy in [0, 1]; a loss >= 0."""
+        if target is not None and self.metric == "accuracy" and not 0 <= target <= 1:
+            raise UserError(f"{flag} must be an accuracy in [0, 1] for workload {self.name!r} (its metric is "
+                            f"accuracy), got {target!r}")
 
     def steps_per_epoch(self, world_size: int, batch_size: int | None = None) -> int:
         per = len(self.data[0]) // world_size
