@@ -50,6 +50,15 @@ def emit(data, out: str | None, as_json: bool) -> None:
         print(json.dumps(data, indent=1))
 
 
+def check_writable_file(path, flag: str) -> None:
+    """`path` is a file this process may write (or create): not a directory, in a directory it can write in."""
+    if not isinstance(path, str) or not path.strip() or "\0" in path:
+        raise UserError(f"{flag} needs a file name, got {path!r}")
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path!r} names a directory, not a file")
+    check_writable_dir(os.path.dirname(os.path.abspath(path)), flag)
+
+
 def check_writable_dir(path, flag: str) -> None:
     """`path` is a directory this process can write in, or one it can create: else a UserError naming `flag`.
     Run before any worker starts, so that no result is lost to a bad path after training. Creates nothing

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from ..files import emit
 
+OUT = "file"    # --out names the JSON file of the rows (thinwire/cli/bench.py checks it first)
+
 CASES = [  # label, compressor, parameters
     ("diloco H=8", None, {"period": 8}),
     ("streaming F=2 τ=1", None, {"period": 8, "fragments": 2, "overlap": 1}),

@@ -48,7 +48,13 @@ def run(args) -> int:
     from ..run.train import TrainConfig, run_training
     from ..run.workloads import get as get_workload
     algorithms = specs(args.algorithms)
-    latencies = [float(x) for x in args.latencies.split(",")]
+    try:
+        latencies = [float(x) for x in args.latencies.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--latencies takes one-way milliseconds separated by commas, e.g. 0,25,250; got "
+                        f"{args.latencies!r}") from None
+    if not latencies:
+        raise UserError(f"--latencies names no latency, got {args.latencies!r}")
     wl = get_workload(args.workload)
     n_params = wl.num_params()
     rows = []
@@ -64,20 +70,26 @@ def run(args) -> int:
         print(f"local: {s['throughput_samples_s']:.1f} samples/s (step {s['step_time_s'] * 1e3:.1f} ms)", flush=True)
         return s["throughput_samples_s"]
 
+    def network(lat: float) -> str:
+        return f"custom:bandwidth={args.bandwidth},latency={lat:g}ms" + (f",jitter={args.jitter}" if args.jitter else "")
+
+    # every run checked as `thinwire train` checks one, before the workers start
+    cfg_for("local", {}, "lan", args.steps).validate()
+    for name, params in algorithms:
+        for lat in latencies:
+            cfg_for(name, params, network(lat), args.steps).validate()
     base = []
     with Pool(args.workers, timeout=3600, start_timeout=900) as pool:
         before = baseline(pool)   # the machine may be shared: each sweep is measured against the `local`
         for name, params in algorithms:  # runs just before and just after it
             sweep = []
             for lat in latencies:
-                network = f"custom:bandwidth={args.bandwidth},latency={lat:g}ms" + \
-                          (f",jitter={args.jitter}" if args.jitter else "")
-                link = parse_network(network).handshaking()   # as the Transport charges
+                link = parse_network(network(lat)).handshaking()   # as the Transport charges
                 bound = ring_allreduce(link, args.workers, n_params * 4).time
                 steps = args.steps
                 if name == "bsp" and bound * steps > args.budget_s:
                     steps = max(args.min_steps, int(args.budget_s / bound))
-                s = run_training(cfg_for(name, params, network, steps), pool=pool)
+                s = run_training(cfg_for(name, params, network(lat), steps), pool=pool)
                 sweep.append({"algorithm": _label(name, params), "latency_ms": lat, "steps": steps,
                               "throughput": s["throughput_samples_s"],
                               "accuracy": s.get("final_accuracy") if steps == args.steps else None,

@@ -17,6 +17,8 @@ from __future__ import annotations
 from ..errors import UserError
 from ..files import emit
 
+OUT = "file"    # --out names the JSON file of the rows (thinwire/cli/bench.py checks it first)
+
 # Compressors whose own error-feedback memory shares their name; biased ones otherwise pair with `residual`
 # (error feedback: Stich, Cordonnier, Jaggi 2018, arXiv 1809.07599); unbiased ones and plain casts need none.
 CASTS = ("fp16", "bf16", "fp8", "fp4")
@@ -100,8 +102,15 @@ def run(args) -> int:
     wl = workloads.get(args.workload)
     def split(s):
         return [x for x in s.split(",") if x]
-    rows = cells(split(args.only_algorithms) or None, split(args.only_compressors) or None, args.workers)
     epochs = args.epochs if args.epochs is not None else EPOCHS_FACTOR * wl.epochs
+    # the run every cell shares, checked as `thinwire train` checks one (a bad --workers or --epochs is the
+    # command's error, not every cell's refusal)
+    base = {"algorithm": "bsp", "compressor": "none", "memory": "none", "servers": 0, "params": {}}
+    config(base, args.workload, args.workers, epochs=epochs, seed=args.seed).validate()
+    if args.ps_workers is not None:
+        config({**base, "servers": 1, "params": {"architecture": "ps"}}, args.workload, args.ps_workers,
+               epochs=epochs, seed=args.seed).validate()
+    rows = cells(split(args.only_algorithms) or None, split(args.only_compressors) or None, args.workers)
     for servers in (0, 1):                           # one pool per world size, one at a time
         todo = [r for r in rows if r["servers"] == servers and not r["refused"]]
         workers = args.ps_workers or args.workers if servers else args.workers

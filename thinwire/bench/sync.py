@@ -9,6 +9,8 @@ import json
 
 from ..files import emit
 
+OUT = "file"    # --out names the JSON file of the rows (thinwire/cli/bench.py checks it first)
+
 CASES = [("bsp", None, {}), ("localsgd", None, {"period": 4}), ("localsgd", None, {"period": 16}),
          ("dpsgd", None, {"topology": "ring"}), ("choco", "topk", {"ratio": 0.1, "gamma": 0.5}),
          ("adpsgd", None, {}), ("sgp", None, {})]

@@ -16,10 +16,15 @@ def register(sub) -> None:
     from .. import bench as benchmarks
     p = sub.add_parser("bench", help="benchmarks (compressors, overlap, ...) against same-run baselines")
     inner = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=type(p))
+    seen: set[str] = set()
     for mod in sorted(pkgutil.iter_modules(benchmarks.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{benchmarks.__name__}.{mod.name}")
         if hasattr(module, "register"):         # calibrate and validate are the planner's, not benchmarks
             module.register(inner)
+            name = next(n for n in inner.choices if n not in seen)
+            seen.add(name)
+            inner.choices[name].set_defaults(func=_checked_out(inner.choices[name].get_default("func"),
+                                                               getattr(module, "OUT", "directory")))
     names = sorted(inner.choices)
     a = inner.add_parser("all", help="run every benchmark at its defaults; DIR/NAME.md per benchmark")
     a.add_argument("--out", required=True, help="directory for NAME.md (and each benchmark's own files)")
@@ -27,6 +32,18 @@ def register(sub) -> None:
     a.add_argument("--skip", default="", help="comma-separated benchmarks to leave out")
     a.set_defaults(func=lambda args: run_all(p, inner, names, args))
     p.set_defaults(func=lambda args: p.print_help() or 2)
+
+
+def _checked_out(run, kind: str):
+    """`run` after its `--out` is checked like every command's (before any work starts): a directory (`kind`
+    "directory", most benchmarks) or a file ("file": the benchmarks that write their rows as JSON)."""
+    def checked(args):
+        from ..files import check_writable_dir, check_writable_file
+        out = getattr(args, "out", None)
+        if out is not None:
+            (check_writable_file if kind == "file" else check_writable_dir)(out, "--out")
+        return run(args)
+    return checked
 
 
 class _Tee(io.TextIOBase):

@@ -110,7 +110,7 @@ def run(args) -> int:
         out, results = args.resume, compare(None, args.resume, resume=True)
     else:
         cfg = config_from_args(args)
-        out = args.out or "results/compare"
+        out = "results/compare" if args.out is None else args.out
         check_writable_dir(out, "--out")  # before the first cell: never lose the matrix to a bad path
         results = compare(cfg, out)
     if args.json:

@@ -18,10 +18,7 @@ def _parse_algorithms(text: str) -> list[tuple[str, str, dict]]:
             if "=" not in pair:
                 raise UserError(f"malformed schedule {item!r}; e.g. dts:delay=4:period=4")
             key, value = pair.split("=", 1)
-            try:
-                params[key] = int(value)
-            except ValueError:
-                raise UserError(f"schedule parameter {key!r} must be an integer, got {value!r}") from None
+            params[key] = value     # typed and checked against SimConfig's fields (`run`)
         out.append((item, name, params))
     return out
 
@@ -50,7 +47,7 @@ def check_numbers(args) -> None:
     check_int("--steps", args.steps, 1, MAX_STEPS)
     check_int("--servers", args.servers, 1, MAX_WORKERS)
     check_int("--seed", args.seed, 0, MAX_SEED)
-    if args.out:
+    if args.out is not None:
         check_writable_dir(args.out, "--out")
 
 
@@ -58,8 +55,11 @@ def run(args) -> int:
     from ..net import parse_bandwidth
     from ..net.link import MAX_BANDWIDTH, MIN_BANDWIDTH
     from ..plan.simulate import WORLD_LATENCY, SimConfig, simulate
+    from ..registry import check_params, params_of
     check_numbers(args)
     algorithms = _parse_algorithms(args.algorithms)
+    if not algorithms:
+        raise UserError(f"--algorithms names no schedule, got {args.algorithms!r}; e.g. bsp,dts:delay=4")
     workers = _numbers(args.workers, "--workers", kind=int)
     latencies = _numbers(args.latency, "--latency")
     if any(w < 1 or w > MAX_WORKERS for w in workers):
@@ -70,8 +70,10 @@ def run(args) -> int:
     bandwidth = parse_bandwidth(args.bandwidth)
     if not MIN_BANDWIDTH <= bandwidth <= MAX_BANDWIDTH:
         raise UserError(f"--bandwidth must be in 1kbit..10000gbit (1e3..1e13 bit/s), got {args.bandwidth!r}")
-    rows = []
+    fields = params_of(SimConfig)
+    runs = []
     for label, name, params in algorithms:
+        params = check_params(f"schedule {name!r}", fields, params)   # the registry's rules: type, finiteness
         for n in workers:
             for lat in ([None] if args.regions == "world" else latencies):
                 cfg = SimConfig(workers=n, params=args.params, compute_s=args.compute_ms / 1e3,
@@ -80,11 +82,13 @@ def run(args) -> int:
                                 regions=WORLD_LATENCY if args.regions == "world" else None,
                                 collective=args.collective, seed=args.seed, servers=args.servers)
                 for key, value in params.items():
-                    if not hasattr(cfg, key):
-                        raise UserError(f"schedule {name!r} has no parameter {key!r}")
                     setattr(cfg, key, value)
-                r = simulate(cfg)
-                rows.append({"schedule": label, "workers": n, "latency_s": lat, **r.to_dict()})
+                cfg.validate()                  # every configuration before the first is simulated
+                runs.append((label, n, lat, cfg))
+    rows = []
+    for label, n, lat, cfg in runs:
+        r = simulate(cfg)
+        rows.append({"schedule": label, "workers": n, "latency_s": lat, **r.to_dict()})
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -93,7 +97,7 @@ def run(args) -> int:
             lat = "regions" if r["latency_s"] is None else f"{r['latency_s'] * 1e3:.0f} ms"
             print(f"{r['schedule']:<26} {r['workers']:>7} {lat:>9} {r['iteration_s'] * 1e3:>9.1f}ms "
                   f"{r['scalability']:>11.3f}")
-    if args.out:
+    if args.out is not None:
         from ..files import write_json
         write_json(rows, args.out, "simulate.json", indent=2)
         for path in plot(rows, args.out):

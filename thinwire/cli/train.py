@@ -79,7 +79,7 @@ def run(args) -> int:
     from ..launcher import init, under_torchrun
     from ..files import check_writable_dir
     from ..run.train import run_training, run_torchrun_worker
-    if args.out:  # first: checkpoints go under it by default, and no result may be lost to it after training
+    if args.out is not None:  # first: checkpoints go under it by default, no result may be lost to it after training
         check_writable_dir(args.out, "--out")
     cfg = config_from_args(args)
     if args.trace and not args.out:

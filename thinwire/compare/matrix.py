@@ -99,8 +99,31 @@ class CompareConfig:
         if self.tensorboard is not None:
             check_tensorboard(self.tensorboard)
         pick_backend(None, self.device, self.workers)      # `train --device`'s check
-        presets.resolve(self.cells, strict=self.preset is None)  # bad cell names
+        workloads.get(self.workload).check_target(self.target)
+        cells, _ = presets.resolve(self.cells, strict=self.preset is None)  # bad cell names
+        for cell in cells:    # every cell's run checked as `thinwire train` checks one (train's one path)
+            for network in self.networks:
+                try:
+                    cell_config(self, with_sgd_where_needed(cell, self.workload), network).validate()
+                except UserError as e:
+                    raise UserError(f"cell {cell.label!r}" + (f" on {network}" if len(self.networks) > 1
+                                                               else "") + f": {e}") from None
         return self
+
+
+def cell_config(c: CompareConfig, cell: presets.Cell, network: str, seed: int | None = None,
+                board: str | None = None) -> TrainConfig:
+    """The training run of `cell` on `network` in matrix `c` (before the planner fills in what it leaves out)."""
+    params = dict(cell.params)
+    servers = 0 if cell.peer else params.pop("servers", None)   # None: the algorithm's default
+    tc = TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
+                     epochs=c.epochs, steps=c.steps, seed=c.seed if seed is None else seed, target=c.target,
+                     compressor=cell.compressor, memory=cell.memory, params=params,
+                     trace=c.trace and not cell.peer, progress=False,
+                     servers=servers,
+                     budget_s=c.budget_s, stop_at_target=True, optimizer=cell.optimizer, tensorboard=board,
+                     eval_every=c.eval_every, batch_size=c.batch_size, device=c.device)
+    return tc
 
 
 def cell_key(label: str, network: str, seed: int | None = None) -> str:
@@ -120,6 +143,16 @@ class _PoolView:
         return self.pool.run(fn, *args, network="lan" if self.netem else network, seed=seed, **extra)
 
 
+def with_sgd_where_needed(cell: presets.Cell, workload: str) -> presets.Cell:
+    """A copy of `cell`, with SGD for an algorithm that compensates SGD only on a workload whose optimizer is
+    another (unless the cell names one)."""
+    out = replace(cell, params=dict(cell.params))
+    if not cell.peer and cell.algorithm in presets.SGD_ONLY and cell.optimizer is None \
+            and workloads.get(workload).optimizer != "sgd":
+        out.optimizer = "sgd"
+    return out
+
+
 def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
               compute_s: float | None) -> tuple[presets.Cell, list[str]]:
     """The cell with the parameters it leaves out picked for `network` (and SGD for an algorithm that
@@ -128,12 +161,10 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
     from ..plan.advise import TUNABLE, tune
     from ..plan.costmodel import Scenario
     wl = workloads.get(workload)
-    out = replace(cell, params=dict(cell.params))
+    out = with_sgd_where_needed(cell, workload)
     why: list[str] = []
-    own = wl.optimizer
-    if not cell.peer and cell.algorithm in presets.SGD_ONLY and cell.optimizer is None and own != "sgd":
-        out.optimizer = "sgd"
-        why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {own})")
+    if out.optimizer != cell.optimizer:
+        why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {wl.optimizer})")
     plan_as = PEER_AS[cell.algorithm][0] if cell.peer else ("localsgd" if cell.algorithm == "diloco"
                                                             else cell.algorithm)
     if plan_as not in TUNABLE:
@@ -195,15 +226,7 @@ class Harness:
     def train_config(self, cell: presets.Cell, network: str, seed: int | None = None) -> TrainConfig:
         c = self.cfg
         board = os.path.join(c.tensorboard, _slug(self.key(cell, network, seed))) if c.tensorboard else None
-        params = dict(cell.params)
-        servers = 0 if cell.peer else params.pop("servers", None)   # None: the algorithm's default
-        tc = TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
-                         epochs=c.epochs, steps=c.steps, seed=c.seed if seed is None else seed, target=c.target,
-                         compressor=cell.compressor, memory=cell.memory, params=params,
-                         trace=c.trace and not cell.peer, progress=False,
-                         servers=None if servers is None else int(servers), budget_s=c.budget_s,
-                         stop_at_target=True, optimizer=cell.optimizer, tensorboard=board, eval_every=c.eval_every,
-                         batch_size=c.batch_size, device=c.device)
+        tc = cell_config(c, cell, network, seed, board)
         tc.resolve_servers()
         return tc
 
