@@ -7,6 +7,11 @@ instead of once per op); elsewhere (the CPU, small tensors, no Triton, `THINWIRE
 The compiled and the eager function compute the same thing; they may differ in the last bit of a float where
 the compiler contracts a multiply and an add into one fused multiply-add.
 
+Blocks. On the CPU the same function runs block by block (`blockwise`): each op then works on a block that
+stays in the core's caches, so a chain of ten ops costs about one pass over memory instead of ten. The blocks
+run with torch's intra-op thread pool off (one thread): an op on a block is too small to share, and a pool
+round trip per op costs more than the op (on a loaded machine, milliseconds each).
+
 Host reads. A value a device tensor carries reaches the host through `host_read`: on CUDA one asynchronous copy
 into pinned memory and a wait on that copy alone (the host waits for the work queued before it, as any read
 must, and no more: not a synchronisation of the device, and not one torch's sync debug mode reports).
@@ -18,7 +23,9 @@ its tensors live: no host generator, no copy from the host, no state but the key
 from __future__ import annotations
 
 import functools
+import math
 import os
+import threading
 import warnings
 import zlib
 from typing import Any, Callable
@@ -26,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 COMPILE_MIN = 1 << 16          # below this many elements a kernel launch costs more than the passes it saves
+BLOCK = 1 << 16                # elements per CPU block: a few fp32 temporaries of it fit a core's L2
 _MASK = 0xFFFFFFFF
 _MUL = (0x2C1B3C6D, 0x297A2D39)    # odd multipliers < 2^31: a 32-bit value times one fits in int64
 
@@ -41,6 +49,74 @@ def host_read(t: torch.Tensor) -> torch.Tensor:
     done.record()
     done.synchronize()
     return host
+
+
+_HUGE = 1 << 21                # a transparent huge page
+_madvise = None
+
+
+def _huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """Ask the kernel for huge pages under the not yet touched memory of the CPU tensor `t` (madvise
+    MADV_HUGEPAGE over its 2 MB-aligned interior; a no-op where that is unavailable)."""
+    global _madvise
+    if _madvise is None:
+        try:
+            import ctypes
+            import sys
+            if not sys.platform.startswith("linux"):
+                raise OSError("not Linux")
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _madvise = libc.madvise
+        except (OSError, AttributeError):
+            _madvise = False
+    if _madvise:
+        lo = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
+        hi = (t.data_ptr() + t.nbytes) & ~(_HUGE - 1)
+        if hi > lo:
+            _madvise(lo, hi - lo, 14)            # MADV_HUGEPAGE
+    return t
+
+
+def fresh(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """torch.empty for an output a compressor hands back (a payload, a decompressed tensor). A large fresh CPU
+    tensor is first touched page by page, and 4 KB page faults cost several memcpys of it (a 64 MB output:
+    ~5x a copy into memory already mapped); on huge pages they cost ~1.2x (what THP_MEM_ALLOC_ENABLE=1 gives
+    PyTorch's own allocations)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.device.type == "cpu" and t.nbytes >= 2 * _HUGE:
+        _huge_pages(t)
+    return t
+
+
+class _Arena(threading.local):
+    """Per-thread scratch memory of the blocks: `scratch` hands out slices of one buffer, taken back at the next
+    block. (A block's temporaries are a few hundred KB: malloc maps and unmaps each one, and its page faults
+    then cost more than the op.)"""
+
+    def __init__(self):
+        self.buf = torch.empty(0, dtype=torch.uint8, device="cpu")    # grown on first use
+        self.off = 0
+        self.active = False
+
+
+_ARENA = _Arena()
+
+
+def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A temporary of a kernel, for an op's `out=`: inside `blockwise` on the CPU a slice of this thread's arena,
+    valid until the next block (never return one: copy it out); elsewhere torch.empty."""
+    a = _ARENA
+    if not a.active or torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = -(-math.prod(shape) * dtype.itemsize // 64) * 64
+    if a.off + nbytes > a.buf.numel():
+        a.buf = fresh(max(2 * a.buf.numel(), a.off + nbytes, 1 << 22), torch.uint8)   # (old slices keep the old)
+        a.off = 0
+    t = a.buf[a.off:a.off + nbytes].view(dtype)[:math.prod(shape)].view(shape)
+    a.off += nbytes
+    return t
 
 
 def _compiling() -> bool:
@@ -75,6 +151,79 @@ def fused(fn: Callable) -> Callable:
 
     run.eager = fn
     return run
+
+
+def _span(spec: tuple[int, int], lo: int, hi: int) -> tuple[int, int]:
+    """The part of a tensor holding elements [lo, hi) of the data, `spec` = (num, den): num entries per group of
+    den elements, a partial group taking a whole one (4-bit codes: (4, 8), 4 bytes per 8 codes; one scale per
+    chunk of 128: (1, 128)); lo is a multiple of den."""
+    num, den = spec
+    return lo // den * num, -(-hi // den) * num
+
+
+def blockwise(kernel: Callable, n: int, inputs: list[tuple[torch.Tensor, tuple[int, int]]],
+              outputs: list[tuple[int, int]], *consts, align: int = 8):
+    """`kernel(*input blocks, *consts)` over the `n` elements of the data: on CUDA once over everything (compiled
+    by `fused` for large tensors), on the CPU block by block (`BLOCK` elements, a multiple of `align`) into
+    outputs allocated once. `inputs` pair each tensor with its (num, den) entries per element (see `_span`);
+    `outputs` give the kernel's results' (num, den) likewise, and each result of a block must be exactly its
+    span or longer (cut to it: a decoder may make up to a group's padding past the end); an output spec None is
+    a per-block result (a partial sum, a count), concatenated over the blocks (one entry on CUDA). Returns the
+    kernel's results for the whole data, as a tuple."""
+    tensors = [t for t, _ in inputs]
+    if n <= BLOCK // 4 or tensors[0].device.type != "cpu":
+        run = kernel if tensors[0].device.type == "cpu" else _fused_cache(kernel)
+        return tuple(p if spec is None else p[:_span(spec, 0, n)[1]] for p, spec in zip(run(*tensors, *consts), outputs))
+    block = max(align, BLOCK - BLOCK % align)
+    outs = None
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)        # (this thread's, and the default of threads started meanwhile)
+    try:
+        outs = _blocks(kernel, n, block, inputs, outputs, consts)
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+    return tuple(torch.cat(o) if spec is None else o for o, spec in zip(outs, outputs))
+
+
+def _blocks(kernel, n, block, inputs, outputs, consts):
+    outs = None
+    arena, was = _ARENA, _ARENA.active
+    arena.active = True
+    try:
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            arena.off = 0
+            parts = kernel(*(t[slice(*_span(spec, lo, hi))] for t, spec in inputs), *consts)
+            outs = _store(outs, parts, outputs, n, lo, hi)
+    finally:
+        arena.active, arena.off = was, 0
+    return outs
+
+
+def _store(outs, parts, outputs, n, lo, hi):
+    """Copy a block's results into the whole outputs (allocated on the first block)."""
+    if outs is None:
+        outs = [[] if spec is None else fresh(_span(spec, 0, n)[1], p.dtype, p.device)
+                for p, spec in zip(parts, outputs)]
+    for o, p, spec in zip(outs, parts, outputs):
+        if spec is None:
+            o.append(p.reshape(-1).clone())
+        else:
+            a, b = _span(spec, lo, hi)
+            o[a:b] = p[:b - a]
+    return outs
+
+
+_FUSED: dict = {}
+
+
+def _fused_cache(kernel: Callable) -> Callable:
+    got = _FUSED.get(kernel)
+    if got is None:
+        got = _FUSED[kernel] = fused(kernel)
+    return got
 
 
 def seed_of(*parts: Any) -> int:

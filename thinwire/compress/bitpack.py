@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ._kernels import fresh, fused, scratch
 from .base import constant
 
 # bits -> (word type, multiplier, shift): a word of 8/b code bytes times sum_j 2^(top - (8 - b) j) puts code j at
@@ -17,6 +18,51 @@ from .base import constant
 _GATHERS = {1: (torch.int64, 0x0102040810204080, 56),
             2: (torch.int32, (1 << 24) + (1 << 18) + (1 << 12) + (1 << 6), 24),
             4: (torch.int16, 0x110, 8)}
+
+
+def gather8(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed bytes of int8 `codes` (< 2^bits, bits in 1, 2, 4; a multiple of 8 of them): code j of each eight
+    at bit bits·j. On the CPU one multiply per word, in place over the codes (as `pack`); on other devices
+    shifts and a sum per group (what a compiler fuses into the kernel that made the codes); the same bytes."""
+    if codes.device.type == "cpu":
+        dtype, magic, shift = _GATHERS[bits]
+        return codes.view(dtype).mul_(magic).bitwise_right_shift_(shift).to(torch.uint8)
+    per = 8 // bits
+    lanes = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    return (codes.view(-1, per).to(torch.int32) << lanes).sum(1, dtype=torch.int32).to(torch.uint8)
+
+
+def pack_kernel(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack(codes, bits)` (bits in 1, 2, 4) inside a kernel: uint8 codes, scratched."""
+    n = codes.numel()
+    pad = (-n) % 8
+    if pad:
+        padded = scratch(n + pad, torch.uint8, codes.device)
+        padded[n:] = 0
+        padded[:n] = codes
+        codes = padded
+    return gather8(codes.view(torch.int8), bits)
+
+
+def sign_kernel(x: torch.Tensor, count: bool):
+    """(1-bit codes 1[x >= 0] packed 8 per byte, how many are set or None): the sign compressors' kernel."""
+    n = x.numel()
+    pad = (-n) % 8
+    mask = fresh(n + pad, torch.bool, x.device)
+    mask[n:] = False
+    torch.ge(x, 0, out=mask[:n])
+    set_ = torch.count_nonzero(mask) if count else None        # (before the packing scratches the mask)
+    return gather8(mask.view(torch.int8), 1), set_
+
+
+def pack_signs(x: torch.Tensor, count: bool = False):
+    """1[x >= 0] of the 1-D `x` packed as `pack(codes, 1)` packs them; with `count`, also how many are set (an
+    int64 0-d tensor on x's device). Compiled on a GPU (`fused`), one pass per op on the CPU."""
+    bits, set_ = (sign_kernel if x.device.type == "cpu" else fused_sign)(x, count)
+    return (bits, set_) if count else bits
+
+
+fused_sign = fused(sign_kernel)
 
 
 def code_table(bits: int, device, dtype=torch.int64) -> torch.Tensor:
@@ -46,7 +92,9 @@ def decode(packed: torch.Tensor, bits: int, numel: int, values, dtype=torch.floa
     table = value_table(bits, values, packed.device, dtype)
     if scale is not None and not (isinstance(scale, (int, float)) and scale == 1):
         table = table * (scale.reshape(()) if isinstance(scale, torch.Tensor) else scale)
-    return table.index_select(0, packed.reshape(-1).to(torch.int32)).view(-1)[:numel]   # (int32: half the bytes)
+    idx = packed.reshape(-1).to(torch.int32)                                           # (int32: half the bytes)
+    out = fresh((idx.numel(), table.shape[1]), table.dtype, packed.device)
+    return torch.index_select(table, 0, idx, out=out).view(-1)[:numel]
 
 
 def packed_nbytes(numel: int, bits: int) -> int:

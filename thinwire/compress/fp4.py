@@ -24,7 +24,8 @@ from ..errors import UserError
 from . import compressors
 from ._chunks import Chunked, check_chunk
 from .base import Payload, constant
-from .bitpack import decode, pack
+from ._kernels import blockwise, scratch
+from .bitpack import pack_kernel, value_table
 from .finite import check_scale
 from .qsgd import bucket_norms, scale_buckets
 
@@ -33,6 +34,54 @@ MAGNITUDES = {"e3m0": [0.0] + [2.0 ** -e for e in range(6, -1, -1)],
 # G with every midpoint between consecutive magnitudes a multiple of 1/G: ceil(G |x| / a_c) then names the
 # magnitude code by one table lookup (faster than a search over the 7 midpoints)
 GRID = {"e3m0": 128, "e2m1": 24}
+
+
+def chunk_amax(a: torch.Tensor, chunk: int) -> torch.Tensor:
+    """fp32 max of each chunk of the non-negative 1-D `a` (the last chunk may be shorter)."""
+    n = a.numel()
+    full = n - n % chunk
+    head = a[:full].view(-1, chunk).amax(1)
+    return torch.cat([head, a[full:].amax().reshape(1)]) if full < n else head
+
+
+def _lt0(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """1[x < 0] as int32 (one op; a bool result is slower to make on the CPU)."""
+    return torch.lt(x, 0, out=scratch(x.shape, torch.int32, x.device) if out is None else out)
+
+
+def encode(x: torch.Tensor, table: torch.Tensor | None, grid: int, chunk: int):
+    """(4-bit codes packed 2 per byte, each chunk's max-abs) of a block of whole chunks (the data's last chunk
+    may be short): the kernel of `FP4.compress`. The magnitude code of y = G |x| / a_c is #{midpoints < y}: for
+    e3m0 (table None; G = 128, midpoints 1, 3, 6, ..., 96) the exponent of y rounded at 1.5 (y's bits plus
+    2^22 − 1, shifted), at least 1 above y = 1; else `table[ceil(y)]`, whose second half holds the codes of
+    negative x. (No ceil/floor op: on the CPU those run on the thread pool even for small blocks.)"""
+    f = x.to(torch.float32)
+    dev = x.device
+    a = torch.abs(f, out=scratch(f.shape, torch.float32, dev))
+    amax = chunk_amax(a, chunk)
+    inv = torch.where(amax > 0, grid / amax, 0.0)
+    y = scale_buckets(a, inv, chunk)                                             # G |x| / a_c in [0, G]
+    tmp = scratch(f.shape, torch.int32, dev)
+    if table is None:
+        code = y.view(torch.int32)                                              # (y's bits, in place)
+        torch.gt(code, 0x3F800000, out=tmp)                                     # y > 1
+        code.add_(0x3FFFFF - (127 << 23)).bitwise_right_shift_(23)               # log2 of y rounded at 1.5: 0..7
+        torch.maximum(code, tmp, out=code)                                      # (1, 1.5] -> 1
+        code.add_(_lt0(f, tmp), alpha=8)
+    else:
+        j = y.to(torch.int32)
+        j.add_(torch.lt(j, y, out=tmp))                                           # ceil for y >= 0
+        j.add_(_lt0(f, tmp), alpha=grid + 2)
+        code = table.index_select(0, j)
+    return pack_kernel(code.to(torch.uint8), 4), amax
+
+
+def decode_kernel(packed: torch.Tensor, amax: torch.Tensor, table: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The fp32 values of a block's packed codes times their chunks' max-abs: the kernel of `FP4._decode32`
+    (`blockwise` trims what lies past the data). `table` holds each byte's two fp32 values as one int64 (a 1-D
+    lookup: twice as fast as rows of two floats)."""
+    vals = table.index_select(0, packed.to(torch.int32)).view(torch.float32)    # (up to 7 past the block's end)
+    return (scale_buckets(vals, amax, chunk),)
 
 
 @compressors.register("fp4")
@@ -53,21 +102,23 @@ class FP4(Chunked):
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
-        amax = bucket_norms(flat, self.chunk, math.inf)
+        # the code of G|x|/a_c: for j = ceil of it (at most G + 1 by round-off), the magnitude code, | 8 when x < 0
+        codes = self._codes + (self._codes[-1],)
+        signed = codes + tuple(c | 8 for c in codes)
+        table = constant(("fp4-codes", signed), flat.device,
+                         lambda: torch.tensor(signed, dtype=torch.uint8, device="cpu"))   # once per device
+        packed, amax = blockwise(encode, flat.numel(), [(flat, (1, 1))], [(4, 8), (1, self.chunk)],
+                                 None if self.format == "e3m0" else table, self.grid, self.chunk,
+                                 align=math.lcm(8, self.chunk))
         check_scale(amax, self.name, key, flat)
-        inv = torch.where(amax > 0, self.grid / amax, 0.0)
-        a = scale_buckets(flat.to(torch.float32, copy=True).abs_(), inv, self.chunk)    # G |x| / a_c in [0, G]
-        j = a.ceil_().clamp_(max=self.grid).to(torch.int32)
-        table = constant(("fp4-codes", self._codes), j.device,
-                         lambda: torch.tensor(self._codes, dtype=torch.uint8, device="cpu"))   # once per device
-        codes = table.index_select(0, j)                                          # the nearest magnitude (ties go down)
-        codes.bitwise_or_(flat.lt(0).to(torch.uint8).bitwise_left_shift_(3))
-        return Payload([pack(codes, 4, inplace=True), amax], ctx=self.context(tensor.shape, tensor.dtype))
+        return Payload([packed, amax], ctx=self.context(tensor.shape, tensor.dtype))
 
     def _decode32(self, payload):
         packed, amax = payload.tensors
-        vals = decode(packed, 4, payload.ctx["numel"], self._values)    # one table lookup per byte
-        return scale_buckets(vals, amax.reshape(-1), self.chunk)
+        n = payload.ctx["numel"]
+        table = value_table(4, self._values, packed.device).view(torch.int64).view(-1)   # a byte's two values
+        return blockwise(decode_kernel, n, [(packed.reshape(-1), (4, 8)), (amax.reshape(-1), (1, self.chunk))],
+                         [(1, 1)], table, self.chunk, align=math.lcm(8, self.chunk))[0]
 
     def nominal_bits(self, numel):
         return 4.0 + 32.0 * math.ceil(numel / self.chunk) / max(numel, 1)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from .base import Compressor, Payload, reused
+from .base import Compressor, Payload
 from .finite import check_scale
-from .bitpack import decode, pack
+from .bitpack import decode, pack_signs
 
 
 @compressors.register("onebit")
@@ -22,16 +22,10 @@ class OneBit(Compressor):
     fixed_size = True         # the payload size depends only on the shape
     needs_momentum_first = True
 
-    def __init__(self):
-        self._mask = torch.empty(0, dtype=torch.bool, device="cpu")     # regrown on the gradient's device
-
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         n = flat.numel()
-        self._mask, mask = reused(self._mask, n, flat.device)
-        mask = torch.ge(flat, 0, out=mask)
-        npos = torch.count_nonzero(mask)      # (a bool .sum() is 10x slower); before `pack` scratches the mask
-        bits = pack(mask.view(torch.uint8), 1, inplace=True)
+        bits, npos = pack_signs(flat, count=True)       # 1[g >= 0] and how many
         # sums of the two sides from two reductions without temporaries: S = sum g, L = sum |g|,
         # sum over g >= 0 = (S + L) / 2, sum over g < 0 = (S - L) / 2; all on the tensor's device
         total = flat.sum(dtype=torch.float32).double()

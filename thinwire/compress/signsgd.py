@@ -9,7 +9,7 @@ import torch
 
 from . import compressors
 from .base import Compressor, Payload
-from .bitpack import decode, pack
+from .bitpack import decode, pack_signs
 from ..errors import UserError
 from .finite import check_scale, check_tensor
 
@@ -46,7 +46,7 @@ class SignSGD(Compressor):
 
     def payload(self, flat: torch.Tensor, shape, dtype, key=None) -> Payload:
         """The sign bits of `flat` (and its scale ‖flat‖₁/d)."""
-        tensors = [pack(torch.ge(flat, 0).view(torch.uint8), 1, inplace=True)]     # the bits 1[x >= 0]
+        tensors = [pack_signs(flat)]     # the bits 1[x >= 0]
         if self.scale:
             l1 = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32).reshape(1)
             check_scale(l1, self.name, key, flat)
