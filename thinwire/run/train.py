@@ -147,8 +147,7 @@ class TrainConfig:
             raise UserError("--checkpoint-every N needs a directory (--out or --checkpoint-dir)")
         if self.target is not None:
             check_number("--target", self.target, 0, why=" (an accuracy in [0, 1], or a loss)")
-        workloads.get(self.workload).check_target(self.target)
-        workloads.get(self.workload).check_batch_size(self.workers, self.batch_size)
+        self._check_fit()
         if self.progress_timeout is not None:
             check_number("--progress-timeout", self.progress_timeout, 0, low_open=True, why=" (seconds)")
         self._check_deadline()
@@ -199,6 +198,12 @@ class TrainConfig:
         if self.tensorboard is not None:
             check_tensorboard(self.tensorboard)
 
+    def _check_fit(self) -> None:
+        """A target the workload's metric can reach, a batch no larger than the smallest worker's shard."""
+        wl = workloads.get(self.workload)
+        wl.check_target(self.target)
+        wl.check_batch_size(self.workers, self.batch_size)
+
     def _check_deadline(self) -> None:
         if self.deadline is None:
             return
@@ -225,8 +230,7 @@ class TrainConfig:
             raise UserError(f"{self.algorithm} is a peer: --on-failure stop only (survivors regroup in thinwire's "
                             f"Trainer)")
         check_lengths(self)
-        workloads.get(self.workload).check_target(self.target)
-        workloads.get(self.workload).check_batch_size(self.workers, self.batch_size)
+        self._check_fit()
         self._check_deadline()
         self._check_lr_momentum()
         self.params = check_peer(self.algorithm, self.params, self.workers)   # typed, like every parameter
