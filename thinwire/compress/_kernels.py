@@ -22,6 +22,7 @@ its tensors live: no host generator, no copy from the host, no state but the key
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -176,30 +177,34 @@ def blockwise(kernel: Callable, n: int, inputs: list[tuple[torch.Tensor, tuple[i
         return tuple(p if spec is None else p[:_span(spec, 0, n)[1]] for p, spec in zip(run(*tensors, *consts), outputs))
     block = max(align, BLOCK - BLOCK % align)
     outs = None
-    threads = torch.get_num_threads()
-    if threads > 1:
-        torch.set_num_threads(1)        # (this thread's, and the default of threads started meanwhile)
-    try:
-        outs = _blocks(kernel, n, block, inputs, outputs, consts)
-    finally:
-        if threads > 1:
-            torch.set_num_threads(threads)
+    with cpu_blocks() as next_block:
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            next_block()
+            parts = kernel(*(t[slice(*_span(spec, lo, hi))] for t, spec in inputs), *consts)
+            outs = _store(outs, parts, outputs, n, lo, hi)
     return tuple(torch.cat(o) if spec is None else o for o, spec in zip(outs, outputs))
 
 
-def _blocks(kernel, n, block, inputs, outputs, consts):
-    outs = None
+@contextlib.contextmanager
+def cpu_blocks():
+    """The setting of a loop over CPU blocks: torch's intra-op pool off (this thread's, and the default of
+    threads started meanwhile; restored after) and `scratch` from this thread's arena. Yields the function to
+    call at each block's start (it takes the arena back: the last block's temporaries are dead by then)."""
+    threads = torch.get_num_threads()
     arena, was = _ARENA, _ARENA.active
+    if threads > 1:
+        torch.set_num_threads(1)
     arena.active = True
+
+    def next_block():
+        arena.off = 0
     try:
-        for lo in range(0, n, block):
-            hi = min(n, lo + block)
-            arena.off = 0
-            parts = kernel(*(t[slice(*_span(spec, lo, hi))] for t, spec in inputs), *consts)
-            outs = _store(outs, parts, outputs, n, lo, hi)
+        yield next_block
     finally:
         arena.active, arena.off = was, 0
-    return outs
+        if threads > 1:
+            torch.set_num_threads(threads)
 
 
 def _store(outs, parts, outputs, n, lo, hi):

@@ -15,18 +15,32 @@ at 50 % it reaches the target under every algorithm (docs/matrix.md). Error feed
 does not rescue small ratios at momentum 0.9: each coordinate waits ~d/k steps, a staleness heavy-ball momentum
 does not tolerate (0.11–0.19 at 1–25 %). For fewer bytes at the same step size use `topk`.
 
-Drawing k of d without a full permutation: draw a few more than k with replacement (already in increasing order,
-as exponential spacings: no sort), keep the distinct ones and drop a random few to leave k. By symmetry over [d]
-the result is a uniform k-subset; it costs O(k), not O(d), and the sorted indices make the gather and the
-scatter sweep memory in order.
+Sampling (`sampling`). "stratified" (the default): [d] is cut into k consecutive strata of ⌊d/k⌋ or ⌈d/k⌉
+coordinates and one coordinate is drawn uniformly in each; with `scale`, C(g)_i = m_s g_i for the drawn i of a
+stratum of m_s coordinates. Every coordinate is kept with probability 1/m_s ≈ k/d, so C is unbiased, and
+E‖C(g) − g‖² = Σ_s (m_s − 1)‖g_s‖², which is (d/k − 1)‖g‖² when k divides d: rand-k's variance. (Stratified
+sampling is systematic sampling with a random start per stratum: it never keeps two neighbours of one stratum,
+where rand-k may; the bounds above are all the analyses use.) Its draws are offsets u_s m_s / 2^31 of
+pairwise-independent uniforms u_s (the xor table of `rounding.Uniforms`, hashed on the tensor's device from (seed,
+key, step): `_kernels.random_bits`): no host generator, nothing copied from the host, the same indices on every
+device and rank, and only k offsets computed (in cache-sized blocks on the CPU, fused on a GPU), so the gather
+and the scatter sweep memory in order. The offsets are uniform up to m_s/2^31 (the grid of u).
+"uniform": a uniform k-subset, as Stich et al. define rand-k, drawn on the host without a full permutation:
+a few more than k points with replacement (already in increasing order, as exponential spacings: no sort), the
+distinct ones kept and a random few dropped to leave k (a permutation where k > d/4); the indices then travel
+in the payload's context to the tensor's device.
 """
 from __future__ import annotations
 
 import torch
 
+from ..errors import UserError
 from . import compressors
+from ._kernels import cpu_blocks, fresh, fused, random_bits, scratch, seed_of
 from ._sparse import check_ratio, generator, num_kept
 from .base import Compressor, Payload
+
+_COLS = 4096               # columns of a stratum table of pairwise-independent draws (as `Uniforms`)
 
 
 def sample_without_replacement(d: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -53,6 +67,98 @@ def sample_without_replacement(d: int, k: int, gen: torch.Generator) -> torch.Te
         m = int(m * 1.5) + 16
 
 
+def strata(d: int, k: int) -> list[tuple[int, int, int]]:
+    """The k strata of [d] as (first coordinate, strata, coordinates each): ⌈d/k⌉-wide ones first, then ⌊d/k⌋."""
+    q, r = divmod(d, k)
+    return [g for g in ((0, r, q + 1), (r * (q + 1), k - r, q)) if g[1] and g[2]]
+
+
+def _bits(m: int) -> int:
+    """Bits of a stratum's draw: log2 m for a power of two (the draw is the offset, exactly uniform); else 31 −
+    bits of m while u·m fits int32 with a grid error m/2^bits ≤ 2^-15 (m < 256); else 31 (int64 arithmetic)."""
+    if m & (m - 1) == 0:
+        return m.bit_length() - 1
+    return 31 - m.bit_length() if m.bit_length() <= 8 else 31
+
+
+def _offsets(a: torch.Tensor, b: torch.Tensor, count: int, m: int) -> torch.Tensor:
+    """Offsets in [0, m) of `count` strata from the table rows `a` (R x 1) and columns `b` (1 x C) of
+    `_bits(m)`-bit draws: (a_i ^ b_j) · m / 2^bits read row by row (int32, or int64 for m >= 256; the draw
+    itself for m a power of two)."""
+    bits = _bits(m)
+    u = torch.bitwise_xor(a, b, out=scratch((a.shape[0], b.shape[1]), torch.int32, a.device)).view(-1)[:count]
+    if 1 << bits == m:
+        return u
+    if bits < 31:
+        return u.mul_(m).bitwise_right_shift_(bits)
+    off = scratch(count, torch.int64, a.device)
+    off.copy_(u)
+    return off.mul_(m).bitwise_right_shift_(31)
+
+
+_NARROW = 4          # strata this narrow select by bit masks, lane by lane (a gather per stratum costs more)
+_BLOCK = 1 << 18     # coordinates per CPU block: fewer, larger ops (a few int32 temporaries of a quarter of it)
+
+
+def _lane_mask(off: torch.Tensor, j: int) -> torch.Tensor:
+    """−1[off == j] (all bits set where the stratum drew lane j), int32."""
+    return torch.eq(off, j, out=scratch(off.shape, torch.int32, off.device)).neg_()
+
+
+def gather_kernel(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int) -> torch.Tensor:
+    """The drawn value of each stratum of `x` ((strata, m) coordinates): randomk's compress kernel. Narrow fp32
+    strata (m <= 4) pick by bit masks, the others gather."""
+    off = _offsets(a, b, x.shape[0], m)
+    if m > _NARROW or x.dtype != torch.float32 or x.device.type != "cpu":
+        return x.gather(1, off.view(-1, 1).long()).view(-1)
+    bits = x.view(torch.int32)
+    if m == 2:           # x0 ^ ((x0 ^ x1) & −off)
+        out = torch.bitwise_xor(bits[:, 0], bits[:, 1], out=scratch(off.shape, torch.int32, x.device))
+        return out.bitwise_and_(off.neg_()).bitwise_xor_(bits[:, 0]).view(torch.float32)
+    out = torch.bitwise_and(bits[:, 0], _lane_mask(off, 0), out=scratch(off.shape, torch.int32, x.device))
+    for j in range(1, m):
+        out.bitwise_or_(torch.bitwise_and(bits[:, j], _lane_mask(off, j)))
+    return out.view(torch.float32)
+
+
+def scatter_kernel(vals: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, scale: float) -> torch.Tensor:
+    """(strata, m) zeros but each stratum's drawn coordinate, vals · scale there: randomk's decompress kernel.
+    Narrow fp32 strata write each lane through a bit mask, the others scatter."""
+    off = _offsets(a, b, vals.numel(), m)
+    v = vals * scale if scale != 1 else vals
+    out = scratch((vals.numel(), m), vals.dtype, vals.device)
+    if m > _NARROW or vals.dtype != torch.float32 or vals.device.type != "cpu":
+        return out.zero_().scatter_(1, off.view(-1, 1).long(), v.view(-1, 1))
+    bits, lanes = v.view(torch.int32), out.view(torch.int32)
+    if m == 2:           # lane 1: v & −off, lane 0: the rest of v
+        torch.bitwise_and(bits, off.neg_(), out=lanes[:, 1])
+        torch.bitwise_xor(bits, lanes[:, 1], out=lanes[:, 0])
+        return out
+    for j in range(m):
+        torch.bitwise_and(bits, _lane_mask(off, j), out=lanes[:, j])
+    return out
+
+
+_fused_gather, _fused_scatter = fused(gather_kernel), fused(scatter_kernel)
+
+
+def _tables(key: int, groups, device):
+    """Per group of strata, its table's rows (R x 1) and columns (1 x C) of 31-bit draws, hashed from `key`."""
+    out = []
+    for g, (_, count, m) in enumerate(groups):
+        cols = min(_COLS, count)
+        rows = -(-count // cols)
+        ab = random_bits(seed_of(key, g), rows + cols, _bits(m), device)
+        out.append((ab[:rows].view(rows, 1), ab[rows:].view(1, cols)))
+    return out
+
+
+def _row_blocks(count: int, cols: int, m: int):
+    """(first stratum, strata) of blocks of whole table rows, about `_BLOCK` coordinates each."""
+    step = cols * max(1, _BLOCK // (cols * m))
+    return [(s, min(step, count - s)) for s in range(0, count, step)]
+
+
 @compressors.register("randomk")
 class RandomK(Compressor):
     """Random-k with indices shared by seed: only k values travel, summed by all-reduce; scale=d/k if unbiased."""
@@ -62,29 +168,73 @@ class RandomK(Compressor):
     aggregation = "allreduce"
     fixed_size = True
 
-    def __init__(self, ratio: float = 0.5, scale: bool = True, seed: int = 0):
+    def __init__(self, ratio: float = 0.5, scale: bool = True, seed: int = 0, sampling: str = "stratified"):
         self.ratio = check_ratio(ratio)
         self.scale = bool(scale)
         self.unbiased = self.scale
         self.seed = seed
+        if sampling not in ("stratified", "uniform"):
+            raise UserError(f"randomk: sampling must be one of stratified, uniform; got {sampling!r}")
+        self.sampling = sampling
 
     def compress(self, tensor, key=None, step=0, agreed=None):
-        shape, dtype, d, idx = self.context(tensor.shape, tensor.dtype, key, step)
-        idx = idx.to(tensor.device)
-        return Payload([tensor.reshape(-1).index_select(0, idx)], ctx=(shape, dtype, d, idx))
+        shape, dtype, d, draw = self.context(tensor.shape, tensor.dtype, key, step)
+        flat = tensor.reshape(-1)
+        if self.sampling == "uniform":
+            return Payload([flat.index_select(0, draw.to(tensor.device))], ctx=(shape, dtype, d, draw))
+        k = num_kept(self.ratio, d)
+        out = fresh(k, flat.dtype, flat.device)
+        groups = strata(d, k) if k else []
+        done = 0
+        for (start, count, m), (a, b) in zip(groups, _tables(draw, groups, flat.device)):
+            x = flat[start:start + count * m].view(count, m)
+            if flat.device.type != "cpu":
+                out[done:done + count] = _fused_gather(x, a, b, m)
+            else:               # blocks of whole table rows, in cache
+                with cpu_blocks() as next_block:
+                    for s, c in _row_blocks(count, b.shape[1], m):
+                        next_block()
+                        r = s // b.shape[1]
+                        out[done + s:done + s + c] = gather_kernel(x[s:s + c], a[r:r - (-c // b.shape[1])], b, m)
+            done += count
+        return Payload([out], ctx=(shape, dtype, d, draw))
 
     def context(self, shape, dtype, key=None, step=0):
-        d = torch.Size(shape).numel()   # the indices every rank draws from the shared seed
-        return (torch.Size(shape), dtype, d, sample_without_replacement(d, num_kept(self.ratio, d),
-                                                                       generator(self.seed, key, step)))
+        """(shape, dtype, d, the draw every rank makes from the shared seed: the stratified offsets' 64-bit key,
+        or the uniform sample's indices)."""
+        d = torch.Size(shape).numel()
+        if self.sampling == "uniform":
+            draw = sample_without_replacement(d, num_kept(self.ratio, d), generator(self.seed, key, step))
+        else:
+            draw = seed_of(self.seed, "randomk", key, step)
+        return (torch.Size(shape), dtype, d, draw)
 
     def decompress(self, payload):
-        shape, dtype, d, idx = payload.ctx
+        shape, dtype, d, draw = payload.ctx
         vals = payload.tensors[0].reshape(-1).to(dtype)
-        if self.scale and idx.numel():
-            vals = vals * (d / idx.numel())
-        # (a receiver's `context` draws the indices on the host: they follow the payload to its device)
-        return torch.zeros(d, dtype=dtype, device=vals.device).index_copy_(0, idx.to(vals.device), vals).view(shape)
+        if self.sampling == "uniform":
+            if self.scale and draw.numel():
+                vals = vals * (d / draw.numel())
+            # (a receiver's `context` draws the indices on the host: they follow the payload to its device)
+            out = torch.zeros(d, dtype=dtype, device=vals.device)
+            return out.index_copy_(0, draw.to(vals.device), vals).view(shape)
+        out = fresh(d, dtype, vals.device)
+        groups = strata(d, vals.numel()) if vals.numel() else []
+        done = 0
+        for (start, count, m), (a, b) in zip(groups, _tables(draw, groups, vals.device)):
+            scale = m if self.scale else 1
+            region = out[start:start + count * m].view(count, m)
+            if vals.device.type != "cpu":
+                region.copy_(_fused_scatter(vals[done:done + count], a, b, m, scale))
+            else:
+                with cpu_blocks() as next_block:
+                    for s, c in _row_blocks(count, b.shape[1], m):
+                        next_block()
+                        r = s // b.shape[1]
+                        region[s:s + c] = scatter_kernel(vals[done + s:done + s + c], a[r:r - (-c // b.shape[1])],
+                                                         b, m, scale)
+            done += count
+        return out.view(shape)
 
     def aggregate(self, payloads):
         total = payloads[0].tensors[0].reshape(-1).clone()
