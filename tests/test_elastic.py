@@ -102,3 +102,72 @@ def test_a_newcomer_lost_while_it_takes_its_state_leaves_the_members_running(epo
     assert out[0]["sha"] == out[1]["sha"] and out[0]["steps"] == out[1]["steps"]
     assert out[0]["failures"] and out[0]["failures"][0]["lost"] == [2]
     assert out[0]["accuracy"] >= TARGET
+
+
+def _killing_worker(member, workers, cfg, kill_member, kill_step):
+    """`thinwire train`'s worker; member `kill_member` is SIGKILLed as it fetches the batch of `kill_step`."""
+    from thinwire.run.loop import train_worker
+    if member == kill_member:
+        calls = [0]
+        original = workloads.ShardLoader.next
+
+        def next_batch(self):
+            calls[0] += 1
+            if calls[0] == kill_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(self)
+        workloads.ShardLoader.next = next_batch
+    return train_worker(member, workers, cfg)
+
+
+def test_a_checkpoint_taken_after_a_change_of_membership_resumes_bitwise(epool, tmp_path):
+    """`thinwire train --elastic`'s loop: member 1 is lost at step 12; the checkpoint of step 24 is the
+    survivor's (its generation's shard and loader); resumed, the run ends with the uninterrupted run's model."""
+    from thinwire.run.train import TrainConfig, run_elastic, summarize
+    base = dict(workload="digits-mlp", algorithm="bsp", workers=2, elastic="1:3", steps=36, eval_every=12,
+                progress=False)
+    cfg = TrainConfig(**base, checkpoint_every=24, checkpoint_dir=str(tmp_path / "ck")).validate()
+    out = epool.run(_killing_worker, cfg, 1, 12, replace=False)
+    assert sorted(out) == [0] and [e["member"] for e in epool.lost] == [1]
+    assert [g["members"] for g in epool.generations] == [[0, 1], [0]]
+    summary, rows = summarize(cfg, [out[0]], 1.0)
+    assert [r["step"] for r in rows] == list(range(1, 37)) and summary["failures"][0]["lost"] == [1]
+    resumed = run_elastic(TrainConfig(**{**base, "workers": 1}, resume=str(tmp_path / "ck")).validate())
+    assert resumed["model_sha256"] == out[0]["model_sha256"]
+    assert resumed["steps"] == 36
+
+
+def test_a_refusal_names_the_first_difference():
+    """(one process) The job's description against a newcomer's: one line naming the entry that differs."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    job = elastic.Member(dist.PrefixStore("t/", store), 0, joining=False)
+    model = [["0.weight", [64, 64], "torch.float32"], ["0.bias", [64], "torch.float32"]]
+    job.agree("trainer", {"algorithm": "bsp", "model": model})
+    newcomer = elastic.Member(dist.PrefixStore("t/", store), 5, joining=True)
+    newcomer.agree("trainer", {"algorithm": "bsp", "model": model})           # the same: accepted
+    with pytest.raises(elastic.JoinRefused) as e:
+        newcomer.agree("trainer", {"algorithm": "bsp", "model": [model[0], ["0.bias", [32], "torch.float32"]]})
+    assert str(e.value) == ("cannot join: the job runs model [\"0.bias\", [64], \"torch.float32\"], this worker "
+                            "[\"0.bias\", [32], \"torch.float32\"]")
+    with pytest.raises(elastic.JoinRefused, match="the job runs algorithm 'bsp', this worker 'dts'"):
+        newcomer.agree("trainer", {"algorithm": "dts", "model": model})
+
+
+def test_a_newcomers_state_round_trips_as_tensors_and_json():
+    """(one process) What rank 0 sends a newcomer: comm/state.py's JSON header and one byte buffer, rebuilt
+    exactly (optimizer state with int keys, tuples, a 0-d step tensor, bools, None)."""
+    opt_state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)}},
+                 "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "foreach": None, "amsgrad": False,
+                                   "params": [0]}]}
+    obj = {"step": 7, "model": [torch.arange(6, dtype=torch.int64), torch.randn(2, 2)], "optimizer": opt_state,
+           "algorithm": {"anchor": [torch.randn(3)], "dirty": [True, False]}}
+    header, buffer = elastic.pack(obj)
+    back = elastic.state.decode(header, buffer)
+    assert back["step"] == 7 and back["algorithm"]["dirty"] == [True, False]
+    assert torch.equal(back["model"][0], obj["model"][0]) and torch.equal(back["model"][1], obj["model"][1])
+    got = back["optimizer"]
+    assert list(got["state"]) == [0] and torch.equal(got["state"][0]["exp_avg"], opt_state["state"][0]["exp_avg"])
+    assert got["param_groups"][0]["betas"] == (0.9, 0.95) and got["param_groups"][0]["foreach"] is None
+    with pytest.raises(ValueError):
+        elastic.state.decode(header, buffer[:-8])

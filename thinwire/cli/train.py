@@ -84,6 +84,13 @@ def run(args) -> int:
     cfg = config_from_args(args)
     if args.trace and not args.out:
         raise UserError("--trace needs --out DIR (the trace is written to DIR/trace.json)")
+    if cfg.join is not None:    # one more worker of a running elastic job (under torchrun too: each process joins)
+        mine = run_training(cfg)
+        steps = mine["steps"]
+        print(f"thinwire: joined the elastic job at {cfg.join} as member {mine['rank']}: steps "
+              f"{steps[0]['step'] if steps else '-'}..{steps[-1]['step'] if steps else '-'}, final "
+              f"{mine['final']:.4f} (the job's launcher writes the summary)", file=sys.stderr)
+        return 0
     torchrun = under_torchrun()
     if torchrun:
         rank, world = init(cfg.network, seed=cfg.seed, device=cfg.device)
@@ -123,6 +130,15 @@ def register(sub) -> None:
     p.add_argument("--on-failure", choices=["stop", "continue"], default="stop",
                    help="a worker lost mid-run: stop the job (default), or continue with the survivors "
                         "(bsp, localsgd, postlocalsgd, dts, diloco, ...: algorithms whose averages stay meaningful)")
+    p.add_argument("--elastic", metavar="MIN:MAX",
+                   help="an elastic job: a lost worker is replaced (it joins at the algorithm's next synchronization "
+                        "boundary with a live peer's state), more join by hand up to MAX, the job goes on while "
+                        "MIN remain (bsp, localsgd, postlocalsgd, diloco, dts; docs/reliability.md)")
+    p.add_argument("--replace-delay", type=float, default=0.0, metavar="S",
+                   help="--elastic: start a lost worker's replacement S seconds after the loss (default 0)")
+    p.add_argument("--join", metavar="HOST:PORT",
+                   help="join the running elastic job whose launcher listens at HOST:PORT (it prints the address) "
+                        "as one more worker, with the job's options; under torchrun each process joins")
     p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
                    help="NaN/Inf gradient: stop every rank (default) or skip the step on all ranks")
     p.add_argument("--progress-timeout", type=float, metavar="S",

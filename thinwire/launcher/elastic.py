@@ -126,7 +126,9 @@ class ElasticPool:
         self.workers, self.max_workers, self.min_workers = workers, max_workers, min_workers
         self.timeout, self.stall_timeout, self.progress_timeout = timeout, stall_timeout, progress_timeout
         self.replace, self.replace_delay, self.worker_init = replace, float(replace_delay), worker_init
-        self.threads = threads or _pool._threads_per_worker(workers)
+        # sized for the most workers the job may have: the same in every run of a job, whatever its members
+        # (a checkpoint taken with 1 member resumes bitwise in a pool started with 1)
+        self.threads = threads or _pool._threads_per_worker(max_workers)
         self.spares, self.start_timeout = spares, start_timeout
         self.host = host
         fd, self.port = _listen(host, port)
@@ -200,10 +202,11 @@ class ElasticPool:
 
     # -- a run -------------------------------------------------------------------------------------------
     def run(self, fn, *args, network="lan", seed: int = 0, timeout: float | None = None, joins=(),
-            replace: bool | None = None) -> dict:
+            replace: bool | None = None, deadline: float | None = None) -> dict:
         """Run `fn(member, workers, *args)` as an elastic job; {member id: return value} of the members of the
         last generation (the lost and the refused are in `lost` and `refused`). `replace` overrides the pool's
-        for this run."""
+        for this run. As `Pool.run`: a run that reports progress is bounded by the progress watchdog, one that
+        reports none by `timeout`; `deadline` ends it whatever its progress."""
         if self._closed:
             raise RuntimeError("the pool is closed")
         parse_network(network)
@@ -242,7 +245,7 @@ class ElasticPool:
         self._replacements: list[float] = []
         self._replace = self.replace if replace is None else replace
         try:
-            out = self._collect(tid, timeout or self.timeout)
+            out = self._collect(tid, timeout or self.timeout, deadline)
         except BaseException:
             self.close(force=True)
             raise
@@ -294,9 +297,9 @@ class ElasticPool:
         if self._replace:
             self._replacements.append(time.monotonic() + self.replace_delay)
 
-    def _collect(self, tid: int, timeout: float) -> dict:
+    def _collect(self, tid: int, timeout: float, deadline: float | None) -> dict:
         got: dict[int, object] = {}
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
         watch = _Watchdog(self._steps, self._times, self.progress_timeout)
         done_at = None
         while True:
@@ -361,9 +364,10 @@ class ElasticPool:
                         s["proc"].join(timeout=5)
                         s["proc"], s["member"] = None, None
                     return {m: got[m] for m in members}
-            if now > deadline:
+            limit = deadline if deadline is not None else (None if watch.seen else timeout)
+            if limit is not None and now > t0 + limit:
                 missing = [m for m in members if m not in got]
-                raise WorkerError(missing[0] if missing else -1, f"stalled: no result within {timeout:.0f} s "
+                raise WorkerError(missing[0] if missing else -1, f"stalled: no result within {limit:.0f} s "
                                                                   f"(members {missing} still running)")
 
     def _join_due(self, value, kind, now) -> bool:

@@ -29,14 +29,22 @@ from ..files import atomic_write
 MANIFEST = "checkpoint.json"
 # configuration fields that may change between the interrupted and the resumed run
 _FREE = {"epochs", "steps", "progress", "trace", "eval_every", "target", "checkpoint_every", "checkpoint_dir",
-         "resume", "nonfinite", "progress_timeout", "deadline", "budget_s", "stop_at_target", "tensorboard"}
+         "resume", "nonfinite", "progress_timeout", "deadline", "budget_s", "stop_at_target", "tensorboard",
+         "elastic", "replace_delay", "join"}
 
 
-def fingerprint(cfg) -> str:
+def config_fields(cfg) -> dict:
+    """The configuration fields a checkpoint (and an elastic job's newcomer) must share with the run."""
     from dataclasses import asdict
     fields = {k: v for k, v in asdict(cfg).items() if k not in _FREE}
     fields["servers"] = cfg.resolve_servers()   # omitted (None) and the default it stands for are the same run
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    if getattr(cfg, "elastic", None) or getattr(cfg, "join", None):
+        fields["workers"] = "elastic"          # the members come and go: the world size is checked by itself
+    return fields
+
+
+def fingerprint(cfg) -> str:
+    return hashlib.sha256(json.dumps(config_fields(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def rng_state() -> dict:

@@ -36,6 +36,7 @@ reports that interval with every reading (`time_to_target_resolution_s`), so eac
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -57,6 +58,7 @@ _now = time.perf_counter
 EVAL_PRECISION = 0.02   # in a race, evaluations come every 2 % of the training clock (see the module's doc) ...
 EVAL_OVERHEAD = 0.25    # ... or far from the target: evaluations cost at most a quarter of the training time ...
 FAR = 0.25              # ... or half-way to the predicted crossing, at most a quarter of the clock ahead
+ELASTIC_SEED = 10007    # an elastic job's loader of generation g is shuffled by seed + ELASTIC_SEED * g
 
 
 # -- steppers ---------------------------------------------------------------------------------------------
@@ -64,7 +66,10 @@ class TrainerStepper(Stepper):
     """thinwire's own algorithms (and `local`, the no-communication reference) through `thinwire.Trainer`."""
 
     def __init__(self, cfg, wl, rank: int, tracer=None):
+        from ..comm import elastic
         from ..trainer import Trainer
+        if elastic.MEMBER is not None:      # a newcomer of another configuration is refused, naming the difference
+            elastic.MEMBER.agree("run", checkpoint.config_fields(cfg))
         model = wl.model(cfg.seed).to(model_device(cfg))
         self.trainer = Trainer(model, make_optimizer(cfg, wl, model), algorithm=cfg.algorithm,
                                compressor=cfg.compressor, memory=cfg.memory, network=cfg.network, tracer=tracer,
@@ -256,7 +261,11 @@ class Board:
 
 # -- the loop ---------------------------------------------------------------------------------------------
 def train_worker(rank: int, world_size: int, cfg) -> dict:
-    """Runs in every rank: train, evaluate, agree, stop; return this rank's records."""
+    """Runs in every rank: train, evaluate, agree, stop; return this rank's records. In an elastic job `rank` is
+    the member id and `world_size` the number of workers the job started with."""
+    from ..comm import elastic
+    if elastic.MEMBER is not None and cfg.workers != world_size:   # (a newcomer joined by hand: the job's count)
+        cfg = dataclasses.replace(cfg, workers=world_size)
     wl = workloads.get(cfg.workload)
     tracer = Tracer(rank, enabled=cfg.trace)
     stepper = make_stepper(cfg, wl, rank, world_size, tracer)
@@ -286,9 +295,23 @@ def progress_bar(**kw):
 def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     wrank = stepper.worker_rank
     device = next(stepper.module.parameters()).device
-    x, y = wl.shard(wrank, cfg.workers)
-    x, y = x.to(device), y.to(device)   # the shard goes to the model's device once: batches are cut there
-    loader = workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=cfg.seed, rank=wrank)
+    trainer = getattr(stepper, "trainer", None)
+    member = getattr(trainer, "elastic", None)      # a member of an elastic job (thinwire.comm.elastic), or None
+
+    def shard(seed: int | None = None) -> workloads.ShardLoader:
+        """This worker's batches: its shard among `cfg.workers`, or in an elastic job its shard as rank r of the
+        current generation's n members, shuffled by (seed, generation, rank): the data follows the membership."""
+        if member is None:
+            r, n, seed = wrank, cfg.workers, cfg.seed if seed is None else seed
+        else:
+            r, n = trainer.transport.rank, trainer.transport.world_size
+            seed = cfg.seed + ELASTIC_SEED * member.gen if seed is None else seed
+        x, y = wl.shard(r, n)
+        x, y = x.to(device), y.to(device)   # the shard goes to the model's device once: batches are cut there
+        return workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=seed, rank=r)
+
+    loader = shard()
+    gen = member.gen if member is not None else None
     total = cfg.total_steps(wl)
     schedule = Schedule(cfg, wl, total, cfg.workers, group)
     bar = board = None
@@ -312,6 +335,8 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     try:
         if cfg.resume:
             state = _restore(cfg, rank, stepper)
+            if "loader_seed" in state:      # (an elastic run's shard of the generation it was written in)
+                loader = shard(int(state["loader_seed"]))
             loader.load_state_dict(state["loader"])
             steps, evals, clock = state["records"]["steps"], state["records"]["evals"], float(state["clock"])
             first = int(state["step"]) + 1
@@ -319,6 +344,8 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             schedule.load_state_dict(state.get("schedule"))
             if bar is not None:
                 bar.update(first - 1)
+        elif member is not None and member.joining:     # a newcomer: from the step it joined at
+            first = trainer.step_count + 1
         else:
             evaluate(0)
         step = first
@@ -332,6 +359,8 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             report_progress(step)  # computed: the launcher's watchdog tells a stuck rank from those waiting on it
             traffic = stepper.step()
             stepper.zero_grad()
+            if member is not None and member.gen != gen:    # the membership changed: this generation's shard
+                gen, loader = member.gen, shard()
             # on a GPU this read waits for the step's queued work, which the training clock must include
             value = loss.item()   # host: once per step (the loss record)
             dt = _now() - t0
@@ -348,14 +377,18 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                 if stop is not None and step != total:  # a race ends here: drain, on the clock
                     clock += _timed(stepper.close)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop is None and step != total:
+                more = {} if member is None else {"loader_seed": loader.seed}
                 _save(cfg, rank, world_size, step, stepper, before, loader=loader.state_dict(),
-                      records={"steps": steps, "evals": evals}, clock=clock, schedule=schedule.state_dict())
+                      records={"steps": steps, "evals": evals}, clock=clock, schedule=schedule.state_dict(), **more)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.3f}", refresh=False)
             if stop is not None:
                 break
             step += 1
+        if not evals:                   # a newcomer that joined at the last step
+            stepper.close()
+            evaluate(first - 1)
     finally:
         if bar is not None:
             bar.close()
@@ -383,6 +416,12 @@ def _save(cfg, rank, world_size, step, stepper, before, **more) -> None:
     state = {"step": step, "trainer": stepper.state_dict(), "rng": checkpoint.rng_state()}
     meter, metrics = stepper.counted(before)   # after state_dict(), which may wait for exchanges in flight
     state.update(counted={"meter": meter, "skipped_steps": metrics.get("skipped_steps", 0)}, **more)
+    member = getattr(getattr(stepper, "trainer", None), "elastic", None)
+    if member is not None:      # an elastic job: the current generation's ranks write it, on its own group
+        transport = stepper.trainer.transport
+        checkpoint.save(cfg.checkpoint_dir, transport.rank, transport.world_size, step, cfg, state,
+                        transport.barrier)
+        return
     checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
 
 

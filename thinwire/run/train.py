@@ -92,6 +92,9 @@ class TrainConfig:
     resume: str | None = None             # a checkpoint directory to continue from
     nonfinite: str = "stop"               # NaN/Inf in a gradient: "stop" every rank, or "skip" the step on all
     on_failure: str = "stop"              # a lost worker: "stop" the job, or "continue" with the survivors
+    elastic: str | None = None            # "MIN:MAX": an elastic job (lost workers replaced, newcomers join)
+    replace_delay: float = 0.0            # an elastic job: seconds before a lost worker's replacement starts
+    join: str | None = None               # "HOST:PORT": join the elastic job whose launcher listens there
     progress_timeout: float | None = None # the launcher's progress watchdog (s); None: its default
     deadline: float | None = None         # the launcher ends the run after this wall time (s); None: no deadline
     budget_s: float | None = None         # a race: stop when the training clock reaches this (agreed by all)
@@ -155,6 +158,8 @@ class TrainConfig:
             raise UserError(f"--nonfinite must be stop or skip, got {self.nonfinite!r}")
         if self.on_failure not in ("stop", "continue"):
             raise UserError(f"--on-failure must be stop or continue, got {self.on_failure!r}")
+        if self.elastic is not None or self.join is not None:
+            self._check_elastic()
         if self.on_failure == "continue" and self.checkpoint_every:
             raise UserError("--on-failure continue goes on with the survivors instead of restarting from a "
                             "checkpoint; drop --checkpoint-every (or use --on-failure stop)")
@@ -188,6 +193,49 @@ class TrainConfig:
             check_momentum(alg, comp, mem, settings["momentum"] if self.momentum is None else self.momentum,
                            explicit=self.momentum is not None)
         return self
+
+    def elastic_range(self) -> tuple[int, int]:
+        """(MIN, MAX) of `--elastic MIN:MAX`."""
+        lo, sep, hi = str(self.elastic).partition(":")
+        try:
+            lo, hi = int(lo), int(hi)
+        except ValueError:
+            lo = hi = None
+        if not sep or lo is None or not 1 <= lo <= hi <= MAX_LOCAL_WORKERS:
+            raise UserError(f"--elastic takes MIN:MAX, the fewest and the most workers, integers with 1 <= MIN <= "
+                            f"MAX <= {MAX_LOCAL_WORKERS}; got {self.elastic!r}")
+        return lo, hi
+
+    def _check_elastic(self) -> None:
+        """An elastic job (or a worker joining one): an algorithm with synchronization boundaries on all-reduce,
+        on the CPU, training a fixed number of steps (docs/reliability.md, "Workers that join a running job")."""
+        from ..trainer import check_elastic
+        if self.elastic is not None and self.join is not None:
+            raise UserError("--elastic starts an elastic job, --join joins one: give one of them")
+        if self.elastic is not None:
+            lo, hi = self.elastic_range()
+            if not lo <= self.workers <= hi:
+                raise UserError(f"--workers {self.workers} is outside --elastic {self.elastic} (the job starts with "
+                                f"--workers and keeps between MIN and MAX)")
+        check_number("--replace-delay", self.replace_delay, 0, 3600, why=" (seconds)")
+        if self.join is not None:
+            host, _, port = self.join.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise UserError(f"--join takes HOST:PORT (the address an elastic job prints), got {self.join!r}")
+        what = "--elastic" if self.elastic is not None else "--join"
+        if self.servers or self.architecture() != "allreduce":
+            raise UserError(f"{what} runs on all-reduce; {self.algorithm} on {self.architecture()} does not take "
+                            f"newcomers")
+        if self.device != "cpu":
+            raise UserError(f"{what} runs on the CPU (gloo groups of its own per generation); drop --device cuda")
+        if self.budget_s is not None or self.stop_at_target:
+            raise UserError(f"{what} trains a fixed number of steps (every member evaluates at the same steps); "
+                            f"drop --budget and --stop-at-target")
+        if str(self.network).startswith("islands"):
+            raise UserError(f"{what} runs on one link; two-tier networks (islands:...) need a fixed world")
+        alg, _, _, scheduler, _ = build_components(self.algorithm, self.compressor, self.memory,
+                                                   **self.component_params())
+        check_elastic(alg, scheduler)
 
     def _check_race(self) -> None:
         """Numbers and paths of the race and logging options, and the optimizer's name."""
@@ -229,6 +277,9 @@ class TrainConfig:
         if self.on_failure != "stop":
             raise UserError(f"{self.algorithm} is a peer: --on-failure stop only (survivors regroup in thinwire's "
                             f"Trainer)")
+        if self.elastic is not None or self.join is not None:
+            raise UserError(f"{self.algorithm} is a peer: --elastic and --join are thinwire's (its Trainer takes "
+                            f"newcomers in); PyTorch's elastic restart is torchrun --max-restarts")
         check_lengths(self)
         self._check_fit()
         self._check_deadline()
@@ -273,15 +324,23 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
     wl = workloads.get(cfg.workload)
     workers = [r for r in results if r is not None and r["role"] == "worker"]   # None: a lost worker
     servers = [r for r in results if r is not None and r["role"] != "worker"]
-    n_steps = len(workers[0]["steps"])
+    # by step: the workers that recorded it (all of them, except in an elastic job, where a newcomer's records
+    # begin at the step it joined)
+    steps_of, evals_of = {}, {}
+    for w in workers:
+        for rec in w["steps"]:
+            steps_of.setdefault(rec["step"], []).append(rec)
+        for rec in w["evals"]:
+            evals_of.setdefault(rec["step"], []).append(rec)
+    n_steps = len(steps_of)
     rows = []
-    for i in range(n_steps):   # each step: the slowest worker's clock and step time, the workers' mean of the rest
-        per = [w["steps"][i] for w in workers]
-        rows.append({"step": i + 1, **{k: (max if k in ("t", "step_s") else statistics.fmean)(p[k] for p in per)
-                                       for k in ("loss", "t", "step_s", "bytes_sent", "emulated_s", "wait_s")}})
+    for step in sorted(steps_of):   # each step: the slowest worker's clock and step time, the workers' mean of the rest
+        per = steps_of[step]
+        rows.append({"step": step, **{k: (max if k in ("t", "step_s") else statistics.fmean)(p[k] for p in per)
+                                      for k in ("loss", "t", "step_s", "bytes_sent", "emulated_s", "wait_s")}})
     evals = []
-    for i in range(len(workers[0]["evals"])):
-        per = [w["evals"][i] for w in workers]
+    for step in sorted(evals_of):
+        per = evals_of[step]
         # in a race the ranks agreed on the mean and the clock (and stopped on them): the same numbers here
         evals.append({"step": per[0]["step"], "t": per[0].get("agreed_t", max(p["t"] for p in per)),
                       "value": per[0].get("agreed", statistics.fmean(p["value"] for p in per))})
@@ -340,6 +399,10 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
         check_writable_dir(out, "--out")  # before training: never lose the results to a bad path
     cfg.validate()
     t0 = _now()
+    if cfg.join is not None:
+        return join_training(cfg)
+    if cfg.elastic is not None:
+        return run_elastic(cfg, out, pool)
     if pool is not None:
         extra = {} if cfg.deadline is None else {"deadline": cfg.deadline}
         results = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed, **extra)
@@ -350,10 +413,47 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
     return summarize_and_write(cfg, results, _now() - t0, out)
 
 
-def summarize_and_write(cfg: TrainConfig, results: list[dict], wall_s: float, out: str | None) -> dict:
-    """The summary (`summarize`); with `out`, also written: `out/metrics.jsonl`, `out/summary.json` and, with
-    `cfg.trace`, `out/trace.json` (each atomically)."""
+def run_elastic(cfg: TrainConfig, out: str | None = None, pool=None, on_start=None) -> dict:
+    """`thinwire train --elastic MIN:MAX`: an elastic job (`thinwire.launcher.elastic.ElasticPool`) that replaces
+    each lost worker (`replace_delay` later) and takes newcomers joined by hand (`--join`, the address printed on
+    stderr) up to MAX. The summary adds `elastic`: the generations, the workers lost and the newcomers started.
+    `on_start(pool)`, if given, runs once the pool listens (the churn benchmark starts its kill schedule there)."""
+    from ..launcher.elastic import ElasticPool
+    lo, hi = cfg.elastic_range()
+    t0 = _now()
+    own = pool is None
+    if own:
+        pool = ElasticPool(cfg.workers, max_workers=hi, min_workers=lo, replace=True,
+                           replace_delay=cfg.replace_delay,
+                           progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT)
+    try:
+        print(f"thinwire: elastic job ({lo}..{hi} workers) on {pool.host}:{pool.port}; more workers join with "
+              f"`thinwire train --join {pool.host}:{pool.port}` and this run's other options", file=sys.stderr,
+              flush=True)
+        if on_start is not None:
+            on_start(pool)
+        got = pool.run(train_worker, cfg, network=cfg.network, seed=cfg.seed, deadline=cfg.deadline)
+    finally:
+        if own:
+            pool.close()
+    elastic = {"min": lo, "max": hi, "generations": pool.generations, "lost": pool.lost, "joined": pool.joined,
+               "refused": {str(k): v for k, v in pool.refused.items()}}
+    return summarize_and_write(cfg, [got[m] for m in sorted(got)], _now() - t0, out, {"elastic": elastic})
+
+
+def join_training(cfg: TrainConfig) -> dict:
+    """`thinwire train --join HOST:PORT`: this process joins the elastic job there as one more worker (also under
+    torchrun: each of its processes joins); the job's launcher writes the summary. Returns this worker's records."""
+    from ..launcher.elastic import join_by_hand
+    return join_by_hand(cfg.join, train_worker, cfg)
+
+
+def summarize_and_write(cfg: TrainConfig, results: list[dict], wall_s: float, out: str | None,
+                        extra: dict | None = None) -> dict:
+    """The summary (`summarize`, with `extra`); with `out`, also written: `out/metrics.jsonl`,
+    `out/summary.json` and, with `cfg.trace`, `out/trace.json` (each atomically)."""
     summary, rows = summarize(cfg, results, wall_s)
+    summary.update(extra or {})
     if out:
         os.makedirs(out, exist_ok=True)
         if cfg.trace:
