@@ -120,6 +120,31 @@ def test_matrix_end_to_end(matrix):
             assert r["steps"] == r["steps_to_target"] and r["best_accuracy"] >= 0.8
 
 
+def test_the_reference_races_like_the_cells_and_the_planner_predicts_first(matrix):
+    """The no-communication reference is `local` raced with every cell's workers, data, batch, target, step bound
+    and process layout (one run per seed, its spread reported); each cell's scalability is against the reference
+    of its seed; the planner's predicted steps, syncs and times to target were recorded before the cells ran."""
+    out, results, _ = matrix
+    base = results["baseline"]
+    assert len(base["runs"]) == 1 and base["throughput_min"] <= base["throughput_samples_s"] <= base["throughput_max"]
+    ref = base["runs"][0]
+    assert ref["config"]["algorithm"] == "local" and ref["steps"] > 0 and ref["curve"]
+    for r in results["cells"]:
+        mine = {k: v for k, v in r["config"].items() if k not in ("algorithm", "network", "params", "compressor",
+                                                                  "memory", "servers", "trace", "tensorboard")}
+        theirs = {k: v for k, v in ref["config"].items() if k in mine}
+        assert mine == theirs, (r["label"], mine, theirs)
+        assert r["scalability"] == pytest.approx(r["throughput_samples_s"] / ref["throughput_samples_s"])
+    pred = results["predictions"]["lan"]
+    assert set(pred["cells"]) == set(CELLS)
+    assert all(p.get("step_s", 0) > 0 for label, p in pred["cells"].items() if not label.startswith("ddp-hier"))
+    if base["steps_to_target"]:
+        assert pred["winner"] in CELLS and all(
+            p["time_to_target_s"] == pytest.approx(p["steps"] * p["step_s"]) for p in pred["cells"].values()
+            if "steps" in p)
+        assert "**Predicted before the race**" in open(os.path.join(out, "report.md")).read()
+
+
 def test_report_and_plots(matrix):
     out, results, _ = matrix
     report = open(os.path.join(out, "report.md")).read()
@@ -343,6 +368,14 @@ def test_presets_name_the_papers_matrices():
     algos = {presets.parse_cell(c).algorithm for c in world.cells}   # every family once, against the peers
     assert {"bsp", "localsgd", "dts", "cdsgd", "diloco", "ddp", "ddp-powersgd", "ddp-postlocalsgd",
             "torchft-diloco"} <= algos and any(presets.parse_cell(c).memory for c in world.cells)
+    isl = presets.get("islands")      # hierarchical DiLoCo against flat DiLoCo and the peers, on islands
+    assert isl.seeds == 3 and len(isl.networks) == 1 and parse_network(isl.networks[0]).islands == 2
+    assert {"diloco", "diloco:replicas=worker", "ddp", "torchft-diloco"} <= set(isl.cells)
+    m = presets.get("map")            # six networks: the four profiles, a consumer link and islands
+    assert m.networks[:5] == ["dc", "cluster", "wan", "world", "home"] and m.networks[5].startswith("islands:")
+    assert {presets.parse_cell(c).algorithm for c in m.cells} >= {"bsp", "localsgd", "diloco", "ddp",
+                                                                   "ddp-postlocalsgd", "torchft-diloco"}
+    assert "diloco" in quick.cells      # named without parameters: the planner's DiLoCo in the demo
     from thinwire.run import workloads
     assert all(p.workload in workloads.registry for p in presets.PRESETS.values())
 

@@ -150,3 +150,54 @@ def test_tune_keeps_cdsgd_corrections_frequent_under_momentum():
     pick, why = tune("cdsgd", s, momentum=0.9)
     assert pick["k"] <= 2 and "k <= 2, the accuracy bound at momentum 0.9" in why
     assert tune("cdsgd", s, momentum=0.0)[0]["k"] > 2
+
+
+# -- DiLoCo planned so that its sync is hidden (thinwire.plan.diloco) ------------------------------------------
+def test_diloco_planner_hides_the_sync_by_the_tau_rule():
+    """τ = ⌈one fragment's sync / step⌉ (below H/F and at most half of it), else eager updates; the smallest H that
+    reaches 95 % scalability; gloo's ring where the link is near, a point-to-point all-reduce where latency dominates,
+    fewer bits where bytes dominate, one replica per island on a two-tier network."""
+    import math
+
+    from thinwire.net import parse_network
+    from thinwire.plan.costmodel import Scenario
+    from thinwire.plan.diloco import candidates, fragment_sync, plan_diloco, predict_diloco
+
+    def scenario(net, compute=0.17):
+        return Scenario(params=1.07e6, compute_s=compute, link=parse_network(net), workers=4, handshake=True)
+
+    for net in ("cluster", "wan", "world", "home", "custom:bandwidth=10gbit,latency=150ms"):
+        s = scenario(net)
+        p = plan_diloco(s)
+        delta, cost = fragment_sync(s, p.compressor, p.allreduce, p.fragments)
+        assert p.sync_s == pytest.approx(delta + cost.time)
+        k = p.period // p.fragments
+        if p.eager:       # no τ below H/F hides it: the whole period does
+            assert p.fragments == 1 and p.sync_s <= p.period * s.compute_s
+            assert math.ceil(p.sync_s / s.compute_s) > k // 2
+        else:             # the τ rule: the least overlap whose inner steps cover the sync
+            assert p.overlap == math.ceil(p.sync_s / s.compute_s - 1e-9) and p.overlap <= k // 2
+            assert (p.overlap - 1) * s.compute_s < p.sync_s <= p.overlap * s.compute_s
+        assert p.scalability >= 0.95 and p.iteration_s == pytest.approx(
+            predict_diloco(s, p.compressor, p.allreduce, p.fragments, p.period, p.overlap, p.eager)[0])
+        smaller = [c for c in candidates(s) if c.period < p.period and c.scalability >= 0.95 and c.eager == p.eager]
+        assert not smaller, (net, smaller[0].describe())     # nothing with a smaller H reaches the target
+    # latency dominates a fast, far link: recursive doubling (2 rounds of one latency), not gloo's 6 round trips
+    far = plan_diloco(scenario("custom:bandwidth=10gbit,latency=150ms"))
+    assert far.allreduce == "recursive_doubling" and far.compressor == "none"
+    # bytes dominate a thin, near link: fewer bits (with error feedback)
+    thin = plan_diloco(scenario("custom:bandwidth=20mbit,latency=1ms"))
+    assert thin.compressor in ("int8", "fp4") and thin.memory == "residual" and thin.bits < 32
+    assert plan_diloco(scenario("cluster")).compressor == "none"
+    # too slow a step to hide anything in a short H: the planner says how much is left exposed (no target reached)
+    tight = plan_diloco(scenario("custom:bandwidth=1mbit,latency=500ms", compute=0.01))
+    assert tight.scalability < 0.95 and tight.params()["period"] == tight.period
+    # what the cell gives is kept
+    given = plan_diloco(scenario("world"), given={"period": 64, "compressor": "int8", "memory": "residual"})
+    assert given.period == 64 and given.compressor == "int8"
+    # a two-tier network: one replica per island, the outer sync among 2 islands over the thin link only
+    isl = parse_network("islands:2x2,inside=dc,across=world")
+    h = plan_diloco(scenario("islands:2x2,inside=dc,across=world"), isl)
+    assert h.replicas == "island" and h.params()["replicas"] == "island" and h.allreduce == "gloo"
+    flat = plan_diloco(scenario("islands:2x2,inside=dc,across=world"), isl, given={"replicas": "worker"})
+    assert flat.replicas == "worker" and "replicas" not in flat.params()

@@ -77,6 +77,9 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
+import threading
+import time
 from typing import Callable
 
 import torch
@@ -131,6 +134,25 @@ def _outer_factory(outer_optimizer, outer_lr: float, outer_momentum: float, nest
         raise UserError(f"outer_optimizer must be a torch.optim class name or a callable params -> optimizer, "
                         f"got {type(outer_optimizer).__name__}")
     return outer_optimizer
+
+
+class _SyncClock:
+    """When a fragment's sync began, and when the last of its pieces was delivered (a done-callback per piece)."""
+
+    def __init__(self):
+        self.t0 = self.done = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def watch(self, fut) -> None:
+        fut.add_done_callback(self._delivered)
+
+    def _delivered(self, _fut) -> None:
+        with self._lock:
+            self.done = max(self.done, time.perf_counter())
+
+    def elapsed(self) -> float:
+        with self._lock:
+            return self.done - self.t0
 
 
 class _Gathered(Future):
@@ -254,6 +276,9 @@ class DiLoCo(Algorithm):
         self._inflight: list[list] = [[] for _ in range(self.fragments)]
         self._own: list[dict] = [{} for _ in range(self.fragments)]
         self._current: dict = {}            # segment -> own outer gradient taken this step (eager)
+        self._sync_clock: _SyncClock | None = None
+        self._clocks: list = [None] * self.fragments    # eager: the sync clock of each fragment's round in flight
+        self.sync_times: list[float] = []   # each fragment sync, from its first piece's start to its last's delivery
 
     def _island_transports(self):
         """(this island's transport, the transport of the islands' j-th workers) on a two-tier network with islands
@@ -314,16 +339,20 @@ class DiLoCo(Algorithm):
         with torch.no_grad():      # Δ_i = θ − θ_i (DiLoCo Alg. 1 line 12), in the bucket's order
             delta = torch.cat([(self.anchor[k] - self._local(k)).reshape(-1) for k in piece])
         if self.island is None:
-            fut = self.exchange.start(delta, key=self._key(bucket, f), shapes=[tuple(self.anchor[k].shape)
-                                                                               for k in piece])
+            fut = sent = self.exchange.start(delta, key=self._key(bucket, f),
+                                             shapes=[tuple(self.anchor[k].shape) for k in piece])
         else:       # this worker's shard of the island's Δ across the thin link, the island gathers the rest
             inside, _ = self.island
             shards = delta.tensor_split(inside.world_size)
             mine = shards[inside.rank]
-            fut = _Gathered(self.exchange.start(mine.clone(), key=f"{self._key(bucket, f)}#{inside.rank}",
-                                                shapes=[tuple(mine.shape)]), inside, [t.numel() for t in shards])
+            sent = self.exchange.start(mine.clone(), key=f"{self._key(bucket, f)}#{inside.rank}",
+                                       shapes=[tuple(mine.shape)])
+            fut = _Gathered(sent, inside, [t.numel() for t in shards])
         if self.eager:     # the own share stands in for the average until it arrives
             self._current.update(zip(piece, views(delta.clone(), [self.anchor[k] for k in piece])))
+        if not self._pending:       # a fragment's sync begins: time it until its last piece is delivered
+            self._sync_clock = _SyncClock()
+        self._sync_clock.watch(sent)       # (over the thin link; never a future that communicates on completion)
         self._pending.append((piece, fut))
         self._pending_fragment = f
 
@@ -376,7 +405,7 @@ class DiLoCo(Algorithm):
             for k in ks:
                 self.anchor[k].grad = None
                 self._local(k).copy_(self.anchor[k])
-            self._inflight[f], self._own[f] = self._pending, own
+            self._inflight[f], self._own[f], self._clocks[f] = self._pending, own, self._sync_clock
             self._pending, self._pending_fragment = [], None
             self._dirty[f] = False
             self.syncs += 1
@@ -389,7 +418,9 @@ class DiLoCo(Algorithm):
                 own = self._own[f].get(k)
                 delayed = avg if own is None else avg - own / m
                 grads[k] = delayed if k not in grads else grads[k] + delayed
-        self._inflight[f], self._own[f] = [], {}
+        if self._inflight[f] and self._clocks[f] is not None:
+            self.sync_times.append(self._clocks[f].elapsed())
+        self._inflight[f], self._own[f], self._clocks[f] = [], {}, None
 
     @torch.no_grad()
     def _merge(self, fragments: list[int], alpha: float) -> None:
@@ -399,6 +430,8 @@ class DiLoCo(Algorithm):
             for piece, fut in self._pending:
                 for k, g in zip(piece, views(fut.wait(), [self.anchor[k] for k in piece])):
                     self.anchor[k].grad = g
+            if self._pending and self._sync_clock is not None:
+                self.sync_times.append(self._sync_clock.elapsed())
             self._pending, self._pending_fragment = [], None
             ks = [k for f in fragments for k in self.by_fragment[f]]
             step_subset(self.outer, [self.anchor[k] for k in ks])      # θ ← OuterOpt(θ, Δ) (Alg. 1 line 14)
@@ -520,7 +553,8 @@ class DiLoCo(Algorithm):
                 "alpha": self.alpha, "eager": self.eager, "replicas": self.replicas,
                 "replicas_averaged": self.exchange.world_size, "outer_optimizer": self.outer_spec or
                 f"sgd(lr={self.outer_lr}, momentum={self.outer_momentum}, nesterov={self.nesterov})",
-                "syncs": self.syncs, "fragment_params": [b - a for a, b in zip(self.bounds, self.bounds[1:])]}
+                "syncs": self.syncs, "fragment_params": [b - a for a, b in zip(self.bounds, self.bounds[1:])],
+                "sync_s": statistics.median(self.sync_times) if self.sync_times else None}
 
     def _config(self) -> dict:
         return {"period": self.period, "fragments": self.fragments, "overlap": self.overlap, "eager": self.eager,

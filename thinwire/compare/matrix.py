@@ -6,9 +6,9 @@ then `DIR/report.md` and PNG plots are drawn from it.
 stepper: thinwire's Trainer, a PyTorch DDP peer, torchft's DiLoCo) with the same budget of *training time*
 (`budget_s`, evaluations excluded) and stops at the first evaluation whose mean metric over the workers reaches
 the target, or when the budget is spent, or at the step bound (`epochs` / `steps`, none by default when a budget
-is given): a cell that is fast per step is never cut off by a step count. Evaluations come every 2 % of the
-training clock (`thinwire.run.loop.EVAL_PRECISION`, from the step time), so time to target is read to within
-2 % (plus one step); every worker rank takes the same stop decision (one all-gather of metric and clock per
+is given): a cell that is fast per step is never cut off by a step count. Evaluations close in on the crossing
+(2–5 % of the training clock apart near it, whatever the metric's trend: `thinwire.run.loop.Schedule`), so time to
+target is read to within 5 % (or one step, which is exact: the model changes at the end of a step); every worker rank takes the same stop decision (one all-gather of metric and clock per
 evaluation, outside the meter and the clock).
 
 **A cell out of budget** is reported with its best metric and, where the matrix allows, a *predicted* time to
@@ -24,8 +24,14 @@ target overlap (a seed that missed the target counts as +∞): a rule that is co
 workload's size and the measured compute time (`thinwire.plan.advise.tune`); algorithms that compensate SGD only
 run with SGD on a workload whose optimizer is another. The report states each cell's parameters and why.
 
-- Scalability = throughput / throughput of the same workers doing no communication (the registered algorithm
-  `local`, a short run measured first, which also gives the compute time per step for the planner).
+- Scalability = throughput / throughput of the same workers doing no communication: the registered algorithm
+  `local`, raced first like every cell (the same workers, data, batch, budget, target and process layout), once per
+  seed (its spread is reported); a cell is divided by the reference of its own seed, so a reading above 1 is a
+  bug (or the machine's load changing under the matrix). Its median step is the compute time the planner predicts
+  from, its steps to target the convergence the predicted times to target start from.
+- **Predict, then race**: before the first cell runs, the planner's predicted step, sync and time to target of
+  every cell and its predicted winner per network are recorded (`predictions` in results.json); the report
+  says whether the measurement agreed.
 - Worker processes are kept alive across cells (one pool per world size) and restarted after a failed cell; a
   cell whose wall time exceeds 4 × budget + 600 s is stopped and recorded as `timeout`.
 - Interrupted runs keep the cells already done; `resume` runs the missing (or failed) cells of a matrix directory.
@@ -44,16 +50,16 @@ from ..files import atomic_write
 from ..net import Islands, parse_network
 from ..launcher import MAX_LOCAL_WORKERS, DeadlineError, Pool, pick_backend
 from ..run import workloads
-from ..run.loop import check_tensorboard, progress_bar, train_worker
+from ..run.loop import check_tensorboard, progress_bar
 from ..run.peers import PEER_AS, PEER_PARAMS
-from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
+from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training
 from . import presets
 from .results import aggregate
 
 _now = time.perf_counter
 RESULTS = "results.json"
 EXACT_SGD = ("bsp", "ssgd", "ddp")
-BASELINE_STEPS = 20   # the same trajectory step by step (ddp up to float rounding)
+REFERENCE = presets.Cell("no communication (reference)", "local")
 
 
 @dataclass
@@ -165,8 +171,9 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
     why: list[str] = []
     if out.optimizer != cell.optimizer:
         why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {wl.optimizer})")
-    plan_as = PEER_AS[cell.algorithm][0] if cell.peer else ("localsgd" if cell.algorithm == "diloco"
-                                                            else cell.algorithm)
+    if not cell.peer and cell.algorithm == "diloco":
+        return _tune_diloco(out, why, network, wl, workers, compute_s)
+    plan_as = PEER_AS[cell.algorithm][0] if cell.peer else cell.algorithm
     if plan_as not in TUNABLE:
         return out, why
     takes = (lambda k: k in PEER_PARAMS[cell.algorithm]) if cell.peer else \
@@ -184,6 +191,41 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
     if pick:
         out.params.update(pick)
         why.append(f"{', '.join(f'{k}={v}' for k, v in pick.items())}: {reason}")
+    return out, why
+
+
+DILOCO_PLANNED = ("period", "fragments", "overlap", "eager", "allreduce", "replicas")
+
+
+def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float):
+    """The planner's DiLoCo (`thinwire.plan.diloco`) for this cell on `network`: what the cell gives (parameters,
+    a compressor) is kept, the rest planned."""
+    from ..plan.costmodel import Scenario
+    from ..plan.diloco import plan_diloco
+    link = parse_network(network)
+    s = Scenario(params=wl.num_params(), compute_s=compute_s, link=link, workers=workers, handshake=True)
+    given = {k: v for k, v in cell.params.items() if k in DILOCO_PLANNED}
+    if cell.compressor:
+        given.update(compressor=cell.compressor, memory=cell.memory)
+    return plan_diloco(s, link if isinstance(link, Islands) else None, given)
+
+
+def _tune_diloco(out: presets.Cell, why: list, network: str, wl, workers: int, compute_s: float | None):
+    """DiLoCo's settings from the planner so that its sync is hidden (the τ rule, eager updates, the all-reduce and
+    the compressor: `thinwire.plan.diloco`), for those the cell leaves out."""
+    if all(k in out.params for k in DILOCO_PLANNED[:3]) and out.compressor:
+        return out, why
+    if compute_s is None:
+        why.append("defaults: no compute time was measured for the planner")
+        return out, why
+    plan = diloco_plan(out, network, wl, workers, compute_s)
+    picked = {k: v for k, v in plan.params().items() if k not in out.params}
+    out.params.update(picked)
+    if not out.compressor and plan.compressor != "none":
+        out.compressor, out.memory = plan.compressor, plan.memory
+        picked["compressor"] = f"{plan.compressor} + {plan.memory}"
+    if picked:
+        why.append(f"{', '.join(f'{k}={v}' for k, v in picked.items())}: planner: {plan.describe()}")
     return out, why
 
 
@@ -243,21 +285,41 @@ class Harness:
         return summary
 
     # -- the no-communication reference (scalability, and the compute time the planner needs) ------------
-    def baseline(self) -> dict:
-        """`local` for 2 × BASELINE_STEPS steps; the rate and the median step time of the second half (the first
-        steps pay warm-up)."""
-        c = self.cfg
-        tc = TrainConfig(workload=c.workload, algorithm="local", workers=c.workers, network="lan",
-                         steps=2 * BASELINE_STEPS, seed=c.seed, progress=False, batch_size=c.batch_size,
-                         device=c.device)
-        view = _PoolView(self.pool(c.workers, "lan"), self.wall_limit(), c.netem)
-        _, rows = summarize(tc, view.run(train_worker, tc.validate(), network="lan", seed=c.seed), 0.0)
-        late = [r["step_s"] for r in rows[BASELINE_STEPS:]]
-        wl = workloads.get(c.workload)
-        return {"throughput_samples_s": len(late) * (c.batch_size or wl.batch_size) * c.workers / sum(late),
-                "step_time_s": statistics.median(late),
-                "how": f"thinwire algorithm `local` (no communication), steps {BASELINE_STEPS + 1}-"
-                       f"{2 * BASELINE_STEPS} of a short run"}
+    def reference(self, seed: int) -> dict:
+        """`local` (no communication) raced like a cell, one run per seed of the matrix: the same workers, data
+        shards, batch, budget, target, evaluations and process layout (this pool) as every cell. Its throughput
+        is the denominator of scalability, its median step the compute time the planner predicts from, its steps to
+        target the convergence the planner's times to target start from."""
+        tc = self.train_config(REFERENCE, "lan", seed)
+        view = _PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem)
+        celldir = os.path.join(self.out, "cells", _slug(self.key(REFERENCE, "lan", seed)))
+        s = run_training(tc, out=celldir, pool=view)
+        name = "best_accuracy" if s["metric"] == "accuracy" else "best_loss"
+        return {"seed": seed, "config": asdict(tc), "throughput_samples_s": s["throughput_samples_s"],
+                "step_time_s": s["step_time_s"],
+                "steps": s["steps"], "steps_to_target": s["steps_to_target"], "time_to_target_s":
+                s["time_to_target_s"], "train_s": s["train_s"], name: s[name], "metric": s["metric"],
+                "curve": _curve(celldir, s["metric"], 0.0)}
+
+    def warm_up(self) -> None:
+        """Two steps of `local` in the pool, not recorded: every measured run (the reference first) starts in
+        processes that have built the model and run a step, as every later cell does."""
+        tc = replace(self.train_config(REFERENCE, "lan", self.cfg.seed), steps=2, epochs=None, budget_s=None,
+                     stop_at_target=False, target=None, tensorboard=None)
+        run_training(tc, pool=_PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem))
+
+    def baseline(self, runs: list[dict]) -> dict:
+        """The reference over its seeds: median throughput and step, the throughput's range (its spread)."""
+        rate = [r["throughput_samples_s"] for r in runs]
+        reached = [r["steps_to_target"] for r in runs if r.get("steps_to_target")]
+        return {"runs": runs, "throughput_samples_s": statistics.median(rate), "throughput_min": min(rate),
+                "throughput_max": max(rate), "spread": (max(rate) - min(rate)) / statistics.median(rate),
+                "step_time_s": statistics.median(r["step_time_s"] for r in runs),
+                "steps_to_target": statistics.median(reached) if reached else None,
+                "time_to_target_s": statistics.median(r["time_to_target_s"] for r in runs
+                                                      if r.get("time_to_target_s")) if reached else None,
+                "how": f"thinwire algorithm `local` (no communication) raced like every cell: the same workers, "
+                       f"data, batch, budget, target and process layout, {len(runs)} run(s), one per seed"}
 
     # -- the matrix ----------------------------------------------------------------------------------
     def run(self, results: dict, progress: bool = True) -> dict:
@@ -275,19 +337,27 @@ class Harness:
                            initial=len(done) + (1 if results.get("baseline") else 0))
         try:
             if not results.get("baseline"):
-                bar.set_description("compare: no-communication reference")
-                results["baseline"] = self.baseline()
+                self.warm_up()
+                runs = []
+                for seed in range(cfg.seed, cfg.seed + cfg.seeds):
+                    bar.set_description(f"compare: no-communication reference (seed {seed})")
+                    runs.append(self.reference(seed))
+                results["baseline"] = self.baseline(runs)
                 _save(results, self.out)
                 bar.update(1)
             tuned: dict = {}
+            for cell in cells:
+                for network in cfg.networks:
+                    tuned[cell.label, network] = tune_cell(cell, network, cfg.workload, cfg.workers,
+                                                           results["baseline"].get("step_time_s"))
+            if not results.get("predictions"):    # the planner's race, recorded before any cell runs
+                results["predictions"] = predict_race(tuned, cells, cfg, results["baseline"])
+                _save(results, self.out)
             for cell, network, seed in todo:
                 key = self.key(cell, network, seed)
                 if key in done:
                     continue
                 bar.set_description(f"compare: {key}")
-                if (cell.label, network) not in tuned:
-                    tuned[cell.label, network] = tune_cell(cell, network, cfg.workload, cfg.workers,
-                                                           results["baseline"].get("step_time_s"))
                 ran, why = tuned[cell.label, network]
                 t0 = _now()
                 row = {"key": key, "label": cell.label, "network": network, "seed": seed, "device": cfg.device,
@@ -304,7 +374,7 @@ class Harness:
                 except UserError as e:
                     row["status"], row["error"] = "failed", str(e)
                 row["cell_wall_s"] = _now() - t0
-                _derive(row, results["baseline"], cfg)
+                _derive(row, results["baseline"], cfg, results["predictions"])
                 results["cells"].append(row)
                 _save(results, self.out)
                 (bar.write if shown else self.log)(_one_line(row))
@@ -346,36 +416,96 @@ def _curve(celldir: str, metric: str, total_sent: float) -> list:
     return pts
 
 
-def predict_step_time(row: dict, cfg: CompareConfig, compute_s: float | None) -> float | None:
-    """The planner's predicted iteration time (`thinwire.plan.costmodel.predict`) from the model size, this
-    network and the measured no-communication step time; None where the planner has no model for the cell."""
-    from ..plan.costmodel import Scenario, predict
-    c = row["cell"]
+# -- predict, then race --------------------------------------------------------------------------------------
+# Steps to the target, relative to the no-communication reference's (independent workers, each its own model and
+# batch): a cell that averages every step trains on the workers' whole batch (fewer steps: SYNC_STEPS of the
+# reference's), one that averages every H steps follows its workers' own trajectories between averages (as many).
+# Measured on stdlib-lm to loss 2.5, 4 workers, seed 0 on `lan`: `local` 160 steps, `bsp` 116 (0.72 of it), `diloco`
+# H = 32 136, H = 64 144, H = 16 160 (BENCHMARKS.md, "Predict, then race"); a prior for other workloads, where the report says
+# how far it was off.
+SYNC_STEPS = 0.72
+EVERY_STEP = ("bsp", "ssgd", "bitsgd", "odsgd", "cdsgd", "dts", "delayed", "tsparse", "dpsgd", "choco", "sgp",
+              "adpsgd", "asp", "ssp", "backup", "ddp", "ddp-fp16", "ddp-powersgd")
+
+
+def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s: float | None) -> dict:
+    """The planner's step time and time per sync of a (tuned) cell on `network`, from the model size and the
+    reference's step time: `thinwire.plan.diloco` for DiLoCo, `thinwire.plan.costmodel.predict` for the rest
+    (a peer as the thinwire algorithm of the same pattern); {} where it has no model for the cell."""
+    from ..plan.costmodel import Scenario, exchange, predict
     if compute_s is None:
-        return None
-    algorithm, compressor = PEER_AS.get(c["algorithm"], (c["algorithm"], c["compressor"] or "none"))
-    params = dict(c["params"])
-    if c["algorithm"] == "ddp-powersgd":
-        params = {"rank": params.get("rank", 4)}
-    elif c["peer"]:
-        params = {k: v for k, v in params.items() if k == "period"}
+        return {}
+    wl = workloads.get(cfg.workload)
     try:
-        s = Scenario(params=workloads.get(cfg.workload).num_params(), compute_s=compute_s,
-                     link=parse_network(row["network"]), workers=cfg.workers, handshake=True)
-        return float(predict(s, algorithm, compressor, **params).iteration_s)
+        if cell.algorithm == "diloco":
+            plan = diloco_plan(cell, network, wl, cfg.workers, compute_s)
+            return {"step_s": plan.iteration_s, "sync_s": plan.sync_s, "period": plan.period}
+        algorithm, compressor = PEER_AS.get(cell.algorithm, (cell.algorithm, cell.compressor or "none"))
+        params = dict(cell.params)
+        if cell.algorithm == "ddp-powersgd":
+            params = {"rank": params.get("rank", 4)}
+        elif cell.peer:
+            params = {k: v for k, v in params.items() if k == "period"}
+        s = Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=cfg.workers,
+                     handshake=True)
+        pred = predict(s, algorithm, compressor, **params)
+        sync = exchange(s, compressor, **{k: v for k, v in params.items() if k in ("ratio", "rank", "levels")})[1]
+        return {"step_s": float(pred.iteration_s), "sync_s": float(sync.time) if algorithm != "local" else None,
+                "period": int(params.get("period", 1))}
     except (UserError, KeyError, TypeError, ValueError) as e:
-        row["prediction_error"] = f"{type(e).__name__}: {e}"
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -> dict:
+    """Before any cell runs: per network, each cell's predicted step, sync and time to target (the reference's
+    steps to target × SYNC_STEPS for a cell that averages every step, × 1 for the rest, × its predicted step),
+    and the predicted winner (the least predicted time to target within the budget)."""
+    steps_ref = baseline.get("steps_to_target")
+    out = {}
+    for network in cfg.networks:
+        here = {}
+        for cell in cells:
+            ran, _ = tuned[cell.label, network]
+            p = predict_cell(ran, network, cfg, baseline.get("step_time_s"))
+            if p.get("step_s") and steps_ref:
+                p["steps"] = steps_ref * (SYNC_STEPS if ran.algorithm in EVERY_STEP else 1.0)
+                p["time_to_target_s"] = p["steps"] * p["step_s"]
+                p["within_budget"] = cfg.budget_s is None or p["time_to_target_s"] <= cfg.budget_s
+            here[cell.label] = p
+        timed = {k: v["time_to_target_s"] for k, v in here.items() if v.get("time_to_target_s") is not None}
+        out[network] = {"cells": here, "winner": min(timed, key=timed.get) if timed else None}
+    return out
+
+
+def measured_sync_s(row: dict) -> float | None:
+    """The time one sync took: DiLoCo's own clock (from a fragment's first piece out to its last delivered: the
+    sync hidden or not); for a blocking sync, the exposed time per sync (every H steps), or per step."""
+    m = row.get("algorithm_metrics") or {}
+    if m.get("sync_s") is not None:
+        return m["sync_s"]
+    syncs = m.get("syncs") if isinstance(m.get("syncs"), (int, float)) else None
+    exposed = row.get("exposed_comm_s")
+    if exposed is None or row.get("algorithm") == "local":
         return None
+    if row["cell"]["algorithm"] in EVERY_STEP:
+        return exposed / max(1, row.get("steps") or 1)
+    return exposed / syncs if syncs else None
 
 
-def _derive(row: dict, baseline: dict, cfg: CompareConfig) -> None:
-    """Fields computed from a cell's summary and the no-communication reference."""
+def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | None = None) -> None:
+    """Fields computed from a cell's summary, the no-communication reference (the run of the same seed) and the
+    planner's predictions."""
     ok = row.get("status") == "ok"
-    ref = baseline.get("throughput_samples_s")
+    same = [r for r in baseline.get("runs", []) if r.get("seed") == row.get("seed")]
+    ref = same[0]["throughput_samples_s"] if same else baseline.get("throughput_samples_s")
     row["scalability"] = (row["throughput_samples_s"] / ref) if ok and ref and row.get("throughput_samples_s") else None
     row["compression_ratio"] = (row["nominal_bytes_per_worker_per_step"] / row["bytes_sent_per_worker_per_step"]
                                 if ok and row.get("bytes_sent_per_worker_per_step") else None)
-    row["predicted_step_time_s"] = predict_step_time(row, cfg, baseline.get("step_time_s")) if ok else None
+    pred = ((predictions or {}).get(row["network"]) or {}).get("cells", {}).get(row["label"], {})
+    row["predicted_step_time_s"] = pred.get("step_s") if ok else None
+    row["predicted_sync_s"] = pred.get("sync_s") if ok else None
+    row["planned_time_to_target_s"] = pred.get("time_to_target_s")
+    row["measured_sync_s"] = measured_sync_s(row) if ok else None
 
 
 # -- across cells: predictions for cells out of budget, and the seeds' statistics --------------------------------

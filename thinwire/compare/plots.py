@@ -85,7 +85,7 @@ def _ttt(results: dict, path: str) -> str:
     import matplotlib.pyplot as plt
     style = _style(results)
     nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
-    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    fig, ax = plt.subplots(figsize=(max(8.5, 1.9 * len(nets) + 3), 5.6))
     entries = results.get("summary") or []   # per contestant and network: the median over seeds
     med = lambda e: e["ttt_median"] if e.get("reached") and e.get("ttt_median") not in (None, math.inf) else None
     reached = [med(e) for e in entries if med(e)]
@@ -103,6 +103,27 @@ def _ttt(results: dict, path: str) -> str:
                 label=label + (" (PyTorch)" if s["ls"] == "--" else ""))
         if miss:
             ax.scatter(miss, [ceiling] * len(miss), color=s["color"], marker="x", s=50)
+    # per network: the measured winner (a star on its point) and the planner's predicted one (a ring on its point,
+    # predicted before the cells ran), both named under the axis
+    from .results import rank
+    preds = results.get("predictions") or {}
+    names = []
+    for i, n in enumerate(nets):
+        here = [e for e in entries if e["network"] == n and e.get("status") == "ok"]
+        ranked = rank(here) if here else []
+        won = ranked[0] if ranked and ranked[0].get("reached") else None
+        guess = (preds.get(n) or {}).get("winner")
+        if won is not None:
+            ax.scatter([i], [med(won)], marker="*", s=260, color=style[won["label"]]["color"], edgecolor="black",
+                       zorder=5, label="measured winner" if i == 0 else None)
+        g = next((e for e in here if e["label"] == guess), None)
+        if g is not None and med(g):
+            ax.scatter([i], [med(g)], marker="o", s=420, facecolor="none", edgecolor="black", lw=1.4, zorder=4,
+                       label="planner's predicted winner" if i == 0 else None)
+        mark = "" if won is None or guess is None else (" ✓" if won["label"] == guess else " ✗")
+        names.append(n.replace("custom:", "").replace(",", "\n").replace("islands:", "islands ")
+                     + (f"\nwinner: {won['label']}" if won else "\nno winner")
+                     + (f"\npredicted: {guess}{mark}" if guess else ""))
     ax.axhline(ceiling, color="grey", lw=0.8, ls=":")
     ax.annotate("× = target not reached", (0.01, ceiling), xycoords=("axes fraction", "data"),
                 textcoords="offset points", xytext=(2, 4), fontsize=8, color="grey")
@@ -117,7 +138,7 @@ def _ttt(results: dict, path: str) -> str:
         ax.set_ylabel("time to target")
         ax.text(0.5, 0.45, "no contestant reached the target on any network", transform=ax.transAxes,
                 ha="center", color="grey")
-    ax.set_xticks(range(len(nets)), [n.replace("custom:", "").replace(",", "\n") for n in nets])
+    ax.set_xticks(range(len(nets)), names, fontsize=7)
     ax.set_xlim(-0.3, len(nets) - 0.7)
     ax.set_xlabel("network")
     ax.set_title("Time to reach the target on each network" + (" (median over seeds)"

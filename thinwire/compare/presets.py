@@ -149,7 +149,7 @@ PRESETS: dict[str, Preset] = {
     "quick": Preset(
         _LM, 4, ["world"],
         ["bsp", "ddp", "ddp-postlocalsgd:warmup=0", "bsp+topk:ratio=0.01,memory=residual", "localsgd", "diloco",
-         "torchft-diloco"],
+         "diloco:period=64", "torchft-diloco"],
         budget_s=45, target=2.5,
         doc="make demo (under 10 minutes): the byte-level LM (1.1 M params) on `world` (50 Mbit/s, 150 ms "
             "one-way), 4 workers, 45 s of training per cell, target validation loss 2.5 (looser than the "
@@ -158,9 +158,32 @@ PRESETS: dict[str, Preset] = {
             "period, a race of no communication): bsp, PyTorch DDP, PyTorch's post-local SGD (the best "
             "PyTorch option on a wide-area link; no warm-up: its default 8 synchronous steps cost 24 of the 40 s "
             "here, and without them it is PyTorch's local SGD, thinwire's `localsgd`'s counterpart), top-k 1 % "
-            "with error feedback, local SGD, DiLoCo and torchft's DiLoCo; periods picked by the planner for the "
-            "network. DTS and CD-SGD step momentum SGD (their compensation and local update are derived for it) "
+            "with error feedback, local SGD, DiLoCo as the planner picks it for the network (its sync hidden: "
+            "streaming fragments and overlap by the τ rule, the all-reduce and outer compressor that suit the link), "
+            "plain DiLoCo at H = 64 and torchft's DiLoCo; periods picked by the planner for the network. DTS and "
+            "CD-SGD step momentum SGD (their compensation and local update are derived for it) "
             "and race on the SGD workload in `paper-dts` and `paper-cdsgd`"),
+    "islands": Preset(
+        _LM, 4, ["islands:2x2,inside=dc,across=world"],
+        ["diloco", "diloco:replicas=worker", "localsgd", "ddp", "ddp-postlocalsgd:warmup=0", "torchft-diloco"],
+        budget_s=45, target=2.5, seeds=3,
+        doc="a two-tier network: 2 islands of 2 workers, `dc` (10 Gbit/s, 0.05 ms) inside an island, `world` (50 "
+            "Mbit/s, 150 ms) between them, every message charged on the link it crosses. Hierarchical DiLoCo (the "
+            "planner's `diloco`: one replica per island, data parallel inside, the outer sync once per island over "
+            "the thin link) against flat DiLoCo (every worker a replica), local SGD, PyTorch's DDP and post-local "
+            "SGD and torchft's DiLoCo (per worker), all on the same network; the report gives the bytes that "
+            "crossed the thin link beside all that was sent. The LM, 45 s a cell, loss 2.5, 3 seeds"),
+    "map": Preset(
+        _LM, 4, ["dc", "cluster", "wan", "world", "home", "islands:2x2,inside=dc,across=world"],
+        ["bsp", "localsgd", "diloco", "ddp", "ddp-postlocalsgd:warmup=0", "torchft-diloco"],
+        budget_s=45, target=2.5,
+        doc="the network map: every family's best cell (the planner's settings for each network) and the peers on "
+            "`dc`, `cluster`, `wan`, `world`, a consumer link `home` (10 Mbit/s, 100 ms one-way) and two islands "
+            "(`dc` inside, `world` across): synchronous SGD, local SGD, DiLoCo (streaming, eager or hierarchical as "
+            "the planner picks), PyTorch's DDP and post-local SGD, torchft's DiLoCo. One plot of time to target "
+            "against network with the measured winner and the planner's predicted one (predicted before the cells "
+            "ran). The LM, 45 s a cell, loss 2.5; one seed by default (about 35 minutes on 2 cores), `--seeds 3` "
+            "for the ranges"),
     "paper-dts": Preset(
         _SGD, 4, [f"custom:bandwidth=1gbit,latency={ms}ms" for ms in (0, 250, 1000)],
         ["bsp", "delayed:delay=4", "tsparse:period=4", "dts:delay=4,period=4", "dts",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..net import parse_network
+from ..net import Islands, parse_network
 from .results import metric_name, rank
 
 
@@ -35,17 +35,27 @@ def _ttt(e: dict, seeds: int) -> str:
     return f"{_secs(e['ttt_median'])} [{_secs(e['ttt_min'])}–{_secs(e['ttt_max'])}] {e['reached']}/{e['ok']}"
 
 
-def table(entries: list[dict], seeds: int) -> list[str]:
+def _pair(a, b, scale=1e3) -> str:
+    """`predicted / measured` (ms), or what there is."""
+    if a is None and b is None:
+        return "—"
+    return f"{_fmt(a, '.0f', scale)} / {_fmt(b, '.0f', scale)}"
+
+
+def table(entries: list[dict], seeds: int, two_tier: bool = False) -> list[str]:
     name = metric_name(entries[0])
+    across = " MB over the thin link / worker (of all sent) |" if two_tier else ""
     lines = [f"| rank | contestant | kind | ran with | time to target (s) | read within | best {name} | final {name} | "
-             f"step (ms) | MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) |",
-             "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"step (ms) | MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) "
+             f"| sync: predicted / measured (ms) | planned time to target (s) |{across}",
+             "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+             + (" ---: |" if two_tier else "")]
     for i, e in enumerate(rank(entries), 1):
         kind = ("thinwire" if not e.get("peer") else
                 "torchft peer" if str(e.get("algorithm")).startswith("torchft") else "PyTorch peer")
         if e.get("status") != "ok":
             lines.append(f"| — | `{e['label']}` | {kind} | {e.get('ran_with') or ''} | {e['status']}: "
-                         f"{e.get('error', '')} | | | | | | | | | |")
+                         f"{e.get('error', '')} | | | | | | | | | | | |" + (" |" if two_tier else ""))
             continue
         noise = " ≈" if e.get("within_noise_of_best") else ""
         within, mb = e.get("ttt_resolution"), e.get("bytes_sent_per_worker_per_step")
@@ -55,8 +65,37 @@ def table(entries: list[dict], seeds: int) -> list[str]:
             f"{_fmt(e.get('best_' + name), '.3f')} | {_fmt(e.get('final_' + name), '.3f')} | "
             f"{_fmt(e.get('step_time_s') or None, '.0f', 1e3)} | {_fmt(None if mb is None else mb / 1e6, '.3f')} | "
             f"{_fmt(e.get('compression_ratio'), '.1f')}× | {_fmt(e.get('exposed_comm_s'), '.1f')} | "
-            f"{_fmt(e.get('scalability'), '.2f')} | {_fmt(e.get('predicted_step_time_s'), '.0f', 1e3)} |")
+            f"{_fmt(e.get('scalability'), '.2f')} | {_fmt(e.get('predicted_step_time_s'), '.0f', 1e3)} | "
+            f"{_pair(e.get('predicted_sync_s'), e.get('measured_sync_s'))} | "
+            f"{_fmt(e.get('planned_time_to_target_s'), '.3g')} |"
+            + (f" {_fmt(_mb(e.get('bytes_across_per_worker')), '.1f')} ({_fmt(_mb(e.get('bytes_sent_per_worker')), '.1f')})"
+               f" |" if two_tier else ""))
     return lines
+
+
+def _mb(v):
+    return None if v is None else v / 1e6
+
+
+def prediction(results: dict, network: str, entries: list[dict]) -> str:
+    """The planner's race, recorded before the cells ran, against the measurement."""
+    p = (results.get("predictions") or {}).get(network) or {}
+    winner = p.get("winner")
+    if winner is None:
+        return ("The planner made no prediction of the winner here (the no-communication reference did not reach "
+                "the target, so it had no steps to target to start from).")
+    ttt = p["cells"][winner]["time_to_target_s"]
+    ok = [e for e in rank(entries) if e.get("status") == "ok"]
+    measured = ok[0] if ok and ok[0]["reached"] else None
+    if measured is None:
+        return f"**Predicted before the race**: `{winner}` ({ttt:.3g} s); no cell reached the target."
+    agreed = measured["label"] == winner
+    within = next((e for e in ok if e["label"] == winner), None)
+    tie = within is not None and within.get("within_noise_of_best")
+    return (f"**Predicted before the race**: `{winner}` ({ttt:.3g} s to target); measured winner `{measured['label']}` "
+            f"({measured['ttt_median']:.3g} s): " + ("**agreed**." if agreed else
+                                                     "disagreed" + (" (the predicted winner is within noise of it)."
+                                                                    if tie else ".")))
 
 
 def verdict(entries: list[dict], seeds: int, budget) -> str:
@@ -120,7 +159,17 @@ def write_report(results: dict, path: str) -> None:
               + (f" Batch {m['batch_size']} per worker." if m.get("batch_size") else ""), ""]
     for n in nets:
         here = [e for e in entries if e["network"] == n]
-        lines += [f"## {_link(n)}", "", verdict(here, seeds, budget), ""] + table(here, seeds) + [""]
+        two_tier = isinstance(parse_network(n), Islands)
+        lines += [f"## {_link(n)}", "", verdict(here, seeds, budget), "", prediction(results, n, here), ""]
+        lines += table(here, seeds, two_tier) + [""]
+    if base.get("runs"):
+        reached = base.get("time_to_target_s")
+        lines += [f"No-communication reference (`local`, the same workers, data and process layout): "
+                  f"{_fmt(base['throughput_samples_s'], '.0f')} samples/s (range {_fmt(base['throughput_min'], '.0f')}–"
+                  f"{_fmt(base['throughput_max'], '.0f')} over {len(base['runs'])} run(s): spread "
+                  f"{base['spread'] * 100:.1f} %), median step {base['step_time_s'] * 1e3:.0f} ms"
+                  + (f", target after {reached:.3g} s ({base['steps_to_target']:.0f} steps): the time to target with "
+                     f"communication free" if reached else ", target not reached in the budget") + ".", ""]
     lines += ["## Parameters and why", ""]
     for e in entries:
         why = "; ".join(e.get("why") or []) or "as given (or the algorithm's defaults)"
@@ -139,7 +188,7 @@ def write_report(results: dict, path: str) -> None:
         "batch size and learning rate as every other row.",
         "- **time to target**: training time (evaluations excluded) until the mean test metric of the workers first "
         "reached the target, read at the evaluation that first saw it; evaluations close in on the crossing and come "
-        "every 2 % of the training clock near it (`thinwire/run/loop.py`). **read within**: the interval before that "
+        "every 2–5 % of the training clock near it (`thinwire/run/loop.py`). **read within**: the interval before that "
         "evaluation, as a share of the time to target — the true crossing lies in it (median over seeds). "
         "With several seeds: median [min–max] and seeds that reached it; a seed that missed counts as "
         "never. Rows rank by it, then by best metric. **≈** marks a contestant within noise of the winner: the "
@@ -154,7 +203,13 @@ def write_report(results: dict, path: str) -> None:
         "- **scalability**: throughput divided by the throughput of the same workers with no communication at all "
         f"({_fmt(base.get('throughput_samples_s'), '.0f')} samples/s here, {base.get('how', 'not measured')}); "
         "1.0 means communication costs nothing.",
-        "- **predicted step**: thinwire's planner's prediction, where it has one.",
+        "- **predicted step**, **sync: predicted / measured**, **planned time to target**: the planner's "
+        "predictions, made before any cell ran, from the model size, the network and the reference's median step "
+        "(and, for the time to target, the reference's steps to target: as many for a cell that averages every H "
+        "steps, 0.72 of them for one that averages every step, as measured on the LM); measured sync: DiLoCo's own clock from a fragment's "
+        "first piece out to its last delivered (hidden or not), else the exposed time per sync.",
+        "- **MB over the thin link** (two-tier networks): what each worker sent between islands over the run, beside "
+        "all it sent — what a user pays for between sites.",
         "- Peers run PyTorch's own DDP hooks and model averagers, or torchft's DiLoCo; their all-reduces face the "
         "same emulated link and are counted with the same ring all-reduce accounting (see `thinwire/run/peers.py`, "
         "`thinwire/run/torchft_peer.py`). `ddp-powersgd` runs with a single DDP bucket (bucket_cap_mb above the "

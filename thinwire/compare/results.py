@@ -38,11 +38,13 @@ def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
                  "status": "ok" if ok else first.get("status"), "error": None if ok else first.get("error")}
         for k in ("best_" + name, "final_" + name, "step_time_s", "bytes_sent_per_worker_per_step",
                   "compression_ratio", "exposed_comm_s", "scalability", "predicted_step_time_s",
-                  "predicted_time_to_target_s", "train_s", "steps"):
+                  "predicted_time_to_target_s", "train_s", "steps", "predicted_sync_s", "measured_sync_s",
+                  "planned_time_to_target_s", "bytes_across_per_worker", "bytes_sent_per_worker"):
             entry[k] = _median(r.get(k) for r in ok)
         entry["stop_reasons"] = sorted({r.get("stop_reason") for r in ok if r.get("stop_reason")})
         entry["ttt_resolution"] = _median(r["time_to_target_resolution_s"] / r["time_to_target_s"] for r in ok
-                                          if r.get("time_to_target_resolution_s") and r.get("time_to_target_s"))
+                                          if r.get("time_to_target_resolution_s") is not None
+                                          and r.get("time_to_target_s"))
         out.append(entry)
     order = {n: i for i, n in enumerate(networks)}
     out.sort(key=lambda e: order.get(e["network"], 99))

@@ -29,10 +29,14 @@ the step where the budget runs out), where `ahead` is
   evaluations), at most max(FAR · t, e / EVAL_OVERHEAD): evaluations close in on the crossing, few while it is
   far (e is the evaluation's own time, the slowest rank's);
 - else (no race to a target, or the metric is not moving toward it) e / EVAL_OVERHEAD: evaluations then cost at
-  most a quarter of the training time.
-Near the crossing the interval is 2 % of the clock, so the evaluation that first reaches the target comes at most
-2 % (or one step) after the true crossing, unless the metric jumped there faster than its trend; `summarize`
-reports that interval with every reading (`time_to_target_resolution_s`), so each one carries its own accuracy.
+  most a quarter of the training time;
+- and, once the metric has covered NEAR (3/4) of the way from its value at step 0 to the target, at most
+  RESOLUTION (5 %) of the clock, whatever its trend: a metric that drops in jumps (local-update methods, whose
+  models land at each average) crosses where no trend predicts it.
+Near the crossing the interval is 2–5 % of the clock, so the evaluation that first reaches the target comes at most
+5 % (or one step) after the true crossing; `summarize` reports that interval with every reading
+(`time_to_target_resolution_s`: 0 when the evaluation before was one step earlier, as the model changes only at
+the end of a step), so each one carries its own accuracy.
 """
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ from .stepper import Stepper, make_optimizer, model_device
 _now = time.perf_counter
 EVAL_PRECISION = 0.02   # in a race, evaluations come every 2 % of the training clock (see the module's doc) ...
 EVAL_OVERHEAD = 0.25    # ... or far from the target: evaluations cost at most a quarter of the training time ...
-FAR = 0.25              # ... or half-way to the predicted crossing, at most a quarter of the clock ahead
+FAR = 0.25              # ... or half-way to the predicted crossing, at most a quarter of the clock ahead ...
+NEAR, RESOLUTION = 0.75, 0.05   # ... and past 3/4 of the way to the target, at most 5 % of the clock
 ELASTIC_SEED = 10007    # an elastic job's loader of generation g is shuffled by seed + ELASTIC_SEED * g
 
 
@@ -160,6 +165,7 @@ class Schedule:
         self.next = 1 if self.race else self.every
         self.last = (0, 0.0)    # (step, agreed clock) of the last evaluation
         self.seen = None        # (agreed clock, agreed metric) of the last evaluation
+        self.first = None       # the agreed metric at step 0
 
     def due(self, step: int) -> bool:
         if step == self.total:
@@ -201,25 +207,31 @@ class Schedule:
                 gap = min(gap, max(1, math.ceil((self.budget - t) / max(tau, t / step))))
         self.next = step + gap if self.total is None else min(step + gap, self.total)
         self.last, self.seen = (step, t), (t, mean)
+        if step == 0:
+            self.first = mean
         return stop, {"agreed": mean, "agreed_t": t}
 
     def _ahead(self, t: float, mean: float, e: float) -> float:
         """How far ahead (training time) the next evaluation may come, beyond 2 % of the clock (module doc)."""
+        near = (self.stop_at_target and self.first is not None and math.isfinite(mean) and self.first != self.target
+                and (mean - self.first) / (self.target - self.first) >= NEAR)
+        cap = RESOLUTION * t if near else math.inf
         if self.stop_at_target and self.seen is not None and t > self.seen[0] and math.isfinite(mean):
             rate = (mean - self.seen[1]) / (t - self.seen[0])
             left = (self.target - mean) / rate if rate else -1.0
             if left > 0:
-                return min(left / 2, max(FAR * t, e / EVAL_OVERHEAD))
-        return e / EVAL_OVERHEAD
+                return min(left / 2, max(FAR * t, e / EVAL_OVERHEAD), cap)
+        return min(e / EVAL_OVERHEAD, cap)
 
     def state_dict(self) -> dict:
         return {"next": self.next, "last_step": self.last[0], "last_t": self.last[1],
-                "seen": list(self.seen) if self.seen else None}
+                "seen": list(self.seen) if self.seen else None, "first": self.first}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state:
             self.next, self.last = int(state["next"]), (int(state["last_step"]), float(state["last_t"]))
             self.seen = tuple(state["seen"]) if state.get("seen") else None
+            self.first = state.get("first")
 
 
 # -- TensorBoard ------------------------------------------------------------------------------------------

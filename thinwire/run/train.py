@@ -368,7 +368,9 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         ("best_accuracy" if wl.metric == "accuracy" else "best_loss"): best,
         "time_to_target_s": hit["t"] if hit else None, "steps_to_target": hit["step"] if hit else None,
         # the true crossing lies in the interval before the evaluation that saw it: the reading's resolution
-        "time_to_target_resolution_s": hit["t"] - evals[at - 1]["t"] if hit and at > 0 else None,
+        # (0 when the evaluation before was one step earlier: the model changes only at the end of a step)
+        "time_to_target_resolution_s": (hit["t"] - evals[at - 1]["t"] if evals[at - 1]["step"] < hit["step"] - 1
+                                         else 0.0) if hit and at > 0 else None,
         "stop_reason": workers[0].get("stopped", "steps"), "budget_s": cfg.budget_s,
         "bytes_sent_per_worker": statistics.fmean(sent),
         # of those, over a two-tier network's thin link (between islands): what a user pays for between sites

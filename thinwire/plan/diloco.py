@@ -1,0 +1,193 @@
+"""DiLoCo planned so that its sync is hidden: the settings a `diloco` cell that names none of them runs with.
+
+For a model of N parameters, a measured compute time τ_c per inner step, W workers and the network, the planner
+chooses the outer sync (its compressor with error feedback, its all-reduce algorithm), the fragments F, the period
+H and how the sync is hidden behind inner steps:
+
+- **One fragment's sync** costs C_F: compressing N/F elements (δ_F, the compressor's cost table) and the
+  collective its payload travels on — the all-reduce algorithm's α-β cost (`thinwire.net.cost`; gloo's own ring
+  pays a round trip per step, `Link.handshaking`; thinwire's point-to-point algorithms one latency per message), or
+  gloo's ring all-gather for a payload that is gathered (fp4). On a two-tier network with islands of m workers
+  (`replicas="island"`, hierarchical DiLoCo) each worker sends its N/(F m) shard over the thin link among the A
+  islands, and the island gathers the shards over its fast link.
+- **The τ rule** (Streaming DiLoCo's overlap, Douillard et al. 2025, arXiv 2501.18512 §2.3): τ = ⌈C_F / τ_c⌉
+  inner steps hide the sync, so the fragment's pseudo-gradient is taken τ steps before it is needed; τ must stay
+  below K = H/F (one fragment in flight) and at most K/2 (the merge replaces the fragment's last τ local steps with
+  the global parameters: a longer overlap throws away more progress). Where no such τ exists the sync is hidden
+  behind a whole period by **eager updates** (Kale, Douillard, Donchev 2025, arXiv 2502.12996; F = 1, the
+  paper's setting), if it fits in H steps.
+- **The link's occupancy**: one fragment's transfer per K steps must fit in K inner steps, whatever hides the
+  latency; the predicted step is τ_c + what is not hidden / K, at least that transfer / K.
+- **Choice**, among the configurations whose predicted scalability τ_c / step reaches the target (0.95: exposed
+  communication ≤ 5 % of the time): streaming over eager updates (measured on stdlib-lm: eager updates at H = 16
+  and 32 did not reach the loss plain DiLoCo reached at H = 16 and 64 in 240 steps, BENCHMARKS.md), the smallest
+  H of PERIODS, the least share τ/K of a fragment's window overlapped (its local steps are replaced at the merge),
+  the fewest fragments, the most bits (fp32, then int8, then fp4, each lower one with error feedback) and gloo's
+  own all-reduce over a point-to-point one — the least convergence risk that the network allows. If nothing
+  reaches the target, the highest scalability.
+Latency dominates on a far link (`world`: gloo's ring all-reduce of 4 workers pays 6 round trips of 300 ms before a
+byte of bandwidth counts), and there recursive doubling (2 rounds of one latency) is picked; bytes dominate on a
+thin one (`home`), and there the 4-bit payload is.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from itertools import product
+
+from ..net import Cost, Islands, Link
+from ..net import cost as netcost
+from .costmodel import Scenario
+
+# H from 32: on stdlib-lm (4 workers, loss 2.5, `lan`) plain DiLoCo took 160 steps at H = 16, 136 at H = 32 and
+# 144 at H = 64 (BENCHMARKS.md, "Predict, then race"): below 32 more syncs bought no convergence here
+PERIODS = (32, 40, 50, 64, 80, 100, 128, 200, 256)
+OUTER = (("none", None, 32), ("int8", "residual", 8), ("fp4", "residual", 4))
+ALGORITHMS = ("gloo", "recursive_doubling", "double_binary_tree", "ring")
+FRAGMENTS = (1, 2, 4)
+TARGET = 0.95
+
+
+@dataclass
+class Plan:
+    """The planned DiLoCo: its parameters and what the planner predicts for it."""
+    period: int
+    fragments: int
+    overlap: int
+    eager: bool
+    compressor: str
+    memory: str | None
+    allreduce: str
+    replicas: str
+    bits: int
+    iteration_s: float       # predicted mean step
+    sync_s: float            # predicted time of one fragment's sync (compression included)
+    transfer_s: float        # of which the link is busy
+    bytes_per_sync: float    # one worker, one fragment sync (over the thin link, on a two-tier network)
+    compute_s: float
+
+    @property
+    def scalability(self) -> float:
+        return self.compute_s / self.iteration_s
+
+    def params(self) -> dict:
+        """The cell's parameters (the compressor and memory go on the cell itself)."""
+        out = {"period": self.period}
+        if self.fragments > 1:
+            out["fragments"] = self.fragments
+        if self.overlap:
+            out["overlap"] = self.overlap
+        if self.eager:
+            out["eager"] = True
+        if self.allreduce != "gloo":
+            out["allreduce"] = self.allreduce
+        if self.replicas != "worker":
+            out["replicas"] = self.replicas
+        return out
+
+    def describe(self) -> str:
+        hide = (f"eager updates (the sync hidden behind the whole period of {self.period} steps)" if self.eager else
+                f"overlap τ = {self.overlap} steps (τ·step ≥ the sync)" if self.overlap else "no overlap")
+        bits = "fp32" if self.compressor == "none" else f"{self.compressor} + {self.memory}"
+        where = ", one replica per island (data parallel inside)" if self.replicas == "island" else ""
+        return (f"H={self.period}, F={self.fragments}, {hide}, {bits} outer gradients on "
+                f"{'gloo' if self.allreduce == 'gloo' else self.allreduce} ({self.sync_s * 1e3:.0f} ms a sync"
+                f"{where}): predicted step {self.iteration_s * 1e3:.0f} ms, scalability {self.scalability:.2f}")
+
+
+def fragment_sync(s: Scenario, compressor: str, allreduce: str, fragments: int,
+                  islands: Islands | None = None) -> tuple[float, Cost]:
+    """(compression time, collective cost) of one fragment's outer sync for one worker."""
+    from ..compress import compressors
+    from ..exchange.choose import wire_bits
+    n, link, numel = s.workers, s.link, s.params / fragments
+    if islands is not None and islands.size > 1:
+        n, link, numel = islands.islands, islands.across, numel / islands.size
+    delta = 0.0 if compressor == "none" else replace(s, params=numel).compress_s(compressor)
+    if compressor == "none":
+        coll, payload = "allreduce", numel * s.bytes_per_param
+    else:
+        coll, bits = wire_bits(compressors.get(compressor), int(numel), n, allreduce)
+        payload = bits * numel / 8
+    if n <= 1:
+        return delta, netcost.ZERO
+    if coll in ("allreduce", "custom"):
+        cost = (netcost.ring_allreduce(link.handshaking(), n, payload) if allreduce == "gloo" else
+                netcost.ALLREDUCE[allreduce](link, n, payload))
+    else:                    # gathered (fp4, fp8): gloo's ring all-gather
+        cost = netcost.ring_allgather(link.handshaking(), n, payload)
+    return delta, cost
+
+
+def inside_step_s(s: Scenario, islands: Islands | None) -> float:
+    """The island's gradient all-reduce an inner step of hierarchical DiLoCo waits for (gloo's ring, inside)."""
+    if islands is None or islands.size <= 1:
+        return 0.0
+    return netcost.ring_allreduce(islands.inside.handshaking(), islands.size, s.nbytes).time
+
+
+def predict_diloco(s: Scenario, compressor: str, allreduce: str, fragments: int, period: int, overlap: int,
+                   eager: bool, islands: Islands | None = None) -> tuple[float, float, Cost]:
+    """(predicted mean step, one fragment's sync time, its collective cost) of this DiLoCo."""
+    tau = s.compute_s + inside_step_s(s, islands)
+    delta, cost = fragment_sync(s, compressor, allreduce, fragments, islands)
+    sync = delta + cost.time
+    k = period // fragments
+    hidden = period * tau if eager else overlap * tau
+    step = tau + max(0.0, sync - hidden) / k
+    return max(step, cost.transfer / k), sync, cost      # the link carries one fragment's transfer per K steps
+
+
+def candidates(s: Scenario, islands: Islands | None = None, given: dict | None = None) -> list[Plan]:
+    """Every configuration the planner weighs (`given` fixes any of compressor, memory, period, fragments, overlap,
+    eager, allreduce, replicas), each with the least overlap that hides its sync (the τ rule) or eager updates."""
+    given = dict(given or {})
+    two_tier = islands is not None and islands.size > 1
+    replicas = given.get("replicas", "island" if two_tier else "worker")
+    isl = islands if replicas == "island" else None
+    outer = [o for o in OUTER if given.get("compressor", o[0]) == o[0]]
+    if "compressor" in given and not outer:
+        outer = [(given["compressor"], given.get("memory"), 32)]
+    # hierarchical DiLoCo's inner all-reduces share the engine with the outer sync: gloo's own collectives only
+    algos = [a for a in (("gloo",) if isl is not None and isl.size > 1 else ALGORITHMS)
+             if given.get("allreduce", a) == a]
+    frags = [f for f in FRAGMENTS if given.get("fragments", f) == f] or [given["fragments"]]
+    periods = [given["period"]] if "period" in given else list(PERIODS)
+    tau = s.compute_s + inside_step_s(s, isl)
+    out = []
+    for (comp, mem, bits), algo, f, h in product(outer, algos, frags, periods):
+        if h % f:
+            continue
+        k = h // f
+        delta, cost = fragment_sync(s, comp, algo, f, isl)
+        sync = delta + cost.time
+        lag = math.ceil(sync / tau - 1e-9) if tau > 0 else 0
+        options = []
+        if "overlap" in given or "eager" in given:
+            options.append((int(given.get("overlap", 0)), bool(given.get("eager", False))))
+        elif lag <= k // 2 and lag < k:
+            options.append((lag, False))
+        elif f == 1:
+            options.append((0, True))
+        else:
+            options.append((0, False))
+        for lag_, eager in options:
+            step, sync_, cost_ = predict_diloco(s, comp, algo, f, h, lag_, eager, isl)
+            out.append(Plan(h, f, lag_, eager, comp, given.get("memory", mem), algo, replicas, bits, step, sync_,
+                            cost_.transfer, cost_.sent, s.compute_s))
+    return out
+
+
+def plan_diloco(s: Scenario, islands: Islands | None = None, given: dict | None = None,
+                target: float = TARGET) -> Plan:
+    """The planned DiLoCo for scenario `s` (see the module's doc)."""
+    plans = candidates(s, islands, given)
+    reached = [p for p in plans if p.scalability >= target]
+    if reached:
+        return min(reached, key=lambda p: (p.eager, p.period, p.overlap * p.fragments / p.period, p.fragments,
+                                           -p.bits, p.allreduce != "gloo", p.iteration_s))
+    return max(plans, key=lambda p: (round(p.scalability, 3), p.bits, -p.period, -p.fragments))
+
+
+def link_of(network: Link) -> Islands | None:
+    return network if isinstance(network, Islands) else None
