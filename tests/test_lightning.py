@@ -17,7 +17,7 @@ import thinwire as tw  # noqa: E402
 STEPS_PER_EPOCH, EPOCHS = 4, 5
 CASES = [
     ("bsp", {"compressor": "topk", "ratio": 0.25, "memory": "residual", "network": "lan"}),
-    ("diloco", {"period": 5, "compressor": "fp4", "network": "world"}),
+    ("diloco", {"period": 5, "compressor": "fp4", "network": "custom:bandwidth=1gbit,latency=1ms"}),
     ("dts", {"delay": 2, "period": 2, "network": "lan"}),
 ]
 
@@ -115,7 +115,7 @@ def test_lightning_strategy_trains_like_the_trainer_and_resumes(pool4, tmp_path)
             assert loss == ref_loss and loss < 1.2, (name, loss)      # it learned (chance: ln 4 = 1.39)
             assert steps == EPOCHS * STEPS_PER_EPOCH and sent == ref_sent > 0, (name, steps, sent, ref_sent)
             if name == "diloco":
-                assert emulated > 0                                       # the emulated world network applied
+                assert emulated > 0                                       # the emulated network applied
     assert res[0][0][-1] == res[0][0][5]      # rank 0 logged thinwire/bytes_sent each step (the last = the total)
 
 
