@@ -20,11 +20,49 @@ import torch
 from ..errors import UserError
 from . import compressors
 from ._chunks import Chunked, check_chunk
-from .base import Payload
+from ._kernels import blockwise, scratch
+from .base import Payload, constant
 from .finite import check_scale
-from .qsgd import bucket_norms, scale_buckets
+from .fp4 import chunk_amax
+from .qsgd import scale_buckets
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def whole_amax(flat: torch.Tensor) -> torch.Tensor:
+    """max |flat| as a one-element fp32 tensor (one min-max pass; no element for an empty tensor)."""
+    if flat.numel() == 0:
+        return torch.zeros(0, device=flat.device)
+    lo, hi = torch.aminmax(flat)
+    return torch.maximum(-lo, hi).float().reshape(1)
+
+
+def encode(x: torch.Tensor, inv: torch.Tensor | None, fmax: float, chunk: int, dtype8: torch.dtype):
+    """(the fp8 codes of x / s as bytes, the chunks' scales s = max-abs / F, or None): the kernel of
+    `FP8.compress`; `inv` = 1/s of the whole tensor, or None to find each chunk's (chunk > 0)."""
+    f = x.to(torch.float32)
+    y = scratch(f.shape, torch.float32, f.device)
+    scales = None
+    if inv is None:
+        scales = chunk_amax(torch.abs(f, out=y), chunk) / fmax
+        y = scale_buckets(y.copy_(f), torch.where(scales > 0, 1.0 / scales, 0.0), chunk)
+    else:
+        torch.mul(f, inv.reshape(-1)[:1].sum(), out=y)       # (the one 1/s; an empty tensor has none)
+    y.clamp_(-fmax, fmax)
+    q = y.to(dtype8).view(torch.uint8)
+    return (q,) if scales is None else (q, scales)
+
+
+def decode_kernel(q: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor]:
+    """fp32 values of fp8 codes (bytes) by `table` lookup (the tensor's one scale folded into it): the kernel
+    of `FP8._decode32` without chunks."""
+    return (table.index_select(0, q.to(torch.int32)),)
+
+
+def decode_chunks(q: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, chunk: int) -> tuple[torch.Tensor]:
+    """fp32 values of fp8 codes (bytes) by `table` lookup times their chunks' scales: `FP8._decode32`'s
+    kernel with chunks."""
+    return (scale_buckets(table.index_select(0, q.to(torch.int32)), scales, chunk),)
 
 
 @compressors.register("fp8")
@@ -43,19 +81,30 @@ class FP8(Chunked):
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
-        bucket = self._bucket(flat.numel())
-        amax = bucket_norms(flat, bucket, math.inf)
+        n = flat.numel()
+        if self.chunk:           # each block finds its chunks' scales
+            q, scales = blockwise(encode, n, [(flat, (1, 1))], [(1, 1), (1, self.chunk)], None, self.fmax,
+                                  self.chunk, self.dtype8, align=self.chunk)
+            check_scale(scales, self.name, key, flat)
+            return Payload([q, scales], ctx=self.context(tensor.shape, tensor.dtype))
+        amax = whole_amax(flat)
         check_scale(amax, self.name, key, flat)
         scales = amax / self.fmax
-        inv = torch.where(scales > 0, 1.0 / scales, 0.0)     # an all-zero chunk codes as zeros
-        y = scale_buckets(flat.to(torch.float32, copy=True), inv, bucket).clamp_(-self.fmax, self.fmax)
-        q = y.to(self.dtype8).view(torch.uint8)
+        inv = torch.where(scales > 0, 1.0 / scales, 0.0)     # an all-zero tensor codes as zeros
+        q, = blockwise(encode, n, [(flat, (1, 1))], [(1, 1)], inv, self.fmax, 0, self.dtype8)
         return Payload([q, scales], ctx=self.context(tensor.shape, tensor.dtype))
 
     def _decode32(self, payload):
         q, scales = payload.tensors
-        vals = q.reshape(-1).view(self.dtype8).to(torch.float32)
-        return scale_buckets(vals, scales.reshape(-1), self._bucket(payload.ctx["numel"]))
+        n = payload.ctx["numel"]
+        table = constant(("fp8-values", self.format), q.device,       # fp32 of each code (a lookup: the cast is slow)
+                         lambda: torch.arange(256, dtype=torch.uint8, device="cpu").view(self.dtype8).float())
+        if n == 0:
+            return torch.zeros(0, device=q.device)
+        if not self.chunk:       # the tensor's one scale folded into the table: one lookup per element
+            return blockwise(decode_kernel, n, [(q.reshape(-1), (1, 1))], [(1, 1)], table * scales.reshape(()))[0]
+        return blockwise(decode_chunks, n, [(q.reshape(-1), (1, 1)), (scales.reshape(-1), (1, self.chunk))],
+                         [(1, 1)], table, self.chunk, align=self.chunk)[0]
 
     def nominal_bits(self, numel):
         return 8.0 + 32.0 * math.ceil(numel / self._bucket(numel)) / max(numel, 1)
