@@ -166,7 +166,8 @@ def blockwise(kernel: Callable, n: int, inputs: list[tuple[torch.Tensor, tuple[i
               outputs: list[tuple[int, int]], *consts, align: int = 8):
     """`kernel(*input blocks, *consts)` over the `n` elements of the data: on CUDA once over everything (compiled
     by `fused` for large tensors), on the CPU block by block (`BLOCK` elements, a multiple of `align`) into
-    outputs allocated once. `inputs` pair each tensor with its (num, den) entries per element (see `_span`);
+    outputs allocated once. `inputs` pair each tensor with its (num, den) entries per element (see `_span`), or
+    None for a tensor every block takes whole (a scale);
     `outputs` give the kernel's results' (num, den) likewise, and each result of a block must be exactly its
     span or longer (cut to it: a decoder may make up to a group's padding past the end); an output spec None is
     a per-block result (a partial sum, a count), concatenated over the blocks (one entry on CUDA). Returns the
@@ -181,7 +182,7 @@ def blockwise(kernel: Callable, n: int, inputs: list[tuple[torch.Tensor, tuple[i
         for lo in range(0, n, block):
             hi = min(n, lo + block)
             next_block()
-            parts = kernel(*(t[slice(*_span(spec, lo, hi))] for t, spec in inputs), *consts)
+            parts = kernel(*(t if spec is None else t[slice(*_span(spec, lo, hi))] for t, spec in inputs), *consts)
             outs = _store(outs, parts, outputs, n, lo, hi)
     return tuple(torch.cat(o) if spec is None else o for o, spec in zip(outs, outputs))
 

@@ -90,15 +90,14 @@ class Int8(ScaledLevels):
         flat = tensor.reshape(-1)
         scale = maxabs(flat) if agreed is None else agreed.float().reshape(1)
         check_scale(scale, self.name, key, flat)
-        s = float(scale)
-        inv = LEVELS / s if s > 0 else 0.0
+        inv = torch.where(scale > 0, LEVELS / scale.double(), 0.0).float()      # (127/s in float64, as a number was)
         if self.stochastic:
             q = stochastic_codes(flat, inv, LEVELS, self.uniforms).sub_(LEVELS).view(torch.int8)
         else:
             flat = flat.float()
             self._scratch, out = reused(self._scratch, flat.numel(), flat.device)
-            q = torch.mul(flat, inv, out=out).round_().to(torch.int8)
-        return self._payload(q, scale, tensor, agreed, {"scale": s})
+            q = torch.mul(flat, inv.reshape(()), out=out).round_().to(torch.int8)
+        return self._payload(q, scale, tensor, agreed, {"scale": scale.reshape(())})
 
     def sum_payload(self, payload, world_size):
         return Payload([payload.tensors[0].to(widened(LEVELS * world_size))], ctx=payload.ctx)
@@ -111,7 +110,7 @@ class Int8(ScaledLevels):
         if len(payload.tensors) > 1:      # the payload's scale, kept on the device: s / LEVELS in float64, as a number
             step = (payload.tensors[1].reshape(()).double() / LEVELS).to(torch.float32)
         else:
-            step = ctx["scale"] / LEVELS
+            step = (torch.as_tensor(ctx["scale"]).double() / LEVELS).to(torch.float32)
         out = payload.tensors[0].to(torch.float32).mul_(step)
         return out.to(ctx["dtype"]).view(ctx["shape"])
 

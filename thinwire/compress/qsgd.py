@@ -76,8 +76,10 @@ class QSGD(ScaledLevels):
         check_scale(norms, self.name, key, flat)
         s = self.levels
         inv = torch.where(norms > 0, s / norms, 0.0)      # an all-zero bucket codes as level 0
-        codes = stochastic_codes(flat, inv, s, self.uniforms, self.bucket)
-        return self._payload(pack(codes, self.bits, inplace=True), norms, tensor, agreed, {"norms": norms})
+        codes = stochastic_codes(flat, inv, s, self.uniforms, self.bucket, bits=self.bits)
+        if self.bits not in (1, 2, 4, 8):        # (1, 2, 4: packed by the kernel; 8: the codes are the bytes)
+            codes = pack(codes, self.bits, inplace=True)
+        return self._payload(codes, norms, tensor, agreed, {"norms": norms})
 
     def sum_payload(self, payload, world_size):
         if "norms" not in payload.ctx:

@@ -16,7 +16,8 @@ import zlib
 
 import torch
 
-from ._kernels import Stream, random_bits
+from ._kernels import Stream, random_bits, scratch
+from .bitpack import pack_kernel
 from .base import Compressor, reused
 
 _COLS = 4096
@@ -114,23 +115,52 @@ class Stochastic(Compressor):
 
 
 def stochastic_codes(x: torch.Tensor, inv_scale: torch.Tensor | float, levels: int, uniforms: Uniforms,
-                     bucket: int | None = None, clip: bool = False) -> torch.Tensor:
+                     bucket: int | None = None, clip: bool = False, bits: int = 8) -> torch.Tensor:
     """uint8 codes in [0, 2*levels] of floor(x * inv_scale + u) + levels, the unbiased rounding of x * inv_scale
     to the integers -levels..levels (QSGD's xi(g, s), Alistarh et al. 2017, arXiv 1610.02132, and TernGrad's
     Bernoulli, Wen et al. 2017, arXiv 1705.07878, are both this rounding).
-    `inv_scale` is a scalar or one value per bucket of `bucket` elements (the last bucket may be shorter).
-    `clip`: values of |x * inv_scale| may exceed `levels` and are clipped to it (TernGrad's clipping); without it
-    they must not (QSGD: |x| <= norm), and only float round-off is guarded against, on the bytes."""
+    `inv_scale` is a number, a one-element tensor, or one value per bucket of `bucket` elements (the last bucket
+    may be shorter); a tensor stays on the device. `clip`: values of |x * inv_scale| may exceed `levels` and are
+    clipped to it (TernGrad's clipping); without it they must not (QSGD: |x| <= norm), and only float round-off
+    is guarded against, on the bytes. `bits` in 1, 2, 4: the codes come packed (`bitpack.pack`'s layout).
+    One kernel (`codes_kernel`) per block of the table's rows on the CPU, fused on a GPU."""
+    from ._kernels import blockwise
     flat = x.reshape(-1)
     n = flat.numel()
-    w = uniforms.offset_uniforms(n, levels, flat.device)        # levels + u: then x * inv + levels + u >= 0 and trunc is floor
-    if bucket is None or not torch.is_tensor(inv_scale) or inv_scale.numel() == 1:
-        w.add_(flat, alpha=float(inv_scale))
-    else:
-        full = (n // bucket) * bucket
-        w[:full].view(-1, bucket).addcmul_(flat[:full].view(-1, bucket), inv_scale[: n // bucket].view(-1, 1))
-        if full < n:
-            w[full:].add_(flat[full:], alpha=float(inv_scale[-1]))
+    free, prefix = offset_bits(levels)
+    a, b = uniforms.factors(n, free, flat.device, prefix)
+    inv = torch.as_tensor(inv_scale, dtype=torch.float32, device=flat.device).reshape(-1)
+    per = bucket if bucket is not None and inv.numel() > 1 else 0
+    pack = bits if bits in (1, 2, 4) else 0
+    spec = (pack, 8) if pack else (1, 1)
+    inputs = [(flat, (1, 1)), (a.view(-1), (1, b.shape[1])), (inv, (1, per) if per else None)]
+    return blockwise(codes_kernel, n, inputs, [spec], b, levels, per, clip, pack,
+                     align=math.lcm(8, b.shape[1], per or 1))[0]
+
+
+def codes_kernel(x: torch.Tensor, a: torch.Tensor, inv: torch.Tensor, b: torch.Tensor, levels: int, per: int,
+                 clip: bool, pack: int):
+    """The kernel of `stochastic_codes` on a block of whole table rows (`a`: their row factors, `b` the
+    columns'; `inv` per bucket of `per`, or one): (codes, packed when `pack` > 0,)."""
+    m = x.numel()
+    cols = b.shape[1]
+    w = torch.bitwise_xor(a.view(-1, 1), b, out=scratch((a.numel(), cols), torch.int32, x.device))
+    w = w.view(-1)[:m].view(torch.float32)                 # levels + u: then x * inv + levels + u >= 0, trunc = floor
+    f = x.to(torch.float32)
+    if per:
+        full = m - m % per
+        w[:full].view(-1, per).addcmul_(f[:full].view(-1, per), inv[:full // per].view(-1, 1))
+        if full < m:
+            w[full:].addcmul_(f[full:], inv[-1])
+    elif m:
+        w.addcmul_(f, inv.reshape(()))
     if clip:
-        return w.clamp_(0, 2 * levels).to(torch.uint8)
-    return w.to(torch.uint8).clamp_(max=2 * levels)   # round-off may reach 2 levels + 1
+        w.clamp_(0, 2 * levels)
+    # float -> int8 is a fast cast (-> uint8 is not); codes above 127 go through int16
+    small = 2 * levels + 1 <= 127
+    q = scratch(m, torch.int8 if small else torch.int16, x.device)
+    q.copy_(w)
+    if not clip:
+        q.clamp_(max=2 * levels)                            # round-off may reach 2 levels + 1
+    codes = q.view(torch.uint8) if small else q.to(torch.uint8)
+    return (pack_kernel(codes, pack),) if pack else (codes,)

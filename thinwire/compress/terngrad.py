@@ -19,7 +19,7 @@ import torch
 from ..errors import UserError
 from . import compressors
 from .base import Payload
-from .bitpack import decode, pack, unpack
+from .bitpack import decode, unpack
 from .finite import check_scale
 from .int8 import ScaledLevels, maxabs, widened
 from .rounding import stochastic_codes
@@ -45,8 +45,8 @@ class TernGrad(ScaledLevels):
             f = flat if flat.dtype == torch.float32 else flat.float()
             total, squares = f.sum().double(), torch.dot(f, f).double()   # two fast reductions (torch.std is slow)
             sigma = ((squares - total * total / n).clamp(min=0) / (n - 1)).sqrt().float()
-            if bool(torch.isfinite(sigma)):      # (sums of squares of huge values overflow: then no clipping)
-                scale = torch.minimum(scale, self.clip * sigma)
+            # (sums of squares of huge values overflow: then no clipping; decided on the device)
+            scale = torch.where(torch.isfinite(sigma), torch.minimum(scale, self.clip * sigma), scale)
         return scale
 
     def agree(self, tensor, key=None, step=0):
@@ -56,9 +56,9 @@ class TernGrad(ScaledLevels):
         flat = tensor.reshape(-1)
         scale = self._scale(flat) if agreed is None else agreed.float().reshape(1)
         check_scale(scale, self.name, key, flat)
-        s = float(scale)
-        codes = stochastic_codes(flat, 1.0 / s if s > 0 else 0.0, 1, self.uniforms, clip=True)
-        return self._payload(pack(codes, 2, inplace=True), scale, tensor, agreed, {"scale": s})
+        inv = torch.where(scale > 0, 1.0 / scale.double(), 0.0).float()          # (1/s in float64, as a number was)
+        packed = stochastic_codes(flat, inv, 1, self.uniforms, clip=True, bits=2)
+        return self._payload(packed, scale, tensor, agreed, {"scale": scale.reshape(())})
 
     def sum_payload(self, payload, world_size):
         ctx = dict(payload.ctx, summed=True)

@@ -29,7 +29,16 @@ import torch
 from ..errors import UserError
 from . import compressors
 from .base import Compressor, Payload
-from .bitpack import pack, unpack
+from ._kernels import blockwise, scratch
+from .bitpack import decode, pack_kernel, unpack
+
+def encode(x: torch.Tensor, a: float):
+    """MXNet's 2-bit codes 1[x >= a] | 1[x <= −a] << 1 of a block, packed four per byte: the kernel of
+    `Threshold2Bit.compress`."""
+    up = torch.ge(x, a, out=scratch(x.shape, torch.int8, x.device))
+    up.add_(torch.le(x, -a, out=scratch(x.shape, torch.int8, x.device)), alpha=2)
+    return (pack_kernel(up.view(torch.uint8), 2),)
+
 
 @compressors.register("threshold2bit")
 class Threshold2Bit(Compressor):
@@ -49,9 +58,8 @@ class Threshold2Bit(Compressor):
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
-        a = self.threshold
-        codes = (flat >= a).to(torch.uint8) | ((flat <= -a).to(torch.uint8) << 1)   # Yu et al. §3.4.1
-        return Payload([pack(codes, 2)], ctx=(tensor.shape, tensor.dtype, tensor.numel()))
+        packed, = blockwise(encode, flat.numel(), [(flat, (1, 1))], [(2, 8)], self.threshold)   # Yu et al. §3.4.1
+        return Payload([packed], ctx=(tensor.shape, tensor.dtype, tensor.numel()))
 
     def _signs(self, payload: Payload) -> torch.Tensor:
         """+1 / −1 / 0 per element, in int8."""
@@ -59,8 +67,9 @@ class Threshold2Bit(Compressor):
         return (codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)
 
     def decompress(self, payload):
-        shape, dtype, _ = payload.ctx
-        return (self._signs(payload).to(dtype) * self.threshold).view(shape)
+        shape, dtype, n = payload.ctx
+        a = self.threshold                     # code 1 -> +a, 2 -> -a: one table lookup per byte
+        return decode(payload.tensors[0], 2, n, (0.0, a, -a, 0.0)).to(dtype).view(shape)
 
     def aggregate(self, payloads):
         """Σ_ranks Q(x_r): count the signs in int32, multiply by α once."""
