@@ -7,6 +7,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors
+from ._kernels import fresh
 from .base import Payload, reused
 from .finite import check_scale
 from .rounding import Stochastic, stochastic_codes
@@ -111,7 +112,8 @@ class Int8(ScaledLevels):
             step = (payload.tensors[1].reshape(()).double() / LEVELS).to(torch.float32)
         else:
             step = (torch.as_tensor(ctx["scale"]).double() / LEVELS).to(torch.float32)
-        out = payload.tensors[0].to(torch.float32).mul_(step)
+        q = payload.tensors[0]
+        out = fresh(q.shape, torch.float32, q.device).copy_(q).mul_(step)     # (a fresh output on huge pages)
         return out.to(ctx["dtype"]).view(ctx["shape"])
 
     def packed_bits(self, numel):

@@ -7,13 +7,42 @@ mantissa is then dropped. Sent: the 8 exponent bits (a byte) and the sign (1 bit
 Codes of different ranks are not additive: gathered."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import compressors
-from .base import Payload, ScratchLock, reused
-from .bitpack import decode, pack
+from ._kernels import blockwise, scratch
+from .base import Payload
+from .bitpack import pack_kernel, value_table
 from .finite import check_tensor
 from .rounding import Stochastic
+
+
+def encode(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    """(exponent bytes, packed sign bits) of a block of whole table rows (`a` their row factors, `b` the
+    columns'): a uniform 23-bit integer added to |t|'s bits carries into the exponent with probability
+    mantissa / 2^23 (the module docstring); the kernel of `Natural.compress`."""
+    m = x.numel()
+    work = torch.bitwise_xor(a.view(-1, 1), b, out=scratch((a.numel(), b.shape[1]), torch.int32, x.device))
+    work = work.view(-1)[:m]
+    work.add_(x.view(torch.int32))          # the sign bit stays out of the way (shifted out below)
+    work.bitwise_right_shift_(23)           # sign | exponent (+ carry); the low byte is the exponent
+    exponent = scratch(m, torch.uint8, x.device)
+    exponent.copy_(work)                    # int32 -> uint8 keeps the low byte
+    exponent.clamp_(max=254)                # |t| >= 2^127 may not round up to 2^128 = inf (biased there only)
+    neg = torch.lt(x, 0, out=scratch(m, torch.int8, x.device))
+    return exponent, pack_kernel(neg.view(torch.uint8), 1)
+
+
+def decode_kernel(exponent: torch.Tensor, sign: torch.Tensor, table: torch.Tensor):
+    """fp32 bits (sign << 31 | exponent << 23) of a block: one table row per sign byte (its eight sign words),
+    plus the exponents shifted up (disjoint bits: an add is an or); the kernel of `Natural.decompress`."""
+    word = table.index_select(0, sign.to(torch.int32)).view(-1)
+    m = exponent.numel()
+    wide = scratch(m, torch.int32, exponent.device)
+    wide.copy_(exponent)                    # widened first (a mixed uint8/int32 add is 2x slower than cast + add)
+    return (word[:m].add_(wide, alpha=1 << 23),)
 
 
 @compressors.register("natural")
@@ -24,34 +53,21 @@ class Natural(Stochastic):
     aggregation = "allgather"
     fixed_size = True         # the payload size depends only on the shape
 
-    def __init__(self, seed: int = 0):
-        super().__init__(seed)
-        self._mask = torch.empty(0, dtype=torch.bool, device="cpu")     # regrown on the gradient's device
-        self._wide = torch.empty(0, dtype=torch.int32, device="cpu")
-        self._wide_lock = ScratchLock()      # decompress may run on several threads at once (see Compressor)
-
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1).float()
         check_tensor(flat, self.name, key)
         n = flat.numel()
-        bits = flat.view(torch.int32)
-        work = self.uniforms.mantissas(n, flat.device)
-        work.add_(bits)                        # the sign bit stays out of the way (shifted out below)
-        work.bitwise_right_shift_(23)          # sign | exponent (+ carry); the low byte is the exponent
-        exponent = work.to(torch.uint8)        # int32 -> uint8 keeps the low byte
-        exponent.clamp_(max=254)               # |t| >= 2^127 may not round up to 2^128 = inf (biased there only)
-        self._mask, mask = reused(self._mask, n, flat.device)
-        sign = pack(torch.lt(flat, 0, out=mask).view(torch.uint8), 1, inplace=True)
+        a, b = self.uniforms.factors(n, 23, flat.device)
+        exponent, sign = blockwise(encode, n, [(flat, (1, 1)), (a.view(-1), (1, b.shape[1]))], [(1, 1), (1, 8)], b,
+                                   align=math.lcm(8, b.shape[1]))
         return Payload([exponent, sign], ctx=(tensor.shape, tensor.dtype, n))
 
     def decompress(self, payload):
         shape, dtype, n = payload.ctx
         exponent, sign = payload.tensors
-        word = decode(sign, 1, n, [0, -(1 << 31)], torch.int32)       # sign << 31, one lookup per byte
-        with self._wide_lock:
-            self._wide, wide = reused(self._wide, n, sign.device)
-            wide.copy_(exponent)        # widened first (a mixed uint8/int32 add is 2x slower than cast + add)
-            word.add_(wide, alpha=1 << 23)                             # + exponent << 23 (disjoint bits: an or)
+        table = value_table(1, [0, -(1 << 31)], sign.device, torch.int32)        # a byte's eight signs << 31
+        word, = blockwise(decode_kernel, n, [(exponent.reshape(-1), (1, 1)), (sign.reshape(-1), (1, 8))], [(1, 1)],
+                          table)
         return word.view(torch.float32).to(dtype).view(shape)
 
     def nominal_bits(self, numel):

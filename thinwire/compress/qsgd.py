@@ -17,8 +17,9 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from .base import Payload
-from .bitpack import pack, unpack
+from ._kernels import blockwise
+from .base import Payload, constant
+from .bitpack import pack, unpack, value_table
 from .finite import check_scale
 from .int8 import ScaledLevels, widened
 from .rounding import stochastic_codes
@@ -44,6 +45,12 @@ def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int) -> to
     if full < n:
         out[full:].mul_(factors[-1])
     return out
+
+
+def decode4(packed: torch.Tensor, factors: torch.Tensor, table: torch.Tensor, bucket: int):
+    """fp32 levels of a block's packed 4-bit codes (a byte's two as one int64 of `table`) times their buckets'
+    factors: `QSGD.decompress`'s kernel (up to 7 values past the block's end, cut by `blockwise`)."""
+    return (scale_buckets(table.index_select(0, packed.to(torch.int32)).view(torch.float32), factors, bucket),)
 
 
 @compressors.register("qsgd")
@@ -92,6 +99,13 @@ class QSGD(ScaledLevels):
         ctx = payload.ctx
         norms = ctx["norms"] if "norms" in ctx else payload.tensors[1]
         levels = payload.tensors[0]
+        if not ctx["summed"] and self.bits == 4:      # one lookup per byte: its two levels, as one int64
+            table = constant(("qsgd-levels", self.levels), levels.device, lambda: value_table(
+                4, [float(c - self.levels) for c in range(16)], "cpu").view(torch.int64).view(-1))
+            factors = norms.reshape(-1) / self.levels
+            out, = blockwise(decode4, ctx["numel"], [(levels.reshape(-1), (4, 8)), (factors, (1, self.bucket))],
+                             [(1, 1)], table, self.bucket, align=math.lcm(8, self.bucket))
+            return out.to(ctx["dtype"]).view(ctx["shape"])
         if not ctx["summed"]:
             codes = unpack(levels, self.bits, ctx["numel"])
             if codes.data_ptr() == levels.data_ptr():     # 8-bit codes are the payload itself
