@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ._kernels import random_bits
+from ._kernels import BLOCK, cpu_blocks, random_bits, scratch
 
 SMALL = 1 << 15          # below this many elements torch.topk is as fast as anything
 
@@ -62,3 +62,20 @@ def largest(a: torch.Tensor, k: int, key: int = 0) -> torch.Tensor:
     vals = a.index_select(0, cand)
     t = torch.topk(vals, k, sorted=False).values.min()
     return cand[_first_at_threshold(vals, t, k)]
+
+
+def beyond_indices(flat: torch.Tensor, thr: float) -> torch.Tensor:
+    """Indices (int64, ascending) of |flat| >= thr (> 0): `torch.nonzero` of the mask, on the CPU block by block
+    (the mask and |flat| of a block stay in cache; no tensor-sized temporaries), elsewhere at once."""
+    n = flat.numel()
+    if flat.device.type != "cpu" or n <= BLOCK:
+        return torch.nonzero(flat.abs() >= thr).view(-1)
+    parts = []
+    with cpu_blocks() as next_block:
+        for lo in range(0, n, BLOCK):
+            next_block()
+            x = flat[lo:lo + BLOCK]
+            hit = torch.ge(torch.abs(x, out=scratch(x.shape, x.dtype, x.device)), thr,
+                           out=scratch(x.shape, torch.bool, x.device))
+            parts.append(torch.nonzero(hit).view(-1).add_(lo))
+    return torch.cat(parts)

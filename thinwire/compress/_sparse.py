@@ -13,6 +13,8 @@ import torch
 
 from ..errors import UserError
 from . import bitpack
+from ._kernels import fresh
+from ._select import beyond_indices
 from .base import Compressor, Payload
 from .rounding import rank
 
@@ -74,10 +76,11 @@ def topk_indices(flat: torch.Tensor, k: int, gen: torch.Generator | None = None)
     expected = k * s / d
     kk = min(s, int(expected + 4 * math.sqrt(expected) + 2))
     thr = torch.topk(sample, kk, sorted=False).values.min()
-    cand = torch.nonzero(beyond(flat, float(thr))).squeeze(1)
+    t = float(thr)
+    cand = beyond_indices(flat, t) if t > 0 else torch.nonzero(flat != 0).squeeze(1)
     if cand.numel() < k:
         return torch.topk(flat.abs(), k, sorted=False).indices
-    return cand[torch.topk(flat[cand].abs(), k, sorted=False).indices]
+    return cand.index_select(0, torch.topk(flat.index_select(0, cand).abs_(), k, sorted=False).indices)
 
 
 def beyond(flat: torch.Tensor, thr: float, center: float = 0.0) -> torch.Tensor:
@@ -123,7 +126,8 @@ class SparseCompressor(Compressor):
         shape, dtype, numel = ctx
         acc = self.accumulate_dtype or dtype
         idx, vals = parts[0] if len(parts) == 1 else [torch.cat(t) for t in zip(*parts)]   # (one: no copy)
-        return torch.zeros(numel, dtype=acc, device=vals.device).index_add_(0, idx, vals.to(acc)).to(dtype).view(shape)
+        out = fresh(numel, acc, vals.device).zero_()             # (a fresh output on huge pages)
+        return out.index_add_(0, idx, vals.to(acc)).to(dtype).view(shape)
 
     def decompress(self, payload):
         return self._accumulate([self._contribution(payload.tensors)], payload.ctx)
