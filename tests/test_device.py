@@ -324,3 +324,37 @@ def test_compare_records_the_device_in_every_result(device, pool2, tmp_path):
     for r in rows:
         assert r["status"] == "ok", r.get("error")
         assert r["device"] == device and r["config"]["device"] == device
+
+
+# -- fused kernels (issue 31): blocks on the CPU, compiled on a GPU, the same payloads as one eager pass -----------
+FUSED = ["signsgd", "onebit", "signum", "fp4", "fp8", "int8", "threshold2bit", "natural", "terngrad", "qsgd",
+         "randomk", "topk", "countsketch"]
+STOCHASTIC = {"terngrad", "qsgd"}     # x·s + u: a compiler may fuse the multiply-add (one rounding, not two)
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_kernels_give_the_payload_of_one_eager_pass(name, device, monkeypatch):
+    """The kernels run block by block on the CPU (`_kernels.blockwise`) and compiled on a GPU (`fused`): the same
+    payload, byte for byte, as the kernel run once over the whole tensor on the CPU (stochastic rounding: codes
+    may differ where a compiled fused multiply-add rounds x·s + u once; at most 1 in 10^4 bytes)."""
+    from thinwire.compress import _kernels, randomk
+    x = torch.randn(3 * _kernels.BLOCK + 777, generator=torch.Generator().manual_seed(8))
+    with monkeypatch.context() as m:           # one block: the whole tensor in one call
+        m.setattr(_kernels, "BLOCK", 1 << 30)
+        m.setattr(randomk, "_BLOCK", 1 << 30)
+        ref = tw.compressors.get(name)
+        want = ref.compress(x, key="f", step=3)
+        want_y = ref.decompress(want)
+    comp = tw.compressors.get(name)
+    monkeypatch.setattr(randomk, "_BLOCK", 1 << 15)       # (several of randomk's blocks too)
+    got = comp.compress(x.to(device), key="f", step=3)
+    assert len(got.tensors) == len(want.tensors), name
+    for g, w in zip(got.tensors, want.tensors):
+        g, w = g.cpu().reshape(-1), w.reshape(-1)
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        differ = (g.view(torch.uint8) != w.view(torch.uint8)).sum() if g.numel() else 0
+        assert differ <= (w.nbytes // 10_000 if name in STOCHASTIC else 0), (name, int(differ))
+    y = comp.decompress(got).cpu()
+    assert _on(comp.decompress(got), device)
+    if name not in STOCHASTIC:
+        assert torch.equal(y, want_y), name
