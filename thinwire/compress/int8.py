@@ -111,7 +111,7 @@ class Int8(ScaledLevels):
         if len(payload.tensors) > 1:      # the payload's scale, kept on the device: s / LEVELS in float64, as a number
             step = (payload.tensors[1].reshape(()).double() / LEVELS).to(torch.float32)
         else:
-            step = (torch.as_tensor(ctx["scale"]).double() / LEVELS).to(torch.float32)
+            step = (ctx["scale"].double() / LEVELS).to(torch.float32)          # (the agreed scale, on the device)
         q = payload.tensors[0]
         out = fresh(q.shape, torch.float32, q.device).copy_(q).mul_(step)     # (a fresh output on huge pages)
         return out.to(ctx["dtype"]).view(ctx["shape"])
