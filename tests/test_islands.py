@@ -28,6 +28,9 @@ def test_the_spec_and_the_paths():
     assert parse_network("home").bandwidth == 10e6 and parse_network("home").latency == 0.1
     with pytest.raises(UserError, match="3 islands of 1 workers = 3"):
         custom.check_workers(4)
+    from thinwire.cli.compare import _networks       # compare --network: a two-tier spec keeps its commas
+    assert _networks("dc,islands:2x2,inside=dc,across=world,home") == ["dc", "islands:2x2,inside=dc,across=world",
+                                                                       "home"]
 
 
 @pytest.mark.parametrize("spec", ["islands:", "islands:2", "islands:2x", "islands:0x2", "islands:2x2,inside=moon",

@@ -41,8 +41,8 @@ def register(sub) -> None:
     g.add_argument("--algorithms", help="cells: ALGO[:k=v,...][+COMPRESSOR[:k=v,...,memory=M]] or a PyTorch peer "
                                         f"({', '.join(presets.PEERS)}), comma- or ';'-separated")
     g.add_argument("--preset", help=f"a named matrix: {', '.join(presets.names())}")
-    p.add_argument("--network", help="comma-separated profiles (lan, dc, cluster, wan, world, custom:...; "
-                                     "separate custom specs with ';')")
+    p.add_argument("--network", help="comma-separated profiles (lan, dc, cluster, wan, world, home, custom:..., "
+                                     "islands:AxB,inside=NET,across=NET; separate custom specs with ';')")
     p.add_argument("--workers", type=int, help="workers per cell (default: the preset's, else 4)")
     p.add_argument("--epochs", type=float, help="an upper bound on the epochs of a cell (default: none with a budget, "
                                                 "else the workload's)")
@@ -70,7 +70,7 @@ def register(sub) -> None:
 
 
 def _networks(text: str) -> list[str]:
-    return _split(text, lambda prev, item: prev.startswith("custom:") and "=" in item)
+    return _split(text, lambda prev, item: prev.startswith(("custom:", "islands:")) and "=" in item)
 
 
 def config_from_args(args):

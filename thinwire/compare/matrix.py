@@ -39,6 +39,7 @@ run with SGD on a workload whose optimizer is another. The report states each ce
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -295,11 +296,14 @@ class Harness:
         celldir = os.path.join(self.out, "cells", _slug(self.key(REFERENCE, "lan", seed)))
         s = run_training(tc, out=celldir, pool=view)
         name = "best_accuracy" if s["metric"] == "accuracy" else "best_loss"
-        return {"seed": seed, "config": asdict(tc), "throughput_samples_s": s["throughput_samples_s"],
-                "step_time_s": s["step_time_s"],
-                "steps": s["steps"], "steps_to_target": s["steps_to_target"], "time_to_target_s":
-                s["time_to_target_s"], "train_s": s["train_s"], name: s[name], "metric": s["metric"],
-                "curve": _curve(celldir, s["metric"], 0.0)}
+        out = {"seed": seed, "config": asdict(tc), "throughput_samples_s": s["throughput_samples_s"],
+               "step_time_s": s["step_time_s"],
+               "steps": s["steps"], "steps_to_target": s["steps_to_target"], "time_to_target_s":
+               s["time_to_target_s"], "train_s": s["train_s"], name: s[name], "metric": s["metric"],
+               "curve": _curve(celldir, s["metric"], 0.0)}
+        if s["steps_to_target"] is None:    # out of budget: where its trend would have met the target
+            out["steps_to_target_extrapolated"] = extrapolate_steps(celldir, s["metric"], s["target"])
+        return out
 
     def warm_up(self) -> None:
         """Two steps of `local` in the pool, not recorded: every measured run (the reference first) starts in
@@ -311,13 +315,16 @@ class Harness:
     def baseline(self, runs: list[dict]) -> dict:
         """The reference over its seeds: median throughput and step, the throughput's range (its spread)."""
         rate = [r["throughput_samples_s"] for r in runs]
-        reached = [r["steps_to_target"] for r in runs if r.get("steps_to_target")]
+        reached = [r["steps_to_target"] or r.get("steps_to_target_extrapolated") for r in runs
+                   if r.get("steps_to_target") or r.get("steps_to_target_extrapolated")]
         return {"runs": runs, "throughput_samples_s": statistics.median(rate), "throughput_min": min(rate),
                 "throughput_max": max(rate), "spread": (max(rate) - min(rate)) / statistics.median(rate),
                 "step_time_s": statistics.median(r["step_time_s"] for r in runs),
                 "steps_to_target": statistics.median(reached) if reached else None,
                 "time_to_target_s": statistics.median(r["time_to_target_s"] for r in runs
-                                                      if r.get("time_to_target_s")) if reached else None,
+                                                      if r.get("time_to_target_s"))
+                if any(r.get("time_to_target_s") for r in runs) else None,
+                "steps_extrapolated": not any(r.get("steps_to_target") for r in runs) and bool(reached),
                 "how": f"thinwire algorithm `local` (no communication) raced like every cell: the same workers, "
                        f"data, batch, budget, target and process layout, {len(runs)} run(s), one per seed"}
 
@@ -424,6 +431,7 @@ def _curve(celldir: str, metric: str, total_sent: float) -> list:
 # H = 32 136, H = 64 144, H = 16 160 (BENCHMARKS.md, "Predict, then race"); a prior for other workloads, where the report says
 # how far it was off.
 SYNC_STEPS = 0.72
+PERIODIC_STEPS = {"plain": 0.9, "overlapped": 1.0}   # diloco H = 32/64: 136/144; overlapped (streaming τ > 0): 152-160
 EVERY_STEP = ("bsp", "ssgd", "bitsgd", "odsgd", "cdsgd", "dts", "delayed", "tsparse", "dpsgd", "choco", "sgp",
               "adpsgd", "asp", "ssp", "backup", "ddp", "ddp-fp16", "ddp-powersgd")
 
@@ -458,7 +466,8 @@ def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s
 
 def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -> dict:
     """Before any cell runs: per network, each cell's predicted step, sync and time to target (the reference's
-    steps to target × SYNC_STEPS for a cell that averages every step, × 1 for the rest, × its predicted step),
+    steps to target × SYNC_STEPS for a cell that averages every step, × PERIODIC_STEPS for one that averages every H
+    steps, overlapped or not, × its predicted step),
     and the predicted winner (the least predicted time to target within the budget)."""
     steps_ref = baseline.get("steps_to_target")
     out = {}
@@ -468,13 +477,35 @@ def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -
             ran, _ = tuned[cell.label, network]
             p = predict_cell(ran, network, cfg, baseline.get("step_time_s"))
             if p.get("step_s") and steps_ref:
-                p["steps"] = steps_ref * (SYNC_STEPS if ran.algorithm in EVERY_STEP else 1.0)
+                factor = (SYNC_STEPS if ran.algorithm in EVERY_STEP else 1.0 if ran.algorithm == "local" else
+                          PERIODIC_STEPS["overlapped" if ran.params.get("overlap") or ran.params.get("eager")
+                                         else "plain"])
+                p["steps"] = steps_ref * factor
                 p["time_to_target_s"] = p["steps"] * p["step_s"]
                 p["within_budget"] = cfg.budget_s is None or p["time_to_target_s"] <= cfg.budget_s
             here[cell.label] = p
         timed = {k: v["time_to_target_s"] for k, v in here.items() if v.get("time_to_target_s") is not None}
         out[network] = {"cells": here, "winner": min(timed, key=timed.get) if timed else None}
     return out
+
+
+def extrapolate_steps(celldir: str, metric: str, target: float) -> float | None:
+    """The step where the metric's trend over the second half of a run's evaluations (a straight line in
+    log(step)) meets the target; None if it moves away from it or would take over 10 times the run."""
+    name = "accuracy" if metric == "accuracy" else "test_loss"
+    with open(os.path.join(celldir, "metrics.jsonl")) as f:
+        pts = [(r["step"], r[name]) for r in map(json.loads, f) if name in r and r["step"] > 0]
+    pts = pts[len(pts) // 2:]
+    if len(pts) < 3:
+        return None
+    xs, ys = [math.log(st) for st, _ in pts], [v for _, v in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    if slope == 0 or (target - my) / slope < 0:
+        return None
+    steps = math.exp(mx + (target - my) / slope)
+    return steps if steps <= 10 * pts[-1][0] else None
 
 
 def measured_sync_s(row: dict) -> float | None:
@@ -506,6 +537,7 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | N
     row["predicted_sync_s"] = pred.get("sync_s") if ok else None
     row["planned_time_to_target_s"] = pred.get("time_to_target_s")
     row["measured_sync_s"] = measured_sync_s(row) if ok else None
+    row["mean_step_s"] = row["train_s"] / row["steps"] if ok and row.get("steps") else None
 
 
 # -- across cells: predictions for cells out of budget, and the seeds' statistics --------------------------------

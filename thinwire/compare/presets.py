@@ -149,7 +149,7 @@ PRESETS: dict[str, Preset] = {
     "quick": Preset(
         _LM, 4, ["world"],
         ["bsp", "ddp", "ddp-postlocalsgd:warmup=0", "bsp+topk:ratio=0.01,memory=residual", "localsgd", "diloco",
-         "diloco:period=64", "torchft-diloco"],
+         "torchft-diloco"],
         budget_s=45, target=2.5,
         doc="make demo (under 10 minutes): the byte-level LM (1.1 M params) on `world` (50 Mbit/s, 150 ms "
             "one-way), 4 workers, 45 s of training per cell, target validation loss 2.5 (looser than the "
@@ -159,8 +159,8 @@ PRESETS: dict[str, Preset] = {
             "PyTorch option on a wide-area link; no warm-up: its default 8 synchronous steps cost 24 of the 40 s "
             "here, and without them it is PyTorch's local SGD, thinwire's `localsgd`'s counterpart), top-k 1 % "
             "with error feedback, local SGD, DiLoCo as the planner picks it for the network (its sync hidden: "
-            "streaming fragments and overlap by the τ rule, the all-reduce and outer compressor that suit the link), "
-            "plain DiLoCo at H = 64 and torchft's DiLoCo; periods picked by the planner for the network. DTS and "
+            "streaming fragments and overlap by the τ rule, the all-reduce and outer compressor that suit the link) "
+            "and torchft's DiLoCo; periods picked by the planner for the network. DTS and "
             "CD-SGD step momentum SGD (their compensation and local update are derived for it) "
             "and race on the SGD workload in `paper-dts` and `paper-cdsgd`"),
     "islands": Preset(

@@ -46,8 +46,8 @@ def table(entries: list[dict], seeds: int, two_tier: bool = False) -> list[str]:
     name = metric_name(entries[0])
     across = " MB over the thin link / worker (of all sent) |" if two_tier else ""
     lines = [f"| rank | contestant | kind | ran with | time to target (s) | read within | best {name} | final {name} | "
-             f"step (ms) | MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | predicted step (ms) "
-             f"| sync: predicted / measured (ms) | planned time to target (s) |{across}",
+             f"step (ms) | MB sent / worker / step | fp32 ÷ sent | exposed comm (s) | scalability | mean step: predicted / "
+             f"measured (ms) | sync: predicted / measured (ms) | planned time to target (s) |{across}",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
              + (" ---: |" if two_tier else "")]
     for i, e in enumerate(rank(entries), 1):
@@ -65,7 +65,7 @@ def table(entries: list[dict], seeds: int, two_tier: bool = False) -> list[str]:
             f"{_fmt(e.get('best_' + name), '.3f')} | {_fmt(e.get('final_' + name), '.3f')} | "
             f"{_fmt(e.get('step_time_s') or None, '.0f', 1e3)} | {_fmt(None if mb is None else mb / 1e6, '.3f')} | "
             f"{_fmt(e.get('compression_ratio'), '.1f')}× | {_fmt(e.get('exposed_comm_s'), '.1f')} | "
-            f"{_fmt(e.get('scalability'), '.2f')} | {_fmt(e.get('predicted_step_time_s'), '.0f', 1e3)} | "
+            f"{_fmt(e.get('scalability'), '.2f')} | {_pair(e.get('predicted_step_time_s'), e.get('mean_step_s'))} | "
             f"{_pair(e.get('predicted_sync_s'), e.get('measured_sync_s'))} | "
             f"{_fmt(e.get('planned_time_to_target_s'), '.3g')} |"
             + (f" {_fmt(_mb(e.get('bytes_across_per_worker')), '.1f')} ({_fmt(_mb(e.get('bytes_sent_per_worker')), '.1f')})"
@@ -85,14 +85,17 @@ def prediction(results: dict, network: str, entries: list[dict]) -> str:
         return ("The planner made no prediction of the winner here (the no-communication reference did not reach "
                 "the target, so it had no steps to target to start from).")
     ttt = p["cells"][winner]["time_to_target_s"]
+    base = results.get("baseline") or {}
+    how = (f" (from the reference's {base['steps_to_target']:.0f} steps to target, extrapolated from its trend: it ran "
+           f"out of budget first)" if base.get("steps_extrapolated") else "")
     ok = [e for e in rank(entries) if e.get("status") == "ok"]
     measured = ok[0] if ok and ok[0]["reached"] else None
     if measured is None:
-        return f"**Predicted before the race**: `{winner}` ({ttt:.3g} s); no cell reached the target."
+        return f"**Predicted before the race**: `{winner}` ({ttt:.3g} s){how}; no cell reached the target."
     agreed = measured["label"] == winner
     within = next((e for e in ok if e["label"] == winner), None)
     tie = within is not None and within.get("within_noise_of_best")
-    return (f"**Predicted before the race**: `{winner}` ({ttt:.3g} s to target); measured winner `{measured['label']}` "
+    return (f"**Predicted before the race**: `{winner}` ({ttt:.3g} s to target{how}); measured winner `{measured['label']}` "
             f"({measured['ttt_median']:.3g} s): " + ("**agreed**." if agreed else
                                                      "disagreed" + (" (the predicted winner is within noise of it)."
                                                                     if tie else ".")))
@@ -203,7 +206,8 @@ def write_report(results: dict, path: str) -> None:
         "- **scalability**: throughput divided by the throughput of the same workers with no communication at all "
         f"({_fmt(base.get('throughput_samples_s'), '.0f')} samples/s here, {base.get('how', 'not measured')}); "
         "1.0 means communication costs nothing.",
-        "- **predicted step**, **sync: predicted / measured**, **planned time to target**: the planner's "
+        "- **mean step: predicted / measured** (training time ÷ steps, syncs included; **step** is the median), "
+        "**sync: predicted / measured**, **planned time to target**: the planner's "
         "predictions, made before any cell ran, from the model size, the network and the reference's median step "
         "(and, for the time to target, the reference's steps to target: as many for a cell that averages every H "
         "steps, 0.72 of them for one that averages every step, as measured on the LM); measured sync: DiLoCo's own clock from a fragment's "

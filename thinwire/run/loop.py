@@ -30,7 +30,7 @@ the step where the budget runs out), where `ahead` is
   far (e is the evaluation's own time, the slowest rank's);
 - else (no race to a target, or the metric is not moving toward it) e / EVAL_OVERHEAD: evaluations then cost at
   most a quarter of the training time;
-- and, once the metric has covered NEAR (3/4) of the way from its value at step 0 to the target, at most
+- and, once the metric has covered NEAR (9/10) of the way from its value at step 0 to the target, at most
   RESOLUTION (5 %) of the clock, whatever its trend: a metric that drops in jumps (local-update methods, whose
   models land at each average) crosses where no trend predicts it.
 Near the crossing the interval is 2–5 % of the clock, so the evaluation that first reaches the target comes at most
@@ -62,7 +62,7 @@ _now = time.perf_counter
 EVAL_PRECISION = 0.02   # in a race, evaluations come every 2 % of the training clock (see the module's doc) ...
 EVAL_OVERHEAD = 0.25    # ... or far from the target: evaluations cost at most a quarter of the training time ...
 FAR = 0.25              # ... or half-way to the predicted crossing, at most a quarter of the clock ahead ...
-NEAR, RESOLUTION = 0.75, 0.05   # ... and past 3/4 of the way to the target, at most 5 % of the clock
+NEAR, RESOLUTION = 0.9, 0.05    # ... and past 9/10 of the way to the target, at most 5 % of the clock
 ELASTIC_SEED = 10007    # an elastic job's loader of generation g is shuffled by seed + ELASTIC_SEED * g
 
 
