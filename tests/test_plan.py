@@ -178,6 +178,7 @@ def test_diloco_planner_hides_the_sync_by_the_tau_rule():
         else:             # the τ rule: the least overlap whose inner steps cover the sync
             assert p.overlap == math.ceil(p.sync_s / s.compute_s - 1e-9) and p.overlap <= k // 2
             assert (p.overlap - 1) * s.compute_s < p.sync_s <= p.overlap * s.compute_s
+            assert p.params().get("alpha") == (0.5 if p.overlap else None)     # mixed at the merge, as the paper
         assert p.scalability >= 0.95 and p.iteration_s == pytest.approx(
             predict_diloco(s, p.compressor, p.allreduce, p.fragments, p.period, p.overlap, p.eager)[0])
         smaller = [c for c in candidates(s) if c.period < p.period and c.scalability >= 0.95 and c.eager == p.eager]

@@ -431,7 +431,9 @@ def _curve(celldir: str, metric: str, total_sent: float) -> list:
 # H = 32 136, H = 64 144, H = 16 160 (BENCHMARKS.md, "Predict, then race"); a prior for other workloads, where the report says
 # how far it was off.
 SYNC_STEPS = 0.72
-PERIODIC_STEPS = {"plain": 0.9, "overlapped": 1.0}   # diloco H = 32/64: 136/144; overlapped (streaming τ > 0): 152-160
+# averaging every H steps: diloco H = 32 / 64 136 / 144 steps (0.85-0.9), overlapped by τ with α = 0.5 144 (0.9),
+# with α = 0 152-160 (about 1)
+PERIODIC_STEPS = {"plain": 0.88, "mixed": 0.9, "overlapped": 1.0}
 EVERY_STEP = ("bsp", "ssgd", "bitsgd", "odsgd", "cdsgd", "dts", "delayed", "tsparse", "dpsgd", "choco", "sgp",
               "adpsgd", "asp", "ssp", "backup", "ddp", "ddp-fp16", "ddp-powersgd")
 
@@ -477,9 +479,10 @@ def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -
             ran, _ = tuned[cell.label, network]
             p = predict_cell(ran, network, cfg, baseline.get("step_time_s"))
             if p.get("step_s") and steps_ref:
+                lag = ran.params.get("overlap") or ran.params.get("fragment_sync_delay") or ran.params.get("eager")
+                mixed = (ran.params.get("alpha") or ran.params.get("fragment_update_alpha") or 0) >= 0.5
                 factor = (SYNC_STEPS if ran.algorithm in EVERY_STEP else 1.0 if ran.algorithm == "local" else
-                          PERIODIC_STEPS["overlapped" if ran.params.get("overlap") or ran.params.get("eager")
-                                         else "plain"])
+                          PERIODIC_STEPS["plain" if not lag else "mixed" if mixed else "overlapped"])
                 p["steps"] = steps_ref * factor
                 p["time_to_target_s"] = p["steps"] * p["step_s"]
                 p["within_budget"] = cfg.budget_s is None or p["time_to_target_s"] <= cfg.budget_s

@@ -12,8 +12,8 @@ H and how the sync is hidden behind inner steps:
   islands, and the island gathers the shards over its fast link.
 - **The τ rule** (Streaming DiLoCo's overlap, Douillard et al. 2025, arXiv 2501.18512 §2.3): τ = ⌈C_F / τ_c⌉
   inner steps hide the sync, so the fragment's pseudo-gradient is taken τ steps before it is needed; τ must stay
-  below K = H/F (one fragment in flight) and at most K/2 (the merge replaces the fragment's last τ local steps with
-  the global parameters: a longer overlap throws away more progress). Where no such τ exists the sync is hidden
+  below K = H/F (one fragment in flight) and at most K/2 (the merge mixes the fragment's last τ local steps with the
+  global parameters, α = 0.5 as the paper overlaps: a longer overlap loses more progress). Where no such τ exists the sync is hidden
   behind a whole period by **eager updates** (Kale, Douillard, Donchev 2025, arXiv 2502.12996; F = 1, the
   paper's setting), if it fits in H steps.
 - **The link's occupancy**: one fragment's transfer per K steps must fit in K inner steps, whatever hides the
@@ -46,6 +46,10 @@ OUTER = (("none", None, 32), ("int8", "residual", 8), ("fp4", "residual", 4))
 ALGORITHMS = ("gloo", "recursive_doubling", "double_binary_tree", "ring")
 FRAGMENTS = (1, 2, 4)
 TARGET = 0.95
+# with overlap, the merge keeps half of the fragment's local steps meanwhile: θ ← ½ θ_local + ½ θ̃ (Streaming DiLoCo
+# §2.3 mixes with α = 0.5 when it overlaps). Measured on stdlib-lm (H = 32, τ = 7, fp4; 4 workers, loss 2.5): 144
+# steps with α = 0.5 against 160 with α = 0, and 136 without overlap (BENCHMARKS.md, "Predict, then race")
+OVERLAP_ALPHA = 0.5
 
 
 @dataclass
@@ -77,6 +81,7 @@ class Plan:
             out["fragments"] = self.fragments
         if self.overlap:
             out["overlap"] = self.overlap
+            out["alpha"] = OVERLAP_ALPHA
         if self.eager:
             out["eager"] = True
         if self.allreduce != "gloo":
