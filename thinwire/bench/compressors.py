@@ -63,8 +63,8 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
     """`clock="cpu"` times with this process's CPU time (all its threads) instead of the wall clock: on a machine
     shared with other jobs it leaves out the time this process waits for a core, so the ratios to memcpy stay
     meaningful (memory-bandwidth contention still shows). `device="cuda"` puts the input on the GPU and times
-    each call CUDA-synchronised on the wall clock; the result then also names the device and holds the time of
-    `torch.topk` of 1 % (`torch_topk_ms`)."""
+    each call CUDA-synchronised on the wall clock; the result then also holds `device` ("cuda"), the GPU's name
+    (`device_name`) and the time of `torch.topk` of 1 % (`torch_topk_ms`)."""
     import torch
     if clock not in ("wall", "cpu"):
         raise UserError(f"clock must be one of wall, cpu; got {clock!r}")
@@ -99,7 +99,7 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
         flat = x.reshape(-1)
         k = max(1, numel // 100)
         timed(lambda: torch.topk(flat.abs(), k, sorted=False))
-        extra = {"device": torch.cuda.get_device_name(x.device),
+        extra = {"device": "cuda", "device_name": torch.cuda.get_device_name(x.device),
                  "torch_topk_ms": statistics.median(timed(lambda: torch.topk(flat.abs(), k, sorted=False))[0]
                                                     for _ in range(max(repeat, 3))) * 1e3}
     rows = []
@@ -134,7 +134,7 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
 
 def _table(result: dict) -> str:
     n = result.get("world_size", 4)
-    where = result.get("device", "cpu")
+    where = result.get("device_name", result.get("device", "cpu"))
     head = (f"numel {result['numel']} on {where}, memcpy {result['memcpy_ms']:.3f} ms (medians); wire: per rank's "
             f"contribution at {n} ranks")
     if "torch_topk_ms" in result:
@@ -173,7 +173,7 @@ def plot(result: dict, path: str) -> None:
         if r["x_memcpy"] > top:
             a.text(i, top * 0.97, f"{r['x_memcpy']:.0f}x", ha="center", va="top", fontsize=8, rotation=90)
     a.set_ylabel("time / memcpy")
-    a.set_title(f"{result['numel']} fp32 elements on {result.get('device', 'cpu')}; "
+    a.set_title(f"{result['numel']} fp32 elements on {result.get('device_name', result.get('device', 'cpu'))}; "
                 f"memcpy {result['memcpy_ms']:.3f} ms")
     a.legend()
     b.bar(names, [r["bits_per_element"] for r in rows], label="actual")
