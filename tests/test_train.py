@@ -187,7 +187,9 @@ def test_peer_configurations_are_checked_before_launch():
     with pytest.raises(UserError, match="takes period, warmup, not rank"):
         TrainConfig(algorithm="ddp-postlocalsgd", params={"rank": 2}, **base).validate()
     with pytest.raises(UserError, match="checkpoints are written by thinwire"):
-        TrainConfig(algorithm="ddp", checkpoint_every=2, checkpoint_dir="/tmp", **base).validate()
+        TrainConfig(algorithm="ddp-fp16", checkpoint_every=2, checkpoint_dir="/tmp", **base).validate()
+    # plain DDP checkpoints (model and optimizer): torchrun's stop-the-world restart, `thinwire bench churn`
+    TrainConfig(algorithm="ddp", checkpoint_every=2, checkpoint_dir="/tmp", **base).validate()
     with pytest.raises(UserError, match="takes no thinwire --compressor"):
         TrainConfig(algorithm="ddp", compressor="topk", **base).validate()
     with pytest.raises(UserError, match="group .3. must divide"):

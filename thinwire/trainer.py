@@ -245,6 +245,8 @@ class Trainer:
         self.on_failure = on_failure
         self.failures: list[dict] = []   # workers lost and survived (on_failure="continue")
         self.joins: list[dict] = []      # newcomers taken in (an elastic job)
+        self.committed = 0               # the last synchronization boundary passed (bsp: every step; localsgd,
+        #                                  diloco: a sync; dts: a window's end): the work before it counts
         self._behind = 0                 # steps to skip to rejoin the survivors' step after a loss
         self.step_count = 0
         joined = None
@@ -321,6 +323,7 @@ class Trainer:
         Under thinwire's launcher the step is reported to its progress watchdog first (two stores into shared
         memory, `comm/progress.py`): a rank stuck in the loop around it is named like one of `thinwire train`."""
         report_progress(self.step_count + 1)
+        losses = len(self.failures)
         if self._behind:                 # rejoining the survivors' step count after a loss: nothing applied
             self._behind -= 1
             self.scheduler.discard_step()
@@ -330,8 +333,10 @@ class Trainer:
             except PeerLost as lost:
                 self._recover(lost)
         self.step_count += 1
-        if self.elastic is not None and not self._behind and self.algorithm.join_boundary(self.step_count):
-            self._boundary()
+        if not self._behind and len(self.failures) == losses and self.algorithm.join_boundary(self.step_count):
+            self.committed = self.step_count     # every step's work up to here is in every member's model
+            if self.elastic is not None:
+                self._boundary()
         # a local step next, or one skipped to rejoin the others: no gradient hook runs
         self.scheduler.next_step(self.algorithm.communicates() and not self._behind)
         return self.transport.meter.mark_step()

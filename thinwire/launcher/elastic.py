@@ -10,7 +10,7 @@ synchronization boundary and take a live peer's state:
   `("step", k)` once a member reported step k (tests);
 - `thinwire train --join HOST:PORT` joins by hand from another process (the store address is printed).
 Up to `max_workers` members at a time (rank 0 refuses the rest); the job fails when fewer than `min_workers`
-remain. The design: docs/reliability.md, "Workers that join a running job".
+remain and no replacement is coming (`replace=False`), or when none remains. The design: docs/reliability.md, "Workers that join a running job".
 
 Watches: exit codes (a death is a loss, survived), heartbeats (a stalled worker is killed and taken for lost),
 progress (no member advancing for the bound fails the job, as in `Pool`) and the deadline. A worker that raises
@@ -291,10 +291,10 @@ class ElasticPool:
         if elastic.publish_loss(self._run_store, [member]) is None:
             self._run_store.append("gone", f"{member},")   # never a member: rank 0 will not admit it
         _, rec = self._newest()
-        if len(rec["members"]) < self.min_workers:
+        if not rec["members"] or (len(rec["members"]) < self.min_workers and not self._replace):
             raise WorkerError(member, f"{reason}; {len(rec['members'])} workers remain, fewer than the minimum "
                                       f"{self.min_workers}")
-        if self._replace:
+        if self._replace:       # (below the minimum the survivors go on while the replacements start)
             self._replacements.append(time.monotonic() + self.replace_delay)
 
     def _collect(self, tid: int, timeout: float, deadline: float | None) -> dict:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 import os
 import statistics
@@ -332,11 +333,13 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     if cfg.tensorboard and wrank == 0:
         board = Board(cfg.tensorboard, wl.metric)
     steps, evals, clock, first, before, stop = [], [], 0.0, 1, None, None
+    log = StepLog(rank, stepper)
 
     def evaluate(step: int) -> str | None:
         """Evaluate (outside the clock), agree in a race, record; why to stop or None."""
         t1 = _now()
         rec = {"step": step, "t": clock, "value": wl.evaluate(stepper.module)}
+        log.evaluation(step, rec["value"])
         why, agreed = schedule.evaluated(step, rec["value"], clock, _now() - t1)
         rec.update(agreed)
         evals.append(rec)
@@ -363,6 +366,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
         step = first
         while total is None or step <= total:
             t0 = _now()
+            log.begin()
             xb, yb = loader.next()
             with tracer.span("forward", "forward"):
                 loss = wl.loss(stepper.model(xb), yb)
@@ -385,6 +389,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             if schedule.due(step):
                 if step == total:  # drain before the final evaluation: the final model is the consistent one
                     clock += _timed(stepper.close)
+                    log.committed = step
                 stop = evaluate(step)
                 if stop is not None and step != total:  # a race ends here: drain, on the clock
                     clock += _timed(stepper.close)
@@ -392,6 +397,8 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                 more = {} if member is None else {"loader_seed": loader.seed}
                 _save(cfg, rank, world_size, step, stepper, before, loader=loader.state_dict(),
                       records={"steps": steps, "evals": evals}, clock=clock, schedule=schedule.state_dict(), **more)
+                log.committed = step        # a restart from this checkpoint keeps the work up to here
+            log.step(step)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.3f}", refresh=False)
@@ -402,6 +409,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             stepper.close()
             evaluate(first - 1)
     finally:
+        log.close()
         if bar is not None:
             bar.close()
         if board is not None:
@@ -413,6 +421,43 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             "model_sha256": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest(),
             "meter": meter, "metrics": metrics, "stopped": stop or "steps",
             "trace": tracer.events, "num_params": sum(p.numel() for p in params), "train_s": clock}
+
+
+class StepLog:
+    """With THINWIRE_STEP_LOG=DIR, one JSON line per step and per evaluation in DIR/<pid>.jsonl, flushed at once
+    (a worker killed loses nothing it wrote), for `thinwire bench churn`'s goodput: {"m": rank (an elastic job's
+    member), "s": step, "a"/"b": wall-clock start and end, "c": the last step whose work counts for good (a
+    synchronization boundary of the algorithm, a checkpoint written, the last step), "d": the losses survived
+    so far (each throws away the work since the last boundary)}; {"m", "s", "e": the metric, "b"}."""
+
+    def __init__(self, rank: int, stepper: Stepper):
+        where = os.environ.get("THINWIRE_STEP_LOG")
+        self.file = open(os.path.join(where, f"{os.getpid()}.jsonl"), "a") if where else None
+        self.rank, self.trainer = rank, getattr(stepper, "trainer", None)
+        self.committed, self.t0 = 0, 0.0
+
+    def begin(self) -> None:
+        self.t0 = time.time()
+
+    def step(self, step: int) -> None:
+        if self.file is None:
+            return
+        c, d = self.committed, 0
+        if self.trainer is not None:
+            c, d = max(c, self.trainer.committed), len(self.trainer.failures)
+        self._write({"m": self.rank, "s": step, "a": self.t0, "b": time.time(), "c": c, "d": d})
+
+    def evaluation(self, step: int, value: float) -> None:
+        if self.file is not None:
+            self._write({"m": self.rank, "s": step, "e": value, "b": time.time()})
+
+    def _write(self, rec: dict) -> None:
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def _timed(fn) -> float:

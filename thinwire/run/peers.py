@@ -310,7 +310,13 @@ class PeerStepper(Stepper):
         return out
 
     def counted(self, before) -> tuple[dict, dict]:
-        return {"total": self.counter.totals()}, {"peer": self.desc}
+        """The peer's traffic over the whole run: on resume (`ddp`), what the checkpoint counted plus this
+        segment's."""
+        total = self.counter.totals()
+        if before:
+            old = before["meter"]["total"]
+            total = {k: v + old.get(k, 0) for k, v in total.items()}
+        return {"total": total, "by_kind": {}}, {"peer": self.desc}
 
 
 class DDPStepper(PeerStepper):
@@ -318,12 +324,30 @@ class DDPStepper(PeerStepper):
     for post-local SGD, its model averager's)."""
 
     def __init__(self, cfg, wl, rank: int, world_size: int):
+        self.algorithm = cfg.algorithm
         self.counter = _Counter(rank, parse_network(cfg.network))
         self.counter.install()
         module = wl.model(cfg.seed).to(model_device(cfg))
         ddp, self.optimizer, self.desc = _build(cfg, wl, module, world_size)
         super().__init__(ddp, module, rank)
         self._start_counting()
+
+    def state_dict(self) -> dict:
+        """Plain `ddp` checkpoints (model and optimizer; DDP's buffers are the module's): torchrun's restart from
+        the last checkpoint, the stop-the-world recovery `thinwire bench churn` measures."""
+        self._stateless()
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._stateless()
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+
+    def _stateless(self) -> None:
+        if self.algorithm != "ddp":
+            raise UserError(f"{self.algorithm} keeps state in its hook or averager that a checkpoint would not "
+                            f"hold; of the peers, ddp writes checkpoints")
 
     def shutdown(self) -> None:
         self.counter.uninstall()

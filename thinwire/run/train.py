@@ -268,9 +268,10 @@ class TrainConfig:
             raise UserError(f"{self.algorithm} is a peer (PyTorch's or torchft's own): it takes no thinwire "
                             f"--compressor, --memory or --servers")
         self.servers = 0
-        if self.checkpoint_every is not None or self.resume is not None:
-            raise UserError(f"checkpoints are written by thinwire's algorithms; {self.algorithm} is a peer "
-                            f"(run it without --checkpoint-every / --resume)")
+        if (self.checkpoint_every is not None or self.resume is not None) and self.algorithm != "ddp":
+            raise UserError(f"checkpoints are written by thinwire's algorithms and by the plain ddp peer; "
+                            f"{self.algorithm} is a peer with state in its hook or averager (run it without "
+                            f"--checkpoint-every / --resume)")
         if self.nonfinite != "stop":
             raise UserError(f"{self.algorithm} is a peer: --nonfinite stop only (its all-reduce runs inside "
                             f"backward, before any agreement to skip)")
@@ -299,6 +300,8 @@ class TrainConfig:
     def resolve_servers(self) -> int:
         """`servers` omitted (None): the algorithm's default on the parameter server (what `thinwire list`
         shows, 1), else 0."""
+        if self.servers is None and self.peer:      # a PyTorch / torchft peer has no server ranks
+            self.servers = 0
         if self.servers is None:
             default = algorithms.registry.parameters(self.algorithm).get("servers")
             on_ps = self.architecture() == "ps"

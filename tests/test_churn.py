@@ -1,0 +1,51 @@
+"""`thinwire bench churn`'s accounting (issue 34, item 6): goodput and time to target from the workers' step
+logs, on hand-made logs; the kill schedule; bad arguments refused before anything starts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from thinwire.bench import churn
+
+
+def _write(path, recs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_goodput_counts_the_steps_a_boundary_kept(tmp_path):
+    # worker 0: 4 steps of 1 s, a boundary every 2 steps (local SGD's average), all kept
+    _write(tmp_path / "1.jsonl", [{"m": 0, "s": s, "a": s - 1.0, "b": float(s), "c": s - s % 2, "d": 0}
+                                  for s in range(1, 5)])
+    # worker 1: steps 1-2 kept at the boundary of step 2; step 3 done; a loss during step 4 throws steps 3-4 away
+    _write(tmp_path / "2.jsonl", [{"m": 1, "s": 1, "a": 0.0, "b": 1.0, "c": 0, "d": 0},
+                                  {"m": 1, "s": 2, "a": 1.0, "b": 2.0, "c": 2, "d": 0},
+                                  {"m": 1, "s": 3, "a": 2.0, "b": 3.0, "c": 2, "d": 0},
+                                  {"m": 1, "s": 4, "a": 3.0, "b": 4.0, "c": 2, "d": 1},
+                                  {"m": 1, "s": 2, "e": 0.96, "b": 2.5}])
+    # worker 2 was killed after two steps, before any boundary: nothing of it counts
+    _write(tmp_path / "3.jsonl", [{"m": 2, "s": 1, "a": 0.0, "b": 1.0, "c": 0, "d": 0},
+                                  {"m": 2, "s": 2, "a": 1.0, "b": 1.5, "c": 0, "d": 0}])
+    got = churn.analyse(str(tmp_path), 3, "accuracy", 0.95, lambda v, t: v >= t)
+    assert got["wall_s"] == 4.0
+    assert got["goodput"] == pytest.approx((4.0 + 2.0) / (3 * 4.0))
+    assert got["steps_kept"] == 6
+    assert got["time_to_target_s"] == 2.5 and got["steps_to_target"] == 2
+
+
+def test_every_contestant_suffers_the_same_kills():
+    assert churn.schedule(0, 30.0, 5) == churn.schedule(0, 30.0, 5)
+    assert [t for t, _ in churn.schedule(0, 30.0, 3)] == [30.0, 60.0, 90.0]
+    assert churn.schedule(0, 30.0, 5) != churn.schedule(1, 30.0, 5)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--contestants", "bsp,nosuch"], "unknown contestant 'nosuch'"),
+    (["--kill-every", "0"], "--kill-every must be"),
+    (["--min-workers", "4"], "--min-workers must be"),
+])
+def test_bad_arguments_are_one_line_before_anything_starts(capsys, argv, message):
+    from thinwire.cli import main
+    assert main(["bench", "churn", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
