@@ -156,13 +156,14 @@ def test_muon_on_hidden_matrices_adamw_on_the_rest_lowers_the_loss(lmw):
 
 
 def test_muon_is_any_algorithms_inner_optimizer(pool2):
-    """`--optimizer muon` under DiLoCo (MuLoCo) in two real workers: one model at the end, a lower loss."""
+    """`--optimizer muon` under DiLoCo (MuLoCo) in two real workers (digits-mlp: Muon on its hidden 128×64 matrix,
+    AdamW on the head and biases): one model at the end, a better accuracy."""
     from thinwire.run.train import TrainConfig, train_worker
-    cfg = TrainConfig(workload="stdlib-lm", algorithm="diloco", workers=2, steps=2, eval_every=2, progress=False,
-                      optimizer="muon", params={"period": 2})
+    cfg = TrainConfig(workload="digits-mlp", algorithm="diloco", workers=2, steps=6, eval_every=6, progress=False,
+                      optimizer="muon", lr=0.01, params={"period": 3})
     results = pool2.run(train_worker, cfg.validate())
     assert len({r["model_sha256"] for r in results}) == 1
-    assert all(r["final"] < r["evals"][0]["value"] for r in results)
+    assert all(r["final"] > r["evals"][0]["value"] for r in results)
 
 
 def test_evaluation_gives_a_finite_loss_and_bits_per_byte(lmw):
