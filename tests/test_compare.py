@@ -123,7 +123,8 @@ def test_matrix_end_to_end(matrix):
 def test_the_reference_races_like_the_cells_and_the_planner_predicts_first(matrix):
     """The no-communication reference is `local` raced with every cell's workers, data, batch, target, step bound
     and process layout (one run per seed, its spread reported); each cell's scalability is against the reference
-    of its seed; the planner's predicted steps, syncs and times to target were recorded before the cells ran."""
+    of its seed, scaled by the machine's speed measured before each (a short calibration run); the planner's
+    predicted steps, syncs and times to target were recorded before the cells ran."""
     out, results, _ = matrix
     base = results["baseline"]
     assert len(base["runs"]) == 1 and base["throughput_min"] <= base["throughput_samples_s"] <= base["throughput_max"]
@@ -134,7 +135,10 @@ def test_the_reference_races_like_the_cells_and_the_planner_predicts_first(matri
                                                                   "memory", "servers", "trace", "tensorboard")}
         theirs = {k: v for k, v in ref["config"].items() if k in mine}
         assert mine == theirs, (r["label"], mine, theirs)
-        assert r["scalability"] == pytest.approx(r["throughput_samples_s"] / ref["throughput_samples_s"])
+        # against the reference as the machine ran just before the cell: the two calibrations' ratio
+        assert r["load_drift"] == pytest.approx(ref["calibration_step_s"] / r["calibration_step_s"])
+        assert r["scalability"] == pytest.approx(r["throughput_samples_s"] / ref["throughput_samples_s"]
+                                                 / r["load_drift"])
     pred = results["predictions"]["lan"]
     assert set(pred["cells"]) == set(CELLS)
     assert all(p.get("step_s", 0) > 0 for label, p in pred["cells"].items() if not label.startswith("ddp-hier"))

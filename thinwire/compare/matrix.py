@@ -26,9 +26,10 @@ run with SGD on a workload whose optimizer is another. The report states each ce
 
 - Scalability = throughput / throughput of the same workers doing no communication: the registered algorithm
   `local`, raced first like every cell (the same workers, data, batch, budget, target and process layout), once per
-  seed (its spread is reported); a cell is divided by the reference of its own seed, so a reading above 1 is a
-  bug (or the machine's load changing under the matrix). Its median step is the compute time the planner predicts
-  from, its steps to target the convergence the predicted times to target start from.
+  seed (its spread is reported); a cell is divided by the reference of its own seed, scaled by the machine's
+  speed measured just before each (`calibrate`: a short `local` run before the reference and before every cell),
+  so a reading above 1 is a bug. Its median step is the compute time the planner predicts from, its steps to
+  target the convergence the predicted times to target start from.
 - **Predict, then race**: before the first cell runs, the planner's predicted step, sync and time to target of
   every cell and its predicted winner per network are recorded (`predictions` in results.json); the report
   says whether the measurement agreed.
@@ -51,9 +52,9 @@ from ..files import atomic_write
 from ..net import Islands, parse_network
 from ..launcher import MAX_LOCAL_WORKERS, DeadlineError, Pool, pick_backend
 from ..run import workloads
-from ..run.loop import check_tensorboard, progress_bar
+from ..run.loop import check_tensorboard, progress_bar, train_worker
 from ..run.peers import PEER_AS, PEER_PARAMS
-from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training
+from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
 from . import presets
 from .results import aggregate
 
@@ -61,6 +62,7 @@ _now = time.perf_counter
 RESULTS = "results.json"
 EXACT_SGD = ("bsp", "ssgd", "ddp")
 REFERENCE = presets.Cell("no communication (reference)", "local")
+CALIBRATION_STEPS = 9   # a short `local` run before the reference and every cell: the machine's speed then
 
 
 @dataclass
@@ -198,16 +200,19 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
 DILOCO_PLANNED = ("period", "fragments", "overlap", "eager", "allreduce", "replicas")
 
 
-def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float):
+DILOCO_DEFAULTS = {"fragments": 1, "overlap": 0, "eager": False, "allreduce": "gloo", "replicas": "worker"}
+
+
+def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float, complete: bool = False):
     """The planner's DiLoCo (`thinwire.plan.diloco`) for this cell on `network`: what the cell gives (parameters,
-    a compressor) is kept, the rest planned."""
+    a compressor) is kept, the rest planned (`complete`: the rest is the algorithm's defaults, as the cell runs)."""
     from ..plan.costmodel import Scenario
     from ..plan.diloco import plan_diloco
     link = parse_network(network)
     s = Scenario(params=wl.num_params(), compute_s=compute_s, link=link, workers=workers, handshake=True)
-    given = {k: v for k, v in cell.params.items() if k in DILOCO_PLANNED}
-    if cell.compressor:
-        given.update(compressor=cell.compressor, memory=cell.memory)
+    given = {**(DILOCO_DEFAULTS if complete else {}), **{k: v for k, v in cell.params.items() if k in DILOCO_PLANNED}}
+    if cell.compressor or complete:
+        given.update(compressor=cell.compressor or "none", memory=cell.memory)
     return plan_diloco(s, link if isinstance(link, Islands) else None, given)
 
 
@@ -291,6 +296,7 @@ class Harness:
         shards, batch, budget, target, evaluations and process layout (this pool) as every cell. Its throughput
         is the denominator of scalability, its median step the compute time the planner predicts from, its steps to
         target the convergence the planner's times to target start from."""
+        calibration = self.calibrate()
         tc = self.train_config(REFERENCE, "lan", seed)
         view = _PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem)
         celldir = os.path.join(self.out, "cells", _slug(self.key(REFERENCE, "lan", seed)))
@@ -300,7 +306,7 @@ class Harness:
                "step_time_s": s["step_time_s"],
                "steps": s["steps"], "steps_to_target": s["steps_to_target"], "time_to_target_s":
                s["time_to_target_s"], "train_s": s["train_s"], name: s[name], "metric": s["metric"],
-               "curve": _curve(celldir, s["metric"], 0.0)}
+               "curve": _curve(celldir, s["metric"], 0.0), "calibration_step_s": calibration}
         if s["steps_to_target"] is None:    # out of budget: where its trend would have met the target
             out["steps_to_target_extrapolated"] = extrapolate_steps(celldir, s["metric"], s["target"])
         return out
@@ -308,9 +314,17 @@ class Harness:
     def warm_up(self) -> None:
         """Two steps of `local` in the pool, not recorded: every measured run (the reference first) starts in
         processes that have built the model and run a step, as every later cell does."""
-        tc = replace(self.train_config(REFERENCE, "lan", self.cfg.seed), steps=2, epochs=None, budget_s=None,
-                     stop_at_target=False, target=None, tensorboard=None)
-        run_training(tc, pool=_PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem))
+        self.calibrate(steps=2)
+
+    def calibrate(self, steps: int = CALIBRATION_STEPS) -> float:
+        """The machine's speed now: the median step of a short `local` run in the pool (its last 2/3 of steps),
+        taken right before the reference and before every cell, so that a load that changes under the matrix is
+        measured where it matters (a cell's prediction at run time, its scalability against the reference)."""
+        tc = replace(self.train_config(REFERENCE, "lan", self.cfg.seed), steps=steps, epochs=None, budget_s=None,
+                     stop_at_target=False, target=None, tensorboard=None, eval_every=steps)
+        view = _PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem)
+        rows = summarize(tc, view.run(train_worker, tc.validate(), network="lan", seed=tc.seed), 0.0)[1]
+        return statistics.median(r["step_s"] for r in rows[steps // 3:])
 
     def baseline(self, runs: list[dict]) -> dict:
         """The reference over its seeds: median throughput and step, the throughput's range (its spread)."""
@@ -320,6 +334,7 @@ class Harness:
         return {"runs": runs, "throughput_samples_s": statistics.median(rate), "throughput_min": min(rate),
                 "throughput_max": max(rate), "spread": (max(rate) - min(rate)) / statistics.median(rate),
                 "step_time_s": statistics.median(r["step_time_s"] for r in runs),
+                "calibration_step_s": statistics.median(r["calibration_step_s"] for r in runs),
                 "steps_to_target": statistics.median(reached) if reached else None,
                 "time_to_target_s": statistics.median(r["time_to_target_s"] for r in runs
                                                       if r.get("time_to_target_s"))
@@ -371,6 +386,7 @@ class Harness:
                        "peer": cell.peer, "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
                        "config": asdict(self.train_config(ran, network, seed))}
                 try:
+                    row["calibration_step_s"] = self.calibrate()
                     row.update(self.run_cell(ran, network, seed))
                     row["status"] = "ok"
                 except WorkerError as e:
@@ -448,7 +464,7 @@ def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s
     wl = workloads.get(cfg.workload)
     try:
         if cell.algorithm == "diloco":
-            plan = diloco_plan(cell, network, wl, cfg.workers, compute_s)
+            plan = diloco_plan(cell, network, wl, cfg.workers, compute_s, complete=True)
             return {"step_s": plan.iteration_s, "sync_s": plan.sync_s, "period": plan.period}
         algorithm, compressor = PEER_AS.get(cell.algorithm, (cell.algorithm, cell.compressor or "none"))
         params = dict(cell.params)
@@ -483,6 +499,10 @@ def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -
                 mixed = (ran.params.get("alpha") or ran.params.get("fragment_update_alpha") or 0) >= 0.5
                 factor = (SYNC_STEPS if ran.algorithm in EVERY_STEP else 1.0 if ran.algorithm == "local" else
                           PERIODIC_STEPS["plain" if not lag else "mixed" if mixed else "overlapped"])
+                net = parse_network(network)
+                if ran.params.get("replicas") == "island" and isinstance(net, Islands) and net.size > 1:
+                    # each replica data parallel over its island's m workers: between one worker (1) and all n
+                    factor *= SYNC_STEPS ** (math.log(net.size) / math.log(cfg.workers))
                 p["steps"] = steps_ref * factor
                 p["time_to_target_s"] = p["steps"] * p["step_s"]
                 p["within_budget"] = cfg.budget_s is None or p["time_to_target_s"] <= cfg.budget_s
@@ -532,11 +552,23 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | N
     ok = row.get("status") == "ok"
     same = [r for r in baseline.get("runs", []) if r.get("seed") == row.get("seed")]
     ref = same[0]["throughput_samples_s"] if same else baseline.get("throughput_samples_s")
-    row["scalability"] = (row["throughput_samples_s"] / ref) if ok and ref and row.get("throughput_samples_s") else None
+    # the reference as the machine runs it now: scaled by the calibration before this cell against the one before it
+    drift = 1.0
+    cal_ref = same[0].get("calibration_step_s") if same else baseline.get("calibration_step_s")
+    if row.get("calibration_step_s") and cal_ref:
+        drift = cal_ref / row["calibration_step_s"]
+        row["load_drift"] = drift
+    row["scalability"] = (row["throughput_samples_s"] / (ref * drift)) if ok and ref and row.get(
+        "throughput_samples_s") else None
     row["compression_ratio"] = (row["nominal_bytes_per_worker_per_step"] / row["bytes_sent_per_worker_per_step"]
                                 if ok and row.get("bytes_sent_per_worker_per_step") else None)
     pred = ((predictions or {}).get(row["network"]) or {}).get("cells", {}).get(row["label"], {})
     row["predicted_step_time_s"] = pred.get("step_s") if ok else None
+    if ok and row.get("calibration_step_s"):    # predicted again at run time, from the speed measured just before
+        cell = presets.Cell(row["label"], **{k: row["cell"][k] for k in ("algorithm", "compressor", "memory",
+                                                                         "params", "optimizer")})
+        now = predict_cell(cell, row["network"], cfg, row["calibration_step_s"])
+        row["predicted_step_time_s"] = now.get("step_s", row["predicted_step_time_s"])
     row["predicted_sync_s"] = pred.get("sync_s") if ok else None
     row["planned_time_to_target_s"] = pred.get("time_to_target_s")
     row["measured_sync_s"] = measured_sync_s(row) if ok else None
