@@ -27,8 +27,8 @@ run with SGD on a workload whose optimizer is another. The report states each ce
 - Scalability = throughput / throughput of the same workers doing no communication: the registered algorithm
   `local`, raced first like every cell (the same workers, data, batch, budget, target and process layout), once per
   seed (its spread is reported); a cell is divided by the reference of its own seed, scaled by the machine's
-  speed measured just before each (`calibrate`: a short `local` run before the reference and before every cell),
-  so a reading above 1 is a bug. Its median step is the compute time the planner predicts from, its steps to
+  speed during the cell (the median of its own steps that sent nothing, else a short `local` run just before it,
+  `calibrate`), so a reading above 1 is a bug. Its median step is the compute time the planner predicts from, its steps to
   target the convergence the predicted times to target start from.
 - **Predict, then race**: before the first cell runs, the planner's predicted step, sync and time to target of
   every cell and its predicted winner per network are recorded (`predictions` in results.json); the report
@@ -288,6 +288,7 @@ class Harness:
         summary = run_training(tc, out=celldir, pool=view)
         summary["network"] = network
         summary["curve"] = _curve(celldir, summary["metric"], summary["bytes_sent_per_worker"])
+        summary["quiet_step_s"] = quiet_step_s(celldir)
         return summary
 
     # -- the no-communication reference (scalability, and the compute time the planner needs) ------------
@@ -512,6 +513,14 @@ def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -
     return out
 
 
+def quiet_step_s(celldir: str, least: int = 5) -> float | None:
+    """The median step of a run's steps that sent nothing (its compute, measured alongside its communication:
+    DiLoCo's and local SGD's inner steps), past the first two; None with fewer than `least` of them."""
+    with open(os.path.join(celldir, "metrics.jsonl")) as f:
+        quiet = [r["step_s"] for r in map(json.loads, f) if r["step"] > 2 and not r["bytes_sent"]]
+    return statistics.median(quiet) if len(quiet) >= least else None
+
+
 def extrapolate_steps(celldir: str, metric: str, target: float) -> float | None:
     """The step where the metric's trend over the second half of a run's evaluations (a straight line in
     log(step)) meets the target; None if it moves away from it or would take over 10 times the run."""
@@ -552,11 +561,16 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | N
     ok = row.get("status") == "ok"
     same = [r for r in baseline.get("runs", []) if r.get("seed") == row.get("seed")]
     ref = same[0]["throughput_samples_s"] if same else baseline.get("throughput_samples_s")
-    # the reference as the machine runs it now: scaled by the calibration before this cell against the one before it
+    # the reference as the machine ran during this cell: its compute step then — the median of the cell's own steps
+    # that sent nothing (measured alongside its communication) where it has enough, else the calibration run just
+    # before it — against the reference's median step
     drift = 1.0
-    cal_ref = same[0].get("calibration_step_s") if same else baseline.get("calibration_step_s")
-    if row.get("calibration_step_s") and cal_ref:
-        drift = cal_ref / row["calibration_step_s"]
+    ref_step = same[0].get("step_time_s") if same else baseline.get("step_time_s")
+    row["compute_step_s"] = row.get("quiet_step_s") or row.get("calibration_step_s")
+    row["compute_basis"] = ("its own steps without communication" if row.get("quiet_step_s") else
+                            "the calibration run before it" if row.get("calibration_step_s") else None)
+    if row["compute_step_s"] and ref_step:
+        drift = ref_step / row["compute_step_s"]
         row["load_drift"] = drift
     row["scalability"] = (row["throughput_samples_s"] / (ref * drift)) if ok and ref and row.get(
         "throughput_samples_s") else None
@@ -564,10 +578,10 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | N
                                 if ok and row.get("bytes_sent_per_worker_per_step") else None)
     pred = ((predictions or {}).get(row["network"]) or {}).get("cells", {}).get(row["label"], {})
     row["predicted_step_time_s"] = pred.get("step_s") if ok else None
-    if ok and row.get("calibration_step_s"):    # predicted again at run time, from the speed measured just before
+    if ok and row.get("compute_step_s"):    # predicted again from the compute the cell met (see above)
         cell = presets.Cell(row["label"], **{k: row["cell"][k] for k in ("algorithm", "compressor", "memory",
                                                                          "params", "optimizer")})
-        now = predict_cell(cell, row["network"], cfg, row["calibration_step_s"])
+        now = predict_cell(cell, row["network"], cfg, row["compute_step_s"])
         row["predicted_step_time_s"] = now.get("step_s", row["predicted_step_time_s"])
     row["predicted_sync_s"] = pred.get("sync_s") if ok else None
     row["planned_time_to_target_s"] = pred.get("time_to_target_s")
