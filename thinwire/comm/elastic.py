@@ -33,6 +33,7 @@ from . import state
 from .membership import MEMBERSHIP
 
 PREFIX = "thinwire/elastic"
+HOST = "cpu"             # a state crosses from host buffers (the groups of an elastic job are gloo's)
 POLL_S = 0.01            # how often a member waiting for the others of its generation looks again
 
 
@@ -73,7 +74,7 @@ def pack(obj) -> tuple[bytes, torch.Tensor]:
     """(header, buffer): `obj` in comm/state.py's format, its tensors' bytes in one uint8 buffer (on the host)."""
     header, tensors = state.encode(obj)
     sizes = [state._aligned(t.numel() * t.element_size()) for t in tensors]
-    buffer = torch.zeros(sum(sizes), dtype=torch.uint8)
+    buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=HOST)
     off = 0
     for t, size in zip(tensors, sizes):
         raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -92,7 +93,7 @@ def send_state(transport, obj, dst: int) -> None:
     """Send `obj` (comm/state.py's format) to group rank `dst` of `transport`: the lengths, the JSON header, the
     tensors' bytes (three messages, counted and emulated as any transfer)."""
     manifest, payload = pack(obj)
-    head = torch.tensor([len(manifest), payload.numel()], dtype=torch.int64)
+    head = torch.tensor([len(manifest), payload.numel()], dtype=torch.int64, device=HOST)
     transport.send(head, dst)
     transport.send(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), dst)
     if payload.numel():
@@ -100,15 +101,15 @@ def send_state(transport, obj, dst: int) -> None:
 
 
 def recv_state(transport, src: int):
-    head = torch.zeros(2, dtype=torch.int64)
+    head = torch.zeros(2, dtype=torch.int64, device=HOST)
     transport.recv(head, src)
-    n_manifest, n_payload = (int(v) for v in head.tolist())
+    n_manifest, n_payload = (int(v) for v in head.tolist())   # host: a host tensor, once per state
     _check_lengths(n_manifest, n_payload)
-    manifest = torch.zeros(n_manifest, dtype=torch.uint8)
+    manifest = torch.zeros(n_manifest, dtype=torch.uint8, device=HOST)
     transport.recv(manifest, src)
     header = bytes(manifest.numpy())
     state._layout(header)       # checked before a buffer of the declared size is allocated
-    payload = torch.zeros(n_payload, dtype=torch.uint8)
+    payload = torch.zeros(n_payload, dtype=torch.uint8, device=HOST)
     if n_payload:
         transport.recv(payload, src)
     return state.decode(header, payload)
@@ -118,11 +119,11 @@ def broadcast_state(transport, obj, src: int = 0):
     """`obj` of group rank `src` on every rank of `transport` (the others pass anything; see `pack`)."""
     if transport.rank == src:
         manifest, payload = pack(obj)
-        head = torch.tensor([len(manifest), payload.numel()], dtype=torch.int64)
+        head = torch.tensor([len(manifest), payload.numel()], dtype=torch.int64, device=HOST)
     else:
-        head = torch.zeros(2, dtype=torch.int64)
+        head = torch.zeros(2, dtype=torch.int64, device=HOST)
     transport.broadcast(head, src)
-    n_manifest, n_payload = (int(v) for v in head.tolist())
+    n_manifest, n_payload = (int(v) for v in head.tolist())   # host: a host tensor, once per state
     _check_lengths(n_manifest, n_payload)
     if transport.rank != src:
         manifest = bytes(n_manifest)
@@ -131,7 +132,7 @@ def broadcast_state(transport, obj, src: int = 0):
     if transport.rank != src:
         manifest = bytes(mbuf.numpy())
         state._layout(manifest)
-        payload = torch.zeros(n_payload, dtype=torch.uint8)
+        payload = torch.zeros(n_payload, dtype=torch.uint8, device=HOST)
     if n_payload:
         transport.broadcast(payload, src)
     return state.decode(manifest, payload)

@@ -69,7 +69,8 @@ class Threshold2Bit(Compressor):
     def decompress(self, payload):
         shape, dtype, n = payload.ctx
         a = self.threshold                     # code 1 -> +a, 2 -> -a: one table lookup per byte
-        return decode(payload.tensors[0], 2, n, (0.0, a, -a, 0.0)).to(dtype).view(shape)
+        table_dtype = torch.float64 if dtype == torch.float64 else torch.float32   # (float64 stays exact)
+        return decode(payload.tensors[0], 2, n, (0.0, a, -a, 0.0), dtype=table_dtype).to(dtype).view(shape)
 
     def aggregate(self, payloads):
         """Σ_ranks Q(x_r): count the signs in int32, multiply by α once."""
