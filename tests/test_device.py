@@ -358,3 +358,23 @@ def test_fused_kernels_give_the_payload_of_one_eager_pass(name, device, monkeypa
     assert _on(comp.decompress(got), device)
     if name not in STOCHASTIC:
         assert torch.equal(y, want_y), name
+
+
+def test_fresh_outputs_reuse_only_memory_nothing_references():
+    """`fresh` hands a large CPU output the buffer of an earlier one only once no tensor (nor storage object)
+    references it any more."""
+    from thinwire.compress._kernels import fresh
+    N = 3 * (1 << 20) + 12345          # (a size no other test asks for)
+    a = fresh((N,))
+    a.fill_(1.0)
+    first = a.data_ptr()
+    view, held = a[5:], a[:7].untyped_storage()
+    del a
+    b = fresh(N)
+    assert b.data_ptr() != first and float(view[0]) == 1.0
+    del view
+    c = fresh(N)
+    assert c.data_ptr() not in (first, b.data_ptr())         # the storage object still holds the first
+    del held, b
+    d = fresh((3, N // 3), torch.float32)
+    assert d.shape == (3, N // 3) and d.data_ptr() == first

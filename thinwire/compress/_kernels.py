@@ -26,6 +26,7 @@ import contextlib
 import functools
 import math
 import os
+import sys
 import threading
 import warnings
 import zlib
@@ -34,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 COMPILE_MIN = 1 << 16          # below this many elements a kernel launch costs more than the passes it saves
-BLOCK = 1 << 16                # elements per CPU block: a few fp32 temporaries of it fit a core's L2
+BLOCK = 1 << 18                # elements per CPU block: 1 MB of fp32 (its temporaries in L2/L3; less Python)
 _MASK = 0xFFFFFFFF
 _MUL = (0x2C1B3C6D, 0x297A2D39)    # odd multipliers < 2^31: a 32-bit value times one fits in int64
 
@@ -83,11 +84,86 @@ def fresh(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     """torch.empty for an output a compressor hands back (a payload, a decompressed tensor). A large fresh CPU
     tensor is first touched page by page, and 4 KB page faults cost several memcpys of it (a 64 MB output:
     ~5x a copy into memory already mapped); on huge pages they cost ~1.2x (what THP_MEM_ALLOC_ENABLE=1 gives
-    PyTorch's own allocations)."""
+    PyTorch's own allocations), and memory that is mapped already costs nothing: a large CPU output comes from
+    `_Pool`, the buffers of earlier outputs that nothing references any more."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= 2 * _HUGE and torch.device(device).type == "cpu":
+        buf = _POOL.take(nbytes)
+        if buf is not None:
+            return buf[:nbytes].view(dtype).view(shape)
     t = torch.empty(shape, dtype=dtype, device=device)
     if t.device.type == "cpu" and t.nbytes >= 2 * _HUGE:
         _huge_pages(t)
     return t
+
+
+class _Pool:
+    """Large CPU outputs on memory mapped already: a caching allocator for `fresh`, as PyTorch's is for CUDA.
+
+    A buffer handed out stays in the pool, and is handed out again once no tensor references its storage any
+    more (the storage's use count and its Python object's reference count back at what the pool's own
+    reference makes: a view, a clone's source, a storage object someone holds all keep it out). Free buffers
+    count against `THINWIRE_POOL_MB` (default 512); past it the least recently used free ones are let go. A
+    torch whose counts do not behave so (checked once) gets no pooling."""
+
+    def __init__(self, limit_mb: int):
+        self.limit = limit_mb << 20
+        self.bufs: list[torch.Tensor] = []          # uint8 CPU buffers, most recently handed out last
+        self.lock = threading.Lock()
+        self.baseline = None                         # the counts of a buffer only the pool holds (None: unchecked)
+
+    @staticmethod
+    def _counts(buf: torch.Tensor):
+        s = buf.untyped_storage()
+        return torch._C._storage_Use_Count(s._cdata), sys.getrefcount(s)
+
+    def _works(self) -> bool:
+        if self.baseline is None:
+            try:
+                b = torch.empty(64, dtype=torch.uint8, device="cpu")    # (a probe of the counts, on the host)
+                alone = self._counts(b)
+                view = b[8:].view(torch.int32)
+                with_view = self._counts(b)
+                del view
+                held = b[8:].untyped_storage()
+                with_storage = self._counts(b)
+                del held
+                ok = with_view != alone and with_storage != alone and self._counts(b) == alone
+                self.baseline = alone if ok else False
+            except (AttributeError, RuntimeError, TypeError):      # no such private API in this torch
+                self.baseline = False
+        return self.baseline is not False
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A free pooled buffer of `nbytes` rounded up to huge pages (a new one, pooled, when none is free);
+        None when pooling is off."""
+        if self.limit <= 0 or not self._works():
+            return None
+        size = -(-nbytes // _HUGE) * _HUGE
+        with self.lock:
+            free = [i for i, b in enumerate(self.bufs) if self._counts(b) == self.baseline]
+            for i in free:
+                if self.bufs[i].numel() == size:
+                    buf = self.bufs.pop(i)
+                    self.bufs.append(buf)
+                    return buf[:]                 # (a view: counted while the caller's tensors live)
+            idle, gone = sum(self.bufs[i].numel() for i in free), []
+            for i in free:                        # past the limit, the least recently used free buffers go
+                if idle + size <= self.limit:
+                    break
+                idle -= self.bufs[i].numel()
+                gone.append(i)
+            for i in reversed(gone):
+                del self.bufs[i]
+            if size > self.limit:
+                return None
+            buf = _huge_pages(torch.empty(size, dtype=torch.uint8, device="cpu"))    # (a host output)
+            self.bufs.append(buf)
+            return buf[:]
+
+
+_POOL = _Pool(int(os.environ.get("THINWIRE_POOL_MB", "512")))
 
 
 class _Arena(threading.local):
@@ -97,6 +173,7 @@ class _Arena(threading.local):
 
     def __init__(self):
         self.buf = torch.empty(0, dtype=torch.uint8, device="cpu")    # grown on first use
+        self.views: dict = {}                                          # the buffer as each dtype
         self.off = 0
         self.active = False
 
@@ -106,18 +183,24 @@ _ARENA = _Arena()
 
 def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """A temporary of a kernel, for an op's `out=`: inside `blockwise` on the CPU a slice of this thread's arena,
-    valid until the next block (never return one: copy it out); elsewhere torch.empty."""
+    valid until the next block (never return one: copy it out); elsewhere torch.empty. (Called a dozen times a
+    block: kept to one tensor op.)"""
     a = _ARENA
-    if not a.active or torch.device(device).type != "cpu":
+    if not a.active or (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    nbytes = -(-math.prod(shape) * dtype.itemsize // 64) * 64
+    count = shape if isinstance(shape, int) else math.prod(shape)
+    nbytes = -(-count * dtype.itemsize // 64) * 64
     if a.off + nbytes > a.buf.numel():
         a.buf = fresh(max(2 * a.buf.numel(), a.off + nbytes, 1 << 22), torch.uint8)   # (old slices keep the old)
+        a.views = {}
         a.off = 0
-    t = a.buf[a.off:a.off + nbytes].view(dtype)[:math.prod(shape)].view(shape)
+    view = a.views.get(dtype)
+    if view is None:
+        view = a.views[dtype] = a.buf.view(dtype)
+    start = a.off // dtype.itemsize
     a.off += nbytes
-    return t
+    t = view[start:start + count]
+    return t if isinstance(shape, int) or len(shape) == 1 else t.view(shape)
 
 
 def _compiling() -> bool:
