@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._kernels import fresh, fused, scratch
+from ._kernels import scratch
 from .base import constant
 
 # bits -> (word type, multiplier, shift): a word of 8/b code bytes times sum_j 2^(top - (8 - b) j) puts code j at
@@ -26,7 +26,8 @@ def gather8(codes: torch.Tensor, bits: int) -> torch.Tensor:
     shifts and a sum per group (what a compiler fuses into the kernel that made the codes); the same bytes."""
     if codes.device.type == "cpu":
         dtype, magic, shift = _GATHERS[bits]
-        return codes.view(dtype).mul_(magic).bitwise_right_shift_(shift).to(torch.uint8)
+        words = codes.view(dtype).mul_(magic).bitwise_right_shift_(shift)
+        return scratch(words.numel(), torch.uint8, codes.device).copy_(words)      # (the low byte of each word)
     per = 8 // bits
     lanes = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     return (codes.view(-1, per).to(torch.int32) << lanes).sum(1, dtype=torch.int32).to(torch.uint8)
@@ -44,25 +45,68 @@ def pack_kernel(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return gather8(codes.view(torch.int8), bits)
 
 
-def sign_kernel(x: torch.Tensor, count: bool):
-    """(1-bit codes 1[x >= 0] packed 8 per byte, how many are set or None): the sign compressors' kernel."""
+GROUP = 4096        # elements per partial sum of the sign kernel (a multiple of 8)
+
+
+def group_sums(x: torch.Tensor, group: int) -> torch.Tensor:
+    """fp32 sums of consecutive groups of `group` elements of the 1-D fp32 `x` (the last may be shorter),
+    scratched. Summed per group, a tensor's total is the same whatever blocks it is cut into."""
+    m = x.numel()
+    full = m - m % group
+    rows = -(-m // group)
+    out = scratch(rows, torch.float32, x.device)
+    if full:
+        torch.sum(x[:full].view(-1, group), 1, out=out[:full // group])
+    if full < m:
+        torch.sum(x[full:], 0, keepdim=True, out=out[full // group:])
+    return out
+
+
+def count_ones(codes: torch.Tensor) -> torch.Tensor:
+    """How many of the int8 0/1 `codes` (a multiple of 8 of them) are 1, as an int64 0-d tensor: their int64
+    words summed 255 at a time (no byte lane can carry into the next), then the lanes' bytes."""
+    w = codes.view(torch.int64)
+    full = w.numel() - w.numel() % 255
+    total = w[full:].sum().view(1).view(torch.uint8).sum(dtype=torch.int64)
+    if full:
+        total = total + w[:full].view(-1, 255).sum(1).view(torch.uint8).sum(dtype=torch.int64)
+    return total
+
+
+def sign_kernel(x: torch.Tensor, stats: int):
+    """The sign compressors' kernel on a block of whole `GROUP`s: (1-bit codes 1[x >= 0] packed 8 per byte,)
+    plus, with `stats` >= 1, each group's fp32 sum of |x|, and with `stats` = 2 also each group's sum of x and
+    the block's count of set codes."""
     n = x.numel()
     pad = (-n) % 8
-    mask = fresh(n + pad, torch.bool, x.device)
-    mask[n:] = False
-    torch.ge(x, 0, out=mask[:n])
-    set_ = torch.count_nonzero(mask) if count else None        # (before the packing scratches the mask)
-    return gather8(mask.view(torch.int8), 1), set_
+    codes = scratch(n + pad, torch.int8, x.device)
+    if pad:
+        codes[n:] = 0
+    torch.ge(x, 0, out=codes[:n])
+    out = []
+    if stats:
+        f = x if x.dtype == torch.float32 else x.float()
+        out.append(group_sums(torch.abs(f, out=scratch(n, torch.float32, x.device)), GROUP))
+        if stats > 1:
+            out += [group_sums(f, GROUP), count_ones(codes).view(1)]
+    return (gather8(codes, 1), *out)
 
 
-def pack_signs(x: torch.Tensor, count: bool = False):
-    """1[x >= 0] of the 1-D `x` packed as `pack(codes, 1)` packs them; with `count`, also how many are set (an
-    int64 0-d tensor on x's device). Compiled on a GPU (`fused`), one pass per op on the CPU."""
-    bits, set_ = (sign_kernel if x.device.type == "cpu" else fused_sign)(x, count)
-    return (bits, set_) if count else bits
-
-
-fused_sign = fused(sign_kernel)
+def pack_signs(x: torch.Tensor, stats: int = 0) -> tuple[torch.Tensor, ...]:
+    """1[x >= 0] of the 1-D `x` packed as `pack(codes, 1)` packs them, and with `stats` (see `sign_kernel`) the
+    float64 sum of |x| (1) and of x and the count of set codes, int64 (2), as 0-d tensors on x's device. One
+    pass over x: block by block on the CPU, compiled on a GPU (`_kernels.blockwise`). The sums add fixed
+    groups of `GROUP` elements in fp32 and the groups in float64: the same numbers whatever the blocks."""
+    from ._kernels import blockwise
+    n = x.numel()
+    specs = [(1, 8)] + [(1, GROUP)] * min(stats, 2) + ([None] if stats > 1 else [])
+    if n == 0:
+        zero = torch.zeros((), dtype=torch.float64, device=x.device)
+        return (torch.zeros(0, dtype=torch.uint8, device=x.device),) + (zero,) * min(stats, 2) + \
+            ((zero.long(),) if stats > 1 else ())
+    out = blockwise(sign_kernel, n, [(x, (1, 1))], specs, stats, align=GROUP)
+    sums = tuple(s.sum(dtype=torch.float64) for s in out[1:3])
+    return (out[0], *sums) + ((out[3].sum(),) if stats > 1 else ())
 
 
 def code_table(bits: int, device, dtype=torch.int64) -> torch.Tensor:
@@ -89,12 +133,20 @@ def decode(packed: torch.Tensor, bits: int, numel: int, values, dtype=torch.floa
     """`values[code]` (as `dtype`) for the `numel` codes packed in `packed` (bits in 1, 2, 4): one table lookup
     per byte, no intermediate codes. `scale` (a number or a one-element tensor on `packed`'s device) multiplies
     the table, so a per-tensor scale needs no host round trip and no new cached table."""
+    from ._kernels import blockwise
     table = value_table(bits, values, packed.device, dtype)
     if scale is not None and not (isinstance(scale, (int, float)) and scale == 1):
         table = table * (scale.reshape(()) if isinstance(scale, torch.Tensor) else scale)
-    idx = packed.reshape(-1).to(torch.int32)                                           # (int32: half the bytes)
-    out = fresh((idx.numel(), table.shape[1]), table.dtype, packed.device)
-    return torch.index_select(table, 0, idx, out=out).view(-1)[:numel]
+    if numel == 0:
+        return torch.zeros(0, dtype=dtype, device=packed.device)
+    return blockwise(decode_kernel, numel, [(packed.reshape(-1), (bits, 8))], [(1, 1)], table)[0]
+
+
+def decode_kernel(packed: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor]:
+    """A block's values: one row of `table` per byte (`decode`'s kernel; up to a byte's codes past the end)."""
+    idx = scratch(packed.numel(), torch.int32, packed.device).copy_(packed)      # (int32: half the bytes)
+    out = scratch((idx.numel(), table.shape[1]), table.dtype, packed.device)
+    return (torch.index_select(table, 0, idx, out=out).view(-1),)
 
 
 def packed_nbytes(numel: int, bits: int) -> int:

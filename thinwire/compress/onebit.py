@@ -25,11 +25,9 @@ class OneBit(Compressor):
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         n = flat.numel()
-        bits, npos = pack_signs(flat, count=True)       # 1[g >= 0] and how many
-        # sums of the two sides from two reductions without temporaries: S = sum g, L = sum |g|,
+        # one pass: the bits 1[g >= 0], L = sum |g|, S = sum g and how many bits are set;
         # sum over g >= 0 = (S + L) / 2, sum over g < 0 = (S - L) / 2; all on the tensor's device
-        total = flat.sum(dtype=torch.float32).double()
-        l1 = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32).double()
+        bits, l1, total, npos = pack_signs(flat, stats=2)
         check_scale(total + l1, self.name, key, flat)
         sums = torch.stack([total - l1, total + l1]) / 2.0                       # (negative side, positive side)
         counts = torch.stack([n - npos, npos]).double()

@@ -46,12 +46,14 @@ class SignSGD(Compressor):
 
     def payload(self, flat: torch.Tensor, shape, dtype, key=None) -> Payload:
         """The sign bits of `flat` (and its scale ‖flat‖₁/d)."""
-        tensors = [pack_signs(flat)]     # the bits 1[x >= 0]
-        if self.scale:
-            l1 = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32).reshape(1)
-            check_scale(l1, self.name, key, flat)
-            tensors.append(l1 / max(flat.numel(), 1))
-        return Payload(tensors, ctx=(shape, dtype, flat.numel()))
+        if not self.scale:
+            return Payload([pack_signs(flat)[0]], ctx=(shape, dtype, flat.numel()))   # the bits 1[x >= 0]
+        return self.scaled(*pack_signs(flat, stats=1), flat, shape, dtype, key)    # (‖x‖₁ from the same pass)
+
+    def scaled(self, bits: torch.Tensor, l1: torch.Tensor, flat: torch.Tensor, shape, dtype, key) -> Payload:
+        """The payload of sign `bits` and the scale ‖flat‖₁/d from `l1` = ‖flat‖₁ (float64, checked finite)."""
+        check_scale(l1, self.name, key, flat)
+        return Payload([bits, (l1 / max(flat.numel(), 1)).float().reshape(1)], ctx=(shape, dtype, flat.numel()))
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)

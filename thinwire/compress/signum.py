@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from .base import optional_momentum
+from ._kernels import blockwise
+from .base import Payload, optional_momentum
+from .bitpack import GROUP, sign_kernel
 from .finite import check_tensor
 from .signsgd import SignSGD
 
@@ -43,6 +45,19 @@ class Signum(SignSGD):
         m = self.momenta.get(key)
         if m is None or m.shape != flat.shape:
             m = self.momenta[key] = flat.to(torch.float32).clone()
-        else:
-            m.mul_(self.beta).add_(flat.to(torch.float32))        # m ← β m + g
-        return self.payload(m, tensor.shape, tensor.dtype, key)
+            return self.payload(m, tensor.shape, tensor.dtype, key)
+        # m ← β m + g, its sign bits and ‖m‖₁ in one pass (block by block on the CPU, compiled on a GPU)
+        bits, l1 = blockwise(momentum_kernel, flat.numel(), [(m, (1, 1)), (flat, (1, 1))], [(1, 8), (1, GROUP)],
+                             self.beta, align=GROUP)
+        if not self.scale:
+            return Payload([bits], ctx=(tensor.shape, tensor.dtype, flat.numel()))
+        return self.scaled(bits, l1.sum(dtype=torch.float64), m, tensor.shape, tensor.dtype, key)
+
+
+def momentum_kernel(m: torch.Tensor, g: torch.Tensor, beta: float):
+    """m ← β m + g in place on a block, then its sign kernel (bits, each group's sum of |m|): Signum's kernel."""
+    if beta == 0:
+        m.copy_(g)            # (β m + g is g for the finite m the check keeps)
+    else:
+        m.mul_(beta).add_(g)
+    return sign_kernel(m, 1)
