@@ -65,3 +65,16 @@ def device(request):
         if not torch.cuda.is_available():
             pytest.skip("no CUDA device on this machine (torch.cuda.is_available() is False)")
     return request.param
+
+
+@pytest.fixture
+def group():
+    """A one-rank gloo process group in this process (single-process tests of the Trainer and `tw.attach`)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

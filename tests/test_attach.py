@@ -76,18 +76,6 @@ def test_attach_matches_the_trainer_bitwise_for_every_family(pool2):
             assert n == m, (algorithm, params, n, m)
 
 
-@pytest.fixture
-def group():
-    import torch.distributed as dist
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_attach_leaves_the_optimizer_as_it_found_it(group):
     """One process: the hooks go with `close()`, or without communicating when an exception leaves the block."""
     model = torch.nn.Linear(3, 1)

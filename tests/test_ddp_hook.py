@@ -163,6 +163,20 @@ def test_error_feedback_follows_ddps_bucket_rebuild(pool2):
     assert torch.allclose(out[0][1] + residual, local, atol=1e-5)
 
 
+def _train_ddp(model, opt, wl, rank, world_size, steps) -> float:
+    """`steps` of this rank's shard through a DDP `model`; the loss of the whole data at the end."""
+    from thinwire.run import workloads
+    x, y = wl.shard(rank, world_size)
+    loader = workloads.ShardLoader(x, y, wl.batch_size, seed=0, rank=rank)
+    for _ in range(steps):
+        xb, yb = loader.next()
+        opt.zero_grad()
+        wl.loss(model(xb), yb).backward()
+        opt.step()
+    with torch.no_grad():
+        return float(wl.loss(model.module(wl.data[0]), wl.data[1]))
+
+
 def _powersgd_worker(rank, world_size, ours: bool, steps: int = 60):
     """digits-mlp under DDP (one bucket) with PowerSGD rank 2, ours or PyTorch's `powerSGD_hook` compressing
     from its second iteration on (its default waits 1000 iterations, i.e. plain all-reduce in a short run), both
@@ -180,15 +194,7 @@ def _powersgd_worker(rank, world_size, ours: bool, steps: int = 60):
                                    min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=0)
         model.register_comm_hook(state, psgd.powerSGD_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = wl.shard(rank, world_size)
-    loader = workloads.ShardLoader(x, y, wl.batch_size, seed=0, rank=rank)
-    for _ in range(steps):
-        xb, yb = loader.next()
-        opt.zero_grad()
-        wl.loss(model(xb), yb).backward()
-        opt.step()
-    with torch.no_grad():
-        return float(wl.loss(model.module(wl.data[0]), wl.data[1]))
+    return _train_ddp(model, opt, wl, rank, world_size, steps)
 
 
 def test_powersgd_hook_trains_as_well_as_pytorchs_at_the_same_rank(pool2):
@@ -213,15 +219,7 @@ def _bucketing_worker(rank, world_size, cap_mb: float, steps: int = 30):
     state, hook = tw.ddp_hook("powersgd", memory="powersgd", rank=2)
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = wl.shard(rank, world_size)
-    loader = workloads.ShardLoader(x, y, wl.batch_size, seed=0, rank=rank)
-    for _ in range(steps):
-        xb, yb = loader.next()
-        opt.zero_grad()
-        wl.loss(model(xb), yb).backward()
-        opt.step()
-    with torch.no_grad():
-        loss = float(wl.loss(model.module(wl.data[0]), wl.data[1]))
+    loss = _train_ddp(model, opt, wl, rank, world_size, steps)
     return loss, len({state.slots[id(p)][0] for p in model.parameters()})
 
 

@@ -17,18 +17,6 @@ CASES = [("local", {}), ("localsgd", {"period": 3}), ("postlocalsgd", {"switch":
 
 
 @pytest.fixture
-def group():
-    import torch.distributed as dist
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def reads(monkeypatch):
     """counts["n"]: the reads of a tensor's value by the host since the last reset (as tests/test_device.py)."""
     counts = {"n": 0}

@@ -13,18 +13,6 @@ from thinwire.errors import UserError
 from thinwire.run.train import TrainConfig
 
 
-@pytest.fixture
-def group():
-    import torch.distributed as dist
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _train(steps=12, momentum=0.9, weight_decay=0.0, **trainer_kw):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
