@@ -308,7 +308,7 @@ class Trainer:
             return
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                dist.broadcast(t.data, group=self.transport.group, group_src=0)
+                self._raw(dist.broadcast, t.data, group=self.transport.group, group_src=0)
 
     def step(self) -> dict:
         """Communicate and update as the algorithm dictates; returns this step's traffic counters.
@@ -365,17 +365,36 @@ class Trainer:
         """With `on_failure="continue"`, the survivors of `lost` form a new group and go on (else `lost` is raised):
         the interrupted step is abandoned everywhere, every survivor takes the new rank 0's model and optimizer
         state, and a survivor that got less far skips the steps it is behind (so every rank's loop issues the
-        same operations again)."""
+        same operations again). A loss during the recovery starts it again, with the newer membership."""
         if self.on_failure != "continue":
             raise lost
-        ENGINE.abandon(lost)
-        if self.elastic is not None:     # the newest generation's own group (it may take newcomers in too)
-            previous = self.elastic.members
-            rec = self.elastic.regroup(lost.generation)
-            self._regrouped(rec, previous)
-        else:
-            self.transport.regroup(dist.new_group(lost.members, use_local_synchronization=True))
-        self._resync(lost, self.step_count + 1 if counted is None else counted)
+        counted = self.step_count + 1 if counted is None else counted
+        while True:
+            try:
+                ENGINE.abandon(lost)
+                if self.elastic is not None:     # the newest generation's own group (it may take newcomers in)
+                    previous = self.elastic.members
+                    rec = self.elastic.regroup(lost.generation)
+                    self._regrouped(rec, previous)
+                else:
+                    self.transport.regroup(dist.new_group(lost.members, use_local_synchronization=True))
+                self._resync(lost, counted)
+                return
+            except PeerLost as again:
+                lost = again
+
+    def _raw(self, fn, *args, **kwargs):
+        """A torch.distributed call outside the Transport (the recovery's agreement, the model's broadcast): in an
+        elastic job a peer lost meanwhile is a `PeerLost`, as in a Transport's wait."""
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if self.elastic is None:
+                raise
+            lost = MEMBERSHIP.wait_change(self.transport.generation or 0, 30.0)
+            if lost is None:
+                raise
+            raise lost from e
 
     def _resync(self, lost: PeerLost, counted: int) -> None:
         """After a loss, on the new group: agree on the step (the most any member has counted once `counted`, this
@@ -383,7 +402,7 @@ class Trainer:
         optimizer state and algorithm state. A newcomer (`counted` 0) starts at the agreed step."""
         self.scheduler.discard_step()
         at = torch.tensor([float(counted)], dtype=torch.float64, device=self.transport.device)
-        dist.all_reduce(at, op=dist.ReduceOp.MAX, group=self.transport.group)
+        self._raw(dist.all_reduce, at, op=dist.ReduceOp.MAX, group=self.transport.group)
         agreed = int(at.item())                     # host: once per recovery
         if counted == 0:
             self.step_count = agreed
@@ -442,25 +461,31 @@ class Trainer:
     def _welcome(self, rec: dict, previous: list) -> None:
         """A join generation formed: rank 0 hands each newcomer its state (point to point, tensors behind a JSON
         manifest); the others keep theirs. A newcomer pulled into a loss generation goes through the loss's
-        resynchronisation with everyone instead."""
-        if rec["kind"] == "loss":
-            self._resync(PeerLost(self.elastic.gen, rec["members"], rec.get("lost", [])), 0)
-            return
-        newcomers = [rec["members"].index(m) for m in rec["members"] if m not in previous]
-        if not previous:               # this process is the newcomer
-            state = elastic.recv_state(self.transport, 0)
-            self.step_count = int(state["step"])
-            with torch.no_grad():
-                for t, v in zip(self._model_tensors(), state["model"]):
-                    t.copy_(v)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.algorithm.take_newcomer_state(state["algorithm"])
-        elif self.transport.rank == 0:
-            state = {"step": self.step_count, "model": self._model_tensors(),
-                     "optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.newcomer_state()}
-            for r in newcomers:
-                elastic.send_state(self.transport, state, r)
-        self.algorithm.after_join()
+        resynchronisation with everyone instead, as does a newcomer whose generation loses a member while it
+        takes its state (the members' side of that is `_boundary`'s)."""
+        newcomer = not previous
+        try:
+            if rec["kind"] == "loss":
+                self._resync(PeerLost(self.elastic.gen, rec["members"], rec.get("lost", [])), 0)
+                return
+            if newcomer:
+                state = elastic.recv_state(self.transport, 0)
+                self.step_count = int(state["step"])
+                with torch.no_grad():
+                    for t, v in zip(self._model_tensors(), state["model"]):
+                        t.copy_(v)
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.algorithm.take_newcomer_state(state["algorithm"])
+            elif self.transport.rank == 0:
+                state = {"step": self.step_count, "model": self._model_tensors(),
+                         "optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.newcomer_state()}
+                for r in [rec["members"].index(m) for m in rec["members"] if m not in previous]:
+                    elastic.send_state(self.transport, state, r)
+            self._raw(self.algorithm.after_join)
+        except PeerLost as lost:
+            if not newcomer:
+                raise
+            self._recover(lost, 0)       # with the others, from the newer generation: at the step they agree
 
     def _model_tensors(self) -> list[torch.Tensor]:
         return [t.data for t in list(self.model.parameters()) + list(self.model.buffers())]

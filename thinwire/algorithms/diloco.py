@@ -85,6 +85,7 @@ from typing import Callable
 import torch
 
 from ..comm import subgroup
+from ..comm.elastic import broadcast_state
 from ..comm.engine import Future, Ready
 from ..errors import UserError
 from ..optim import step_subset
@@ -495,10 +496,11 @@ class DiLoCo(Algorithm):
         self._current = {}
         for a in self.anchor:
             a.grad = None
-            self.transport.broadcast(a, src=0)
-            for v in self.outer.state.get(a, {}).values():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    self.transport.broadcast(v, src=0)
+        # one message (not one per tensor: a round trip each on a slow link), and a newcomer of an elastic job
+        # pulled into the loss's generation, whose outer optimizer has no state yet, takes it whole
+        got = broadcast_state(self.transport, {"anchor": self.anchor, "outer": self.outer.state_dict()}, 0)
+        copy_each(self.anchor, got["anchor"])
+        self.outer.load_state_dict(got["outer"])
         self.steps = self.ctx.failures[-1]["step"]
         self._dirty = [True] * self.fragments
 

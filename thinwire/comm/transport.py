@@ -230,7 +230,10 @@ class Handle(Future):
                     if self._error is not None:   # seen by the waiter thread or the future's callback
                         raise self._error
                     self._on_real_done()
-                    self._scheduled.wait()   # an earlier collective still running: delivered after it
+                    while not self._scheduled.wait(0.1):   # an earlier collective still running: after it
+                        lost = MEMBERSHIP.lost(self.generation) if MEMBERSHIP.watching else None
+                        if lost is not None:
+                            raise lost
                     delay = self.deadline - _now()
                     if delay > 0:
                         time.sleep(delay)
@@ -314,6 +317,8 @@ class Transport:
         self.allreduce = allreduce  # "gloo" (native) or an algorithm of thinwire.comm.collectives
         self._in_order: collections.deque[Handle] = collections.deque()  # collectives not yet on the link
         self._order_lock = threading.Lock()
+        self._switch = threading.RLock()     # held by `regroup`, and by each resumption of a program (`_bound`)
+        self._epoch = 0                      # groups switched so far
         # where this group's buffers (headers included) live: `device` (the Trainer's: its model's), else the
         # CUDA device current at construction under NCCL (read here, on the constructing thread: the engine's
         # threads have their own current device), else the CPU
@@ -359,13 +364,15 @@ class Transport:
     def regroup(self, group, generation: int | None = None) -> None:
         """Go on with `group` (the survivors of a lost worker; an elastic job's next generation): ranks
         renumbered, the old group's operations in flight abandoned."""
-        self.group, self.generation = group, generation
-        self.rank, self.world_size = group.rank(), group.size()
-        self.members = [self.global_of(r) for r in range(self.world_size)]
-        if self.islands is not None:
-            self._ring_across = self.islands.ring_crossing(self.members, self.rank)
-        with self._order_lock:
-            self._in_order.clear()
+        with self._switch:              # no program of the old group is between two of its operations
+            self._epoch += 1
+            self.group, self.generation = group, generation
+            self.rank, self.world_size = group.rank(), group.size()
+            self.members = [self.global_of(r) for r in range(self.world_size)]
+            if self.islands is not None:
+                self._ring_across = self.islands.ring_crossing(self.members, self.rank)
+            with self._order_lock:
+                self._in_order.clear()
 
     def _enqueue(self, handle: Handle) -> None:
         with self._order_lock:
@@ -387,8 +394,27 @@ class Transport:
         """Submit a program (a generator of futures, see `thinwire.comm.engine`) to the engine; a `Task`.
         `background`: never on the caller's thread (compression off the training thread); `serial`: one in
         flight at a time (delivered before the next program starts)."""
-        return ENGINE.submit(program, background=background, serial=serial,
+        return ENGINE.submit(self._bound(program), background=background, serial=serial,
                              accounting=(self.meter, self.tracer, label))
+
+    def _bound(self, program):
+        """(program) `program` bound to the group it was submitted on: once `regroup` switched groups, it is not
+        resumed (it would issue its next operations on the new group, where no peer matches them) but fails with
+        the loss. Each resumption (issuing operations, never blocking on them) holds the switch's lock."""
+        epoch = self._epoch
+        value, error = None, None
+        while True:
+            with self._switch:
+                if self._epoch != epoch and error is None:
+                    error = MEMBERSHIP.lost(0) or PeerLost(self._epoch, [], [])
+                try:
+                    fut = program.throw(error) if error is not None else program.send(value)
+                except StopIteration as stop:
+                    return stop.value
+            try:
+                value, error = (yield fut), None
+            except BaseException as e:  # noqa: BLE001 - the program sees its wait's error
+                value, error = None, e
 
     def _op(self, program, kind: str, async_op: bool):
         # never serial: a point-to-point send completes only once its peer posted the receive, which the

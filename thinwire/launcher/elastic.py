@@ -79,7 +79,8 @@ def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, tim
         if worker_init is not None:
             worker_init(slot, -1)
     except BaseException as e:  # noqa: BLE001
-        _pool._fail_and_exit(results, slot, -1, "error", f"cannot start: worker_init failed: {type(e).__name__}: {e}")
+        _pool._fail_and_exit(results, (slot, -1, -1), "error",
+                             f"cannot start: worker_init failed: {type(e).__name__}: {e}")
     if _is_loopback(host) and os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     threading.Thread(target=_pool._heartbeat, args=(beats, slot), daemon=True).start()
@@ -90,7 +91,7 @@ def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, tim
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except BaseException as e:  # noqa: BLE001
-        _pool._fail_and_exit(results, slot, -1, "error", f"cannot start: {e}")
+        _pool._fail_and_exit(results, (slot, -1, -1), "error", f"cannot start: {e}")
     results.put((slot, -1, -1, "ok", b"", ""))
     for task_id, blob, member, joining, prefix, max_members in iter(tasks.get, None):
         try:
@@ -98,7 +99,7 @@ def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, tim
             out = pickle.dumps(value) if status == "ok" else value
         except BaseException as e:  # noqa: BLE001
             kind = "usererror" if isinstance(e, UserError) else "error"
-            _pool._fail_and_exit(results, slot, task_id, kind, f"{type(e).__name__}: {e}")
+            _pool._fail_and_exit(results, (slot, task_id, member), kind, f"{type(e).__name__}: {e}")
         results.put((slot, task_id, member, status, out, ""))
     os._exit(0)
 

@@ -127,10 +127,11 @@ def _threads_per_worker(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, world_size))
 
 
-def _fail_and_exit(results, rank: int, task_id: int, kind: str, cause: str) -> None:
+def _fail_and_exit(results, head: tuple, kind: str, cause: str) -> None:
     """Report a failure, with the exception being handled, to the launcher and exit; the queue is flushed first
-    so the report is never lost."""
-    results.put((rank, task_id, kind, cause, traceback.format_exc()))
+    so the report is never lost. `head`: the fields the launcher's results start with ((rank, task) here; the
+    elastic launcher's (slot, task, member))."""
+    results.put((*head, kind, cause, traceback.format_exc()))
     results.close()
     results.join_thread()
     sys.stderr.flush()
@@ -197,7 +198,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         if worker_init is not None:  # first, on this (main) thread: e.g. enter a network namespace
             worker_init(rank, world_size)
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
-        _fail_and_exit(results, rank, -1, "error", f"cannot start: worker_init failed: {type(e).__name__}: {e}")
+        _fail_and_exit(results, (rank, -1), "error", f"cannot start: worker_init failed: {type(e).__name__}: {e}")
     if _is_loopback(host) and os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too, not the host's address
     import threading
@@ -215,7 +216,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
-        _fail_and_exit(results, rank, -1, "error", f"cannot start: {e}")
+        _fail_and_exit(results, (rank, -1), "error", f"cannot start: {e}")
     if on_failure == "continue":
         MEMBERSHIP.watch(world_size)
         threading.Thread(target=_watch_membership, args=(host, port, world_size), daemon=True).start()
@@ -227,7 +228,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
             out = pickle.dumps(fn(rank, world_size, *args))
         except BaseException as e:  # noqa: BLE001
             kind = "usererror" if isinstance(e, UserError) else "error"
-            _fail_and_exit(results, rank, task_id, kind, f"{type(e).__name__}: {e}")
+            _fail_and_exit(results, (rank, task_id), kind, f"{type(e).__name__}: {e}")
         results.put((rank, task_id, "ok", out, ""))
     try:
         dist.destroy_process_group()
