@@ -105,28 +105,33 @@ def _lane_mask(off: torch.Tensor, j: int) -> torch.Tensor:
     return torch.eq(off, j, out=scratch(off.shape, torch.int32, off.device)).neg_()
 
 
-def gather_kernel(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int) -> torch.Tensor:
+def gather_kernel(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, into=None) -> torch.Tensor:
     """The drawn value of each stratum of `x` ((strata, m) coordinates): randomk's compress kernel. Narrow fp32
-    strata (m <= 4) pick by bit masks, the others gather."""
+    strata (m <= 4) pick by bit masks, the others gather. `into` (the CPU loop's slice of the payload): written
+    in place, no copy out of a temporary."""
     off = _offsets(a, b, x.shape[0], m)
     if m > _NARROW or x.dtype != torch.float32 or x.device.type != "cpu":
-        return x.gather(1, off.view(-1, 1).long()).view(-1)
+        got = x.gather(1, off.view(-1, 1).long()).view(-1)
+        return got if into is None else into.copy_(got)
     bits = x.view(torch.int32)
+    dst = scratch(off.shape, torch.int32, x.device) if into is None else into.view(torch.int32)
     if m == 2:           # x0 ^ ((x0 ^ x1) & −off)
-        out = torch.bitwise_xor(bits[:, 0], bits[:, 1], out=scratch(off.shape, torch.int32, x.device))
+        out = torch.bitwise_xor(bits[:, 0], bits[:, 1], out=dst)
         return out.bitwise_and_(off.neg_()).bitwise_xor_(bits[:, 0]).view(torch.float32)
-    out = torch.bitwise_and(bits[:, 0], _lane_mask(off, 0), out=scratch(off.shape, torch.int32, x.device))
+    out = torch.bitwise_and(bits[:, 0], _lane_mask(off, 0), out=dst)
     for j in range(1, m):
         out.bitwise_or_(torch.bitwise_and(bits[:, j], _lane_mask(off, j)))
     return out.view(torch.float32)
 
 
-def scatter_kernel(vals: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, scale: float) -> torch.Tensor:
+def scatter_kernel(vals: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, scale: float,
+                   into=None) -> torch.Tensor:
     """(strata, m) zeros but each stratum's drawn coordinate, vals · scale there: randomk's decompress kernel.
-    Narrow fp32 strata write each lane through a bit mask, the others scatter."""
+    Narrow fp32 strata write each lane through a bit mask, the others scatter. `into` (the CPU loop's (strata,
+    m) slice of the output): written in place."""
     off = _offsets(a, b, vals.numel(), m)
-    v = vals * scale if scale != 1 else vals
-    out = scratch((vals.numel(), m), vals.dtype, vals.device)
+    v = torch.mul(vals, scale, out=scratch(vals.shape, vals.dtype, vals.device)) if scale != 1 else vals
+    out = scratch((vals.numel(), m), vals.dtype, vals.device) if into is None else into
     if m > _NARROW or vals.dtype != torch.float32 or vals.device.type != "cpu":
         return out.zero_().scatter_(1, off.view(-1, 1).long(), v.view(-1, 1))
     bits, lanes = v.view(torch.int32), out.view(torch.int32)
@@ -195,7 +200,8 @@ class RandomK(Compressor):
                     for s, c in _row_blocks(count, b.shape[1], m):
                         next_block()
                         r = s // b.shape[1]
-                        out[done + s:done + s + c] = gather_kernel(x[s:s + c], a[r:r - (-c // b.shape[1])], b, m)
+                        gather_kernel(x[s:s + c], a[r:r - (-c // b.shape[1])], b, m,
+                                      into=out[done + s:done + s + c])
             done += count
         return Payload([out], ctx=(shape, dtype, d, draw))
 
@@ -231,8 +237,8 @@ class RandomK(Compressor):
                     for s, c in _row_blocks(count, b.shape[1], m):
                         next_block()
                         r = s // b.shape[1]
-                        region[s:s + c] = scatter_kernel(vals[done + s:done + s + c], a[r:r - (-c // b.shape[1])],
-                                                         b, m, scale)
+                        scatter_kernel(vals[done + s:done + s + c], a[r:r - (-c // b.shape[1])], b, m, scale,
+                                       into=region[s:s + c])
             done += count
         return out.view(shape)
 
