@@ -243,3 +243,24 @@ def test_tensorboard_without_the_extra_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(UserError, match=r"thinwire\[tensorboard\]"):
         TrainConfig(workload="linreg", tensorboard="/tmp/tb").validate()
+
+
+def test_a_drain_after_the_race_stopped_is_on_the_clock_but_not_in_the_throughput():
+    """A sync in flight when a race stops is waited out on the training clock (`train_s`), kept apart as `drain_s`;
+    the throughput a scalability reading compares and the exposed time within steps leave it out."""
+    from thinwire.run.train import summarize
+    cfg = TrainConfig(workload="digits-mlp", workers=2, steps=4, batch_size=8)
+
+    def worker(rank, waits, drain):
+        steps = [{"step": i + 1, "loss": 1.0, "t": 2.0 * (i + 1), "step_s": 2.0, "bytes_sent": 0.0,
+                  "emulated_s": 0.0, "wait_s": w} for i, w in enumerate(waits)]
+        return {"role": "worker", "rank": rank, "steps": steps, "evals": [{"step": 4, "t": 8.0, "value": 0.5}],
+                "meter": {"total": {"bytes_sent": 0.0, "emulated_s": 0.0, "wait_s": sum(waits) + drain}},
+                "train_s": 8.0 + drain, "drain_s": drain, "num_params": 10, "model_sha256": "x", "metrics": {},
+                "stopped": "target", "final": 0.5}
+
+    summary, _ = summarize(cfg, [worker(0, [0.0, 0.5, 0.0, 0.1], 2.0), worker(1, [0.0, 0.3, 0.0, 0.1], 1.0)], 0.0)
+    assert summary["train_s"] == 10.0 and summary["drain_s"] == pytest.approx(1.5)
+    assert summary["throughput_samples_s"] == pytest.approx(4 * 8 * 2 / 8.5)
+    assert summary["exposed_in_steps_s"] == pytest.approx(0.5)          # the workers' mean, step by step
+    assert summary["exposed_comm_s"] == pytest.approx(0.5 + 1.5)        # everything waited, the drain included

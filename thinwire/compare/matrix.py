@@ -586,7 +586,8 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | N
     row["predicted_sync_s"] = pred.get("sync_s") if ok else None
     row["planned_time_to_target_s"] = pred.get("time_to_target_s")
     row["measured_sync_s"] = measured_sync_s(row) if ok else None
-    row["mean_step_s"] = row["train_s"] / row["steps"] if ok and row.get("steps") else None
+    row["mean_step_s"] = ((row["train_s"] - (row.get("drain_s") or 0.0)) / row["steps"]
+                          if ok and row.get("steps") else None)
 
 
 # -- across cells: predictions for cells out of budget, and the seeds' statistics --------------------------------

@@ -64,13 +64,21 @@ def table(entries: list[dict], seeds: int, two_tier: bool = False) -> list[str]:
             f"{_fmt(within, '.1f', 100)}{'' if within is None else ' %'} | "
             f"{_fmt(e.get('best_' + name), '.3f')} | {_fmt(e.get('final_' + name), '.3f')} | "
             f"{_fmt(e.get('step_time_s') or None, '.0f', 1e3)} | {_fmt(None if mb is None else mb / 1e6, '.3f')} | "
-            f"{_fmt(e.get('compression_ratio'), '.1f')}× | {_fmt(e.get('exposed_comm_s'), '.1f')} | "
+            f"{_fmt(e.get('compression_ratio'), '.1f')}× | {_exposed(e)} | "
             f"{_fmt(e.get('scalability'), '.2f')} | {_pair(e.get('predicted_step_time_s'), e.get('mean_step_s'))} | "
             f"{_pair(e.get('predicted_sync_s'), e.get('measured_sync_s'))} | "
             f"{_fmt(e.get('planned_time_to_target_s'), '.3g')} |"
             + (f" {_fmt(_mb(e.get('bytes_across_per_worker')), '.1f')} ({_fmt(_mb(e.get('bytes_sent_per_worker')), '.1f')})"
                f" |" if two_tier else ""))
     return lines
+
+
+def _exposed(e: dict) -> str:
+    """Waited within steps, and the drain after the race stopped (a sync in flight then) where there was one."""
+    if e.get("exposed_in_steps_s") is None:
+        return _fmt(e.get("exposed_comm_s"), ".1f")
+    drain = e.get("drain_s") or 0.0
+    return _fmt(e["exposed_in_steps_s"], ".1f") + (f" (+{drain:.1f} drain)" if drain >= 0.05 else "")
 
 
 def _mb(v):
@@ -202,8 +210,11 @@ def write_report(results: dict, path: str) -> None:
         "for this network (see *Parameters and why*).",
         "- **MB sent / worker / step**: bytes each worker actually put on the wire per step; **fp32 ÷ sent**: how "
         "many times fewer bytes than an uncompressed fp32 ring all-reduce of the gradients every step.",
-        "- **exposed comm**: time the workers waited for communication (not hidden behind compute).",
-        "- **scalability**: throughput divided by the throughput of the same workers with no communication at all "
+        "- **exposed comm**: time the workers waited for communication within their steps (not hidden behind "
+        "compute); *(+x drain)*: the wait after the race stopped for a sync still in flight (an overlapped DiLoCo's: "
+        "its steps would have hidden it), on the training clock but not in the throughput below.",
+        "- **scalability**: throughput (samples over the training clock, the drain after the stop excluded) divided "
+        "by the throughput of the same workers with no communication at all "
         f"({_fmt(base.get('throughput_samples_s'), '.0f')} samples/s here, {base.get('how', 'not measured')}); "
         "1.0 means communication costs nothing.",
         "- **mean step: predicted / measured** (training time ÷ steps, syncs included; **step** is the median), "

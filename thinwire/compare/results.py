@@ -39,7 +39,8 @@ def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
         for k in ("best_" + name, "final_" + name, "step_time_s", "bytes_sent_per_worker_per_step",
                   "compression_ratio", "exposed_comm_s", "scalability", "predicted_step_time_s",
                   "predicted_time_to_target_s", "train_s", "steps", "predicted_sync_s", "measured_sync_s",
-                  "planned_time_to_target_s", "bytes_across_per_worker", "bytes_sent_per_worker", "mean_step_s"):
+                  "planned_time_to_target_s", "bytes_across_per_worker", "bytes_sent_per_worker", "mean_step_s",
+                  "exposed_in_steps_s", "drain_s"):
             entry[k] = _median(r.get(k) for r in ok)
         entry["stop_reasons"] = sorted({r.get("stop_reason") for r in ok if r.get("stop_reason")})
         entry["ttt_resolution"] = _median(r["time_to_target_resolution_s"] / r["time_to_target_s"] for r in ok

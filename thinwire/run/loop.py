@@ -14,7 +14,9 @@ evaluations (paused out of the clock), checkpoints and resume (steppers that can
 stepper's `step()`), the progress bar, traces, TensorBoard scalars and the records `summarize` reads.
 
 **Clock.** Each worker's training clock adds up its steps (forward, backward, communication it waits for, the
-update) and the final drain (`close()`); evaluations, checkpoints, agreements and logging are outside it.
+update) and the final drain (`close()`); evaluations, checkpoints, agreements and logging are outside it. A race's
+drain after the evaluation that stopped it is also kept apart (`drain_s`): it is on the clock, but not in the
+throughput a scalability reading compares (the sync it waits out would have been hidden by the steps not taken).
 
 **When to evaluate, when to stop (`Schedule`).** Without a race, every `eval_every` steps (default: twice per
 epoch) and at the last step. In a race (`budget_s` and/or `stop_at_target`) every worker rank evaluates at the
@@ -347,6 +349,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             board.evaluation(rec)
         return why
 
+    drained = 0.0
     try:
         if cfg.resume:
             state = _restore(cfg, rank, stepper)
@@ -391,8 +394,9 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                     clock += _timed(stepper.close)
                     log.committed = step
                 stop = evaluate(step)
-                if stop is not None and step != total:  # a race ends here: drain, on the clock
-                    clock += _timed(stepper.close)
+                if stop is not None and step != total:  # a race ends here: drain, on the clock (and apart:
+                    drained = _timed(stepper.close)     # it came after the evaluation that stopped the race)
+                    clock += drained
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop is None and step != total:
                 more = {} if member is None else {"loader_seed": loader.seed}
                 _save(cfg, rank, world_size, step, stepper, before, loader=loader.state_dict(),
@@ -420,7 +424,8 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     return {"rank": rank, "role": "worker", "steps": steps, "evals": evals, "final": evals[-1]["value"],
             "model_sha256": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest(),
             "meter": meter, "metrics": metrics, "stopped": stop or "steps",
-            "trace": tracer.events, "num_params": sum(p.numel() for p in params), "train_s": clock}
+            "trace": tracer.events, "num_params": sum(p.numel() for p in params), "train_s": clock,
+            "drain_s": drained}
 
 
 class StepLog:

@@ -359,6 +359,7 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
     sent = [w["meter"]["total"]["bytes_sent"] for w in workers]
     step_times = [r["step_s"] for r in rows]
     train_s = max(w["train_s"] for w in workers)
+    drain_s = statistics.fmean(w.get("drain_s", 0.0) for w in workers)
     batch = cfg.batch_size or wl.batch_size
     final = statistics.fmean(w["final"] for w in workers)
     best = (max if wl.metric == "accuracy" else min)(e["value"] for e in evals)
@@ -386,8 +387,12 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         "server_metrics": servers[0]["metrics"] if servers else None,
         "emulated_comm_s": statistics.fmean(w["meter"]["total"]["emulated_s"] for w in workers),
         "exposed_comm_s": statistics.fmean(w["meter"]["total"]["wait_s"] for w in workers),
+        # of that, waited within steps (a race's drain after it stopped, `drain_s`, and the final one excluded)
+        "exposed_in_steps_s": sum(r["wait_s"] for r in rows),
+        "drain_s": drain_s,
         "step_time_s": statistics.median(step_times) if step_times else None,
-        "throughput_samples_s": n_steps * batch * len(workers) / train_s if train_s > 0 else None,
+        # steady throughput: the training clock without the drain after a race stopped
+        "throughput_samples_s": n_steps * batch * len(workers) / (train_s - drain_s) if train_s > drain_s else None,
         "num_params": n_params,
         "model_sha256": workers[0].get("model_sha256"),  # rank 0's final model: resume equality checks
         "algorithm_metrics": workers[0]["metrics"],
