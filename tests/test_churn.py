@@ -43,6 +43,7 @@ def test_every_contestant_suffers_the_same_kills():
     (["--contestants", "bsp,nosuch"], "unknown contestant 'nosuch'"),
     (["--kill-every", "0"], "--kill-every must be"),
     (["--min-workers", "4"], "--min-workers must be"),
+    (["--limit", "0"], "--limit must be"),
 ])
 def test_bad_arguments_are_one_line_before_anything_starts(capsys, argv, message):
     from thinwire.cli import main

@@ -113,5 +113,12 @@ def test_the_peers_face_the_same_two_tier_network(pool4):
     totals = [r["meter"]["total"] for r in out]
     assert all(t["bytes_sent"] > 0 for t in totals)
     assert [t["bytes_across"] for t in totals] == [0.0, totals[1]["bytes_sent"], 0.0, totals[3]["bytes_sent"]]
+    from thinwire.run.peers import optional_missing
+    if optional_missing("torchft-diloco") is None:    # torchft's DiLoCo: its quorum's ring, the same crossings
+        cfg = TrainConfig(workload="digits-mlp", algorithm="torchft-diloco", workers=4, steps=2, eval_every=2,
+                          progress=False, network=net, params={"period": 1}).validate()
+        totals = [r["meter"]["total"] for r in pool4.run(train_worker, cfg, network=net)]
+        assert all(t["bytes_sent"] > 0 for t in totals)
+        assert [t["bytes_across"] for t in totals] == [0.0, totals[1]["bytes_sent"], 0.0, totals[3]["bytes_sent"]]
     with pytest.raises(UserError, match="2 islands of 2 workers"):
         TrainConfig(workload="digits-mlp", algorithm="ddp", workers=2, network=NET).validate()

@@ -67,6 +67,10 @@ def register(sub) -> None:
     p.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"subset of {', '.join(CONTESTANTS)}")
     p.add_argument("--target", type=float, help="the target (default: the workload's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=float, default=900.0, metavar="S",
+                   help="wall seconds a contestant under torchrun or torchft may run (default 900): stopped there, "
+                        "its goodput and time to target are read from its step logs so far (DDP on a slow link "
+                        "restarted every --kill-every seconds may never reach its next checkpoint)")
     p.add_argument("--out", help="directory for churn.json and the workers' step logs (default: a temporary one)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -83,6 +87,7 @@ def check(args) -> list[str]:
     check_int("--min-workers", args.min_workers, 1, args.workers - 1)
     check_number("--kill-every", args.kill_every, 0, 3600, low_open=True, why=" (seconds)")
     check_number("--replace-delay", args.replace_delay, 0, 3600, why=" (seconds)")
+    check_number("--limit", args.limit, 0, 86400, low_open=True, why=" (seconds)")
     for flag in ("steps", "eval_every", "period", "checkpoint_every"):
         check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
     if args.target is not None:
@@ -215,7 +220,14 @@ def _ddp(args, logdir: str, plan, workdir: str) -> dict:
                             start_new_session=True)     # torchrun's signals to its group stay there
     killer = Killer(plan, logdir, lambda: [pid for _, pid in _children(proc.pid)]).start()
     try:
-        stdout, stderr = proc.communicate()
+        stdout, stderr = proc.communicate(timeout=args.limit)
+    except subprocess.TimeoutExpired:       # stopped at the limit: what its step logs hold is its result
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        kills = killer.close()
+        return {"kills": kills, "recoveries": f"{len(kills)} kills, torchrun restarts of every worker (from the "
+                                              f"checkpoint every {args.checkpoint_every} steps); stopped at "
+                                              f"--limit {args.limit:g} s", "final": None}
     finally:
         kills = killer.close()
         if proc.poll() is None:
@@ -257,8 +269,9 @@ def _torchft(args, logdir: str, plan) -> dict:
     due: list[tuple[float, int]] = []
     finished: set[int] = set()
     errors = []
+    t0 = time.time()
     try:
-        while len(finished) < len(procs):
+        while len(finished) < len(procs) and time.time() - t0 < args.limit:
             now = time.time()
             with lock:
                 items = list(procs.items())

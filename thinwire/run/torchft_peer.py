@@ -49,7 +49,10 @@ def _emulated_gloo(counter, timeout: timedelta):
         def allreduce(self, tensors, opts):
             work = super().allreduce(tensors, opts)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            return _Work(counter, work, counter.charge(self.size(), nbytes, me=self.rank()))
+            # torchft's wrapper keeps the quorum rank it was configured with in `_rank` (its `rank()` is the base
+            # class's, 0 on every replica: no ring neighbour across the thin link would be counted)
+            me = self._rank if getattr(self, "_rank", None) is not None else self.rank()
+            return _Work(counter, work, counter.charge(self.size(), nbytes, me=me))
 
     return _EmulatedGloo(timeout=timeout)
 
