@@ -222,6 +222,8 @@ def _ddp(args, logdir: str, plan, workdir: str) -> dict:
     try:
         stdout, stderr = proc.communicate(timeout=args.limit)
     except subprocess.TimeoutExpired:       # stopped at the limit: what its step logs hold is its result
+        for _, pid in _children(proc.pid):  # (torchrun's workers run in sessions of their own)
+            os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         kills = killer.close()
