@@ -246,7 +246,11 @@ def _momentum_worker(rank, world_size, how: str):
     model = DDP(wl.model(0))
     opt = torch.optim.SGD(model.parameters(), lr=wl.lr, momentum=0.0 if how == "by hand" else 0.9)
     params = {"optimizer": opt} if how == "handed" else {"momentum": 0.9} if how == "by hand" else {}
+    from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
+    before = len(_global_optimizer_pre_hooks)
     model.register_comm_hook(*tw.ddp_hook("onebit", memory="residual", **params))
+    steps = []      # another global hook after the hook's check: the check may not remove itself in torch's loop
+    other = register_optimizer_step_pre_hook(lambda o, a, k: steps.append(1))
     x, y = wl.shard(rank, world_size)
     loader = workloads.ShardLoader(x, y, wl.batch_size, seed=0, rank=rank)
     with warnings.catch_warnings(record=True) as caught:
@@ -256,6 +260,8 @@ def _momentum_worker(rank, world_size, how: str):
             opt.zero_grad()
             wl.loss(model(xb), yb).backward()
             opt.step()
+    other.remove()
+    assert len(steps) == 20 and len(_global_optimizer_pre_hooks) == before     # the check is gone once it fired
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return params, [str(w.message) for w in caught if "tw.ddp_hook" in str(w.message)], opt.param_groups[0]["momentum"]
 

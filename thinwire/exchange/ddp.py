@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import types
 import warnings
+import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -43,6 +44,10 @@ from ..compress.base import assemble
 from ..optim import hand_over_momentum, momentum_taker
 from ..registry import route
 from .exchange import Exchange, resolve_collective
+
+
+def _dead():
+    return None
 
 
 class HookState:
@@ -55,11 +60,18 @@ class HookState:
         self.collective, self.check_finite = collective, check_finite
         self.exchange: Exchange | None = None
         self.slots: dict[int, tuple] = {}    # id(parameter) -> (bucket key, offset, numel) it was last sent under
+        self._watched: dict[int, weakref.ref] = {}     # id(parameter) -> the parameter, for `watch_momentum`
+        self._watch: tuple | None = None     # (the momentum check's handle, whether it has fired)
 
     def follow(self, bucket, key) -> None:
         """A bucket seen for the first time under `key` takes over its parameters' flat state."""
+        if self._watch is not None and self._watch[1]:
+            self._watch[0].remove()
+            self._watch = None
         layout, off, moved = [], 0, False
         for p in bucket.parameters():
+            if self._watch is not None:
+                self._watched[id(p)] = weakref.ref(p)
             old = self.slots.get(id(p))
             layout.append((old[0], old[1], old[1] + p.numel()) if old else (None, 0, p.numel()))
             moved |= old is not None and old[:2] != (key, off)
@@ -75,19 +87,31 @@ class HookState:
 
     def watch_momentum(self, taker) -> None:
         """Warn (once) at the first step of an optimizer over the hooked parameters that applies momentum itself
-        while `taker`, which would apply it before compression, has none."""
+        while `taker`, which would apply it before compression, has none.
+
+        The check is a global optimizer hook (the optimizer beside DDP is unknown). It never removes itself: torch
+        iterates the global hooks while it runs, so it is removed at the next bucket (`follow`). It holds the
+        state and the parameters weakly, so a finished DDP model's hook neither keeps its buffers alive nor
+        matches a new model's parameters through a reused `id()`."""
+        me = weakref.ref(self)
+
         def check(optimizer, args, kwargs):
+            state = me()
+            if state is None or state._watch is None or state._watch[1]:
+                return
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            if not any(id(p) in self.slots for p in params):
+            if not any(state._watched.get(id(p), _dead)() is p for p in params):
                 return          # another optimizer, or before the first bucket
-            handle.remove()
+            state._watch = (state._watch[0], True)      # fired: removed at the next bucket, outside torch's loop
             mu = max((g.get("momentum", 0.0) or 0.0 for g in optimizer.param_groups), default=0.0)
+            taker = state._taker
             if mu and taker.momentum is None:
                 warnings.warn(f"tw.ddp_hook: {taker.name!r} applies momentum before compression but "
                               f"{type(optimizer).__name__} applies momentum {mu:g} after it, which error feedback "
                               f"does not survive: pass optimizer=<your optimizer> to tw.ddp_hook (its momentum "
                               f"moves into {taker.name!r}, as tw.Trainer does)", UserWarning, stacklevel=2)
-        handle = register_optimizer_step_pre_hook(check)      # every optimizer: the one beside DDP is unknown
+        self._taker = taker
+        self._watch = (register_optimizer_step_pre_hook(check), False)
 
     def get_exchange(self, device=None) -> Exchange:
         """The exchange, made on first use (the first bucket's: its buffers live on `device`, the bucket's)."""
