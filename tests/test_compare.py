@@ -135,9 +135,11 @@ def test_the_reference_races_like_the_cells_and_the_planner_predicts_first(matri
                                                                   "memory", "servers", "trace", "tensorboard")}
         theirs = {k: v for k, v in ref["config"].items() if k in mine}
         assert mine == theirs, (r["label"], mine, theirs)
-        # against the reference as the machine ran during the cell: its compute step then, the reference's median
+        # against the reference as the machine ran during the cell: its compute step then against the reference's
+        # same measure, a ratio of means as the throughputs are (the median is what the planner predicts from)
         assert r["compute_step_s"] in (r["quiet_step_s"], r["calibration_step_s"]) and r["compute_basis"]
-        assert r["load_drift"] == pytest.approx(ref["step_time_s"] / r["compute_step_s"])
+        mean = "quiet_mean_step_s" if r["quiet_step_s"] else "calibration_mean_step_s"
+        assert r["load_drift"] == pytest.approx(ref[mean] / r[mean])
         assert r["scalability"] == pytest.approx(r["throughput_samples_s"] / ref["throughput_samples_s"]
                                                  / r["load_drift"])
     pred = results["predictions"]["lan"]
@@ -260,6 +262,32 @@ def test_seeds_give_median_range_and_noise(pool2, tmp_path):
     assert other["within_noise_of_best"] == (other["ttt_min"] <= best["ttt_max"])
     report = open(tmp_path / "report.md").read()
     assert "median over 2 seeds" in report and ("Within noise of it" in report or "outside the seed" in report)
+
+
+def test_scalability_compares_means_with_means():
+    """The map read DiLoCo's scalability 1.04-1.05: the reference's mean step (its throughput) lay 3.5 % over its
+    median, and the drift scaled it by a ratio of medians. A reference with a few slow steps and a DiLoCo cell
+    whose inner steps are the reference's fast ones plus three slower syncs: the cell's scalability stays under 1."""
+    ref_steps = [0.1185] * 95 + [0.2] * 5
+    cell_steps = [0.1185] * 97 + [0.15] * 3
+    batch = 64
+    run = {"seed": 0, "throughput_samples_s": batch * len(ref_steps) / sum(ref_steps),
+           "step_time_s": statistics.median(ref_steps), "quiet_mean_step_s": statistics.fmean(ref_steps),
+           "calibration_step_s": 0.1185, "calibration_mean_step_s": 0.1226}
+    row = {"status": "ok", "seed": 0, "network": "wan", "label": "diloco", "steps": len(cell_steps),
+           "throughput_samples_s": batch * len(cell_steps) / sum(cell_steps), "train_s": sum(cell_steps),
+           "quiet_step_s": 0.1185, "quiet_mean_step_s": 0.1185, "calibration_step_s": 0.1185,
+           "nominal_bytes_per_worker_per_step": 1.0, "bytes_sent_per_worker_per_step": 0.03,
+           "cell": {"algorithm": "diloco", "compressor": None, "memory": None, "params": {}, "optimizer": None}}
+    cfg = cmp.CompareConfig(workload="digits-mlp", workers=2, networks=["wan"], cells=["diloco"])
+    cmp._derive(row, {"runs": [run]}, cfg)
+    assert row["load_drift"] == pytest.approx(statistics.fmean(ref_steps) / 0.1185)
+    assert row["scalability"] == pytest.approx(statistics.fmean(cell_steps[:97]) / statistics.fmean(cell_steps))
+    assert row["scalability"] < 1
+    del row["quiet_step_s"], row["quiet_mean_step_s"]        # no quiet steps: the calibration runs' means
+    row["calibration_mean_step_s"] = 0.1226
+    cmp._derive(row, {"runs": [run]}, cfg)
+    assert row["load_drift"] == 1.0 and row["compute_basis"] == "the calibration run before it"
 
 
 def test_predicted_time_to_target_of_a_cell_out_of_budget():

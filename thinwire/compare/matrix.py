@@ -288,7 +288,7 @@ class Harness:
         summary = run_training(tc, out=celldir, pool=view)
         summary["network"] = network
         summary["curve"] = _curve(celldir, summary["metric"], summary["bytes_sent_per_worker"])
-        summary["quiet_step_s"] = quiet_step_s(celldir)
+        summary["quiet_step_s"], summary["quiet_mean_step_s"] = quiet_step_s(celldir)
         return summary
 
     # -- the no-communication reference (scalability, and the compute time the planner needs) ------------
@@ -297,7 +297,7 @@ class Harness:
         shards, batch, budget, target, evaluations and process layout (this pool) as every cell. Its throughput
         is the denominator of scalability, its median step the compute time the planner predicts from, its steps to
         target the convergence the planner's times to target start from."""
-        calibration = self.calibrate()
+        calibration, calibration_mean = self.calibrate(mean=True)
         tc = self.train_config(REFERENCE, "lan", seed)
         view = _PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem)
         celldir = os.path.join(self.out, "cells", _slug(self.key(REFERENCE, "lan", seed)))
@@ -307,7 +307,8 @@ class Harness:
                "step_time_s": s["step_time_s"],
                "steps": s["steps"], "steps_to_target": s["steps_to_target"], "time_to_target_s":
                s["time_to_target_s"], "train_s": s["train_s"], name: s[name], "metric": s["metric"],
-               "curve": _curve(celldir, s["metric"], 0.0), "calibration_step_s": calibration}
+               "curve": _curve(celldir, s["metric"], 0.0), "calibration_step_s": calibration,
+               "calibration_mean_step_s": calibration_mean, "quiet_mean_step_s": quiet_step_s(celldir)[1]}
         if s["steps_to_target"] is None:    # out of budget: where its trend would have met the target
             out["steps_to_target_extrapolated"] = extrapolate_steps(celldir, s["metric"], s["target"])
         return out
@@ -317,15 +318,17 @@ class Harness:
         processes that have built the model and run a step, as every later cell does."""
         self.calibrate(steps=2)
 
-    def calibrate(self, steps: int = CALIBRATION_STEPS) -> float:
+    def calibrate(self, steps: int = CALIBRATION_STEPS, mean: bool = False):
         """The machine's speed now: the median step of a short `local` run in the pool (its last 2/3 of steps),
         taken right before the reference and before every cell, so that a load that changes under the matrix is
-        measured where it matters (a cell's prediction at run time, its scalability against the reference)."""
+        measured where it matters (a cell's prediction at run time, its scalability against the reference);
+        with `mean`, (median, mean) of the same steps."""
         tc = replace(self.train_config(REFERENCE, "lan", self.cfg.seed), steps=steps, epochs=None, budget_s=None,
                      stop_at_target=False, target=None, tensorboard=None, eval_every=steps)
         view = _PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem)
         rows = summarize(tc, view.run(train_worker, tc.validate(), network="lan", seed=tc.seed), 0.0)[1]
-        return statistics.median(r["step_s"] for r in rows[steps // 3:])
+        kept = [r["step_s"] for r in rows[steps // 3:]]
+        return (statistics.median(kept), statistics.fmean(kept)) if mean else statistics.median(kept)
 
     def baseline(self, runs: list[dict]) -> dict:
         """The reference over its seeds: median throughput and step, the throughput's range (its spread)."""
@@ -336,6 +339,8 @@ class Harness:
                 "throughput_max": max(rate), "spread": (max(rate) - min(rate)) / statistics.median(rate),
                 "step_time_s": statistics.median(r["step_time_s"] for r in runs),
                 "calibration_step_s": statistics.median(r["calibration_step_s"] for r in runs),
+                **{k: statistics.median(r[k] for r in runs) for k in ("calibration_mean_step_s", "quiet_mean_step_s")
+                   if all(r.get(k) for r in runs)},
                 "steps_to_target": statistics.median(reached) if reached else None,
                 "time_to_target_s": statistics.median(r["time_to_target_s"] for r in runs
                                                       if r.get("time_to_target_s"))
@@ -387,7 +392,7 @@ class Harness:
                        "peer": cell.peer, "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
                        "config": asdict(self.train_config(ran, network, seed))}
                 try:
-                    row["calibration_step_s"] = self.calibrate()
+                    row["calibration_step_s"], row["calibration_mean_step_s"] = self.calibrate(mean=True)
                     row.update(self.run_cell(ran, network, seed))
                     row["status"] = "ok"
                 except WorkerError as e:
@@ -513,12 +518,12 @@ def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -
     return out
 
 
-def quiet_step_s(celldir: str, least: int = 5) -> float | None:
-    """The median step of a run's steps that sent nothing (its compute, measured alongside its communication:
-    DiLoCo's and local SGD's inner steps), past the first two; None with fewer than `least` of them."""
+def quiet_step_s(celldir: str, least: int = 5) -> tuple[float | None, float | None]:
+    """(median, mean) of a run's steps that sent nothing (its compute, measured alongside its communication:
+    DiLoCo's and local SGD's inner steps), past the first two; Nones with fewer than `least` of them."""
     with open(os.path.join(celldir, "metrics.jsonl")) as f:
         quiet = [r["step_s"] for r in map(json.loads, f) if r["step"] > 2 and not r["bytes_sent"]]
-    return statistics.median(quiet) if len(quiet) >= least else None
+    return (statistics.median(quiet), statistics.fmean(quiet)) if len(quiet) >= least else (None, None)
 
 
 def extrapolate_steps(celldir: str, metric: str, target: float) -> float | None:
@@ -561,17 +566,23 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | N
     ok = row.get("status") == "ok"
     same = [r for r in baseline.get("runs", []) if r.get("seed") == row.get("seed")]
     ref = same[0]["throughput_samples_s"] if same else baseline.get("throughput_samples_s")
-    # the reference as the machine ran during this cell: its compute step then — the median of the cell's own steps
-    # that sent nothing (measured alongside its communication) where it has enough, else the calibration run just
-    # before it — against the reference's median step
+    # the reference as the machine ran during this cell: the cell's compute step then — its own steps that sent
+    # nothing (measured alongside its communication) where it has enough, else the calibration run just before it
+    # — against the reference's same measure. The median is the compute the planner predicts from; the load drift
+    # is a ratio of means, as the throughputs it scales are (a ratio of medians beside a ratio of means read
+    # DiLoCo's scalability 1.04 where the reference's mean step lay 3.5 % over its median).
     drift = 1.0
-    ref_step = same[0].get("step_time_s") if same else baseline.get("step_time_s")
+    ref_run = same[0] if same else baseline
     row["compute_step_s"] = row.get("quiet_step_s") or row.get("calibration_step_s")
     row["compute_basis"] = ("its own steps without communication" if row.get("quiet_step_s") else
                             "the calibration run before it" if row.get("calibration_step_s") else None)
-    if row["compute_step_s"] and ref_step:
-        drift = ref_step / row["compute_step_s"]
-        row["load_drift"] = drift
+    pairs = (("quiet_mean_step_s", "quiet_mean_step_s"), ("calibration_mean_step_s", "calibration_mean_step_s"),
+             ("quiet_step_s", "step_time_s"), ("calibration_step_s", "step_time_s"))   # the last two: older results
+    for mine, theirs in pairs:
+        if row.get(mine) and ref_run.get(theirs):
+            drift = ref_run[theirs] / row[mine]
+            row["load_drift"] = drift
+            break
     row["scalability"] = (row["throughput_samples_s"] / (ref * drift)) if ok and ref and row.get(
         "throughput_samples_s") else None
     row["compression_ratio"] = (row["nominal_bytes_per_worker_per_step"] / row["bytes_sent_per_worker_per_step"]
