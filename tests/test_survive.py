@@ -22,6 +22,9 @@ def _train(rank, world_size, algorithm, params, steps):
     opt = torch.optim.SGD(model.parameters(), lr=wl.lr, momentum=wl.momentum)
     trainer = tw.Trainer(model, opt, algorithm=algorithm, on_failure="continue", **params)
     loader = workloads.ShardLoader(*wl.shard(rank, world_size), wl.batch_size, seed=0, rank=rank)
+    sha = lambda: hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+                                 .tobytes()).hexdigest()
+    after_loss = None
     for step in range(1, steps + 1):
         if rank == KILL_RANK and step == KILL_STEP:
             os.kill(os.getpid(), signal.SIGKILL)        # lost mid-run, without a word
@@ -29,9 +32,10 @@ def _train(rank, world_size, algorithm, params, steps):
         wl.loss(model(x), y).backward()
         trainer.step()
         opt.zero_grad()
+        if trainer.failures and after_loss is None:
+            after_loss = sha()                          # the model each survivor goes on from
     trainer.close()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return {"sha": hashlib.sha256(flat.numpy().tobytes()).hexdigest(), "accuracy": wl.evaluate(model),
+    return {"sha": sha(), "accuracy": wl.evaluate(model), "after_loss": after_loss,
             "failures": trainer.metrics().get("failures"), "steps": trainer.step_count}
 
 
@@ -45,6 +49,11 @@ def test_survivors_finish_reach_the_target_and_agree(algorithm, params):
     assert out[KILL_RANK] is None                              # lost
     survivors = [o for r, o in enumerate(out) if r != KILL_RANK]
     assert len({o["sha"] for o in survivors}) == 1, algorithm  # the same model everywhere, bitwise
+    # local SGD and DiLoCo survivors keep their own local steps for the next average (each its own model right
+    # after the loss); bsp and DTS survivors go on from the new rank 0's model
+    kept = algorithm in ("localsgd", "diloco")
+    assert all(o["failures"][0]["kept"] == kept for o in survivors)
+    assert len({o["after_loss"] for o in survivors}) == (3 if kept else 1), algorithm
     for o in survivors:
         assert o["steps"] == steps
         assert o["accuracy"] >= workloads.get("digits-mlp").target, (algorithm, o["accuracy"])

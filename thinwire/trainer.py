@@ -399,26 +399,32 @@ class Trainer:
     def _resync(self, lost: PeerLost, counted: int) -> None:
         """After a loss, on the new group: agree on the step (the most any member has counted once `counted`, this
         member's, ends; a member behind skips the steps it lacks), and every member takes rank 0's model,
-        optimizer state and algorithm state. A newcomer (`counted` 0) starts at the agreed step."""
+        optimizer state and algorithm state. A newcomer (`counted` 0) starts at the agreed step.
+
+        Where the algorithm `keeps_local_work` (local SGD, DiLoCo) and every member counted the same step (the
+        loss met at the same synchronization, no newcomer), the survivors keep their own models and optimizer
+        state instead: the work since the last boundary goes into the next average (`"kept"` in the record)."""
         self.scheduler.discard_step()
-        at = torch.tensor([float(counted)], dtype=torch.float64, device=self.transport.device)
+        at = torch.tensor([float(counted), -float(counted)], dtype=torch.float64, device=self.transport.device)
         self._raw(dist.all_reduce, at, op=dist.ReduceOp.MAX, group=self.transport.group)
-        agreed = int(at.item())                     # host: once per recovery
+        agreed, least = (int(v) for v in at.tolist())      # host: once per recovery
+        kept = self.algorithm.keeps_local_work and -least == agreed
         if counted == 0:
             self.step_count = agreed
         else:
             self._behind = agreed - counted
-        self._broadcast_model()
-        # tensors and a checked JSON layout, never a pickle (comm/state.py)
-        mine = self.optimizer.state_dict() if self.transport.rank == 0 else None
-        if self.elastic is not None:     # (a group of its own: addressed through the transport)
-            state = elastic.broadcast_state(self.transport, mine, 0)
-        else:
-            state = broadcast_state(mine, src=self.transport.global_of(0), group=self.transport.group,
-                                    device=self.transport.device)
-        self.optimizer.load_state_dict(state)
+        if not kept:
+            self._broadcast_model()
+            # tensors and a checked JSON layout, never a pickle (comm/state.py)
+            mine = self.optimizer.state_dict() if self.transport.rank == 0 else None
+            if self.elastic is not None:     # (a group of its own: addressed through the transport)
+                state = elastic.broadcast_state(self.transport, mine, 0)
+            else:
+                state = broadcast_state(mine, src=self.transport.global_of(0), group=self.transport.group,
+                                        device=self.transport.device)
+            self.optimizer.load_state_dict(state)
         # "step": the step every survivor has counted once this one ends (and behind ranks skipped theirs)
-        self.failures.append({"lost": lost.lost, "step": agreed, "members": lost.members})
+        self.failures.append({"lost": lost.lost, "step": agreed, "members": lost.members, "kept": kept})
         self.algorithm.recover()
 
     # -- elastic jobs: newcomers (docs/reliability.md, "Workers that join a running job") -------------------

@@ -82,6 +82,9 @@ class Algorithm:
     #   memory that applies momentum before compression takes the optimizer's: Trainer's hand_over_momentum)
     overlaps_steps: bool = False                # its exchanges outlive the step that started them (DTS, CD-SGD)
     survives_failures: ClassVar[bool] = False   # its averages stay meaningful over fewer workers (recover())
+    keeps_local_work: ClassVar[bool] = False    # at a loss, each survivor's model and optimizer since the last
+    #   boundary are its own to keep (local SGD, DiLoCo: the next average takes them in); recover() makes the state
+    #   that must agree (an anchor, an outer optimizer) agree. Else every survivor takes the new rank 0's.
     exchange_class: ClassVar[type] = Exchange   # what make_exchange builds (the PS and gossip forms: their own)
 
     def __init__(self, architecture: str | None = None):

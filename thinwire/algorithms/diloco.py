@@ -183,6 +183,7 @@ class DiLoCo(Algorithm):
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
     checks_finite = False
     survives_failures = True   # θ and the outer optimizer are replicated; the mean over fewer workers stays a mean
+    keeps_local_work = True    # a survivor's inner steps go into the next sync
 
     def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,
@@ -486,8 +487,9 @@ class DiLoCo(Algorithm):
     @torch.no_grad()
     def recover(self):
         """A worker was lost: the sync in flight is dropped; θ and the outer optimizer's state are taken from the
-        new rank 0 (a sync that completed on some survivors only cannot leave them apart), the survivors'
-        inner models (broadcast by the Trainer) differ from θ, and the schedule goes on from the agreed step."""
+        new rank 0 (a sync that completed on some survivors only cannot leave them apart); each survivor's inner
+        model (its own where the Trainer kept the survivors' work, else the new rank 0's) differs from θ and goes
+        into the next sync of each fragment; the schedule goes on from the agreed step."""
         if self.island is not None:
             raise UserError("diloco replicas=island does not go on after a lost worker (its island's data parallel "
                             "group lost a member): use on_failure='stop' and resume from a checkpoint")

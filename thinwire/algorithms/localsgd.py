@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.elastic import broadcast_state
 from ..tensors import copy_each, copy_flat
 from ._registry import register
 from .base import Periodic, int_at_least
@@ -40,6 +41,7 @@ class LocalSGD(Periodic, BSP):
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
     checks_finite = False
     exchanges_gradients = False   # model deltas
+    keeps_local_work = True       # a survivor's local steps go into the next average
 
     def __init__(self, period: int = 4, average_momentum: bool = False, architecture: str | None = None):
         super().__init__(architecture)
@@ -68,9 +70,15 @@ class LocalSGD(Periodic, BSP):
                                                                                   key=bucket.key))
 
     def recover(self):
+        """A worker was lost. Where the survivors keep their own models (the loss met at the same average), they
+        take rank 0's anchor (an average completed on some survivors only leaves the anchors apart) and their
+        work since it goes into the next average; else they restart from the new rank 0's model."""
         super().recover()
         self._momenta.clear()
-        copy_each(self.anchor, self.params)   # the survivors restart from the new rank 0's model
+        if self.ctx.failures[-1]["kept"]:
+            copy_each(self.anchor, broadcast_state(self.transport, {"anchor": self.anchor}, 0)["anchor"])
+        else:
+            copy_each(self.anchor, self.params)
         self.local_steps = 0
 
     def join_boundary(self, step):
@@ -153,6 +161,11 @@ class PostLocalSGD(LocalSGD):
     def synchronous(self) -> bool:
         return self.steps < self.switch
 
+    @property
+    def keeps_local_work(self) -> bool:
+        """In phase 1 every step averages gradients (bsp's): a survivor's model is rank 0's to take."""
+        return not self.synchronous()
+
     def communicates(self):
         return self.synchronous() or self.syncing()
 
@@ -192,6 +205,8 @@ class PSLocalSGD(PSMixin, LocalSGD):
     compressor and memory) and the server averages them, x <- x + (1/n) Σ_i C(x_i - x) (the corrected eq. 9,
     Tang et al.'s eq. 9 corrected as above), and answers x, which every worker continues from. Momentum stays local
     (per-worker buffers, as on all-reduce)."""
+
+    keeps_local_work = False
 
     def __init__(self, period: int = 4, architecture: str | None = None, servers: int = 1,
                  downlink_compressor: str = "none", downlink_params: dict | None = None):

@@ -19,9 +19,11 @@ the wall time from the first step to the last is the denominator; the numerator 
 (in every worker process, killed ones included) whose work was kept — a step counts once a synchronization
 boundary after it has passed in that process without a loss in between (bsp: the step itself; local SGD and
 DiLoCo: the next model average; DTS: the window's end; DDP: the next checkpoint; torchft: the next committed sync;
-every contestant: its last step). A step whose work a loss threw away (the interrupted one, and for the elastic
-algorithms the steps since the last boundary; DDP: the steps since the last checkpoint, done again after the
-restart; torchft: a failed sync's local steps, a replacement's steps before it is healed) does not count, nor
+every contestant: its last step); a killed worker's steps since its last boundary never count. A step whose work
+a loss threw away in a survivor (bsp: the interrupted one; local SGD and DiLoCo, only where the survivors had not
+all counted the same step, else they keep theirs for the next average: the steps since the last boundary; DDP:
+the steps since the last checkpoint, done again after the restart; torchft: a failed sync's local steps, a
+replacement's steps before it is healed) does not count, nor
 does time outside steps (start-up, restarts, evaluations, waiting for a replacement). Each worker writes its
 steps as it goes (`THINWIRE_STEP_LOG`, `thinwire.run.loop.StepLog`); the numbers come from those logs.
 

@@ -196,6 +196,7 @@ class Member:
         self._npending = 0                   # newcomers that asked so far (the watcher's count)
         self._proposed: int | None = None    # a join generation proposed (and acknowledged by this member)
         self._retired: list = []
+        self._lock = threading.Lock()        # the generation, its record and the proposal: main thread and watcher
 
     # -- generations --------------------------------------------------------------------------------------
     @property
@@ -285,7 +286,8 @@ class Member:
             if self.group is not None:
                 self._retired.append(self.group)   # dropped by `retire_old` once the Transport let go of it
             self.group = group
-            self.gen, self.record, self.switch_at = g, rec, None
+            with self._lock:
+                self.gen, self.record, self.switch_at = g, rec, None
             self.formed += 1
             self._watch(g)
             return rec
@@ -315,8 +317,7 @@ class Member:
             raise lost
         nxt = self.gen + 1
         if self.switch_at is None:
-            if self.rank == 0 and self._proposed != nxt and self._npending > self._seen_pending:
-                self._propose()
+            self._propose_if_waiting()
             if self._proposed == nxt:
                 if self.rank == 0:
                     if self.store.add(f"ack/{nxt}", 0) >= len(self.record["members"]):
@@ -340,8 +341,18 @@ class Member:
         """After a loss announced as `generation`: form the newest generation's group."""
         return self._form(max(generation, self.gen + 1))
 
+    def _propose_if_waiting(self) -> None:
+        """(rank 0, at a boundary or from the watcher as soon as a newcomer asks) Propose a join generation if
+        newcomers are waiting and none is proposed: the members' watchers acknowledge it while they train, so
+        rank 0's next boundary can fix the switch one boundary later."""
+        with self._lock:
+            if (self.record is not None and self.rank == 0 and self.switch_at is None
+                    and self._proposed != self.gen + 1 and self._npending > self._seen_pending):
+                self._propose()
+
     def _propose(self) -> None:
-        """(rank 0) A join generation for the newcomers waiting (up to the maximum; the rest are refused)."""
+        """(rank 0, holding the lock) A join generation for the newcomers waiting (up to the maximum; the rest are
+        refused)."""
         count = self.store.add("npending", 0)
         ids = [int(x) for x in self.store.get("pending").decode().split(",") if x]
         gone = set()
@@ -383,11 +394,14 @@ class Member:
                     rec, prev = read_gen(self.store, g), read_gen(self.store, g - 1)
                     if rec["kind"] == "loss":
                         MEMBERSHIP.announce(g, rec["members"], sorted(set(prev["members"]) - set(rec["members"])))
-                    elif self.me in prev["members"] and g == self.gen + 1 and self._proposed != g:
-                        self._proposed = g          # set before acknowledging: then this member reads `at`
-                        self.store.add(f"ack/{g}", 1)
+                        continue
+                    with self._lock:    # (not rank 0's own proposal, made under the lock)
+                        if self.me in prev["members"] and g == self.gen + 1 and self._proposed != g:
+                            self._proposed = g          # set before acknowledging: then this member reads `at`
+                            self.store.add(f"ack/{g}", 1)
                     continue
                 self._npending = self.store.add("npending", 0)
+                self._propose_if_waiting()
                 time.sleep(0.05)
             except Exception:   # noqa: BLE001 - the store is gone: the job is over
                 return

@@ -433,7 +433,8 @@ class StepLog:
     (a worker killed loses nothing it wrote), for `thinwire bench churn`'s goodput: {"m": rank (an elastic job's
     member), "s": step, "a"/"b": wall-clock start and end, "c": the last step whose work counts for good (a
     synchronization boundary of the algorithm, a checkpoint written, the last step), "d": the losses survived
-    so far (each throws away the work since the last boundary)}; {"m", "s", "e": the metric, "b"}."""
+    so far that threw away the work since the last boundary (not those where the survivors kept it)};
+    {"m", "s", "e": the metric, "b"}."""
 
     def __init__(self, rank: int, stepper: Stepper):
         where = os.environ.get("THINWIRE_STEP_LOG")
@@ -449,7 +450,7 @@ class StepLog:
             return
         c, d = self.committed, 0
         if self.trainer is not None:
-            c, d = max(c, self.trainer.committed), len(self.trainer.failures)
+            c, d = max(c, self.trainer.committed), sum(not f.get("kept") for f in self.trainer.failures)
         self._write({"m": self.rank, "s": step, "a": self.t0, "b": time.time(), "c": c, "d": d})
 
     def evaluation(self, step: int, value: float) -> None:
