@@ -33,6 +33,22 @@ def test_goodput_counts_the_steps_a_boundary_kept(tmp_path):
     assert got["time_to_target_s"] == 2.5 and got["steps_to_target"] == 2
 
 
+def test_the_timelines_show_kept_and_lost_steps(tmp_path):
+    logs = tmp_path / "logs" / "localsgd"
+    logs.mkdir(parents=True)
+    _write(logs / "1.jsonl", [{"m": 0, "s": s, "a": s - 1.0, "b": float(s), "c": s - s % 2, "d": 0}
+                              for s in range(1, 5)])
+    _write(logs / "2.jsonl", [{"m": 1, "s": 1, "a": 0.0, "b": 1.0, "c": 0, "d": 0},
+                              {"m": 1, "s": 2, "a": 1.0, "b": 2.0, "c": 0, "d": 1}])
+    assert churn.kept(churn.read_logs(str(logs))[0][1]) == [False, False]
+    row = {"contestant": "localsgd", **churn.analyse(str(logs), 2, "accuracy", 0.95, lambda v, t: v >= t),
+           "kills": [{"t": 1.5, "position": 1, "pid": 2}]}
+    result = {"workload": "digits-mlp", "workers": 2, "network": "world", "kill_every_s": 30.0,
+              "rows": [row, {"contestant": "ddp", "error": "failed"}]}
+    path = churn.plot(result, str(tmp_path))
+    assert path == str(tmp_path / "churn.png") and open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def test_every_contestant_suffers_the_same_kills():
     assert churn.schedule(0, 30.0, 5) == churn.schedule(0, 30.0, 5)
     assert [t for t, _ in churn.schedule(0, 30.0, 3)] == [30.0, 60.0, 90.0]

@@ -333,10 +333,13 @@ class Trainer:
             except PeerLost as lost:
                 self._recover(lost)
         self.step_count += 1
-        if not self._behind and len(self.failures) == losses and self.algorithm.join_boundary(self.step_count):
-            self.committed = self.step_count     # every step's work up to here is in every member's model
-            if self.elastic is not None:
-                self._boundary()
+        if not self._behind and len(self.failures) == losses:
+            if self.algorithm.join_boundary(self.step_count):
+                self.committed = self.step_count     # every step's work up to here is in every member's model
+                if self.elastic is not None:
+                    self._boundary()
+            elif self.elastic is not None:       # rank 0 may fix a join's switch between boundaries
+                self.elastic.ahead(self.step_count, self.algorithm.join_next)
         # a local step next, or one skipped to rejoin the others: no gradient hook runs
         self.scheduler.next_step(self.algorithm.communicates() and not self._behind)
         return self.transport.meter.mark_step()

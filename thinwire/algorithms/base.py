@@ -167,6 +167,12 @@ class Algorithm:
         pass it before rank 0 wrote the announcement (it needs rank 0's part of a synchronization issued later)."""
         return step + 1
 
+    def join_next(self, step: int) -> int | None:
+        """At the end of step `step` (no boundary): the first boundary whose synchronization has not been issued
+        yet (a join's switch may be fixed there before any member can pass it), or None to wait for a boundary
+        (`join_after`)."""
+        return None
+
     def before_switch(self) -> None:
         """At the boundary where the members switch to a generation with newcomers: leave nothing in flight
         on the old group."""

@@ -514,6 +514,15 @@ class DiLoCo(Algorithm):
     def join_after(self, step):
         return step + self.period // self.fragments
 
+    def join_next(self, step):
+        """The next merge whose fragment's pseudo-gradient is taken after this step (τ steps before the merge)."""
+        if self.eager or self.island is not None:
+            return None
+        m = self.steps + 1
+        while self.merging(m) is None or m - self.overlap <= self.steps:
+            m += 1
+        return step + m - self.steps
+
     def newcomer_state(self):
         return {"anchor": self.anchor, "outer": self.outer.state_dict(), "steps": self.steps, "syncs": self.syncs,
                 "dirty": list(self._dirty)}

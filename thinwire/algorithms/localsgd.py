@@ -88,6 +88,10 @@ class LocalSGD(Periodic, BSP):
     def join_after(self, step):
         return step + self.period
 
+    def join_next(self, step):
+        """The step that ends this period (its average is issued during it)."""
+        return step + self.period - self.local_steps
+
     def newcomer_state(self):
         return {"anchor": self.anchor, "syncs": self.syncs}
 
@@ -166,6 +170,9 @@ class PostLocalSGD(LocalSGD):
         """In phase 1 every step averages gradients (bsp's): a survivor's model is rank 0's to take."""
         return not self.synchronous()
 
+    def join_next(self, step):
+        return None if self.steps + 1 < self.switch else super().join_next(step)
+
     def communicates(self):
         return self.synchronous() or self.syncing()
 
@@ -207,6 +214,9 @@ class PSLocalSGD(PSMixin, LocalSGD):
     (per-worker buffers, as on all-reduce)."""
 
     keeps_local_work = False
+
+    def join_next(self, step):
+        return None
 
     def __init__(self, period: int = 4, architecture: str | None = None, servers: int = 1,
                  downlink_compressor: str = "none", downlink_params: dict | None = None):

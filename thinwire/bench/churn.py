@@ -412,8 +412,8 @@ def replica(index: int, incarnation: int, spec: dict) -> None:
 
 
 # -- goodput and time to target from the step logs -----------------------------------------------------------
-def analyse(logdir: str, workers: int, metric: str, target: float, reached) -> dict:
-    """Goodput, time to target, steps and wall time from the workers' step logs (see the module doc)."""
+def read_logs(logdir: str) -> tuple[list[list[dict]], dict]:
+    """(each worker process's steps in order, the evaluations by step) from the step logs in `logdir`."""
     per_process, evals = [], {}
     for path in sorted(glob.glob(os.path.join(logdir, "*.jsonl"))):
         steps = []
@@ -428,6 +428,27 @@ def analyse(logdir: str, workers: int, metric: str, target: float, reached) -> d
                 elif "a" in rec:
                     steps.append(rec)
         per_process.append(steps)
+    return per_process, evals
+
+
+def kept(steps: list[dict]) -> list[bool]:
+    """Whether each step of one worker process counts toward the final model (see the module doc): a boundary
+    after it passed in this process without a loss that threw the work away in between."""
+    out, pending, losses = [False] * len(steps), [], 0
+    for i, s in enumerate(steps):
+        if s["d"] > losses:                 # a loss in this step: the work since the last boundary is gone
+            losses, pending = s["d"], []
+        else:
+            pending.append(i)
+        for j in [j for j in pending if steps[j]["s"] <= s["c"]]:
+            out[j] = True
+        pending = [j for j in pending if steps[j]["s"] > s["c"]]
+    return out
+
+
+def analyse(logdir: str, workers: int, metric: str, target: float, reached) -> dict:
+    """Goodput, time to target, steps and wall time from the workers' step logs (see the module doc)."""
+    per_process, evals = read_logs(logdir)
     starts = [s["a"] for steps in per_process for s in steps]
     ends = [s["b"] for steps in per_process for s in steps]
     if not starts:
@@ -435,16 +456,10 @@ def analyse(logdir: str, workers: int, metric: str, target: float, reached) -> d
     t0, t1 = min(starts), max(ends)
     useful = kept_steps = 0.0
     for steps in per_process:
-        pending, losses = [], 0
-        for s in steps:
-            if s["d"] > losses:             # a loss in this step: the work since the last boundary is gone
-                losses, pending = s["d"], []
-            else:
-                pending.append(s)
-            keep = [p for p in pending if p["s"] <= s["c"]]
-            pending = [p for p in pending if p["s"] > s["c"]]
-            useful += sum(p["b"] - p["a"] for p in keep)
-            kept_steps += len(keep)
+        for s, k in zip(steps, kept(steps)):
+            if k:
+                useful += s["b"] - s["a"]
+                kept_steps += 1
     hit = None
     for step in sorted(evals):
         recs = evals[step]
@@ -456,6 +471,48 @@ def analyse(logdir: str, workers: int, metric: str, target: float, reached) -> d
     return {"goodput": useful / (workers * (t1 - t0)), "time_to_target_s": None if hit is None else hit[0],
             "steps_to_target": None if hit is None else hit[1], "wall_s": t1 - t0,
             "steps_kept": int(kept_steps), "last_eval": statistics.fmean(r["e"] for r in last) if last else None}
+
+
+def plot(result: dict, workdir: str) -> str | None:
+    """`churn.png`: one timeline per contestant, a line per worker process — its steps whose work was kept,
+    those a loss threw away, the gaps (start-up, joins, restarts, evaluations) — the kills marked, the time to
+    target and the goodput in the title. None if matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in result["rows"] if r.get("goodput") is not None]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 1.2 + 1.6 * len(rows)), sharex=True, squeeze=False)
+    for ax, row in zip(axes[:, 0], rows):
+        per_process = [p for p in read_logs(os.path.join(workdir, "logs", row["contestant"]))[0] if p]
+        t0 = min(p[0]["a"] for p in per_process)
+        per_process.sort(key=lambda p: p[0]["a"])
+        for y, steps in enumerate(per_process):
+            flags = kept(steps)
+            for want, colour in ((True, "tab:green"), (False, "tab:red")):
+                bars = [(s["a"] - t0, s["b"] - s["a"]) for s, k in zip(steps, flags) if k == want]
+                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=colour, linewidth=0)
+        for k in row.get("kills", []):
+            ax.axvline(k["t"], color="0.3", linewidth=0.8, linestyle=":")
+        if row.get("time_to_target_s") is not None:
+            ax.axvline(row["time_to_target_s"], color="tab:blue", linewidth=1.2)
+        ttt = "not reached" if row["time_to_target_s"] is None else f"target at {row['time_to_target_s']:.0f} s"
+        ax.set_title(f"{row['contestant']}: goodput {row['goodput']:.0%}, {ttt}", fontsize=9, loc="left")
+        ax.set_yticks([])
+        ax.set_ylabel("processes", fontsize=8)
+    axes[-1, 0].set_xlabel("wall time from the first step (s); green: kept, red: thrown away, dotted: a kill, "
+                           "blue: target", fontsize=8)
+    fig.suptitle(f"{result['workload']}, {result['workers']} workers behind {result['network']}, a kill every "
+                 f"{result['kill_every_s']:g} s", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(workdir, "churn.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def run(args) -> int:
@@ -503,6 +560,9 @@ def run(args) -> int:
               "load_average_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "rows": rows}
     with open(os.path.join(workdir, "churn.json"), "w") as f:
         json.dump(result, f, indent=2)
+    drawn = plot(result, workdir)
+    if drawn:
+        print(f"  timelines: {drawn}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

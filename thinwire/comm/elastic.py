@@ -333,6 +333,21 @@ class Member:
                                f"without switching (now at step {step})")
         return self.switch_at == step
 
+    def ahead(self, step: int, after) -> None:
+        """(rank 0, at the end of a step that is no boundary) Once every member acknowledged the join proposed,
+        fix the switch at `after(step)`: the first boundary whose synchronization rank 0 has not issued yet (it
+        issues its part after writing `at`, so no member passes that boundary unaware), or leave it to the next
+        boundary where `after` gives None. One store round trip per step while acknowledgements are awaited."""
+        nxt = self.gen + 1
+        if self._proposed != nxt or self.switch_at is not None or self.rank != 0:
+            return
+        if self.store.add(f"ack/{nxt}", 0) < len(self.record["members"]):
+            return
+        at = after(step)
+        if at is not None:
+            self.store.set(f"at/{nxt}", str(int(at)))
+            self.switch_at = int(at)
+
     def switch(self) -> dict:
         """Form the next generation's group (after `boundary` returned True); a newer one if it came meanwhile."""
         return self._form(self.gen + 1)
