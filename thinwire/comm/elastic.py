@@ -359,7 +359,7 @@ class Member:
     def _propose_if_waiting(self) -> None:
         """(rank 0, at a boundary or from the watcher as soon as a newcomer asks) Propose a join generation if
         newcomers are waiting and none is proposed: the members' watchers acknowledge it while they train, so
-        rank 0's next boundary can fix the switch one boundary later."""
+        rank 0 can fix the switch at the first boundary whose synchronization it has not issued (`ahead`)."""
         with self._lock:
             if (self.record is not None and self.rank == 0 and self.switch_at is None
                     and self._proposed != self.gen + 1 and self._npending > self._seen_pending):
