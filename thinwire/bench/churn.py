@@ -221,6 +221,7 @@ def _ddp(args, logdir: str, plan, workdir: str) -> dict:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)     # torchrun's signals to its group stay there
     killer = Killer(plan, logdir, lambda: [pid for _, pid in _children(proc.pid)]).start()
+    stopped = False
     try:
         stdout, stderr = proc.communicate(timeout=args.limit)
     except subprocess.TimeoutExpired:       # stopped at the limit: what its step logs hold is its result
@@ -228,22 +229,23 @@ def _ddp(args, logdir: str, plan, workdir: str) -> dict:
             os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        kills = killer.close()
-        return {"kills": kills, "recoveries": f"{len(kills)} kills, torchrun restarts of every worker (from the "
-                                              f"checkpoint every {args.checkpoint_every} steps); stopped at "
-                                              f"--limit {args.limit:g} s", "final": None}
+        stopped = True
     finally:
         kills = killer.close()
         if proc.poll() is None:
             proc.kill()
+    out = {"kills": kills, "recoveries": f"{len(kills)} kills, torchrun restarts of every worker (from the "
+                                         f"checkpoint every {args.checkpoint_every} steps)", "final": None}
+    if stopped:
+        out["recoveries"] += f"; stopped at --limit {args.limit:g} s"
+        return out
     if proc.returncode != 0:
         tail = "\n".join(stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"ddp under torchrun exited with {proc.returncode}:\n{tail}")
     summary = json.loads(stdout[stdout.index("{"):])
-    restarts = sum("Restarting" in line or "restarting" in line for line in stderr.splitlines())
-    return {"kills": kills, "recoveries": f"{len(kills)} kills, torchrun restarts of every worker "
-                                          f"(from the checkpoint every {args.checkpoint_every} steps)",
-            "final": summary.get("final_loss", summary.get("final_accuracy")), "torchrun_restart_lines": restarts}
+    out["final"] = summary.get("final_loss", summary.get("final_accuracy"))
+    out["torchrun_restart_lines"] = sum("Restarting" in line or "restarting" in line for line in stderr.splitlines())
+    return out
 
 
 def _torchft(args, logdir: str, plan) -> dict:

@@ -297,7 +297,7 @@ class Harness:
         shards, batch, budget, target, evaluations and process layout (this pool) as every cell. Its throughput
         is the denominator of scalability, its median step the compute time the planner predicts from, its steps to
         target the convergence the planner's times to target start from."""
-        calibration, calibration_mean = self.calibrate(mean=True)
+        calibration, calibration_mean = self.calibrate()
         tc = self.train_config(REFERENCE, "lan", seed)
         view = _PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem)
         celldir = os.path.join(self.out, "cells", _slug(self.key(REFERENCE, "lan", seed)))
@@ -318,17 +318,17 @@ class Harness:
         processes that have built the model and run a step, as every later cell does."""
         self.calibrate(steps=2)
 
-    def calibrate(self, steps: int = CALIBRATION_STEPS, mean: bool = False):
-        """The machine's speed now: the median step of a short `local` run in the pool (its last 2/3 of steps),
-        taken right before the reference and before every cell, so that a load that changes under the matrix is
-        measured where it matters (a cell's prediction at run time, its scalability against the reference);
-        with `mean`, (median, mean) of the same steps."""
+    def calibrate(self, steps: int = CALIBRATION_STEPS) -> tuple[float, float]:
+        """The machine's speed now: (median, mean) step of a short `local` run in the pool (its last 2/3 of
+        steps), taken right before the reference and before every cell, so that a load that changes under the
+        matrix is measured where it matters (a cell's prediction at run time from the median, its scalability
+        against the reference from the mean)."""
         tc = replace(self.train_config(REFERENCE, "lan", self.cfg.seed), steps=steps, epochs=None, budget_s=None,
                      stop_at_target=False, target=None, tensorboard=None, eval_every=steps)
         view = _PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem)
         rows = summarize(tc, view.run(train_worker, tc.validate(), network="lan", seed=tc.seed), 0.0)[1]
         kept = [r["step_s"] for r in rows[steps // 3:]]
-        return (statistics.median(kept), statistics.fmean(kept)) if mean else statistics.median(kept)
+        return statistics.median(kept), statistics.fmean(kept)
 
     def baseline(self, runs: list[dict]) -> dict:
         """The reference over its seeds: median throughput and step, the throughput's range (its spread)."""
@@ -392,7 +392,7 @@ class Harness:
                        "peer": cell.peer, "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
                        "config": asdict(self.train_config(ran, network, seed))}
                 try:
-                    row["calibration_step_s"], row["calibration_mean_step_s"] = self.calibrate(mean=True)
+                    row["calibration_step_s"], row["calibration_mean_step_s"] = self.calibrate()
                     row.update(self.run_cell(ran, network, seed))
                     row["status"] = "ok"
                 except WorkerError as e:
