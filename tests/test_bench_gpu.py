@@ -49,7 +49,8 @@ def test_the_compressor_part_runs_on_the_cpu(capsys, tmp_path):
 
 def test_the_overhead_part_times_every_case(monkeypatch):
     from thinwire.bench import gpu
-    tiny = {"lm": {"context": 8, "width": 16, "layers": 1, "heads": 2}, "batch": 1, "warmup": 1, "steps": 1}
+    tiny = {"lm": {"context": 8, "width": 16, "layers": 1, "heads": 2}, "batch": 1, "warmup": 1, "steps": 1,
+            "passes": 2}
     rows, text = gpu.overhead_part("cpu", tiny)
     assert [r["case"] for r in rows] == [name for name, _, _ in gpu.OVERHEAD]
     assert not [r for r in rows if "error" in r], rows
@@ -57,3 +58,4 @@ def test_the_overhead_part_times_every_case(monkeypatch):
     assert by["plain"]["x_plain"] == 1.0 and by["ddp"]["x_ddp"] == 1.0 and by["plain (SGD)"]["x_plain"] == 1.0
     assert "target" in by["tw bsp"] and "target" in by["tw diloco H=1000 (local steps)"]
     assert "x DDP" in text and "plain" in text
+    assert all(len(r["passes"]) == 2 and min(r["passes"]) <= r["ms"] <= max(r["passes"]) for r in rows)

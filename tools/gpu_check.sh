@@ -19,9 +19,10 @@
 #
 # Stages (each under its own `timeout`, so one hang does not eat the rest; together at most TOTAL seconds,
 # default 540): the environment; the CUDA cases of the test suite (`-k cuda`: the `device` fixture's cuda
-# parameter) and tests/test_shared_gpu.py (workers sharing the GPU over gloo); `thinwire bench gpu`;
-# `thinwire bench overhead --device cuda` where that benchmark exists; `thinwire train --workload stdlib-lm
-# --device cuda --workers 1`, short. Logs and JSON go to $OUT (7 files: the device tool brings back at most 8),
+# parameter) and tests/test_shared_gpu.py (workers sharing the GPU over gloo); `thinwire bench gpu`'s overhead
+# and compressor parts; `thinwire bench overhead --device cuda` where that benchmark exists; `thinwire train
+# --workload stdlib-lm --device cuda --workers 1`, short; `thinwire bench gpu`'s race last. Logs and JSON go to
+# $OUT (8 files: the device tool brings back at most 8),
 # and a summary table is printed last (also $OUT/summary.txt). Exit status: 0 when every stage passed.
 set -u
 cd "$(dirname "$0")/.."
@@ -36,13 +37,15 @@ export PYTHONUNBUFFERED=1 THINWIRE_NO_PROGRESS=1 THINWIRE_CACHE="$WORK/cache"
 if [ "${DRY:-0}" = 1 ]; then      # the CPU, tiny sizes: checks that every stage runs, measures nothing
     DEV=cpu
     TESTS=(tests/test_shared_gpu.py tests/test_bench_gpu.py)
-    BENCH=(--device cpu)
+    BENCH=(--device cpu --parts overhead,compressors)
+    RACE=(--device cpu --parts race)
     OVERHEAD=(--device cpu --steps 20 --round 10)
     TRAIN=(--device cpu --steps 10)
 else
     DEV=cuda
     TESTS=(tests)
-    BENCH=(--parts overhead,race,compressors)   # compressors last: their first calls compile kernels
+    BENCH=(--parts overhead,compressors)   # compressors after the overhead: their first calls compile kernels
+    RACE=(--parts race --budget 12)
     OVERHEAD=(--device cuda)
     TRAIN=(--device cuda --steps 200)
 fi
@@ -94,7 +97,7 @@ else
         --timeout 150 "${TESTS[@]}"
 fi
 
-stage "bench gpu" 280 bench_gpu.log -- "$PYTHON" -m thinwire bench gpu "${BENCH[@]}" --out "$WORK/bench_gpu"
+stage "bench gpu" 260 bench_gpu.log -- "$PYTHON" -m thinwire bench gpu "${BENCH[@]}" --out "$WORK/bench_gpu"
 cp "$WORK/bench_gpu/bench_gpu.json" "$OUT/" 2>/dev/null
 
 if "$PYTHON" -m thinwire bench overhead --help >/dev/null 2>&1; then
@@ -106,6 +109,10 @@ fi
 
 stage "train stdlib-lm" 60 train.log -- "$PYTHON" -m thinwire train --workload stdlib-lm --workers 1 \
     "${TRAIN[@]}" --out "$WORK/train"
+
+# the race last (it ran before; what is new is above): 4 workers sharing the GPU
+stage "bench gpu race" 100 bench_gpu.log -- "$PYTHON" -m thinwire bench gpu "${RACE[@]}" --out "$WORK/race"
+cp "$WORK/race/bench_gpu.json" "$OUT/bench_race.json" 2>/dev/null
 
 {
     echo

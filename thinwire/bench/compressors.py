@@ -107,9 +107,12 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
         row = {"name": name}
         try:
             comp = compressors.get(name)
+            t0 = time.perf_counter()
             for step in range(-2 if cuda else 0, 1):      # (on a GPU: compile and warm up first)
                 payload = comp.compress(x, key="bench", step=step)
                 comp.decompress(payload)
+            sync()
+            row["warmup_s"] = time.perf_counter() - t0      # on a GPU: the kernels' compilation, mostly
             tc, td = [], []
             for step in range(1, repeat + 1):
                 del payload
