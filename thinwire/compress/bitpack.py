@@ -23,14 +23,23 @@ _GATHERS = {1: (torch.int64, 0x0102040810204080, 56),
 def gather8(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Packed bytes of int8 `codes` (< 2^bits, bits in 1, 2, 4; a multiple of 8 of them): code j of each eight
     at bit bits·j. On the CPU one multiply per word, in place over the codes (as `pack`); on other devices
-    shifts and a sum per group (what a compiler fuses into the kernel that made the codes); the same bytes."""
+    shifts and ors per group (what a compiler fuses into the kernel that made the codes); the same bytes."""
     if codes.device.type == "cpu":
         dtype, magic, shift = _GATHERS[bits]
         words = codes.view(dtype).mul_(magic).bitwise_right_shift_(shift)
         return scratch(words.numel(), torch.uint8, codes.device).copy_(words)      # (the low byte of each word)
+    return gather8_lanes(codes, bits)
+
+
+def gather8_lanes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`gather8` as elementwise shifts and ors of each group's codes (no reduction: an integer sum inside a
+    compiled kernel trips Triton's loop-carried types in torch 2.11)."""
     per = 8 // bits
-    lanes = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
-    return (codes.view(-1, per).to(torch.int32) << lanes).sum(1, dtype=torch.int32).to(torch.uint8)
+    lanes = codes.view(-1, per).to(torch.int32)
+    word = lanes[:, 0]
+    for j in range(1, per):
+        word = word | (lanes[:, j] << (bits * j))
+    return word.to(torch.uint8)
 
 
 def pack_kernel(codes: torch.Tensor, bits: int) -> torch.Tensor:
