@@ -8,9 +8,9 @@
 A call is launch-bound where host >= device, memory-bound where device is near the bytes it must move. Usage,
 from the checkout's root on a machine with a GPU:
 
-    PYTHONPATH=. python tools/profile_compressors.py [--numel N] [--only a,b] [--kernels 4]
+    PYTHONPATH=. python tools/profile_compressors.py [--numel N] [--only a,b] [--kernels 4] [--host 4]
 
-(`--kernels K` also prints each call's K longest kernels.) Without CUDA it runs on the CPU (device times from
+(`--kernels K` also prints each call's K longest kernels, `--host K` its K longest top-level host ops.) Without CUDA it runs on the CPU (device times from
 the profiler's CPU ops instead), as a check that the script works.
 """
 from __future__ import annotations
@@ -38,21 +38,27 @@ def _median_ms(fn, sync, repeat=5):
 
 
 def _kernels(fn, cuda: bool):
-    """(count, device ms, [(name, ms), ...] longest first) of the kernels one call of fn launches."""
+    """(count, device ms, [(name, ms), ...] longest first, [(host op, ms), ...] longest first) of one call of fn:
+    the kernels it launches, and the host's top-level ops (their time includes what they wait for)."""
     from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         out = fn()
         if cuda:
             torch.cuda.synchronize()
     del out
+    host = [(e.name, e.cpu_time_total / 1e3) for e in prof.events()
+            if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU]
     if cuda:
         evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         times = [(e.name, e.device_time_total / 1e3) for e in evs]
     else:
-        evs = [e for e in prof.events() if e.cpu_parent is None]
-        times = [(e.name, e.cpu_time_total / 1e3) for e in evs]
-    return len(times), sum(t for _, t in times), sorted(times, key=lambda t: -t[1])
+        times = host
+    by_name: dict = {}
+    for name, ms in host:
+        by_name[name] = by_name.get(name, 0.0) + ms
+    return (len(times), sum(t for _, t in times), sorted(times, key=lambda t: -t[1]),
+            sorted(by_name.items(), key=lambda t: -t[1]))
 
 
 def main() -> None:
@@ -60,6 +66,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=1 << 25)
     ap.add_argument("--only", default="", help="comma-separated compressors (default: every one)")
     ap.add_argument("--kernels", type=int, default=0, help="also print each call's K longest kernels")
+    ap.add_argument("--host", type=int, default=0, help="also print each call's K longest host ops (by name)")
     args = ap.parse_args()
     import thinwire as tw
     cuda = torch.cuda.is_available()
@@ -85,13 +92,15 @@ def main() -> None:
             cw, ch = _median_ms(lambda: comp.compress(x, key="prof", step=7), sync)
             p = comp.compress(x, key="prof", step=7)
             dw, dh = _median_ms(lambda: comp.decompress(p), sync)
-            ck, cd, ctop = _kernels(lambda: comp.compress(x, key="prof", step=8), cuda)
-            dk, dd, dtop = _kernels(lambda: comp.decompress(p), cuda)
+            ck, cd, ctop, chost = _kernels(lambda: comp.compress(x, key="prof", step=8), cuda)
+            dk, dd, dtop, dhost = _kernels(lambda: comp.decompress(p), cuda)
             print(f"{name:14s}{(cw + dw) / memcpy:9.2f} | {cw:15.3f}{ch:7.3f}{ck:6d}{cd:7.3f} | "
                   f"{dw:17.3f}{dh:7.3f}{dk:6d}{dd:7.3f}", flush=True)
-            for label, top in (("compress", ctop), ("decompress", dtop)):
+            for label, top, host in (("compress", ctop, chost), ("decompress", dtop, dhost)):
                 for kname, ms in top[:args.kernels]:
                     print(f"    {label:10s} {ms:7.3f}  {kname[:110]}")
+                for hname, ms in host[:args.host]:
+                    print(f"    {label:10s} {ms:7.3f}  host: {hname[:104]}")
         except Exception as exc:   # noqa: BLE001 - report and go on
             print(f"{name:14s} error: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 

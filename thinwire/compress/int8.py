@@ -7,7 +7,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._kernels import fresh
+from ._kernels import fresh, fused
 from .base import Payload, reused
 from .finite import check_scale
 from .rounding import Stochastic, stochastic_codes
@@ -26,6 +26,18 @@ def widened(total: int) -> torch.dtype:
     """The narrowest signed integer type holding every value in [-total, total]: for a sum of world_size levels
     in [-s, s], total = world_size * s (the type `sum_payload` gives and `sum_dtypes` declares)."""
     return torch.int8 if total <= 127 else torch.int16 if total <= 32767 else torch.int32
+
+
+@fused
+def _levels(flat: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """round(x · 127/s) as int8: one pass, compiled on a GPU (on the CPU `Int8.compress` works in place)."""
+    return torch.round(flat.float() * inv).to(torch.int8)
+
+
+@fused
+def _dequantize(q: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """q · s/127 in fp32: one pass, compiled on a GPU."""
+    return q.to(torch.float32) * step
 
 
 class ScaledLevels(Stochastic):
@@ -94,6 +106,8 @@ class Int8(ScaledLevels):
         inv = torch.where(scale > 0, LEVELS / scale.double(), 0.0).float()      # (127/s in float64, as a number was)
         if self.stochastic:
             q = stochastic_codes(flat, inv, LEVELS, self.uniforms).sub_(LEVELS).view(torch.int8)
+        elif flat.device.type != "cpu":
+            q = _levels(flat, inv.reshape(()))
         else:
             flat = flat.float()
             self._scratch, out = reused(self._scratch, flat.numel(), flat.device)
@@ -113,6 +127,8 @@ class Int8(ScaledLevels):
         else:
             step = (ctx["scale"].double() / LEVELS).to(torch.float32)          # (the agreed scale, on the device)
         q = payload.tensors[0]
+        if q.device.type != "cpu":
+            return _dequantize(q, step.reshape(())).to(ctx["dtype"]).view(ctx["shape"])
         out = fresh(q.shape, torch.float32, q.device).copy_(q).mul_(step)     # (a fresh output on huge pages)
         return out.to(ctx["dtype"]).view(ctx["shape"])
 

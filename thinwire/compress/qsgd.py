@@ -38,11 +38,11 @@ def bucket_norms(flat: torch.Tensor, bucket: int, ord: float) -> torch.Tensor:
 
 def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int) -> torch.Tensor:
     """fp32 codes * factor of the code's bucket, for flat `codes` (values past the last bucket take the last
-    factor). On the CPU in place when the codes are fp32 already, bucket by bucket; elsewhere each value gathers
-    its bucket's factor: the same products, in a form a compiler fuses (Inductor's scheduler, torch 2.11 to 2.13,
-    fails on the in-place form inside a kernel that also reinterprets a lookup's bytes: KeyError 'op3')."""
+    factor). On the CPU in place when the codes are fp32 already, bucket by bucket; elsewhere the same products
+    out of place (`scaled_buckets`), the form a compiler fuses (Inductor's scheduler, torch 2.11 to 2.13, fails on
+    the in-place form inside a kernel that also reinterprets a lookup's bytes: KeyError 'op3')."""
     if codes.device.type != "cpu":
-        return scale_buckets_gathered(codes, factors, bucket)
+        return scaled_buckets(codes, factors, bucket)
     n = codes.numel()
     full = (n // bucket) * bucket
     out = codes.to(torch.float32)
@@ -52,10 +52,14 @@ def scale_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int) -> to
     return out
 
 
-def scale_buckets_gathered(codes: torch.Tensor, factors: torch.Tensor, bucket: int) -> torch.Tensor:
-    """`scale_buckets` as one elementwise product with each value's factor gathered (any device; a new tensor)."""
-    which = torch.arange(codes.numel(), device=codes.device) // bucket
-    return codes.to(torch.float32) * factors.index_select(0, which.clamp_(max=max(factors.numel() - 1, 0)))
+def scaled_buckets(codes: torch.Tensor, factors: torch.Tensor, bucket: int) -> torch.Tensor:
+    """`scale_buckets` out of place (any device; a new tensor): the whole buckets as rows times a column of
+    factors, the tail times the last factor (no per-element index arithmetic)."""
+    n = codes.numel()
+    rows = n // bucket
+    f = codes.to(torch.float32)
+    head = (f[:rows * bucket].view(rows, bucket) * factors[:rows].view(-1, 1)).view(-1)
+    return head if rows * bucket == n else torch.cat([head, f[rows * bucket:] * factors[-1]])
 
 
 def decode4(packed: torch.Tensor, factors: torch.Tensor, table: torch.Tensor, bucket: int):
