@@ -363,7 +363,7 @@ def test_bench_covers_every_registered_compressor(tmp_path):
     result = bench(4096, compressors.names(), repeat=1)
     assert set(result) == {"numel", "world_size", "memcpy_ms", "compressors"} and result["memcpy_ms"] > 0
     assert [r["name"] for r in result["compressors"]] == compressors.names()
-    keys = {"name", "compress_ms", "decompress_ms", "x_memcpy", "payload_bytes", "bits_per_element",
+    keys = {"name", "warmup_s", "compress_ms", "decompress_ms", "x_memcpy", "payload_bytes", "bits_per_element",
             "nominal_bits_per_element", "wire_bits_per_element", "collective"}
     for row in result["compressors"]:
         if row["name"] in QUANTIZERS:
