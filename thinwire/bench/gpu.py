@@ -1,4 +1,4 @@
-"""`thinwire bench gpu`: what thinwire costs on one GPU, in one command (under 5 minutes on an H100).
+"""`thinwire bench gpu`: what thinwire costs on one GPU, in one command (about 5 minutes on an H200).
 
     thinwire bench gpu [--out DIR] [--parts compressors,overhead,race] [--json]
     thinwire bench gpu --device cpu          # a dry run: the same code path at tiny sizes, on the CPU
