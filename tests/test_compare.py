@@ -535,3 +535,12 @@ def test_a_race_where_nothing_was_sent_is_plotted_on_a_linear_axis(tmp_path):
         files = plots.plot_all(res, str(out))
         assert files["accuracy vs bytes sent"] == "accuracy_vs_bytes.png"
         assert matplotlib.image.imread(out / "accuracy_vs_bytes.png").shape[0] > 100
+
+
+def test_model_averaging_needs_more_steps_the_longer_its_period():
+    """The planner's steps to target for model averaging every H steps grow with H (log-linear, at most the
+    reference's): every step it averages like bsp or better, and from H = 128 it nears independent workers."""
+    from thinwire.compare.matrix import SYNC_STEPS, averaging_steps
+    factors = [averaging_steps(h) for h in (1, 2, 4, 8, 16, 32, 64, 128, 256, 1 << 20)]
+    assert factors == sorted(factors) and factors[-1] == 1.0
+    assert averaging_steps(1) < SYNC_STEPS < averaging_steps(16) and 0.85 < averaging_steps(128) <= 1.0

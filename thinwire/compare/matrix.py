@@ -456,6 +456,16 @@ SYNC_STEPS = 0.72
 # averaging every H steps: diloco H = 32 / 64 136 / 144 steps (0.85-0.9), overlapped by τ with α = 0.5 144 (0.9),
 # with α = 0 152-160 (about 1)
 PERIODIC_STEPS = {"plain": 0.88, "mixed": 0.9, "overlapped": 1.0}
+# model averaging every H steps (local SGD, post-local SGD, torchft's DiLoCo), by H: the map's cells (stdlib-lm to
+# loss 2.5, 4 workers, seed 0, reference 166 steps; BENCHMARKS.md, "The map") took H = 1: 95 and 97 steps (0.57-0.58
+# of the reference's), H = 2: 102-113 (0.61-0.68; fewer than bsp's 113-114 at H = 1 and 2), H = 32: 133-138
+# (0.80-0.83), H = 64: 138-145 (0.83-0.87), H = 128: 146-154 (0.88-0.93): about 0.575 + 0.048 log2 H, at most 1
+AVERAGING_STEPS = (0.575, 0.048)
+
+
+def averaging_steps(period: int) -> float:
+    """Steps to target of model averaging every `period` steps, relative to the no-communication reference's."""
+    return min(1.0, AVERAGING_STEPS[0] + AVERAGING_STEPS[1] * math.log2(max(1, period)))
 EVERY_STEP = ("bsp", "ssgd", "bitsgd", "odsgd", "cdsgd", "dts", "delayed", "tsparse", "dpsgd", "choco", "sgp",
               "adpsgd", "asp", "ssp", "backup", "ddp", "ddp-fp16", "ddp-powersgd")
 
@@ -490,8 +500,8 @@ def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s
 
 def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -> dict:
     """Before any cell runs: per network, each cell's predicted step, sync and time to target (the reference's
-    steps to target × SYNC_STEPS for a cell that averages every step, × PERIODIC_STEPS for one that averages every H
-    steps, overlapped or not, × its predicted step),
+    steps to target × SYNC_STEPS for a cell that averages every step, × PERIODIC_STEPS for DiLoCo, overlapped or
+    not, × `averaging_steps(H)` for model averaging every H steps, × its predicted step),
     and the predicted winner (the least predicted time to target within the budget)."""
     steps_ref = baseline.get("steps_to_target")
     out = {}
@@ -504,7 +514,8 @@ def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -
                 lag = ran.params.get("overlap") or ran.params.get("fragment_sync_delay") or ran.params.get("eager")
                 mixed = (ran.params.get("alpha") or ran.params.get("fragment_update_alpha") or 0) >= 0.5
                 factor = (SYNC_STEPS if ran.algorithm in EVERY_STEP else 1.0 if ran.algorithm == "local" else
-                          PERIODIC_STEPS["plain" if not lag else "mixed" if mixed else "overlapped"])
+                          PERIODIC_STEPS["plain" if not lag else "mixed" if mixed else "overlapped"]
+                          if ran.algorithm == "diloco" else averaging_steps(p.get("period") or 1))
                 net = parse_network(network)
                 if ran.params.get("replicas") == "island" and isinstance(net, Islands) and net.size > 1:
                     # each replica data parallel over its island's m workers: between one worker (1) and all n
