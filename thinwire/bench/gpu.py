@@ -9,8 +9,9 @@ Three tables, each against a baseline measured in the same run:
 2. **overhead** — the median step (the median of three passes' medians, the rows interleaved) of a GPT-like
    model (`run.lm.ByteLM` at context 512, width 768, 12 layers, 12 heads: 85 M parameters; batch 8 x 512
    bytes, bf16 autocast, AdamW), one rank over NCCL (so a collective costs almost nothing and what shows is the
-   framework's own cost): plain PyTorch, DDP, DDP with PyTorch's and thinwire's comm hooks, `tw.Trainer` with `bsp` (sends every step) and with the algorithms whose steps here
-   send nothing (`local`; local SGD and DiLoCo with H = 1000; DTS's sparse steps). Targets (issue 31): a local
+   framework's own cost): plain PyTorch, DDP, DDP with PyTorch's and thinwire's comm hooks, `tw.Trainer` with
+   `bsp` (sends every step) and with the algorithms whose steps here send nothing (`local`; local SGD and DiLoCo
+   with H = 1000; DTS's sparse steps). Targets (issue 31): a local
    step at most 1.03x plain, bsp at most 1.0x DDP, thinwire's fp16 hook no slower than PyTorch's.
 3. **race** — a short `thinwire compare` of 4 workers sharing the GPU (gloo: NCCL takes one process per GPU;
    thinwire's transport stages point-to-point messages through pinned host buffers): stdlib-lm on `cluster`

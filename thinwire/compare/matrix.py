@@ -466,6 +466,8 @@ AVERAGING_STEPS = (0.575, 0.048)
 def averaging_steps(period: int) -> float:
     """Steps to target of model averaging every `period` steps, relative to the no-communication reference's."""
     return min(1.0, AVERAGING_STEPS[0] + AVERAGING_STEPS[1] * math.log2(max(1, period)))
+
+
 EVERY_STEP = ("bsp", "ssgd", "bitsgd", "odsgd", "cdsgd", "dts", "delayed", "tsparse", "dpsgd", "choco", "sgp",
               "adpsgd", "asp", "ssp", "backup", "ddp", "ddp-fp16", "ddp-powersgd")
 
