@@ -216,7 +216,8 @@ def write_report(results: dict, path: str) -> None:
         "- **scalability**: throughput (samples over the training clock, the drain after the stop excluded) divided "
         "by the throughput of the same workers with no communication at all "
         f"({_fmt(base.get('throughput_samples_s'), '.0f')} samples/s here, {base.get('how', 'not measured')}); "
-        "1.0 means communication costs nothing.",
+        "1.0 means communication costs nothing (a reading above 1, the noise of measuring the machine's speed at "
+        "the cell and at the reference, is shown as 1; results.json keeps it as `scalability_measured`).",
         "- **mean step: predicted / measured** (training time ÷ steps, syncs included; **step** is the median), "
         "**sync: predicted / measured**, **planned time to target**: the planner's "
         "predictions, made before any cell ran, from the model size, the network and the reference's median step "
