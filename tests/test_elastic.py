@@ -171,3 +171,46 @@ def test_a_newcomers_state_round_trips_as_tensors_and_json():
     assert got["param_groups"][0]["betas"] == (0.9, 0.95) and got["param_groups"][0]["foreach"] is None
     with pytest.raises(ValueError):
         elastic.state.decode(header, buffer[:-8])
+
+
+_LAUNCHER = """
+import sys, time
+from thinwire.launcher.elastic import ElasticPool
+if __name__ == "__main__":
+    pool = ElasticPool(1, max_workers=2, timeout=120)
+    slot = pool._spawn(forked=True)             # as a replacement is started: from the fork server
+    pool._await_ready(60)
+    print(pool._slots[slot]["proc"].pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_worker_forked_mid_run_ends_with_its_killed_launcher(tmp_path):
+    """Replacements are forked from a server that imported torch ahead; their parent is that server, not the
+    launcher, so they watch the launcher themselves: SIGKILL the launcher and the forked worker is gone."""
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        worker = int(launcher.stdout.readline())
+        assert _alive(worker)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:
+        launcher.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"      # (a zombie has ended)
+    except FileNotFoundError:
+        return False
