@@ -50,20 +50,10 @@ PROCESS_MODULES = {"test_faults", "test_survive", "test_elastic", "test_reliabil
                    "test_launcher", "test_torchrun"}
 
 
-# The longest modules first (their summed durations on a 2-core machine, longest first, 2026-11-27): `make test`
-# hands whole modules to its two test processes in collection order, and a long module taken last leaves the
-# other process idle until it ends (longest first: the tail is the short ones)
-LONGEST_FIRST = ["test_faults", "test_examples", "test_matrix", "test_survive", "test_reliability", "test_compare",
-                 "test_sparse_collectives", "test_torchrun", "test_launcher", "test_reliability_ps", "test_elastic",
-                 "test_compress_training", "test_localsgd_gossip", "test_compress_diloco", "test_cdsgd"]
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     for item in items:
         if item.module.__name__.rpartition(".")[2] in PROCESS_MODULES:
             item.add_marker(pytest.mark.processes)
-    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))   # (stable)
 
 
 @pytest.fixture(params=["cpu", "cuda"])
