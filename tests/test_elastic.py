@@ -214,24 +214,3 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"      # (a zombie has ended)
     except FileNotFoundError:
         return False
-
-
-def _environ(member, workers, name):
-    return os.environ.get(name), os.getpid()
-
-
-def test_a_forked_worker_takes_the_launchers_environment_of_the_moment(monkeypatch):
-    """A worker forked from the server (the one started in place of a lost one) has the launcher's environment
-    as it is when the worker starts, not as it was when the server started."""
-    import time
-    from thinwire.launcher.elastic import ElasticPool
-    with ElasticPool(1, max_workers=2, timeout=120) as pool:
-        first = pool.run(_environ, "THINWIRE_TEST_MARK")[0]
-        assert first[0] is None
-        monkeypatch.setenv("THINWIRE_TEST_MARK", "set after the server started")
-        os.kill(first[1], signal.SIGKILL)
-        while pool._slots[0]["proc"].is_alive():
-            time.sleep(0.05)
-        value, pid = pool.run(_environ, "THINWIRE_TEST_MARK")[0]
-        assert pid != first[1] and type(pool._slots[0]["proc"]).__name__ == "ForkServerProcess"
-        assert value == "set after the server started"

@@ -73,15 +73,10 @@ def _run_member(store_client, prefix: str, task, member: int, joining: bool, max
         elastic.retire(box)
 
 
-def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, times, worker_init, threads, alive,
-                  environ):
+def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, times, worker_init, threads, alive):
     """A worker process of an ElasticPool: runs tasks (one training each) as the member the launcher names.
     `alive`: the read end of a pipe only the launcher writes to; its end of file means the launcher is gone (a
-    forked worker's parent is the fork server, which outlives the launcher while its children live). `environ`:
-    the launcher's environment when it started this worker (a forked one would have the server's, as it was
-    when the server started)."""
-    os.environ.clear()
-    os.environ.update(environ)
+    forked worker's parent is the fork server, which outlives the launcher while its children live)."""
     _die_with_parent()
     threading.Thread(target=_exit_at_eof, args=(alive,), daemon=True).start()
     try:
@@ -129,9 +124,8 @@ def _forkserver():
     """The context that starts a process mid-run (a replacement, a newcomer) by forking a server that imported
     torch and thinwire ahead: tens of milliseconds instead of a fresh interpreter importing torch (seconds, more
     on a machine whose cores are training). Started once per launcher process; a child's parent is the server,
-    which outlives the launcher while its children live (so each worker watches the launcher itself, and takes
-    the launcher's environment of the moment from its arguments: modules imported ahead read theirs when the
-    server started). None where the platform has no fork server (the spawn context is used)."""
+    which exits when the launcher does (so `PR_SET_PDEATHSIG` still ends the child); it keeps the environment
+    the launcher had when it started. None where the platform has no fork server (the spawn context is used)."""
     global _FORKSERVER
     if _FORKSERVER is None:
         try:
@@ -217,7 +211,7 @@ class ElasticPool:
         proc = (self._fork if forked and self._fork else _ctx).Process(
             target=_elastic_main, name=f"thinwire-elastic-{slot}", daemon=True,
             args=(slot, self.host, self.port, self.timeout, tasks, self._results, self._beats, self._steps,
-                  self._times, self.worker_init, self.threads, self._alive, dict(os.environ)))
+                  self._times, self.worker_init, self.threads, self._alive))
         entry = {"proc": proc, "tasks": tasks, "member": None, "ready": False, "started": time.monotonic()}
         if slot == len(self._slots):
             self._slots.append(entry)
