@@ -20,7 +20,6 @@ fails the job, unless its error says only that a peer went away (then it is take
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -73,12 +72,9 @@ def _run_member(store_client, prefix: str, task, member: int, joining: bool, max
         elastic.retire(box)
 
 
-def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, times, worker_init, threads, alive):
-    """A worker process of an ElasticPool: runs tasks (one training each) as the member the launcher names.
-    `alive`: the read end of a pipe only the launcher writes to; its end of file means the launcher is gone (a
-    forked worker's parent is the fork server, which outlives the launcher while its children live)."""
+def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, times, worker_init, threads):
+    """A worker process of an ElasticPool: runs tasks (one training each) as the member the launcher names."""
     _die_with_parent()
-    threading.Thread(target=_exit_at_eof, args=(alive,), daemon=True).start()
     try:
         if worker_init is not None:
             worker_init(slot, -1)
@@ -108,41 +104,9 @@ def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, tim
     os._exit(0)
 
 
-def _exit_at_eof(conn) -> None:
-    """(daemon thread) exit the process when `conn` reaches end of file (the launcher's end closed)."""
-    try:
-        conn.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(1)
-
-
-_FORKSERVER = None
-
-
-def _forkserver():
-    """The context that starts a process mid-run (a replacement, a newcomer) by forking a server that imported
-    torch and thinwire ahead: tens of milliseconds instead of a fresh interpreter importing torch (seconds, more
-    on a machine whose cores are training). Started once per launcher process; a child's parent is the server,
-    which exits when the launcher does (so `PR_SET_PDEATHSIG` still ends the child); it keeps the environment
-    the launcher had when it started. None where the platform has no fork server (the spawn context is used)."""
-    global _FORKSERVER
-    if _FORKSERVER is None:
-        try:
-            ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch", "torch.distributed", "thinwire.launcher.elastic"])
-            from multiprocessing import forkserver
-            forkserver.ensure_running()            # it imports while the first workers start
-            _FORKSERVER = ctx
-        except (ValueError, OSError):
-            _FORKSERVER = False
-    return _FORKSERVER or None
-
-
 class ElasticPool:
     """Elastic workers on one machine (see the module doc). `spares` processes are started ahead and wait, so
-    that a join in a test does not pay a process start; replacements (`replace=True`) and newcomers started
-    during a run are forked from a server that imported torch already (`_forkserver`)."""
+    that a join in a test does not pay a process start; replacements (`replace=True`) are fresh processes."""
 
     def __init__(self, workers: int, max_workers: int | None = None, min_workers: int = 1, spares: int = 0,
                  host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0, start_timeout: float = 120.0,
@@ -188,8 +152,6 @@ class ElasticPool:
         self.joined: list[dict] = []       # {"member", "t"} newcomers started in the last run
         self.refused: dict[int, str] = {}  # member -> the one-line refusal
         self.generations: list[dict] = []  # the last run's generations, from the store
-        self._fork = _forkserver() if replace or max_workers > workers else None
-        self._alive, self._alive_w = _ctx.Pipe(duplex=False)     # the workers' sign of the launcher's life
         try:
             for _ in range(workers + spares):
                 self._spawn()
@@ -199,8 +161,7 @@ class ElasticPool:
             raise
 
     # -- processes ---------------------------------------------------------------------------------------
-    def _spawn(self, slot: int | None = None, forked: bool = False) -> int:
-        """Start a worker process in `slot` (the first free one by default); `forked`: from the fork server."""
+    def _spawn(self, slot: int | None = None) -> int:
         if slot is None:
             free = [i for i, s in enumerate(self._slots) if s["proc"] is None]
             slot = free[0] if free else len(self._slots)
@@ -208,10 +169,9 @@ class ElasticPool:
                 raise WorkerError(-1, f"more than {self._cap} worker processes")
         tasks = _ctx.Queue()
         self._beats[slot], self._steps[slot], self._times[slot] = 0.0, -1, 0.0
-        proc = (self._fork if forked and self._fork else _ctx).Process(
-            target=_elastic_main, name=f"thinwire-elastic-{slot}", daemon=True,
-            args=(slot, self.host, self.port, self.timeout, tasks, self._results, self._beats, self._steps,
-                  self._times, self.worker_init, self.threads, self._alive))
+        proc = _ctx.Process(target=_elastic_main, name=f"thinwire-elastic-{slot}", daemon=True,
+                            args=(slot, self.host, self.port, self.timeout, tasks, self._results, self._beats,
+                                  self._steps, self._times, self.worker_init, self.threads))
         entry = {"proc": proc, "tasks": tasks, "member": None, "ready": False, "started": time.monotonic()}
         if slot == len(self._slots):
             self._slots.append(entry)
@@ -275,7 +235,7 @@ class ElasticPool:
                 s["proc"], s["member"] = None, None
         live = [s for s in self._slots if s["proc"] is not None]
         for _ in range(self.workers + self.spares - len(live)):   # processes lost in an earlier run
-            self._spawn(forked=True)
+            self._spawn()
         self._await_ready(self.start_timeout)
         idle = [i for i, s in enumerate(self._slots) if s["proc"] is not None and s["ready"]]
         for member, slot in enumerate(idle[:self.workers]):
@@ -304,7 +264,7 @@ class ElasticPool:
         member = self._run_store.add("next_id", 1) - 1
         slot = self._idle_spare()
         if slot is None:
-            slot = self._spawn(forked=True)
+            slot = self._spawn()
             self._slots[slot]["pending_member"] = member
             self._slots[slot]["member"] = member      # assigned once the process is ready
             self._slots[slot]["joining"] = True
@@ -464,8 +424,6 @@ class ElasticPool:
             if feeder is not None:
                 feeder.join(timeout=5)
         self._store = self._run_store = None
-        self._alive_w.close()        # (a worker still alive somewhere sees the launcher gone)
-        self._alive.close()
 
     @property
     def pids(self) -> dict[int, int]:
