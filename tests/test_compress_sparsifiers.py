@@ -357,3 +357,30 @@ def test_countsketch_structured_hash_is_the_sketch_and_unbiased_with_one_row():
         for s in range(trials)])
     se = math.sqrt(float(x.pow(2).sum()) / next_prime(80) / trials)   # Var <= ||x||^2 / c per estimate
     assert float((est.mean(0) - x).abs().max()) < 5 * se
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_grouped_topk_is_torch_topk_per_row(dtype):
+    """The chunked compressors' CPU top-k per row (group maxima first, numpy's partition for the k-th value)
+    keeps the same magnitudes as torch.topk, on random rows, on rows of ties (the fallback) and on zeros."""
+    from thinwire.compress._chunks import group_size, grouped_topk
+    g = torch.Generator().manual_seed(5)
+    assert (group_size(4096, 64), group_size(1024, 32), group_size(64, 4), group_size(1000, 8)) == (8, 4, 0, 8)
+    for rows, width, k in ((300, 4096, 64), (3, 1024, 32), (131, 1000, 8)):
+        for x in (torch.randn(rows, width, generator=g), torch.randint(-3, 4, (rows, width), generator=g).float(),
+                  torch.zeros(rows, width), (torch.rand(rows, width, generator=g) < 1e-3).float()):
+            x = x.to(dtype)
+            got = grouped_topk(x, k, group_size(width, k))
+            want = torch.topk(x.abs(), k, dim=1, sorted=False).values
+            assert torch.equal(torch.sort(x.abs().gather(1, got), 1).values, torch.sort(want, 1).values)
+            assert torch.equal(torch.sort(got, 1).values.diff(dim=1).clamp(max=1), torch.ones(rows, k - 1,
+                                                                                              dtype=torch.int64))
+
+
+def test_mask_count_counts_every_length():
+    from thinwire.compress.threshold import mask_count
+    g = torch.Generator().manual_seed(6)
+    for n in (0, 1, 7, 8, 9, 4096, 12345):
+        m = torch.rand(n, generator=g) < 0.5
+        assert int(mask_count(m)) == int(m.sum())
+    assert int(mask_count(torch.ones(80, dtype=torch.bool))) == 80

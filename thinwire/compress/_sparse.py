@@ -97,6 +97,7 @@ class SparseCompressor(Compressor):
     linear = False
     aggregation = "allgather"
     index_slot = 1            # the position of the index tensor in the payload
+    dense_ok = True           # a payload heavier than the tensor goes dense (off under an index coder: `Coded`)
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, sparse_collective: str = "allgather"):
         """About k = ratio·d coordinates kept; `seed` seeds any sampling."""
@@ -111,23 +112,41 @@ class SparseCompressor(Compressor):
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         idx = self.select(flat, key, step)     # (index_select: 2x faster than flat[idx] here)
-        return Payload([flat.index_select(0, idx), idx.to(index_dtype(flat.numel()))],
-                       ctx=(tensor.shape, tensor.dtype, flat.numel()))
+        ctx = (tensor.shape, tensor.dtype, flat.numel())
+        if self.dense_ok and dense_pays(idx.numel(), flat):   # (values and indices would outweigh the tensor)
+            dense = fresh(flat.numel(), flat.dtype, flat.device).zero_()
+            return dense_payload(dense.index_copy_(0, idx.long(), flat.index_select(0, idx)), ctx)
+        return Payload([flat.index_select(0, idx), idx.to(index_dtype(flat.numel()))], ctx=ctx)
+
+    def densify(self, payload: Payload) -> Payload | None:
+        """The payload as a dense one (`dense_payload`), or None where this payload type has no dense form."""
+        return dense_payload(self.decompress(payload).reshape(-1), payload.ctx)
 
     accumulate_dtype: torch.dtype | None = None   # None: sum in the tensor's own dtype
 
-    def _contribution(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices, values) of one rank's payload (int16 indices widened: index_add_ takes int32 or int64)."""
+    def _contribution(self, tensors) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(indices, values) of one rank's payload (int16 indices widened: index_add_ takes int32 or int64);
+        indices None for a dense payload (see `dense_payload`)."""
         vals, idx = tensors
-        idx = idx.reshape(-1)
-        return idx.long() if idx.dtype == torch.int16 else idx, vals.reshape(-1)
+        idx, vals = idx.reshape(-1), vals.reshape(-1)
+        if idx.numel() == 0 and vals.numel():
+            return None, vals
+        return idx.long() if idx.dtype == torch.int16 else idx, vals
 
     def _accumulate(self, parts, ctx) -> torch.Tensor:
         shape, dtype, numel = ctx
         acc = self.accumulate_dtype or dtype
-        idx, vals = parts[0] if len(parts) == 1 else [torch.cat(t) for t in zip(*parts)]   # (one: no copy)
-        out = fresh(numel, acc, vals.device).zero_()             # (a fresh output on huge pages)
-        return out.index_add_(0, idx, vals.to(acc)).to(dtype).view(shape)
+        device = parts[0][1].device
+        out = fresh(numel, acc, device)                          # (a fresh output on huge pages)
+        if all(idx is not None for idx, _ in parts):             # sparse only: one index_add_ over every pair
+            idx, vals = parts[0] if len(parts) == 1 else [torch.cat(t) for t in zip(*parts)]   # (one: no copy)
+            return out.zero_().index_add_(0, idx, vals.to(acc)).to(dtype).view(shape)
+        for i, (idx, vals) in enumerate(parts):                  # in rank order, as the concatenation sums
+            if idx is None:
+                out.copy_(vals) if i == 0 else out.add_(vals.to(acc))
+            else:
+                (out.zero_() if i == 0 else out).index_add_(0, idx, vals.to(acc))
+        return out.to(dtype).view(shape)
 
     def decompress(self, payload):
         return self._accumulate([self._contribution(payload.tensors)], payload.ctx)
@@ -140,7 +159,20 @@ class SparseCompressor(Compressor):
         return kept * (value_bits + torch.iinfo(index_dtype(numel)).bits) / max(1, numel)
 
     def nominal_bits(self, numel):
-        return self.sparse_bits(num_kept(self.ratio, numel), numel)
+        return min(32.0, self.sparse_bits(num_kept(self.ratio, numel), numel))   # (dense past 32 bits: fp32)
+
+
+def dense_pays(kept: int, flat: torch.Tensor) -> bool:
+    """Whether `kept` (value, index) pairs of `flat` weigh at least the dense tensor: a sparsifier then sends the
+    tensor with the dropped entries zeroed (`dense_payload`), never more bytes than no compression would."""
+    n = flat.numel()
+    return n > 0 and kept * (flat.element_size() + index_dtype(n).itemsize) >= n * flat.element_size()
+
+
+def dense_payload(values: torch.Tensor, ctx) -> Payload:
+    """A sparsifier's payload as the whole tensor (dropped entries zero) and no indices: what `_contribution`
+    reads as dense. (A sparse payload with no indices has no values either, so the two cannot be confused.)"""
+    return Payload([values, torch.empty(0, dtype=index_dtype(values.numel()), device=values.device)], ctx=ctx)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

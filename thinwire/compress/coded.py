@@ -49,6 +49,7 @@ class Coded(Compressor):
         self.unbiased, self.randomness = base.unbiased, base.randomness
         if isinstance(base, SparseCompressor):
             self.mode, valid = "indices", INDEX_CODERS
+            base.dense_ok = False          # coded gaps make the pairs cheaper than the dense tensor they replace
         elif hasattr(base, "bits") and base.aggregation in ("allreduce", "allgather"):
             self.mode, valid = "levels", LEVEL_CODERS
         else:
@@ -111,8 +112,13 @@ class Coded(Compressor):
     # -- the compressor interface --------------------------------------------------------------------
     def compress(self, tensor, key=None, step=0, agreed=None):
         p = self.base.compress(tensor, key, step)
-        ts = self._encode_levels(p) if self.mode == "levels" else self._encode_indices(p)
-        return Payload(ts, ctx=p.ctx)          # the compressor's own ctx
+        if self.mode == "levels":
+            return Payload(self._encode_levels(p), ctx=p.ctx)          # the compressor's own ctx
+        ts = self._encode_indices(p)
+        if sum(t.nbytes for t in ts) > tensor.numel() * tensor.element_size():   # coded pairs outweigh the tensor:
+            dense = self.base.densify(p)                                          # send it whole (no gaps to code)
+            ts = ts if dense is None else self._encode_indices(dense)
+        return Payload(ts, ctx=p.ctx)
 
     def context(self, shape, dtype, key=None, step=0):
         return self.base.context(shape, dtype, key, step)

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import UserError
 from . import compressors, memories
+from ._kernels import fresh
 from ._chunks import Chunked, Layouts, check_chunk, check_topk, index_nbytes, pack_index, unpack_index
 from .base import Payload
 from .bitpack import pack, packed_nbytes, unpack
@@ -44,33 +45,49 @@ class SparseLoCo(Chunked):
         lay = self.layouts(flat.numel())
         local, vals = lay.topk(flat)
         vals = vals.to(torch.float32)
-        row, a = lay.row_of(vals.device), vals.abs()
-        zeros = torch.zeros(lay.rows, device=vals.device)
-        hi = zeros.scatter_reduce(0, row, a, "amax", include_self=False)
-        lo = zeros.scatter_reduce(0, row, a, "amin", include_self=False)
-        upper = a > ((lo + hi) / 2)[row]
-        levels = []
-        for half, empty in ((~upper, lo), (upper, hi)):
-            n = zeros.index_add(0, row, half.to(torch.float32))
-            s = zeros.index_add(0, row, torch.where(half, a, 0.0))
-            levels.append(torch.where(n > 0, s / n.clamp(min=1), empty))      # the mean |v| of the half
+        a, uppers, levels, at = vals.abs(), [], [], 0
+        for _, rows, _, kk in lay.groups:                 # the kept values of a group of rows: (rows, kk)
+            m = a[at:at + rows * kk].view(rows, kk)
+            at += rows * kk
+            lo, hi = m.amin(1), m.amax(1)
+            upper = m > ((lo + hi) / 2).unsqueeze(1)
+            halves = []
+            for half, empty in ((~upper, lo), (upper, hi)):
+                n = half.sum(1)
+                s = torch.where(half, m, 0.0).sum(1)
+                halves.append(torch.where(n > 0, s / n.clamp(min=1), empty))   # the mean |v| of the half
+            uppers.append(upper.reshape(-1))
+            levels.append(torch.stack(halves, 1).reshape(-1))
+        upper = torch.cat(uppers) if uppers else a.bool()          # (an empty tensor: no groups)
         codes = upper.to(torch.uint8).bitwise_or_(vals.lt(0).to(torch.uint8).bitwise_left_shift_(1))
         return Payload([*pack_index(local, self.chunk), pack(codes, 2, inplace=True),
-                        torch.stack(levels, 1).reshape(-1)], ctx=self.context(tensor.shape, tensor.dtype))
+                        torch.cat(levels) if levels else a.new_zeros(0)], ctx=self.context(tensor.shape, tensor.dtype))
 
-    def _contribution(self, payload, lay) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat positions, fp32 values) of one rank's payload."""
+    def _contribution(self, payload, lay) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per group of rows (`lay.groups`): (in-chunk indices, fp32 values), each (rows, kept per row)."""
         local, used = unpack_index(payload.tensors, lay.kept, self.chunk)
-        codes = unpack(payload.tensors[used], 2, lay.kept).to(torch.int64)
+        codes = unpack(payload.tensors[used], 2, lay.kept)
         levels = payload.tensors[used + 1].reshape(-1)
-        vals = levels[2 * lay.row_of(levels.device) + codes.bitwise_and(1)]
-        return lay.positions(local), torch.where(codes.bitwise_right_shift(1).bool(), -vals, vals)
+        out, at, row = [], 0, 0
+        for _, rows, _, kk in lay.groups:
+            c = codes[at:at + rows * kk].view(rows, kk)
+            lv = levels[2 * row:2 * (row + rows)].view(rows, 2)                 # (low, high) of each row
+            vals = lv.gather(1, c.bitwise_and(1).long())
+            out.append((local[at:at + rows * kk].view(rows, kk), torch.where(c >= 2, -vals, vals)))   # bit 1: sign
+            at, row = at + rows * kk, row + rows
+        return out
 
     def _sum32(self, payloads):
+        """Σ of the ranks' values into the chunks they came from: one scatter-add per group of rows (rows ×
+        chunk) over every rank's entries side by side."""
         lay = self.layouts(payloads[0].ctx["numel"])
         parts = [self._contribution(p, lay) for p in payloads]
-        pos, vals = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
-        return torch.zeros(lay.n, device=vals.device).index_add_(0, pos, vals)
+        out = fresh(lay.n, torch.float32, payloads[0].tensors[0].device).zero_()       # (mapped already)
+        for i, (start, rows, width, _) in enumerate(lay.groups):
+            idx, vals = zip(*(part[i] for part in parts))
+            idx, vals = (idx[0], vals[0]) if len(parts) == 1 else (torch.cat(idx, 1), torch.cat(vals, 1))
+            out[start:start + rows * width].view(rows, width).scatter_add_(1, idx, vals)
+        return out
 
     def nominal_bits(self, numel):
         lay = self.layouts(numel)

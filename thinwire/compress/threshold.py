@@ -8,6 +8,9 @@ the gather). Biased: use `--memory residual`.
 The default v = 0.01 is set for gradients, not for unit-variance data: on a fresh `digits-mlp` / `digits-cnn` /
 `mnist1d-cnn` gradient it keeps 2–5% of the coordinates (v = 0.001 kept ~50%, i.e. 32 bits per element, no
 saving), on `wide-mlp` none at first (the residual memory accumulates them). On N(0, 1) input it keeps 99%.
+Where the kept (value, index) pairs would weigh more than the tensor (more than half of an fp32 tensor's
+entries pass with int32 indices), it sends the tensor with the others zeroed instead (`dense_payload`): never
+more bytes than no compression.
 
 `select_beyond` (the mask |g − c| ≥ v and its indices) is shared with `dgc` and `gaussiank`: |g − c| goes into a
 reused buffer, the comparison into a reused mask, and the indices come from `nonzero` over the mask read as
@@ -21,8 +24,9 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._sparse import SparseCompressor, beyond, check_collective
-from .base import reused
+from ._kernels import fresh, host_read
+from ._sparse import SparseCompressor, beyond, check_collective, dense_pays, dense_payload, index_dtype
+from .base import Payload, reused
 
 SMALL = 1 << 16       # below this, the plain mask + nonzero is as fast
 
@@ -40,7 +44,7 @@ class Scratch:
         return dev, mask
 
 
-_FULL = 0x0101010101010101      # an int64 word of 8 set bool flags
+_FULL = _ONES = 0x0101010101010101      # an int64 word of 8 set bool flags
 
 
 def mask_indices(mask: torch.Tensor) -> torch.Tensor:
@@ -69,6 +73,14 @@ def mask_indices(mask: torch.Tensor) -> torch.Tensor:
     if nt:
         out[f8 + part.numel():] = tail
     return out
+
+
+def mask_count(mask: torch.Tensor) -> torch.Tensor:
+    """How many flags of a 1-D bool `mask` are set, as a 0-d int64 tensor: each int64 word of 8 flags times
+    0x0101…01 carries their sum (at most 8: no carry) in its top byte (a bool tensor's own sum is ~10x slower)."""
+    n8 = mask.numel() - mask.numel() % 8
+    count = mask[:n8].view(torch.int64).mul(_ONES).bitwise_right_shift_(56).sum()
+    return count + mask[n8:].sum() if n8 < mask.numel() else count
 
 
 def select_beyond(flat: torch.Tensor, thr: float, center: float = 0.0,
@@ -109,8 +121,27 @@ class Threshold(SparseCompressor):
             return torch.nonzero(flat == flat).squeeze(1)
         return select_beyond(flat, self.threshold, scratch=self._scratch)[0]
 
+    def compress(self, tensor, key=None, step=0, agreed=None):
+        """Large fp32 tensors: one pass makes the mask |g| ≥ v and counts it (one host read of the count); then
+        the (value, index) pairs, or, where they would outweigh the tensor (most entries pass), the tensor with
+        the others zeroed in a second pass (`dense_payload`)."""
+        flat = tensor.reshape(-1)
+        n = flat.numel()
+        if n < SMALL or flat.dtype != torch.float32 or self.threshold == 0:
+            return super().compress(tensor, key, step)
+        ctx = (tensor.shape, tensor.dtype, n)
+        dev, mask = self._scratch.get(n, flat.device)
+        torch.ge(torch.abs(flat, out=dev), self.threshold, out=mask)
+        if self.dense_ok and dense_pays(int(host_read(mask_count(mask))), flat):
+            zero = torch.zeros((), dtype=flat.dtype, device=flat.device)
+            return dense_payload(torch.where(mask, flat, zero, out=fresh(n, flat.dtype, flat.device)), ctx)
+        idx = mask_indices(mask)
+        return Payload([flat.index_select(0, idx), idx.to(index_dtype(n))], ctx=ctx)
+
     def nominal_bits(self, numel):
-        """Bits per element for N(0, 1) entries (the benchmark's input): P(|Z| ≥ v) · (32 + index bits). The
-        real payload depends on the data's scale: Threshold-v fixes v, not the count."""
+        """Bits per element for N(0, 1) entries (the benchmark's input): P(|Z| ≥ v) · (32 + index bits), or 32
+        where that is more (the dense payload). The real payload depends on the data's scale: Threshold-v
+        fixes v, not the count."""
         keep = 2 * NormalDist().cdf(-self.threshold)
-        return self.sparse_bits(keep * numel, numel)
+        return min(32.0, self.sparse_bits(keep * numel, numel))
+

@@ -49,6 +49,9 @@ class QuantizedTopK(TopK):
         return Payload([idx.to(index_dtype(d)), pack_codes(codes, self.bits), scale],
                        ctx=(tensor.shape, tensor.dtype, d))
 
+    def densify(self, payload):
+        return None               # (indices, codes, scale): no dense form
+
     def _contribution(self, tensors):
         idx, codes, scale = tensors
         idx = idx.reshape(-1).long()
