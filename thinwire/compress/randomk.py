@@ -138,7 +138,7 @@ def gather_kernel(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, int
 def scatter_kernel(vals: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, scale: float,
                    into=None) -> torch.Tensor:
     """(strata, m) zeros but each stratum's drawn coordinate, vals · scale there: randomk's decompress kernel.
-    Narrow fp32 strata write each lane through a bit mask, the others scatter. `into` (the CPU loop's (strata,
+    On the CPU fp32 pairs are written as int64 words and single lanes through a bit mask; the others scatter. `into` (the CPU loop's (strata,
     m) slice of the output): written in place."""
     off = _offsets(a, b, vals.numel(), m)
     v = torch.mul(vals, scale, out=scratch(vals.shape, vals.dtype, vals.device)) if scale != 1 else vals
@@ -146,9 +146,13 @@ def scatter_kernel(vals: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int,
     if m > _NARROW or vals.dtype != torch.float32 or vals.device.type != "cpu":
         return out.zero_().scatter_(1, off.view(-1, 1).long(), v.view(-1, 1))
     bits, lanes = v.view(torch.int32), out.view(torch.int32)
-    if m == 2:           # lane 1: v & −off, lane 0: the rest of v
+    if m == 2 and out.storage_offset() % 2:          # (pairs not on 8-byte words) lane 1: v & −off, lane 0: rest
         torch.bitwise_and(bits, off.neg_(), out=lanes[:, 1])
         torch.bitwise_xor(bits, lanes[:, 1], out=lanes[:, 0])
+        return out
+    if m == 2:           # a pair as one int64 word (lane 0 its low half): v's bits shifted 32·off up
+        shift = torch.mul(off, 32, out=scratch(off.shape, torch.int64, off.device))
+        torch.bitwise_left_shift(bits.view(torch.uint32).to(torch.int64), shift, out=out.view(torch.int64).view(-1))
         return out
     for j in range(m):
         torch.bitwise_and(bits, _lane_mask(off, j), out=lanes[:, j])
