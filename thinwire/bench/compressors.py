@@ -10,6 +10,7 @@ codes as 8-bit levels from 4 ranks and 32-bit ones from 19).
 
     thinwire bench compressors [--numel 16777216] [--json] [--only qsgd,terngrad] [--repeat 5]
                                [--out FILE.json | DIR] [--clock wall|cpu] [--world-size 4] [--device cpu|cuda]
+                               [--set KEY=VALUE ...]
 
 `--out FILE.json` writes the result there and the plot (x memcpy per compressor, bits per element) beside it as
 FILE.png; `--out DIR` writes DIR/compressors.json and DIR/compressors.png.
@@ -59,12 +60,13 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: str = "wall",
-          world_size: int = 4, device: str = "cpu") -> dict:
+          world_size: int = 4, device: str = "cpu", params: dict | None = None) -> dict:
     """`clock="cpu"` times with this process's CPU time (all its threads) instead of the wall clock: on a machine
     shared with other jobs it leaves out the time this process waits for a core, so the ratios to memcpy stay
     meaningful (memory-bandwidth contention still shows). `device="cuda"` puts the input on the GPU and times
     each call CUDA-synchronised on the wall clock; the result then also holds `device` ("cuda"), the GPU's name
-    (`device_name`) and the time of `torch.topk` of 1 % (`torch_topk_ms`)."""
+    (`device_name`) and the time of `torch.topk` of 1 % (`torch_topk_ms`). `params` (name -> value) go to every
+    compressor that takes them (its row's `params`)."""
     import torch
     if clock not in ("wall", "cpu"):
         raise UserError(f"clock must be one of wall, cpu; got {clock!r}")
@@ -106,7 +108,10 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
     for name in names:
         row = {"name": name}
         try:
-            comp = compressors.get(name)
+            own = {k: v for k, v in (params or {}).items() if compressors.accepts(name, k)}
+            if own:
+                row["params"] = own
+            comp = compressors.get(name, **own)
             t0 = time.perf_counter()
             for step in range(-2 if cuda else 0, 1):      # (on a GPU: compile and warm up first)
                 payload = comp.compress(x, key="bench", step=step)
@@ -152,7 +157,8 @@ def _table(result: dict) -> str:
             continue
         goal = target(result, r["name"])
         mark = "" if goal is None else f"<= {goal:.1f}" + (" OVER" if r["x_memcpy"] > goal else "")
-        lines.append(f"{r['name']:<14}{r['compress_ms']:>12.2f}{r['decompress_ms']:>12.2f}{r['x_memcpy']:>10.2f}"
+        name = r["name"] + "".join(f" {k}={v}" for k, v in r.get("params", {}).items())
+        lines.append(f"{name:<14}{r['compress_ms']:>12.2f}{r['decompress_ms']:>12.2f}{r['x_memcpy']:>10.2f}"
                      f"{r['payload_bytes']:>12d}{r['bits_per_element']:>9.4f}{r['nominal_bits_per_element']:>9.4f}"
                      f"{r['wire_bits_per_element']:>9.4f}  {r['collective']:<11}{mark}")
     return "\n".join(lines)
@@ -199,10 +205,18 @@ def run(args) -> int:
             compressors.lookup(n)
     if args.numel < 0 or args.repeat < 1 or args.world_size < 1:
         raise UserError("--numel must be >= 0, --repeat >= 1 and --world-size >= 1")
+    params = {}
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UserError(f"--set takes KEY=VALUE, got {item!r}")
+        if not any(compressors.accepts(n, key.strip()) for n in names):
+            raise UserError(f"--set {key.strip()}: none of the compressors benchmarked takes it")
+        params[key.strip()] = value.strip()
     as_file = bool(args.out) and (args.out.endswith(".json") or os.path.isfile(args.out))
     if args.out:       # before the run: never lose it to a bad path
         check_writable_dir(os.path.dirname(os.path.abspath(args.out)) if as_file else args.out, "--out")
-    result = bench(args.numel, names, args.repeat, args.seed, args.clock, args.world_size, args.device)
+    result = bench(args.numel, names, args.repeat, args.seed, args.clock, args.world_size, args.device, params)
     print(json.dumps(result, indent=1) if args.json else _table(result))
     if as_file:
         with open(args.out, "w") as f:
@@ -226,6 +240,9 @@ def register(sub) -> None:
                    help="ranks the wire bits are reported for (the exchange's collective depends on it)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the input lives (cuda: CUDA-synchronised wall clock, fused kernels compiled first)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a parameter for every compressor benchmarked that takes it, e.g. --only randomk --set "
+                        "ratio=0.3 (repeatable)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="FILE.json (and FILE.png beside it), or a directory for compressors.json and "
                                  "compressors.png")
