@@ -59,3 +59,11 @@ def test_the_overhead_part_times_every_case(monkeypatch):
     assert "target" in by["tw bsp"] and "target" in by["tw diloco H=1000 (local steps)"]
     assert "x DDP" in text and "plain" in text
     assert all(len(r["passes"]) == 2 and min(r["passes"]) <= r["ms"] <= max(r["passes"]) for r in rows)
+
+
+def test_bench_compressors_sets_a_parameter_where_it_is_taken(capsys):
+    assert main(["bench", "compressors", "--only", "randomk,qsgd", "--set", "ratio=0.25", "--numel", "4096",
+                 "--repeat", "1", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["compressors"]}
+    assert rows["randomk"]["params"] == {"ratio": "0.25"} and rows["randomk"]["payload_bytes"] == 4096
+    assert "params" not in rows["qsgd"] and "error" not in rows["qsgd"]

@@ -53,6 +53,8 @@ BAD = [
     (L + ["--memory", "residual", "--beta", "inf"], "memory 'residual': beta must be a finite number"),
     # benchmarks and simulate
     (["bench", "compressors", "--out", "/etc/hostname"], "--out '/etc/hostname' names a file, not a directory"),
+    (["bench", "compressors", "--only", "randomk", "--set", "ratio=2"], "ratio must be in (0, 1], got 2.0"),
+    (["bench", "compressors", "--only", "qsgd", "--set", "ratio=0.1"], "--set ratio: none of the compressors"),
     (["bench", "latency", "--latencies", "abc"], "--latencies takes one-way milliseconds separated by commas"),
     (["bench", "matrix", "--workers", "0"], "--workers must be >= 1, got 0"),
     (["bench", "matrix", "--epochs", "-1"], "--epochs must be a finite number > 0"),

@@ -158,7 +158,7 @@ def _table(result: dict) -> str:
         goal = target(result, r["name"])
         mark = "" if goal is None else f"<= {goal:.1f}" + (" OVER" if r["x_memcpy"] > goal else "")
         name = r["name"] + "".join(f" {k}={v}" for k, v in r.get("params", {}).items())
-        lines.append(f"{name:<14}{r['compress_ms']:>12.2f}{r['decompress_ms']:>12.2f}{r['x_memcpy']:>10.2f}"
+        lines.append(f"{name:<13} {r['compress_ms']:>12.2f}{r['decompress_ms']:>12.2f}{r['x_memcpy']:>10.2f}"
                      f"{r['payload_bytes']:>12d}{r['bits_per_element']:>9.4f}{r['nominal_bits_per_element']:>9.4f}"
                      f"{r['wire_bits_per_element']:>9.4f}  {r['collective']:<11}{mark}")
     return "\n".join(lines)
@@ -213,6 +213,8 @@ def run(args) -> int:
         if not any(compressors.accepts(n, key.strip()) for n in names):
             raise UserError(f"--set {key.strip()}: none of the compressors benchmarked takes it")
         params[key.strip()] = value.strip()
+    for n in names:          # a bad value: one line before anything runs
+        compressors.get(n, **{k: v for k, v in params.items() if compressors.accepts(n, k)})
     as_file = bool(args.out) and (args.out.endswith(".json") or os.path.isfile(args.out))
     if args.out:       # before the run: never lose it to a bad path
         check_writable_dir(os.path.dirname(os.path.abspath(args.out)) if as_file else args.out, "--out")
