@@ -331,6 +331,12 @@ def test_noise_is_overlapping_ranges():
     assert out["b"]["within_noise_of_best"] and not out["c"]["within_noise_of_best"]
     assert out["d"]["within_noise_of_best"]  # [9, ∞] overlaps [10, 12]: one good seed is not a verdict
     assert (out["a"]["ttt_median"], out["a"]["ttt_min"], out["a"]["ttt_max"]) == (11, 10, 12)
+    # one seed each: a point and the precision of its reading (read between evaluations 2 % apart here)
+    rows = [{"label": label, "network": "dc", "seed": 0, "status": "ok", "metric": "accuracy", "time_to_target_s": t,
+             "time_to_target_resolution_s": 0.02 * t, "best_accuracy": 0.9, "cell": {}}
+            for label, t in (("a", 16.6), ("b", 16.7), ("c", 18.0))]
+    out = {x["label"]: x for x in results.aggregate(rows, ["dc"])}
+    assert out["b"]["within_noise_of_best"] and not out["c"]["within_noise_of_best"]
 
 
 # -- defaults that suit the network ---------------------------------------------------------------------------------

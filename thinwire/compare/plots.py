@@ -120,7 +120,9 @@ def _ttt(results: dict, path: str) -> str:
         if g is not None and med(g):
             ax.scatter([i], [med(g)], marker="o", s=420, facecolor="none", edgecolor="black", lw=1.4, zorder=4,
                        label="planner's predicted winner" if i == 0 else None)
-        mark = "" if won is None or guess is None else (" ✓" if won["label"] == guess else " ✗")
+        mark = "" if won is None or guess is None else (" ✓" if won["label"] == guess else
+                                                         " ≈" if g is not None and g.get("within_noise_of_best")
+                                                         else " ✗")       # ≈: within the readings' noise of it
         names.append(n.replace("custom:", "").replace(",", "\n").replace("islands:", "islands ")
                      + (f"\nwinner: {won['label']}" if won else "\nno winner")
                      + (f"\npredicted: {guess}{mark}" if guess else ""))

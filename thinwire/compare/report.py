@@ -105,8 +105,9 @@ def prediction(results: dict, network: str, entries: list[dict]) -> str:
     tie = within is not None and within.get("within_noise_of_best")
     return (f"**Predicted before the race**: `{winner}` ({ttt:.3g} s to target{how}); measured winner `{measured['label']}` "
             f"({measured['ttt_median']:.3g} s): " + ("**agreed**." if agreed else
-                                                     "disagreed" + (" (the predicted winner is within noise of it)."
-                                                                    if tie else ".")))
+                                                     f"a tie (`{winner}` took {within['ttt_median']:.3g} s: within "
+                                                     f"the noise of the readings, so not ranked apart)." if tie
+                                                     else "disagreed."))
 
 
 def verdict(entries: list[dict], seeds: int, budget) -> str:

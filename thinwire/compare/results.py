@@ -19,7 +19,7 @@ def _median(values):
 def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
     """One entry per (contestant, network): the seeds' median and range of time to target (a seed that missed
     it counts as +∞), how many reached it, medians of the other figures, and which contestants are within noise
-    of the best one (ranges overlap)."""
+    of the best one (ranges overlap, each widened by its readings' precision: `_span`)."""
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["label"], r["network"]), []).append(r)
@@ -57,8 +57,20 @@ def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
         for e in here:  # defined when the best reached the target: do the ranges of time to target overlap?
             e["within_noise_of_best"] = (None if not best["reached"] else
                                          e is not best and e["status"] == "ok" and e["ttt_min"] is not None
-                                         and max(e["ttt_min"], best["ttt_min"]) <= min(e["ttt_max"], best["ttt_max"]))
+                                         and _overlap(_span(e), _span(best)))
     return out
+
+
+def _span(e: dict) -> tuple[float, float]:
+    """The seeds' range of time to target, widened by the precision of a reading (`ttt_resolution`: the time to
+    target is read between two evaluations, known to within that fraction): with one seed, a point and its
+    reading's error bar."""
+    res = e.get("ttt_resolution") or 0.0
+    return e["ttt_min"] * (1 - res), e["ttt_max"] * (1 + res)
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return max(a[0], b[0]) <= min(a[1], b[1])
 
 
 def rank(entries: list[dict]) -> list[dict]:
