@@ -555,3 +555,16 @@ def test_model_averaging_needs_more_steps_the_longer_its_period():
     factors = [averaging_steps(h) for h in (1, 2, 4, 8, 16, 32, 64, 128, 256, 1 << 20)]
     assert factors == sorted(factors) and factors[-1] == 1.0
     assert averaging_steps(1) < SYNC_STEPS < averaging_steps(16) and 0.85 < averaging_steps(128) <= 1.0
+
+
+def test_a_predicted_winner_within_noise_is_a_tie():
+    from thinwire.compare import report
+    rows = [{"label": label, "network": "dc", "seed": 0, "status": "ok", "metric": "accuracy", "time_to_target_s": t,
+             "time_to_target_resolution_s": 0.02 * t, "best_accuracy": 0.9, "cell": {}}
+            for label, t in (("postlocal", 16.6), ("localsgd", 16.7), ("bsp", 23.6))]
+    entries = results.aggregate(rows, ["dc"])
+    cells = {"localsgd": {"time_to_target_s": 13.3}, "bsp": {"time_to_target_s": 16.7}}
+    for guess, says in (("localsgd", "a tie (`localsgd` took 16.7 s"), ("bsp", "disagreed."),
+                        ("postlocal", "**agreed**.")):
+        res = {"predictions": {"dc": {"winner": guess, "cells": {**cells, "postlocal": {"time_to_target_s": 13.3}}}}}
+        assert says in report.prediction(res, "dc", entries)
