@@ -44,9 +44,11 @@ def chunk_amax(a: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.cat([head, a[full:].amax().reshape(1)]) if full < n else head
 
 
-def _lt0(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """1[x < 0] as int32 (one op; a bool result is slower to make on the CPU)."""
-    return torch.lt(x, 0, out=scratch(x.shape, torch.int32, x.device) if out is None else out)
+def _sign(x: torch.Tensor, value: int, out: torch.Tensor) -> torch.Tensor:
+    """`value` where x's sign bit is set, else 0, as int32 (x fp32): its bits shifted down arithmetically to 0 or
+    −1, then masked (a comparison into an integer tensor costs twice these two on the CPU). −0.0 counts as
+    negative: its code decodes to −0.0, the same number."""
+    return torch.bitwise_right_shift(x.view(torch.int32), 31, out=out).bitwise_and_(value)
 
 
 def encode(x: torch.Tensor, table: torch.Tensor | None, grid: int, chunk: int):
@@ -67,11 +69,11 @@ def encode(x: torch.Tensor, table: torch.Tensor | None, grid: int, chunk: int):
         torch.gt(code, 0x3F800000, out=tmp)                                     # y > 1
         code.add_(0x3FFFFF - (127 << 23)).bitwise_right_shift_(23)               # log2 of y rounded at 1.5: 0..7
         torch.maximum(code, tmp, out=code)                                      # (1, 1.5] -> 1
-        code.add_(_lt0(f, tmp), alpha=8)
+        code.bitwise_or_(_sign(f, 8, tmp))
     else:
         j = y.to(torch.int32)
         j.add_(torch.lt(j, y, out=tmp))                                           # ceil for y >= 0
-        j.add_(_lt0(f, tmp), alpha=grid + 2)
+        j.add_(_sign(f, grid + 2, tmp))
         code = table.index_select(0, j)
     return pack_kernel(code.to(torch.uint8), 4), amax
 
