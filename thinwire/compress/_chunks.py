@@ -138,7 +138,7 @@ def grouped_topk(x: torch.Tensor, k: int, g: int) -> torch.Tensor:
     as the floats are, for non-negative ones; NaN above all, as torch.topk has it)."""
     rows, width = x.shape
     bits, w = _BITS[x.dtype], width // g
-    out = torch.empty(rows, k, dtype=torch.int64)
+    out = torch.empty(rows, k, dtype=torch.int64, device="cpu")          # (a CPU path)
     with cpu_blocks() as next_block:
         for lo in range(0, rows, ROWS):
             next_block()

@@ -108,7 +108,7 @@ def _starts(count: int, m: int, dtype: torch.dtype) -> torch.Tensor:
     on the CPU an index_select of these plus the offsets costs less than a gather along rows of m)."""
     got = _STARTS.get((m, dtype))
     if got is None or got.numel() < count:
-        got = _STARTS[m, dtype] = torch.arange(max(count, _BLOCK // m + 1), dtype=dtype).mul_(m)
+        got = _STARTS[m, dtype] = torch.arange(max(count, _BLOCK // m + 1), dtype=dtype, device="cpu").mul_(m)
     return got[:count]
 
 
@@ -138,8 +138,9 @@ def gather_kernel(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, int
 def scatter_kernel(vals: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, scale: float,
                    into=None) -> torch.Tensor:
     """(strata, m) zeros but each stratum's drawn coordinate, vals · scale there: randomk's decompress kernel.
-    On the CPU fp32 pairs are written as int64 words and single lanes through a bit mask; the others scatter. `into` (the CPU loop's (strata,
-    m) slice of the output): written in place."""
+    On the CPU fp32 pairs are written as int64 words, single lanes through a bit mask, and wider strata by a 1-D
+    scatter at flat positions; compiled on a GPU, a scatter along rows. `into` (the CPU loop's (strata, m) slice
+    of the output): written in place."""
     off = _offsets(a, b, vals.numel(), m)
     v = torch.mul(vals, scale, out=scratch(vals.shape, vals.dtype, vals.device)) if scale != 1 else vals
     out = scratch((vals.numel(), m), vals.dtype, vals.device) if into is None else into

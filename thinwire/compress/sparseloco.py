@@ -60,8 +60,9 @@ class SparseLoCo(Chunked):
             levels.append(torch.stack(halves, 1).reshape(-1))
         upper = torch.cat(uppers) if uppers else a.bool()          # (an empty tensor: no groups)
         codes = upper.to(torch.uint8).bitwise_or_(vals.lt(0).to(torch.uint8).bitwise_left_shift_(1))
-        return Payload([*pack_index(local, self.chunk), pack(codes, 2, inplace=True),
-                        torch.cat(levels) if levels else a.new_zeros(0)], ctx=self.context(tensor.shape, tensor.dtype))
+        levels = torch.cat(levels) if levels else a.new_zeros(0)
+        return Payload([*pack_index(local, self.chunk), pack(codes, 2, inplace=True), levels],
+                       ctx=self.context(tensor.shape, tensor.dtype))
 
     def _contribution(self, payload, lay) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per group of rows (`lay.groups`): (in-chunk indices, fp32 values), each (rows, kept per row)."""
