@@ -24,7 +24,7 @@ from ..errors import UserError
 from . import compressors
 from ._chunks import Chunked, check_chunk
 from .base import Payload, constant
-from ._kernels import blockwise, scratch
+from ._kernels import BLOCK, blockwise, cpu_blocks, fresh, scratch
 from .bitpack import pack_kernel, value_table
 from .finite import check_scale
 from .qsgd import bucket_norms, scale_buckets
@@ -86,6 +86,26 @@ def decode_kernel(packed: torch.Tensor, amax: torch.Tensor, table: torch.Tensor,
     return (scale_buckets(vals, amax, chunk),)
 
 
+def decode_into(packed: torch.Tensor, amax: torch.Tensor, table: torch.Tensor, chunk: int,
+                out: torch.Tensor) -> torch.Tensor:
+    """`decode_kernel` on the CPU, block by block, each block's lookup written straight into its slice of `out`
+    (fp32, an even number of values: a byte's two values are one int64 of `table`) and scaled there: no
+    temporary per block and no copy out of one."""
+    n = out.numel()
+    step = max(math.lcm(8, chunk), BLOCK - BLOCK % math.lcm(8, chunk))
+    with cpu_blocks() as next_block:
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            next_block()
+            codes = scratch(hi // 2 - lo // 2, torch.int32, packed.device).copy_(packed[lo // 2:hi // 2])
+            torch.index_select(table, 0, codes, out=out[lo:hi].view(torch.int64))
+            rows = (hi - lo) // chunk
+            out[lo:lo + rows * chunk].view(rows, chunk).mul_(amax[lo // chunk:lo // chunk + rows].view(-1, 1))
+            if lo + rows * chunk < hi:
+                out[lo + rows * chunk:hi].mul_(amax[lo // chunk + rows])
+    return out
+
+
 @compressors.register("fp4")
 class FP4(Chunked):
     """FP4 (e3m0 as in Streaming DiLoCo, or e2m1) with a per-chunk fp32 scale, packed 2 per byte; summed in fp32."""
@@ -119,7 +139,10 @@ class FP4(Chunked):
         packed, amax = payload.tensors
         n = payload.ctx["numel"]
         table = value_table(4, self._values, packed.device).view(torch.int64).view(-1)   # a byte's two values
-        return blockwise(decode_kernel, n, [(packed.reshape(-1), (4, 8)), (amax.reshape(-1), (1, self.chunk))],
+        packed, amax = packed.reshape(-1), amax.reshape(-1)
+        if packed.device.type == "cpu" and n % 2 == 0 and n > BLOCK:
+            return decode_into(packed, amax, table, self.chunk, fresh(n, torch.float32, packed.device))
+        return blockwise(decode_kernel, n, [(packed, (4, 8)), (amax, (1, self.chunk))],
                          [(1, 1)], table, self.chunk, align=math.lcm(8, self.chunk))[0]
 
     def nominal_bits(self, numel):
