@@ -179,6 +179,14 @@ def bytes_worker(rank, world_size):
         ex.aggregate(x, "x")
         payload = ex.compressor.compress(x, "x", 0)
         out[name] = (t.meter.totals()["bytes_sent"], payload.nbytes, wire.packed_size(payload.tensors))
+    # threshold where two ranks' pairs would outweigh their tensor (61.7 % of N(0, 1) passes v = 0.5): they send
+    # the tensor with the rest zeroed; the other two (a tenth of the scale) send pairs; the mean is the same
+    xs = x * (1.0 if rank < 2 else 0.1)
+    t = Transport()
+    ex = Exchange(t, tw.compressors.get("threshold", threshold=0.5))
+    got = ex.aggregate(xs, "mixed")
+    payload = ex.compressor.compress(xs, "mixed", 0)
+    out["mixed"] = (got, payload.nbytes, t.meter.totals()["bytes_sent"], wire.packed_size(payload.tensors))
     t = Transport()
     m = torch.randn(200, 100)
     Exchange(t, tw.compressors.get("powersgd", rank=3)).aggregate(m, "m")
@@ -211,6 +219,14 @@ def test_bytes_on_the_wire_match_payloads(pool4):
     largest = max(r["threshold"][2] for r in res)
     for r in res:
         assert r["threshold"][0] == (n - 1) * (largest + 8)
+    xs = [torch.randn(100_000, generator=torch.Generator().manual_seed(r)) * (1.0 if r < 2 else 0.1) for r in range(n)]
+    want = sum(torch.where(v.abs() >= 0.5, v, torch.zeros(())) for v in xs) / n
+    largest = max(r["mixed"][3] for r in res)
+    for rank, r in enumerate(res):
+        got, nbytes, sent, _ = r["mixed"]
+        kept = int((xs[rank].abs() >= 0.5).sum())
+        assert nbytes == (4 * 100_000 if rank < 2 else 8 * kept) and sent == (n - 1) * (largest + 8)
+        assert torch.allclose(got, want, atol=1e-6)
     # quantizers: the meter's bytes are what nominal_bits says at this world size, on the collective picked
     # (before: nominal_bits said 4.06 and 2 bits for qsgd and terngrad while 8-bit summed levels travelled)
     d = 100_000
