@@ -149,7 +149,7 @@ def scatter_kernel(vals: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int,
         pos = scratch(off.shape, torch.int64, off.device).copy_(pos)           # (int64 adds: 5x slower)
         out.zero_().view(-1).scatter_(0, pos, v)      # scatter costs half of one along rows of m
         return out
-    if m > _NARROW or vals.dtype != torch.float32 or vals.device.type != "cpu":
+    if vals.device.type != "cpu":
         return out.zero_().scatter_(1, off.view(-1, 1).long(), v.view(-1, 1))
     bits, lanes = v.view(torch.int32), out.view(torch.int32)
     if m == 2 and out.storage_offset() % 2:          # (pairs not on 8-byte words) lane 1: v & −off, lane 0: rest

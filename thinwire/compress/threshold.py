@@ -44,7 +44,7 @@ class Scratch:
         return dev, mask
 
 
-_FULL = _ONES = 0x0101010101010101      # an int64 word of 8 set bool flags
+_FULL = 0x0101010101010101      # an int64 word of 8 set bool flags
 
 
 def mask_indices(mask: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ def mask_count(mask: torch.Tensor) -> torch.Tensor:
     """How many flags of a 1-D bool `mask` are set, as a 0-d int64 tensor: each int64 word of 8 flags times
     0x0101…01 carries their sum (at most 8: no carry) in its top byte (a bool tensor's own sum is ~10x slower)."""
     n8 = mask.numel() - mask.numel() % 8
-    count = mask[:n8].view(torch.int64).mul(_ONES).bitwise_right_shift_(56).sum()
+    count = mask[:n8].view(torch.int64).mul(_FULL).bitwise_right_shift_(56).sum()
     return count + mask[n8:].sum() if n8 < mask.numel() else count
 
 
@@ -98,11 +98,15 @@ def select_beyond(flat: torch.Tensor, thr: float, center: float = 0.0,
     return reselect(dev, thr, scratch), dev
 
 
+def beyond_mask(dev: torch.Tensor, thr: float, scratch: Scratch) -> torch.Tensor:
+    """dev ≥ thr (dev > 0 when thr ≤ 0) into the scratch's reused mask, for a |flat − center| buffer."""
+    mask = scratch.get(dev.numel(), dev.device)[1]
+    return torch.ge(dev, thr, out=mask) if thr > 0 else torch.gt(dev, 0, out=mask)
+
+
 def reselect(dev: torch.Tensor, thr: float, scratch: Scratch) -> torch.Tensor:
     """Indices of dev ≥ thr for the |flat − center| buffer that `select_beyond` returned."""
-    mask = scratch.get(dev.numel(), dev.device)[1]
-    torch.ge(dev, thr, out=mask) if thr > 0 else torch.gt(dev, 0, out=mask)
-    return mask_indices(mask)
+    return mask_indices(beyond_mask(dev, thr, scratch))
 
 
 @compressors.register("threshold")
@@ -130,8 +134,7 @@ class Threshold(SparseCompressor):
         if n < SMALL or flat.dtype != torch.float32 or self.threshold == 0:
             return super().compress(tensor, key, step)
         ctx = (tensor.shape, tensor.dtype, n)
-        dev, mask = self._scratch.get(n, flat.device)
-        torch.ge(torch.abs(flat, out=dev), self.threshold, out=mask)
+        mask = beyond_mask(torch.abs(flat, out=self._scratch.get(n, flat.device)[0]), self.threshold, self._scratch)
         if self.dense_ok and dense_pays(int(host_read(mask_count(mask))), flat):
             zero = torch.zeros((), dtype=flat.dtype, device=flat.device)
             return dense_payload(torch.where(mask, flat, zero, out=fresh(n, flat.dtype, flat.device)), ctx)
@@ -144,4 +147,3 @@ class Threshold(SparseCompressor):
         fixes v, not the count."""
         keep = 2 * NormalDist().cdf(-self.threshold)
         return min(32.0, self.sparse_bits(keep * numel, numel))
-
