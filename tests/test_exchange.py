@@ -187,6 +187,9 @@ def bytes_worker(rank, world_size):
     got = ex.aggregate(xs, "mixed")
     payload = ex.compressor.compress(xs, "mixed", 0)
     out["mixed"] = (got, payload.nbytes, t.meter.totals()["bytes_sent"], wire.packed_size(payload.tensors))
+    t = Transport()                                     # the all-gather named: it gathers whatever it costs
+    gathered = Exchange(t, tw.compressors.get("threshold", threshold=0.5), collective="allgather").aggregate(xs, "g")
+    out["mixed_gathered"] = (gathered, t.meter.totals()["bytes_sent"])
     t = Transport()
     m = torch.randn(200, 100)
     Exchange(t, tw.compressors.get("powersgd", rank=3)).aggregate(m, "m")
@@ -219,14 +222,21 @@ def test_bytes_on_the_wire_match_payloads(pool4):
     largest = max(r["threshold"][2] for r in res)
     for r in res:
         assert r["threshold"][0] == (n - 1) * (largest + 8)
+    # mixed: gathering the two dense payloads would send (n − 1)·4d bytes, more than a ring all-reduce of the
+    # decoded tensors (2(n − 1)/n·4d): after the size round every rank all-reduces its decoded contribution
     xs = [torch.randn(100_000, generator=torch.Generator().manual_seed(r)) * (1.0 if r < 2 else 0.1) for r in range(n)]
     want = sum(torch.where(v.abs() >= 0.5, v, torch.zeros(())) for v in xs) / n
     largest = max(r["mixed"][3] for r in res)
+    assert largest > 4 * 100_000
     for rank, r in enumerate(res):
         got, nbytes, sent, _ = r["mixed"]
         kept = int((xs[rank].abs() >= 0.5).sum())
-        assert nbytes == (4 * 100_000 if rank < 2 else 8 * kept) and sent == (n - 1) * (largest + 8)
+        assert nbytes == (4 * 100_000 if rank < 2 else 8 * kept)
+        assert sent == pytest.approx((n - 1) * 8 + ring * 4 * 100_000)
         assert torch.allclose(got, want, atol=1e-6)
+        gathered, sent = r["mixed_gathered"]
+        assert sent == (n - 1) * (largest + 8) and torch.allclose(gathered, want, atol=1e-6)
+        assert torch.equal(got, res[0]["mixed"][0])           # every rank the same mean
     # quantizers: the meter's bytes are what nominal_bits says at this world size, on the collective picked
     # (before: nominal_bits said 4.06 and 2 bits for qsgd and terngrad while 8-bit summed levels travelled)
     d = 100_000
@@ -314,6 +324,32 @@ def test_quantizer_wire_bits_at_any_world_size(world):
         forced = Exchange(CountingTransport(world), comp, collective=other)
         forced.aggregate(x, "x")
         assert forced.transport.sent >= tp.sent * 0.999, name
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_gathered_payload_goes_dense_where_that_sends_less(world):
+    """top-k at ratio 0.3 of 4000 elements (fp32 values, int16 indices: 14.4 bits per element, gathered): at 4
+    ranks the gather of 3 payloads sends less than a ring all-reduce of the decoded fp32 tensors
+    (3 · 14.4 < 2 · 3/4 · 32 bits per element); at 8 ranks it sends more (7 · 14.4 > 2 · 7/8 · 32), so the
+    exchange all-reduces the decoded tensors: the same mean, the bytes `wire_bits` predicts. Naming the
+    all-gather keeps it."""
+    d = 4000
+    x = torch.randn(d, generator=torch.Generator().manual_seed(1))
+    comp = tw.compressors.get("topk", ratio=0.3)
+    tp = CountingTransport(world)
+    y = Exchange(tp, comp).aggregate(x, "x")
+    coll, bits = wire_bits(comp, d, world)
+    assert coll == ("allgather" if world == 4 else "allreduce")
+    forced = Exchange(CountingTransport(world), comp, collective="allgather")
+    z = forced.aggregate(x, "x")
+    if coll == "allreduce":
+        assert bits == 32.0 and tp.sent == pytest.approx(2 * (world - 1) / world * 4 * d)
+        assert tp.summed == [torch.float32]
+        assert forced.transport.sent > tp.sent
+    else:
+        assert bits == pytest.approx(14.4) and tp.sent == forced.transport.sent and not tp.summed
+    assert torch.allclose(y, z, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(z, comp.decompress(comp.compress(x, "x", 0)), rtol=1e-6, atol=1e-6)
 
 
 def test_construction_errors():

@@ -11,7 +11,10 @@ The flow of one `start(tensor, key)` (GRACE's compensate → compress → update
      whose packed codes are narrower than its summed levels (qsgd, terngrad, int8) is all-gathered instead when
      that sends fewer bytes at this world size (`collective_for`, `choose.pick`);
    - "allgather": each rank's payload packed into ONE uint8 buffer with a small header (`wire.pack`), one
-     variable-size all-gather, then `compressor.aggregate` (e.g. `index_add_` of the sparse parts);
+     variable-size all-gather, then `compressor.aggregate` (e.g. `index_add_` of the sparse parts); where the
+     ranks' sizes (exchanged first when they vary) make that gather heavier than an all-reduce of the decoded
+     tensors (`choose.dense_sends_less`: a payload above 2/n of its tensor on a ring), each rank all-reduces
+     its decoded contribution instead (the same sum; unless the all-gather was named explicitly);
    - "majority": as all-gather, then the element-wise sign of the sum of the ranks' signs (a vote, not a mean);
    - "custom": the rounds the compressor declares, each summed over ranks here with the compressor's local math
      between them (`rounds.run_rounds`; PowerSGD: sum P, orthogonalise, sum Q);
@@ -49,7 +52,8 @@ from ..compress.finite import NonFiniteError
 from ..errors import UserError
 from . import sparse as _sparse
 from . import wire
-from .choose import COLLECTIVES, GLOO_SUM_WIDEN as _GLOO_WIDEN, allowed_collectives, pick, resolve_collective
+from .choose import (COLLECTIVES, GLOO_SUM_WIDEN as _GLOO_WIDEN, allowed_collectives, dense_sends_less, densifies,
+                     pick, resolve_collective)
 from .rounds import run_rounds
 
 __all__ = ["COLLECTIVES", "Exchange", "allowed_collectives", "resolve_collective"]
@@ -88,6 +92,7 @@ class Exchange:
         self.background, self.serial = bool(background), bool(serial)
         self.compressor, self.memory = compressors.get(compressor), memories.get(memory)   # an object: as it is
         self.auto = collective == "auto" and self.compressor.pick_by_bytes
+        self.densify = collective == "auto" and densifies(self.compressor)   # may all-reduce the decoded tensors
         self.collective = resolve_collective(self.compressor, collective)
         self.check_finite = check_finite
         self._gloo = _backend(transport) == "gloo"
@@ -160,7 +165,8 @@ class Exchange:
         """The collective an exchange of `numel` elements runs: the one named at construction, or with "auto"
         for a quantizer that may go either way, the one sending fewer bytes at this world size
         (`choose.pick`: all-gather of packed codes or all-reduce of widened levels).
-        Every rank computes the same from the same size."""
+        Every rank computes the same from the same size. (A gathered payload may still go dense once the
+        ranks know its real sizes: `_gather`.)"""
         if not self.auto:
             return self.collective
         return pick(self.compressor, numel, self.world_size, getattr(self.transport, "allreduce", "gloo"))
@@ -213,6 +219,18 @@ class Exchange:
         comp, n, tr = self.compressor, self.world_size, self.transport
         buf = wire.pack(payload.tensors)
         sizes = [buf.numel()] * n if comp.fixed_size else None
+        if self.densify and self.sparse is None and n > 1:
+            if sizes is None:           # the size round the gather would run anyway, ahead of it
+                mine = torch.tensor([buf.numel()], dtype=torch.int64, device=buf.device)
+                got = yield from tr.all_gather_program(mine, sizes=[1] * n)
+                yield got
+                sizes = torch.cat(got.result()).tolist()   # host: once per gather, as the gather itself reads them
+            if dense_sends_less(max(sizes), x.numel() * x.element_size(), n,
+                                getattr(tr, "allreduce", "gloo")):   # every rank decides alike from the sizes
+                with tr.tracer.span("decompress", "compress"):
+                    mine = comp.decompress(payload).to(x.dtype).reshape(-1)
+                fut = yield from tr.all_reduce_program(mine, op="sum")
+                return fut.then(lambda total: (total / n).reshape(x.shape))
         fut = yield from tr.all_gather_program(buf, sizes=sizes)
         majority = self.collective == "majority"
 
