@@ -24,13 +24,14 @@ demo: install
 	$(BIN)/thinwire compare --preset quick --out results/demo
 
 # two test processes (pytest-xdist), one test file each at a time: much of the suite waits on emulated links and
-# process start-up, so two keep both cores busy (8 min 18 s -> 5 min 20 s on an idle 2-core machine)
+# process start-up, so two keep both cores busy (8 min 18 s -> 5 min 20 s on an idle 2-core machine); files in
+# the order tests/conftest.py gives them, the longest first
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=30 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 # the inner loop: everything but the long end-to-end runs and the tests of killed or stalled processes
 test-fast: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow and not processes" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not processes" tests
 
 # the documentation site (MkDocs + Material + mkdocstrings) into build/site; --strict: a broken reference fails
 docs: install
