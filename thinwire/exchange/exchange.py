@@ -219,7 +219,7 @@ class Exchange:
         comp, n, tr = self.compressor, self.world_size, self.transport
         buf = wire.pack(payload.tensors)
         sizes = [buf.numel()] * n if comp.fixed_size else None
-        if self.densify and self.sparse is None and n > 1:
+        if self.densify and n > 1:
             if sizes is None:           # the size round the gather would run anyway, ahead of it
                 mine = torch.tensor([buf.numel()], dtype=torch.int64, device=buf.device)
                 got = yield from tr.all_gather_program(mine, sizes=[1] * n)
@@ -228,8 +228,8 @@ class Exchange:
             if dense_sends_less(max(sizes), x.numel() * x.element_size(), n,
                                 getattr(tr, "allreduce", "gloo")):   # every rank decides alike from the sizes
                 with tr.tracer.span("decompress", "compress"):
-                    mine = comp.decompress(payload).to(x.dtype).reshape(-1)
-                fut = yield from tr.all_reduce_program(mine, op="sum")
+                    decoded = comp.decompress(payload).to(x.dtype).reshape(-1)
+                fut = yield from tr.all_reduce_program(decoded, op="sum")
                 return fut.then(lambda total: (total / n).reshape(x.shape))
         fut = yield from tr.all_gather_program(buf, sizes=sizes)
         majority = self.collective == "majority"
