@@ -352,6 +352,27 @@ def test_gathered_payload_goes_dense_where_that_sends_less(world):
     assert torch.allclose(z, comp.decompress(comp.compress(x, "x", 0)), rtol=1e-6, atol=1e-6)
 
 
+def test_dense_or_gathered_by_what_it_costs_on_the_link():
+    """A payload of 0.6 of its tensor at 4 ranks: gathering sends 3 · 0.6 = 1.8 tensors, a ring all-reduce of the
+    decoded tensors 1.5. Where the link costs nothing (no link, `lan`) bytes decide: dense. On `world` (150 ms
+    one-way, gloo's round trip per step) the all-reduce's 3 extra start-ups cost 0.9 s: a 100 KB tensor stays
+    gathered; at 100 MB the 30 MB it saves (4.8 s at 50 Mbit/s) outweigh them: dense. The planner's `wire_bits`
+    follows the link it is given."""
+    from thinwire.exchange.choose import dense_is_cheaper
+    from thinwire.net.link import parse_network
+    world = parse_network("world").handshaking()
+    for d in (25_000, 25_000_000):
+        dense, gathered = 4 * d, 0.6 * 4 * d
+        assert dense_is_cheaper(gathered, dense, 4)
+        assert dense_is_cheaper(gathered, dense, 4, "gloo", parse_network("lan").handshaking())
+        assert dense_is_cheaper(gathered, dense, 4, "gloo", world) == (d > 1_000_000)
+    assert not dense_is_cheaper(2.0, 1.0, 1)
+    comp = tw.compressors.get("topk", ratio=0.3)          # 14.4 bits per element at 8 ranks: dense by bytes
+    assert wire_bits(comp, 4000, 8)[0] == "allreduce"
+    assert wire_bits(comp, 4000, 8, "gloo", world) == ("allgather", pytest.approx(14.4))
+    assert wire_bits(comp, 30_000, 8, "gloo", world)[0] == "allgather"
+
+
 def test_construction_errors():
     class FakeTransport:
         world_size, rank = 2, 0

@@ -11,12 +11,14 @@ The exchange decides:
   codes, 8-bit summed levels) is gathered on 2–3 ranks and summed from 4; TernGrad (2-bit codes, 8-bit sums) is
   gathered up to 7 ranks; int8 (int32 sums) is summed from 8 ranks;
 - for a payload combined one by one ("allgather": every sparsifier, natural, onebit, ...), whether all-reducing
-  the decoded tensors sends fewer bytes than gathering n − 1 payloads padded to the largest (`dense_sends_less`):
-  the contract of "allgather" is that `aggregate` sums the decoded contributions, so the sum of the decoded
-  tensors is the same mean. A ring all-reduce sends 2(n − 1)/n tensors, a gather n − 1 payloads: a payload above
-  2/n of the tensor is cheaper summed dense (threshold with its residual past 25 % density at 4 ranks, natural's
-  9 bits from 8 ranks). The exchange decides on the real sizes it learns before the gather; `pick` on
-  `nominal_bits`, so the planner predicts with the same rule;
+  the decoded tensors costs less than gathering n − 1 payloads padded to the largest (`dense_is_cheaper`): the
+  contract of "allgather" is that `aggregate` sums the decoded contributions, so the sum of the decoded tensors
+  is the same mean. In bytes a ring all-reduce sends 2(n − 1)/n tensors, a gather n − 1 payloads: a payload
+  above 2/n of the tensor is cheaper summed dense (threshold with its residual past 25 % density at 4 ranks,
+  natural's 9 bits from 8 ranks); on an emulated link the comparison is of time, so the all-reduce's n − 1
+  extra start-ups keep a small payload gathered where latency dominates. The exchange decides on the real sizes
+  it learns before the gather and its transport's link; `pick` on `nominal_bits` and the link it is given, so
+  the planner predicts with the same rule;
 - the bits that then travel (`wire_bits`): gloo's all-reduce sums no int16 or bool, so those travel widened
   (`GLOO_SUM_WIDEN`), plus what the ranks agree on first.
 """
@@ -26,7 +28,7 @@ import torch
 
 from ..compress import Compressor
 from ..errors import UserError
-from ..net.cost import ALLREDUCE, ring_allgather
+from ..net.cost import ALLREDUCE, Cost, ring_allgather
 from ..net.link import Link
 
 GLOO_SUM_WIDEN = {torch.int16: torch.int32, torch.bool: torch.uint8}   # gloo's all-reduce has no int16 / bool sum
@@ -80,17 +82,24 @@ def summed_bits(compressor: Compressor, numel: int, world_size: int) -> float:
     return bits
 
 
-def _allreduce_sent(allreduce: str, world_size: int, nbytes: float) -> float:
-    """Bytes one rank sends in an all-reduce of `nbytes` with the algorithm `allreduce` ("gloo": a ring)."""
+def _allreduce_cost(allreduce: str, world_size: int, nbytes: float, link: Link) -> Cost:
+    """An all-reduce of `nbytes` with the algorithm `allreduce` ("gloo": a ring) on `link`, for one rank."""
     name = allreduce.partition(":")[0]
-    return ALLREDUCE["ring" if name == "gloo" else name](Link(), world_size, nbytes).sent
+    return ALLREDUCE["ring" if name == "gloo" else name](link, world_size, nbytes)
 
 
-def dense_sends_less(gathered_bytes: float, dense_bytes: float, world_size: int, allreduce: str = "ring") -> bool:
-    """Whether an all-reduce of every rank's decoded tensor (`dense_bytes` each) puts fewer bytes on a rank's wire
-    than the all-gather of every rank's payload padded to the largest (`gathered_bytes`)."""
-    return world_size > 1 and (_allreduce_sent(allreduce, world_size, dense_bytes)
-                               < ring_allgather(Link(), world_size, gathered_bytes).sent)
+def dense_is_cheaper(gathered_bytes: float, dense_bytes: float, world_size: int, allreduce: str = "ring",
+                     link: Link | None = None) -> bool:
+    """Whether an all-reduce of every rank's decoded tensor (`dense_bytes` each) costs a rank less than the
+    all-gather of every rank's payload padded to the largest (`gathered_bytes`): less time on `link` (α-β: a ring
+    all-reduce pays 2(n − 1) start-ups where the gather pays n − 1, so on a high-latency link a small payload stays
+    gathered), and where the link costs nothing (none given, or no emulation) fewer bytes."""
+    if world_size <= 1:
+        return False
+    link = link or Link()
+    ar = _allreduce_cost(allreduce, world_size, dense_bytes, link)
+    ag = ring_allgather(link, world_size, gathered_bytes)
+    return ar.time < ag.time if ar.time != ag.time else ar.sent < ag.sent
 
 
 def densifies(compressor: Compressor) -> bool:
@@ -99,31 +108,32 @@ def densifies(compressor: Compressor) -> bool:
     return compressor.aggregation == "allgather" and not getattr(compressor, "pick_by_bytes", False)
 
 
-def pick(compressor: Compressor, numel: int, world_size: int, allreduce: str = "ring") -> str:
+def pick(compressor: Compressor, numel: int, world_size: int, allreduce: str = "ring", link: Link | None = None) -> str:
     """The collective an exchange of `numel` elements through `compressor` runs at `world_size` ranks with the
     all-reduce algorithm `allreduce` ("gloo" is a ring): for a linear compressor that lets the exchange choose
     (`pick_by_bytes`), all-reduce of the summed payload or all-gather of the packed one, whichever sends fewer
     bytes per rank (ties: the natural one); for a gathered payload (`densifies`), "allreduce" where its decoded
-    fp32 tensors sent fewer (`dense_sends_less` on `nominal_bits`); otherwise its natural collective."""
+    fp32 tensors cost less on `link` (`dense_is_cheaper` on `nominal_bits`); otherwise its natural collective."""
     natural = compressor.aggregation
     if world_size <= 1 or numel <= 0 or natural not in PICKABLE:
         return natural
     if densifies(compressor):
-        dense = dense_sends_less(compressor.nominal_bits(numel) * numel / 8, 4.0 * numel, world_size, allreduce)
+        dense = dense_is_cheaper(compressor.nominal_bits(numel) * numel / 8, 4.0 * numel, world_size, allreduce, link)
         return "allreduce" if dense else natural
     if not compressor.linear or not getattr(compressor, "pick_by_bytes", False):
         return natural
-    ar = _allreduce_sent(allreduce, world_size, summed_bits(compressor, numel, world_size) * numel / 8)
+    ar = _allreduce_cost(allreduce, world_size, summed_bits(compressor, numel, world_size) * numel / 8, Link()).sent
     ag = ring_allgather(Link(), world_size, compressor.nominal_bits(numel) * numel / 8).sent
     if natural == "allreduce":
         return "allgather" if ag < ar else "allreduce"
     return "allreduce" if ar < ag else "allgather"
 
 
-def wire_bits(compressor: Compressor, numel: int, world_size: int, allreduce: str = "ring") -> tuple[str, float]:
+def wire_bits(compressor: Compressor, numel: int, world_size: int, allreduce: str = "ring",
+              link: Link | None = None) -> tuple[str, float]:
     """(collective, bits per element of this rank's contribution on it): what an exchange of `numel` elements
-    through `compressor` really sends at `world_size` ranks (`pick`), for benchmarks and the planner."""
-    coll = pick(compressor, numel, world_size, allreduce)
+    through `compressor` really sends at `world_size` ranks on `link` (`pick`), for benchmarks and the planner."""
+    coll = pick(compressor, numel, world_size, allreduce, link)
     if coll == "allreduce" and densifies(compressor):
         return coll, 32.0                        # the decoded fp32 tensor, summed
     return coll, (summed_bits(compressor, numel, world_size) if coll == "allreduce"

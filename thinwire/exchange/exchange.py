@@ -13,8 +13,9 @@ The flow of one `start(tensor, key)` (GRACE's compensate → compress → update
    - "allgather": each rank's payload packed into ONE uint8 buffer with a small header (`wire.pack`), one
      variable-size all-gather, then `compressor.aggregate` (e.g. `index_add_` of the sparse parts); where the
      ranks' sizes (exchanged first when they vary) make that gather heavier than an all-reduce of the decoded
-     tensors (`choose.dense_sends_less`: a payload above 2/n of its tensor on a ring), each rank all-reduces
-     its decoded contribution instead (the same sum; unless the all-gather was named explicitly);
+     tensors on the transport's link (`choose.dense_is_cheaper`: in bytes, a payload above 2/n of its tensor on
+     a ring), each rank all-reduces its decoded contribution instead (the same sum; unless the all-gather was
+     named explicitly);
    - "majority": as all-gather, then the element-wise sign of the sum of the ranks' signs (a vote, not a mean);
    - "custom": the rounds the compressor declares, each summed over ranks here with the compressor's local math
      between them (`rounds.run_rounds`; PowerSGD: sum P, orthogonalise, sum Q);
@@ -52,7 +53,7 @@ from ..compress.finite import NonFiniteError
 from ..errors import UserError
 from . import sparse as _sparse
 from . import wire
-from .choose import (COLLECTIVES, GLOO_SUM_WIDEN as _GLOO_WIDEN, allowed_collectives, dense_sends_less, densifies,
+from .choose import (COLLECTIVES, GLOO_SUM_WIDEN as _GLOO_WIDEN, allowed_collectives, dense_is_cheaper, densifies,
                      pick, resolve_collective)
 from .rounds import run_rounds
 
@@ -225,8 +226,8 @@ class Exchange:
                 got = yield from tr.all_gather_program(mine, sizes=[1] * n)
                 yield got
                 sizes = torch.cat(got.result()).tolist()   # host: once per gather, as the gather itself reads them
-            if dense_sends_less(max(sizes), x.numel() * x.element_size(), n,
-                                getattr(tr, "allreduce", "gloo")):   # every rank decides alike from the sizes
+            if dense_is_cheaper(max(sizes), x.numel() * x.element_size(), n, getattr(tr, "allreduce", "gloo"),
+                                getattr(tr, "collective_link", None)):   # every rank decides alike from the sizes
                 with tr.tracer.span("decompress", "compress"):
                     decoded = comp.decompress(payload).to(x.dtype).reshape(-1)
                 fut = yield from tr.all_reduce_program(decoded, op="sum")

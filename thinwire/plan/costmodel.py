@@ -113,7 +113,7 @@ def exchange(s: Scenario, compressor: str = "none", sparse_collective: str | Non
     comp = compressors.get(compressor, **params)
     if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
         return sparse_collective, sparse_exchange_cost(s, comp, sparse_collective)
-    coll, bits = wire_bits(comp, int(s.params), s.workers, s.collective)   # what the exchange picks and sends
+    coll, bits = wire_bits(comp, int(s.params), s.workers, s.collective, s.collective_link)   # what the exchange sends
     payload = bits * s.params / 8
     if coll in ("allreduce", "custom"):
         return s.collective, s.allreduce(payload)

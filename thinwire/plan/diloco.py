@@ -112,7 +112,8 @@ def fragment_sync(s: Scenario, compressor: str, allreduce: str, fragments: int,
     if compressor == "none":
         coll, payload = "allreduce", numel * s.bytes_per_param
     else:
-        coll, bits = wire_bits(compressors.get(compressor), int(numel), n, allreduce)
+        coll, bits = wire_bits(compressors.get(compressor), int(numel), n, allreduce,
+                               link.handshaking() if allreduce == "gloo" else link)
         payload = bits * numel / 8
     if n <= 1:
         return delta, netcost.ZERO
