@@ -170,6 +170,11 @@ def test_a_stalled_training_thread_stops_the_cli_in_one_line(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("thinwire: rank 1 made no progress for "), r.stderr
     assert "(stuck at step 5; others at step 6)" in lines[0], r.stderr
+    stacks = lines[0].rpartition("(every worker's Python stacks: ")[2].rstrip(")")   # aside, in a file
+    text = open(stacks).read()
+    os.unlink(stacks)
+    assert "--- Python stacks of worker 1 when the launcher gave up ---" in text and "worker 0" in text, text
+    assert " in _next2" in text.split("of worker 1 when")[1], text        # where the stalled thread sleeps
     _assert_nothing_left(tag)
 
 

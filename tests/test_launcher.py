@@ -258,6 +258,35 @@ def test_a_run_longer_than_the_old_deadline_is_not_cut_off(pool2):
     assert time.monotonic() - t0 > 1.0 and [len(o["steps"]) for o in out] == [80, 80]
 
 
+def _waits_in_a_collective(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    if rank == 1:
+        _asleep_here()
+    dist.all_reduce(torch.ones(1))
+
+
+def _asleep_here():
+    time.sleep(3600)
+
+
+@pytest.mark.skipif(tw.launcher.pool.STACKS_SIGNAL is None, reason="no SIGUSR2 on this platform")
+def test_a_hang_names_where_every_worker_was():
+    """Rank 1 sleeps, rank 0 waits for it in an all-reduce: the launcher's error (no result within 2 s) carries
+    both workers' Python stacks at that moment, each showing where it was; a worker's own exception does not."""
+    with tw.Pool(2) as pool, pytest.raises(WorkerError) as err:
+        pool.run(_waits_in_a_collective, timeout=2)
+    text = str(err.value)
+    assert text.startswith("worker 0 failed: stalled: no result within 2 s") and err.value.stacks
+    head0, head1 = ("--- Python stacks of worker %d when the launcher gave up ---" % r for r in (0, 1))
+    w0, w1 = text.split(head0)[1].split(head1)
+    assert "_waits_in_a_collective" in w0 and "all_reduce" in w0 and "_asleep_here" not in w0
+    assert "_asleep_here" in w1
+    with tw.Pool(2) as pool, pytest.raises(WorkerError) as err:
+        pool.run(_raise_on, 1)
+    assert not err.value.stacks and "Python stacks" not in str(err.value)
+
+
 def test_an_explicit_deadline_ends_a_progressing_run():
     with tw.Pool(1) as pool, pytest.raises(tw.launcher.DeadlineError,
                                            match=r"deadline: no result within 1 s, the run's deadline"):

@@ -8,11 +8,13 @@ class UserError(ValueError):
 class WorkerError(RuntimeError):
     """A worker process raised, died or stalled; names the rank and carries its traceback."""
 
-    def __init__(self, rank: int, cause: str, traceback: str = ""):
-        self.rank, self.cause, self.traceback = rank, cause, traceback
+    def __init__(self, rank: int, cause: str, traceback: str = "", stacks: str = ""):
+        self.rank, self.cause, self.traceback, self.stacks = rank, cause, traceback, stacks
         msg = f"worker {rank} failed: {cause}"
         if traceback:
             msg += "\n--- traceback of worker %d ---\n%s" % (rank, traceback.rstrip())
+        if stacks:          # where every live worker was when the launcher gave up on a hang
+            msg += "\n" + stacks.rstrip()
         super().__init__(msg)
 
 

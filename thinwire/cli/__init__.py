@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import signal
 import sys
+import tempfile
 import threading
 
 from thinwire import __version__
@@ -68,6 +70,19 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _stacks_aside(e: WorkerError) -> str:
+    """The error's message with the workers' stacks of a hang (`WorkerError.stacks`) in a file of their own, named
+    at the end of the first line: the report stays as short as it was."""
+    text = str(e)
+    if not e.stacks:
+        return text
+    fd, path = tempfile.mkstemp(prefix="thinwire-stacks-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(e.stacks)
+    first, _, rest = text.replace("\n" + e.stacks.rstrip(), "").partition("\n")
+    return f"{first} (every worker's Python stacks: {path})" + (f"\n{rest}" if rest else "")
+
+
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -84,7 +99,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"thinwire: error: {e}", file=sys.stderr)
         return 2
     except WorkerError as e:
-        print(f"thinwire: {e}", file=sys.stderr)
+        print(f"thinwire: {_stacks_aside(e)}", file=sys.stderr)
         return 1
     except Terminated:
         print("thinwire: terminated (SIGTERM)", file=sys.stderr)

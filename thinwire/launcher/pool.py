@@ -20,6 +20,9 @@ What the launcher watches, quickest first:
   run reports progress the watchdog bounds it instead: a run lasts as long as it progresses (hours, days);
 - `deadline` (`launch(deadline=...)`, `Pool.run(deadline=...)`, `thinwire train --deadline S`; none by default)
   ends a run at that wall time whatever its progress, for those who want one.
+When the launcher gives up on a hang (a stall, no progress, no result, or only "connection closed" from the
+ranks), the error carries every live worker's Python stacks at that moment, each thread's (`faulthandler`, on
+`STACKS_SIGNAL`: written from C, so a thread blocked inside a collective shows where it waits).
 
 The rendezvous store listens on `host` only (127.0.0.1 by default: the launcher binds the socket there and
 hands it to `TCPStore`, whose own listener would bind every interface), and with a loopback `host` the
@@ -35,10 +38,12 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections import deque
@@ -57,6 +62,8 @@ PROGRESS_TIMEOUT = 300.0    # the progress watchdog's bound (s) by default, ...
 PROGRESS_STEPS = 50         # ... raised to this many median step times when steps are slow
 
 report_progress = progress.report   # thinwire.report_progress: see thinwire/comm/progress.py
+STACKS_SIGNAL = getattr(signal, "SIGUSR2", None)   # a worker writes its threads' Python stacks on it
+_stacks_file = None                                 # (worker) where, kept open for faulthandler
 
 
 class DeadlineError(WorkerError):
@@ -67,8 +74,8 @@ class NoProgressError(WorkerError):
     """The progress watchdog's verdict. Its message is the whole story; `rank` is the rank the others wait
     for, or -1 when every rank is stuck at the same step (a stuck collective: no single rank to blame)."""
 
-    def __init__(self, rank: int, cause: str):
-        super().__init__(rank, cause)
+    def __init__(self, rank: int, cause: str, traceback: str = "", stacks: str = ""):
+        super().__init__(rank, cause, stacks=stacks)
         self.args = (cause,)
 
 
@@ -191,9 +198,20 @@ def gpu_of(local_rank: int) -> int:
     return local_rank % torch.cuda.device_count()
 
 
+def _dump_stacks_on_signal(path: str | None) -> None:
+    """(worker) On `STACKS_SIGNAL`, write every thread's Python stack to `path`."""
+    global _stacks_file
+    if path is None or STACKS_SIGNAL is None:
+        return
+    import faulthandler
+    _stacks_file = open(path, "w")
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
+
+
 def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results, beats, steps, times,
-                 worker_init, on_failure="stop", device="cpu"):
+                 worker_init, on_failure="stop", device="cpu", stacks=None):
     _die_with_parent()
+    _dump_stacks_on_signal(stacks)
     try:
         if worker_init is not None:  # first, on this (main) thread: e.g. enter a network namespace
             worker_init(rank, world_size)
@@ -240,6 +258,12 @@ def _died(code: int) -> str:
     """Why a worker process is gone, from its exit code (negative: the signal that killed it)."""
     why = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
     return f"worker process died ({why})"
+
+
+def _hung(error: WorkerError) -> bool:
+    """A failure that shows a hang (a stall, no progress, no result) or only a peer's going away: where every
+    worker was is then the story."""
+    return isinstance(error, NoProgressError) or error.cause.startswith("stalled") or _peer_failure(error.cause)
 
 
 def _peer_failure(message: str) -> bool:
@@ -294,10 +318,11 @@ class Pool:
         self._steps = _ctx.Array("q", world_size, lock=False)   # last step reported (-1: none in this run)
         self._times = _ctx.Array("d", world_size, lock=False)   # when it was reported (monotonic)
         self._tasks = [_ctx.Queue() for _ in range(world_size)]
+        self._stacks_dir = tempfile.mkdtemp(prefix="thinwire-stacks-")
         self._procs = [_ctx.Process(target=_worker_main, name=f"thinwire-worker-{r}", daemon=True,
                                     args=(r, world_size, self.backend, host, self.port, timeout, self._tasks[r],
                                           self._results, self._beats, self._steps, self._times, worker_init,
-                                          on_failure, self.device))
+                                          on_failure, self.device, self._stacks_path(r)))
                        for r in range(world_size)]
         self._task_id = -1
         self._gone: set[int] = set()
@@ -394,8 +419,35 @@ class Pool:
         return errors[0] if errors else WorkerError(-1, "a worker exited unexpectedly")
 
     def _fail(self, error: Exception):
+        if isinstance(error, WorkerError) and _hung(error) and not error.stacks:
+            error = type(error)(error.rank, error.cause, error.traceback, self._stacks())
         self.close(force=True)
         raise error
+
+    def _stacks_path(self, rank: int) -> str:
+        return os.path.join(self._stacks_dir, f"{rank}.txt")
+
+    def _stacks(self, wait: float = 0.5) -> str:
+        """Every live worker's Python stacks, each thread's, written on `STACKS_SIGNAL` ("" where none can)."""
+        live = [r for r, p in enumerate(self._procs) if p.pid is not None and p.exitcode is None]
+        if STACKS_SIGNAL is None or not live:
+            return ""
+        for r in live:
+            try:
+                os.kill(self._procs[r].pid, STACKS_SIGNAL)
+            except OSError:
+                pass
+        time.sleep(wait)
+        out = []
+        for r in live:
+            try:
+                with open(self._stacks_path(r)) as f:
+                    text = f.read()
+            except OSError:
+                continue
+            if text.strip():
+                out.append(f"--- Python stacks of worker {r} when the launcher gave up ---\n{text[-6000:].rstrip()}")
+        return "\n".join(out)
 
     def run(self, fn, *args, network="lan", seed: int = 0, timeout: float | None = None,
             deadline: float | None = None) -> list:
@@ -448,6 +500,7 @@ class Pool:
             if feeder is not None:
                 feeder.join(timeout=5)
         self._store = None  # closes the listening socket
+        shutil.rmtree(getattr(self, "_stacks_dir", ""), ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:
