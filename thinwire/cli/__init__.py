@@ -73,13 +73,12 @@ def main(argv: list[str] | None = None) -> int:
 def _stacks_aside(e: WorkerError) -> str:
     """The error's message with the workers' stacks of a hang (`WorkerError.stacks`) in a file of their own, named
     at the end of the first line: the report stays as short as it was."""
-    text = str(e)
     if not e.stacks:
-        return text
+        return str(e)
     fd, path = tempfile.mkstemp(prefix="thinwire-stacks-", suffix=".txt")
     with os.fdopen(fd, "w") as f:
         f.write(e.stacks)
-    first, _, rest = text.replace("\n" + e.stacks.rstrip(), "").partition("\n")
+    first, _, rest = str(type(e)(e.rank, e.cause, e.traceback)).partition("\n")     # the message without them
     return f"{first} (every worker's Python stacks: {path})" + (f"\n{rest}" if rest else "")
 
 

@@ -116,7 +116,7 @@ class SparseCompressor(Compressor):
         if self.dense_ok and dense_pays(idx.numel(), flat):   # (values and indices would outweigh the tensor)
             dense = fresh(flat.numel(), flat.dtype, flat.device).zero_()
             return dense_payload(dense.index_copy_(0, idx.long(), flat.index_select(0, idx)), ctx)
-        return Payload([flat.index_select(0, idx), idx.to(index_dtype(flat.numel()))], ctx=ctx)
+        return sparse_payload(flat, idx, ctx)
 
     def densify(self, payload: Payload) -> Payload | None:
         """The payload as a dense one (`dense_payload`), or None where this payload type has no dense form."""
@@ -167,6 +167,11 @@ def dense_pays(kept: int, flat: torch.Tensor) -> bool:
     tensor with the dropped entries zeroed (`dense_payload`), never more bytes than no compression would."""
     n = flat.numel()
     return n > 0 and kept * (flat.element_size() + index_dtype(n).itemsize) >= n * flat.element_size()
+
+
+def sparse_payload(flat: torch.Tensor, idx: torch.Tensor, ctx) -> Payload:
+    """A sparsifier's payload: the values of `flat` at `idx` and the indices in the narrowest type that holds them."""
+    return Payload([flat.index_select(0, idx), idx.to(index_dtype(flat.numel()))], ctx=ctx)
 
 
 def dense_payload(values: torch.Tensor, ctx) -> Payload:

@@ -25,8 +25,8 @@ import torch
 from ..errors import UserError
 from . import compressors
 from ._kernels import fresh, host_read
-from ._sparse import SparseCompressor, beyond, check_collective, dense_pays, dense_payload, index_dtype
-from .base import Payload, reused
+from ._sparse import SparseCompressor, beyond, check_collective, dense_pays, dense_payload, sparse_payload
+from .base import reused
 
 SMALL = 1 << 16       # below this, the plain mask + nonzero is as fast
 
@@ -138,8 +138,7 @@ class Threshold(SparseCompressor):
         if self.dense_ok and dense_pays(int(host_read(mask_count(mask))), flat):
             zero = torch.zeros((), dtype=flat.dtype, device=flat.device)
             return dense_payload(torch.where(mask, flat, zero, out=fresh(n, flat.dtype, flat.device)), ctx)
-        idx = mask_indices(mask)
-        return Payload([flat.index_select(0, idx), idx.to(index_dtype(n))], ctx=ctx)
+        return sparse_payload(flat, mask_indices(mask), ctx)
 
     def nominal_bits(self, numel):
         """Bits per element for N(0, 1) entries (the benchmark's input): P(|Z| ≥ v) · (32 + index bits), or 32

@@ -157,10 +157,10 @@ class Exchange:
             agreed = comp.agree(c, key, step)
             if agreed is not None:      # the ranks agree on a scale first (a max all-reduce), then quantize
                 yield (yield from tr.all_reduce_program(agreed, op="max"))
-        payload = self._compress(c, key, step, agreed)
+        payload, sent = self._compress(c, key, step, agreed)
         if collective == "allreduce":
             return (yield from self._allreduce(payload, x, c))
-        return (yield from self._gather(payload, x))
+        return (yield from self._gather(payload, x, c, sent))
 
     def collective_for(self, numel: int) -> str:
         """The collective an exchange of `numel` elements runs: the one named at construction, or with "auto"
@@ -180,14 +180,17 @@ class Exchange:
         compensate -> compress -> update the memory; the payload."""
         with self.transport.tracer.span("compress", "compress"):
             c = self.memory.compensate(tensor, key)
-        return self._compress(c, key, step)
+        return self._compress(c, key, step)[0]
 
-    def _compress(self, c: torch.Tensor, key: Any, step: int, agreed=None) -> Payload:
+    def _compress(self, c: torch.Tensor, key: Any, step: int, agreed=None) -> tuple[Payload, torch.Tensor | None]:
+        """(payload, this rank's decompressed contribution where the memory needed it, else None)."""
+        sent = None
         with self.transport.tracer.span("compress", "compress"):
             payload = self.compressor.compress(c, key, step, agreed=agreed)
             if self._memory_updates:
-                self.memory.update(c, key, self.compressor.decompress(payload))
-        return payload
+                sent = self.compressor.decompress(payload)
+                self.memory.update(c, key, sent)
+        return payload, sent
 
     # -- the collectives -------------------------------------------------------------------------------
     def _allreduce(self, payload: Payload, x: torch.Tensor, c: torch.Tensor):
@@ -216,7 +219,7 @@ class Exchange:
                 return (total / n).to(x.dtype).reshape(x.shape)
         return summed.then(finish)
 
-    def _gather(self, payload: Payload, x: torch.Tensor):
+    def _gather(self, payload: Payload, x: torch.Tensor, c: torch.Tensor, sent: torch.Tensor | None):
         comp, n, tr = self.compressor, self.world_size, self.transport
         buf = wire.pack(payload.tensors)
         sizes = [buf.numel()] * n if comp.fixed_size else None
@@ -228,8 +231,12 @@ class Exchange:
                 sizes = torch.cat(got.result()).tolist()   # host: once per gather, as the gather itself reads them
             if dense_is_cheaper(max(sizes), x.numel() * x.element_size(), n, getattr(tr, "allreduce", "gloo"),
                                 getattr(tr, "collective_link", None)):   # every rank decides alike from the sizes
-                with tr.tracer.span("decompress", "compress"):
-                    decoded = comp.decompress(payload).to(x.dtype).reshape(-1)
+                if sent is None:        # (decoded already where the memory needed it: summed in place)
+                    with tr.tracer.span("decompress", "compress"):
+                        sent = comp.decompress(payload)
+                decoded = sent.to(x.dtype).reshape(-1)
+                if _shares_storage(decoded, x) or _shares_storage(decoded, c):
+                    decoded = decoded.clone()
                 fut = yield from tr.all_reduce_program(decoded, op="sum")
                 return fut.then(lambda total: (total / n).reshape(x.shape))
         fut = yield from tr.all_gather_program(buf, sizes=sizes)
