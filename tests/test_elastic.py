@@ -162,7 +162,7 @@ def test_a_newcomers_state_round_trips_as_tensors_and_json():
                                    "params": [0]}]}
     obj = {"step": 7, "model": [torch.arange(6, dtype=torch.int64), torch.randn(2, 2)], "optimizer": opt_state,
            "algorithm": {"anchor": [torch.randn(3)], "dirty": [True, False]}}
-    header, buffer = elastic.pack(obj)
+    header, buffer = elastic.state.pack(obj)
     back = elastic.state.decode(header, buffer)
     assert back["step"] == 7 and back["algorithm"]["dirty"] == [True, False]
     assert torch.equal(back["model"][0], obj["model"][0]) and torch.equal(back["model"][1], obj["model"][1])

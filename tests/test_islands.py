@@ -21,6 +21,9 @@ def test_the_spec_and_the_paths():
     # a ring 0 → 1 → 2 → 3 → 0 crosses the thin link at 1 → 2 and 3 → 0
     assert [n.ring_crossing([0, 1, 2, 3], i) for i in range(4)] == [False, True, False, True]
     assert [n.ring_crossing([0, 2], i) for i in range(2)] == [True, True]
+    # a binomial tree from 0 sends 0 → 1, 2 and 1 → 3: 0 → 2 and 1 → 3 cross; from 2: 2 → 3, 0 and 3 → 1
+    assert [n.tree_crossings([0, 1, 2, 3], i, 0) for i in range(4)] == [1, 1, 0, 0]
+    assert [n.tree_crossings([0, 1, 2, 3], i, 2) for i in range(4)] == [0, 0, 1, 1]
     h = n.handshaking()
     assert h.latency == 0.3 and h.inside.latency == pytest.approx(1e-4) and h.islands == 2
     custom = parse_network("islands:3x1,across=10mbit@100ms")      # inside: dc by default

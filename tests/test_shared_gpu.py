@@ -1,7 +1,7 @@
 """Workers sharing a GPU (issue 31): more workers than GPUs run over gloo, which takes CUDA tensors in its
 collectives but not in send/recv (a CUDA tensor there aborts the process), so the transport stages every
 point-to-point message of a device tensor through a host buffer. On the CPU the same staging path runs when it is
-forced (`Transport.stage_all`, THINWIRE_STAGE_P2P=1): it must deliver the same bytes, count the same traffic and
+forced (`Staging.forced`, THINWIRE_STAGE_P2P=1): it must deliver the same bytes, count the same traffic and
 train the same models as the direct path. On a GPU (`device` "cuda") the two workers of `pool2` share it."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _messages(rank, world, device, stage):
     dev, peer, out = _on(device), 1 - rank, {}
     for net in ("lan", "dc"):
         tp = Transport(network=net, device=dev)
-        tp.stage_all = stage
+        tp.staging.forced = stage
         x = torch.arange(12, dtype=torch.float32, device=dev).view(3, 4) + 100 * rank
         mask = torch.arange(5, device=dev) % 2 == rank
         got, got_mask = torch.empty_like(x), torch.empty_like(mask)
@@ -102,12 +102,12 @@ def test_point_to_point_algorithms_train_the_same_through_host_buffers(pool2, de
 
 
 def test_transport_stages_device_tensors_only_under_gloo(monkeypatch):
-    from thinwire.comm import transport
-    t = object.__new__(transport.Transport)
-    t.stage_all, t._stage_device = False, True            # gloo
-    assert not t._staged(torch.zeros(2))
-    assert t._staged(torch.zeros(2, device="meta"))       # any tensor off the host
-    t._stage_device = False                                # NCCL: sends device memory itself
-    assert not t._staged(torch.zeros(2, device="meta"))
-    t.stage_all = True                                     # forced: the CPU takes the staging path too
-    assert t._staged(torch.zeros(2))
+    from thinwire.comm.staging import Staging
+    monkeypatch.delenv("THINWIRE_STAGE_P2P", raising=False)
+    t = Staging(nccl=False)                                # gloo
+    assert not t.staged(torch.zeros(2))
+    assert t.staged(torch.zeros(2, device="meta"))        # any tensor off the host
+    t = Staging(nccl=True)                                 # NCCL: sends device memory itself
+    assert not t.staged(torch.zeros(2, device="meta"))
+    t.forced = True                                        # forced: the CPU takes the staging path too
+    assert t.staged(torch.zeros(2))

@@ -68,14 +68,7 @@ def _adam_state():
 
 def test_optimizer_state_round_trips_through_the_format():
     model, opt = _adam_state()
-    header, tensors = state.encode(opt.state_dict())
-    sizes = [state._aligned(t.numel() * t.element_size()) for t in tensors]
-    buf = torch.zeros(sum(sizes), dtype=torch.uint8)
-    off = 0
-    for t, n in zip(tensors, sizes):
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        buf[off:off + raw.numel()] = raw
-        off += n
+    header, buf = state.pack(opt.state_dict())
     back = state.decode(header, buf)
     want = opt.state_dict()
     assert back["param_groups"] == want["param_groups"] and isinstance(back["param_groups"][0]["betas"], tuple)

@@ -177,15 +177,12 @@ class _GlooWork:
 
 def _bare_transport(link):
     """The parts of a Transport a Handle uses, without a process group (single process)."""
-    import collections
-    import threading
-
-    from thinwire.comm.emulation import LinkClock
+    from thinwire.comm.emulation import DeliveryQueue, LinkClock
     from thinwire.comm.meter import Meter
     from thinwire.trace import NULL
     t = object.__new__(Transport)
     t.link, t.clock, t.meter, t.tracer = link, LinkClock(link), Meter(), NULL
-    t._in_order, t._order_lock = collections.deque(), threading.Lock()
+    t.delivery = DeliveryQueue()
     return t
 
 
@@ -194,7 +191,7 @@ def _bare_transport(link):
     (Link(bandwidth=1e12, name="fast"), ["first", "second"]),   # emulated wire: FIFO, in issue order
 ])
 def test_a_collective_gloo_finished_first_is_held_only_on_an_emulated_wire(link, expected):
-    from thinwire.comm.transport import Handle
+    from thinwire.comm.handle import Handle
     from thinwire.net import Cost
     t = _bare_transport(link)
     works = [_GlooWork(), _GlooWork()]

@@ -2,6 +2,7 @@
 from .context import default_network, set_default_network
 from .emulation import LinkClock
 from .meter import Meter
-from .transport import Handle, Transport, subgroup
+from .handle import Handle
+from .transport import Transport, subgroup
 
 __all__ = ["Handle", "LinkClock", "Meter", "Transport", "default_network", "set_default_network", "subgroup"]

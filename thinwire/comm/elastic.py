@@ -70,29 +70,10 @@ def retire(box: list) -> None:
 
 
 # -- state as tensors behind a JSON header (the format of comm/state.py), point to point ------------------
-def pack(obj) -> tuple[bytes, torch.Tensor]:
-    """(header, buffer): `obj` in comm/state.py's format, its tensors' bytes in one uint8 buffer (on the host)."""
-    header, tensors = state.encode(obj)
-    sizes = [state._aligned(t.numel() * t.element_size()) for t in tensors]
-    buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=HOST)
-    off = 0
-    for t, size in zip(tensors, sizes):
-        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        buffer[off:off + raw.numel()].copy_(raw)
-        off += size
-    return header, buffer
-
-
-def _check_lengths(n_header: int, n_buffer: int) -> None:
-    if not (0 < n_header <= state.MAX_HEADER and n_buffer >= 0):
-        raise ValueError(f"malformed state: header of {n_header} bytes (at most {state.MAX_HEADER}), buffer of "
-                         f"{n_buffer}")
-
-
 def send_state(transport, obj, dst: int) -> None:
     """Send `obj` (comm/state.py's format) to group rank `dst` of `transport`: the lengths, the JSON header, the
     tensors' bytes (three messages, counted and emulated as any transfer)."""
-    manifest, payload = pack(obj)
+    manifest, payload = state.pack(obj, HOST)
     head = torch.tensor([len(manifest), payload.numel()], dtype=torch.int64, device=HOST)
     transport.send(head, dst)
     transport.send(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), dst)
@@ -104,11 +85,11 @@ def recv_state(transport, src: int):
     head = torch.zeros(2, dtype=torch.int64, device=HOST)
     transport.recv(head, src)
     n_manifest, n_payload = (int(v) for v in head.tolist())   # host: a host tensor, once per state
-    _check_lengths(n_manifest, n_payload)
+    state.check_lengths(n_manifest, n_payload)
     manifest = torch.zeros(n_manifest, dtype=torch.uint8, device=HOST)
     transport.recv(manifest, src)
     header = bytes(manifest.numpy())
-    state._layout(header)       # checked before a buffer of the declared size is allocated
+    state.layout(header)       # checked before a buffer of the declared size is allocated
     payload = torch.zeros(n_payload, dtype=torch.uint8, device=HOST)
     if n_payload:
         transport.recv(payload, src)
@@ -116,22 +97,22 @@ def recv_state(transport, src: int):
 
 
 def broadcast_state(transport, obj, src: int = 0):
-    """`obj` of group rank `src` on every rank of `transport` (the others pass anything; see `pack`)."""
+    """`obj` of group rank `src` on every rank of `transport` (the others pass anything; see `state.pack`)."""
     if transport.rank == src:
-        manifest, payload = pack(obj)
+        manifest, payload = state.pack(obj, HOST)
         head = torch.tensor([len(manifest), payload.numel()], dtype=torch.int64, device=HOST)
     else:
         head = torch.zeros(2, dtype=torch.int64, device=HOST)
     transport.broadcast(head, src)
     n_manifest, n_payload = (int(v) for v in head.tolist())   # host: a host tensor, once per state
-    _check_lengths(n_manifest, n_payload)
+    state.check_lengths(n_manifest, n_payload)
     if transport.rank != src:
         manifest = bytes(n_manifest)
     mbuf = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
     transport.broadcast(mbuf, src)
     if transport.rank != src:
         manifest = bytes(mbuf.numpy())
-        state._layout(manifest)
+        state.layout(manifest)
         payload = torch.zeros(n_payload, dtype=torch.uint8, device=HOST)
     if n_payload:
         transport.broadcast(payload, src)

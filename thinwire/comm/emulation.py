@@ -14,9 +14,15 @@ carries it in a window that cannot end before that time (`not_before`): no recei
 sender pushed it out, whatever the receiver's own link is doing (`Transport.send` / `recv`). The time is the
 host's monotonic clock (`time.perf_counter`), which every process of one host shares: emulated links model
 ranks that really run on one host.
+
+The emulated wire is FIFO for a process group's collectives, though gloo runs them on two threads and may finish
+the second first: each group's `DeliveryQueue` puts them on the link in issue order, each once its own real part
+and every earlier one's are done. Unemulated, each completes with gloo's (as DDP's own futures do: a small bucket
+done first is not held behind a large one, which put its completion on a DDP hook's critical path).
 """
 from __future__ import annotations
 
+import collections
 import random
 import threading
 
@@ -62,3 +68,35 @@ class LinkClock:
             if rx:
                 self.rx_free, self.last_rx = busy_until, delivery
             return delivery
+
+
+class DeliveryQueue:
+    """The collectives of one process group (one `Transport`) not yet on its emulated link, in issue order.
+
+    Its items are `Handle`s (`thinwire.comm.handle`): `arrived()` (the real op is done), `schedule()` (take the
+    delivery time from the link) and `fire()` (run the callbacks waiting for that time)."""
+
+    def __init__(self):
+        self._waiting: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    def enqueue(self, handle) -> None:
+        """`handle` (a collective just issued) is put on the link after those already queued."""
+        with self._lock:
+            self._waiting.append(handle)
+
+    def drain(self) -> None:
+        """Put on the link, in issue order, every collective whose real part and predecessors are done."""
+        done = []
+        with self._lock:
+            while self._waiting and self._waiting[0].arrived():
+                h = self._waiting.popleft()
+                h.schedule()
+                done.append(h)
+        for h in done:
+            h.fire()
+
+    def clear(self) -> None:
+        """Forget the collectives queued (their group was abandoned: `Transport.regroup`)."""
+        with self._lock:
+            self._waiting.clear()

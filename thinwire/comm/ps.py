@@ -28,7 +28,7 @@ import torch
 
 from ..errors import UserError
 from .engine import Future, Task
-from .transport import Handle
+from .handle import Handle
 
 PUSH, DONE, REPLY = 1, 2, 3
 PUSH_TAGS, REPLY_TAGS = (7101, 7102), (7103, 7104)      # (header, body)

@@ -31,7 +31,8 @@ MAX_DEPTH = 64
 ALIGN = 8
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """`n` bytes rounded up to the next tensor's offset in the buffer (a multiple of ALIGN)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -64,8 +65,30 @@ def encode(obj) -> tuple[bytes, list[torch.Tensor]]:
     return header, tensors
 
 
-def _layout(header: bytes) -> tuple[object, list[tuple[torch.dtype, list[int], int]]]:
-    """The header parsed and checked: (the tree, [(dtype, shape, offset)] of its tensors in order)."""
+def pack(obj, device="cpu") -> tuple[bytes, torch.Tensor]:
+    """(the JSON header, one uint8 buffer on `device` holding the bytes of `obj`'s tensors, each at its aligned
+    offset): what `decode` takes."""
+    header, tensors = encode(obj)
+    sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
+    buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+    off = 0
+    for t, size in zip(tensors, sizes):
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        buffer[off:off + raw.numel()].copy_(raw)
+        off += size
+    return header, buffer
+
+
+def check_lengths(n_header: int, n_buffer: int) -> None:
+    """A ValueError unless a received header of `n_header` bytes and a buffer of `n_buffer` are acceptable (read
+    before anything of those sizes is allocated)."""
+    if not (0 < n_header <= MAX_HEADER and n_buffer >= 0):
+        raise ValueError(f"malformed state: header of {n_header} bytes (at most {MAX_HEADER}), buffer of {n_buffer}")
+
+
+def layout(header: bytes) -> tuple[object, list[tuple[torch.dtype, list[int], int]]]:
+    """The header parsed and checked: (the tree, [(dtype, shape, offset)] of its tensors in order, then
+    (None, [], the buffer's length)). A receiver checks a header with it before allocating the buffer."""
     try:
         tree = json.loads(header.decode())
     except (UnicodeDecodeError, ValueError) as e:
@@ -89,7 +112,7 @@ def _layout(header: bytes) -> tuple[object, list[tuple[torch.dtype, list[int], i
             dtype = DTYPES[body[0]]
             specs.append((dtype, body[1], end[0]))
             nbytes = math.prod(body[1]) * dtype.itemsize
-            end[0] = _aligned(end[0] + nbytes)
+            end[0] = aligned(end[0] + nbytes)
             return
         if not isinstance(body, list):
             raise ValueError(f"malformed state header: {tag} holds {type(body).__name__}, not a list")
@@ -108,7 +131,7 @@ def _layout(header: bytes) -> tuple[object, list[tuple[torch.dtype, list[int], i
 
 def decode(header: bytes, buffer: torch.Tensor):
     """The state `encode` described, its tensors built from `buffer` (uint8; on the device they arrive on)."""
-    tree, specs = _layout(header)
+    tree, specs = layout(header)
     total = specs.pop()[2]
     if buffer.numel() != total:
         raise ValueError(f"malformed state: {buffer.numel()} bytes of tensors, the header declares {total}")
@@ -135,27 +158,19 @@ def broadcast_state(obj, src: int, group=None, device=None):
     device = torch.device(device or "cpu")
     mine = dist.get_rank() == src
     if mine:
-        header, tensors = encode(obj)
-        sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
-        buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
-        off = 0
-        for t, size in zip(tensors, sizes):
-            raw = t.contiguous().reshape(-1).view(torch.uint8)
-            buffer[off:off + raw.numel()].copy_(raw)
-            off += size
+        header, buffer = pack(obj, device)
         lengths = torch.tensor([len(header), buffer.numel()], dtype=torch.int64, device=device)
     else:
         lengths = torch.zeros(2, dtype=torch.int64, device=device)
     dist.broadcast(lengths, src=src, group=group)
     n_header, n_buffer = (int(v) for v in lengths.tolist())   # host: once per state transfer
-    if not (0 < n_header <= MAX_HEADER and n_buffer >= 0):
-        raise ValueError(f"malformed state: header of {n_header} bytes (at most {MAX_HEADER}), buffer of {n_buffer}")
+    check_lengths(n_header, n_buffer)
     head = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device) if mine
             else torch.zeros(n_header, dtype=torch.uint8, device=device))
     dist.broadcast(head, src=src, group=group)
     if not mine:
         header = bytes(head.cpu().numpy().tobytes())
-        _layout(header)     # checked before any buffer of the declared size is allocated
+        layout(header)      # checked before any buffer of the declared size is allocated
         buffer = torch.zeros(n_buffer, dtype=torch.uint8, device=device)
     if n_buffer:
         dist.broadcast(buffer, src=src, group=group)

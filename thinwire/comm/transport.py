@@ -4,17 +4,29 @@ One object wraps a torch.distributed process group. Each operation runs for real
 127.0.0.1, or NCCL) and completes no earlier than the emulated link would have delivered it: the α-β cost of
 the algorithm that runs (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
 Comprehensive Survey", arXiv 2003.06307, Table III), queued behind this rank's earlier transfers. Asynchronous
-operations return a `Handle`; compute done before `Handle.wait()` overlaps the emulated transfer.
+operations return a `Handle` (`thinwire.comm.handle`); compute done before `Handle.wait()` overlaps the emulated
+transfer.
+
+Every op has a synchronous form (returns the result) and an `async_op=True` form (returns a `Future`). Tensors
+are used in place where torch.distributed does (all_reduce, broadcast, recv). Every op is issued through the
+process's engine (`thinwire.comm.engine`), in the order ops and programs were submitted; inside a program (`run`)
+ops are issued directly. A program's `serial` and `background` options are the caller's (an `Exchange` carries
+the ones its scheduler chose): the transport keeps no mode of its own.
+
+On a two-tier network (`thinwire.net.Islands`) every op is charged on the link it crosses: a collective on its
+group's path (`inside` when the group lies in one island, else the thin link, whose pace a ring across islands
+steps at), a point-to-point message on the link between its two ranks, each on that link's queue (`clocks`: one
+LinkClock per link of this worker, shared by the transports of its subgroups, `sub`). The bytes a rank sends over
+the thin link are metered apart (`across`): in a ring collective, all of its bytes when its right neighbour is in
+another island; in a broadcast, those to its children in the tree that are in another island.
 """
 from __future__ import annotations
 
-import collections
 import functools
-import os
 import threading
 import time
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,10 +36,12 @@ from ..net import Cost, Islands, Link, p2p, parse_network, ring_allgather, ring_
 from ..trace import NULL, Tracer
 from . import collectives
 from .context import default_network, default_seed
-from .emulation import LinkClock
+from .emulation import DeliveryQueue, LinkClock
 from .engine import ENGINE, Future, Ready
+from .handle import Handle
 from .membership import MEMBERSHIP, PeerLost
 from .meter import Meter
+from .staging import Staging
 
 _now = time.perf_counter
 
@@ -38,209 +52,6 @@ def backend_of(group) -> str:
         return str(dist.get_backend(group))
     except (RuntimeError, ValueError, AttributeError):
         return "gloo"
-
-
-class Handle(Future):
-    """An operation in flight: its result once the real op is done and the link delivered it."""
-
-    def __init__(self, transport: "Transport", kind: str, works: Sequence, cost: Cost, result,
-                 post: Callable | None = None, issued: float | None = None, tx: bool = True, rx: bool = True,
-                 reserved: float | None = None, not_before: Callable | None = None, clock: LinkClock | None = None,
-                 across: float = 0.0, land: Callable | None = None, keep=None):
-        self.transport, self.kind, self.cost = transport, kind, cost
-        self.clock = transport.clock if clock is None else clock   # the queue of the link this op crosses
-        self.across = across             # of the bytes sent, those over a two-tier network's thin link
-        self._land = land                # a receive through a buffer of its own: copies it into the caller's tensor
-        self._keep = keep                # what must outlive the real op (a send's staging buffer)
-        self._reserved = reserved        # a send: its slot on the link, taken when it was issued
-        self._not_before = not_before    # a receive: when its last byte left the sender (read off the message)
-        self.accounting = (transport.meter, transport.tracer, kind)
-        self._works = list(works)
-        self._result, self._post = result, post
-        self._issued = _now() if issued is None else issued
-        self._flags = (tx, rx)
-        self.deadline: float | None = None
-        self._done = False
-        self._lock = threading.Lock()
-        self._once = threading.Lock()
-        self._error: BaseException | None = None
-        self._real: threading.Event | None = None  # set by the waiter thread (gloo point-to-point)
-        self._real_at: float | None = None          # when the real op completed
-        self._scheduled = threading.Event()
-        self._callbacks: list = []
-        self._arrival: list = []                    # on_arrival callbacks
-        self._real_event = threading.Event()          # the real op completed (or failed)
-        # the membership it was issued in: its group's (an elastic generation's), else the newest announced
-        own = getattr(transport, "generation", None)
-        self.generation = MEMBERSHIP.generation if own is None else own
-        # a collective is delivered in issue order: gloo's two threads may finish the second collective first,
-        # but the emulated wire is FIFO (the second queues behind the first, whichever callback fires first).
-        # Unemulated, each completes with gloo's (as DDP's own futures do): a small bucket done first is not held
-        # behind a large one (that put the small one's completion on a DDP hook's critical path)
-        self._ordered = tx and rx and self.clock.link.emulated
-        if self._ordered:
-            transport._enqueue(self)
-        if not self._works:
-            self._on_real_done()
-        else:  # timestamp the real completion as it happens (gloo's thread), so compute overlaps emulation
-            try:
-                self._works[-1].get_future().add_done_callback(self._on_future)
-            except (RuntimeError, AttributeError):  # gloo point-to-point ops have no future: a waiter thread
-                # (the only one to wait on the work: a second wait() on a finished gloo p2p work never returns)
-                self._real = threading.Event()
-                threading.Thread(target=self._wait_real, daemon=True).start()
-
-    def _wait_real(self) -> None:
-        try:
-            for w in self._works:
-                w.wait()
-        except RuntimeError as e:
-            self._error = e  # the caller's own wait() raises it
-        else:
-            self._on_real_done()
-        self._real.set()
-
-    def _on_future(self, fut) -> None:
-        """gloo's future completed: keep its error (the waiter must see it), then as any real completion."""
-        try:
-            fut.value()
-        except BaseException as e:  # noqa: BLE001 - raised by result()
-            self._error = e
-        self._on_real_done()
-
-    def _on_real_done(self) -> None:
-        with self._lock:
-            first = self._real_at is None
-            if first:
-                if self._land is not None:   # before anyone can see it arrived: the caller's tensor holds the data
-                    self._land()
-                self._real_at = _now()
-                arrivals, self._arrival = self._arrival, []
-        self._real_event.set()
-        if self._ordered:
-            self.transport._drain()
-        else:
-            with self._lock:
-                scheduled = not self._scheduled.is_set()
-                if scheduled:
-                    self._schedule(self._real_at)
-            if scheduled:
-                self._fire()
-        if first:
-            for fn in arrivals:
-                fn(self)
-
-    def arrived(self) -> bool:
-        """Whether the real operation finished (a receive's buffer holds the data), whatever its emulated delivery
-        time: a receiver may post the receive that follows (a message's body after its header) without paying
-        the link's latency twice."""
-        return self._real_at is not None
-
-    def on_arrival(self, fn) -> None:
-        """`fn(self)` once the real operation finished (see `arrived`): on the thread that saw it, or now."""
-        with self._lock:
-            if self._real_at is None:
-                self._arrival.append(fn)
-                return
-        fn(self)
-
-    def _schedule(self, t_done: float) -> None:
-        if self._reserved is not None:
-            self.deadline = max(self._reserved, t_done)
-        else:
-            tx, rx = self._flags
-            after = self._not_before() if self._not_before is not None else 0.0
-            self.deadline = self.clock.schedule(t_done, self.cost, tx=tx, rx=rx, not_before=after)
-        self.transport.meter.record(self.kind, self.cost.sent, self.cost.received,
-                                    real_s=t_done - self._issued, emulated_s=self.deadline - t_done,
-                                    across=self.across)
-        tr = self.transport.tracer
-        tr.complete(self.kind, self._issued, t_done, "communicate", bytes=self.cost.sent)
-        if self.deadline > t_done:
-            tr.complete(self.kind + " (emulated)", t_done, self.deadline, "emulated")
-        self._scheduled.set()
-
-    def _fire(self) -> None:
-        """Run the callbacks registered before the delivery time was known (no lock held)."""
-        with self._lock:
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            self._deliver(fn)
-
-    def add_done_callback(self, fn) -> None:
-        """`fn(self)` once delivered: on the thread that saw the real op complete (gloo's), or a timer's at the
-        emulated delivery; no polling thread in between (a DDP hook's future completes as DDP's own would)."""
-        with self._lock:
-            if not self._scheduled.is_set():
-                self._callbacks.append(fn)
-                return
-        self._deliver(fn)
-
-    def _deliver(self, fn) -> None:
-        delay = self.deadline - _now()
-        if delay > 0:
-            timer = threading.Timer(delay, fn, args=(self,))
-            timer.daemon = True
-            timer.start()
-        else:
-            fn(self)
-
-    def is_completed(self) -> bool:
-        if self._done:
-            return True
-        if self._real is not None:
-            if not self._real.is_set():
-                return False
-            if self._error is not None:     # failed: complete, and result() raises the error
-                return True
-        elif not all(w.is_completed() for w in self._works):
-            return False
-        self._on_real_done()
-        return self._scheduled.is_set() and _now() >= self.deadline
-
-    def result(self):
-        if not self._done and MEMBERSHIP.watching:   # a lost peer must not leave this wait blocked
-            try:
-                self._await_real()
-                return self._result_once()
-            except RuntimeError as e:
-                lost = e if isinstance(e, PeerLost) else MEMBERSHIP.wait_change(self.generation, 30.0)
-                if lost is not None:
-                    raise lost from (None if lost is e else e)
-                raise
-        return self._result_once()
-
-    def _await_real(self) -> None:
-        """Wait for the real op, checking every 0.1 s whether the launcher announced a lost worker."""
-        event = self._real if self._real is not None else self._real_event
-        while not event.wait(0.1):
-            lost = MEMBERSHIP.lost(self.generation)
-            if lost is not None:
-                raise lost
-
-    def _result_once(self):
-        if not self._done:
-            with self._once:        # one thread waits on the works (a gloo p2p work cannot be waited twice)
-                if not self._done:
-                    if self._real is not None:
-                        self._real.wait()
-                    elif self._real_at is None:   # (a work's own done-callback must not wait on it)
-                        for w in self._works:
-                            w.wait()
-                    if self._error is not None:   # seen by the waiter thread or the future's callback
-                        raise self._error
-                    self._on_real_done()
-                    while not self._scheduled.wait(0.1):   # an earlier collective still running: after it
-                        lost = MEMBERSHIP.lost(self.generation) if MEMBERSHIP.watching else None
-                        if lost is not None:
-                            raise lost
-                    delay = self.deadline - _now()
-                    if delay > 0:
-                        time.sleep(delay)
-                    if self._post is not None:
-                        self._result = self._post(self._result)
-                    self._done = True
-        return self._result
 
 
 class _Work(Future):
@@ -268,21 +79,8 @@ def subgroup(ranks) -> object:
 
 
 class Transport:
-    """Collectives and point-to-point ops on one process group, with a byte meter and network emulation.
-
-    Every op has a synchronous form (returns the result) and an `async_op=True` form (returns a `Future`).
-    Tensors are used in place where torch.distributed does (all_reduce, broadcast, recv). Every op is issued
-    through the process's engine (`thinwire.comm.engine`), in the order ops and programs were submitted; inside
-    a program (`run`) ops are issued directly. A program's `serial` and `background` options are the caller's
-    (an `Exchange` carries the ones its scheduler chose): the transport keeps no mode of its own.
-
-    On a two-tier network (`thinwire.net.Islands`) every op is charged on the link it crosses: a collective on
-    its group's path (`inside` when the group lies in one island, else the thin link, whose pace a ring across
-    islands steps at), a point-to-point message on the link between its two ranks, each on that link's queue
-    (`clocks`: one LinkClock per link of this worker, shared by the transports of its subgroups, `sub`). The
-    bytes a rank sends over the thin link are metered apart (`across`): in a ring collective, all of its bytes
-    when its right neighbour is in another island.
-    """
+    """Collectives and point-to-point ops on one process group, with a byte meter and network emulation (see the
+    module's doc)."""
 
     def __init__(self, group=None, network: "str | Link | None" = None, seed: int | None = None,
                  tracer: Tracer | None = None, meter: Meter | None = None, clock: LinkClock | None = None,
@@ -315,8 +113,7 @@ class Transport:
         self.tracer = tracer or NULL
         collectives.parse(allreduce, self.world_size)
         self.allreduce = allreduce  # "gloo" (native) or an algorithm of thinwire.comm.collectives
-        self._in_order: collections.deque[Handle] = collections.deque()  # collectives not yet on the link
-        self._order_lock = threading.Lock()
+        self.delivery = DeliveryQueue()      # this group's collectives not yet on the link, in issue order
         self._switch = threading.RLock()     # held by `regroup`, and by each resumption of a program (`_bound`)
         self._epoch = 0                      # groups switched so far
         # where this group's buffers (headers included) live: `device` (the Trainer's: its model's), else the
@@ -327,11 +124,7 @@ class Transport:
             self.device = torch.device(device)
         else:
             self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        # gloo's send/recv take host memory only (a CUDA tensor aborts the process: "gloo::IoException ... Bad
-        # address"), so point-to-point ops of device tensors go through host buffers (`_stage`); NCCL's do not.
-        # THINWIRE_STAGE_P2P=1 stages CPU tensors too: the same path, exercised where there is no GPU
-        self.stage_all = os.environ.get("THINWIRE_STAGE_P2P") == "1"
-        self._stage_device = not nccl
+        self.staging = Staging(nccl)      # point-to-point ops through host buffers where gloo needs them
 
     # -- links -----------------------------------------------------------------------------------------
     def _tier(self, link: Link) -> str:
@@ -371,23 +164,7 @@ class Transport:
             self.members = [self.global_of(r) for r in range(self.world_size)]
             if self.islands is not None:
                 self._ring_across = self.islands.ring_crossing(self.members, self.rank)
-            with self._order_lock:
-                self._in_order.clear()
-
-    def _enqueue(self, handle: Handle) -> None:
-        with self._order_lock:
-            self._in_order.append(handle)
-
-    def _drain(self) -> None:
-        """Put on the link, in issue order, every collective whose real part and predecessors are done."""
-        done = []
-        with self._order_lock:
-            while self._in_order and self._in_order[0]._real_at is not None:
-                h = self._in_order.popleft()
-                h._schedule(h._real_at)
-                done.append(h)
-        for h in done:
-            h._fire()
+            self.delivery.clear()
 
     # -- programs --------------------------------------------------------------------------------------
     def run(self, program, label: str = "exchange", background: bool = False, serial: bool = False):
@@ -495,18 +272,10 @@ class Transport:
             if self.world_size > 1:
                 works = [dist.broadcast(tensor, group=self.group, async_op=True, group_src=src)]
             cost = tree_broadcast(self.collective_link, self.world_size, tensor.nbytes, self.rank, src)
-            return Handle(self, "broadcast", works, cost, tensor, None, issued, across=self._tree_across(src, tensor.nbytes))
+            tree = 0.0 if self.islands is None else self.islands.tree_crossings(self.members, self.rank, src)
+            return Handle(self, "broadcast", works, cost, tensor, None, issued, across=tensor.nbytes * tree)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "broadcast", async_op)
-
-    def _tree_across(self, src: int, nbytes: float) -> float:
-        """Bytes this rank sends over the thin link in a binomial-tree broadcast from `src` (to the children of
-        `tree_broadcast`: rel + 2^k for each round k where rel < 2^k)."""
-        if self.islands is None:
-            return 0.0
-        n, rel = self.world_size, (self.rank - src) % self.world_size
-        children = [(rel + (1 << k) + src) % n for k in range((n - 1).bit_length()) if rel < (1 << k) and rel + (1 << k) < n]
-        return nbytes * sum(self.islands.crosses(self.members[self.rank], self.members[c]) for c in children)
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -514,19 +283,7 @@ class Transport:
                 yield _Work(dist.barrier(group=self.group, async_op=True))
             self._op(program(), "barrier", False)
 
-    # -- point to point --------------------------------------------------------------------------------
-    def _staged(self, tensor: torch.Tensor) -> bool:
-        """Whether a point-to-point op of `tensor` goes through a host buffer (see `_host_buffer`)."""
-        return self.stage_all or (self._stage_device and tensor.device.type != "cpu")
-
-    @staticmethod
-    def _host_buffer(nbytes: int, like: torch.Tensor) -> torch.Tensor:
-        """A uint8 host buffer for one point-to-point op of `like`: page-locked when `like` is on a CUDA device,
-        so the copy to or from the device is a DMA. Page-locked buffers come from PyTorch's caching host
-        allocator, which keeps freed blocks for reuse (a block is reused only once the copies queued on it are
-        done), so a buffer is allocated once per size in steady state, not per message."""
-        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=like.device.type == "cuda")
-
+    # -- point to point (device tensors under gloo through host buffers: `thinwire.comm.staging`) -------
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: int = 0):
         """Send to group rank `dst`. The sender's link pushes the bytes out from the moment the send is issued,
         behind what it is already sending; the sender is done once they are out. On an emulated link the
@@ -540,9 +297,9 @@ class Transport:
             data, out = tensor.contiguous(), None
             if self.link.emulated:      # (on a two-tier network every message carries the stamp)
                 out = clock.schedule(issued, cost, tx=True, rx=False, latency=False)
-            if self._staged(data):
+            if self.staging.staged(data):
                 nbytes = data.nbytes
-                wire = self._host_buffer(nbytes + (8 if out is not None else 0), data)
+                wire = self.staging.host_buffer(nbytes + (8 if out is not None else 0), data)
                 wire[:nbytes].copy_(data.reshape(-1).view(torch.uint8))     # waits for the data to be computed
                 if out is not None:
                     wire[nbytes:] = torch.tensor([out], dtype=torch.float64, device="cpu").view(torch.uint8)
@@ -569,12 +326,12 @@ class Transport:
             clock = self.clock_of(link)
             cost = replace(p2p(link, nbytes), sent=0.0)
             stamp = 8 if self.link.emulated else 0
-            if not stamp and not self._staged(tensor):
+            if not stamp and not self.staging.staged(tensor):
                 work = dist.irecv(tensor, group=self.group, tag=tag, group_src=src)
                 return Handle(self, "recv", [work], cost, tensor, None, issued, tx=False, clock=clock)
             # the data, then (emulated) the sender's push-out time
-            if self._staged(tensor):
-                buf = self._host_buffer(nbytes + stamp, tensor)
+            if self.staging.staged(tensor):
+                buf = self.staging.host_buffer(nbytes + stamp, tensor)
             else:
                 buf = torch.empty(nbytes + stamp, dtype=torch.uint8, device=tensor.device)
             work = dist.irecv(buf, group=self.group, tag=tag, group_src=src)

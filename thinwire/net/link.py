@@ -203,6 +203,14 @@ class Islands(Link):
         ring collective: its right neighbour is in another island."""
         return len(members) > 1 and self.crosses(members[me], members[(me + 1) % len(members)])
 
+    def tree_crossings(self, members, me: int, src: int) -> int:
+        """How many messages member `me` (an index into `members`, global ranks) sends over the thin link in a
+        binomial-tree broadcast from member `src`: to its children of `tree_broadcast`, rel + 2^k for each round
+        k where rel < 2^k (rel = me - src mod n), those in another island."""
+        n, rel = len(members), (me - src) % len(members)
+        children = [(rel + (1 << k) + src) % n for k in range((n - 1).bit_length()) if rel < (1 << k) and rel + (1 << k) < n]
+        return sum(self.crosses(members[me], members[c]) for c in children)
+
     def handshaking(self) -> "Islands":
         return replace(self, latency=2 * self.latency, inside=self.inside.handshaking())
 
