@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from thinwire import algorithms
-from thinwire.algorithms.diloco import fragment_bounds, segments
+from thinwire.algorithms.diloco_fragments import fragment_bounds, segments
 from thinwire.errors import UserError
 from thinwire.run import workloads
 
@@ -372,9 +372,9 @@ def _ef_invariant(rank, world):
 
         def by_segment(flat, key):      # a piece's flat tensor, cut into its segments (the current buckets)
             f = int(key.rsplit("@", 1)[1])
-            bucket = next(b for b in alg.scheduler.buckets if alg._key(b, f) == key)
-            parts = flat.split([alg.anchor[k].numel() for k in alg.pieces(bucket, f)])
-            return dict(zip(alg.pieces(bucket, f), parts))
+            bucket = next(b for b in alg.scheduler.buckets if alg.frags.key(b, f) == key)
+            parts = flat.split([alg.anchor[k].numel() for k in alg.frags.pieces(bucket, f)])
+            return dict(zip(alg.frags.pieces(bucket, f), parts))
         theta0 = [a.reshape(-1).clone() for a in alg.anchor]
         inputs = [torch.zeros_like(t) for t in theta0]
         kept: dict = {}
@@ -552,7 +552,7 @@ def _thinwire_side(rank, world, params):
         opt.zero_grad()
         out.append(_flat(model))
     tr.close()
-    return out, tr.algorithm.bounds
+    return out, tr.algorithm.frags.bounds
 
 
 def _torchft_side(rank, world, lighthouse, params):

@@ -33,42 +33,23 @@ Free Lunch", arXiv 2501.18512, Algorithm 1 and §2.2–2.4) are three options of
 With F = 1, τ = 0, α = 0 this is DiLoCo. The schedule (the step that takes fragment p's pseudo-gradient, the step
 that merges it) is torchft's `DiLoCo(..., sync_every=H, fragment_sync_delay=τ, fragment_update_alpha=α)`.
 
-Eager updates (Kale, Douillard, Donchev 2025, "Eager Updates For Overlapped Communication and Computation in
-DiLoCo", arXiv 2502.12996, the eager variant of DiLoCo with delayed outer gradients): `eager=True`. A fragment's
-average is not waited for: the worker steps θ at once with its own outer gradient standing in for the current
-round's average, and the average arrives one round (H steps) later, when it replaces the own share it stood in
-for. On worker m, at the round t of fragment p (every H steps, the fragments staggered as above), with M workers:
-    Δ_m^(t) = θ_m − θ_m,local                                  (its own outer gradient; its average starts)
-    Δ̃_m^(t) = Δ_m^(t) / M + (Δ^(t−1) − Δ_m^(t−1) / M)         (own current share + the others' previous ones:
-                                                                Δ^(t−1) = (1/M) Σ_j Δ_j^(t−1), arrived by now)
-    θ_m ← OuterOpt(θ_m, Δ̃_m^(t));  θ_m,local ← θ_m
-Every worker's outer gradient is applied exactly once, the others' one round late; θ and the outer optimizer's
-state are each worker's own (they differ by the own shares in flight). The sync is hidden behind a whole period:
-H inner steps per fragment round instead of τ (so `overlap` and `alpha` stay 0). `close()` applies the averages
-still in flight (their others' shares), then averages the workers' models once (one all-reduce of the model)
-so that every worker ends with the same model.
-
-Hierarchical DiLoCo on a two-tier network (`thinwire.net.Islands`): `replicas="island"` makes each island one
-DiLoCo replica, trained by synchronous data parallelism inside (every inner step all-reduces the gradients over
-the island's fast links, as `bsp` does; the island's workers hold the same model), and the outer sync crosses the
-thin link once per island: the island's workers hold the same pseudo-gradient, so worker j of each island
-averages the j-th of m equal shards of it with worker j of the other islands (over the thin link, through the
-training's compressor and error feedback), then the island all-gathers the averaged shards over its fast links
-(the DiLoCo paper's setting: "islands" of well-connected devices, Douillard et al. 2023 §1; the data parallelism
-inside each replica torchft's DiLoCo leaves to the user). The bytes that cross the thin link per sync are those of
-one model per island, spread over its workers' links. M, the number of replicas averaged, is the number of
-islands. On a flat network (or islands of one worker) it is the flat algorithm.
+Two variants, each a helper the class holds (None where the variant is off) and calls at the points its module
+names:
+- `eager=True`: eager updates (Kale, Douillard, Donchev 2025, arXiv 2502.12996), a fragment's average applied one
+  round late, the worker's own outer gradient standing in for it (`EagerRounds`, `thinwire.algorithms.diloco_eager`).
+- `replicas="island"`: hierarchical DiLoCo on a two-tier network, each island one replica, data parallel inside,
+  its outer sync sharded over the thin link (`IslandReplica`, `thinwire.algorithms.diloco_islands`).
 
 Like `localsgd`, on a step that takes a pseudo-gradient each bucket's inner step is taken as soon as backward
-hands the bucket over, and the pseudo-gradient of its elements in the syncing fragment starts averaging at
-once, overlapped with the rest of backward. Exchange state (error-feedback residuals) is kept per piece (a
-bucket's elements in one fragment) and follows a re-plan of the buckets (MG-WFBP).
-θ is kept per segment (a parameter's elements in one fragment: the whole parameter, shaped like it, unless a
-fragment boundary cuts it, then a 1-D slice); the outer optimizer steps the segments, so any element-wise
-torch.optim optimizer works (a shape-aware one sees a cut parameter as 1-D slices).
+hands the bucket over, and the pseudo-gradient of its elements in the syncing fragment (a piece) starts averaging
+at once, overlapped with the rest of backward. θ is kept per segment (a parameter's elements in one fragment) and
+exchange state per piece, following a re-plan of the buckets (MG-WFBP): `thinwire.algorithms.diloco_fragments`.
+The outer optimizer steps the segments, so any element-wise torch.optim optimizer works (a shape-aware one sees a
+cut parameter as 1-D slices).
 
 `close()` first merges a sync in flight, then takes one last outer step of every fragment whose parameters moved
-since its last merge into θ (as at the end of a period) and leaves every worker with θ: the same model everywhere.
+since its last merge into θ (as at the end of a period) and leaves every worker with θ: the same model everywhere
+(eager: the averages in flight applied, then one all-reduce of the workers' models).
 Outer optimizer: SGD(outer_lr, outer_momentum, nesterov) with `torch.optim.SGD` semantics (nesterov is plain
 momentum when outer_momentum = 0), or `outer_optimizer=` a callable building any torch.optim optimizer from the
 list of θ tensors, or the name of a torch.optim class (CLI: `--outer-optimizer adam`, built with lr=outer_lr).
@@ -84,36 +65,52 @@ from typing import Callable
 
 import torch
 
-from ..comm import subgroup
 from ..comm.elastic import broadcast_state
-from ..comm.engine import Future, Ready
+from ..comm.engine import Ready
 from ..errors import UserError
 from ..optim import step_subset
 from ..tensors import copy_each, views
 from ._registry import register
 from .base import Algorithm, int_at_least
+from .diloco_eager import EagerRounds
+from .diloco_fragments import Fragments
+from .diloco_islands import IslandReplica, island_groups
 
 DEFAULT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 
 
-def fragment_bounds(total: int, fragments: int) -> list[int]:
-    """The F + 1 boundaries of F consecutive element ranges of equal size (±1) over `total` elements."""
-    if fragments > total:
-        raise UserError(f"diloco fragments must be at most the number of model parameters ({total}), got "
-                        f"{fragments}")
-    return [total * f // fragments for f in range(fragments + 1)]
-
-
-def segments(sizes: list[int], bounds: list[int]) -> list[tuple[int, int, int, int]]:
-    """(parameter, fragment, lo, hi): each parameter's elements [lo, hi) in each fragment, in model order."""
-    out, offset = [], 0
-    for i, n in enumerate(sizes):
-        for f in range(len(bounds) - 1):
-            lo, hi = max(bounds[f], offset), min(bounds[f + 1], offset + n)
-            if lo < hi:
-                out.append((i, f, lo - offset, hi - offset))
-        offset += n
-    return out
+def _check_options(period, outer_lr, outer_momentum, nesterov, outer_optimizer, fragments, overlap, alpha, eager,
+                   replicas) -> None:
+    """A UserError naming the first of `DiLoCo`'s parameters that is out of range or conflicts with another."""
+    for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
+        int_at_least(f"diloco {name}", value, low)
+    if period % fragments:
+        raise UserError(f"diloco period H={period} must be a multiple of fragments F={fragments} (one fragment "
+                        f"is synced every H/F steps); e.g. period={fragments * max(1, period // fragments)}")
+    if overlap >= period // fragments:
+        raise UserError(f"diloco overlap τ={overlap} must be below H/F={period // fragments} (a fragment's "
+                        f"average arrives before the next fragment's sync starts); valid: 0..{period // fragments - 1}")
+    if not (isinstance(outer_lr, (int, float)) and math.isfinite(outer_lr) and outer_lr > 0):
+        raise UserError(f"diloco outer_lr must be a finite number > 0, got {outer_lr!r}")
+    if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
+        raise UserError(f"diloco outer_momentum must be in [0, 1), got {outer_momentum!r}")
+    if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
+        raise UserError(f"diloco alpha must be in [0, 1] (θ ← α θ_local + (1 − α) θ_global), got {alpha!r}")
+    if replicas not in ("worker", "island"):
+        raise UserError(f"diloco replicas must be worker (every worker a DiLoCo replica) or island (every island "
+                        f"of a two-tier network one, data parallel inside), got {replicas!r}")
+    if not isinstance(eager, bool):
+        raise UserError(f"diloco eager must be true or false, got {eager!r}")
+    if eager and (overlap or alpha):
+        raise UserError(f"diloco eager hides a fragment's sync behind a whole period (its average is applied "
+                        f"one round later): give overlap=0 and alpha=0 with it, got overlap={overlap}, "
+                        f"alpha={alpha}")
+    given = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
+    if outer_optimizer is not None and not isinstance(outer_optimizer, str):
+        changed = [k for k, v in given.items() if v != DEFAULT_OUTER[k]]
+        if changed:
+            raise UserError(f"give outer_optimizer or {', '.join(changed)}, not both (the callable builds the "
+                            f"whole outer optimizer)")
 
 
 def _outer_factory(outer_optimizer, outer_lr: float, outer_momentum: float, nesterov: bool) -> Callable:
@@ -156,24 +153,6 @@ class _SyncClock:
             return self.done - self.t0
 
 
-class _Gathered(Future):
-    """The mean of a piece's Δ under replicas="island": this worker's shard averaged across the islands (`fut`),
-    then the island's shards all-gathered over its fast links (on `result`, when the merge asks for it)."""
-
-    def __init__(self, fut, inside, sizes: list[int]):
-        self.fut, self.inside, self.sizes = fut, inside, sizes
-        self._value = None
-
-    def is_completed(self) -> bool:
-        return self._value is not None or self.fut.is_completed()
-
-    def result(self):
-        if self._value is None:
-            mine = self.fut.wait()          # (each wait counts its own exposed time)
-            self._value = torch.cat(self.inside.all_gather(mine.reshape(-1), sizes=self.sizes))
-        return self._value
-
-
 @register("diloco")
 class DiLoCo(Algorithm):
     """DiLoCo (Douillard et al. 2023, Alg. 1): H inner steps, averaged pseudo-gradient, outer Nesterov SGD;
@@ -189,36 +168,9 @@ class DiLoCo(Algorithm):
                  outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,
                  eager: bool = False, replicas: str = "worker", architecture: str | None = None):
         super().__init__(architecture)
-        for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
-            int_at_least(f"diloco {name}", value, low)
-        if period % fragments:
-            raise UserError(f"diloco period H={period} must be a multiple of fragments F={fragments} (one fragment "
-                            f"is synced every H/F steps); e.g. period={fragments * max(1, period // fragments)}")
-        if overlap >= period // fragments:
-            raise UserError(f"diloco overlap τ={overlap} must be below H/F={period // fragments} (a fragment's "
-                            f"average arrives before the next fragment's sync starts); valid: 0..{period // fragments - 1}")
-        if not (isinstance(outer_lr, (int, float)) and math.isfinite(outer_lr) and outer_lr > 0):
-            raise UserError(f"diloco outer_lr must be a finite number > 0, got {outer_lr!r}")
-        if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
-            raise UserError(f"diloco outer_momentum must be in [0, 1), got {outer_momentum!r}")
-        if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
-            raise UserError(f"diloco alpha must be in [0, 1] (θ ← α θ_local + (1 − α) θ_global), got {alpha!r}")
-        if replicas not in ("worker", "island"):
-            raise UserError(f"diloco replicas must be worker (every worker a DiLoCo replica) or island (every island "
-                            f"of a two-tier network one, data parallel inside), got {replicas!r}")
+        _check_options(period, outer_lr, outer_momentum, nesterov, outer_optimizer, fragments, overlap, alpha, eager,
+                       replicas)
         self.replicas = replicas
-        if not isinstance(eager, bool):
-            raise UserError(f"diloco eager must be true or false, got {eager!r}")
-        if eager and (overlap or alpha):
-            raise UserError(f"diloco eager hides a fragment's sync behind a whole period (its average is applied "
-                            f"one round later): give overlap=0 and alpha=0 with it, got overlap={overlap}, "
-                            f"alpha={alpha}")
-        given = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
-        if outer_optimizer is not None and not isinstance(outer_optimizer, str):
-            changed = [k for k, v in given.items() if v != DEFAULT_OUTER[k]]
-            if changed:
-                raise UserError(f"give outer_optimizer or {', '.join(changed)}, not both (the callable builds the "
-                                f"whole outer optimizer)")
         self.period, self.fragments, self.overlap, self.alpha = period, fragments, overlap, float(alpha)
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
         self.outer_spec = outer_optimizer if isinstance(outer_optimizer, str) or outer_optimizer is None \
@@ -242,30 +194,20 @@ class DiLoCo(Algorithm):
                             f"(or fp8/fp4, Streaming DiLoCo's outer-gradient compressors)")
 
     def setup(self):
-        self.island = self._island_transports() if self.replicas == "island" else None
-        if self.island is None:
+        groups = island_groups(self.transport) if self.replicas == "island" else None
+        self.island: IslandReplica | None = None
+        if groups is None:
             self.exchange = self.make_exchange()
         else:       # the outer sync among the islands' j-th workers; the inner steps' gradients inside the island
-            inside, column = self.island
+            inside, column = groups
             self.exchange = self.exchange_class(column, self.compressor, self.memory, **self.ctx.modes)
             self.inner = self.exchange_class(inside, "none", "none", **self.ctx.modes)
             self._exchanges += [self.exchange, self.inner]
             self.exchange.guard = self.inner.guard = self.ctx.finite
-            self._grads: dict = {}
-        sizes = [p.numel() for p in self.params]
-        self.bounds = fragment_bounds(sum(sizes), self.fragments)
-        self.segs = segments(sizes, self.bounds)
-        self.by_param: list[list[int]] = [[] for _ in self.params]      # parameter -> its segments
-        self.by_fragment: list[list[int]] = [[] for _ in range(self.fragments)]
-        for k, (i, f, lo, hi) in enumerate(self.segs):
-            p = self.params[i]
-            if hi - lo < p.numel() and not p.is_contiguous():
-                raise UserError(f"diloco: a fragment boundary cuts parameter {i} {tuple(p.shape)}, which is not "
-                                f"contiguous; use fewer fragments or a contiguous layout")
-            self.by_param[i].append(k)
-            self.by_fragment[f].append(k)
+            self.island = IslandReplica(inside, self.inner)
+        self.frags = Fragments(self.params, self.fragments)
         # θ per segment (a parameter's elements in one fragment): the same on every worker
-        self.anchor = [self._local(k).clone() for k in range(len(self.segs))]
+        self.anchor = [self.frags.local(k).clone() for k in range(len(self.frags.segs))]
         self.outer = self._make_outer(self.anchor)
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise UserError(f"outer_optimizer must build a torch.optim.Optimizer, got {type(self.outer).__name__}")
@@ -274,36 +216,10 @@ class DiLoCo(Algorithm):
         self._pending: list = []            # (segments, future of their mean pseudo-gradient) in flight
         self._pending_fragment: int | None = None
         self._dirty = [False] * self.fragments   # the fragment's parameters differ from θ
-        # eager: per fragment, the averages in flight (started a round ago) and this worker's own shares of them
-        self._inflight: list[list] = [[] for _ in range(self.fragments)]
-        self._own: list[dict] = [{} for _ in range(self.fragments)]
-        self._current: dict = {}            # segment -> own outer gradient taken this step (eager)
         self._sync_clock: _SyncClock | None = None
-        self._clocks: list = [None] * self.fragments    # eager: the sync clock of each fragment's round in flight
         self.sync_times: list[float] = []   # each fragment sync, from its first piece's start to its last's delivery
-
-    def _island_transports(self):
-        """(this island's transport, the transport of the islands' j-th workers) on a two-tier network with islands
-        of several workers; None elsewhere (flat DiLoCo). Every rank makes every group, in the same order."""
-        net = self.transport.islands
-        if net is None or net.size == 1:
-            return None
-        if self.transport.members != list(range(net.workers)):
-            raise UserError("diloco replicas=island needs the whole job's group (no regrouped survivors)")
-        m, me = net.size, self.transport.rank
-        islands = [subgroup(range(i * m, (i + 1) * m)) for i in range(net.islands)]
-        columns = [subgroup(range(j, net.workers, m)) for j in range(m)]
-        return self.transport.sub(islands[me // m]), self.transport.sub(columns[me % m])
-
-    def _local(self, k: int) -> torch.Tensor:
-        """Segment k of the worker's own parameters (a view, shaped like its θ)."""
-        i, _, lo, hi = self.segs[k]
-        p = self.params[i].detach()
-        return p if hi - lo == p.numel() else p.view(-1)[lo:hi]
-
-    def pieces(self, bucket, f: int) -> list[int]:
-        """The segments of the bucket's parameters in fragment f, in the bucket's order."""
-        return [k for i in bucket.members for k in self.by_param[i] if self.segs[k][1] == f]
+        self.eager_rounds = EagerRounds(self.frags, self.anchor, self.outer, self.exchange, self.sync_times) \
+            if self.eager else None
 
     def attach(self, ctx) -> None:
         super().attach(ctx)
@@ -322,7 +238,7 @@ class DiLoCo(Algorithm):
     # -- the step --------------------------------------------------------------------------------------
     def on_bucket(self, bucket):
         if self.island is not None:     # data parallel inside the island: the bucket's mean gradient starts
-            self._grads[bucket.index] = self.inner.start(bucket.buffer, bucket.key, shapes=bucket.shapes, inplace=True)
+            self.island.start_gradients(bucket)
             return
         f = self.starting(self.steps + 1)
         if f is None:
@@ -331,27 +247,19 @@ class DiLoCo(Algorithm):
         self.optimizer_step(bucket.params)
         self._start(bucket, f)
 
-    def _key(self, bucket, f: int) -> str:
-        return bucket.key if self.fragments == 1 else f"{bucket.key}@{f}"
-
     def _start(self, bucket, f: int) -> None:
-        piece = self.pieces(bucket, f)
+        piece = self.frags.pieces(bucket, f)
         if not piece:
             return
         with torch.no_grad():      # Δ_i = θ − θ_i (DiLoCo Alg. 1 line 12), in the bucket's order
-            delta = torch.cat([(self.anchor[k] - self._local(k)).reshape(-1) for k in piece])
+            delta = torch.cat([(self.anchor[k] - self.frags.local(k)).reshape(-1) for k in piece])
         if self.island is None:
-            fut = sent = self.exchange.start(delta, key=self._key(bucket, f),
+            fut = sent = self.exchange.start(delta, key=self.frags.key(bucket, f),
                                              shapes=[tuple(self.anchor[k].shape) for k in piece])
         else:       # this worker's shard of the island's Δ across the thin link, the island gathers the rest
-            inside, _ = self.island
-            shards = delta.tensor_split(inside.world_size)
-            mine = shards[inside.rank]
-            sent = self.exchange.start(mine.clone(), key=f"{self._key(bucket, f)}#{inside.rank}",
-                                       shapes=[tuple(mine.shape)])
-            fut = _Gathered(sent, inside, [t.numel() for t in shards])
-        if self.eager:     # the own share stands in for the average until it arrives
-            self._current.update(zip(piece, views(delta.clone(), [self.anchor[k] for k in piece])))
+            sent, fut = self.island.start(self.exchange, delta, self.frags.key(bucket, f))
+        if self.eager_rounds is not None:     # the own share stands in for the average until it arrives
+            self.eager_rounds.keep(piece, delta)
         if not self._pending:       # a fragment's sync begins: time it until its last piece is delivered
             self._sync_clock = _SyncClock()
         self._sync_clock.watch(sent)       # (over the thin link; never a future that communicates on completion)
@@ -364,9 +272,14 @@ class DiLoCo(Algorithm):
 
     def step(self):
         n = self.steps + 1
-        if self.island is not None:
+        if self.island is not None:     # the island's mean gradient, the inner step, then (a starting step) the Δs
             self.scheduler.flush()
-            self._island_inner_step(n)
+            self.island.average_gradients(self.scheduler.buckets)
+            self.optimizer_step()
+            f = self.starting(n)
+            if f is not None:
+                for bucket in self.scheduler.buckets:
+                    self._start(bucket, f)
         elif self.starting(n) is None:  # an inner step (a merge waits for what a starting step sent)
             self.scheduler.local_step()
             self.optimizer_step()
@@ -376,113 +289,48 @@ class DiLoCo(Algorithm):
         self._dirty = [True] * self.fragments
         f = self.merging(n)
         if f is not None:
-            self._eager_step(f) if self.eager else self._merge([f], self.alpha)
+            self._merge([f], self.alpha)
         self.scheduler.end_step()
-
-    def _island_inner_step(self, n: int) -> None:
-        """The island's mean gradient in every p.grad, the inner step, then (a starting step) the fragment's Δ."""
-        for bucket in self.scheduler.buckets:
-            res = self._grads.pop(bucket.index).wait()
-            if res.data_ptr() != bucket.buffer.data_ptr():
-                bucket.buffer.copy_(res.reshape(-1))
-        self.optimizer_step()
-        f = self.starting(n)
-        if f is not None:
-            for bucket in self.scheduler.buckets:
-                self._start(bucket, f)
-
-    @torch.no_grad()
-    def _eager_step(self, f: int) -> None:
-        """Fragment f's round under eager updates: θ ← OuterOpt(θ, Δ_m/M + (Δ_prev − Δ_m,prev/M)) at once; this
-        round's average stays in flight until f's next round (Kale et al. 2025, eager updates)."""
-        with self.tracer.span("outer step", "communicate"):
-            m = self.exchange.world_size          # the replicas averaged
-            ks = self.by_fragment[f]
-            own = {k: self._current.pop(k) for k in ks if k in self._current}
-            grads = {k: d / m for k, d in own.items()}
-            self._apply_delayed(f, grads)
-            for k in ks:
-                self.anchor[k].grad = grads.get(k, torch.zeros_like(self.anchor[k]))
-            step_subset(self.outer, [self.anchor[k] for k in ks])
-            for k in ks:
-                self.anchor[k].grad = None
-                self._local(k).copy_(self.anchor[k])
-            self._inflight[f], self._own[f], self._clocks[f] = self._pending, own, self._sync_clock
-            self._pending, self._pending_fragment = [], None
-            self._dirty[f] = False
-            self.syncs += 1
-
-    def _apply_delayed(self, f: int, grads: dict) -> None:
-        """Add to `grads` the others' shares of fragment f's previous average: Δ_prev − Δ_m,prev / M."""
-        m = self.exchange.world_size
-        for piece, fut in self._inflight[f]:
-            for k, avg in zip(piece, views(fut.wait(), [self.anchor[k] for k in piece])):
-                own = self._own[f].get(k)
-                delayed = avg if own is None else avg - own / m
-                grads[k] = delayed if k not in grads else grads[k] + delayed
-        if self._inflight[f] and self._clocks[f] is not None:
-            self.sync_times.append(self._clocks[f].elapsed())
-        self._inflight[f], self._own[f], self._clocks[f] = [], {}, None
 
     @torch.no_grad()
     def _merge(self, fragments: list[int], alpha: float) -> None:
         """Wait for the fragments' averaged pseudo-gradients, step θ with the outer optimizer, then
-        θ_local ← α θ_local + (1 − α) θ (Streaming DiLoCo §2.3; α = 0: θ, DiLoCo Alg. 1 line 3)."""
+        θ_local ← α θ_local + (1 − α) θ (Streaming DiLoCo §2.3; α = 0: θ, DiLoCo Alg. 1 line 3). Eager: fragment
+        f's round, its average left in flight until the next one (`EagerRounds.round`)."""
         with self.tracer.span("outer step", "communicate"):
-            for piece, fut in self._pending:
-                for k, g in zip(piece, views(fut.wait(), [self.anchor[k] for k in piece])):
-                    self.anchor[k].grad = g
-            if self._pending and self._sync_clock is not None:
-                self.sync_times.append(self._sync_clock.elapsed())
+            if self.eager_rounds is not None:
+                self.eager_rounds.round(fragments[0], self._pending, self._sync_clock)
+            else:
+                for piece, fut in self._pending:
+                    for k, g in zip(piece, views(fut.wait(), [self.anchor[k] for k in piece])):
+                        self.anchor[k].grad = g
+                if self._pending and self._sync_clock is not None:
+                    self.sync_times.append(self._sync_clock.elapsed())
+                ks = [k for f in fragments for k in self.frags.by_fragment[f]]
+                step_subset(self.outer, [self.anchor[k] for k in ks])      # θ ← OuterOpt(θ, Δ) (Alg. 1 line 14)
+                for k in ks:
+                    a, local = self.anchor[k], self.frags.local(k)
+                    a.grad = None
+                    local.copy_(a if alpha == 0.0 else torch.lerp(a, local, alpha))   # θ + α (θ_local − θ)
             self._pending, self._pending_fragment = [], None
-            ks = [k for f in fragments for k in self.by_fragment[f]]
-            step_subset(self.outer, [self.anchor[k] for k in ks])      # θ ← OuterOpt(θ, Δ) (Alg. 1 line 14)
-            for k in ks:
-                a, local = self.anchor[k], self._local(k)
-                a.grad = None
-                local.copy_(a if alpha == 0.0 else torch.lerp(a, local, alpha))   # θ + α (θ_local − θ)
             for f in fragments:
                 self._dirty[f] = alpha != 0.0
             self.syncs += len(fragments)
 
     def close(self):
-        if self.eager:
-            self._close_eager()
-            super().close()
-            return
-        if self._pending:           # the sync in flight (overlap τ > 0) merges as scheduled
-            self._merge([self._pending_fragment], self.alpha)
-        due = [f for f in range(self.fragments) if self._dirty[f]]
-        if due:                     # one last outer step of what moved; every worker ends with θ
-            for bucket in self.scheduler.buckets:
-                for f in due:
-                    self._start(bucket, f)
-            self._merge(due, 0.0)
+        if self.eager_rounds is not None:   # the averages in flight applied, then one average of the models
+            self.eager_rounds.close(self.transport)
+            self._dirty = [False] * self.fragments
+        else:
+            if self._pending:           # the sync in flight (overlap τ > 0) merges as scheduled
+                self._merge([self._pending_fragment], self.alpha)
+            due = [f for f in range(self.fragments) if self._dirty[f]]
+            if due:                     # one last outer step of what moved; every worker ends with θ
+                for bucket in self.scheduler.buckets:
+                    for f in due:
+                        self._start(bucket, f)
+                self._merge(due, 0.0)
         super().close()
-
-    @torch.no_grad()
-    def _close_eager(self) -> None:
-        """The averages in flight applied (their others' shares, moving θ and the worker's model alike), then
-        one average of the workers' models: every worker ends with the same model."""
-        for f in range(self.fragments):
-            if not self._inflight[f]:
-                continue
-            grads: dict = {}
-            self._apply_delayed(f, grads)
-            ks = [k for k in self.by_fragment[f] if k in grads]
-            before = [self.anchor[k].clone() for k in ks]
-            for k in ks:
-                self.anchor[k].grad = grads[k]
-            step_subset(self.outer, [self.anchor[k] for k in ks])
-            for k, b in zip(ks, before):
-                self.anchor[k].grad = None
-                self._local(k).add_(self.anchor[k] - b)
-        flat = self.flat_params()
-        self.transport.all_reduce(flat, op="mean")
-        copy_each([p.detach() for p in self.params], views(flat, self.params))
-        for k in range(len(self.segs)):
-            self.anchor[k].copy_(self._local(k))
-        self._dirty = [False] * self.fragments
 
     @torch.no_grad()
     def recover(self):
@@ -494,8 +342,8 @@ class DiLoCo(Algorithm):
             raise UserError("diloco replicas=island does not go on after a lost worker (its island's data parallel "
                             "group lost a member): use on_failure='stop' and resume from a checkpoint")
         self._pending, self._pending_fragment = [], None
-        self._inflight, self._own = [[] for _ in range(self.fragments)], [{} for _ in range(self.fragments)]
-        self._current = {}
+        if self.eager_rounds is not None:
+            self.eager_rounds.reset()
         for a in self.anchor:
             a.grad = None
         # one message (not one per tensor: a round trip each on a slow link), and a newcomer of an elastic job
@@ -534,27 +382,19 @@ class DiLoCo(Algorithm):
         copy_each(self.anchor, state["anchor"])
         self.outer.load_state_dict(state["outer"])
         for k, a in enumerate(self.anchor):
-            self._local(k).copy_(a)
+            self.frags.local(k).copy_(a)
         self.steps, self.syncs, self._dirty = int(state["steps"]), int(state["syncs"]), list(state["dirty"])
 
     # -- buckets re-planned (MG-WFBP): per-piece exchange state follows ------------------------------------
     def _piece_layout(self) -> list[list[tuple[str, int]]]:
-        """Per fragment: (key, numel) of its pieces, bucket by bucket (its elements in backward order); with
-        replicas="island", of this worker's shard of each piece."""
-        out: list[list[tuple[str, int]]] = [[] for _ in range(self.fragments)]
-        for bucket in self.scheduler.buckets:
-            for f in range(self.fragments):
-                n = sum(self.anchor[k].numel() for k in self.pieces(bucket, f))
-                if n and self.island is None:
-                    out[f].append((self._key(bucket, f), n))
-                elif n:
-                    m, j = self.island[0].world_size, self.island[0].rank
-                    out[f].append((f"{self._key(bucket, f)}#{j}", n // m + (1 if j < n % m else 0)))
-        return out
+        """Per fragment: (key, numel) of its pieces (`Fragments.layout`); with replicas="island", of this worker's
+        shard of each piece."""
+        layout = self.frags.layout(self.scheduler.buckets)
+        return layout if self.island is None else [[self.island.shard(*x) for x in f] for f in layout]
 
     def rekey(self, old, new):
-        for _, fut in self._pending + [x for f in self._inflight for x in f]:   # the exchange's programs have
-            fut.result()                                                          # run (their state is settled)
+        for _, fut in self._pending + (self.eager_rounds.in_flight() if self.eager_rounds else []):
+            fut.result()        # the exchange's programs have run (their state is settled)
         layout = self._piece_layout()
         for f in range(self.fragments):
             self.exchange.rekey(self._layout[f], layout[f])
@@ -562,11 +402,12 @@ class DiLoCo(Algorithm):
 
     # -- bookkeeping -----------------------------------------------------------------------------------
     def metrics(self):
+        bounds = self.frags.bounds
         return {**super().metrics(), "period": self.period, "fragments": self.fragments, "overlap": self.overlap,
                 "alpha": self.alpha, "eager": self.eager, "replicas": self.replicas,
                 "replicas_averaged": self.exchange.world_size, "outer_optimizer": self.outer_spec or
                 f"sgd(lr={self.outer_lr}, momentum={self.outer_momentum}, nesterov={self.nesterov})",
-                "syncs": self.syncs, "fragment_params": [b - a for a, b in zip(self.bounds, self.bounds[1:])],
+                "syncs": self.syncs, "fragment_params": [b - a for a, b in zip(bounds, bounds[1:])],
                 "sync_s": statistics.median(self.sync_times) if self.sync_times else None}
 
     def _config(self) -> dict:
@@ -577,14 +418,12 @@ class DiLoCo(Algorithm):
         """Waits for a sync in flight and stores its average: a resumed run continues exactly."""
         pending = [(list(m), fut.wait().clone()) for m, fut in self._pending]
         self._pending = [(m, Ready(v)) for m, v in pending]
-        inflight = [[(list(m), fut.wait().clone()) for m, fut in f] for f in self._inflight]
-        self._inflight = [[(m, Ready(v)) for m, v in f] for f in inflight]
+        eager = self.eager_rounds.state_dict() if self.eager_rounds else \
+            {"inflight": [[] for _ in range(self.fragments)], "own": [{} for _ in range(self.fragments)]}
         return {**self._config(), "steps": self.steps, "syncs": self.syncs, "dirty": list(self._dirty),
                 "anchor": [a.clone() for a in self.anchor], "outer": copy.deepcopy(self.outer.state_dict()),
                 "pending": [(m, v.clone()) for m, v in pending], "pending_fragment": self._pending_fragment,
-                "inflight": [[(m, v.clone()) for m, v in f] for f in inflight],
-                "own": [{k: v.clone() for k, v in f.items()} for f in self._own],
-                "exchange": self.exchange.state_dict()}
+                **eager, "exchange": self.exchange.state_dict()}
 
     def load_state_dict(self, state):
         if {k: state.get(k) for k in self._config()} != self._config():
@@ -595,6 +434,6 @@ class DiLoCo(Algorithm):
         self.outer.load_state_dict(copy.deepcopy(state["outer"]))
         self._pending = [(list(m), Ready(v.clone())) for m, v in state["pending"]]
         self._pending_fragment = state["pending_fragment"]
-        self._inflight = [[(list(m), Ready(v.clone())) for m, v in f] for f in state.get("inflight", self._inflight)]
-        self._own = [{k: v.clone() for k, v in f.items()} for f in state.get("own", self._own)]
+        if self.eager_rounds is not None:
+            self.eager_rounds.load_state_dict(state)
         self.exchange.load_state_dict(state["exchange"])
