@@ -566,8 +566,8 @@ def _torchft_side(rank, world, lighthouse, params):
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    from thinwire.launcher.pool import _listen
-    fd, port = _listen("127.0.0.1", 0)
+    from thinwire.launcher.worker import listen
+    fd, port = listen("127.0.0.1", 0)
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
     wait = timedelta(seconds=60)
     manager = Manager(pg=ProcessGroupGloo(timeout=wait), load_state_dict=None, state_dict=None,

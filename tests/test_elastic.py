@@ -2,12 +2,17 @@
 synchronization boundary, with the model, optimizer and algorithm state of a live peer; refused and failed joins.
 
 One elastic pool (2 members + 1 process in reserve) serves every test: a newcomer of one run is the reserve of
-the next."""
+the next (a run that fails closes the pool: the next test that asks for it gets a new one)."""
 from __future__ import annotations
 
 import hashlib
 import os
 import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -56,10 +61,19 @@ def _train(member, workers, algorithm, params, want, after, other=None, cap=3000
 
 
 @pytest.fixture(scope="module")
-def epool():
+def _epools():
+    held = {}
+    yield held
+    if held:
+        held["pool"].close()
+
+
+@pytest.fixture
+def epool(_epools):
     from thinwire.launcher.elastic import ElasticPool
-    with ElasticPool(2, max_workers=3, spares=1, timeout=300) as pool:
-        yield pool
+    if "pool" not in _epools or _epools["pool"]._closed:
+        _epools["pool"] = ElasticPool(2, max_workers=3, spares=1, timeout=300)
+    return _epools["pool"]
 
 
 @pytest.mark.parametrize("algorithm,params", [("bsp", {}), ("localsgd", {"period": 4}),
@@ -135,6 +149,74 @@ def test_a_checkpoint_taken_after_a_change_of_membership_resumes_bitwise(epool, 
     resumed = run_elastic(TrainConfig(**{**base, "workers": 1}, resume=str(tmp_path / "ck")).validate())
     assert resumed["model_sha256"] == out[0]["model_sha256"]
     assert resumed["steps"] == 36
+
+
+def test_a_join_scheduled_at_a_step_fires_and_the_newcomer_takes_part(epool):
+    """`joins=[("step", k)]` starts a newcomer once a member reported step k: the members' progress reaches the
+    launcher (before, elastic workers reported none and such a join never fired)."""
+    out = epool.run(_train, "bsp", {}, 3, 20, joins=[("step", 5)])
+    assert sorted(out) == [0, 1, 2] and not epool.lost and not epool.refused
+    assert [g["kind"] for g in epool.generations] == ["start", "join"]
+    assert len({o["at_join"] for o in out.values()}) == 1 and len({o["sha"] for o in out.values()}) == 1
+    step = out[0]["at_join"][0]
+    assert step >= 5 and all(o["steps"] == step + 20 and o["gen"] == 1 for o in out.values())
+
+
+def _stalls(member, workers):
+    """Member 1 reports steps 1-3 and stops; member 0 reports step 4 too and waits (as in that step's collective)."""
+    for step in range(1, 5 if member == 0 else 4):
+        tw.report_progress(step)
+    time.sleep(30)
+
+
+def test_a_stalled_member_is_named_within_the_progress_bound(epool):
+    """The progress watchdog watches an elastic job's members: member 1, stuck at step 3 while member 0 waits at
+    step 4, is named (a run with no progress watchdog would end after the members' 30 s sleep, unnamed). Last of
+    the tests on `epool`: the failure closes it."""
+    epool.progress_timeout = 2.0
+    with pytest.raises(tw.WorkerError, match=r"member 1 made no progress for \d+ s \(stuck at step 3; others at "
+                                             r"step 4\)") as err:
+        epool.run(_stalls)
+    assert err.value.rank == 1
+
+
+def test_join_where_nothing_listens_fails_in_one_line():
+    """`thinwire train --join HOST:PORT` to a closed port: exit status 2 and one line on stderr, well within the
+    30 s it is given (before: 58 s, and 39-50 lines of C++ stack dumps from the store's client first)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]     # bound, never listening: closed
+    out = subprocess.run([sys.executable, "-m", "thinwire", "train", "--workload", "linreg", "--join",
+                          f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=35)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"thinwire: error: cannot reach the elastic job at 127.0.0.1:{port}: "), out.stderr
+
+
+def test_join_to_an_address_that_answers_as_no_store_fails_in_one_line(monkeypatch, capfd):
+    """An address that accepts the connection and answers something else (an HTTP server): one line, and none of
+    the store client's C++ stack dumps on stderr."""
+    from thinwire.errors import UserError
+    from thinwire.launcher import elastic as launcher
+    monkeypatch.setattr(launcher, "STORE_ANSWER_S", 1.0)
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+    threading.Thread(target=answer, daemon=True).start()
+    port = server.getsockname()[1]
+    try:
+        with pytest.raises(UserError, match=f"cannot reach the elastic job at 127.0.0.1:{port}: it answers, but as "
+                                            f"no thinwire job's store") as err:
+            launcher.join_by_hand(f"127.0.0.1:{port}", _stalls)
+    finally:
+        server.close()
+    assert "\n" not in str(err.value) and capfd.readouterr().err == ""
 
 
 def test_a_refusal_names_the_first_difference():

@@ -95,7 +95,7 @@ def _feeders(pool) -> list:
     return [q._thread for q in pool._tasks if getattr(q, "_thread", None) is not None and q._thread.is_alive()]
 
 
-class _CtrlCOnSecondStart(tw.launcher.pool._ctx.Process):
+class _CtrlCOnSecondStart(tw.launcher.pool.ctx.Process):
     started: list = []   # pids of the workers that did start
 
     def start(self):
@@ -121,7 +121,7 @@ def test_a_run_with_its_progress_bar_ends_without_a_leaked_semaphore():
 
 def test_ctrl_c_between_two_worker_starts_leaves_nothing(monkeypatch):
     from thinwire.launcher import pool as launcher
-    monkeypatch.setattr(launcher._ctx, "Process", _CtrlCOnSecondStart)
+    monkeypatch.setattr(launcher.ctx, "Process", _CtrlCOnSecondStart)
     _CtrlCOnSecondStart.started = []
     with pytest.raises(KeyboardInterrupt):  # not an error of the clean-up ("can only join a started process")
         tw.Pool(2)
@@ -210,7 +210,7 @@ def test_bad_pool_arguments_start_nothing(kwargs, message):
     class Tripwire:  # were a check missing, nothing is spawned (513 workers would exhaust a small machine)
         def __getattr__(self, name):
             raise AssertionError(f"started despite bad input (multiprocessing {name})")
-    with mock.patch.object(launcher, "_ctx", Tripwire()), pytest.raises(UserError, match=message):
+    with mock.patch.object(launcher, "ctx", Tripwire()), pytest.raises(UserError, match=message):
         tw.Pool(**kwargs)
 
 
@@ -272,10 +272,15 @@ def _asleep_here():
 
 
 @pytest.mark.skipif(tw.launcher.pool.STACKS_SIGNAL is None, reason="no SIGUSR2 on this platform")
-def test_a_hang_names_where_every_worker_was():
+def test_a_hang_names_where_every_worker_was(monkeypatch, tmp_path):
     """Rank 1 sleeps, rank 0 waits for it in an all-reduce: the launcher's error (no result within 2 s) carries
-    both workers' Python stacks at that moment, each showing where it was."""
+    both workers' Python stacks at that moment, each showing where it was. The stacks pass through files unlinked
+    when made: nothing of them is in the temporary directory while the pool lives, so a launcher SIGKILLed at any
+    moment leaves nothing there (before: a `thinwire-stacks-*` folder)."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with tw.Pool(2) as pool, pytest.raises(WorkerError) as err:
+        assert os.listdir(tmp_path) == []
         pool.run(_waits_in_a_collective, timeout=2)
     text = str(err.value)
     assert text.startswith("worker 0 failed: stalled: no result within 2 s") and err.value.stacks

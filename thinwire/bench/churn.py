@@ -345,7 +345,7 @@ def replica(index: int, incarnation: int, spec: dict) -> None:
     from torchft.local_sgd import DiLoCo
 
     from ..comm import set_default_network
-    from ..launcher.pool import _listen
+    from ..launcher.worker import listen
     from ..net import parse_network
     from ..run import workloads
     from ..run.peers import _Counter
@@ -357,7 +357,7 @@ def replica(index: int, incarnation: int, spec: dict) -> None:
     opt = wl.make_optimizer(model)
     counter = _Counter(index, parse_network(spec["network"]))
     pg = _emulated_gloo(counter, timedelta(seconds=120))
-    fd, port = _listen("127.0.0.1", 0)
+    fd, port = listen("127.0.0.1", 0)
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
                           use_libuv=False)
 

@@ -24,6 +24,8 @@ import os
 import pickle
 import queue
 import signal
+import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -33,11 +35,13 @@ from ..comm import elastic
 from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
 from ..net import parse_network
-from . import pool as _pool
-from .pool import (PROGRESS_TIMEOUT, _check_timeout, _ctx, _die_with_parent, _died, _is_loopback, _listen,
-                   _peer_failure, _Watchdog, check_world_size)
+from .pool import check_world_size
+from .worker import (PROGRESS_TIMEOUT, Watchdog, check_timeout, ctx, died, fail_and_exit, peer_failure, pin_gloo,
+                     serve_store, start, stop, threads_per_worker)
 
 FOREIGN_SILENCE_S = 3.0      # a member joined by hand (no child of this launcher) is lost after this much silence
+JOIN_REACH_S = 30.0          # `--join HOST:PORT`: the bound on reaching the job's store, ...
+STORE_ANSWER_S = 5.0         # ... of which the store's handshake takes about twice this, once the address answers
 
 
 def _beat_store(store, me: int, every: float = 0.25) -> None:
@@ -74,24 +78,12 @@ def _run_member(store_client, prefix: str, task, member: int, joining: bool, max
 
 def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, times, worker_init, threads):
     """A worker process of an ElasticPool: runs tasks (one training each) as the member the launcher names."""
-    _die_with_parent()
-    try:
-        if worker_init is not None:
-            worker_init(slot, -1)
-    except BaseException as e:  # noqa: BLE001
-        _pool._fail_and_exit(results, (slot, -1, -1), "error",
-                             f"cannot start: worker_init failed: {type(e).__name__}: {e}")
-    if _is_loopback(host) and os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    threading.Thread(target=_pool._heartbeat, args=(beats, slot), daemon=True).start()
-    _pool._progress = (steps, times, slot)
-    import torch
+    start(slot, (slot, -1, -1), host, results, beats, steps, times, threads, worker_init, (slot, -1))
     import torch.distributed as dist
-    torch.set_num_threads(threads)
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except BaseException as e:  # noqa: BLE001
-        _pool._fail_and_exit(results, (slot, -1, -1), "error", f"cannot start: {e}")
+        fail_and_exit(results, (slot, -1, -1), "error", f"cannot start: {e}")
     results.put((slot, -1, -1, "ok", b"", ""))
     for task_id, blob, member, joining, prefix, max_members in iter(tasks.get, None):
         try:
@@ -99,7 +91,7 @@ def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, tim
             out = pickle.dumps(value) if status == "ok" else value
         except BaseException as e:  # noqa: BLE001
             kind = "usererror" if isinstance(e, UserError) else "error"
-            _pool._fail_and_exit(results, (slot, task_id, member), kind, f"{type(e).__name__}: {e}")
+            fail_and_exit(results, (slot, task_id, member), kind, f"{type(e).__name__}: {e}")
         results.put((slot, task_id, member, status, out, ""))
     os._exit(0)
 
@@ -119,32 +111,24 @@ class ElasticPool:
             raise UserError(f"elastic workers need 1 <= min <= workers <= max, got min {min_workers}, workers "
                             f"{workers}, max {max_workers}")
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout), ("stall_timeout", stall_timeout)):
-            _check_timeout(name, value)
-        _check_timeout("progress_timeout", progress_timeout, allow_none=True)
+            check_timeout(name, value)
+        check_timeout("progress_timeout", progress_timeout, allow_none=True)
         if not (isinstance(replace_delay, (int, float)) and 0 <= replace_delay < 3600):
             raise UserError(f"replace_delay must be in [0, 3600) seconds, got {replace_delay!r}")
-        import torch.distributed as dist
         self.workers, self.max_workers, self.min_workers = workers, max_workers, min_workers
         self.timeout, self.stall_timeout, self.progress_timeout = timeout, stall_timeout, progress_timeout
         self.replace, self.replace_delay, self.worker_init = replace, float(replace_delay), worker_init
         # sized for the most workers the job may have: the same in every run of a job, whatever its members
         # (a checkpoint taken with 1 member resumes bitwise in a pool started with 1)
-        self.threads = threads or _pool._threads_per_worker(max_workers)
+        self.threads = threads or threads_per_worker(max_workers)
         self.spares, self.start_timeout = spares, start_timeout
         self.host = host
-        fd, self.port = _listen(host, port)
-        try:
-            self._store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=timeout), master_listen_fd=fd)
-        except (RuntimeError, OSError) as e:
-            os.close(fd)
-            raise UserError(f"cannot listen on {host}:{self.port}: {e}") from None
-        self._results = _ctx.Queue()
+        self._store = serve_store(host, port, timeout)
+        self.port = self._store.port
+        self._results = ctx.Queue()
         self._slots: list[dict] = []       # {"proc", "tasks", "member", "busy"}
         cap = max_workers + spares + 64    # slots are reused; a replacement takes a dead worker's slot
-        self._beats = _ctx.Array("d", cap, lock=False)
-        self._steps = _ctx.Array("q", cap, lock=False)
-        self._times = _ctx.Array("d", cap, lock=False)
+        self._beats, self._steps, self._times = (ctx.Array(t, cap, lock=False) for t in "dqd")   # by slot
         self._cap = cap
         self._task_id = -1
         self._closed = False
@@ -167,11 +151,11 @@ class ElasticPool:
             slot = free[0] if free else len(self._slots)
             if slot >= self._cap:
                 raise WorkerError(-1, f"more than {self._cap} worker processes")
-        tasks = _ctx.Queue()
+        tasks = ctx.Queue()
         self._beats[slot], self._steps[slot], self._times[slot] = 0.0, -1, 0.0
-        proc = _ctx.Process(target=_elastic_main, name=f"thinwire-elastic-{slot}", daemon=True,
-                            args=(slot, self.host, self.port, self.timeout, tasks, self._results, self._beats,
-                                  self._steps, self._times, self.worker_init, self.threads))
+        proc = ctx.Process(target=_elastic_main, name=f"thinwire-elastic-{slot}", daemon=True,
+                           args=(slot, self.host, self.port, self.timeout, tasks, self._results, self._beats,
+                                 self._steps, self._times, self.worker_init, self.threads))
         entry = {"proc": proc, "tasks": tasks, "member": None, "ready": False, "started": time.monotonic()}
         if slot == len(self._slots):
             self._slots.append(entry)
@@ -193,7 +177,7 @@ class ElasticPool:
                 self._slots[slot]["ready"] = True
             for i, s in enumerate(self._slots):
                 if s["proc"] is not None and s["proc"].exitcode is not None:
-                    raise WorkerError(i, _died(s["proc"].exitcode))
+                    raise WorkerError(i, died(s["proc"].exitcode))
             if time.monotonic() > deadline:
                 raise WorkerError(-1, f"workers did not start within {timeout:.0f} s")
 
@@ -301,7 +285,7 @@ class ElasticPool:
     def _collect(self, tid: int, timeout: float, deadline: float | None) -> dict:
         got: dict[int, object] = {}
         t0 = time.monotonic()
-        watch = _Watchdog(self._steps, self._times, self.progress_timeout)
+        watch = Watchdog(self._steps, self._times, self.progress_timeout, noun="member")
         done_at = None
         while True:
             try:
@@ -324,7 +308,7 @@ class ElasticPool:
                         self._lose(member, payload)
                     elif status == "usererror":
                         raise UserError(payload.split(": ", 1)[-1])
-                    elif status == "error" and _peer_failure(payload):
+                    elif status == "error" and peer_failure(payload):
                         self._lose(member, payload)         # it saw a peer go away: taken for lost
                     else:
                         raise WorkerError(member, payload, tb)
@@ -336,7 +320,7 @@ class ElasticPool:
                 member = s["member"]
                 s["proc"], s["member"] = None, None
                 if member is not None and member not in got:
-                    self._lose(member, _died(p.exitcode))
+                    self._lose(member, died(p.exitcode))
             for i, s in enumerate(self._slots):
                 if (s["proc"] is not None and s["member"] is not None and s["ready"]
                         and 0 < self._beats[i] < now - self.stall_timeout):
@@ -347,11 +331,12 @@ class ElasticPool:
             while self._pending_joins and self._join_due(*self._pending_joins[0], now):
                 self._pending_joins.pop(0)
                 self.start_joiner()
-            self._watch_foreign(got, now)
+            self._watch_foreign(got)
             g, rec = self._newest()
             members = rec["members"]
-            running = [i for i, s in enumerate(self._slots) if s["member"] in members and s["proc"] is not None]
-            stuck = watch.check(now, running)
+            running = {s["member"]: i for i, s in enumerate(self._slots)
+                       if s["member"] in members and s["proc"] is not None}
+            stuck = watch.check(now, list(running), running)
             if stuck is not None:
                 raise stuck
             if all(m in got for m in members):
@@ -376,53 +361,22 @@ class ElasticPool:
             return now - self._t0 >= value
         return max(self._steps[:len(self._slots)] or [-1]) >= value
 
-    def _watch_foreign(self, got: dict, now: float) -> None:
+    def _watch_foreign(self, got: dict) -> None:
         """Members joined by hand (`thinwire train --join`): their results and heartbeats come through the store."""
-        if not self._run_store.check(["foreign"]):
-            return
-        for m in {int(x) for x in self._run_store.get("foreign").decode().split(",") if x}:
-            if m in got or any(e["member"] == m for e in self.lost):
-                continue
-            if self._run_store.check([f"result/{m}"]):
-                status, value = json.loads(self._run_store.get(f"result/{m}").decode())
-                if status == "ok":
-                    got[m] = value
-                elif status == "refused":
-                    self.refused[m] = value
-                else:
-                    self._lose(m, value)
-            elif self._run_store.check([f"alive/{m}"]):
-                if time.time() - float(self._run_store.get(f"alive/{m}").decode()) > FOREIGN_SILENCE_S:
-                    self._lose(m, f"no heartbeat for {FOREIGN_SILENCE_S:.0f} s (joined by hand)")
+        for m, status, value in _hand_joined(self._run_store, set(got) | {e["member"] for e in self.lost}):
+            if status == "ok":
+                got[m] = value
+            elif status == "refused":
+                self.refused[m] = value
+            else:
+                self._lose(m, value)
 
     # -- the end ---------------------------------------------------------------------------------------
     def close(self, force: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
-        live = [s for s in self._slots if s["proc"] is not None and s["proc"].pid is not None]
-        if not force:
-            for s in live:
-                s["tasks"].put(None)
-            for s in live:
-                s["proc"].join(timeout=10)
-        for s in live:
-            if s["proc"].is_alive():
-                s["proc"].terminate()
-        for s in live:
-            s["proc"].join(timeout=2)
-            if s["proc"].is_alive():
-                s["proc"].kill()
-                s["proc"].join()
-        for s in self._slots:
-            s["tasks"].close()
-            s["tasks"].cancel_join_thread()
-        self._results.close()
-        self._results.cancel_join_thread()
-        for s in self._slots:
-            feeder = getattr(s["tasks"], "_thread", None)
-            if feeder is not None:
-                feeder.join(timeout=5)
+        stop([(s["proc"], s["tasks"]) for s in self._slots], self._results, force)
         self._store = self._run_store = None
 
     @property
@@ -437,6 +391,60 @@ class ElasticPool:
         self.close(force=exc[0] is not None)
 
 
+def _hand_joined(run_store, known: set) -> list[tuple[int, str, object]]:
+    """(the launcher) What the store says of the members joined by hand (`join_by_hand`) that are not `known`:
+    (member, status, value) for each that handed in its result (status "ok", "refused" or "error") or whose
+    heartbeat stopped ("silent")."""
+    if not run_store.check(["foreign"]):
+        return []
+    news = []
+    for m in {int(x) for x in run_store.get("foreign").decode().split(",") if x}:
+        if m in known:
+            continue
+        if run_store.check([f"result/{m}"]):
+            news.append((m, *json.loads(run_store.get(f"result/{m}").decode())))
+        elif run_store.check([f"alive/{m}"]):
+            if time.time() - float(run_store.get(f"alive/{m}").decode()) > FOREIGN_SILENCE_S:
+                news.append((m, "silent", f"no heartbeat for {FOREIGN_SILENCE_S:.0f} s (joined by hand)"))
+    return news
+
+
+def _connect(host: str, port: int):
+    """A client of the job's store at `host`:`port`, or a one-line UserError within `JOIN_REACH_S`. The address
+    is probed first with a plain socket (the name lookup on a thread: it takes no timeout); then `TCPStore`,
+    whose client retries past its timeout and writes a C++ stack dump at each try, has `STORE_ANSWER_S` to
+    shake hands, with this process's stderr (fd 2) on /dev/null meanwhile."""
+    import torch.distributed as dist
+    failure = []
+
+    def probe():
+        try:
+            socket.create_connection((host, port), timeout=JOIN_REACH_S - 2 * STORE_ANSWER_S).close()
+            failure.append(None)
+        except OSError as e:
+            failure.append(e.strerror or str(e) or type(e).__name__)
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(JOIN_REACH_S - 2 * STORE_ANSWER_S)
+    why = failure[0] if failure else f"no answer within {JOIN_REACH_S - 2 * STORE_ANSWER_S:.0f} s"
+    if why is not None:
+        raise UserError(f"cannot reach the elastic job at {host}:{port}: {why}")
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S))
+    except (RuntimeError, OSError) as e:
+        raise UserError(f"cannot reach the elastic job at {host}:{port}: it answers, but as no thinwire job's "
+                        f"store ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+    store.set_timeout(timedelta(seconds=JOIN_REACH_S))    # each of its operations' bound from now on
+    return store
+
+
 def join_by_hand(address: str, fn, *args, timeout: float = 3600.0):
     """Join the elastic job whose launcher's store is at `address` ("HOST:PORT") from this process (`thinwire
     train --join`, also under torchrun: each process joins as one member): run `fn(member, workers, *args)` as a
@@ -445,10 +453,7 @@ def join_by_hand(address: str, fn, *args, timeout: float = 3600.0):
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise UserError(f"--join takes HOST:PORT (the address an elastic job prints), got {address!r}")
-    try:
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
-    except (RuntimeError, OSError) as e:
-        raise UserError(f"cannot reach the elastic job at {address}: {e}") from None
+    store = _connect(host, int(port))
     if not store.check(["thinwire/elastic/current"]):
         raise UserError(f"{address} is no thinwire elastic job")
     prefix = store.get("thinwire/elastic/current").decode()
@@ -457,8 +462,7 @@ def join_by_hand(address: str, fn, *args, timeout: float = 3600.0):
     member = run.add("next_id", 1) - 1
     run.append("foreign", f"{member},")
     threading.Thread(target=_beat_store, args=(run, member), daemon=True).start()
-    if _is_loopback(host) and os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    pin_gloo(host)
     MEMBERSHIP.reset()
     me = elastic.Member(run, member, True, timeout, config["max"])
     elastic.set_member(me)

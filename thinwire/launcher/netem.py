@@ -35,7 +35,8 @@ from functools import partial
 
 from ..errors import UserError
 from ..net import parse_network
-from .pool import Pool, _die_with_parent
+from .pool import Pool
+from .worker import die_with_parent
 
 CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
@@ -166,7 +167,7 @@ class Emulation:
         self.forwarder = subprocess.Popen(
             [sys.executable, "-c", "from thinwire.launcher.netem import forward_main; forward_main()", self.prefix,
              str(self.slots)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-            preexec_fn=_die_with_parent)
+            preexec_fn=die_with_parent)
         line = self.forwarder.stdout.readline().strip()
         if line != "ready":
             raise UserError(f"--netem: the forwarder did not start ({line or 'no output'})")

@@ -31,22 +31,12 @@ Nothing here authenticates: keep these ports off untrusted networks.
 """
 from __future__ import annotations
 
-import ctypes
-import ipaddress
-import math
-import multiprocessing as mp
 import os
 import pickle
 import queue
-import shutil
-import signal
-import socket
-import statistics
-import sys
 import tempfile
+import threading
 import time
-import traceback
-from collections import deque
 from datetime import timedelta
 
 from ..comm import set_default_network
@@ -54,29 +44,16 @@ from ..comm import progress
 from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
 from ..net import parse_network
-
-_ctx = mp.get_context("spawn")
+from .worker import (PROGRESS_TIMEOUT, STACKS_SIGNAL, Inherit, NoProgressError, Watchdog, check_timeout, ctx, died,
+                     fail_and_exit, peer_failure, serve_store, start, stop, threads_per_worker)
 
 MAX_LOCAL_WORKERS = 512     # processes on one machine: each holds an interpreter, torch and a copy of the model
-PROGRESS_TIMEOUT = 300.0    # the progress watchdog's bound (s) by default, ...
-PROGRESS_STEPS = 50         # ... raised to this many median step times when steps are slow
 
 report_progress = progress.report   # thinwire.report_progress: see thinwire/comm/progress.py
-STACKS_SIGNAL = getattr(signal, "SIGUSR2", None)   # a worker writes its threads' Python stacks on it
-_stacks_file = None                                 # (worker) where, kept open for faulthandler
 
 
 class DeadlineError(WorkerError):
     """The run outlived the deadline it was given (`deadline=`, `--deadline`), progress or not."""
-
-
-class NoProgressError(WorkerError):
-    """The progress watchdog's verdict. Its message is the whole story; `rank` is the rank the others wait
-    for, or -1 when every rank is stuck at the same step (a stuck collective: no single rank to blame)."""
-
-    def __init__(self, rank: int, cause: str, traceback: str = "", stacks: str = ""):
-        super().__init__(rank, cause, stacks=stacks)
-        self.args = (cause,)
 
 
 def check_world_size(world_size) -> None:
@@ -86,70 +63,6 @@ def check_world_size(world_size) -> None:
         raise UserError(f"world size must be at most {MAX_LOCAL_WORKERS} on one machine, got {world_size} "
                         f"(each worker is a process with its own interpreter, torch runtime and copy of the "
                         f"model); across machines run under torchrun")
-
-
-def _check_timeout(name: str, value, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise UserError(f"{name} must be a finite number of seconds > 0{' (or None: off)' if allow_none else ''}, "
-                        f"got {value!r}")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def _listen(host: str, port: int) -> tuple[int, int]:
-    """A socket listening on `host`:`port` and on nothing wider, detached: (fd, port). `TCPStore` takes the fd
-    over (`master_listen_fd`); its own master listener would bind every interface (`*:PORT`)."""
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port}: {e}") from None
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.bind(addr)
-        sock.listen(1024)
-    except OSError as e:
-        sock.close()
-        raise UserError(f"cannot listen on {host}:{port} (port in use?): {e}") from None
-    bound = sock.getsockname()[1]
-    return sock.detach(), bound
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to kill this worker when the launcher dies (Linux); no stray processes."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _threads_per_worker(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, world_size))
-
-
-def _fail_and_exit(results, head: tuple, kind: str, cause: str) -> None:
-    """Report a failure, with the exception being handled, to the launcher and exit; the queue is flushed first
-    so the report is never lost. `head`: the fields the launcher's results start with ((rank, task) here; the
-    elastic launcher's (slot, task, member))."""
-    results.put((*head, kind, cause, traceback.format_exc()))
-    results.close()
-    results.join_thread()
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def _heartbeat(beats, rank: int, every: float = 0.5) -> None:
-    """(daemon thread) show the launcher this process is alive; a stopped or hung process stops beating."""
-    while True:
-        beats[rank] = time.monotonic()
-        time.sleep(every)
 
 
 def _watch_membership(host: str, port: int, world_size: int) -> None:
@@ -198,33 +111,12 @@ def gpu_of(local_rank: int) -> int:
     return local_rank % torch.cuda.device_count()
 
 
-def _dump_stacks_on_signal(path: str | None) -> None:
-    """(worker) On `STACKS_SIGNAL`, write every thread's Python stack to `path`."""
-    global _stacks_file
-    if path is None or STACKS_SIGNAL is None:
-        return
-    import faulthandler
-    _stacks_file = open(path, "w")
-    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
-
-
 def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, results, beats, steps, times,
                  worker_init, on_failure="stop", device="cpu", stacks=None):
-    _die_with_parent()
-    _dump_stacks_on_signal(stacks)
-    try:
-        if worker_init is not None:  # first, on this (main) thread: e.g. enter a network namespace
-            worker_init(rank, world_size)
-    except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
-        _fail_and_exit(results, (rank, -1), "error", f"cannot start: worker_init failed: {type(e).__name__}: {e}")
-    if _is_loopback(host) and os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too, not the host's address
-    import threading
-    threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True).start()
-    progress.install(steps, times, rank)
+    start(rank, (rank, -1), host, results, beats, steps, times, threads_per_worker(world_size), worker_init,
+          (rank, world_size), stacks)
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(_threads_per_worker(world_size))
     if backend == "nccl":  # one process per GPU: this worker's rank is its local rank
         os.environ["LOCAL_RANK"] = str(rank)
     if device == "cuda":   # its GPU (shared with other workers under gloo) is its current device
@@ -234,7 +126,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
-        _fail_and_exit(results, (rank, -1), "error", f"cannot start: {e}")
+        fail_and_exit(results, (rank, -1), "error", f"cannot start: {e}")
     if on_failure == "continue":
         MEMBERSHIP.watch(world_size)
         threading.Thread(target=_watch_membership, args=(host, port, world_size), daemon=True).start()
@@ -246,7 +138,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
             out = pickle.dumps(fn(rank, world_size, *args))
         except BaseException as e:  # noqa: BLE001
             kind = "usererror" if isinstance(e, UserError) else "error"
-            _fail_and_exit(results, (rank, task_id), kind, f"{type(e).__name__}: {e}")
+            fail_and_exit(results, (rank, task_id), kind, f"{type(e).__name__}: {e}")
         results.put((rank, task_id, "ok", out, ""))
     try:
         dist.destroy_process_group()
@@ -254,23 +146,10 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         os._exit(0)
 
 
-def _died(code: int) -> str:
-    """Why a worker process is gone, from its exit code (negative: the signal that killed it)."""
-    why = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-    return f"worker process died ({why})"
-
-
 def _hung(error: WorkerError) -> bool:
     """A failure that shows a hang (a stall, no progress, no result) or only a peer's going away: where every
     worker was is then the story."""
-    return isinstance(error, NoProgressError) or error.cause.startswith("stalled") or _peer_failure(error.cause)
-
-
-def _peer_failure(message: str) -> bool:
-    """An error that only says another worker went away."""
-    text = message.lower()
-    return any(k in text for k in ("connection closed by peer", "connection reset", "remote worker crash",
-                                   "broken pipe", "connection refused", "socket closed"))
+    return isinstance(error, NoProgressError) or error.cause.startswith("stalled") or peer_failure(error.cause)
 
 
 class Pool:
@@ -299,30 +178,25 @@ class Pool:
             raise UserError(f"port must be in 0..65535, got {port!r}")
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout),
                             ("stall_timeout", stall_timeout)):
-            _check_timeout(name, value)
-        _check_timeout("progress_timeout", progress_timeout, allow_none=True)
+            check_timeout(name, value)
+        check_timeout("progress_timeout", progress_timeout, allow_none=True)
         if worker_init is not None and not callable(worker_init):
             raise UserError(f"worker_init must be callable, got {type(worker_init).__name__}")
-        import torch.distributed as dist
         self.world_size, self.timeout, self.stall_timeout = world_size, timeout, stall_timeout
         self.progress_timeout = progress_timeout
-        fd, self.port = _listen(host, port)  # the store listens on `host` only
-        try:  # the launcher hosts the rendezvous store: no free-port race
-            self._store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=timeout), master_listen_fd=fd)
-        except (RuntimeError, OSError) as e:
-            os.close(fd)  # the store did not take it over
-            raise UserError(f"cannot listen on {host}:{self.port}: {e}") from None
-        self._results = _ctx.Queue()
-        self._beats = _ctx.Array("d", world_size, lock=False)   # last heartbeat of each worker (monotonic)
-        self._steps = _ctx.Array("q", world_size, lock=False)   # last step reported (-1: none in this run)
-        self._times = _ctx.Array("d", world_size, lock=False)   # when it was reported (monotonic)
-        self._tasks = [_ctx.Queue() for _ in range(world_size)]
-        self._stacks_dir = tempfile.mkdtemp(prefix="thinwire-stacks-")
-        self._procs = [_ctx.Process(target=_worker_main, name=f"thinwire-worker-{r}", daemon=True,
-                                    args=(r, world_size, self.backend, host, self.port, timeout, self._tasks[r],
-                                          self._results, self._beats, self._steps, self._times, worker_init,
-                                          on_failure, self.device, self._stacks_path(r)))
+        self._store = serve_store(host, port, timeout)
+        self.port = self._store.port
+        self._results = ctx.Queue()
+        self._beats = ctx.Array("d", world_size, lock=False)   # last heartbeat of each worker (monotonic)
+        self._steps = ctx.Array("q", world_size, lock=False)   # last step reported (-1: none in this run)
+        self._times = ctx.Array("d", world_size, lock=False)   # when it was reported (monotonic)
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        # where each worker writes its stacks: unlinked at once, shared with the worker, outliving neither
+        self._stack_files = [tempfile.TemporaryFile() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_worker_main, name=f"thinwire-worker-{r}", daemon=True,
+                                   args=(r, world_size, self.backend, host, self.port, timeout, self._tasks[r],
+                                         self._results, self._beats, self._steps, self._times, worker_init,
+                                         on_failure, self.device, Inherit(self._stack_files[r].fileno())))
                        for r in range(world_size)]
         self._task_id = -1
         self._gone: set[int] = set()
@@ -344,7 +218,7 @@ class Pool:
         errors: list[WorkerError] = []
         timeout = timeout or self.timeout
         start = time.monotonic()
-        watch = _Watchdog(self._steps, self._times, self.progress_timeout) if task_id >= 0 else None
+        watch = Watchdog(self._steps, self._times, self.progress_timeout) if task_id >= 0 else None
         while len(got) < self.world_size:
             try:
                 rank, tid, status, payload, tb = self._results.get(timeout=0.05)
@@ -389,7 +263,7 @@ class Pool:
         if not new:
             return
         for r in new:
-            self.lost.append({"rank": r, "reason": _died(self._procs[r].exitcode),
+            self.lost.append({"rank": r, "reason": died(self._procs[r].exitcode),
                               "step": max(int(self._steps[r]), 0)})
         self._gone.update(new)
         members = [r for r in range(self.world_size) if r not in self._gone]
@@ -409,13 +283,13 @@ class Pool:
                     errors.append(WorkerError(rank, payload, tb))
             except queue.Empty:
                 pass
-        primary = [e for e in errors if not _peer_failure(e.cause)]
+        primary = [e for e in errors if not peer_failure(e.cause)]
         if primary:
             return primary[0]
         reported = {e.rank for e in errors}
         for r, p in enumerate(self._procs):
             if r not in reported and p.exitcode not in (None, 0):
-                return WorkerError(r, _died(p.exitcode))
+                return WorkerError(r, died(p.exitcode))
         return errors[0] if errors else WorkerError(-1, "a worker exited unexpectedly")
 
     def _fail(self, error: Exception):
@@ -423,9 +297,6 @@ class Pool:
             error = type(error)(error.rank, error.cause, error.traceback, self._stacks())
         self.close(force=True)
         raise error
-
-    def _stacks_path(self, rank: int) -> str:
-        return os.path.join(self._stacks_dir, f"{rank}.txt")
 
     def _stacks(self, wait: float = 0.5) -> str:
         """Every live worker's Python stacks, each thread's, written on `STACKS_SIGNAL` ("" where none can)."""
@@ -440,11 +311,8 @@ class Pool:
         time.sleep(wait)
         out = []
         for r in live:
-            try:
-                with open(self._stacks_path(r)) as f:
-                    text = f.read()
-            except OSError:
-                continue
+            fd = self._stack_files[r].fileno()
+            text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
             if text.strip():
                 out.append(f"--- Python stacks of worker {r} when the launcher gave up ---\n{text[-6000:].rstrip()}")
         return "\n".join(out)
@@ -457,8 +325,8 @@ class Pool:
             raise RuntimeError("the pool is closed")
         parse_network(network)  # a bad profile is the caller's error, reported before any work starts
         if timeout is not None:
-            _check_timeout("timeout", timeout)
-        _check_timeout("deadline", deadline, allow_none=True)
+            check_timeout("timeout", timeout)
+        check_timeout("deadline", deadline, allow_none=True)
         self._task_id += 1
         blob = pickle.dumps((fn, args, network, seed))
         self._steps[:] = [-1] * self.world_size   # the last run's steps are not this run's progress
@@ -474,33 +342,10 @@ class Pool:
         if self._closed:
             return
         self._closed = True
-        if not force:
-            for q in self._tasks:
-                q.put(None)
-            for p in self._procs:
-                p.join(timeout=10)
-        started = [p for p in self._procs if p.pid is not None]  # Ctrl-C may come between two starts
-        for p in started:
-            if p.is_alive():
-                p.terminate()
-        for p in started:
-            p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for q in self._tasks + [self._results]:
-            q.close()
-            q.cancel_join_thread()
-        # A task queue's feeder thread holds the queue's semaphores. Left running, it may drop the last
-        # reference after this process began to exit; the semaphore is then unlinked by a daemon thread that is
-        # stopped before it tells multiprocessing's resource tracker, which reports "leaked semaphore" (seen
-        # after SIGTERM). Ended here, the semaphores are released by this thread when the pool goes.
-        for q in self._tasks:
-            feeder = getattr(q, "_thread", None)
-            if feeder is not None:
-                feeder.join(timeout=5)
+        stop(list(zip(self._procs, self._tasks)), self._results, force)
         self._store = None  # closes the listening socket
-        shutil.rmtree(getattr(self, "_stacks_dir", ""), ignore_errors=True)
+        for f in self._stack_files:
+            f.close()
 
     @property
     def pids(self) -> list[int]:
@@ -511,70 +356,6 @@ class Pool:
 
     def __exit__(self, *exc):
         self.close(force=exc[0] is not None)
-
-
-class _Watchdog:
-    """Progress of one run, read from the workers' `report_progress` arrays at each poll of the launcher."""
-
-    def __init__(self, steps, times, bound: float | None):
-        self.steps, self.times, self.bound = steps, times, bound
-        self.seen: dict[int, tuple[int, float]] = {}   # rank -> (step, when) last seen
-        self.step_s: deque = deque(maxlen=4096)         # seconds per step, from successive reports
-
-    @property
-    def watching(self) -> bool:
-        """Whether the run is under watch: the watchdog is on and some rank has reported a step."""
-        return self.bound is not None and bool(self.seen)
-
-    def check(self, now: float, running: list[int]) -> NoProgressError | None:
-        if self.bound is None:
-            return None
-        for r in running:
-            step = self.steps[r]
-            if step < 0:
-                continue
-            when = self.times[r]
-            old = self.seen.get(r)
-            if old is None or step != old[0]:
-                if old is not None and step > old[0]:
-                    self.step_s.append((when - old[1]) / (step - old[0]))
-                self.seen[r] = (step, when)
-        watched = [r for r in running if r in self.seen]  # ranks that report steps and are not done
-        if not self.seen or not running:
-            return None
-        # (when every rank that reports steps is done, the rest are bounded from the last step reported)
-        idle = now - max(self.seen[r][1] for r in (watched or self.seen))
-        if idle <= self.bound:
-            return None
-        limit = max(self.bound, PROGRESS_STEPS * statistics.median(self.step_s or [0.0]))
-        if idle <= limit:
-            return None
-        quiet = [r for r in running if r not in self.seen]
-        if not watched:
-            who = f"rank {quiet[0]}" if len(quiet) == 1 else f"ranks {quiet}"
-            return NoProgressError(quiet[0], f"{who} still running {idle:.0f} s after the last step reported (the "
-                                             f"ranks that report steps have finished; {who} report none) "
-                                             f"(bound {limit:.0f} s: progress_timeout, --progress-timeout)")
-        return self._verdict(now, idle, watched, quiet, limit)
-
-    def _verdict(self, now, idle, watched, quiet, limit) -> NoProgressError:
-        at = {r: self.seen[r][0] for r in watched}
-        low = min(at.values())
-        behind = [r for r in watched if at[r] == low]
-        ahead = sorted({at[r] for r in watched if at[r] != low})
-        note = f"; ranks {quiet} report no steps" if quiet else ""
-        bound = f" (bound {limit:.0f} s: progress_timeout, --progress-timeout)"
-        if ahead:
-            others = f"step {ahead[0]}" if len(ahead) == 1 else f"steps {ahead[0]}-{ahead[-1]}"
-            who = f"rank {behind[0]}" if len(behind) == 1 else f"ranks {behind}"
-            since = now - max(self.seen[r][1] for r in behind)
-            return NoProgressError(behind[0], f"{who} made no progress for {since:.0f} s (stuck at step {low}; "
-                                              f"others at {others}{note}){bound}")
-        if len(watched) == 1 and not quiet:  # the only rank still running
-            r = watched[0]
-            return NoProgressError(r, f"rank {r} made no progress for {idle:.0f} s (stuck at step {low}){bound}")
-        return NoProgressError(-1, f"no rank made progress for {idle:.0f} s (ranks {watched} all at step {low}{note}): "
-                                   f"a collective is stuck or every worker is blocked{bound}")
 
 
 LAUNCH_TIMEOUT = 3600.0     # launch(): gloo's operation timeout, and the bound of a run that reports no progress
@@ -595,7 +376,7 @@ def launch(fn, world_size: int, network="lan", backend: str | None = None, args:
     workers than GPUs, workers sharing the GPUs over gloo (`pick_backend`); the default is the CPU on gloo.
     `backend` may be left out: it follows from the device."""
     parse_network(network)
-    _check_timeout("deadline", deadline, allow_none=True)
+    check_timeout("deadline", deadline, allow_none=True)
     with Pool(world_size, backend=backend, host=host, port=port, timeout=timeout or LAUNCH_TIMEOUT,
               progress_timeout=progress_timeout, worker_init=worker_init, on_failure=on_failure,
               device=device) as pool:
@@ -624,5 +405,5 @@ def init(network="lan", backend: str | None = None, seed: int = 0, timeout: floa
         torch.cuda.set_device(gpu_of(int(os.environ.get("LOCAL_RANK", "0"))))
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or _threads_per_worker(local)))
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or threads_per_worker(local)))
     return dist.get_rank(), dist.get_world_size()

@@ -71,7 +71,7 @@ class TorchftDiLoCoStepper(PeerStepper):
         from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo
 
-        from ..launcher.pool import _listen
+        from ..launcher.worker import listen
         p = cfg.params
         period, fragments = int(p.get("period", 8)), int(p.get("fragments", 1))
         self.counter = _Counter(rank, parse_network(cfg.network))
@@ -79,7 +79,7 @@ class TorchftDiLoCoStepper(PeerStepper):
         super().__init__(module, module, rank)
         self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=world_size) if rank == 0 else None
         address = broadcast_text(self.lighthouse.address() if rank == 0 else None, src=0)  # never a pickle
-        fd, port = _listen("127.0.0.1", 0)
+        fd, port = listen("127.0.0.1", 0)
         self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
                                    use_libuv=False)
         self.pg = _emulated_gloo(self.counter, timedelta(seconds=600))
