@@ -52,7 +52,9 @@ from ..files import atomic_write
 from .. import algorithms
 from ..net import Islands, parse_network
 from ..launcher import MAX_LOCAL_WORKERS, DeadlineError, Pool, pick_backend
-from ..plan.costmodel import cost_of
+from ..plan.advise import tune
+from ..plan.costmodel import Scenario, cost_of, exchange, predict
+from ..plan.diloco import plan_diloco
 from ..plan.families import FAMILIES
 from ..run import workloads
 from ..run.loop import check_tensorboard, progress_bar, train_worker
@@ -183,8 +185,6 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
               compute_s: float | None) -> tuple[presets.Cell, list[str]]:
     """The cell with the parameters it leaves out picked for `network` (and SGD for an algorithm that
     compensates SGD only, on a workload whose optimizer is another); the reasons, one per decision."""
-    from ..plan.advise import tune
-    from ..plan.costmodel import Scenario
     wl = workloads.get(workload)
     out = with_sgd_where_needed(cell, workload)
     why: list[str] = []
@@ -220,8 +220,6 @@ DILOCO_DEFAULTS = {"fragments": 1, "overlap": 0, "eager": False, "allreduce": "g
 def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float, complete: bool = False):
     """The planner's DiLoCo (`thinwire.plan.diloco`) for this cell on `network`: what the cell gives (parameters,
     a compressor) is kept, the rest planned (`complete`: the rest is the algorithm's defaults, as the cell runs)."""
-    from ..plan.costmodel import Scenario
-    from ..plan.diloco import plan_diloco
     link = parse_network(network)
     s = Scenario(params=wl.num_params(), compute_s=compute_s, link=link, workers=workers, handshake=True)
     given = {**(DILOCO_DEFAULTS if complete else {}), **{k: v for k, v in cell.params.items() if k in DILOCO_PLANNED}}
@@ -486,7 +484,6 @@ def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s
     """The planner's step time and time per sync of a (tuned) cell on `network`, from the model size and the
     reference's step time: `thinwire.plan.diloco` for DiLoCo, `thinwire.plan.costmodel.predict` for the rest
     (a peer as the thinwire algorithm of the same pattern); {} where it has no model for the cell."""
-    from ..plan.costmodel import Scenario, exchange, predict
     if compute_s is None:
         return {}
     wl = workloads.get(cfg.workload)

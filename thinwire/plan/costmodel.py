@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import algorithms
-from ..algorithms.cost import CostFamily
 from ..errors import UserError
 from ..net import Cost, Link
 from ..net import cost as netcost
@@ -134,7 +133,7 @@ class Prediction:
         return self.compute_s / self.iteration_s if self.iteration_s > 0 else 0.0
 
 
-def cost_of(algorithm: str) -> CostFamily:
+def cost_of(algorithm: str) -> algorithms.CostFamily:
     """What `algorithm` declares to the planner (its class's `cost`); a UserError where it declares nothing."""
     declared = algorithms.registry.lookup(algorithm).cost
     if declared is None or declared.family not in FAMILIES:

@@ -10,7 +10,7 @@ steps to a target are SGD's) rather than the models every few steps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
 from ..net import COLLECTIVE_SLOTS, Cost, Link
@@ -18,10 +18,8 @@ from ..net import cdsgd as cd
 from ..net import cost as netcost
 
 
-@dataclass
-class Inputs:
+class Inputs(NamedTuple):
     """What a formula knows of one prediction."""
-
     s: Any                        # the scenario (`costmodel.Scenario`)
     compressor: str
     overlap: Any                  # WFBP's flag; DiLoCo's τ_o inner steps (an int)
