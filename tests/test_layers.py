@@ -16,9 +16,10 @@ BELOW["exchange"] = {"comm", "compress", "net"} | BELOW["comm"] | BELOW["compres
 BELOW["sched"] = {"exchange"} | BELOW["exchange"]
 BELOW["algorithms"] = {"sched"} | BELOW["sched"]
 BELOW["trainer"] = {"algorithms"} | BELOW["algorithms"]
-# plan: nominal sizes from compressors, costs from net, and the collective the exchange would choose
-# (`thinwire.exchange.choose`, pure: the planner predicts with the rule the exchange runs)
-BELOW["plan"] = {"net", "compress", "exchange"} | BELOW["exchange"]
+# plan: nominal sizes from compressors, costs from net, the collective the exchange would choose
+# (`thinwire.exchange.choose`, pure: the planner predicts with the rule the exchange runs), and what each algorithm
+# declares (its class's cost family: `thinwire.algorithms.cost`)
+BELOW["plan"] = {"net", "compress", "exchange", "algorithms"} | BELOW["algorithms"]
 BELOW["launcher"] = {"comm", "net"}
 BELOW["run"] = {"launcher", "trainer", "plan"} | BELOW["trainer"] | BELOW["launcher"]
 BELOW["compare"] = {"run"} | BELOW["run"]

@@ -59,6 +59,15 @@ def test_compressed_payload_shrinks_bytes():
     assert predict(s32, "bsp", "qsgd", levels=16).bytes_per_step >= predict(s32, "bsp").bytes_per_step
 
 
+def test_the_planner_predicts_every_registered_algorithm_at_its_defaults():
+    """Every algorithm declares its cost family (`Algorithm.cost`): one the planner cannot predict fails here."""
+    from thinwire import algorithms
+    for name in algorithms.names():
+        for compressor in ("none", "fp16"):
+            pred = predict(scenario(), name, compressor)
+            assert pred.name == name and 0.1 <= pred.iteration_s < float("inf") and pred.collective, name
+
+
 def test_simulator_agrees_with_cost_model_at_four_workers():
     for alg, kw in [("bsp", {}), ("localsgd", {"period": 4}), ("dts", {"delay": 4, "period": 4})]:
         sim = simulate(SimConfig(workers=4, params=1e6, compute_s=0.1, compute_cv=0.0, bandwidth=100e6,

@@ -2,7 +2,8 @@
 from ..registry import import_submodules
 from ._registry import architectures, get, names, register, registry
 from .base import Algorithm
+from .cost import CostFamily
 
 import_submodules(__name__, __path__)
 
-__all__ = ["Algorithm", "architectures", "get", "names", "register", "registry"]
+__all__ = ["Algorithm", "CostFamily", "architectures", "get", "names", "register", "registry"]

@@ -26,12 +26,14 @@ from ..errors import UserError
 from ..exchange.gossip import NeighborExchange
 from ..tensors import copy_flat
 from .base import Algorithm
+from .cost import CostFamily
 
 
 class Gossip(Algorithm):
     architectures = ("gossip",)
     topologies: tuple[str, ...] = NAMES
     exchange_class = NeighborExchange
+    cost = CostFamily("gossip", {"degree": 2})     # the neighbours it exchanges with per step (a ring's two)
 
     def __init__(self, topology: str = "ring", consensus_every: int = 0, final_average: bool = True,
                  architecture: str | None = None):

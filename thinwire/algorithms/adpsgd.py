@@ -30,6 +30,7 @@ from ..tensors import views
 from ._registry import register
 from ._gossip import Gossip
 from .base import int_at_least
+from .cost import CostFamily
 
 
 @register("adpsgd")
@@ -39,6 +40,7 @@ class ADPSGD(Gossip):
     compression = False
     topologies = ("random", "ring")
     overlaps_steps = True         # an averaging outlives the step that started it
+    cost = CostFamily("gossip", {"degree": 1})   # one peer per averaging
 
     def __init__(self, topology: str = "random", staleness: int = 2, consensus_every: int = 0,
                  final_average: bool = True, architecture: str | None = None):

@@ -29,6 +29,7 @@ from ..exchange import Exchange
 from ..optim import own_step
 from ..sched import Scheduler
 from ..trace import Tracer
+from .cost import CostFamily
 
 
 def int_at_least(what: str, value, low: int, hint: str = "") -> int:
@@ -86,6 +87,8 @@ class Algorithm:
     #   boundary are its own to keep (local SGD, DiLoCo: the next average takes them in); recover() makes the state
     #   that must agree (an anchor, an outer optimizer) agree. Else every survivor takes the new rank 0's.
     exchange_class: ClassVar[type] = Exchange   # what make_exchange builds (the PS and gossip forms: their own)
+    cost: ClassVar[CostFamily | None] = None    # how the planner predicts it (`thinwire.algorithms.cost`)
+    sgd_only: ClassVar[bool] = False            # its update compensates plain or momentum SGD only (check_run)
 
     def __init__(self, architecture: str | None = None):
         arch = architecture or self.architectures[0]

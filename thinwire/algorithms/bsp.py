@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._registry import register
 from .base import Algorithm
+from .cost import CostFamily
 
 
 @register("bsp")
@@ -21,6 +22,7 @@ class BSP(Algorithm):
     checks_finite = True      # each bucket is checked (Exchange._check_finite) before it is sent
     exchanges_gradients = True
     survives_failures = True  # the mean over fewer workers is still the mean gradient
+    cost = CostFamily("every_step")
 
     def setup(self):
         self.exchange = self.make_exchange()

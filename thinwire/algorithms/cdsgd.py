@@ -51,6 +51,7 @@ from ..tensors import copy_each, copy_flat, views
 from ._registry import register
 from .base import int_at_least
 from .bsp import BSP
+from .cost import CostFamily
 from .ps_sync import PSMixin
 
 _now = time.perf_counter
@@ -115,6 +116,12 @@ class CDSGD(BSP):
     default_compressor = "threshold2bit"
     default_memory = "residual"
     survives_failures = False
+    sgd_only = True
+    # The planner's staleness bound: k, the steps between full-precision corrections. Under momentum 0.9 the 2-bit
+    # quantizer winds up (docs/cdsgd.md, Limitations: digits-cnn k = 5 3–9 pp below ssgd, k = 2 within noise); on
+    # stdlib-lm (SGD lr 0.1, 4 workers, 50 steps on `lan`) k = 2 reached loss 3.09 against ssgd's 2.97, k = 3 4.23,
+    # and k = 5 diverged (6.05). With plain SGD, the paper's setting, k up to 20 (Yu et al. 2021, §4).
+    cost = CostFamily("delay_compensated", tunable={"k": (1, 2, 5, 10, 20)}, max_staleness=(2, 20))
 
     def __init__(self, architecture: str | None = None, k: int = 5, warmup: int = 10,
                  local_lr: float | None = None, local_momentum: bool = True, *, local_update: bool = True,
@@ -317,6 +324,8 @@ class BitSGD(CDSGD):
     the residual and the global step is W_{i+1} = W_i − η·mean_j Q_j(·). Momentum after the quantizer left
     bitsgd at 0.09–0.29 with the sign and 2-bit compressors on digits-mlp (docs/matrix.md)."""
 
+    cost = CostFamily("quantized")
+
     def __init__(self, architecture: str | None = None):
         super().__init__(architecture, k=0, warmup=0, local_update=False)
 
@@ -326,6 +335,8 @@ class ODSGD(_FullPrecision, CDSGD):
     """OD-SGD (eqs. 3–4; Yu et al.'s ref. [38]): W^loc_{i+1,j} = W_i − η_loc·g_{i,j} lets iteration i+1 start
     at once while the full-precision exchange and W_{i+1} = W_i − η·mean_j g_{i,j} complete (T^loc = max(τ, φ));
     CD-SGD with every iteration a correction step, the same warm-up."""
+
+    cost = CostFamily("local_update")
 
     def __init__(self, architecture: str | None = None, warmup: int = 10, local_lr: float | None = None,
                  local_momentum: bool = True):
@@ -337,6 +348,8 @@ class ODSGD(_FullPrecision, CDSGD):
 class SSGD(_FullPrecision, CDSGD):
     """S-SGD (eq. 1): bsp, with the paper's time model measured (τ, φ) and predicted
     (T^ssgd = τ + φ, eq. 2; and OD-SGD's max(τ, φ)) in its metrics."""
+
+    cost = CostFamily("every_step")
 
     def __init__(self, architecture: str | None = None):
         super().__init__(architecture, k=1, warmup=0, local_update=False, compress=False)

@@ -50,10 +50,10 @@ class CHOCO(Gossip):
         self.gamma = gamma if gamma == "auto" else float(gamma)
 
     def check_components(self, comp, mem):
-        if getattr(comp, "aggregation", "allreduce") == "custom":
+        if comp.aggregation == "custom":
             raise UserError(f"compressor {comp.name!r} needs rounds summed over every rank and cannot be gossiped; "
                             "use a payload compressor (e.g. topk, randomk, qsgd, fp16, signsgd)")
-        if getattr(mem, "name", "none") != "none":
+        if mem.name != "none":
             raise UserError(f"choco's public copies are its error feedback: drop --memory {mem.name} "
                             "(valid: none)")
         scale, ratio = contractive_scale(comp, "choco: compressor", "the public copies would drift from the models")

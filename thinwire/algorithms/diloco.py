@@ -72,6 +72,7 @@ from ..optim import step_subset
 from ..tensors import copy_each, views
 from ._registry import register
 from .base import Algorithm, int_at_least
+from .cost import CostFamily
 from .diloco_eager import EagerRounds
 from .diloco_fragments import Fragments
 from .diloco_islands import IslandReplica, island_groups
@@ -163,6 +164,7 @@ class DiLoCo(Algorithm):
     checks_finite = False
     survives_failures = True   # θ and the outer optimizer are replicated; the mean over fewer workers stays a mean
     keeps_local_work = True    # a survivor's inner steps go into the next sync
+    cost = CostFamily("diloco")
 
     def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,

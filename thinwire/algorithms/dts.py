@@ -18,6 +18,7 @@ from ..errors import UserError
 from ..tensors import copy_each, copy_flat, views
 from ._registry import register
 from .base import Algorithm, int_at_least
+from .cost import CostFamily
 
 
 _IDENTITY = ((1.0, 0.0), (0.0, 1.0))
@@ -67,9 +68,18 @@ class DTS(Algorithm):
     architectures = ("allreduce",)
     overlaps_steps = True
     survives_failures = True   # a lost worker's windows are dropped; the survivors average among themselves
+    sgd_only = True
+    # The planner's staleness bound, (t − 1)·p, the steps a window's average waits after its launch (docs/dts.md,
+    # docs/benchmarks/dts-accuracy.md, 4 workers, 3 seeds). With momentum 0.9 accuracy stays within ~1 pp of bsp for
+    # (t − 1)·p ≤ 3 and is lost beyond (dts(2,4) −4…−27 pp, dts(4,4) −7…−27 pp; in paper-dts on mnist1d-resnet
+    # dts(4,4) did not learn, and on stdlib-lm over `world` dts(3,8) reached loss 3.74 in 45 s where dts(1,16) reached
+    # 2.85). With plain SGD at the same effective rate dts(4,4) and dts(2,8) stay within −1.2…+2.6 pp of bsp and
+    # dts(2,20) within 3 pp.
+    cost = CostFamily("delayed", {"delay": 4, "period": 4}, tunable={"delay": (1, 2, 3, 4, 6, 8),
+                      "period": (1, 2, 4, 8, 16)}, max_staleness=(3, 20))
 
-    # defaults within the accuracy bound under momentum 0.9, (t − 1)·p <= 3 (plan.advise.MAX_STALENESS;
-    # docs/dts.md: t = p = 4, 12 steps of staleness, lost 7–27 pp); `thinwire compare` tunes them to the network
+    # defaults within the accuracy bound under momentum 0.9, (t − 1)·p <= 3 (`cost`; docs/dts.md: t = p = 4,
+    # 12 steps of staleness, lost 7–27 pp); `thinwire compare` tunes them to the network
     def __init__(self, delay: int = 2, period: int = 2, architecture: str | None = None):
         super().__init__(architecture)
         self.delay = int_at_least("delay", delay, 1)
@@ -78,7 +88,7 @@ class DTS(Algorithm):
     # -- wiring ----------------------------------------------------------------------------------------
     def check_components(self, compressor, memory):
         super().check_components(compressor, memory)
-        if getattr(compressor, "needs_momentum_first", False):
+        if compressor.needs_momentum_first:
             # measured (docs/matrix.md): dts/delayed/tsparse x signsgd, onebit, efsignsgd ended at 0.45-0.91
             raise UserError(f"{self.name} compensates momentum SGD after the exchange, and {compressor.name!r} "
                             "trains only with the momentum applied before the sign (EF-SGDM): use signum, topk, "
@@ -337,6 +347,9 @@ class DTS(Algorithm):
 class Delayed(DTS):
     """Delayed update (eqs. 2-3): local step now, average of step s applied at step s + delay - 1."""
 
+    cost = CostFamily("delayed", {"period": 1}, tunable={"delay": (1, 2, 3, 4, 6, 8, 12, 16, 20)},
+                      max_staleness=(3, 20))
+
     def __init__(self, delay: int = 4, architecture: str | None = None):
         super().__init__(delay=delay, period=1, architecture=architecture)
 
@@ -352,6 +365,8 @@ class Delayed(DTS):
 @register("tsparse")
 class TemporallySparse(DTS):
     """Temporally sparse update (eq. 4): local steps, compensation every `period` steps."""
+
+    cost = CostFamily("delayed", {"delay": 1}, tunable={"period": (1, 2, 4, 8, 16, 32)})
 
     def __init__(self, period: int = 4, architecture: str | None = None):
         super().__init__(delay=1, period=period, architecture=architecture)

@@ -31,6 +31,7 @@ from ..tensors import copy_each, copy_flat
 from ._registry import register
 from .base import Periodic, int_at_least
 from .bsp import BSP
+from .cost import CostFamily
 from .ps_sync import PSMixin
 
 
@@ -42,6 +43,7 @@ class LocalSGD(Periodic, BSP):
     checks_finite = False
     exchanges_gradients = False   # model deltas
     keeps_local_work = True       # a survivor's local steps go into the next average
+    cost = CostFamily("periodic", tunable={"period": (1, 2, 4, 8, 16, 32, 64, 128)})
 
     def __init__(self, period: int = 4, average_momentum: bool = False, architecture: str | None = None):
         super().__init__(architecture)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._registry import register
 from .base import Algorithm
+from .cost import CostFamily
 
 
 @register("local")
@@ -16,6 +17,7 @@ class Local(Algorithm):
 
     architectures = ("allreduce",)
     compression = False
+    cost = CostFamily("none")
 
     def communicates(self):
         return False

@@ -20,6 +20,7 @@ from ..optim import step_subset
 from ..tensors import copy_flat
 from ._registry import register
 from .base import Algorithm
+from .cost import CostFamily
 
 # Table II of Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive
 # Survey", arXiv 2003.06307: which architectures each PS-only scheme lacks, and what to use instead
@@ -172,6 +173,7 @@ class PSBSP(PSMixin, Algorithm):
 
     checks_finite = True      # each bucket is checked (Exchange._check_finite) before it is pushed
     exchanges_gradients = True
+    cost = CostFamily("parameter_server")   # and ssp, asp, backup: built on it
 
     def __init__(self, architecture: str | None = None, servers: int = 1, downlink_compressor: str = "none",
                  downlink_params: dict | None = None):

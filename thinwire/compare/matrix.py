@@ -49,8 +49,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UserError, WorkerError
 from ..files import atomic_write
+from .. import algorithms
 from ..net import Islands, parse_network
 from ..launcher import MAX_LOCAL_WORKERS, DeadlineError, Pool, pick_backend
+from ..plan.advise import tune
+from ..plan.costmodel import Scenario, cost_of, exchange, predict
+from ..plan.diloco import plan_diloco
+from ..plan.families import FAMILIES
 from ..run import workloads
 from ..run.loop import check_tensorboard, progress_bar, train_worker
 from ..run.peers import PEER_AS, PEER_PARAMS
@@ -60,7 +65,6 @@ from .results import aggregate
 
 _now = time.perf_counter
 RESULTS = "results.json"
-EXACT_SGD = ("bsp", "ssgd", "ddp")
 REFERENCE = presets.Cell("no communication (reference)", "local")
 CALIBRATION_STEPS = 9   # a short `local` run before the reference and every cell: the machine's speed then
 
@@ -152,12 +156,27 @@ class _PoolView:
         return self.pool.run(fn, *args, network="lan" if self.netem else network, seed=seed, **extra)
 
 
+def family(algorithm: str | None) -> str | None:
+    """The cost family of a cell's algorithm (`thinwire.algorithms.cost`), a peer's that of the thinwire algorithm
+    of the same pattern (`PEER_AS`); None for a name nobody registered (a row of an older result)."""
+    name = PEER_AS[algorithm][0] if algorithm in PEER_AS else algorithm
+    return cost_of(name).family if name in algorithms.registry else None
+
+
+def syncs_every_step(algorithm: str | None) -> bool:
+    """Whether a cell's algorithm averages every step's gradient (its steps to a target are SGD's), rather than
+    its models every few steps."""
+    kind = family(algorithm)
+    return kind is not None and FAMILIES[kind].every_step
+
+
 def with_sgd_where_needed(cell: presets.Cell, workload: str) -> presets.Cell:
     """A copy of `cell`, with SGD for an algorithm that compensates SGD only on a workload whose optimizer is
     another (unless the cell names one)."""
     out = replace(cell, params=dict(cell.params))
-    if not cell.peer and cell.algorithm in presets.SGD_ONLY and cell.optimizer is None \
-            and workloads.get(workload).optimizer != "sgd":
+    sgd_only = not cell.peer and cell.algorithm in algorithms.registry and \
+        algorithms.registry.lookup(cell.algorithm).sgd_only
+    if sgd_only and cell.optimizer is None and workloads.get(workload).optimizer != "sgd":
         out.optimizer = "sgd"
     return out
 
@@ -166,22 +185,17 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
               compute_s: float | None) -> tuple[presets.Cell, list[str]]:
     """The cell with the parameters it leaves out picked for `network` (and SGD for an algorithm that
     compensates SGD only, on a workload whose optimizer is another); the reasons, one per decision."""
-    from .. import algorithms
-    from ..plan.advise import TUNABLE, tune
-    from ..plan.costmodel import Scenario
     wl = workloads.get(workload)
     out = with_sgd_where_needed(cell, workload)
     why: list[str] = []
     if out.optimizer != cell.optimizer:
         why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {wl.optimizer})")
-    if not cell.peer and cell.algorithm == "diloco":
+    if family(cell.algorithm) == "diloco":
         return _tune_diloco(out, why, network, wl, workers, compute_s)
     plan_as = PEER_AS[cell.algorithm][0] if cell.peer else cell.algorithm
-    if plan_as not in TUNABLE:
-        return out, why
     takes = (lambda k: k in PEER_PARAMS[cell.algorithm]) if cell.peer else \
         (lambda k: algorithms.registry.accepts(cell.algorithm, k))
-    if not any(takes(k) and k not in out.params for k in TUNABLE[plan_as]):
+    if not any(takes(k) and k not in out.params for k in cost_of(plan_as).tunable):
         return out, why
     if compute_s is None:
         why.append("defaults: no compute time was measured for the planner")
@@ -206,8 +220,6 @@ DILOCO_DEFAULTS = {"fragments": 1, "overlap": 0, "eager": False, "allreduce": "g
 def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float, complete: bool = False):
     """The planner's DiLoCo (`thinwire.plan.diloco`) for this cell on `network`: what the cell gives (parameters,
     a compressor) is kept, the rest planned (`complete`: the rest is the algorithm's defaults, as the cell runs)."""
-    from ..plan.costmodel import Scenario
-    from ..plan.diloco import plan_diloco
     link = parse_network(network)
     s = Scenario(params=wl.num_params(), compute_s=compute_s, link=link, workers=workers, handshake=True)
     given = {**(DILOCO_DEFAULTS if complete else {}), **{k: v for k, v in cell.params.items() if k in DILOCO_PLANNED}}
@@ -468,20 +480,15 @@ def averaging_steps(period: int) -> float:
     return min(1.0, AVERAGING_STEPS[0] + AVERAGING_STEPS[1] * math.log2(max(1, period)))
 
 
-EVERY_STEP = ("bsp", "ssgd", "bitsgd", "odsgd", "cdsgd", "dts", "delayed", "tsparse", "dpsgd", "choco", "sgp",
-              "adpsgd", "asp", "ssp", "backup", "ddp", "ddp-fp16", "ddp-powersgd")
-
-
 def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s: float | None) -> dict:
     """The planner's step time and time per sync of a (tuned) cell on `network`, from the model size and the
     reference's step time: `thinwire.plan.diloco` for DiLoCo, `thinwire.plan.costmodel.predict` for the rest
     (a peer as the thinwire algorithm of the same pattern); {} where it has no model for the cell."""
-    from ..plan.costmodel import Scenario, exchange, predict
     if compute_s is None:
         return {}
     wl = workloads.get(cfg.workload)
     try:
-        if cell.algorithm == "diloco":
+        if family(cell.algorithm) == "diloco":
             plan = diloco_plan(cell, network, wl, cfg.workers, compute_s, complete=True)
             return {"step_s": plan.iteration_s, "sync_s": plan.sync_s, "period": plan.period}
         algorithm, compressor = PEER_AS.get(cell.algorithm, (cell.algorithm, cell.compressor or "none"))
@@ -494,7 +501,7 @@ def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s
                      handshake=True)
         pred = predict(s, algorithm, compressor, **params)
         sync = exchange(s, compressor, **{k: v for k, v in params.items() if k in ("ratio", "rank", "levels")})[1]
-        return {"step_s": float(pred.iteration_s), "sync_s": float(sync.time) if algorithm != "local" else None,
+        return {"step_s": float(pred.iteration_s), "sync_s": float(sync.time) if pred.collective != "none" else None,
                 "period": int(params.get("period", 1))}
     except (UserError, KeyError, TypeError, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
@@ -515,9 +522,10 @@ def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -
             if p.get("step_s") and steps_ref:
                 lag = ran.params.get("overlap") or ran.params.get("fragment_sync_delay") or ran.params.get("eager")
                 mixed = (ran.params.get("alpha") or ran.params.get("fragment_update_alpha") or 0) >= 0.5
-                factor = (SYNC_STEPS if ran.algorithm in EVERY_STEP else 1.0 if ran.algorithm == "local" else
+                kind = family(ran.algorithm)
+                factor = (SYNC_STEPS if syncs_every_step(ran.algorithm) else 1.0 if kind == "none" else
                           PERIODIC_STEPS["plain" if not lag else "mixed" if mixed else "overlapped"]
-                          if ran.algorithm == "diloco" else averaging_steps(p.get("period") or 1))
+                          if kind == "diloco" else averaging_steps(p.get("period") or 1))
                 net = parse_network(network)
                 if ran.params.get("replicas") == "island" and isinstance(net, Islands) and net.size > 1:
                     # each replica data parallel over its island's m workers: between one worker (1) and all n
@@ -566,9 +574,9 @@ def measured_sync_s(row: dict) -> float | None:
         return m["sync_s"]
     syncs = m.get("syncs") if isinstance(m.get("syncs"), (int, float)) else None
     exposed = row.get("exposed_comm_s")
-    if exposed is None or row.get("algorithm") == "local":
+    if exposed is None or family(row.get("algorithm")) == "none":
         return None
-    if row["cell"]["algorithm"] in EVERY_STEP:
+    if syncs_every_step(row["cell"]["algorithm"]):
         return exposed / max(1, row.get("steps") or 1)
     return exposed / syncs if syncs else None
 
@@ -627,7 +635,8 @@ def _same_run(a: dict, b: dict) -> bool:
     if (ca["algorithm"], ca["compressor"], ca["memory"], ca["params"]) == \
             (cb["algorithm"], cb["compressor"], cb["memory"], cb["params"]):
         return True
-    exact = lambda c: c["algorithm"] in EXACT_SGD and not c["compressor"] and not c["params"]
+    exact = lambda c: (family(c["algorithm"]) == "every_step" and not c["compressor"] and not c["params"]
+                       and PEER_AS.get(c["algorithm"], (None, "none"))[1] == "none")   # bsp, ssgd, ddp
     return exact(ca) and exact(cb)
 
 

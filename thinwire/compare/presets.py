@@ -22,9 +22,6 @@ from ..run import workloads
 from ..run.peers import PEER_PARAMS, optional_missing
 
 PEERS = tuple(PEER_PARAMS)
-# algorithms whose update compensates plain or momentum SGD only (DTS's eqs. 2-4, CD-SGD's local update; their
-# setup refuses another optimizer): on a workload whose optimizer is not SGD, a cell of theirs runs with SGD
-SGD_ONLY = ("dts", "delayed", "tsparse", "cdsgd", "bitsgd", "odsgd", "ssgd")
 
 
 @dataclass

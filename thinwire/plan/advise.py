@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from itertools import product
 
 from ..errors import UserError
-from .costmodel import Prediction, Scenario, is_sparse, predict
+from .costmodel import Prediction, Scenario, cost_of, is_sparse, predict
 
 # what each sparse collective changes for convergence (thinwire/exchange/sparse.py), appended to the row's note
 SPARSE_NOTES = {"allgather": "", "gtopk": "; gTop-k: the global top k of the sum, the rest back to residuals",
@@ -110,7 +110,7 @@ def advise(s: Scenario) -> list[Advice]:
                 pred = predict(s, alg, comp, overlap=overlap, **p)
             except (KeyError, UserError):  # a compressor or algorithm this build does not register
                 continue
-            if alg in ("asp", "ssp") and s.servers < 1:
+            if cost_of(alg).family == "parameter_server" and s.servers < 1:
                 continue
             out.append(Advice(label, pred, note + SPARSE_NOTES.get(collective or "", "")))
     out.sort(key=lambda a: a.prediction.iteration_s)
@@ -177,51 +177,32 @@ def format_table(rows: list[Advice], s: Scenario) -> str:
 
 
 # -- defaults that suit the network ---------------------------------------------------------------------------
-# The parameters the planner picks for an algorithm named without them, each with its candidates, least stale
-# first. Staleness is what costs accuracy: steps between a gradient and its global application ((t-1)p + p for DTS,
-# the period of model averaging, CD-SGD's k steps between full-precision corrections).
-TUNABLE = {
-    "dts": {"delay": (1, 2, 3, 4, 6, 8), "period": (1, 2, 4, 8, 16)},
-    "delayed": {"delay": (1, 2, 3, 4, 6, 8, 12, 16, 20)},
-    "tsparse": {"period": (1, 2, 4, 8, 16, 32)},
-    "localsgd": {"period": (1, 2, 4, 8, 16, 32, 64, 128)},
-    "postlocalsgd": {"period": (1, 2, 4, 8, 16, 32, 64, 128)},
-    "cdsgd": {"k": (1, 2, 5, 10, 20)},
-}
+# The parameters the planner picks for an algorithm named without them: each with its candidates, least stale first
+# (`CostFamily.tunable`). Staleness is what costs accuracy: steps between a gradient and its global application
+# ((t-1)p + p for DTS, the period of model averaging, CD-SGD's k steps between full-precision corrections); the
+# algorithm declares the most the planner may give it under momentum SGD and under plain SGD
+# (`CostFamily.max_staleness`, with its measurements).
 WITHIN = 0.25   # the least stale setting whose predicted step is within 25 % of the fastest candidate's
-# Accuracy bounds under momentum SGD, (momentum > 0, plain SGD), on what the planner may pick:
-# - DTS and delayed update: (t − 1)·p, the steps a window's average waits after its launch (docs/dts.md,
-#   docs/benchmarks/dts-accuracy.md, 4 workers, 3 seeds). With momentum 0.9 accuracy stays within ~1 pp of bsp for
-#   (t − 1)·p ≤ 3 and is lost beyond (dts(2,4) −4…−27 pp, dts(4,4) −7…−27 pp; in paper-dts on mnist1d-resnet
-#   dts(4,4) did not learn, and on stdlib-lm over `world` dts(3,8) reached loss 3.74 in 45 s where dts(1,16) reached
-#   2.85). With plain SGD at the same effective rate dts(4,4) and dts(2,8) stay within −1.2…+2.6 pp of bsp and
-#   dts(2,20) within 3 pp.
-# - CD-SGD: k, the steps between full-precision corrections. Under momentum 0.9 the 2-bit quantizer winds up
-#   (docs/cdsgd.md, Limitations: digits-cnn k = 5 3–9 pp below ssgd, k = 2 within noise); on stdlib-lm (SGD lr 0.1,
-#   4 workers, 50 steps on `lan`) k = 2 reached loss 3.09 against ssgd's 2.97, k = 3 4.23, and k = 5 diverged
-#   (6.05). With plain SGD, the paper's setting, k up to 20 (Yu, Dong, Xu, Ouyang, Liao 2021, "CD-SGD: Distributed
-# Stochastic Gradient Descent with Compression and Delay Compensation", arXiv 2106.10796, §4).
-MAX_STALENESS = {"dts": (3, 20), "delayed": (3, 20), "cdsgd": (2, 20)}
 
 
 def staleness_bound(momentum: float, algorithm: str = "dts") -> int | None:
     """The most staleness `tune` gives `algorithm` under SGD with this momentum ((t − 1)·p for DTS and delayed
     update, k for CD-SGD); None for an algorithm without a bound."""
-    bounds = MAX_STALENESS.get(algorithm)
+    bounds = cost_of(algorithm).max_staleness
     return None if bounds is None else bounds[0 if momentum > 0 else 1]
 
 
-def _unapplied(algorithm: str, p: dict) -> int:
-    """The quantity bounded by MAX_STALENESS: (t − 1)·p, the steps a window's average waits after its launch (DTS,
+def _unapplied(family: str, p: dict) -> int:
+    """The quantity a staleness bound bounds: (t − 1)·p, the steps a window's average waits after its launch (DTS,
     delayed update; Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World" (DTS), §3), or CD-SGD's k."""
-    if algorithm == "cdsgd":
+    if family == "delay_compensated":
         return int(p.get("k", 1))
     return (int(p.get("delay", 1)) - 1) * int(p.get("period", 1))
 
 
-def _staleness(algorithm: str, p: dict) -> float:
-    if algorithm in ("dts", "delayed", "tsparse"):
-        return _unapplied(algorithm, p) + int(p.get("period", 1))
+def _staleness(family: str, p: dict) -> float:
+    if family == "delayed":
+        return _unapplied(family, p) + int(p.get("period", 1))
     return float(p.get("period", p.get("k", 1)))
 
 
@@ -231,26 +212,27 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
     few words ({} and "" when there is nothing to pick). `as_algorithm`: plan it as this one (an algorithm of the
     same communication pattern: a peer's model averaging as `localsgd`, DiLoCo's outer sync as `localsgd`).
 
-    Rule: among the candidate settings (TUNABLE), the least stale one whose predicted step time
+    Rule: among the candidate settings (`CostFamily.tunable`), the least stale one whose predicted step time
     (`costmodel.predict`) is within WITHIN of the fastest candidate's: as fast as the network allows, with as
     little staleness (hence accuracy risk) as that speed needs. For DTS and delayed update only settings within
     the accuracy bound for SGD with `momentum` are candidates ((t − 1)·p, resp. CD-SGD's k, ≤
     `staleness_bound(momentum, algorithm)`; if the parameters given leave none, the least stale)."""
     given = dict(given or {})
     plan_as = as_algorithm or algorithm
-    grid = TUNABLE.get(plan_as, {})
+    declared = cost_of(plan_as)
+    family, grid = declared.family, declared.tunable
     free = {k: v for k, v in grid.items() if k not in given}
     if not free:
         return {}, ""
     check_scenario(s)
     fixed = {k: v for k, v in given.items() if k in ("delay", "period", "k", "ratio", "rank", "levels", "threshold")}
     combos = [dict(zip(free, values)) for values in product(*free.values())]
-    if plan_as == "dts":
+    if family == "delayed":
         combos = [c for c in combos if (c.get("delay", fixed.get("delay")), c.get("period", fixed.get("period")))
                   != (1, 1)] or combos  # t = p = 1 is bsp
     bound = staleness_bound(momentum, plan_as)
     if bound is not None:
-        stale = lambda c: _unapplied(plan_as, {**fixed, **c})
+        stale = lambda c: _unapplied(family, {**fixed, **c})
         combos = [c for c in combos if stale(c) <= bound] or [min(combos, key=stale)]
     scored = []
     for c in combos:
@@ -258,7 +240,7 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
             pred = predict(s, plan_as, compressor, **{**fixed, **c})
         except (KeyError, UserError, TypeError, ValueError):
             continue
-        scored.append((pred.iteration_s, _staleness(plan_as, {**fixed, **c}), c))
+        scored.append((pred.iteration_s, _staleness(family, {**fixed, **c}), c))
     if not scored:
         return {}, ""
     fastest = min(t for t, _, _ in scored)
@@ -269,6 +251,6 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
            f"{s.compute_s * 1e3:.0f} ms/step; least stale within {WITHIN:.0%} of the fastest predicted step "
            f"({step * 1e3:.0f} ms)")
     if bound is not None:
-        what = "k" if plan_as == "cdsgd" else "(t-1)p"
+        what = "k" if family == "delay_compensated" else "(t-1)p"
         why += f"; {what} <= {bound}, the accuracy bound at momentum {momentum:g}"
     return pick, why

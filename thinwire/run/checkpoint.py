@@ -38,7 +38,7 @@ def config_fields(cfg) -> dict:
     from dataclasses import asdict
     fields = {k: v for k, v in asdict(cfg).items() if k not in _FREE}
     fields["servers"] = cfg.resolve_servers()   # omitted (None) and the default it stands for are the same run
-    if getattr(cfg, "elastic", None) or getattr(cfg, "join", None):
+    if cfg.elastic or cfg.join:
         fields["workers"] = "elastic"          # the members come and go: the world size is checked by itself
     return fields
 

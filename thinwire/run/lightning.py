@@ -54,7 +54,7 @@ class ThinwireStrategy(DDPStrategy):
             parse_network(network)
         built = {k: v for k, v in params.items() if k not in _TRAINER_ONLY + ("network",)}
         alg = build_components(algorithm, **built)[0]        # every name and value checked here, before launch
-        if getattr(alg, "architecture", None) == "ps":
+        if alg.architecture == "ps":
             raise UserError("ThinwireStrategy trains on every Lightning process; the parameter-server "
                             "architecture needs server ranks that do not (use tw.attach in your own loop)")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

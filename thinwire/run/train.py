@@ -173,7 +173,7 @@ class TrainConfig:
         if self.checkpoint_every is not None and self.servers:
             from ..algorithms.ps_sync import checkpointable_on_ps
             if not checkpointable_on_ps(self.algorithm):
-                ok = [n for n in algorithms.names() if n in ("bsp", "ssp", "asp", "backup") or checkpointable_on_ps(n)]
+                ok = [n for n in algorithms.names() if checkpointable_on_ps(n)]
                 raise UserError(f"checkpoints of {self.algorithm} on the parameter server are not supported; "
                                 f"checkpointable there: {', '.join(ok)} (or {self.algorithm} on all-reduce)")
         if self.resume is not None:   # every rank's file too, where one launcher starts every rank

@@ -413,7 +413,7 @@ def stdlib_lm() -> Workload:
     the algorithms that compensate SGD only (DTS, CD-SGD, ...) run with here. Re-checked for them (one process,
     batch 8, 200 steps, loss after 200): momentum 0.9 at lr 0.1 2.68, 0.2 2.89, 0.3 2.91; 0.95 at 0.05 2.81;
     plain SGD at the same effective rate does not do (lr 0.3 3.18, 0.5 3.43, 1.0 NaN), so they keep momentum 0.9
-    and the planner keeps their staleness within its bound under momentum (`thinwire.plan.advise.MAX_STALENESS`:
+    and the planner keeps their staleness within its bound under momentum (`CostFamily.max_staleness`:
     DTS (t-1)p <= 3, CD-SGD k <= 2; CD-SGD at k = 5 diverges on this workload).
     Target: 2.25 nats (3.25 bits/byte). On `lan` with 4 workers, seeds 0/1/2 reached it at 450/450/525 steps
     without communication (`local`) and 225/275/225 with `bsp`; the no-communication run stops improving fast
