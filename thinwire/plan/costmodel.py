@@ -6,8 +6,9 @@ its exchange really sends at the scenario's world size (`thinwire.exchange.choos
 all-reduce of widened levels, whichever the exchange picks) and its compression time (a multiple of one memcpy of the
 tensor: measured by `thinwire bench compressors` / `thinwire advise --calibrate`, else the compressor's declaration
 `Compressor.x_memcpy`, measured on our machine); an algorithm's iteration time combines them as its schedule does.
-Scalability is the throughput relative to the same workers with no communication: τ / iteration time (Zhu, Lu, Lin, Han 2019,
-"Distributed Training Across the World" (DTS)'s definition, measured against the no-communication limit).
+Scalability is the throughput relative to the same workers with no communication: τ / iteration time (Zhu, Lu,
+Lin, Han 2019, "Distributed Training Across the World" (DTS)'s definition, measured against the no-communication
+limit).
 """
 from __future__ import annotations
 
