@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thinwire.compress import coders, compressors
-from thinwire.compress._coding import entropy_bits
+from thinwire.compress.coding import entropy_bits
 from thinwire.errors import UserError
 
 CODERS = ("elias", "eliasdelta", "golomb", "huffman")

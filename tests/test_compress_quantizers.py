@@ -13,6 +13,7 @@ from thinwire.compress.bitpack import pack, packed_nbytes, unpack
 from thinwire.compress.finite import NonFiniteError
 from thinwire.compress.rounding import Uniforms
 from thinwire.errors import UserError
+from thinwire.exchange.choose import resolve_collective
 
 QUANTIZERS = ["fp16", "bf16", "int8", "onebit", "signsgd", "signum", "efsignsgd", "qsgd", "terngrad", "natural"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -196,13 +197,13 @@ def test_local_randomness_is_seeded():
 
 # ---------------------------------------------------------------- all-reduce algebra
 
-@pytest.mark.parametrize("name,params", [("fp16", {}), ("bf16", {}), ("int8", {"aggregation": "allreduce"}),
-                                         ("int8", {"stochastic": True, "aggregation": "allreduce"}), ("qsgd", {}),
+@pytest.mark.parametrize("name,params", [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"stochastic": True}),
+                                         ("qsgd", {}),
                                          ("qsgd", {"levels": 100}), ("terngrad", {})])
 @pytest.mark.parametrize("world", [1, 3, 40])
 def test_linear_payloads_sum_like_the_decompressed_values(name, params, world):
     comp = compressors.get(name, **params)
-    assert comp.linear and comp.aggregation == "allreduce"
+    assert comp.linear and resolve_collective(comp, "allreduce") == "allreduce"   # (int8: the exchange's choice)
     g = torch.Generator().manual_seed(world)
     xs = [torch.randn(37, 29, generator=g) * (r + 1) for r in range(world)]
     agreed = None
@@ -231,8 +232,7 @@ def test_fp16_sum_of_ranks_does_not_overflow():
 
 
 @pytest.mark.parametrize("name,params", [("onebit", {}), ("signsgd", {}), ("signum", {}), ("efsignsgd", {}),
-                                         ("natural", {}), ("qsgd", {"aggregation": "allgather"}),
-                                         ("terngrad", {"aggregation": "allgather"}), ("int8", {})])
+                                         ("natural", {}), ("qsgd", {}), ("terngrad", {}), ("int8", {})])
 def test_gathered_payloads_decompress_with_the_receivers_ctx(name, params):
     """Other ranks' payloads arrive as flat tensors with THIS rank's ctx: ctx must hold nothing rank-specific."""
     comp = compressors.get(name, **params)
@@ -260,7 +260,7 @@ def test_majority_vote_carries_the_ranks_mean_scale():
 def test_aggregation_flags():
     assert {compressors.get(n).aggregation for n in ("signsgd", "signum")} == {"majority"}
     assert {compressors.get(n).aggregation for n in ("onebit", "efsignsgd", "natural", "int8")} == {"allgather"}
-    assert compressors.get("qsgd", aggregation="allgather").aggregation == "allgather"
+    assert resolve_collective(compressors.get("qsgd"), "allgather") == "allgather"   # the exchange's collective
     assert compressors.get("terngrad").randomness == "local" and compressors.get("int8").randomness == "none"
 
 

@@ -334,15 +334,15 @@ STOCHASTIC = {"terngrad", "qsgd"}     # x·s + u: a compiler may fuse the multip
 
 @pytest.mark.parametrize("name", FUSED)
 def test_fused_kernels_give_the_payload_of_one_eager_pass(name, device, monkeypatch):
-    """The kernels run block by block on the CPU (`_kernels.blockwise`) and compiled on a GPU (`fused`): the same
+    """The kernels run block by block on the CPU (`kernels.blockwise`) and compiled on a GPU (`fused`): the same
     payload, byte for byte, as the kernel run once over the whole tensor on the CPU. Compiled, a kernel may round
     differently in the last bit (a fused multiply-add rounds x·s + u once; Triton's casts to fp8): at most 1 in
     10^4 bytes may differ there, and as on the CPU for stochastic rounding; the top k come in the device's order
     (torch.topk's `sorted=False`), so they are compared as a set of (index, value)."""
-    from thinwire.compress import _kernels, randomk
-    x = torch.randn(3 * _kernels.BLOCK + 777, generator=torch.Generator().manual_seed(8))
+    from thinwire.compress import kernels, randomk
+    x = torch.randn(3 * kernels.BLOCK + 777, generator=torch.Generator().manual_seed(8))
     with monkeypatch.context() as m:           # one block: the whole tensor in one call
-        m.setattr(_kernels, "BLOCK", 1 << 30)
+        m.setattr(kernels, "BLOCK", 1 << 30)
         m.setattr(randomk, "_BLOCK", 1 << 30)
         ref = tw.compressors.get(name)
         want = ref.compress(x, key="f", step=3)
@@ -401,7 +401,7 @@ def test_the_compiled_forms_of_packing_and_bucket_scaling_agree_with_the_cpu_for
 def test_fresh_outputs_reuse_only_memory_nothing_references():
     """`fresh` hands a large CPU output the buffer of an earlier one only once no tensor (nor storage object)
     references it any more."""
-    from thinwire.compress._kernels import fresh
+    from thinwire.compress.kernels import fresh
     N = 3 * (1 << 20) + 12345          # (a size no other test asks for)
     a = fresh((N,))
     a.fill_(1.0)

@@ -387,3 +387,38 @@ def test_construction_errors():
         Exchange(t, "none", bogus=1)
     assert Exchange(t, "randomk", collective="allgather").collective == "allgather"
     assert math.isclose(Exchange(t, "topk").compressor.ratio, 0.01)
+
+
+def test_the_guard_is_given_at_construction_and_read_with_every_check():
+    """The exchange reads the guard it was given (`read_with`), in its own finiteness check: no attribute set
+    afterwards, and the algorithms' factory hands the training's to every exchange it makes."""
+    from thinwire.algorithms.base import Context
+    from thinwire.compress.finite import NonFiniteError
+
+    class FakeTransport:
+        world_size, rank = 2, 0
+
+    class Guard:
+        def __init__(self, verdict):
+            self.verdict, self.reads = verdict, 0
+
+        def read_with(self, extra):
+            self.reads += 1
+            if not self.verdict:
+                raise NonFiniteError("an earlier gradient")
+            return extra.tolist()
+
+    t, ok = FakeTransport(), Guard(True)
+    ex = Exchange(t, "topk", guard=ok)
+    assert ex.guard is ok and Exchange(t, "topk").guard is None
+    ex._begin(torch.ones(3), "k")
+    assert ok.reads == 1
+    with pytest.raises(NonFiniteError, match="key 'k'"):        # the guard's verdict holds; this tensor's does not
+        ex._begin(torch.tensor([1.0, float("nan")]), "k")
+    with pytest.raises(NonFiniteError, match="an earlier gradient"):
+        Exchange(t, "topk", guard=Guard(False))._begin(torch.ones(3), "k")
+    ctx = Context(None, None, [], None, t, None, tw.compressors.get("topk"), tw.memories.get("none"), finite=ok,
+                  collectives={"sparse_collective": "gtopk"})
+    mine, plain = ctx.exchange(), ctx.exchange(Exchange, "none", "none")
+    assert mine.guard is ok and plain.guard is ok
+    assert mine.sparse is not None and plain.sparse is None     # the user's collective: the training's compressor's

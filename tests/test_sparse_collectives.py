@@ -28,15 +28,15 @@ def collectives_worker(rank, world_size):
     x = _inputs(rank)
     dense = x.clone()
     dist.all_reduce(dense)
-    ex = Exchange(tr, compressors.get("topk", ratio=1.0, sparse_collective="gtopk"), "none")
+    ex = Exchange(tr, compressors.get("topk", ratio=1.0), "none", sparse_collective="gtopk")
     out["gtopk_dense_err"] = float((ex.aggregate(x, "a") - dense / world_size).abs().max())
 
     for name in COLLECTIVES:
         for comp_name, params in (("topk", {"ratio": 0.05}), ("stc", {"ratio": 0.05}),
                                   ("topk+golomb", {"ratio": 0.02})):
-            comp = compressors.get(comp_name, sparse_collective=name, **params)
+            comp = compressors.get(comp_name, **params)
             mem = memories.get("residual")
-            ex = Exchange(tr, comp, mem)
+            ex = Exchange(tr, comp, mem, sparse_collective=name)
             before = tr.meter.totals()["bytes_sent"]
             inputs_sum, results = torch.zeros(4000), []
             for step in range(2):
@@ -111,8 +111,33 @@ def test_sparse_collectives(world, pool2, pool3, pool4):
 
 def test_unknown_sparse_collective_is_a_user_error():
     from thinwire.compress import compressors
+    from thinwire.exchange.exchange import check_collectives
+    from thinwire.trainer import build_components
     with pytest.raises(UserError, match="valid: allgather, gtopk, shared, hierarchical"):
-        compressors.get("topk", sparse_collective="ring")
+        check_collectives(compressors.get("topk"), sparse_collective="ring")
+    with pytest.raises(UserError, match="valid: allgather, gtopk, shared, hierarchical"):
+        build_components("bsp", "topk", sparse_collective="ring")      # the Trainer's check, before any worker
+    with pytest.raises(UserError, match="cannot use collective 'allreduce'; valid: allgather"):
+        check_collectives(compressors.get("topk"), "allreduce", "gtopk")   # (what a sparse collective replaces)
+
+
+def test_the_exchange_takes_the_sparse_collective_and_the_compressor_refuses_it_in_one_line():
+    from thinwire.compress import compressors
+    from thinwire.trainer import build_components
+    assert build_components("bsp", "topk", "residual", sparse_collective="gtopk")[5] == {"sparse_collective": "gtopk"}
+    assert build_components("bsp", "int8", collective="allreduce")[5] == {"collective": "allreduce"}
+    for name in ("topk", "topk+golomb", "dgc", "threshold"):
+        with pytest.raises(UserError) as err:
+            compressors.get(name, sparse_collective="gtopk")
+        assert str(err.value) == (f"compressor {name!r} no longer takes sparse_collective: it is the exchange's "
+                                  f"parameter — pass sparse_collective=... to the Trainer / --sparse-collective")
+    for name in ("int8", "qsgd", "terngrad"):
+        with pytest.raises(UserError) as err:
+            compressors.get(name, aggregation="allgather")
+        assert str(err.value) == (f"compressor {name!r} no longer takes aggregation: the collective is the exchange's "
+                                  f"parameter — pass collective=... to the Trainer / --collective")
+    with pytest.raises(UserError, match="^compressor 'qsgd' no longer takes aggregation: .* --collective$"):
+        build_components("bsp", "qsgd", aggregation="allgather")        # through the Trainer's routing too
 
 
 @pytest.mark.slow

@@ -69,6 +69,13 @@ BAD = [
     (L + ["--algorithm", "cdsgd", "--optimizer", "adamw"], "use torch.optim.SGD (got AdamW)"),
     (L + ["--schedule", "priority", "--nonfinite", "skip"], "nonfinite='skip' needs schedule='none'"),
     (L + ["--batch-size", "100000"], "a worker's shard of 768 samples is smaller than the batch size 100000"),
+    # the exchange names the collective; the compressors' old spellings are refused naming it
+    (L + ["--compressor", "topk", "--sparse-collective", "ring"], "unknown sparse collective 'ring'; valid: allgather"),
+    (L + ["--compressor", "qsgd", "--sparse-collective", "gtopk"], "needs a top-k-family compressor, not 'qsgd'"),
+    (L + ["--compressor", "topk", "--collective", "allreduce"], "compressor 'topk' (aggregation 'allgather', "
+                                                               "linear=False) cannot use collective 'allreduce'"),
+    (L + ["--compressor", "int8", "--aggregation", "allreduce"], "compressor 'int8' no longer takes aggregation: the "
+                                                                 "collective is the exchange's parameter"),
 ]
 
 
@@ -106,6 +113,8 @@ def test_bad_input_is_refused_before_any_worker_starts(args, needle, capsys):
     (lambda: compressors.get("randomk", scale=2), "scale must be true or false, got 2"),
     (lambda: compressors.get("topk", seed=-1), "seed must be an integer in 0..9.22337e+18, got -1"),
     (lambda: tw.algorithms.get("localsgd", period=4.5), "period must be an integer"),
+    (lambda: compressors.get("topk", sparse_collective="gtopk"), "compressor 'topk' no longer takes sparse_collective"),
+    (lambda: tw.ddp_hook("int8", aggregation="allreduce"), "compressor 'int8' no longer takes aggregation"),
     (lambda: tw.Trainer(torch.nn.Linear(3, 1), torch.optim.SGD(torch.nn.Linear(3, 1).parameters(), lr=0.1)),
      "the optimizer holds 2 of 2 tensors that are not the model's parameters"),
 ])

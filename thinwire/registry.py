@@ -200,8 +200,10 @@ def check_params(what: str, declared: dict[str, Param], params: dict, takes_more
 class Registry:
     """A table of named constructors of one family (compressor, algorithm, workload, ...)."""
 
-    def __init__(self, family: str, variant_param: str | None = None, default_variant: Callable | None = None):
+    def __init__(self, family: str, variant_param: str | None = None, default_variant: Callable | None = None,
+                 retired: dict[str, str] | None = None):
         self.family = family
+        self.retired = dict(retired or {})     # a parameter that moved elsewhere -> where it went (`check_retired`)
         self._table: dict[str, Callable] = {}
         self.compose: Callable | None = None   # optional: builds the constructor of a composite "a+b" name
         # one constructor per (name, value of `variant_param`), e.g. an algorithm per architecture
@@ -259,6 +261,11 @@ class Registry:
     def accepts(self, name: str, param: str) -> bool:
         return param in self.parameters(name)
 
+    def check_retired(self, name, param: str) -> None:
+        """A UserError naming where `param` went, where `name` no longer takes it (`retired`)."""
+        if isinstance(name, str) and param in self.retired and not self.accepts(name, param):
+            raise UserError(f"{self.family} {name!r} no longer takes {param}: {self.retired[param]}")
+
     def get(self, name, **params):
         """Build `name` with `params` (CLI strings are converted to the parameter's type)."""
         if not isinstance(name, str):
@@ -266,6 +273,8 @@ class Registry:
                 raise UserError(f"parameters {sorted(params)} given with a ready-made {self.family} object")
             return name
         ctor = self.constructor(name, params)
+        for key in params:
+            self.check_retired(name, key)
         if self.variant_param is not None:      # a parameter of another variant: say which one takes it
             own = inspect.signature(ctor).parameters
             main = self.lookup(name)
@@ -300,6 +309,8 @@ def route(named: dict, params: dict, fixed: tuple = ()) -> list[dict]:
         takers = [i for i, (reg, name) in enumerate(tables) if isinstance(name, str) and reg.accepts(name, key)]
         takers += [len(tables) + i for i, names in enumerate(fixed) if key in names]
         if not takers:
+            for reg, name in tables:
+                reg.check_retired(name, key)
             valid = sorted({p for reg, name in tables if isinstance(name, str) for p in reg.parameters(name)}
                            | {p for names in fixed for p in names})
             owners = ", ".join(f"{what} {name!r}" for what, (_, name) in named.items())

@@ -5,7 +5,8 @@
     trainer.close()
 
 Keyword parameters are routed by name to the algorithm, the compressor, the memory, the scheduler
-(`thinwire.sched.make`: schedule, bucket_mb, ...) and the transport (`allreduce`: the all-reduce algorithm);
+(`thinwire.sched.make`: schedule, bucket_mb, ...), the transport (`allreduce`: the all-reduce algorithm) and the
+exchange (`collective`, `sparse_collective`: `thinwire.exchange.exchange`);
 each gets the ones it declares, and a parameter none of them takes is an error at construction. On the parameter
 server, `downlink_<name>` is parameter <name> of the downlink compressor (`downlink_compressor="qsgd",
 downlink_levels=3`; gathered into the algorithm's `downlink_params`).
@@ -30,18 +31,20 @@ from .comm.state import broadcast_state
 from .compress import compressors, memories
 from .compress.finite import NonFiniteError
 from .errors import UserError
+from .exchange.exchange import check_collectives
 from .optim import check_momentum, hand_over_momentum, in_own_step, momentum_taker, replaces_momentum  # noqa: F401
 from .registry import call, route
 from .trace import NULL, Tracer
 
 SCHED_PARAMS = tuple(inspect.signature(sched.make).parameters)
 TRANSPORT_PARAMS = ("allreduce",)
+EXCHANGE_PARAMS = tuple(inspect.signature(check_collectives).parameters)[1:]   # collective, sparse_collective
 
 
 def build_components(algorithm, compressor=None, memory=None, **params):
     """Resolve defaults, route `params` by name and build (algorithm, compressor, memory, scheduler, transport
-    options); raises UserError for unknown names, unknown parameters, bad values and invalid combinations
-    (used before launching too)."""
+    options, exchange options); raises UserError for unknown names, unknown parameters, bad values and invalid
+    combinations (used before launching too)."""
     alg_cls = (algorithms.registry.constructor(algorithm, params) if isinstance(algorithm, str)
                else type(algorithm))
     compressor = compressor or getattr(alg_cls, "default_compressor", "none")
@@ -52,9 +55,9 @@ def build_components(algorithm, compressor=None, memory=None, **params):
         if down:   # the downlink compressor's own parameters (it names the valid ones)
             params["downlink_params"] = {**(params.get("downlink_params") or {}),
                                          **{k[len("downlink_"):]: v for k, v in down.items()}}
-    alg_params, comp_params, mem_params, sched_params, transport_params = route(
+    alg_params, comp_params, mem_params, sched_params, transport_params, exchange_params = route(
         {"algorithm": (algorithms.registry, algorithm), "compressor": (compressors, compressor),
-         "memory": (memories, memory)}, params, (SCHED_PARAMS, TRANSPORT_PARAMS))
+         "memory": (memories, memory)}, params, (SCHED_PARAMS, TRANSPORT_PARAMS, EXCHANGE_PARAMS))
     if not getattr(alg_cls, "compression", True) and compressor != "none":
         raise UserError(f"algorithm {alg_cls.name!r} does not exchange gradients through a compressor; "
                         f"drop --compressor or use one of: "
@@ -66,7 +69,8 @@ def build_components(algorithm, compressor=None, memory=None, **params):
     alg, comp, mem = (algorithms.get(algorithm, **alg_params), compressors.get(compressor, **comp_params),
                       memories.get(memory, **mem_params))
     alg.check_components(comp, mem)      # invalid pairings are refused here, before any worker starts
-    return alg, comp, mem, call(sched.make, "schedule", sched_params), transport_params
+    check_collectives(comp, **exchange_params)
+    return alg, comp, mem, call(sched.make, "schedule", sched_params), transport_params, exchange_params
 
 
 def nonfinite_stop(rank: int, step: int, seen: str = "") -> NonFiniteError:
@@ -235,7 +239,7 @@ class Trainer:
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         (self.algorithm, self.compressor, self.memory, self.scheduler,
-         transport_params) = build_components(algorithm, compressor, memory, **params)
+         transport_params, exchange_params) = build_components(algorithm, compressor, memory, **params)
         self.momentum_handed = hand_over_momentum(optimizer, self.algorithm, self.compressor, self.memory)
         self.elastic = elastic.MEMBER if transport is None else None   # a member of an elastic job, or None
         if self.elastic is not None:
@@ -276,7 +280,8 @@ class Trainer:
         self.finite = (FiniteGuard(self.parameters, self.transport.rank)
                        if nonfinite == "stop" and not getattr(self.algorithm, "checks_finite", False) else None)
         self.context = Context(model, optimizer, self.parameters, self.scheduler, self.transport, self.tracer,
-                               self.compressor, self.memory, failures=self.failures, finite=self.finite)
+                               self.compressor, self.memory, failures=self.failures, finite=self.finite,
+                               collectives=exchange_params)
         self.algorithm.attach(self.context)
         if joined is not None:
             self._welcome(joined, previous=[])

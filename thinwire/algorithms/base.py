@@ -60,15 +60,16 @@ class Context:
     failures: list = field(default_factory=list)
     finite: Any = None        # the gradients' pending NaN/Inf verdict, read with every exchange's own check
     modes: dict = field(default_factory=dict)     # the scheduler's options for every exchange (`exchange`)
+    collectives: dict = field(default_factory=dict)   # the user's for the training's compressor (or a wrapper)
 
-    def exchange(self, cls: type = Exchange, compressor=None, memory=None, **options) -> Exchange:
-        """An exchange of class `cls` on the transport, through `compressor` and `memory` (default: the
-        training's), its programs run as the scheduler's `modes` say (background, serial); its finiteness check
-        reads the gradients' pending verdict too (`finite`, `Exchange.guard`)."""
-        ex = cls(self.transport, self.compressor if compressor is None else compressor,
-                 self.memory if memory is None else memory, **self.modes, **options)
-        ex.guard = self.finite
-        return ex
+    def exchange(self, cls: type = Exchange, compressor=None, memory=None, transport=None, **options) -> Exchange:
+        """An exchange of class `cls` on `transport` (default: the training's), through `compressor` and `memory`
+        (default: the training's, with the user's `collectives`), its programs run as the scheduler's `modes`
+        say (background, serial); its finiteness check reads the gradients' pending verdict too (`guard`)."""
+        chosen = self.collectives if compressor is None else {}
+        return cls(self.transport if transport is None else transport,
+                   self.compressor if compressor is None else compressor, self.memory if memory is None else memory,
+                   guard=self.finite, **self.modes, **chosen, **options)
 
 
 class Algorithm:

@@ -159,7 +159,7 @@ class CDSGD(BSP):
         _sgd_hyper(self.optimizer)
         self.plain = self.make_exchange("none", "none")
         self.timed = _TimedCompressor(self.compressor) if self.compress else None
-        self.quant = self.make_exchange(self.timed, self.memory) if self.compress else None
+        self.quant = self.make_exchange(self.timed, self.memory, **self.ctx.collectives) if self.compress else None
         self.pending: dict[int, object] = {}
         # global weights (rank 0's, broadcast); without the local update, the model itself
         self.W = [p.detach().clone() if self.local_update else p.detach() for p in self.params]

@@ -202,10 +202,9 @@ class DiLoCo(Algorithm):
             self.exchange = self.make_exchange()
         else:       # the outer sync among the islands' j-th workers; the inner steps' gradients inside the island
             inside, column = groups
-            self.exchange = self.exchange_class(column, self.compressor, self.memory, **self.ctx.modes)
-            self.inner = self.exchange_class(inside, "none", "none", **self.ctx.modes)
+            self.exchange = self.ctx.exchange(self.exchange_class, transport=column)
+            self.inner = self.ctx.exchange(self.exchange_class, "none", "none", transport=inside)
             self._exchanges += [self.exchange, self.inner]
-            self.exchange.guard = self.inner.guard = self.ctx.finite
             self.island = IslandReplica(inside, self.inner)
         self.frags = Fragments(self.params, self.fragments)
         # θ per segment (a parameter's elements in one fragment): the same on every worker

@@ -69,8 +69,8 @@ class PSMixin:
         self.server = self.worker = None
 
     # -- wiring --------------------------------------------------------------------------------------------
-    def make_exchange(self, compressor=None, memory=None) -> PSExchange:
-        return super().make_exchange(compressor, memory, codec=len(self._exchanges))
+    def make_exchange(self, compressor=None, memory=None, **options) -> PSExchange:
+        return super().make_exchange(compressor, memory, codec=len(self._exchanges), **options)
 
     def attach(self, ctx) -> None:
         super().attach(ctx)                # setup(), then the scheduler builds its buckets

@@ -32,8 +32,7 @@ def _collectives_worker(rank, world_size, numel, densities, steps):
     out = []
     for density in densities:
         for name in COLLECTIVES:
-            ex = Exchange(tr, compressors.get("topk", ratio=density, sparse_collective=name),
-                          memories.get("residual"))
+            ex = Exchange(tr, compressors.get("topk", ratio=density), memories.get("residual"), sparse_collective=name)
             gen = torch.Generator().manual_seed(rank + 1)
             xs = [torch.randn(numel, generator=gen) for _ in range(steps + 1)]
             ex.aggregate(xs[0], "w")                      # warm-up (not counted)
@@ -74,7 +73,7 @@ def qsgd_bits(numel: int, repeat: int = 3) -> list[dict]:
     import torch
 
     from ..compress import coders, compressors
-    from ..compress._coding import entropy_bits, zigzag
+    from ..compress.coding import entropy_bits, zigzag
     from ..compress.bitpack import unpack
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     rows = []

@@ -62,7 +62,7 @@ def crossover(pool, workload: str, workers: int, steps: int, networks=CROSSOVER_
     rows = [{"network": "lan", "config": "local", "step_s": local, "vs_local": 1.0}]
     for net in networks:
         link = parse_network(net)
-        # local runs no compressor: fp8's cost is charged from DEFAULT_X_MEMCPY
+        # local runs no compressor: fp8's cost is charged from its declaration (`x_memcpy`)
         scen = Scenario(params=wl.num_params(), compute_s=local, link=link, workers=workers, handshake=True)
         bsp = None
         for label, algorithm, comp, params in CROSSOVER:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import statistics
 
+from ..compress import compressors
 from ..net import parse_network
-from ..plan.costmodel import DEFAULT_X_MEMCPY, Scenario, predict
+from ..plan.costmodel import Scenario, predict
 
 CONFIGS = {  # name -> (algorithm, parameters) as run by `thinwire train`
     "bsp": ("bsp", {}),
@@ -41,7 +42,7 @@ def compare(pool, workload: str = "digits-mlp", networks=("cluster", "wan"), nam
     """Rows of {network, config, measured_s, predicted_s, error, local_s} for each network × configuration."""
     from ..run import workloads
     n_params = workloads.get(workload).num_params()
-    no_compression_cost = dict.fromkeys(DEFAULT_X_MEMCPY, 0.0)   # measured inside the lan step time
+    no_compression_cost = dict.fromkeys(compressors.names(), 0.0)   # measured inside the lan step time
     rows = []
     # millisecond steps are noisy on a shared 2-core machine: twice the steps on low-latency links (`lan`
     # included), and the local (lan) time measured before and after the networks' runs

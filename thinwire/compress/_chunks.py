@@ -16,8 +16,8 @@ import torch
 
 from ..errors import UserError
 from .base import Compressor
-from ._kernels import cpu_blocks, scratch
 from .bitpack import pack, packed_nbytes, unpack
+from .kernels import cpu_blocks, scratch
 
 MAX_CHUNK = 1 << 16          # in-chunk indices take at most 16 bits
 

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ._kernels import BLOCK, cpu_blocks, random_bits, scratch
+from .kernels import BLOCK, cpu_blocks, random_bits, scratch
 
 SMALL = 1 << 15          # below this many elements torch.topk is as fast as anything
 

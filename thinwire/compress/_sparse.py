@@ -13,9 +13,9 @@ import torch
 
 from ..errors import UserError
 from . import bitpack
-from ._kernels import fresh
 from ._select import beyond_indices
 from .base import Compressor, Payload
+from .kernels import fresh
 from .rounding import rank
 
 SMALL = 1 << 15          # below this many elements torch.topk is as fast as anything
@@ -25,19 +25,6 @@ def check_ratio(ratio: float, name: str = "ratio") -> float:
     if not 0 < ratio <= 1:
         raise UserError(f"{name} must be in (0, 1], got {ratio}")
     return float(ratio)
-
-
-# The sparse collectives the exchange runs (`thinwire.exchange.sparse` names them and registers them here, in its
-# order): a top-k-family compressor carries its user's `sparse_collective` request to the exchange, and checks the
-# name at construction against this list (an unknown one is a UserError before anything runs).
-ROUTES: list[str] = []
-
-
-def check_collective(name: str) -> str:
-    """`sparse_collective` of a top-k-family compressor: the request it carries to the exchange, which runs it."""
-    if ROUTES and name not in ROUTES:
-        raise UserError(f"unknown sparse collective {name!r}; valid: {', '.join(ROUTES)}")
-    return name
 
 
 def num_kept(ratio: float, numel: int) -> int:
@@ -96,12 +83,12 @@ class SparseCompressor(Compressor):
     unbiased = False
     linear = False
     aggregation = "allgather"
+    is_sparse = True
     index_slot = 1            # the position of the index tensor in the payload
     dense_ok = True           # a payload heavier than the tensor goes dense (off under an index coder: `Coded`)
 
-    def __init__(self, ratio: float = 0.01, seed: int = 0, sparse_collective: str = "allgather"):
+    def __init__(self, ratio: float = 0.01, seed: int = 0):
         """About k = ratio·d coordinates kept; `seed` seeds any sampling."""
-        self.sparse_collective = check_collective(sparse_collective)   # a request: thinwire.exchange.sparse
         self.ratio = check_ratio(ratio)
         self.seed = seed
 
@@ -189,7 +176,3 @@ def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     """Inverse of `pack_codes`: n codes as int64."""
     return bitpack.unpack(packed.reshape(-1), bits, n).to(torch.int64)
 
-
-def is_sparse(compressor) -> bool:
-    """Top-k family: payloads of (index, value) pairs (randomk's shared-seed subset is summed by all-reduce)."""
-    return isinstance(getattr(compressor, "base", compressor), SparseCompressor)

@@ -9,6 +9,8 @@ and runs every round. The declarations:
 - `linear`: payloads of different ranks may be summed element-wise and decompressed as one;
 - `randomness`: "none", "shared" (every rank must draw the same numbers: seeded by step and key) or "local";
 - `fixed_size`: the payload size depends only on the tensor's shape (ranks need not tell each other sizes);
+- `is_sparse`: the top-k family, (index, value) pairs, which a sparse collective may aggregate (`exchange.sparse`);
+- `x_memcpy`: compress + decompress time in memcpys of the input (the planner's where no calibration measured it);
 - `aggregation`: the algebra that combines the ranks' payloads:
   "allreduce"  summable: payload tensors add element-wise (after `sum_payload` widens them to the type their sum
                needs: `sum_dtypes` declares it); `decompress` of the summed payload is the sum of the
@@ -184,6 +186,9 @@ class Compressor(Stateful):
     randomness: ClassVar[str] = "none"
     aggregation: ClassVar[str] = "allreduce"
     fixed_size: ClassVar[bool] = False
+    is_sparse: ClassVar[bool] = False       # top-k family: (index, value) pairs, the sparse collectives' input
+    # by `thinwire bench compressors` (2^24 fp32, a 2-core machine; fp8, fp4, demo, sparseloco's loaded: indicative)
+    x_memcpy: ClassVar[float] = 8.0         # (8: not measured)
     pick_by_bytes: ClassVar[bool] = False   # (linear) the exchange may gather or sum it, whichever sends fewer bytes
     rounds: ClassVar[tuple[str, ...]] = ()  # ("custom") the rounds it needs, in order (`begin`, `advance`)
     takes_momentum: ClassVar[bool] = False  # applies the training's momentum itself (see `Memory`: signum)

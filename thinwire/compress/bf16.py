@@ -4,11 +4,12 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from .fp16 import _Cast
+from .fp16 import Cast
 
 
 @compressors.register("bf16")
-class BF16(_Cast):
+class BF16(Cast):
     """bf16 cast; summed in bf16 by all-reduce."""
 
     wire_dtype = torch.bfloat16
+    x_memcpy = 2.0

@@ -18,10 +18,10 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._coding import coders, unzigzag, zigzag
 from ._sparse import SparseCompressor, index_dtype
 from .base import Compressor, Payload
 from .bitpack import pack, packed_nbytes, unpack
+from .coding import coders, unzigzag, zigzag
 from .golomb import gaps, ungaps
 
 LEVEL_CODERS = ("elias", "eliasdelta", "huffman")
@@ -46,7 +46,7 @@ class Coded(Compressor):
     def __init__(self, base: Compressor, coder: str):
         self.base, self.coder = base, coders.get(coder)
         self.name = f"{base.name}+{coder}"
-        self.unbiased, self.randomness = base.unbiased, base.randomness
+        self.unbiased, self.randomness, self.is_sparse = base.unbiased, base.randomness, base.is_sparse
         if isinstance(base, SparseCompressor):
             self.mode, valid = "indices", INDEX_CODERS
             base.dense_ok = False          # coded gaps make the pairs cheaper than the dense tensor they replace
@@ -61,10 +61,6 @@ class Coded(Compressor):
         # levels are zig-zagged around the zero level for Elias (0 -> one bit), coded as they are for Huffman
         self._offset = int(getattr(base, "levels", 0)) if coder != "huffman" else 0
         self._nominal: dict[int, float] = {}
-
-    @property
-    def sparse_collective(self) -> str:
-        return getattr(self.base, "sparse_collective", "allgather")
 
     # -- levels (quantizers) -------------------------------------------------------------------------
     def _encode_levels(self, p: Payload) -> list[torch.Tensor]:

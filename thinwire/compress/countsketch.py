@@ -42,10 +42,10 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._sparse import check_ratio, generator, num_kept
-from ._kernels import seed_of
 from ._select import largest
+from ._sparse import check_ratio, generator, num_kept
 from .base import Compressor, Payload, Result, Round, ScratchLock, reused
+from .kernels import seed_of
 
 
 def _median_rows(est: torch.Tensor) -> torch.Tensor:
@@ -81,6 +81,7 @@ class CountSketch(Compressor):
     randomness = "shared"
     aggregation = "allreduce"
     fixed_size = True
+    x_memcpy = 8.0
 
     def __init__(self, ratio: float = 0.3, rows: int = 3, heavy: float = 0.05, seed: int = 0):
         self.ratio = check_ratio(ratio)

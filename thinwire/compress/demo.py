@@ -64,6 +64,7 @@ def chunked_dct(x: torch.Tensor, layout, inverse: bool = False) -> torch.Tensor:
 @compressors.register("demo")
 class DeMo(Chunked):
     """DeMo: chunked DCT-II, top-k coefficients per chunk (indices + values); sum, inverse DCT (sign=true: its sign)."""
+    x_memcpy = 28.0
 
     def __init__(self, chunk: int = 64, topk: int = 4, sign: bool = False):
         self.chunk = check_chunk("demo", chunk)

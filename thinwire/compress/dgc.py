@@ -42,10 +42,10 @@ class DGC(SparseCompressor):
 
     low, high = 0.97, 1.03      # the band of counts kept as they are (see the module docstring)
     limits = {"warmup_steps": NON_NEGATIVE}
+    x_memcpy = 12.0
 
-    def __init__(self, ratio: float = 0.01, sample: float = 0.01, warmup_steps: int = 0, seed: int = 0,
-                 sparse_collective: str = "allgather"):
-        super().__init__(ratio, seed, sparse_collective)
+    def __init__(self, ratio: float = 0.01, sample: float = 0.01, warmup_steps: int = 0, seed: int = 0):
+        super().__init__(ratio, seed)
         self.sample = check_ratio(sample, "sample")
         self.warmup_steps = int(warmup_steps)
         self._scratch = Scratch()

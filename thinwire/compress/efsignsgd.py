@@ -14,6 +14,7 @@ class EFSignSGD(SignSGD):
     """`signsgd`'s payload with its scale, gathered and summed instead of voted."""
 
     aggregation = "allgather"
+    x_memcpy = 5.0
 
     def __init__(self):
         super().__init__(scale=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._coding import (Coder, bit_length, coders, from_bytes, header, read_fields, to_bytes, unary_lengths,
+from .coding import (Coder, bit_length, coders, from_bytes, header, read_fields, to_bytes, unary_lengths,
                       unary_plane, write_fields)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._kernels import host_read
+from .kernels import host_read
 
 
 class NonFiniteError(FloatingPointError):

@@ -10,7 +10,7 @@ from .base import Compressor, Payload
 from .finite import check_tensor
 
 
-class _Cast(Compressor):
+class Cast(Compressor):
     """A cast to a 16-bit float type, summable by all-reduce in that type."""
 
     unbiased = False          # round-to-nearest: a tiny deterministic bias
@@ -49,9 +49,10 @@ class _Cast(Compressor):
 
 
 @compressors.register("fp16")
-class FP16(_Cast):
+class FP16(Cast):
     """fp16 cast. For all-reduce, `sum_payload` divides by the world size first (as PyTorch's
     `fp16_compress_hook` does) so that the fp16 sum of the ranks cannot overflow."""
+    x_memcpy = 2.0
 
     def sum_payload(self, payload, world_size):
         shape, dtype, _ = payload.ctx

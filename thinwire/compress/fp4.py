@@ -24,10 +24,10 @@ from ..errors import UserError
 from . import compressors
 from ._chunks import Chunked, check_chunk
 from .base import Payload, constant
-from ._kernels import BLOCK, blockwise, cpu_blocks, fresh, scratch
 from .bitpack import pack_kernel, value_table
 from .finite import check_scale
-from .qsgd import bucket_norms, scale_buckets
+from .kernels import BLOCK, blockwise, cpu_blocks, fresh, scratch
+from .qsgd import scale_buckets
 
 MAGNITUDES = {"e3m0": [0.0] + [2.0 ** -e for e in range(6, -1, -1)],
               "e2m1": [v / 6 for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)]}
@@ -109,6 +109,7 @@ def decode_into(packed: torch.Tensor, amax: torch.Tensor, table: torch.Tensor, c
 @compressors.register("fp4")
 class FP4(Chunked):
     """FP4 (e3m0 as in Streaming DiLoCo, or e2m1) with a per-chunk fp32 scale, packed 2 per byte; summed in fp32."""
+    x_memcpy = 21.0
 
     def __init__(self, format: str = "e3m0", chunk: int = 128):
         if format not in MAGNITUDES:

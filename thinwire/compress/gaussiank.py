@@ -24,9 +24,10 @@ from .threshold import Scratch, reselect, select_beyond
 class GaussianK(SparseCompressor):
     """Gaussian-k: threshold from the normal fit μ + σΦ⁻¹(1−ρ/2), adjusted ×0.5/×1.5 toward k = ρ·d."""
     limits = {"adjust": NON_NEGATIVE}     # rounds of adjustment
+    x_memcpy = 10.0
 
-    def __init__(self, ratio: float = 0.01, adjust: int = 5, seed: int = 0, sparse_collective: str = "allgather"):
-        super().__init__(ratio, seed, sparse_collective)
+    def __init__(self, ratio: float = 0.01, adjust: int = 5, seed: int = 0):
+        super().__init__(ratio, seed)
         self.adjust = int(adjust)
         self.z = NormalDist().inv_cdf(1 - self.ratio / 2) if self.ratio < 1 else 0.0
         self._scratch = Scratch()

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from ._coding import Coder, coders, from_bytes, header, read_fields, to_bytes, unary_lengths, unary_plane, write_fields
+from .coding import Coder, coders, from_bytes, header, read_fields, to_bytes, unary_lengths, unary_plane, write_fields
 
 
 def rice_parameter(values: np.ndarray) -> int:

@@ -15,7 +15,7 @@ import heapq
 import numpy as np
 import torch
 
-from ._coding import Coder, coders, from_bytes, header, to_bytes, write_fields
+from .coding import Coder, coders, from_bytes, header, to_bytes, write_fields
 
 MAX_LEN = 16
 

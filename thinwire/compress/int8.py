@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
 from . import compressors
-from ._kernels import fresh, fused
 from .base import Payload, reused
 from .finite import check_scale
+from .kernels import fresh, fused
 from .rounding import Stochastic, stochastic_codes
 
 LEVELS = 127
@@ -41,22 +40,14 @@ def _dequantize(q: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 
 class ScaledLevels(Stochastic):
-    """Integer levels times fp32 scales (int8, qsgd, terngrad), linear: "allreduce" sums the levels (widened by
-    `sum_payload`) under scales the ranks agree on first, "allgather" sends each rank's codes and own scales, and
-    "auto" takes the class's natural collective unless the other sends fewer bytes (`pick_by_bytes`: the exchange
-    picks, `thinwire.exchange.choose`)."""
+    """Integer levels times fp32 scales (int8, qsgd, terngrad), linear: summed, the levels add (widened by
+    `sum_payload`) under scales the ranks agree on first; gathered, each rank sends its codes and own scales. The
+    exchange takes the class's natural collective unless the other sends fewer bytes (`pick_by_bytes`), or the
+    one its `collective` names (`thinwire.exchange.choose`)."""
 
     linear = True
     fixed_size = True         # the payload size depends only on the shape
     pick_by_bytes = True
-
-    def __init__(self, aggregation: str, seed: int):
-        if aggregation not in ("auto", "allreduce", "allgather"):
-            raise UserError(f"{self.name}: aggregation must be one of auto, allreduce, allgather; got {aggregation!r}")
-        if aggregation != "auto":
-            self.aggregation = aggregation
-        self.pick_by_bytes = aggregation == "auto"
-        super().__init__(seed)
 
     def context(self, shape, dtype, key=None, step=0):
         # qsgd's and terngrad's ctx, not agreed (the scale travels in the payload) and not summed (`sum_payload`)
@@ -82,15 +73,16 @@ class Int8(ScaledLevels):
     """8 bits per element plus one fp32 scale. "allgather": each rank sends its int8 levels and its own scale
     ((n−1)·8 bits per element leave each rank on a ring). "allreduce": the ranks agree on the largest max-abs and
     the levels are summed in a widened integer type; the sum of two ranks already needs int16, which gloo sums as
-    int32 (2(n−1)/n·32 bits per element). "auto" (default): all-gather, all-reduce where that sends fewer bytes
-    (from 8 ranks on a ring: `thinwire.exchange.choose`)."""
+    int32 (2(n−1)/n·32 bits per element). The exchange's `collective="auto"` (default): all-gather, all-reduce
+    where that sends fewer bytes (from 8 ranks on a ring: `thinwire.exchange.choose`)."""
 
     unbiased = False
     randomness = "none"
     aggregation = "allgather"
+    x_memcpy = 4.0
 
-    def __init__(self, stochastic: bool = False, aggregation: str = "auto", seed: int = 0):
-        super().__init__(aggregation, seed)
+    def __init__(self, stochastic: bool = False, seed: int = 0):
+        super().__init__(seed)
         self.stochastic = bool(stochastic)
         self.unbiased = self.stochastic
         self.randomness = "local" if self.stochastic else "none"

@@ -21,6 +21,7 @@ class OneBit(Compressor):
     aggregation = "allgather"
     fixed_size = True         # the payload size depends only on the shape
     needs_momentum_first = True
+    x_memcpy = 6.0
 
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)

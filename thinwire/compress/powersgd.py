@@ -51,6 +51,7 @@ class PowerSGD(Compressor):
     aggregation = "custom"
     rounds = ("P", "Q")          # summed over ranks by the exchange; Q only where a matrix is compressed
     state_attrs = ("q",)         # the warm-start Q of each matrix
+    x_memcpy = 10.0
 
     def __init__(self, rank: int = 2, warm_start: bool = True, seed: int = 0):
         if not isinstance(rank, int) or rank < 1:

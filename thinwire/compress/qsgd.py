@@ -6,7 +6,7 @@ Sign and level travel as one code in [0, 2s], packed to ceil(log2(2s + 1)) bits,
 "allreduce": the ranks agree on the per-bucket max of their norms (the levels stay unbiased, since
 |g_i| <= agreed norm), and the signed levels are summed in an integer type wide enough for world_size of them;
 that widened type is what crosses the wire then (8 bits up to 127/s ranks, then int16, which gloo sums as int32).
-"allgather": the packed codes and norms of each rank travel. "auto" (default): all-reduce unless the all-gather
+"allgather": the packed codes and norms of each rank travel. The exchange's "auto": all-reduce unless the all-gather
 sends fewer bytes at the world size (with s = 7, 4-bit codes: gathered on 2–3 ranks; `thinwire.exchange.choose`).
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._kernels import blockwise
 from .base import Payload, constant
 from .bitpack import pack, unpack, value_table
 from .finite import check_scale
 from .int8 import ScaledLevels, widened
+from .kernels import blockwise
 from .rounding import stochastic_codes
 
 
@@ -73,16 +73,16 @@ class QSGD(ScaledLevels):
     unbiased = True
     randomness = "local"
     aggregation = "allreduce"
+    x_memcpy = 8.0
 
-    def __init__(self, levels: int = 7, bucket: int = 512, norm: str = "l2", aggregation: str = "auto",
-                 seed: int = 0):
+    def __init__(self, levels: int = 7, bucket: int = 512, norm: str = "l2", seed: int = 0):
         if not 1 <= levels <= 127:
             raise UserError(f"qsgd: levels (s, the number of intervals) must be in 1..127, got {levels}")
         if bucket < 1:
             raise UserError(f"qsgd: bucket must be >= 1 element, got {bucket}")
         if norm not in ("l2", "max"):
             raise UserError(f"qsgd: norm must be one of l2, max; got {norm!r}")
-        super().__init__(aggregation, seed)
+        super().__init__(seed)
         self.levels, self.bucket, self.norm = int(levels), int(bucket), norm
         self.bits = math.ceil(math.log2(2 * self.levels + 1))
 

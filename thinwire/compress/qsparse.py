@@ -35,9 +35,10 @@ def qsgd_levels(v: torch.Tensor, s: int, gen: torch.Generator | None = None) -> 
 @compressors.register("qsparse")
 class QSparse(QuantizedTopK):
     """Top-k then QSGD of the values (s levels), scaled by 1/(1+β_{k,s}) as in Qsparse-local-SGD."""
+    x_memcpy = 12.0
 
-    def __init__(self, ratio: float = 0.01, levels: int = 7, seed: int = 0, sparse_collective: str = "allgather"):
-        super().__init__(ratio, seed, sparse_collective)
+    def __init__(self, ratio: float = 0.01, levels: int = 7, seed: int = 0):
+        super().__init__(ratio, seed)
         if not isinstance(levels, int) or levels < 1:
             raise UserError(f"levels must be an integer >= 1, got {levels}")
         self.levels = levels

@@ -22,7 +22,7 @@ E‖C(g) − g‖² = Σ_s (m_s − 1)‖g_s‖², which is (d/k − 1)‖g‖²
 sampling is systematic sampling with a random start per stratum: it never keeps two neighbours of one stratum,
 where rand-k may; the bounds above are all the analyses use.) Its draws are offsets u_s m_s / 2^31 of
 pairwise-independent uniforms u_s (the xor table of `rounding.Uniforms`, hashed on the tensor's device from (seed,
-key, step): `_kernels.random_bits`): no host generator, nothing copied from the host, the same indices on every
+key, step): `kernels.random_bits`): no host generator, nothing copied from the host, the same indices on every
 device and rank, and only k offsets computed (in cache-sized blocks on the CPU, fused on a GPU), so the gather
 and the scatter sweep memory in order. The offsets are uniform up to m_s/2^31 (the grid of u).
 "uniform": a uniform k-subset, as Stich et al. define rand-k, drawn on the host without a full permutation:
@@ -36,9 +36,9 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._kernels import cpu_blocks, fresh, fused, random_bits, scratch, seed_of
 from ._sparse import check_ratio, generator, num_kept
 from .base import Compressor, Payload
+from .kernels import cpu_blocks, fresh, fused, random_bits, scratch, seed_of
 
 _COLS = 4096               # columns of a stratum table of pairwise-independent draws (as `Uniforms`)
 
@@ -193,6 +193,7 @@ class RandomK(Compressor):
     randomness = "shared"
     aggregation = "allreduce"
     fixed_size = True
+    x_memcpy = 4.0
 
     def __init__(self, ratio: float = 0.5, scale: bool = True, seed: int = 0, sampling: str = "stratified"):
         self.ratio = check_ratio(ratio)

@@ -6,19 +6,18 @@ only need pairwise independence. So the n numbers are laid out as an R x C table
 integers (R + C ~ 2 sqrt(n) draws): each cell is exactly uniform, and any two cells are independent (pairwise,
 not jointly: the xor of four corners of a rectangle is 0). The table is written straight into the bits of fp32
 numbers, so one broadcast op per call produces them, into a scratch buffer reused across calls.
-Local randomness (per rank) comes from a counter-based stream keyed by (seed, rank) (`_kernels.Stream`): its numbers
+Local randomness (per rank) comes from a counter-based stream keyed by (seed, rank) (`kernels.Stream`): its numbers
 are hashed on the tensor's device, the same on every device; shared randomness from (seed, step, key).
 """
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 
-from ._kernels import Stream, random_bits, scratch
-from .bitpack import pack_kernel
 from .base import Compressor, reused
+from .bitpack import pack_kernel
+from .kernels import Stream, random_bits, scratch
 
 _COLS = 4096
 
@@ -27,11 +26,6 @@ def rank() -> int:
     """This process's rank in the default process group (0 when there is none)."""
     import torch.distributed as dist
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def shared_seed(seed: int, step: int, key) -> int:
-    """A seed every rank derives identically from (seed, step, key)."""
-    return zlib.crc32(repr((seed, step, key)).encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
 
 
 class Uniforms:
@@ -124,7 +118,7 @@ def stochastic_codes(x: torch.Tensor, inv_scale: torch.Tensor | float, levels: i
     clipped to it (TernGrad's clipping); without it they must not (QSGD: |x| <= norm), and only float round-off
     is guarded against, on the bytes. `bits` in 1, 2, 4: the codes come packed (`bitpack.pack`'s layout).
     One kernel (`codes_kernel`) per block of the table's rows on the CPU, fused on a GPU."""
-    from ._kernels import blockwise
+    from .kernels import blockwise
     flat = x.reshape(-1)
     n = flat.numel()
     free, prefix = offset_bits(levels)

@@ -38,6 +38,7 @@ class SignSGD(Compressor):
     aggregation = "majority"
     fixed_size = True         # the payload size depends only on the shape
     needs_momentum_first = True
+    x_memcpy = 4.0
 
     def __init__(self, scale: bool = True):
         if not isinstance(scale, bool):

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from ._kernels import blockwise
 from .base import Payload, optional_momentum
 from .bitpack import GROUP, sign_kernel
 from .finite import check_tensor
+from .kernels import blockwise
 from .signsgd import SignSGD
 
 
@@ -29,6 +29,7 @@ class Signum(SignSGD):
     needs_momentum_first = False      # without momentum it is a scaled majority sign (no error feedback to wind up)
     default_momentum = 0.0    # not handed over: the algorithm exchanges model differences or applies its own
     state_attrs = ("momenta",)
+    x_memcpy = 4.0
 
     def __init__(self, beta: float | None = None, scale: bool = True):
         self.momentum = optional_momentum(beta, "signum: beta")

@@ -22,17 +22,18 @@ import torch
 
 from ..errors import UserError
 from . import compressors, memories
-from ._kernels import fresh
 from ._chunks import Chunked, Layouts, check_chunk, check_topk, index_nbytes, pack_index, unpack_index
 from .base import Payload
 from .bitpack import pack, packed_nbytes, unpack
 from .finite import check_tensor
+from .kernels import fresh
 from .residual import Residual
 
 
 @compressors.register("sparseloco")
 class SparseLoCo(Chunked):
     """SparseLoCo: top-k per chunk, values as 2-bit codes (sign + magnitude bit, 2 fp32 levels per chunk)."""
+    x_memcpy = 19.0
 
     def __init__(self, chunk: int = 4096, topk: int = 64):
         self.chunk = check_chunk("sparseloco", chunk)

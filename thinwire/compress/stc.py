@@ -13,6 +13,7 @@ from .topk import QuantizedTopK
 @compressors.register("stc")
 class STC(QuantizedTopK):
     """Sparse ternary compression: top-k positions, values μ·sign with one shared mean magnitude μ."""
+    x_memcpy = 12.0
 
     def quantize(self, vals):
         return vals >= 0, vals.abs().mean().reshape(1)

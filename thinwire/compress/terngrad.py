@@ -5,7 +5,7 @@ values travel as 2-bit codes (4 per byte) plus one fp32 scale per tensor.
 
 "allreduce" ("scaler sharing"): the ranks agree on the max of their scales, and the ternary values are summed in
 an integer type wide enough for world_size of them (that type crosses the wire: 8 bits up to 127 ranks).
-"allgather": each rank sends its packed codes and its own scale. "auto" (default): all-reduce unless the
+"allgather": each rank sends its packed codes and its own scale. The exchange's "auto": all-reduce unless the
 all-gather sends fewer bytes at the world size (2-bit codes: gathered up to 7 ranks on a ring; `thinwire.exchange.choose`).
 
 Bias: E[C(g)] is the *clipped* gradient clamp(g, −cσ, cσ), not g (TernGrad's own clipping, Wen et al. §3.2): the
@@ -30,11 +30,12 @@ class TernGrad(ScaledLevels):
     unbiased = False          # unbiased for the clipped gradient only: True with clip=0 (see the module docstring)
     randomness = "local"
     aggregation = "allreduce"
+    x_memcpy = 7.0
 
-    def __init__(self, clip: float = 2.5, aggregation: str = "auto", seed: int = 0):
+    def __init__(self, clip: float = 2.5, seed: int = 0):
         if clip < 0:
             raise UserError(f"terngrad: clip (in standard deviations, 0 for none) must be >= 0, got {clip}")
-        super().__init__(aggregation, seed)
+        super().__init__(seed)
         self.clip = float(clip)
         self.unbiased = self.clip == 0
 

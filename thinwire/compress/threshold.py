@@ -24,9 +24,9 @@ import torch
 
 from ..errors import UserError
 from . import compressors
-from ._kernels import fresh, host_read
-from ._sparse import SparseCompressor, beyond, check_collective, dense_pays, dense_payload, sparse_payload
+from ._sparse import SparseCompressor, beyond, dense_pays, dense_payload, sparse_payload
 from .base import reused
+from .kernels import fresh, host_read
 
 SMALL = 1 << 16       # below this, the plain mask + nonzero is as fast
 
@@ -112,9 +112,9 @@ def reselect(dev: torch.Tensor, thr: float, scratch: Scratch) -> torch.Tensor:
 @compressors.register("threshold")
 class Threshold(SparseCompressor):
     """Threshold-v sparsification: send g_i where |g_i| ≥ v, as (values, indices)."""
+    x_memcpy = 8.0
 
-    def __init__(self, threshold: float = 0.01, sparse_collective: str = "allgather"):
-        self.sparse_collective = check_collective(sparse_collective)   # a request: thinwire.exchange.sparse
+    def __init__(self, threshold: float = 0.01):
         if not threshold >= 0:
             raise UserError(f"threshold must be >= 0, got {threshold}")
         self.threshold = float(threshold)

@@ -20,6 +20,7 @@ class TopK(SparseCompressor):
     """Top-k sparsification: the k = ratio·d largest |g_i| as (values, indices); all-gather + index_add_."""
 
     fixed_size = True
+    x_memcpy = 12.0
 
     def select(self, flat, key, step):
         return topk_indices(flat, num_kept(self.ratio, flat.numel()), generator(self.seed, key, step))

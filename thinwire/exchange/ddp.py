@@ -43,7 +43,7 @@ from ..compress import compressors, memories
 from ..compress.base import assemble
 from ..optim import hand_over_momentum, momentum_taker
 from ..registry import route
-from .exchange import Exchange, resolve_collective
+from .exchange import Exchange, check_collectives
 
 
 def _dead():
@@ -54,10 +54,10 @@ class HookState:
     """What the hook keeps between calls: its Exchange (built on first use, on DDP's process group)."""
 
     def __init__(self, compressor, memory, process_group=None, network=None, collective="auto",
-                 check_finite: bool | None = None):
+                 check_finite: bool | None = None, sparse_collective: str = "allgather"):
         self.compressor, self.memory = compressor, memory
         self.process_group, self.network = process_group, network
-        self.collective, self.check_finite = collective, check_finite
+        self.collective, self.sparse_collective, self.check_finite = collective, sparse_collective, check_finite
         self.exchange: Exchange | None = None
         self.slots: dict[int, tuple] = {}    # id(parameter) -> (bucket key, offset, numel) it was last sent under
         self._watched: dict[int, weakref.ref] = {}     # id(parameter) -> the parameter, for `watch_momentum`
@@ -118,7 +118,8 @@ class HookState:
         if self.exchange is None:
             from ..comm import Transport
             transport = Transport(group=self.process_group, network=self.network, device=device)
-            ex = Exchange(transport, self.compressor, self.memory, collective=self.collective)
+            ex = Exchange(transport, self.compressor, self.memory, collective=self.collective,
+                          sparse_collective=self.sparse_collective)
             ex.check_finite = (not ex.identity) if self.check_finite is None else bool(self.check_finite)
             self.exchange = ex
         return self.exchange
@@ -163,15 +164,16 @@ _GRADIENTS = types.SimpleNamespace(exchanges_gradients=True)   # what DDP all-re
 
 
 def ddp_hook(compressor="none", memory="none", process_group=None, network=None, collective: str = "auto",
-             check_finite: bool | None = None, optimizer: torch.optim.Optimizer | None = None, **params):
+             check_finite: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
+             sparse_collective: str = "allgather", **params):
     """`(state, hook)` for `DistributedDataParallel.register_comm_hook`; `params` go to the compressor and the
     memory by name (e.g. `ratio=0.01`, `rank=4`, `momentum=0.9`); an unknown one is a UserError. `optimizer`: the
     optimizer that steps the DDP model, whose heavy-ball momentum moves into a memory (or compressor) that applies
     it before compression, as `tw.Trainer` does (see the module's docstring)."""
     comp_params, mem_params = route({"compressor": (compressors, compressor), "memory": (memories, memory)}, params)
     comp, mem = compressors.get(compressor, **comp_params), memories.get(memory, **mem_params)
-    resolve_collective(comp, collective)   # fail at construction, not at the first backward, on a bad collective
-    state = HookState(comp, mem, process_group, network, collective, check_finite)
+    check_collectives(comp, collective, sparse_collective)   # fail at construction, not at the first backward
+    state = HookState(comp, mem, process_group, network, collective, check_finite, sparse_collective)
     if optimizer is not None:
         hand_over_momentum(optimizer, _GRADIENTS, comp, mem)
     else:

@@ -34,11 +34,16 @@ Granularity is the caller's: a parameter's gradient, a bucket or the whole flatt
 `key`; per-key state (residuals, PowerSGD's Q, shared seeds) follows the key. `shapes` (the parameter shapes a
 flat tensor is made of) lets structure-aware compressors (PowerSGD) treat each parameter as a matrix.
 
+One place names the collective: the exchange's `collective` and, replacing a top-k family's all-gather,
+`sparse_collective` (`sparse.py`), checked at construction (`check_collectives`; the Trainer's before any worker).
+
 NaN/Inf policy: with `check_finite=True` (the default) a non-finite value in the tensor raises
 `NonFiniteError` (a `FloatingPointError`) naming the key and rank BEFORE anything is compressed, remembered or
 sent, so no rank's model or memory is poisoned; the launcher then stops every worker. With `check_finite=False` non-finite values
 travel as they are (linear and gathered payloads spread them to every rank: a visible failure, never a silent
-one for the dense paths; sparsifiers may drop NaNs into their memory).
+one for the dense paths; sparsifiers may drop NaNs into their memory). A `guard` (given at construction) shares
+that check's one host read: `guard.read_with(extra) -> list[float]` reads `extra` (1.0 where this tensor's sum is
+finite) with its own verdict on earlier tensors, raises where that one is not finite, and returns extra's values.
 """
 from __future__ import annotations
 
@@ -57,7 +62,14 @@ from .choose import (COLLECTIVES, GLOO_SUM_WIDEN as _GLOO_WIDEN, allowed_collect
                      pick, resolve_collective)
 from .rounds import run_rounds
 
-__all__ = ["COLLECTIVES", "Exchange", "allowed_collectives", "resolve_collective"]
+__all__ = ["COLLECTIVES", "Exchange", "allowed_collectives", "check_collectives", "resolve_collective"]
+
+
+def check_collectives(compressor: Compressor, collective: str = "auto", sparse_collective: str = "allgather") -> str:
+    """The collective an exchange through `compressor` runs with these choices; a UserError where one is invalid."""
+    resolved = resolve_collective(compressor, collective)
+    _sparse.check(sparse_collective, compressor)
+    return resolved
 
 
 def _backend(transport) -> str:
@@ -79,34 +91,30 @@ class Exchange:
     over ranks of the (decompressed) contributions, same shape and dtype as `tensor` (for "majority": the
     vote, sign of the sum of signs). `aggregate(...)` is the synchronous form. `collective="auto"` takes the
     compressor's natural collective; naming one its algebra does not allow is a `UserError` here, not a wrong
-    answer later. `background` and `serial` are how its programs run on the engine (`Transport.run`; a
-    scheduler's choice, `thinwire.sched.Scheduler.modes`).
+    answer later (`sparse_collective`, `guard`: the module docstring). `background` and `serial` are how its
+    programs run on the engine (`Transport.run`; a scheduler's choice, `thinwire.sched.Scheduler.modes`).
     """
 
     def __init__(self, transport: Transport, compressor: "str | Compressor" = "none",
                  memory: "str | Memory" = "none", collective: str = "auto", check_finite: bool = True,
-                 sparse_collective: str | None = None, background: bool = False, serial: bool = False, **params):
+                 sparse_collective: str = "allgather", background: bool = False, serial: bool = False,
+                 guard=None, **params):
         if params:
             raise UserError(f"unexpected exchange parameters: {sorted(params)}; valid: collective, check_finite, "
-                            f"sparse_collective, background, serial")
+                            f"sparse_collective, background, serial, guard")
         self.transport = transport
         self.background, self.serial = bool(background), bool(serial)
         self.compressor, self.memory = compressors.get(compressor), memories.get(memory)   # an object: as it is
         self.auto = collective == "auto" and self.compressor.pick_by_bytes
         self.densify = collective == "auto" and densifies(self.compressor)   # may all-reduce the decoded tensors
-        self.collective = resolve_collective(self.compressor, collective)
-        self.check_finite = check_finite
+        self.collective = check_collectives(self.compressor, collective, sparse_collective)
+        self.check_finite, self.guard = check_finite, guard
         self._gloo = _backend(transport) == "gloo"
         self.memory.setup(transport.world_size)
         self._memory_updates = type(self.memory).update is not Memory.update
         # top-k family: "gtopk" | "shared" | "hierarchical" replace the all-gather (exchange/sparse.py)
-        sparse_collective = sparse_collective or getattr(self.compressor, "sparse_collective", "allgather")
-        self.sparse = None
-        if _sparse.check(sparse_collective) != "allgather":
-            self.sparse = _sparse.SparseCollective(sparse_collective, transport, self.compressor)
-            if self.collective != "allgather":
-                raise UserError(f"sparse collective {sparse_collective!r} replaces the all-gather; it cannot run "
-                                f"with collective {self.collective!r}; valid: auto, allgather")
+        self.sparse = (None if sparse_collective == "allgather"
+                       else _sparse.SparseCollective(sparse_collective, transport, self.compressor))
         self.steps: dict[Any, int] = {}
 
     # -- the exchange ----------------------------------------------------------------------------------
@@ -256,8 +264,6 @@ class Exchange:
         if self.check_finite:
             self._check_finite(x, key)
         return step
-
-    guard = None   # a pending verdict on earlier gradients (the Trainer's `FiniteGuard`), read with this check
 
     def _check_finite(self, x: torch.Tensor, key: Any) -> None:
         if not x.is_floating_point():

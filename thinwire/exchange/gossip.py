@@ -53,10 +53,8 @@ class NeighborExchange(Exchange):
     """Send a (compressed) tensor to `dsts` and receive theirs from `srcs`; compressor and memory state (per
     key), step counters, `state_dict`/`rekey` as for the `Exchange` it extends."""
 
-    def __init__(self, transport, compressor="none", memory="none", check_finite: bool = True,
-                 background: bool = False, serial: bool = False):
-        super().__init__(transport, compressor, memory, check_finite=check_finite, background=background,
-                         serial=serial)
+    def __init__(self, transport, compressor="none", memory="none", **options):
+        super().__init__(transport, compressor, memory, **options)
         if self.collective == "custom" or self.sparse is not None:
             what = ("rounds summed over every rank" if self.collective == "custom"
                     else "a sparse collective over every rank")

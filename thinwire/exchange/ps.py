@@ -210,9 +210,8 @@ class PSExchange(Exchange):
     key)` returns the future of the server's answer for the bucket named `key` (see the module docstring). It
     keeps the exchange's compressor, memory, per-key steps and state; `bind` attaches the worker's end."""
 
-    def __init__(self, transport, compressor="none", memory="none", codec: int = 0, check_finite: bool = True,
-                 background: bool = False, serial: bool = False):
-        super().__init__(transport, compressor, memory, check_finite=check_finite, background=background)
+    def __init__(self, transport, compressor="none", memory="none", codec: int = 0, **options):
+        super().__init__(transport, compressor, memory, **options)      # (never serial: `start`)
         check_uplink(self.compressor)
         self.codec = codec
         self.worker: PSWorker | None = None

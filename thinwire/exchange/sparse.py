@@ -26,20 +26,25 @@ from __future__ import annotations
 import torch
 
 from ..compress import Payload, bitpack
-from ..compress import _sparse
-from ..compress._sparse import is_sparse
 from ..errors import UserError
 from ..net.cost import sparse_group_size
 from . import wire
 
 SPARSE_COLLECTIVES = ("allgather", "gtopk", "shared", "hierarchical")
-_sparse.ROUTES[:] = SPARSE_COLLECTIVES        # what a top-k-family compressor may ask for (checked at construction)
 
 
-def check(name: str) -> str:
-    """A sparse collective's name; a UserError naming the valid ones where it is unknown."""
+def check(name: str, compressor=None) -> str:
+    """A sparse collective's name, checked: known, and for one that replaces the all-gather, a top-k-family
+    `compressor` (`Compressor.is_sparse`: gathered, never summed); a UserError naming what is valid otherwise (at
+    construction, before anything runs)."""
     if name not in SPARSE_COLLECTIVES:
         raise UserError(f"unknown sparse collective {name!r}; valid: {', '.join(SPARSE_COLLECTIVES)}")
+    if name == "allgather" or compressor is None:
+        return name
+    if not compressor.is_sparse:
+        raise UserError(f"sparse collective {name!r} needs a top-k-family compressor, not "
+                        f"{getattr(compressor, 'name', compressor)!r}; valid: topk, dgc, gaussiank, threshold, "
+                        f"stc, qsparse (or --sparse-collective allgather)")
     return name
 
 
@@ -221,14 +226,10 @@ class Hierarchical:
 
 
 class SparseCollective:
-    """The chosen sparse collective bound to a transport and a compressor: the program
+    """The chosen sparse collective (one `check` passed) bound to a transport and a compressor: the program
     `program(c, key, step)` returns (total, sent)."""
 
     def __init__(self, name: str, transport, compressor):
-        if not is_sparse(compressor):
-            raise UserError(f"sparse collective {name!r} needs a top-k-family compressor, not "
-                            f"{getattr(compressor, 'name', compressor)!r}; valid: topk, dgc, gaussiank, threshold, "
-                            f"stc, qsparse (or --sparse-collective allgather)")
         self.transport, self.compressor = transport, compressor
         self._impl = {"gtopk": gtopk, "shared": shared}.get(name) or Hierarchical(transport)
 

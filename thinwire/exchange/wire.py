@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compress._kernels import host_read
+from ..compress.kernels import host_read
 
 _DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
            torch.float32, torch.float64, torch.bool]

@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
+from ..compress import compressors
 from ..errors import UserError
-from .costmodel import Prediction, Scenario, cost_of, is_sparse, predict
+from ..exchange.sparse import SPARSE_COLLECTIVES
+from .costmodel import Prediction, Scenario, cost_of, predict
 
 # what each sparse collective changes for convergence (thinwire/exchange/sparse.py), appended to the row's note
 SPARSE_NOTES = {"allgather": "", "gtopk": "; gTop-k: the global top k of the sum, the rest back to residuals",
@@ -74,10 +76,8 @@ def _variants(comp: str, params: dict) -> list:
     """A sparsifying compressor runs on each sparse collective (all-gather, gTop-k, shared-index, hierarchical);
     every other configuration on the one collective its algebra allows."""
     try:
-        from ..compress import compressors
-        from ..exchange.sparse import SPARSE_COLLECTIVES
         own = {k: v for k, v in params.items() if comp == "none" or compressors.accepts(comp, k)}
-        sparse = is_sparse(comp, **own)     # (the algorithm's parameters, e.g. diloco's period, are not its own)
+        sparse = comp != "none" and compressors.get(comp, **own).is_sparse   # (not the algorithm's: diloco's period)
     except (KeyError, UserError):
         return []
     return list(SPARSE_COLLECTIVES) if sparse else [None]

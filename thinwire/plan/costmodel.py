@@ -4,31 +4,24 @@ Collectives cost what `thinwire.net.cost` says (Tang, Shi, Chu, Wang, Li 2020, "
 Deep Learning: A Comprehensive Survey", arXiv 2003.06307, Table III and §IV-B); a compressor costs the bits
 its exchange really sends at the scenario's world size (`thinwire.exchange.choose.wire_bits`: all-gather of packed codes or
 all-reduce of widened levels, whichever the exchange picks) and its compression time (a multiple of one memcpy of the
-tensor: measured by `thinwire bench compressors` / `thinwire advise --calibrate`, else a default table measured
-on our machine); an algorithm's iteration time combines them as its schedule does (the cost family it declares,
-`thinwire.plan.families`). Scalability is the
-throughput relative to the same workers with no communication: τ / iteration time (Zhu, Lu, Lin, Han 2019,
-"Distributed Training Across the World" (DTS)'s definition, measured against the no-communication limit).
+tensor: measured by `thinwire bench compressors` / `thinwire advise --calibrate`, else the compressor's declaration
+`Compressor.x_memcpy`, measured on our machine); an algorithm's iteration time combines them as its schedule does
+(the cost family it declares, `thinwire.plan.families`). Scalability is the throughput relative to the same workers
+with no communication: τ / iteration time (Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World" (DTS)'s
+definition, measured against the no-communication limit).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .. import algorithms
+from ..compress import Compressor, compressors
 from ..errors import UserError
+from ..exchange.choose import wire_bits
 from ..net import Cost, Link
 from ..net import cost as netcost
 from .families import FAMILIES, Inputs
 
-# compress + decompress time in memcpys of the input, measured by `thinwire bench compressors` (2^24 fp32,
-# this 2-core machine; see BENCHMARKS.md). Used when no calibration file exists.
-# The DiLoCo family's (fp8 14, fp4 21, demo 28, sparseloco 19): `thinwire bench compressors` on 2026-11-23,
-# machine loaded, so indicative.
-DEFAULT_X_MEMCPY = {"none": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 4.0, "fp8": 14.0, "fp4": 21.0, "demo": 28.0,
-                    "sparseloco": 19.0, "onebit": 6.0, "signsgd": 4.0,
-                    "signum": 4.0, "efsignsgd": 5.0, "qsgd": 8.0, "terngrad": 7.0, "natural": 6.0,
-                    "threshold2bit": 6.0, "randomk": 4.0, "topk": 12.0, "threshold": 8.0, "dgc": 12.0,
-                    "gaussiank": 10.0, "powersgd": 10.0, "countsketch": 8.0, "stc": 12.0, "qsparse": 12.0}
 MEMCPY_BYTES_PER_S = 9.0e9  # one fp32 memcpy moves 4 bytes per element (measured ~7 ms for 2^24 elements)
 
 
@@ -62,7 +55,10 @@ class Scenario:
         return COLLECTIVES[self.collective](self.collective_link, self.workers, nbytes)
 
     def compress_s(self, compressor: str) -> float:
-        x = self.x_memcpy.get(compressor, DEFAULT_X_MEMCPY.get(compressor, 8.0))
+        """Compress + decompress time of the whole model through `compressor` (a name): its multiple of a memcpy
+        from the calibration file (`x_memcpy`) where that measured it, else the compressor's own declaration."""
+        x = self.x_memcpy.get(compressor)
+        x = getattr(compressors.lookup(compressor), "x_memcpy", Compressor.x_memcpy) if x is None else x   # a+coder: 8
         return x * self.params * 4 / MEMCPY_BYTES_PER_S
 
 
@@ -87,15 +83,6 @@ def sparse_exchange_cost(s: Scenario, comp, name: str) -> Cost:
     raise KeyError(name)
 
 
-def is_sparse(compressor: str, **params) -> bool:
-    """Whether `compressor` is of the top-k family (so every sparse collective can aggregate it)."""
-    if compressor == "none":
-        return False
-    from ..compress import compressors
-    from ..compress._sparse import is_sparse as _is_sparse
-    return _is_sparse(compressors.get(compressor, **params))
-
-
 def exchange(s: Scenario, compressor: str = "none", sparse_collective: str | None = None,
              **params) -> tuple[str, Cost]:
     """One exchange of the whole gradient through `compressor`: the collective its algebra allows (the all-reduce
@@ -103,10 +90,8 @@ def exchange(s: Scenario, compressor: str = "none", sparse_collective: str | Non
     cost."""
     if compressor == "none":
         return s.collective, s.allreduce(s.nbytes)
-    from ..compress import compressors
-    from ..exchange.choose import wire_bits
     comp = compressors.get(compressor, **params)
-    if sparse_collective and sparse_collective != "allgather" and is_sparse(compressor, **params):
+    if sparse_collective and sparse_collective != "allgather" and comp.is_sparse:
         return sparse_collective, sparse_exchange_cost(s, comp, sparse_collective)
     coll, bits = wire_bits(comp, int(s.params), s.workers, s.collective, s.collective_link)   # what the exchange sends
     payload = bits * s.params / 8

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, replace
 from itertools import product
 
-from ..net import Cost, Islands, Link
+from ..net import Cost, Islands
 from ..net import cost as netcost
 from .costmodel import Scenario
 
@@ -193,7 +193,3 @@ def plan_diloco(s: Scenario, islands: Islands | None = None, given: dict | None 
         return min(reached, key=lambda p: (p.eager, p.period, p.overlap * p.fragments / p.period, p.fragments,
                                            -p.bits, p.allreduce != "gloo", p.iteration_s))
     return max(plans, key=lambda p: (round(p.scalability, 3), p.bits, -p.period, -p.fragments))
-
-
-def link_of(network: Link) -> Islands | None:
-    return network if isinstance(network, Islands) else None

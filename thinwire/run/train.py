@@ -183,7 +183,7 @@ class TrainConfig:
         self._check_lr_momentum(why=f" (plain SGD diverges far below {MAX_LR:g})")
         # every component built as each worker will build it, and every pairing checked, before any starts
         params = nonfinite_params(self.nonfinite, self.component_params())
-        alg, comp, mem, _, transport = build_components(self.algorithm, self.compressor, self.memory, **params)
+        alg, comp, mem, _, transport, _ = build_components(self.algorithm, self.compressor, self.memory, **params)
         wl = workloads.get(self.workload)
         optimizer = wl.optimizer_stand_in(self.lr, self.momentum, self.optimizer)   # the run's kind and settings
         check_run(alg, transport, self.workers + self.servers, optimizer, self.on_failure,
@@ -233,8 +233,8 @@ class TrainConfig:
                             f"drop --budget and --stop-at-target")
         if str(self.network).startswith("islands"):
             raise UserError(f"{what} runs on one link; two-tier networks (islands:...) need a fixed world")
-        alg, _, _, scheduler, _ = build_components(self.algorithm, self.compressor, self.memory,
-                                                   **self.component_params())
+        alg, _, _, scheduler, *_ = build_components(self.algorithm, self.compressor, self.memory,
+                                                    **self.component_params())
         check_elastic(alg, scheduler)
 
     def _check_race(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import math
 import os
 import sys
@@ -203,14 +204,14 @@ def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return t if isinstance(shape, int) or len(shape) == 1 else t.view(shape)
 
 
+@functools.cache
+def _triton() -> bool:
+    """Triton installed, and a GPU of compute capability 7.0 or more (what Inductor's Triton back end needs)."""
+    return importlib.util.find_spec("triton") is not None and torch.cuda.get_device_capability()[0] >= 7
+
+
 def _compiling() -> bool:
-    if os.environ.get("THINWIRE_COMPILE", "1") == "0":
-        return False
-    try:
-        from torch.utils._triton import has_triton
-        return has_triton()
-    except ImportError:        # pragma: no cover - torch without the helper
-        return False
+    return os.environ.get("THINWIRE_COMPILE", "1") != "0" and _triton()
 
 
 def fused(fn: Callable) -> Callable:
