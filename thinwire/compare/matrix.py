@@ -53,14 +53,13 @@ from ..net import Islands, parse_network
 from ..launcher import MAX_LOCAL_WORKERS, DeadlineError, Pool, pick_backend
 from ..run import workloads
 from ..run.loop import check_tensorboard, progress_bar, train_worker
-from ..run.peers import PEER_AS, PEER_PARAMS
 from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
-from . import presets
+from . import peers, presets
 from .results import aggregate
 
 _now = time.perf_counter
 RESULTS = "results.json"
-EXACT_SGD = ("bsp", "ssgd", "ddp")
+EXACT_SGD = ("bsp", "ssgd")     # and the peers planned as one of them, uncompressed (plain DDP)
 REFERENCE = presets.Cell("no communication (reference)", "local")
 CALIBRATION_STEPS = 9   # a short `local` run before the reference and every cell: the machine's speed then
 
@@ -129,7 +128,7 @@ def cell_config(c: CompareConfig, cell: presets.Cell, network: str, seed: int | 
                      epochs=c.epochs, steps=c.steps, seed=c.seed if seed is None else seed, target=c.target,
                      compressor=cell.compressor, memory=cell.memory, params=params,
                      trace=c.trace and not cell.peer, progress=False,
-                     servers=servers,
+                     servers=servers, peer=peers.find(cell.algorithm),
                      budget_s=c.budget_s, stop_at_target=True, optimizer=cell.optimizer, tensorboard=board,
                      eval_every=c.eval_every, batch_size=c.batch_size, device=c.device)
     return tc
@@ -137,6 +136,12 @@ def cell_config(c: CompareConfig, cell: presets.Cell, network: str, seed: int | 
 
 def cell_key(label: str, network: str, seed: int | None = None) -> str:
     return f"{label} @ {network}" + ("" if seed is None else f" #seed {seed}")
+
+
+def planned_as(algorithm: str, compressor: str | None = None) -> tuple[str, str]:
+    """The (algorithm, compressor) the planner sees a cell as: a peer's declared `plan_as`, else its own."""
+    peer = peers.find(algorithm)
+    return peer.plan_as if peer is not None else (algorithm, compressor or "none")
 
 
 class _PoolView:
@@ -176,11 +181,11 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
         why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {wl.optimizer})")
     if not cell.peer and cell.algorithm == "diloco":
         return _tune_diloco(out, why, network, wl, workers, compute_s)
-    plan_as = PEER_AS[cell.algorithm][0] if cell.peer else cell.algorithm
+    peer = peers.find(cell.algorithm)
+    plan_as = planned_as(cell.algorithm)[0]
     if plan_as not in TUNABLE:
         return out, why
-    takes = (lambda k: k in PEER_PARAMS[cell.algorithm]) if cell.peer else \
-        (lambda k: algorithms.registry.accepts(cell.algorithm, k))
+    takes = (lambda k: k in peer.params) if peer else (lambda k: algorithms.registry.accepts(cell.algorithm, k))
     if not any(takes(k) and k not in out.params for k in TUNABLE[plan_as]):
         return out, why
     if compute_s is None:
@@ -303,7 +308,7 @@ class Harness:
         celldir = os.path.join(self.out, "cells", _slug(self.key(REFERENCE, "lan", seed)))
         s = run_training(tc, out=celldir, pool=view)
         name = "best_accuracy" if s["metric"] == "accuracy" else "best_loss"
-        out = {"seed": seed, "config": asdict(tc), "throughput_samples_s": s["throughput_samples_s"],
+        out = {"seed": seed, "config": tc.to_dict(), "throughput_samples_s": s["throughput_samples_s"],
                "step_time_s": s["step_time_s"],
                "steps": s["steps"], "steps_to_target": s["steps_to_target"], "time_to_target_s":
                s["time_to_target_s"], "train_s": s["train_s"], name: s[name], "metric": s["metric"],
@@ -390,7 +395,7 @@ class Harness:
                 t0 = _now()
                 row = {"key": key, "label": cell.label, "network": network, "seed": seed, "device": cfg.device,
                        "peer": cell.peer, "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
-                       "config": asdict(self.train_config(ran, network, seed))}
+                       "config": self.train_config(ran, network, seed).to_dict()}
                 try:
                     row["calibration_step_s"], row["calibration_mean_step_s"] = self.calibrate()
                     row.update(self.run_cell(ran, network, seed))
@@ -469,7 +474,7 @@ def averaging_steps(period: int) -> float:
 
 
 EVERY_STEP = ("bsp", "ssgd", "bitsgd", "odsgd", "cdsgd", "dts", "delayed", "tsparse", "dpsgd", "choco", "sgp",
-              "adpsgd", "asp", "ssp", "backup", "ddp", "ddp-fp16", "ddp-powersgd")
+              "adpsgd", "asp", "ssp", "backup")
 
 
 def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s: float | None) -> dict:
@@ -484,12 +489,10 @@ def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s
         if cell.algorithm == "diloco":
             plan = diloco_plan(cell, network, wl, cfg.workers, compute_s, complete=True)
             return {"step_s": plan.iteration_s, "sync_s": plan.sync_s, "period": plan.period}
-        algorithm, compressor = PEER_AS.get(cell.algorithm, (cell.algorithm, cell.compressor or "none"))
-        params = dict(cell.params)
-        if cell.algorithm == "ddp-powersgd":
-            params = {"rank": params.get("rank", 4)}
-        elif cell.peer:
-            params = {k: v for k, v in params.items() if k == "period"}
+        algorithm, compressor = planned_as(cell.algorithm, cell.compressor)
+        params, peer = dict(cell.params), peers.find(cell.algorithm)
+        if peer is not None:    # the parameters the planner reads as `algorithm`'s
+            params = {k: params.get(k, v) for k, v in peer.plan_params.items() if k in params or v is not None}
         s = Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=cfg.workers,
                      handshake=True)
         pred = predict(s, algorithm, compressor, **params)
@@ -515,7 +518,8 @@ def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -
             if p.get("step_s") and steps_ref:
                 lag = ran.params.get("overlap") or ran.params.get("fragment_sync_delay") or ran.params.get("eager")
                 mixed = (ran.params.get("alpha") or ran.params.get("fragment_update_alpha") or 0) >= 0.5
-                factor = (SYNC_STEPS if ran.algorithm in EVERY_STEP else 1.0 if ran.algorithm == "local" else
+                every = planned_as(ran.algorithm)[0] in EVERY_STEP     # a peer as the algorithm it is planned as
+                factor = (SYNC_STEPS if every else 1.0 if ran.algorithm == "local" else
                           PERIODIC_STEPS["plain" if not lag else "mixed" if mixed else "overlapped"]
                           if ran.algorithm == "diloco" else averaging_steps(p.get("period") or 1))
                 net = parse_network(network)
@@ -568,7 +572,7 @@ def measured_sync_s(row: dict) -> float | None:
     exposed = row.get("exposed_comm_s")
     if exposed is None or row.get("algorithm") == "local":
         return None
-    if row["cell"]["algorithm"] in EVERY_STEP:
+    if planned_as(row["cell"]["algorithm"])[0] in EVERY_STEP:
         return exposed / max(1, row.get("steps") or 1)
     return exposed / syncs if syncs else None
 
@@ -627,7 +631,8 @@ def _same_run(a: dict, b: dict) -> bool:
     if (ca["algorithm"], ca["compressor"], ca["memory"], ca["params"]) == \
             (cb["algorithm"], cb["compressor"], cb["memory"], cb["params"]):
         return True
-    exact = lambda c: c["algorithm"] in EXACT_SGD and not c["compressor"] and not c["params"]
+    exact = lambda c: (not c["compressor"] and not c["params"] and
+                       planned_as(c["algorithm"]) in {(a, "none") for a in EXACT_SGD})
     return exact(ca) and exact(cb)
 
 
