@@ -347,16 +347,8 @@ def replica(index: int, incarnation: int, spec: dict) -> None:
     wl = workloads.get(spec["workload"])
     model = wl.model(spec["seed"])
     opt = wl.make_optimizer(model)
-
-    def state_dict():
-        return {"model": model.state_dict(), "inner": opt.state_dict()}
-
-    def load_state_dict(state):
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["inner"])
-
     manager, pg, store = replica_group(AllReduceCounter(index, parse_network(spec["network"])), spec["lighthouse"],
-                                       f"churn_{index}_{incarnation}", spec["min"], 120, state_dict, load_state_dict)
+                                       f"churn_{index}_{incarnation}", spec["min"], 120, model, opt)
     period, total = spec["period"], spec["steps"]
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     x, y = wl.shard(index, spec["workers"])

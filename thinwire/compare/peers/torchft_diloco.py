@@ -69,11 +69,19 @@ def quiet() -> None:
 
 
 def replica_group(counter: AllReduceCounter, lighthouse: str, replica_id: str, min_replicas: int, timeout_s: float,
-                  state_dict, load_state_dict):
+                  model, inner):
     """(Manager, process group, store) of a torchft replica group of one on 127.0.0.1: its own `TCPStore`, the
     emulated gloo and a `Manager` (`use_async_quorum=False`, as DiLoCo requires; `init_sync=False`: every replica
-    builds the same model from the seed). The store lives as long as the Manager: keep it."""
+    builds the same model from the seed) whose state is `model`'s and the `inner` optimizer's (what a healing
+    replica receives). The store lives as long as the Manager: keep it."""
     from torchft import Manager
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "inner": inner.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner"])
 
     from ...launcher.pool import _listen
     fd, port = _listen("127.0.0.1", 0)
@@ -108,7 +116,7 @@ class TorchftDiLoCoStepper(PeerStepper):
         address = broadcast_text(self.lighthouse.address() if rank == 0 else None, src=0)  # never a pickle
         self.optimizer = make_optimizer(cfg, wl, module)  # the inner one
         self.manager, self.pg, self.store = replica_group(self.counter, address, f"thinwire_{rank}", world_size,
-                                                          600, self._state, self._load)
+                                                          600, module, self.optimizer)
         self._charge_quorum()
         # Streaming DiLoCo splits the model into `fragments` consecutive groups of its top-level modules
         children = list(module.children()) or [module]
@@ -146,13 +154,6 @@ class TorchftDiLoCoStepper(PeerStepper):
                 counter.wait_s += time.perf_counter() - t0
             return out
         self.manager.start_quorum = start_quorum
-
-    def _state(self) -> dict:
-        return {"model": self.module.state_dict(), "inner": self.optimizer.state_dict()}
-
-    def _load(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["inner"])
 
     def counted(self, before) -> tuple[dict, dict]:
         meter, metrics = super().counted(before)
