@@ -62,8 +62,8 @@ def test_strict_cells_raise_and_presets_skip_with_notes():
 
 # -- end to end ------------------------------------------------------------------------------------------------
 def _torchft() -> bool:
-    from thinwire.run.peers import optional_missing
-    return optional_missing("torchft-diloco") is None
+    from thinwire.compare.peers import find
+    return find("torchft-diloco").missing() is None
 
 
 CELLS = ["bsp", "bsp+fp16", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-postlocalsgd:period=2,warmup=2",

@@ -20,7 +20,8 @@ import thinwire
 
 ROOT = pathlib.Path(thinwire.__file__).parent
 HOT = ["comm", "compress", "exchange", "sched", "algorithms"]
-FILES = ["trainer.py", "run/loop.py", "run/lm.py", "run/peers.py", "run/stepper.py"]   # + the training loop
+FILES = ["trainer.py", "run/loop.py", "run/lm.py", "run/stepper.py", "compare/peers/counter.py",
+         "compare/peers/ddp.py"]   # + the training loop and the peers' steppers
 HOST_MARK = "# host:"
 HOST_READS = {"item", "tolist"}
 CONSTRUCTORS = {"zeros", "ones", "empty", "full", "arange", "tensor", "randn", "randperm", "rand", "randint",

@@ -108,20 +108,20 @@ def test_every_message_is_charged_on_the_link_it_crosses(pool4):
 def test_the_peers_face_the_same_two_tier_network(pool4):
     """PyTorch's DDP on islands: its all-reduce of the whole world crosses the thin link at the ring's two
     crossings (workers 1 and 3), charged and counted like thinwire's (bytes across apart)."""
+    from thinwire.compare.peers import find, resolve
     from thinwire.run.train import TrainConfig, train_worker
     net = "islands:2x2,inside=lan,across=lan"      # (the bytes only: unemulated)
-    cfg = TrainConfig(workload="digits-mlp", algorithm="ddp", workers=4, steps=2, eval_every=2, progress=False,
-                      network=net).validate()
+    cfg = resolve(TrainConfig(workload="digits-mlp", algorithm="ddp", workers=4, steps=2, eval_every=2,
+                              progress=False, network=net)).validate()
     out = pool4.run(train_worker, cfg, network=net)
     totals = [r["meter"]["total"] for r in out]
     assert all(t["bytes_sent"] > 0 for t in totals)
     assert [t["bytes_across"] for t in totals] == [0.0, totals[1]["bytes_sent"], 0.0, totals[3]["bytes_sent"]]
-    from thinwire.run.peers import optional_missing
-    if optional_missing("torchft-diloco") is None:    # torchft's DiLoCo: its quorum's ring, the same crossings
-        cfg = TrainConfig(workload="digits-mlp", algorithm="torchft-diloco", workers=4, steps=2, eval_every=2,
-                          progress=False, network=net, params={"period": 1}).validate()
+    if find("torchft-diloco").missing() is None:    # torchft's DiLoCo: its quorum's ring, the same crossings
+        cfg = resolve(TrainConfig(workload="digits-mlp", algorithm="torchft-diloco", workers=4, steps=2, eval_every=2,
+                                  progress=False, network=net, params={"period": 1})).validate()
         totals = [r["meter"]["total"] for r in pool4.run(train_worker, cfg, network=net)]
         assert all(t["bytes_sent"] > 0 for t in totals)
         assert [t["bytes_across"] for t in totals] == [0.0, totals[1]["bytes_sent"], 0.0, totals[3]["bytes_sent"]]
     with pytest.raises(UserError, match="2 islands of 2 workers"):
-        TrainConfig(workload="digits-mlp", algorithm="ddp", workers=2, network=NET).validate()
+        resolve(TrainConfig(workload="digits-mlp", algorithm="ddp", workers=2, network=NET)).validate()

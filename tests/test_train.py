@@ -152,16 +152,16 @@ def test_the_stop_is_decided_alike_on_every_rank_from_the_mean_metric(pool2):
 def test_peers_run_the_same_loop(pool2):
     """PyTorch's DDP peers (and torchft's DiLoCo where installed) run the one loop: same records, progress reports,
     the race's stop, and the same trajectory as thinwire's bsp for plain DDP."""
-    from thinwire.run.peers import optional_missing
+    from thinwire.compare.peers import find, resolve
     from thinwire.run.train import summarize
     base = dict(workload="digits-mlp", workers=2, steps=60, target=0.8, stop_at_target=True, progress=False,
                 eval_every=1)  # every step: the stop is at the first step on target, whatever the timing
     got = {}
-    names = ["bsp", "ddp", "ddp-hierarchical"] + ([] if optional_missing("torchft-diloco") else ["torchft-diloco"])
+    names = ["bsp", "ddp", "ddp-hierarchical"] + ([] if find("torchft-diloco").missing() else ["torchft-diloco"])
     for name in names:
         params = {"period": 4, "local_period": 2, "group": 1, "warmup": 2} if name == "ddp-hierarchical" else \
             {"period": 4} if name == "torchft-diloco" else {}
-        cfg = TrainConfig(algorithm=name, params=params, **base).validate()
+        cfg = resolve(TrainConfig(algorithm=name, params=params, **base)).validate()
         out = pool2.run(_stopping, cfg)
         got[name] = (summarize(cfg, out, 0.0)[0], out)
         assert [o["stopped"] for o in out] == ["target"] * 2, name
@@ -182,18 +182,20 @@ def test_peers_run_the_same_loop(pool2):
 
 
 def test_peer_configurations_are_checked_before_launch():
+    from thinwire.compare.peers import resolve
     from thinwire.errors import UserError
     base = dict(workload="digits-mlp", workers=2, steps=4, progress=False)
+    peer = lambda **kw: resolve(TrainConfig(**kw, **base))
     with pytest.raises(UserError, match="takes period, warmup, not rank"):
-        TrainConfig(algorithm="ddp-postlocalsgd", params={"rank": 2}, **base).validate()
+        peer(algorithm="ddp-postlocalsgd", params={"rank": 2}).validate()
     with pytest.raises(UserError, match="checkpoints are written by thinwire"):
-        TrainConfig(algorithm="ddp-fp16", checkpoint_every=2, checkpoint_dir="/tmp", **base).validate()
+        peer(algorithm="ddp-fp16", checkpoint_every=2, checkpoint_dir="/tmp").validate()
     # plain DDP checkpoints (model and optimizer): torchrun's stop-the-world restart, `thinwire bench churn`
-    TrainConfig(algorithm="ddp", checkpoint_every=2, checkpoint_dir="/tmp", **base).validate()
+    peer(algorithm="ddp", checkpoint_every=2, checkpoint_dir="/tmp").validate()
     with pytest.raises(UserError, match="takes no thinwire --compressor"):
-        TrainConfig(algorithm="ddp", compressor="topk", **base).validate()
+        peer(algorithm="ddp", compressor="topk").validate()
     with pytest.raises(UserError, match="group .3. must divide"):
-        TrainConfig(algorithm="ddp-hierarchical", params={"group": 3}, **base).validate()
+        peer(algorithm="ddp-hierarchical", params={"group": 3}).validate()
 
 
 def test_a_race_refuses_on_failure_continue():
@@ -203,17 +205,18 @@ def test_a_race_refuses_on_failure_continue():
     for race in ({"budget_s": 10.0}, {"stop_at_target": True}):
         with pytest.raises(UserError, match="--on-failure continue trains a fixed number of steps"):
             TrainConfig(algorithm="bsp", **race, **base).validate()
+    from thinwire.compare.peers import resolve
     with pytest.raises(UserError, match="is a peer: --on-failure stop only"):
-        TrainConfig(algorithm="ddp", **base).validate()
+        resolve(TrainConfig(algorithm="ddp", **base)).validate()
 
 
 def test_torchft_missing_is_one_line_naming_the_extra(monkeypatch):
     from thinwire.errors import UserError
     from thinwire.compare import presets
-    from thinwire.run import peers
-    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
+    from thinwire.compare.peers import registry, resolve
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"thinwire\[peers\]"):
-        TrainConfig(workload="digits-mlp", algorithm="torchft-diloco", workers=2, steps=4).validate()
+        resolve(TrainConfig(workload="digits-mlp", algorithm="torchft-diloco", workers=2, steps=4)).validate()
     cells, notes = presets.resolve(["bsp", "torchft-diloco"], strict=False)
     assert [c.label for c in cells] == ["bsp"] and any("thinwire[peers]" in n for n in notes)
 

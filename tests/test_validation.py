@@ -143,11 +143,13 @@ def test_values_convert_by_declared_type():
 ])
 def test_peer_parameters_parse_like_every_other(name, params, typed):
     """`thinwire train --algorithm ddp-postlocalsgd --period 4` was refused ("got '4'")."""
+    from thinwire.compare.peers import resolve
     from thinwire.run.train import TrainConfig
-    cfg = TrainConfig(workload="linreg", algorithm=name, workers=2, steps=3, params=params).validate()
+    cfg = resolve(TrainConfig(workload="linreg", algorithm=name, workers=2, steps=3, params=params)).validate()
     assert cfg.params == typed
     with pytest.raises(UserError, match="period must be an integer >= 1, got '0'"):
-        TrainConfig(workload="linreg", algorithm="ddp-postlocalsgd", workers=2, params={"period": "0"}).validate()
+        resolve(TrainConfig(workload="linreg", algorithm="ddp-postlocalsgd", workers=2,
+                            params={"period": "0"})).validate()
 
 
 def _checkpoint(directory, cfg, world=2, step=2):

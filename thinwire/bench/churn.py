@@ -98,9 +98,9 @@ def check(args) -> list[str]:
     bad = [c for c in chosen if c not in CONTESTANTS]
     if bad or not chosen:
         raise UserError(f"unknown contestant {bad[0] if bad else ''!r}; valid: {', '.join(CONTESTANTS)}")
-    if "torchft-diloco" in chosen:
-        from ..run.peers import missing_torchft
-        why = missing_torchft()
+    from ..compare.peers import find
+    for peer in filter(None, map(find, chosen)):     # the peers' optional extras are installed
+        why = peer.missing()
         if why:
             raise UserError(why)
     return chosen
@@ -330,50 +330,25 @@ def _lines(logdir: str):
 
 def replica(index: int, incarnation: int, spec: dict) -> None:
     """One torchft replica group (a process of its own, no torch.distributed world): the workload's model and
-    optimizer, torchft's Manager (its own store, the emulated gloo of `thinwire.run.torchft_peer`) and DiLoCo
-    around the optimizer; the shard of worker `index`. Its steps count from the job's committed syncs: a
+    optimizer, torchft's Manager (its own store, the emulated gloo of `thinwire.compare.peers.torchft_diloco`) and
+    DiLoCo around the optimizer; the shard of worker `index`. Its steps count from the job's committed syncs: a
     replacement heals from a live replica at its first sync and goes on from there. Writes the step log."""
-    import logging
-    from datetime import timedelta
-
     import torch
-    import torch.distributed as dist
-
-    os.environ.setdefault("RUST_LOG", "warn")
-    logging.getLogger("torchft").setLevel(logging.ERROR)
-    from torchft import Manager
-    from torchft.local_sgd import DiLoCo
 
     from ..comm import set_default_network
-    from ..launcher.worker import listen
+    from ..compare.peers.counter import AllReduceCounter
+    from ..compare.peers.torchft_diloco import quiet, replica_group
     from ..net import parse_network
     from ..run import workloads
-    from ..run.peers import _Counter
-    from ..run.torchft_peer import _emulated_gloo
+    quiet()
+    from torchft.local_sgd import DiLoCo
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     set_default_network(spec["network"], spec["seed"])
     wl = workloads.get(spec["workload"])
     model = wl.model(spec["seed"])
     opt = wl.make_optimizer(model)
-    counter = _Counter(index, parse_network(spec["network"]))
-    pg = _emulated_gloo(counter, timedelta(seconds=120))
-    fd, port = listen("127.0.0.1", 0)
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
-                          use_libuv=False)
-
-    def state_dict():
-        return {"model": model.state_dict(), "inner": opt.state_dict()}
-
-    def load_state_dict(state):
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["inner"])
-
-    manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
-                      min_replica_size=spec["min"], use_async_quorum=False, init_sync=False, rank=0, world_size=1,
-                      store_addr="127.0.0.1", store_port=port, lighthouse_addr=spec["lighthouse"],
-                      replica_id=f"churn_{index}_{incarnation}", hostname="127.0.0.1",
-                      timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120),
-                      connect_timeout=timedelta(seconds=60))
+    manager, pg, store = replica_group(AllReduceCounter(index, parse_network(spec["network"])), spec["lighthouse"],
+                                       f"churn_{index}_{incarnation}", spec["min"], 120, model, opt)
     period, total = spec["period"], spec["steps"]
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     x, y = wl.shard(index, spec["workers"])

@@ -33,13 +33,13 @@ def split_cells(text: str) -> list[str]:
 
 
 def register(sub) -> None:
-    from ..compare import presets
+    from ..compare import peers, presets
     p = sub.add_parser("compare", help="compare algorithms (and PyTorch's options) on your networks",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", help="workload (default: the preset's, else digits-mlp)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--algorithms", help="cells: ALGO[:k=v,...][+COMPRESSOR[:k=v,...,memory=M]] or a PyTorch peer "
-                                        f"({', '.join(presets.PEERS)}), comma- or ';'-separated")
+                                        f"({', '.join(peers.names())}), comma- or ';'-separated")
     g.add_argument("--preset", help=f"a named matrix: {', '.join(presets.names())}")
     p.add_argument("--network", help="comma-separated profiles (lan, dc, cluster, wan, world, home, custom:..., "
                                      "islands:AxB,inside=NET,across=NET; separate custom specs with ';')")

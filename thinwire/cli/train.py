@@ -36,14 +36,17 @@ def add_run_options(p) -> None:
 
 def config_from_args(args):
     """The TrainConfig of `train`'s flags: each flag sets the field of its name, and --budget `budget_s`, the
-    extra options `params`, --json / --quiet `progress`; checkpoints go to OUT/checkpoint by default."""
+    extra options `params`, --json / --quiet `progress`; checkpoints go to OUT/checkpoint by default; an
+    --algorithm that names a peer (`ddp`, ...) runs it (`thinwire.compare.peers`)."""
     from dataclasses import fields
 
+    from ..compare.peers import resolve
     from ..run.train import TrainConfig
     flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     default_dir = os.path.join(args.out, "checkpoint") if args.out else None
-    return TrainConfig(**{**flags, "checkpoint_dir": args.checkpoint_dir or default_dir, "budget_s": args.budget,
-                          "params": dict(args.extra), "progress": not args.json and not args.quiet})
+    return resolve(TrainConfig(**{**flags, "checkpoint_dir": args.checkpoint_dir or default_dir,
+                                  "budget_s": args.budget, "params": dict(args.extra),
+                                  "progress": not args.json and not args.quiet}))
 
 
 def format_summary(s: dict) -> str:

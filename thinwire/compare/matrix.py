@@ -58,9 +58,8 @@ from ..plan.diloco import plan_diloco
 from ..plan.families import FAMILIES
 from ..run import workloads
 from ..run.loop import check_tensorboard, progress_bar, train_worker
-from ..run.peers import PEER_AS, PEER_PARAMS
 from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
-from . import presets
+from . import peers, presets
 from .results import aggregate
 
 _now = time.perf_counter
@@ -133,7 +132,7 @@ def cell_config(c: CompareConfig, cell: presets.Cell, network: str, seed: int | 
                      epochs=c.epochs, steps=c.steps, seed=c.seed if seed is None else seed, target=c.target,
                      compressor=cell.compressor, memory=cell.memory, params=params,
                      trace=c.trace and not cell.peer, progress=False,
-                     servers=servers,
+                     servers=servers, peer=peers.find(cell.algorithm),
                      budget_s=c.budget_s, stop_at_target=True, optimizer=cell.optimizer, tensorboard=board,
                      eval_every=c.eval_every, batch_size=c.batch_size, device=c.device)
     return tc
@@ -141,6 +140,12 @@ def cell_config(c: CompareConfig, cell: presets.Cell, network: str, seed: int | 
 
 def cell_key(label: str, network: str, seed: int | None = None) -> str:
     return f"{label} @ {network}" + ("" if seed is None else f" #seed {seed}")
+
+
+def planned_as(algorithm: str, compressor: str | None = None) -> tuple[str, str]:
+    """The (algorithm, compressor) the planner sees a cell as: a peer's declared `plan_as`, else its own."""
+    peer = peers.find(algorithm)
+    return peer.plan_as if peer is not None else (algorithm, compressor or "none")
 
 
 class _PoolView:
@@ -158,8 +163,8 @@ class _PoolView:
 
 def family(algorithm: str | None) -> str | None:
     """The cost family of a cell's algorithm (`thinwire.algorithms.cost`), a peer's that of the thinwire algorithm
-    of the same pattern (`PEER_AS`); None for a name nobody registered (a row of an older result)."""
-    name = PEER_AS[algorithm][0] if algorithm in PEER_AS else algorithm
+    it is planned as (`planned_as`); None for a name nobody registered (a row of an older result)."""
+    name = planned_as(algorithm)[0] if algorithm else algorithm
     return cost_of(name).family if name in algorithms.registry else None
 
 
@@ -192,9 +197,9 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
         why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {wl.optimizer})")
     if family(cell.algorithm) == "diloco":
         return _tune_diloco(out, why, network, wl, workers, compute_s)
-    plan_as = PEER_AS[cell.algorithm][0] if cell.peer else cell.algorithm
-    takes = (lambda k: k in PEER_PARAMS[cell.algorithm]) if cell.peer else \
-        (lambda k: algorithms.registry.accepts(cell.algorithm, k))
+    peer = peers.find(cell.algorithm)
+    plan_as = planned_as(cell.algorithm)[0]
+    takes = (lambda k: k in peer.params) if peer else (lambda k: algorithms.registry.accepts(cell.algorithm, k))
     if not any(takes(k) and k not in out.params for k in cost_of(plan_as).tunable):
         return out, why
     if compute_s is None:
@@ -315,7 +320,7 @@ class Harness:
         celldir = os.path.join(self.out, "cells", _slug(self.key(REFERENCE, "lan", seed)))
         s = run_training(tc, out=celldir, pool=view)
         name = "best_accuracy" if s["metric"] == "accuracy" else "best_loss"
-        out = {"seed": seed, "config": asdict(tc), "throughput_samples_s": s["throughput_samples_s"],
+        out = {"seed": seed, "config": tc.to_dict(), "throughput_samples_s": s["throughput_samples_s"],
                "step_time_s": s["step_time_s"],
                "steps": s["steps"], "steps_to_target": s["steps_to_target"], "time_to_target_s":
                s["time_to_target_s"], "train_s": s["train_s"], name: s[name], "metric": s["metric"],
@@ -402,7 +407,7 @@ class Harness:
                 t0 = _now()
                 row = {"key": key, "label": cell.label, "network": network, "seed": seed, "device": cfg.device,
                        "peer": cell.peer, "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
-                       "config": asdict(self.train_config(ran, network, seed))}
+                       "config": self.train_config(ran, network, seed).to_dict()}
                 try:
                     row["calibration_step_s"], row["calibration_mean_step_s"] = self.calibrate()
                     row.update(self.run_cell(ran, network, seed))
@@ -491,12 +496,10 @@ def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s
         if family(cell.algorithm) == "diloco":
             plan = diloco_plan(cell, network, wl, cfg.workers, compute_s, complete=True)
             return {"step_s": plan.iteration_s, "sync_s": plan.sync_s, "period": plan.period}
-        algorithm, compressor = PEER_AS.get(cell.algorithm, (cell.algorithm, cell.compressor or "none"))
-        params = dict(cell.params)
-        if cell.algorithm == "ddp-powersgd":
-            params = {"rank": params.get("rank", 4)}
-        elif cell.peer:
-            params = {k: v for k, v in params.items() if k == "period"}
+        algorithm, compressor = planned_as(cell.algorithm, cell.compressor)
+        params, peer = dict(cell.params), peers.find(cell.algorithm)
+        if peer is not None:    # the parameters the planner reads as `algorithm`'s
+            params = {k: params.get(k, v) for k, v in peer.plan_params.items() if k in params or v is not None}
         s = Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=cfg.workers,
                      handshake=True)
         pred = predict(s, algorithm, compressor, **params)
@@ -636,7 +639,7 @@ def _same_run(a: dict, b: dict) -> bool:
             (cb["algorithm"], cb["compressor"], cb["memory"], cb["params"]):
         return True
     exact = lambda c: (family(c["algorithm"]) == "every_step" and not c["compressor"] and not c["params"]
-                       and PEER_AS.get(c["algorithm"], (None, "none"))[1] == "none")   # bsp, ssgd, ddp
+                       and planned_as(c["algorithm"])[1] == "none")   # bsp, ssgd, ddp
     return exact(ca) and exact(cb)
 
 

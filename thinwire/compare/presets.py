@@ -2,9 +2,9 @@
 
 A cell spec names one contestant:  `ALGO[:k=v,...][+COMPRESSOR[:k=v,...]]`, e.g. `bsp`,
 `dts:delay=4,period=4`, `bsp+topk:ratio=0.01,memory=residual` (`memory=` picks the error-feedback memory,
-`optimizer=sgd|adamw|muon` the optimizer instead of the workload's own), or a peer (`ddp`, `ddp-fp16`,
-`ddp-powersgd`, `ddp-postlocalsgd`, `ddp-hierarchical`, `torchft-diloco`; see `thinwire.run.peers`). A cell may also
-be a dict `{"algorithm": ..., "compressor": ..., "memory": ..., "params": {...}, "label": ...}`.
+`optimizer=sgd|adamw|muon` the optimizer instead of the workload's own), or a peer by name (`ddp`, `ddp-fp16`,
+`torchft-diloco`, ...: `thinwire.compare.peers`). A cell may also be a dict `{"algorithm": ..., "compressor": ...,
+"memory": ..., "params": {...}, "label": ...}`.
 
 Algorithms and compressors are registered by other modules; a preset names what the papers compare and `resolve`
 keeps only what is registered (and installed) now, with a note for each thing it leaves out (never an error).
@@ -19,9 +19,8 @@ from ..compress import compressors, memories
 from ..errors import UserError
 from ..registry import parse_scalar
 from ..run import workloads
-from ..run.peers import PEER_PARAMS, optional_missing
+from . import peers
 
-PEERS = tuple(PEER_PARAMS)
 
 
 @dataclass
@@ -36,7 +35,7 @@ class Cell:
 
     @property
     def peer(self) -> bool:
-        return self.algorithm in PEERS
+        return peers.find(self.algorithm) is not None
 
     def to_dict(self) -> dict:
         return {**asdict(self), "peer": self.peer}
@@ -110,17 +109,17 @@ def check(cell: Cell, strict: bool) -> tuple[Cell | None, list[str]]:
 
     if cell.optimizer is not None:
         workloads.check_optimizer(cell.optimizer, f"{cell.label}: optimizer")
-    if cell.peer:
-        why = optional_missing(cell.algorithm)
+    peer = peers.find(cell.algorithm)
+    if peer is not None:
+        why = peer.missing()
         if why:
             if strict:
                 raise UserError(why)
             return None, [f"skipped {cell.label}: {why}"]
-        bad = [k for k in cell.params if k not in PEER_PARAMS[cell.algorithm]]
+        bad = peer.unknown(cell.params)
         if bad:
-            takes = ", ".join(PEER_PARAMS[cell.algorithm]) or "no parameters"
-            problem(f"{cell.label}: peer {cell.algorithm!r} takes {takes}, not {', '.join(bad)}")
-            cell.params = {k: v for k, v in cell.params.items() if k not in bad}
+            problem(f"{cell.label}: {bad}")
+            cell.params = {k: v for k, v in cell.params.items() if k in peer.params}
         if cell.compressor or cell.memory:
             raise UserError(f"{cell.label}: peers take no thinwire compressor")
         return cell, notes
@@ -128,7 +127,7 @@ def check(cell: Cell, strict: bool) -> tuple[Cell | None, list[str]]:
               (memories, cell.memory, "memory"))
     for reg, name, what in tables:
         if name is not None and name not in reg:
-            valid = ", ".join(reg.names() + (list(PEERS) if what == "algorithm" else []))
+            valid = ", ".join(reg.names() + (peers.names() if what == "algorithm" else []))
             if strict:
                 raise UserError(f"unknown {what} {name!r} in cell {cell.label!r}; valid: {valid}")
             return None, [f"skipped {cell.label}: {what} {name!r} is not registered (yet)"]
@@ -226,7 +225,7 @@ PRESETS: dict[str, Preset] = {
 
 def get(name: str) -> Preset:
     if name == "full":  # `local`, the no-communication reference, is measured separately (scalability)
-        return Preset("digits-mlp", 4, ["wan"], [n for n in algorithms.names() if n != "local"] + list(PEERS),
+        return Preset("digits-mlp", 4, ["wan"], [n for n in algorithms.names() if n != "local"] + peers.names(),
                       budget_s=120, doc="every registered algorithm with its defaults, plus the peers")
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; valid: {', '.join(names())}")

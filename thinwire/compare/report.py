@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ..net import Islands, parse_network
+from . import peers
 from .results import metric_name, rank
 
 
@@ -22,6 +23,11 @@ def _link(network: str) -> str:
         return f"`{network}` (loopback, no emulation)"
     bw = "unlimited" if link.bandwidth is None else f"{link.bandwidth / 1e6:g} Mbit/s"
     return f"`{network}` ({bw}, {link.latency * 1e3:g} ms one-way)"
+
+
+def _peer(e: dict) -> peers.Peer | None:
+    """The registered peer a contestant ran, or None (thinwire's, or a peer not registered now)."""
+    return peers.find(e.get("algorithm")) if e.get("peer") else None
 
 
 def _ttt(e: dict, seeds: int) -> str:
@@ -51,8 +57,7 @@ def table(entries: list[dict], seeds: int, two_tier: bool = False) -> list[str]:
              "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
              + (" ---: |" if two_tier else "")]
     for i, e in enumerate(rank(entries), 1):
-        kind = ("thinwire" if not e.get("peer") else
-                "torchft peer" if str(e.get("algorithm")).startswith("torchft") else "PyTorch peer")
+        kind = "thinwire" if not e.get("peer") else _peer(e).kind if _peer(e) else "peer"
         if e.get("status") != "ok":
             lines.append(f"| — | `{e['label']}` | {kind} | {e.get('ran_with') or ''} | {e['status']}: "
                          f"{e.get('error', '')} | | | | | | | | | | | |" + (" |" if two_tier else ""))
@@ -144,8 +149,10 @@ def verdict(entries: list[dict], seeds: int, budget) -> str:
             parts.append(f"That is {other['ttt_median'] / w['ttt_median']:.1f}× faster than "
                          f"{what} (`{other['label']}`, {other['ttt_median']:.1f} s).")
     vs(next((e for e in ok if e["label"] == "bsp"), None), "synchronous SGD")
-    vs(next((e for e in ok if e["label"] == "ddp"), None), "PyTorch DDP")
-    vs(next((e for e in ok if e.get("peer") and e["label"] != "ddp"), None), "the best other peer")
+    # the peer whose plain cell the winner is compared with by name (`Peer.title`: "PyTorch DDP")
+    named = next((e for e in ok if _peer(e) and _peer(e).title and e["label"] == e.get("algorithm")), None)
+    vs(named, named and _peer(named).title)
+    vs(next((e for e in ok if e.get("peer") and e is not named), None), "the best other peer")
     missed = [e["label"] for e in ok if not e["reached"]]
     if missed:
         parts.append(f"Not reaching the target: {', '.join(f'`{m}`' for m in missed)}.")
@@ -229,8 +236,8 @@ def write_report(results: dict, path: str) -> None:
         "- **MB over the thin link** (two-tier networks): what each worker sent between islands over the run, beside "
         "all it sent — what a user pays for between sites.",
         "- Peers run PyTorch's own DDP hooks and model averagers, or torchft's DiLoCo; their all-reduces face the "
-        "same emulated link and are counted with the same ring all-reduce accounting (see `thinwire/run/peers.py`, "
-        "`thinwire/run/torchft_peer.py`). `ddp-powersgd` runs with a single DDP bucket (bucket_cap_mb above the "
+        "same emulated link and are counted with the same ring all-reduce accounting (see "
+        "`thinwire/compare/peers/`). `ddp-powersgd` runs with a single DDP bucket (bucket_cap_mb above the "
         "model size): with several buckets PyTorch's powerSGD_hook fails on gloo. torchft's quantized all-reduce "
         "needs Triton (a GPU): on this CPU it sends full precision.",
     ]

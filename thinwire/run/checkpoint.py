@@ -35,8 +35,7 @@ _FREE = {"epochs", "steps", "progress", "trace", "eval_every", "target", "checkp
 
 def config_fields(cfg) -> dict:
     """The configuration fields a checkpoint (and an elastic job's newcomer) must share with the run."""
-    from dataclasses import asdict
-    fields = {k: v for k, v in asdict(cfg).items() if k not in _FREE}
+    fields = {k: v for k, v in cfg.to_dict().items() if k not in _FREE}
     fields["servers"] = cfg.resolve_servers()   # omitted (None) and the default it stands for are the same run
     if cfg.elastic or cfg.join:
         fields["workers"] = "elastic"          # the members come and go: the world size is checked by itself

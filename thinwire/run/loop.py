@@ -1,12 +1,13 @@
 """The training loop, written once. `thinwire train`, every cell of `thinwire compare` (thinwire's algorithms,
 the no-communication reference `local`, PyTorch's DDP peers, torchft's DiLoCo) and the benchmarks run
-`train_worker`; what differs between them is the *stepper*:
+`train_worker`; what differs between them is the *stepper*, thinwire's Trainer's or the one a peer's factory builds
+(`cfg.peer.stepper`, resolved above this layer by `thinwire.compare.peers`):
 
 | stepper | where | what `step()` does after `loss.backward()` |
 | --- | --- | --- |
 | `TrainerStepper` | here | `thinwire.Trainer.step()`: the registered algorithm (its exchanges began during backward) |
-| `DDPStepper` | `run/peers.py` | PyTorch's optimizer step (DDP's comm hook all-reduced during backward) |
-| `TorchftDiLoCoStepper` | `run/torchft_peer.py` | the inner optimizer's step; torchft's DiLoCo syncs every H steps |
+| `DDPStepper` | `compare/peers/ddp.py` | PyTorch's optimizer step (DDP's comm hook all-reduced during backward) |
+| `TorchftDiLoCoStepper` | `compare/peers/torchft_diloco.py` | the inner optimizer's step; torchft's DiLoCo syncs every H steps |
 
 The loop owns everything else, the same for every stepper: data shards and batches, forward and backward, the
 launcher's progress report (`report_progress`, between backward and the step's waits), the training clock,
@@ -123,13 +124,9 @@ class TrainerStepper(Stepper):
 
 
 def make_stepper(cfg, wl, rank: int, world_size: int, tracer=None) -> Stepper:
-    """The stepper of `cfg.algorithm`: torchft's DiLoCo or a DDP peer (`run/peers.py`), else thinwire's Trainer."""
-    if cfg.algorithm == "torchft-diloco":
-        from .torchft_peer import TorchftDiLoCoStepper
-        return TorchftDiLoCoStepper(cfg, wl, rank, world_size)
-    if cfg.peer:
-        from .peers import DDPStepper
-        return DDPStepper(cfg, wl, rank, world_size)
+    """The stepper of the run: its peer's factory (`cfg.peer.stepper`), else thinwire's Trainer."""
+    if cfg.peer is not None:
+        return cfg.peer.stepper(cfg, wl, rank, world_size)
     return TrainerStepper(cfg, wl, rank, tracer)
 
 

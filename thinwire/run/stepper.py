@@ -1,6 +1,6 @@
 """What the one training loop (`thinwire.run.loop`) drives: the `Stepper` interface, which thinwire's Trainer
-(`loop.TrainerStepper`), PyTorch's DDP peers (`peers.DDPStepper`) and torchft's DiLoCo
-(`torchft_peer.TorchftDiLoCoStepper`) implement, and the workload's optimizer they all build."""
+(`loop.TrainerStepper`) and the race's peers (`thinwire.compare.peers`: PyTorch's DDP, torchft's DiLoCo)
+implement, and the workload's optimizer they all build."""
 from __future__ import annotations
 
 import torch

@@ -14,7 +14,8 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -28,7 +29,6 @@ from ..trainer import build_components, check_momentum, check_run, nonfinite_par
 from . import checkpoint, workloads
 from ..launcher import MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, launch, pick_backend, under_torchrun
 from .loop import check_tensorboard, train_worker
-from .peers import PEER_PARAMS, check_peer
 
 _now = time.perf_counter
 MAX_SEED = 2**32 - 1   # seeds feed torch, Python and NumPy generators (NumPy's legacy seeding takes 32 bits)
@@ -102,11 +102,14 @@ class TrainConfig:
     optimizer: str | None = None          # the workload's own by default; "sgd" / "adamw" by name
     tensorboard: str | None = None        # a directory for TensorBoard scalars (worker rank 0 writes them)
     device: str = "cpu"                   # "cuda": model, batches, buffers on GPUs (launcher.pick_backend)
+    # a race peer that `algorithm` names (PyTorch's, torchft's), resolved by `thinwire.compare.peers.resolve`
+    # above this layer: its `stepper` runs instead of thinwire's Trainer, `check(params, workers)` and
+    # `checkpoints` serve validation; None: a thinwire algorithm. Not part of the record (`to_dict`).
+    peer: Any = None
 
-    @property
-    def peer(self) -> bool:
-        """A PyTorch / torchft peer (`thinwire.run.peers`) rather than a thinwire algorithm."""
-        return self.algorithm in PEER_PARAMS
+    def to_dict(self) -> dict:
+        """The configuration as recorded (JSON): every field but the resolved peer, which `algorithm` names."""
+        return {k: v for k, v in asdict(replace(self, peer=None)).items() if k != "peer"}
 
     def validate(self) -> "TrainConfig":
         workloads.registry.lookup(self.workload)
@@ -268,7 +271,7 @@ class TrainConfig:
             raise UserError(f"{self.algorithm} is a peer (PyTorch's or torchft's own): it takes no thinwire "
                             f"--compressor, --memory or --servers")
         self.servers = 0
-        if (self.checkpoint_every is not None or self.resume is not None) and self.algorithm != "ddp":
+        if (self.checkpoint_every is not None or self.resume is not None) and not self.peer.checkpoints:
             raise UserError(f"checkpoints are written by thinwire's algorithms and by the plain ddp peer; "
                             f"{self.algorithm} is a peer with state in its hook or averager (run it without "
                             f"--checkpoint-every / --resume)")
@@ -285,7 +288,7 @@ class TrainConfig:
         self._check_fit()
         self._check_deadline()
         self._check_lr_momentum()
-        self.params = check_peer(self.algorithm, self.params, self.workers)   # typed, like every parameter
+        self.params = self.peer.check(self.params, self.workers)   # typed, like every parameter
         return self
 
     def _check_lr_momentum(self, why: str = "") -> None:

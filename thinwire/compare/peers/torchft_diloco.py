@@ -14,11 +14,12 @@ How it runs here, on CPU and gloo, one replica group per thinwire worker rank:
   default is one all-reduce per parameter tensor);
 - `RUST_LOG=warn` unless set (its Rust side logs every quorum otherwise).
 
-**Same network as thinwire's cells.** torchft's process group is wrapped (`_EmulatedGloo`): every all-reduce runs
+**Same network as thinwire's cells.** torchft's process group is wrapped (`emulated_gloo`): every all-reduce runs
 for real on gloo, then completes no earlier than the emulated link delivers it, with the α-β ring all-reduce cost
 and the per-rank link queue (`LinkClock`) the Transport charges, and its bytes counted the same way (the DDP peers'
-`_Counter`). Each sync also starts a quorum through the Lighthouse, a remote procedure call on a real deployment:
-it is charged one round trip of the emulated link (2 × one-way latency), counted as emulated and exposed time.
+`AllReduceCounter`, `counter.py`). Each sync also starts a quorum through the Lighthouse, a remote procedure call
+on a real deployment: it is charged one round trip of the emulated link (2 × one-way latency), counted as emulated
+and exposed time.
 Other control traffic (heartbeats, `should_commit` inside a replica group of one) runs on loopback uncharged.
 
 **Not here:** `quantize=True` asks torchft to quantize pseudo-gradients, which needs Triton (a GPU): on CPU torchft
@@ -35,13 +36,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..comm.state import broadcast_text
-from ..errors import UserError
-from ..net import parse_network
-from .peers import PeerStepper, _Counter, _Work, missing_torchft
-from .stepper import make_optimizer, model_device
+from ...comm.state import broadcast_text
+from ...errors import UserError
+from ...net import parse_network
+from ...registry import Param, at_least, between
+from ...run.stepper import make_optimizer, model_device
+from .counter import AllReduceCounter, CountedWork, PeerStepper
+from .registry import Peer, register
 
-def _emulated_gloo(counter, timeout: timedelta):
+
+def emulated_gloo(counter, timeout: timedelta):
     """torchft's ProcessGroupGloo whose all-reduces are delivered by the emulated link and counted (see above)."""
     from torchft.process_group import ProcessGroupGloo
 
@@ -52,9 +56,44 @@ def _emulated_gloo(counter, timeout: timedelta):
             # torchft's wrapper keeps the quorum rank it was configured with in `_rank` (its `rank()` is the base
             # class's, 0 on every replica: no ring neighbour across the thin link would be counted)
             me = self._rank if getattr(self, "_rank", None) is not None else self.rank()
-            return _Work(counter, work, counter.charge(self.size(), nbytes, me=me))
+            return CountedWork(counter, work, counter.charge(self.size(), nbytes, me=me))
 
     return _EmulatedGloo(timeout=timeout)
+
+
+def quiet() -> None:
+    """torchft's logs at warnings (its Rust side logs every quorum otherwise) and errors (e.g. a warning per manager
+    about NCCL's recorder), unless RUST_LOG says otherwise."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft").setLevel(logging.ERROR)
+
+
+def replica_group(counter: AllReduceCounter, lighthouse: str, replica_id: str, min_replicas: int, timeout_s: float,
+                  model, inner):
+    """(Manager, process group, store) of a torchft replica group of one on 127.0.0.1: its own `TCPStore`, the
+    emulated gloo and a `Manager` (`use_async_quorum=False`, as DiLoCo requires; `init_sync=False`: every replica
+    builds the same model from the seed) whose state is `model`'s and the `inner` optimizer's (what a healing
+    replica receives). The store lives as long as the Manager: keep it."""
+    from torchft import Manager
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "inner": inner.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner"])
+
+    from ...launcher.worker import listen
+    fd, port = listen("127.0.0.1", 0)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
+                          use_libuv=False)
+    timeout = timedelta(seconds=timeout_s)
+    pg = emulated_gloo(counter, timeout)
+    manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
+                      use_async_quorum=False, init_sync=False, rank=0, world_size=1, store_addr="127.0.0.1",
+                      store_port=port, lighthouse_addr=lighthouse, replica_id=replica_id, hostname="127.0.0.1",
+                      timeout=timeout, quorum_timeout=timeout, connect_timeout=timedelta(seconds=60))
+    return manager, pg, store
 
 
 class TorchftDiLoCoStepper(PeerStepper):
@@ -62,34 +101,22 @@ class TorchftDiLoCoStepper(PeerStepper):
     (torchft's) starts the quorum and the pseudo-gradient all-reduce and applies the outer step every `period`."""
 
     def __init__(self, cfg, wl, rank: int, world_size: int):
-        why = missing_torchft()
+        why = TORCHFT.missing()
         if why:
             raise UserError(why)
-        os.environ.setdefault("RUST_LOG", "warn")
-        logging.getLogger("torchft").setLevel(logging.ERROR)  # e.g. a warning per manager about NCCL's recorder
-        from torchft import Manager
+        quiet()
         from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo
-
-        from ..launcher.worker import listen
         p = cfg.params
         period, fragments = int(p.get("period", 8)), int(p.get("fragments", 1))
-        self.counter = _Counter(rank, parse_network(cfg.network))
+        self.counter = AllReduceCounter(rank, parse_network(cfg.network))
         module = wl.model(cfg.seed).to(model_device(cfg))
         super().__init__(module, module, rank)
         self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=world_size) if rank == 0 else None
         address = broadcast_text(self.lighthouse.address() if rank == 0 else None, src=0)  # never a pickle
-        fd, port = listen("127.0.0.1", 0)
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
-                                   use_libuv=False)
-        self.pg = _emulated_gloo(self.counter, timedelta(seconds=600))
         self.optimizer = make_optimizer(cfg, wl, module)  # the inner one
-        self.manager = Manager(pg=self.pg, load_state_dict=self._load, state_dict=self._state,
-                               min_replica_size=world_size, use_async_quorum=False, init_sync=False, rank=0,
-                               world_size=1, store_addr="127.0.0.1", store_port=port, lighthouse_addr=address,
-                               replica_id=f"thinwire_{rank}", hostname="127.0.0.1",
-                               timeout=timedelta(seconds=600), quorum_timeout=timedelta(seconds=600),
-                               connect_timeout=timedelta(seconds=60))
+        self.manager, self.pg, self.store = replica_group(self.counter, address, f"thinwire_{rank}", world_size,
+                                                          600, module, self.optimizer)
         self._charge_quorum()
         # Streaming DiLoCo splits the model into `fragments` consecutive groups of its top-level modules
         children = list(module.children()) or [module]
@@ -111,7 +138,7 @@ class TorchftDiLoCoStepper(PeerStepper):
         self.desc = (f"torchft {_version()} DiLoCo, sync every {period} steps, outer SGD lr {lr:g} momentum "
                      f"{momentum:g}{' Nesterov' if nesterov else ''}, {fragments} fragment(s){quant}; quorum "
                      f"charged one round trip per sync")
-        self._start_counting()
+        self.start_counting()
 
     def _charge_quorum(self) -> None:
         """Each quorum is one round trip to the Lighthouse on a real deployment: charge it on the emulated link."""
@@ -127,13 +154,6 @@ class TorchftDiLoCoStepper(PeerStepper):
                 counter.wait_s += time.perf_counter() - t0
             return out
         self.manager.start_quorum = start_quorum
-
-    def _state(self) -> dict:
-        return {"model": self.module.state_dict(), "inner": self.optimizer.state_dict()}
-
-    def _load(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["inner"])
 
     def counted(self, before) -> tuple[dict, dict]:
         meter, metrics = super().counted(before)
@@ -157,3 +177,25 @@ def _version() -> str:
         return version("torchft")
     except Exception:  # noqa: BLE001
         return "?"
+
+
+def check(params: dict, workers: int) -> None:
+    """Combinations torchft's DiLoCo refuses (its own checks raise deep inside a worker), on parameters already
+    converted and range-checked: a one-line UserError."""
+    period = params.get("period", 8)
+    fragments = params.get("fragments", 1)
+    delay = params.get("fragment_sync_delay", 0)
+    if period % fragments:
+        raise UserError(f"torchft-diloco: fragments ({fragments}) must divide period ({period})")
+    if delay >= period // fragments:
+        raise UserError(f"torchft-diloco: fragment_sync_delay ({delay}) must be below period / fragments "
+                        f"({period // fragments})")
+
+
+PARAMS = (Param("period", (int,), 8, at_least(1)), Param("outer_lr", (float,), 0.7, between(0, 10, low_open=True)),
+          Param("outer_momentum", (float,), 0.9, between(0, 1, high_open=True)), Param("nesterov", (bool,), True),
+          Param("fragments", (int,), 1, at_least(1)), Param("fragment_sync_delay", (int,), 0, at_least(0)),
+          Param("fragment_update_alpha", (float,), 0.0, between(0, 1)), Param("quantize", (bool,), False))
+TORCHFT = register(Peer("torchft-diloco", TorchftDiLoCoStepper, ("localsgd", "none"), {p.name: p for p in PARAMS},
+                        plan_params={"period": None}, kind="torchft peer", needs="torchft",
+                        install="pip install 'thinwire[peers]' (torch==2.13.0 torchft==0.2.0)", checks=check))
