@@ -19,8 +19,8 @@ import pathlib
 import thinwire
 
 ROOT = pathlib.Path(thinwire.__file__).parent
-HOT = ["comm", "compress", "exchange", "sched", "algorithms"]
-FILES = ["trainer.py", "run/loop.py", "run/lm.py", "run/peers.py", "run/stepper.py"]   # + the training loop
+HOT = ["comm", "compress", "exchange", "sched", "algorithms", "trainer"]
+FILES = ["run/loop.py", "run/lm.py", "run/peers.py", "run/stepper.py"]   # + the training loop
 HOST_MARK = "# host:"
 HOST_READS = {"item", "tolist"}
 CONSTRUCTORS = {"zeros", "ones", "empty", "full", "arange", "tensor", "randn", "randperm", "rand", "randint",
