@@ -30,7 +30,7 @@ def test_attach_hooks_the_optimizer_accelerate_wraps(monkeypatch):
     wrapper calls."""
     from accelerate import Accelerator
 
-    import thinwire.run.accelerate as acc
+    import thinwire.integrations.accelerate as acc
     accelerator = Accelerator(cpu=True)         # one process here
     model = torch.nn.Linear(4, 2)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -19,8 +19,8 @@ import pathlib
 import thinwire
 
 ROOT = pathlib.Path(thinwire.__file__).parent
-HOT = ["comm", "compress", "exchange", "sched", "algorithms"]
-FILES = ["trainer.py", "run/loop.py", "run/lm.py", "run/stepper.py", "compare/peers/counter.py",
+HOT = ["comm", "compress", "exchange", "sched", "algorithms", "trainer"]
+FILES = ["run/loop.py", "run/lm.py", "run/stepper.py", "compare/peers/counter.py",
          "compare/peers/ddp.py"]   # + the training loop and the peers' steppers
 HOST_MARK = "# host:"
 HOST_READS = {"item", "tolist"}

@@ -173,8 +173,8 @@ def test_the_api_reference_documents_every_public_name():
         if id(obj) not in entries and f"tw.{name}" not in api_text:
             missing.append(name)
     assert not missing, f"public names without an API entry: {missing}"
-    assert "thinwire.run.lightning.ThinwireStrategy" in entries.values()
-    assert "thinwire.run.accelerate.attach" in entries.values()
+    assert "thinwire.integrations.lightning.ThinwireStrategy" in entries.values()
+    assert "thinwire.integrations.accelerate.attach" in entries.values()
 
 
 def complete_programs() -> list[tuple[str, str]]:

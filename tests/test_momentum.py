@@ -80,7 +80,7 @@ def test_the_asynchronous_family_keeps_its_momentum_on_the_server():
     """ssp/asp net the optimizer's momentum of asynchrony's own on the server (StalenessAware); handed to an
     error-feedback memory as well it was applied on top of stale gradients (ssp + topk: 0.15 in the matrix)."""
     from thinwire import algorithms, compressors, memories
-    from thinwire.trainer import momentum_taker
+    from thinwire.optim import momentum_taker
     residual = memories.get("residual")
     for name in ("ssp", "asp"):
         assert momentum_taker(algorithms.get(name), compressors.get("topk"), residual) is None, name

@@ -1,5 +1,5 @@
 """PyTorch Lightning: `from thinwire.lightning import ThinwireStrategy` (the extra: pip install 'thinwire[lightning]').
-The strategy lives in the run layer (`thinwire.run.lightning`); this module is its public name."""
-from .run.lightning import ThinwireStrategy, sidecar
+The strategy lives in the integrations room (`thinwire.integrations.lightning`); this module is its public name."""
+from .integrations.lightning import ThinwireStrategy, sidecar
 
 __all__ = ["ThinwireStrategy", "sidecar"]

@@ -351,3 +351,21 @@ class Transport:
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Future:
         return self.recv(tensor, src, async_op=True, tag=tag)
+
+    # -- the control plane: blocking torch.distributed calls on this group, not metered, not emulated, not through
+    #    the engine (start-up checks, a recovery's agreement and resynchronisation) -----------------------------
+    def agree_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The element-wise max of `tensor` over the group, in place (the agreement of a start-up check or of a
+        recovery's step); returns `tensor`."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+    def share(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Every tensor of `tensors` from group rank `src`, in place, one broadcast each (a model's start)."""
+        for t in tensors:
+            dist.broadcast(t, group=self.group, group_src=src)
+
+    def regroup_to(self, members: Sequence[int]) -> None:
+        """`regroup` onto a new group of these global ranks (the survivors of a lost worker), formed by the
+        members alone: ranks outside it take no part."""
+        self.regroup(dist.new_group(list(members), use_local_synchronization=True))

@@ -24,8 +24,9 @@ from ..compress import compressors, memories
 from ..errors import UserError
 from ..files import atomic_write, check_writable_dir
 from ..net import Islands, parse_network, ring_allreduce
+from ..optim import check_momentum
 from ..trace import write_chrome_trace
-from ..trainer import build_components, check_momentum, check_run, nonfinite_params
+from ..trainer import build_components, check_run, nonfinite_params
 from . import checkpoint, workloads
 from ..launcher import MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, launch, pick_backend, under_torchrun
 from .loop import check_tensorboard, train_worker

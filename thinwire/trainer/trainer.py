@@ -1,0 +1,206 @@
+"""`Trainer`: the user-facing object around a model and an optimizer.
+
+    trainer = tw.Trainer(model, opt, algorithm="dts", delay=4, period=4, compressor="topk", ratio=0.01)
+    ...; loss.backward(); trainer.step(); opt.zero_grad()
+    trainer.close()
+
+Keyword parameters are routed by name to the algorithm, the compressor, the memory, the scheduler, the
+transport and the exchange (`collective`, `sparse_collective`) (`build_components`, in `assembly.py`). The Trainer builds them, checks that every rank holds the same
+model, starts every rank from rank 0's, and runs each step as the algorithm dictates, under the NaN/Inf policy of
+`nonfinite.py`; surviving a lost worker and taking newcomers in are its `Resilience`'s (`resilience.py`).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from ..algorithms.base import Context
+from ..comm import Transport, elastic
+from ..comm.collectives import parse
+from ..comm.membership import PeerLost
+from ..comm.progress import report as report_progress
+from ..errors import UserError
+from ..optim import hand_over_momentum
+from ..trace import NULL, Tracer
+from .assembly import build_components, check_elastic, check_on_failure, check_optimizer_of
+from .nonfinite import FiniteGuard, nonfinite_flag, nonfinite_params
+from .resilience import Resilience
+
+
+class Trainer:
+    """A model and its optimizer trained by a thinwire algorithm (see the module's docstring); `step()` after
+    each backward, `close()` at the end. `failures` and `joins` record the workers lost and taken in."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm="bsp",
+                 compressor=None, memory=None, transport: Transport | None = None, network=None,
+                 tracer: Tracer | None = None, sync_initial_model: bool = True, nonfinite: str = "stop",
+                 on_failure: str = "stop", **params):
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise UserError("the model is wrapped in DistributedDataParallel, which all-reduces every gradient "
+                            "itself: pass the module inside it (model.module) and let the algorithm communicate")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model, self.optimizer = model, optimizer
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if not self.parameters:
+            raise UserError("the model has no trainable parameters")
+        check_optimizer_of(model, optimizer)
+        self.tracer = tracer or NULL
+        params = nonfinite_params(nonfinite, params)   # skip: no exchange during backward
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        (self.algorithm, self.compressor, self.memory, self.scheduler,
+         transport_params, exchange_params) = build_components(algorithm, compressor, memory, **params)
+        self.momentum_handed = hand_over_momentum(optimizer, self.algorithm, self.compressor, self.memory)
+        self.elastic = elastic.MEMBER if transport is None else None   # a member of an elastic job, or None
+        if self.elastic is not None:
+            check_elastic(self.algorithm, self.scheduler)
+            on_failure = "continue"      # an elastic job survives a loss (the algorithm allows it: checked above)
+        check_on_failure(on_failure, self.algorithm)
+        self.on_failure = on_failure
+        self.failures: list[dict] = []   # workers lost and survived (on_failure="continue")
+        self.joins: list[dict] = []      # newcomers taken in (an elastic job)
+        self.committed = 0               # the last synchronization boundary passed (bsp: every step; localsgd,
+        #                                  diloco: a sync; dts: a window's end): the work before it counts
+        self.step_count = 0
+        self.resilience = Resilience(self)   # joins and recovery
+        joined = None
+        if self.elastic is not None:     # the generation's own group (thinwire.comm.elastic)
+            self.elastic.agree("trainer", self.resilience.describe(params))
+            if self.elastic.joining:
+                joined = self.elastic.join()
+            elif self.elastic.group is None:
+                self.elastic.start()
+            transport = Transport(group=self.elastic.group, network=network, tracer=self.tracer,
+                                  device=self.parameters[0].device, **transport_params)
+            transport.generation = self.elastic.gen
+        self.transport = transport or Transport(network=network, tracer=self.tracer,
+                                                device=self.parameters[0].device, **transport_params)
+        if transport is not None and "allreduce" in transport_params:
+            parse(transport_params["allreduce"], transport.world_size)
+            transport.allreduce = transport_params["allreduce"]
+        if tracer is not None:
+            self.transport.tracer = tracer
+        if joined is None:               # a newcomer is checked by its fingerprint and takes a live peer's state
+            self._check_models_match(values=not sync_initial_model)
+            if sync_initial_model:
+                self.resilience.broadcast_model()
+        # policy stop: every step's gradients checked on the device, the verdict read with the next exchange;
+        # none where the algorithm's exchange checks every gradient bucket itself before sending it
+        self.finite = (FiniteGuard(self.parameters, self.transport.rank)
+                       if nonfinite == "stop" and not getattr(self.algorithm, "checks_finite", False) else None)
+        self.context = Context(model, optimizer, self.parameters, self.scheduler, self.transport, self.tracer,
+                               self.compressor, self.memory, failures=self.failures, finite=self.finite,
+                               collectives=exchange_params)
+        self.algorithm.attach(self.context)
+        if joined is not None:
+            self.resilience.welcome(joined, previous=[])
+        self.scheduler.next_step(self.algorithm.communicates())
+
+    def _check_models_match(self, values: bool) -> None:
+        """Refuse to start when the ranks' models differ in shape (or, without the initial broadcast, in
+        value): two tiny all-reduces of a fingerprint at start-up, outside the training meter."""
+        if self.transport.world_size == 1:
+            return
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        shapes = repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()
+        fp = [len(tensors), sum(t.numel() for t in tensors), int(hashlib.sha256(shapes).hexdigest()[:12], 16)]
+        if values:
+            digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors)).hexdigest()
+            fp.append(int(digest[:12], 16))
+        hi = torch.tensor(fp, dtype=torch.float64, device=self.transport.device)
+        lo = -hi.clone()
+        self.transport.agree_max(hi)
+        self.transport.agree_max(lo)
+        if not torch.equal(hi, -lo):
+            what = "shapes" if not torch.equal(hi[:3], -lo[:3]) else "initial values"
+            raise UserError(f"the workers' models differ in {what} (rank {self.transport.rank} has "
+                            f"{fp[0]} tensors, {fp[1]} elements): build the same model on every rank")
+
+    def step(self) -> dict:
+        """Communicate and update as the algorithm dictates; returns this step's traffic counters.
+
+        A NaN or Inf gradient is never applied: with `nonfinite="stop"` (default) this rank raises and the
+        launcher stops every rank; with `nonfinite="skip"` the ranks agree through one small all-reduce per step
+        (it costs a round trip of latency) and all skip the step.
+
+        With `on_failure="continue"`, a worker lost at this step (the launcher announces it) leaves the
+        survivors to form a new group here and go on from the new rank 0's model (`Resilience.recover`).
+
+        Under thinwire's launcher the step is reported to its progress watchdog first (two stores into shared
+        memory, `comm/progress.py`): a rank stuck in the loop around it is named like one of `thinwire train`."""
+        report_progress(self.step_count + 1)
+        losses, resilience = len(self.failures), self.resilience
+        if resilience.behind:            # rejoining the survivors' step count after a loss: nothing applied
+            resilience.behind -= 1
+            self.scheduler.discard_step()
+        else:
+            try:
+                self._step()
+            except PeerLost as lost:
+                resilience.recover(lost)
+        self.step_count += 1
+        if not resilience.behind and len(self.failures) == losses:
+            if self.algorithm.join_boundary(self.step_count):
+                self.committed = self.step_count     # every step's work up to here is in every member's model
+                if self.elastic is not None:
+                    resilience.boundary()
+            elif self.elastic is not None:       # rank 0 may fix a join's switch between boundaries
+                self.elastic.ahead(self.step_count, self.algorithm.join_next)
+        # a local step next, or one skipped to rejoin the others: no gradient hook runs
+        self.scheduler.next_step(self.algorithm.communicates() and not resilience.behind)
+        return self.transport.meter.mark_step()
+
+    def _step(self) -> None:
+        if self.nonfinite == "skip":
+            # every rank's verdict before anything is applied: one all-reduce and one host read per step
+            grads = [p.grad for p in self.parameters if p.grad is not None]
+            flag = torch.zeros(1, device=grads[0].device if grads else self.transport.device)
+            if grads:
+                nonfinite_flag(grads, flag)
+            flag = flag.to(self.transport.device)
+            self.transport.all_reduce(flag, op="max")
+            if flag.item() > 0:                     # host: once per step (every rank's verdict)
+                for p in self.parameters:
+                    if p.grad is not None:
+                        p.grad.zero_()
+                self.skipped_steps += 1
+                self.scheduler.discard_step()
+                return
+        elif self.finite is not None:               # on the device; read with the next exchange
+            self.finite.check(self.parameters, self.step_count + 1)
+        self.algorithm.step()
+
+    def close(self) -> None:
+        if self.finite is not None:
+            self.finite.read_with(seen="at close")
+        try:
+            self.algorithm.close()
+        except PeerLost as lost:         # lost while draining: survive it, then drain the survivors' way
+            self.resilience.recover(lost)
+            self.algorithm.close()
+
+    def metrics(self) -> dict:
+        out = {"steps": self.step_count, "skipped_steps": self.skipped_steps, **self.transport.meter.totals()}
+        if self.failures:
+            out["failures"] = list(self.failures)
+        out.update(self.algorithm.metrics())
+        return out
+
+    def state_dict(self) -> dict:
+        if self.finite is not None:        # a checkpoint never holds a model a non-finite gradient went into
+            self.finite.read_with(seen="at a checkpoint")
+        return {"step": self.step_count, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.state_dict(),
+                "compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = state["step"]
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.compressor.load_state_dict(state["compressor"])
+        self.memory.load_state_dict(state["memory"])
+        self.algorithm.load_state_dict(state["algorithm"])
