@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.context import default_seed
 from ..comm.topology import NAMES, Topology
 from ..errors import UserError
 from ..exchange.gossip import NeighborExchange
@@ -50,7 +51,6 @@ class Gossip(Algorithm):
         self.consensus: list[tuple[int, float]] = []
 
     def setup(self):
-        from ..comm.context import default_seed
         self.topology = Topology(self.topology_name, self.world_size, seed=default_seed())
         self.exchange = self.make_exchange()
         self.pending: dict[int, object] = {}   # bucket index -> the future of its neighbour exchange

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+import torch.distributed as dist
 
 from ..comm.engine import Ready
 from ..errors import UserError
@@ -65,7 +66,6 @@ class DTS(Algorithm):
     What is averaged can go through any compressor and memory of the Trainer (Zhu et al. §4.3 use DGC).
     """
 
-    architectures = ("allreduce",)
     overlaps_steps = True
     survives_failures = True   # a lost worker's windows are dropped; the survivors average among themselves
     sgd_only = True
@@ -300,7 +300,6 @@ class DTS(Algorithm):
         at close only, like the Trainer's initial one not counted as training traffic)."""
         if self.world_size == 1:
             return
-        import torch.distributed as dist
         tensors = list(self.params)
         if self.mu > 0.0:
             tensors += [b for b in (self.optimizer.state[p].get("momentum_buffer") for p in self.params)

@@ -18,7 +18,7 @@ from ..exchange.ps import PSExchange, PSServer, PSWorker, downlink_scale
 from ..comm.ps import PSLayout
 from ..optim import step_subset
 from ..tensors import copy_flat
-from ._registry import register
+from ._registry import register, registry
 from .base import Algorithm
 from .cost import CostFamily
 
@@ -52,6 +52,7 @@ class PSMixin:
     rule = "sync"
     backups = 0
     exchange_class = PSExchange
+    server_opt: torch.optim.Optimizer | None = None   # (server) what `server_update` steps; none for averaging
 
     def _ps_init(self, servers, downlink_compressor: str = "none", downlink_params: dict | None = None) -> None:
         if not isinstance(servers, int) or isinstance(servers, bool) or servers < 1:
@@ -65,7 +66,6 @@ class PSMixin:
             self.downlink, self.downlink_scale = None, 1.0
         else:
             self.downlink_scale = downlink_scale(self.downlink)   # contractive, or refused here
-        self.role = "worker"
         self.server = self.worker = None
 
     # -- wiring --------------------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ class PSMixin:
         a quiescent point: every worker checkpoints at the same step, so the servers answer them all); a server is
         called at that cut (PSServer.serve). The worker's memory and compressor are the trainer's."""
         if self.server is not None:
-            opt = getattr(self, "server_opt", None)
+            opt = self.server_opt
             return {"server": self.server.state_dict(), "optimizer": None if opt is None else opt.state_dict()}
         return {**super().state_dict(), "worker": self.worker.state_dict(),
                 "ps_exchanges": [ex.state_dict() for ex in self._exchanges]}
@@ -160,7 +160,6 @@ class PSMixin:
 
 def checkpointable_on_ps(algorithm: str) -> bool:
     """Whether `algorithm`'s parameter-server runs can be checkpointed: the ones built on PSMixin."""
-    from ._registry import registry
     ctor = registry.constructor(algorithm, {"architecture": "ps"})
     return isinstance(ctor, type) and issubclass(ctor, PSMixin)
 
@@ -215,12 +214,12 @@ class StalenessAware:
       (Mitliagkas, Zhang, Hadjis, Ré 2016, "Asynchrony begets momentum", Theorem 2: M queued workers give
       1 − 1/M); composed with the optimizer's μ_e the total is 1 − (1 − μ_e)/(τ + 1), so the server's SGD runs
       μ_e = max(0, 1 − (1 − μ)(τ̄ + 1)) to keep the total at the configured μ (τ̄: the mean staleness seen so
-      far). Without it the stale gradients of `ssp`/`asp` at μ = 0.9 oscillate and diverge (issue 17).
+      far). Without it the stale gradients of `ssp`/`asp` at μ = 0.9 oscillated and diverged (docs/matrix.md's runs).
     """
 
     SCALES = ("staleness", "mean", "full")
     # the momentum stays with the server's optimizer, where it is net of asynchrony's own (below); handed to an
-    # error-feedback memory it applied 0.9 on top of the stale gradients: ssp + topk ended at 0.15 (issue 17 matrix)
+    # error-feedback memory it applied 0.9 on top of the stale gradients: ssp + topk ended at 0.15 (docs/matrix.md)
     exchanges_gradients = False
 
     def __init__(self, architecture: str | None = None, scale: str = "staleness", implicit_momentum: bool = True,
