@@ -4,10 +4,9 @@
     ...; loss.backward(); trainer.step(); opt.zero_grad()
     trainer.close()
 
-Keyword parameters are routed by name to the algorithm, the compressor, the memory, the scheduler, the
-transport and the exchange (`collective`, `sparse_collective`) (`build_components`, in `assembly.py`). The Trainer builds them, checks that every rank holds the same
-model, starts every rank from rank 0's, and runs each step as the algorithm dictates, under the NaN/Inf policy of
-`nonfinite.py`; surviving a lost worker and taking newcomers in are its `Resilience`'s (`resilience.py`).
+The Trainer builds its components from names and keyword parameters (`assembly.py`), checks that every rank holds
+the same model, starts every rank from rank 0's, and runs each step as the algorithm dictates, under the NaN/Inf
+policy of `nonfinite.py`; surviving a lost worker and taking newcomers in are its `Resilience`'s (`resilience.py`).
 """
 from __future__ import annotations
 
@@ -91,7 +90,7 @@ class Trainer:
         # policy stop: every step's gradients checked on the device, the verdict read with the next exchange;
         # none where the algorithm's exchange checks every gradient bucket itself before sending it
         self.finite = (FiniteGuard(self.parameters, self.transport.rank)
-                       if nonfinite == "stop" and not getattr(self.algorithm, "checks_finite", False) else None)
+                       if nonfinite == "stop" and not self.algorithm.checks_finite else None)
         self.context = Context(model, optimizer, self.parameters, self.scheduler, self.transport, self.tracer,
                                self.compressor, self.memory, failures=self.failures, finite=self.finite,
                                collectives=exchange_params)
