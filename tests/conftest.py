@@ -17,7 +17,7 @@ class LazyPool:
 
     def run(self, fn, *args, network="lan", seed=0, timeout=300, deadline=None):
         from thinwire.launcher.pool import Pool
-        if self._pool is None or self._pool._closed:
+        if self._pool is None or self._pool.closed:
             self._pool = Pool(self.world_size, timeout=max(timeout, 300))
         return self._pool.run(fn, *args, network=network, seed=seed, timeout=timeout, deadline=deadline)
 

@@ -1,4 +1,4 @@
-"""What the worker processes of a launcher (`pool.Pool`, `elastic.ElasticPool`) share, and how a launcher watches them.
+"""What the launchers (`pool.Pool`, `elastic.ElasticPool`: `Launcher`) and their worker processes share.
 
 The launcher hosts the rendezvous store (`serve_store`: listening on `host` and on nothing wider, `listen`) and
 spawns its workers with `ctx`. Each worker begins with `start`: it dies with the launcher (`die_with_parent`),
@@ -11,12 +11,12 @@ the exception being handled on the results queue and exits (`fail_and_exit`); th
 
 The launcher names a process that died (`died`), tells an error that only says a peer went away
 (`peer_failure`) from a worker's own, watches the steps (`Watchdog`, whose verdict is a `NoProgressError`) and
-ends its processes and queues without leaving anything behind (`stop`). `check_timeout` checks the bounds it is
-given, before any process starts.
+ends its processes and queues without leaving anything behind (`stop`).
 """
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import ipaddress
 import math
 import multiprocessing as mp
@@ -32,8 +32,12 @@ from collections import deque
 from datetime import timedelta
 from multiprocessing import reduction
 
+import torch
+import torch.distributed as dist
+
 from ..comm import progress
 from ..errors import UserError, WorkerError
+from ..net import parse_network
 
 ctx = mp.get_context("spawn")
 
@@ -59,16 +63,13 @@ def check_timeout(name: str, value, allow_none: bool = False) -> None:
                         f"got {value!r}")
 
 
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 def pin_gloo(host: str) -> None:
     """With a loopback `host`, gloo's sockets go on the loopback interface too, not the host's address."""
-    if is_loopback(host) and os.path.exists("/sys/class/net/lo"):
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        loopback = False
+    if loopback and os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
@@ -93,7 +94,6 @@ def listen(host: str, port: int) -> tuple[int, int]:
 def serve_store(host: str, port: int, timeout: float):
     """(the launcher) The rendezvous store, listening on `host` only; `port` 0: a free one (`store.port`).
     The launcher binds the socket itself: no free-port race."""
-    import torch.distributed as dist
     fd, port = listen(host, port)
     try:
         return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout),
@@ -156,7 +156,6 @@ def start(slot: int, head: tuple, host: str, results, beats, steps, times, threa
     main thread (e.g. to enter a network namespace); its failure is reported under `head` and ends the process."""
     die_with_parent()
     if stacks is not None and STACKS_SIGNAL is not None:
-        import faulthandler
         faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
     try:
         if worker_init is not None:
@@ -166,7 +165,6 @@ def start(slot: int, head: tuple, host: str, results, beats, steps, times, threa
     pin_gloo(host)
     threading.Thread(target=heartbeat, args=(beats, slot), daemon=True).start()
     progress.install(steps, times, slot)
-    import torch
     torch.set_num_threads(threads)
 
 
@@ -213,6 +211,50 @@ def stop(workers, results, force: bool = False) -> None:
         feeder = getattr(q, "_thread", None)
         if feeder is not None:
             feeder.join(timeout=5)
+
+
+class Launcher:
+    """(base of `Pool`, `ElasticPool`) Their bounds, checked before any process starts, the rendezvous store, the
+    results queue and the end (`close`, forced when an exception leaves a `with` block); `_workers()`: (process or
+    None, task queue) of each worker process."""
+
+    def __init__(self, host: str, port: int, timeout: float, start_timeout: float, stall_timeout: float,
+                 progress_timeout: float | None):
+        for name, value in (("timeout", timeout), ("start_timeout", start_timeout), ("stall_timeout", stall_timeout)):
+            check_timeout(name, value)
+        check_timeout("progress_timeout", progress_timeout, allow_none=True)
+        self.timeout, self.start_timeout = timeout, start_timeout
+        self.stall_timeout, self.progress_timeout = stall_timeout, progress_timeout
+        self._store = serve_store(host, port, timeout)
+        self.port = self._store.port
+        self._results = ctx.Queue()
+        self._task_id = -1
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _next_task(self, network) -> int:
+        """A run's task id; a closed launcher or a bad network profile (the caller's error) is refused first."""
+        if self._closed:
+            raise RuntimeError("the pool is closed")
+        parse_network(network)
+        self._task_id += 1
+        return self._task_id
+
+    def close(self, force: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        stop(self._workers(), self._results, force)
+        self._store = None  # closes the listening socket
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(force=exc[0] is not None)
 
 
 class Watchdog:
