@@ -56,13 +56,18 @@ class EagerRounds:
         own = {k: self.current.pop(k) for k in ks if k in self.current}
         grads = {k: d / m for k, d in own.items()}
         self._apply_delayed(f, grads)
+        self._outer_step(ks, {k: grads.get(k, torch.zeros_like(self.anchor[k])) for k in ks})
         for k in ks:
-            self.anchor[k].grad = grads.get(k, torch.zeros_like(self.anchor[k]))
+            self.frags.local(k).copy_(self.anchor[k])
+        self.inflight[f], self.own[f], self.clocks[f] = pending, own, clock
+
+    def _outer_step(self, ks: list[int], grads: dict) -> None:
+        """θ ← OuterOpt(θ, grads) on the segments `ks`."""
+        for k in ks:
+            self.anchor[k].grad = grads[k]
         step_subset(self.outer, [self.anchor[k] for k in ks])
         for k in ks:
             self.anchor[k].grad = None
-            self.frags.local(k).copy_(self.anchor[k])
-        self.inflight[f], self.own[f], self.clocks[f] = pending, own, clock
 
     def _apply_delayed(self, f: int, grads: dict) -> None:
         """Add to `grads` the others' shares of fragment f's previous average: Δ_prev − Δ_m,prev / M."""
@@ -87,11 +92,8 @@ class EagerRounds:
             self._apply_delayed(f, grads)
             ks = [k for k in self.frags.by_fragment[f] if k in grads]
             before = [self.anchor[k].clone() for k in ks]
-            for k in ks:
-                self.anchor[k].grad = grads[k]
-            step_subset(self.outer, [self.anchor[k] for k in ks])
+            self._outer_step(ks, grads)
             for k, b in zip(ks, before):
-                self.anchor[k].grad = None
                 self.frags.local(k).add_(self.anchor[k] - b)
         params = [p.detach() for p in self.frags.params]
         flat = torch.cat([p.reshape(-1) for p in params])

@@ -1,11 +1,6 @@
 """`dts`, `delayed`, `tsparse`: delayed and temporally sparse updates with error compensation
-(Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World" (DTS), §3).
-
-Every step a worker updates its model with its own gradient (eq. 2) and keeps what it used; every
-`period` steps it launches the average of its window, bucket by bucket as backward hands the buckets over, and
-goes on training; `delay` - 1 windows later it waits
-for that average and corrects the model by the difference between the average and what it used (eqs. 3, 4).
-The derivation of the momentum-SGD compensation (weights and momentum buffer) is in docs/dts.md.
+(Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World" (DTS), §3). The schedule and the update are
+`DTS`'s docstring; the derivation of the momentum-SGD compensation (weights and momentum buffer) is in docs/dts.md.
 """
 from __future__ import annotations
 

@@ -24,10 +24,7 @@ from .cost import CostFamily
 
 # Table II of Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive
 # Survey", arXiv 2003.06307: which architectures each PS-only scheme lacks, and what to use instead
-_ALTERNATIVES = {
-    "allreduce": "for all-reduce use bsp or localsgd",
-    "gossip": "for gossip use dpsgd, adpsgd, sgp or choco",
-}
+_ALTERNATIVES = {"allreduce": "for all-reduce use bsp or localsgd", "gossip": "for gossip use dpsgd, adpsgd, sgp or choco"}
 
 
 def clone_optimizer(template: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:

@@ -1,8 +1,5 @@
 """`attach`: a thinwire algorithm driven from PyTorch's own hook points, for a loop that calls `optimizer.step()`
-itself (its own, Lightning's, Accelerate's). The `Attachment` it returns holds a `Trainer`: the optimizer's step
-pre-hook runs the Trainer's step and the loop's own call then updates nothing; the result is the Trainer's,
-bitwise, for the same seed.
-"""
+itself (its own, Lightning's, Accelerate's); the `Attachment` it returns holds a `Trainer`."""
 from __future__ import annotations
 
 import torch

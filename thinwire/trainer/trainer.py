@@ -76,11 +76,13 @@ class Trainer:
             transport = Transport(group=self.elastic.group, network=network, tracer=self.tracer,
                                   device=self.parameters[0].device, **transport_params)
             transport.generation = self.elastic.gen
-        self.transport = transport or Transport(network=network, tracer=self.tracer,
-                                                device=self.parameters[0].device, **transport_params)
-        if transport is not None and "allreduce" in transport_params:
+        elif transport is None:
+            transport = Transport(network=network, tracer=self.tracer, device=self.parameters[0].device,
+                                  **transport_params)
+        elif "allreduce" in transport_params:     # a transport given: the all-reduce algorithm asked for
             parse(transport_params["allreduce"], transport.world_size)
             transport.allreduce = transport_params["allreduce"]
+        self.transport = transport
         if tracer is not None:
             self.transport.tracer = tracer
         if joined is None:               # a newcomer is checked by its fingerprint and takes a live peer's state
