@@ -11,7 +11,8 @@ import sys
 
 
 def add_run_options(p) -> None:
-    p.add_argument("--workload", default="digits-mlp", help="workload name (see `thinwire list`)")
+    p.add_argument("--workload", default="digits-mlp", help="workload name (see `thinwire list`) or yours: "
+                                                             "module:function or path/to/file.py:function")
     p.add_argument("--algorithm", default="bsp", help="algorithm name (see `thinwire list`)")
     p.add_argument("--workers", type=int, default=4, help="number of worker processes (default 4)")
     p.add_argument("--servers", type=int, default=None,
@@ -42,11 +43,12 @@ def config_from_args(args):
 
     from ..compare.peers import resolve
     from ..run.train import TrainConfig
+    from ..run.user import canonical
     flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     default_dir = os.path.join(args.out, "checkpoint") if args.out else None
     return resolve(TrainConfig(**{**flags, "checkpoint_dir": args.checkpoint_dir or default_dir,
-                                  "budget_s": args.budget, "params": dict(args.extra),
-                                  "progress": not args.json and not args.quiet}))
+                                  "budget_s": args.budget, "workload": canonical(args.workload),
+                                  "params": dict(args.extra), "progress": not args.json and not args.quiet}))
 
 
 def format_summary(s: dict) -> str:
@@ -65,6 +67,8 @@ def format_summary(s: dict) -> str:
         f"(uncompressed fp32 would be {s['nominal_bytes_per_worker'] / mb:.3f} MB)",
         f"  emulated comm     {s['emulated_comm_s']:.2f} s   (exposed, waited for: {s['exposed_comm_s']:.2f} s)",
     ]
+    if s.get("metric_note"):
+        lines.append(f"  note              {s['metric_note']}")
     for f in s.get("failures") or []:
         lines.append(f"  lost workers      {f['lost']} at step {f['step']}: the survivors {f['members']} went on")
     am = s.get("algorithm_metrics") or {}

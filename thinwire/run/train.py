@@ -371,7 +371,7 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         "workload": cfg.workload, "algorithm": cfg.algorithm, "network": cfg.network,
         "workers": len(workers), "servers": len(servers), "compressor": cfg.compressor, "memory": cfg.memory,
         "params": cfg.params, "seed": cfg.seed, "device": cfg.device, "steps": n_steps, "wall_s": wall_s, "train_s": train_s,
-        "metric": wl.metric, "target": target,
+        "metric": wl.metric, "target": target, "metric_note": wl.unmoved([e["value"] for e in evals]),
         ("final_accuracy" if wl.metric == "accuracy" else "final_loss"): final,
         ("best_accuracy" if wl.metric == "accuracy" else "best_loss"): best,
         "time_to_target_s": hit["t"] if hit else None, "steps_to_target": hit["step"] if hit else None,
