@@ -139,4 +139,4 @@ def open_two_hosts() -> tuple[TwoHosts | None, str | None]:
     try:
         return TwoHosts().__enter__(), None
     except UserError as e:
-        return None, str(e).splitlines()[0]
+        return None, str(e).splitlines()[0].removeprefix(f"{WHAT}: ")
