@@ -25,9 +25,10 @@ ranks), the error carries every live worker's Python stacks at that moment, each
 `STACKS_SIGNAL`: written from C, so a thread blocked inside a collective shows where it waits).
 
 The rendezvous store listens on `host` only (127.0.0.1 by default: the launcher binds the socket there and
-hands it to `TCPStore`, whose own listener would bind every interface), and with a loopback `host` the
-workers' gloo sockets are pinned to the loopback interface (`GLOO_SOCKET_IFNAME=lo` unless already set).
-Nothing here authenticates: keep these ports off untrusted networks.
+hands it to `TCPStore`, whose own listener would bind every interface), and the workers' gloo sockets are
+pinned to the interface through which they reach `host`: the loopback for a loopback `host`
+(`GLOO_SOCKET_IFNAME` unless already set; under torchrun, `init` does the same for MASTER_ADDR).
+Nothing here authenticates: keep these ports off untrusted networks (docs/multi-host.md).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
 from ..net import parse_network
 from .worker import (PROGRESS_TIMEOUT, STACKS_SIGNAL, Inherit, NoProgressError, Watchdog, check_timeout, ctx, died,
-                     fail_and_exit, peer_failure, serve_store, start, stop, threads_per_worker)
+                     fail_and_exit, peer_failure, pin_gloo, serve_store, start, stop, threads_per_worker)
 
 MAX_LOCAL_WORKERS = 512     # processes on one machine: each holds an interpreter, torch and a copy of the model
 
@@ -392,7 +393,9 @@ def init(network="lan", backend: str | None = None, seed: int = 0, timeout: floa
          device: str | None = None) -> tuple[int, int]:
     """Initialise torch.distributed inside a process started by torchrun; returns (rank, world_size).
     `device="cuda"`: this process's GPU is cuda:LOCAL_RANK (made the current device) on NCCL, or, with more
-    processes on this machine than GPUs, GPU LOCAL_RANK mod count, shared over gloo (`pick_backend`)."""
+    processes on this machine than GPUs, GPU LOCAL_RANK mod count, shared over gloo (`pick_backend`).
+    gloo's sockets go on the interface through which this machine reaches MASTER_ADDR, unless
+    `GLOO_SOCKET_IFNAME` names one (`pin_gloo`): across machines, the address the others reach."""
     import torch
     import torch.distributed as dist
     if not under_torchrun():
@@ -404,6 +407,8 @@ def init(network="lan", backend: str | None = None, seed: int = 0, timeout: floa
     if device == "cuda":
         torch.cuda.set_device(gpu_of(int(os.environ.get("LOCAL_RANK", "0"))))
     if not dist.is_initialized():
+        if os.environ.get("MASTER_ADDR"):
+            pin_gloo(os.environ["MASTER_ADDR"])
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or threads_per_worker(local)))
     return dist.get_rank(), dist.get_world_size()
