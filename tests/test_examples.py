@@ -25,6 +25,10 @@ RUNS = {
     "accelerate_diloco.py": ("accelerate launch --multi_gpu --num_processes 4 --num_machines 1 --mixed_precision no "
                              "--dynamo_backend no examples/accelerate_diloco.py", "30 steps", "accelerate"),
     "race.sh": ("bash examples/race.sh OUT", "report:", None),
+    "my_workload.py": ("thinwire train --workload examples/my_workload.py:make --workers 2 --steps 60",
+                       "final_accuracy", None),
+    "hf_gpt2.py": ("thinwire train --workload examples/hf_gpt2.py:make --workers 2 --steps 30", "final_loss",
+                   "transformers"),
 }
 
 

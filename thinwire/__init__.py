@@ -4,6 +4,7 @@
     trainer = tw.Trainer(model, opt, algorithm="dts", delay=4, period=4, compressor="topk", ratio=0.01)
     with tw.attach(model, opt, algorithm="diloco", period=50): ...   # a loop that calls opt.step() itself
     tw.launch(worker, world_size=4, network="wan")
+    wl = tw.Workload("mine", (x, y, x_test, y_test), build=MyNet)   # make() returns it: --workload mod:make
 """
 __version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it (setuptools dynamic attr)
 
@@ -24,10 +25,14 @@ _LAUNCH = ("Pool", "init", "launch", "report_progress")
 
 
 def __getattr__(name):
-    """The launcher's names, imported when first used (`import thinwire` in a worker loads no launcher)."""
+    """The launcher's names and `Workload`, imported when first used (`import thinwire` in a worker loads no
+    launcher)."""
     if name in _LAUNCH:
         from . import launcher as _launcher
         return getattr(_launcher, name)
+    if name == "Workload":
+        from .run.workloads import Workload
+        return Workload
     raise AttributeError(f"module 'thinwire' has no attribute {name!r}")
 
 
@@ -37,5 +42,5 @@ def ddp_hook(*args, **kwargs):
     return _hook(*args, **kwargs)
 
 
-__all__ = ["Attachment", "Link", "Pool", "Trainer", "Transport", "UserError", "WorkerError", "algorithms", "attach",
-           "compressors", "ddp_hook", "init", "launch", "memories", "parse_network", "report_progress"]
+__all__ = ["Attachment", "Link", "Pool", "Trainer", "Transport", "UserError", "WorkerError", "Workload", "algorithms",
+           "attach", "compressors", "ddp_hook", "init", "launch", "memories", "parse_network", "report_progress"]

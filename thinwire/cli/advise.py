@@ -36,31 +36,66 @@ def run(args) -> int:
         print(json.dumps(cal, indent=2) if args.json else f"calibration stored: {cal['path']}\n"
               f"  loopback alpha {cal['alpha_s'] * 1e6:.1f} us, beta {1 / cal['beta_s_per_byte'] / 1e9:.2f} GB/s")
         return 0
-    if args.model:
+    measured = None
+    if sum(v is not None for v in (args.workload, args.model, args.params)) > 1:
+        raise UserError("give one of --params, --model and --workload")
+    if args.out is not None:
+        from ..files import check_writable_dir
+        check_writable_dir(args.out, "--out")
+    if args.workload:       # the step measured here, the size read off the model
+        measured = measure(args)
+        name = measured.pop("name")
+        params, args.compute_ms = measured["params"], measured["compute_s"] * 1e3
+    elif args.model:
         from ..run import workloads
         params = workloads.get(args.model).num_params()
     elif args.params is not None:
         params = args.params
     else:
-        raise UserError("give --params N or --model WORKLOAD")
+        raise UserError("give --params N, --model WORKLOAD (its size) or --workload WORKLOAD (measured here)")
+    network = args.network
     if args.bandwidth is not None or args.latency is not None:
-        link = parse_network("custom:" + ",".join(f"{k}={v}" for k, v in
-                                                  (("bandwidth", args.bandwidth), ("latency", args.latency)) if v))
-    else:
-        link = parse_network(args.network)
+        network = "custom:" + ",".join(f"{k}={v}" for k, v in (("bandwidth", args.bandwidth),
+                                                                ("latency", args.latency)) if v)
+    link = parse_network(network)
     cal = load_calibration()
     s = Scenario(params=params, compute_s=args.compute_ms / 1e3, link=link, workers=args.workers,
                  servers=args.servers, collective=args.collective, x_memcpy=cal.get("x_memcpy", {}) if cal else {})
     rows = advise(s)
     diloco = recommend_diloco(s, args.scalability)
+    advice = {"scenario": {"params": params, "compute_s": s.compute_s, "network": link.to_dict(),
+                           "workers": s.workers, "servers": s.servers, "collective": s.collective},
+              "ranking": [a.row() for a in rows], "diloco": diloco}
+    if measured is not None:
+        advice = {"workload": args.workload, "workload_name": name, "network": network,
+                  "measured": measured, **advice}
+    if args.out:
+        from ..run.measure import write_advice
+        write_advice(args.out, advice)
     if args.json:
-        print(json.dumps({"scenario": {"params": params, "compute_s": s.compute_s, "network": link.to_dict(),
-                                       "workers": s.workers, "servers": s.servers, "collective": s.collective},
-                          "ranking": [a.row() for a in rows], "diloco": diloco}, indent=2))
+        print(json.dumps(advice, indent=2))
     else:
+        if measured is not None:
+            print(f"measured {name}: {measured['params']:,} parameters, step "
+                  f"{measured['step_s'] * 1e3:.1f} ms (median of {measured['steps']}, {measured['threads']} "
+                  f"thread(s) on {measured['device']})" + (f", x{measured['share']:g} for {args.workers} workers "
+                                                           f"sharing {measured['cpus']} cores"
+                                                           if measured["share"] > 1 else ""))
         print(format_table(rows, s))
         print(format_diloco(diloco))
+        if args.out:
+            print(f"written to {args.out}/advice.json")
     return 0
+
+
+def measure(args) -> dict:
+    """`--workload`: one worker's step timed here (`thinwire.run.measure.measure_step`), its name and size."""
+    from ..run import user, workloads
+    from ..run.measure import measure_step
+    args.workload = user.canonical(args.workload)
+    wl = workloads.get(args.workload)
+    got = measure_step(wl, device=args.device, workers=args.workers, local=args.local)
+    return {"name": wl.name, **got}
 
 
 def register(sub) -> None:
@@ -68,6 +103,14 @@ def register(sub) -> None:
     p = sub.add_parser("advise", help="rank algorithms for a model, compute time and network (cost model)")
     p.add_argument("--params", type=float, help="number of model parameters, e.g. 25e6")
     p.add_argument("--model", help="read the size from a workload (see `thinwire list`)")
+    p.add_argument("--workload", help="measure a workload's step here and read its size: a name (see `thinwire "
+                                      "list`) or yours, module:function or path/to/file.py:function")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--workload: time the step there")
+    p.add_argument("--local", action="store_true",
+                   help="--workload: the workers share this machine, as `thinwire compare` runs them (each its "
+                        "share of the cores); default: each worker is a machine like this one")
+    p.add_argument("--out", metavar="DIR", help="write the advice (with --workload: and the measurement) to "
+                                                "DIR/advice.json, to set beside a `compare --out DIR`'s results")
     p.add_argument("--compute-ms", type=float, default=100.0, help="forward+backward time per iteration (ms)")
     p.add_argument("--network", default="wan", help="profile name or custom:... (see `thinwire list`)")
     p.add_argument("--bandwidth", help="instead of --network: e.g. 200mbit")

@@ -36,7 +36,8 @@ def register(sub) -> None:
     from ..compare import peers, presets
     p = sub.add_parser("compare", help="compare algorithms (and PyTorch's options) on your networks",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", help="workload (default: the preset's, else digits-mlp)")
+    p.add_argument("--workload", help="workload (default: the preset's, else digits-mlp), or yours: "
+                                      "module:function or path/to/file.py:function")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--algorithms", help="cells: ALGO[:k=v,...][+COMPRESSOR[:k=v,...,memory=M]] or a PyTorch peer "
                                         f"({', '.join(peers.names())}), comma- or ';'-separated")
@@ -90,7 +91,8 @@ def config_from_args(args):
         cfg = CompareConfig(cells=split_cells(args.algorithms))  # digits-mlp, 4 workers, wan
     else:
         raise UserError(f"give --algorithms a,b,... or --preset NAME ({', '.join(presets.names())})")
-    given = dict(workload=args.workload or None, workers=args.workers, target=args.target, budget_s=args.budget,
+    from ..run.user import canonical
+    given = dict(workload=canonical(args.workload) if args.workload else None, workers=args.workers, target=args.target, budget_s=args.budget,
                  epochs=args.epochs, networks=_networks(args.network) if args.network else None,
                  seeds=getattr(args, "seeds", None))
     return replace(cfg, **{k: v for k, v in given.items() if v is not None}, seed=args.seed, trace=args.trace,

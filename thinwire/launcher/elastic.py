@@ -1,4 +1,4 @@
-"""The elastic launcher: worker processes on 127.0.0.1 whose membership changes while they train.
+"""The elastic launcher: worker processes on one machine whose membership changes while they train.
 
 `ElasticPool(workers, max_workers=...)` starts `workers` processes and runs `fn(member, workers, *args)` in each
 (`member`: the worker's member id, 0..workers-1 for the first ones; a worker's rank in the current generation is
@@ -8,7 +8,8 @@ synchronization boundary and take a live peer's state:
 - `replace=True` starts a replacement for each lost worker (`replace_delay` seconds later; a fresh process);
 - `run(..., joins=[...])` starts extra workers during the run: `("time", s)` s seconds after it began,
   `("step", k)` once a member reported step k (tests);
-- `thinwire train --join HOST:PORT` joins by hand from another process (the store address is printed).
+- `thinwire train --join HOST:PORT` joins by hand from another process, on this machine or another (the store
+  address is printed; the store listens on `host`, 127.0.0.1 unless given, and on nothing wider).
 Up to `max_workers` members at a time (rank 0 refuses the rest); the job fails when fewer than `min_workers`
 remain and no replacement is coming (`replace=False`), or when none remains. The design: docs/reliability.md, "Workers that join a running job".
 
@@ -425,8 +426,11 @@ def join_by_hand(address: str, fn, *args, timeout: float = 3600.0):
     if not host or not port.isdigit():
         raise UserError(f"--join takes HOST:PORT (the address an elastic job prints), got {address!r}")
     store = _connect(host, int(port))
-    if not store.check(["thinwire/elastic/current"]):
-        raise UserError(f"{address} is no thinwire elastic job")
+    end = time.monotonic() + STORE_ANSWER_S     # (a job sets it as its run begins, just after it prints its address)
+    while not store.check(["thinwire/elastic/current"]):
+        if time.monotonic() > end:
+            raise UserError(f"{address} is no thinwire elastic job")
+        time.sleep(0.05)
     prefix = store.get("thinwire/elastic/current").decode()
     run = dist.PrefixStore(prefix, store)
     config = json.loads(run.get("config").decode())

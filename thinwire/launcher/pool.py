@@ -24,9 +24,10 @@ When the launcher gives up on a hang (a stall, no progress, no result, or only "
 ranks), the error carries every live worker's Python stacks at that moment, each thread's (`faulthandler`, on
 `STACKS_SIGNAL`: written from C, so a thread blocked inside a collective shows where it waits).
 
-The rendezvous store listens on `host` only (127.0.0.1 by default), and with a loopback `host` the workers' gloo
-sockets are pinned to the loopback interface (`worker.listen`, `worker.pin_gloo`). Nothing here authenticates:
-keep these ports off untrusted networks.
+The rendezvous store listens on `host` only (`worker.listen`), and the workers' gloo sockets are pinned to the
+interface through which they reach `host` (`worker.pin_gloo`: the loopback for a loopback `host`; under torchrun,
+`init` does the same for MASTER_ADDR). Nothing here authenticates: keep these ports off untrusted networks
+(docs/multi-host.md).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
 from ..net import parse_network
 from .worker import (PROGRESS_TIMEOUT, STACKS_SIGNAL, Inherit, Launcher, NoProgressError, Watchdog, check_timeout, ctx,
-                     died, fail_and_exit, peer_failure, start, threads_per_worker)
+                     died, fail_and_exit, peer_failure, pin_gloo, start, threads_per_worker)
 
 MAX_LOCAL_WORKERS = 512     # processes on one machine: each holds an interpreter, torch and a copy of the model
 
@@ -368,7 +369,9 @@ def init(network="lan", backend: str | None = None, seed: int = 0, timeout: floa
          device: str | None = None) -> tuple[int, int]:
     """Initialise torch.distributed inside a process started by torchrun; returns (rank, world_size).
     `device="cuda"`: this process's GPU is cuda:LOCAL_RANK (made the current device) on NCCL, or, with more
-    processes on this machine than GPUs, GPU LOCAL_RANK mod count, shared over gloo (`pick_backend`)."""
+    processes on this machine than GPUs, GPU LOCAL_RANK mod count, shared over gloo (`pick_backend`).
+    gloo's sockets go on the interface through which this machine reaches MASTER_ADDR, unless
+    `GLOO_SOCKET_IFNAME` names one (`pin_gloo`): across machines, the address the others reach."""
     if not under_torchrun():
         raise UserError("thinwire.init() expects torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR); "
                         "on one machine use thinwire.launch instead")
@@ -378,6 +381,8 @@ def init(network="lan", backend: str | None = None, seed: int = 0, timeout: floa
     if device == "cuda":
         torch.cuda.set_device(gpu_of(int(os.environ.get("LOCAL_RANK", "0"))))
     if not dist.is_initialized():
+        if os.environ.get("MASTER_ADDR"):
+            pin_gloo(os.environ["MASTER_ADDR"])
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or threads_per_worker(local)))
     return dist.get_rank(), dist.get_world_size()

@@ -3,9 +3,10 @@
 The launcher hosts the rendezvous store (`serve_store`: listening on `host` and on nothing wider, `listen`) and
 spawns its workers with `ctx`. Each worker begins with `start`: it dies with the launcher (`die_with_parent`),
 writes every thread's Python stacks on `STACKS_SIGNAL` into a file the launcher handed it (`Inherit`), runs the
-caller's `worker_init`, pins gloo's sockets to the loopback interface for a loopback host (`pin_gloo`), beats
-every 0.5 s into the launcher's `beats` array (`heartbeat`), reports its steps into the launcher's `steps` and
-`times` arrays (`thinwire.comm.progress`) and takes its share of the CPU threads (`threads_per_worker`). Each
+caller's `worker_init`, pins gloo's sockets to the interface through which it reaches the launcher's host
+(`pin_gloo`, `interface_to`: the loopback for a loopback host), beats every 0.5 s into the launcher's `beats`
+array (`heartbeat`), reports its steps into the launcher's `steps` and `times` arrays
+(`thinwire.comm.progress`) and takes its share of the CPU threads (`threads_per_worker`). Each
 worker has a slot in those arrays (a rank, or an elastic worker's process slot). A worker that fails reports
 the exception being handled on the results queue and exits (`fail_and_exit`); the report is never lost.
 
@@ -16,7 +17,9 @@ ends its processes and queues without leaving anything behind (`stop`).
 from __future__ import annotations
 
 import ctypes
+import errno
 import faulthandler
+import fcntl
 import ipaddress
 import math
 import multiprocessing as mp
@@ -24,6 +27,7 @@ import os
 import signal
 import socket
 import statistics
+import struct
 import sys
 import threading
 import time
@@ -63,14 +67,50 @@ def check_timeout(name: str, value, allow_none: bool = False) -> None:
                         f"got {value!r}")
 
 
-def pin_gloo(host: str) -> None:
-    """With a loopback `host`, gloo's sockets go on the loopback interface too, not the host's address."""
+def is_loopback(host: str) -> bool:
     try:
-        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
-        loopback = False
-    if loopback and os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        return False
+
+
+def interface_to(host: str) -> str | None:
+    """The name of this machine's network interface whose (IPv4) address it reaches `host` from: the kernel's
+    choice of route and source address, so for one of this machine's own addresses, the interface holding it. None
+    where that cannot be told: a name that does not resolve, an unspecified address (0.0.0.0), no route, a
+    source address that no interface holds as its first, a system other than Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0]
+        if ipaddress.ip_address(addr[0]).is_unspecified:
+            return None
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)     # UDP: nothing is sent; the kernel picks the route and the source address
+            source = s.getsockname()[0]
+            for _, name in socket.if_nameindex():
+                try:
+                    got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:
+                    continue    # an interface without an IPv4 address
+                if socket.inet_ntoa(got[20:24]) == source:
+                    return name
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def pin_gloo(host: str) -> None:
+    """gloo's sockets on the interface through which this process reaches `host` (the launcher's store, torchrun's
+    MASTER_ADDR, the elastic job a worker joins by hand): the loopback for a loopback host, else `interface_to`.
+    Left to gloo where `GLOO_SOCKET_IFNAME` is set or no interface can be told; gloo then listens on the address
+    the host name resolves to, which on many machines is a loopback address (Debian's 127.0.1.1) that no other
+    machine reaches."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    name = "lo" if is_loopback(host) and os.path.exists("/sys/class/net/lo") else interface_to(host)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
 def listen(host: str, port: int) -> tuple[int, int]:
@@ -86,7 +126,9 @@ def listen(host: str, port: int) -> tuple[int, int]:
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        raise UserError(f"cannot listen on {host}:{port} (port in use?): {e}") from None
+        why = {errno.EADDRINUSE: "the port is in use",
+               errno.EADDRNOTAVAIL: "no interface of this machine has that address"}.get(e.errno, str(e))
+        raise UserError(f"cannot listen on {host}:{port}: {why}") from None
     bound = sock.getsockname()[1]
     return sock.detach(), bound
 

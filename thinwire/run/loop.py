@@ -310,7 +310,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     trainer = getattr(stepper, "trainer", None)
     member = getattr(trainer, "elastic", None)      # a member of an elastic job (thinwire.comm.elastic), or None
 
-    def shard(seed: int | None = None) -> workloads.ShardLoader:
+    def shard(seed: int | None = None):
         """This worker's batches: its shard among `cfg.workers`, or in an elastic job its shard as rank r of the
         current generation's n members, shuffled by (seed, generation, rank): the data follows the membership."""
         if member is None:
@@ -318,9 +318,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
         else:
             r, n = trainer.transport.rank, trainer.transport.world_size
             seed = cfg.seed + ELASTIC_SEED * member.gen if seed is None else seed
-        x, y = wl.shard(r, n)
-        x, y = x.to(device), y.to(device)   # the shard goes to the model's device once: batches are cut there
-        return workloads.ShardLoader(x, y, cfg.batch_size or wl.batch_size, seed=seed, rank=r)
+        return wl.loader(r, n, cfg.batch_size, seed, device)    # (tensors: the shard moves to the device once)
 
     loader = shard()
     gen = member.gen if member is not None else None

@@ -11,6 +11,8 @@
 | `mnist1d-resnet` | MNIST-1D, 40 000 train / 2 000 test, generated offline | 1-D ResNet (0.54 M params) | test accuracy >= 0.95 |
 
 Each workload has a default optimizer (`make_optimizer`); docs/workloads.md says how the new targets were chosen.
+Each is a `Workload` (public as `tw.Workload`), as is a user's: `get("my_module:make")` imports it, builds it and
+checks it on one batch (`thinwire.run.user`); its data may be datasets or iterables (`thinwire.run.data`).
 """
 from __future__ import annotations
 
@@ -26,9 +28,25 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from ..registry import Registry
-from . import lm
+from . import lm, user
+from .data import DatasetLoader, ShardLoader, StreamLoader, check_part, is_dataset, materialize, per_worker, to_device
 
-registry = Registry("workload")
+
+class WorkloadRegistry(Registry):
+    """The built-in workloads by name, and a workload of the user's by its spec, `module:function` or
+    `path/to/file.py:function` (`thinwire.run.user`: imported, built and checked once per process)."""
+
+    def lookup(self, name: str):
+        if user.is_spec(name):
+            wl = user.load(name, Workload)
+            return lambda: wl
+        if name not in self:
+            raise UserError(f"unknown workload {name!r}; valid: {', '.join(self.names())}, or one of yours as "
+                            f"module:function (a function returning a thinwire.Workload)")
+        return super().lookup(name)
+
+
+registry = WorkloadRegistry("workload")
 
 
 # Optimizers a workload can be trained with, and the settings each starts from before the workload's own
@@ -50,10 +68,44 @@ def check_optimizer(name: str, what: str = "optimizer") -> None:
         raise UserError(f"{what} must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
 
 
+METRICS = ("accuracy", "loss")
+
+
 @dataclass
 class Workload:
+    """A model, its data, its loss and the metric it races to (`tw.Workload`). The built-in workloads are
+    instances; `make()` in a module of yours returns one, and `--workload my_module:make` (or
+    `path/to/file.py:make`) races it (docs/race-your-model.md).
+
+    Args:
+        name: what the results call it.
+        data: tensors `(x_train, y_train, x_test, y_test)`, or `(train, test)`: each a `torch.utils.data.Dataset`
+            (or a list) of `(x, y)` samples, or an iterable of them; `train` may also be a function
+            `(rank, world_size) -> iterable` that shards itself. thinwire deals the rest out by rank
+            (`thinwire.run.data`); every worker evaluates the whole test set.
+        build: a function of no arguments returning the model (`torch.nn.Module`); each worker calls it after
+            seeding torch with the run's seed, so every worker starts from the same weights.
+        metric: "accuracy" (higher is better: the share of `argmax(model(x)) == y`, or `eval_fn`'s) or "loss"
+            (lower is better: `loss_fn` on the test set, or `eval_fn`'s).
+        target: the metric's value a race runs to.
+        batch_size: samples per worker per step.
+        lr: the default optimizer's learning rate.
+        momentum: its momentum (SGD), beta1 (AdamW).
+        epochs: passes over the training set of a run given no --steps, --epochs or --budget.
+        doc: one line for `thinwire list`.
+        dtype: the model's parameter type (`build()`'s result is cast to it).
+        extra: anything the results should record about the workload.
+        optimizer: "sgd", "adamw" or "muon", or a function returning a `torch.optim.Optimizer`: it is given the
+            model's parameters (`torch.optim.AdamW` itself, or a `functools.partial` of it, will do), or the
+            model where its first argument is named `model`. `--lr` and `--momentum` then override its groups'.
+        optim: per optimizer name, settings over its defaults (`OPTIMIZERS`) when the run names another.
+        loss_fn: `(model output, y) -> scalar loss` tensor (default: cross-entropy for "accuracy", MSE for
+            "loss"); the output may be anything the model returns (a Hugging Face model's output object).
+        eval_fn: `(model, x_test, y_test) -> float`, the metric on the test set (default: see `metric`).
+        derived: name -> function of the metric's value, other readings of it (e.g. bits per byte).
+    """
     name: str
-    data: tuple  # x_train, y_train, x_test, y_test
+    data: tuple  # (x_train, y_train, x_test, y_test) or (train, test): see the class doc
     build: Callable[[], nn.Module]
     metric: str = "accuracy"          # "accuracy" (higher is better) or "loss" (lower is better)
     target: float = 0.95
@@ -64,15 +116,47 @@ class Workload:
     doc: str = ""
     dtype: torch.dtype = torch.float32
     extra: dict = field(default_factory=dict)
-    optimizer: str = "sgd"            # the default optimizer, a name in OPTIMIZERS
+    optimizer: str | Callable = "sgd"  # the default optimizer, a name in OPTIMIZERS, or a factory
     optim: dict = field(default_factory=dict)   # name -> settings over OPTIMIZERS[name] (e.g. another's lr)
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (output, target) -> loss
     eval_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], float] | None = None  # (model, x_test, y_test)
     derived: dict = field(default_factory=dict)  # name -> f(metric value), e.g. bits per byte from a loss
     _held_out: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (x_test, y_test) there
+    _sizes: dict = field(default_factory=dict, repr=False, compare=False)     # world size -> smallest shard
 
     def __post_init__(self):
-        check_optimizer(self.optimizer, f"workload {self.name}: optimizer")
+        if callable(self.optimizer):
+            pass
+        elif isinstance(self.optimizer, str):
+            check_optimizer(self.optimizer, f"workload {self.name}: optimizer")
+        else:
+            raise UserError(f"workload {self.name}: optimizer must be one of {', '.join(OPTIMIZERS)} or a function "
+                            f"returning a torch.optim.Optimizer, got {self.optimizer!r}")
+        if self.metric not in METRICS:
+            raise UserError(f"workload {self.name}: metric must be accuracy (higher is better) or loss (lower is "
+                            f"better), got {self.metric!r}")
+        if not callable(self.build):
+            raise UserError(f"workload {self.name}: build must be a function returning the model, got "
+                            f"{type(self.build).__name__}")
+        self.data = tuple(self.data) if isinstance(self.data, (tuple, list)) else self.data
+        if self.tensors:
+            self.data = tuple(torch.as_tensor(d) if isinstance(d, np.ndarray) else d for d in self.data)
+        elif isinstance(self.data, tuple) and len(self.data) == 2:
+            check_part(self.data[0], f"workload {self.name}: the training data")
+            if callable(self.data[1]) and not hasattr(self.data[1], "__iter__"):
+                raise UserError(f"workload {self.name}: the test data must be a dataset or an iterable of (x, y) "
+                                f"samples (every worker evaluates all of it), not a function")
+            check_part(self.data[1], f"workload {self.name}: the test data")
+        else:
+            raise UserError(f"workload {self.name}: data must be (x_train, y_train, x_test, y_test) tensors or "
+                            f"(train, test) datasets, got {type(self.data).__name__}"
+                            + (f" of {len(self.data)}" if isinstance(self.data, tuple) else ""))
+
+    @property
+    def tensors(self) -> bool:
+        """Its data is tensors (x_train, y_train, x_test, y_test), rather than (train, test) datasets."""
+        return (isinstance(self.data, tuple) and len(self.data) == 4
+                and all(isinstance(d, (torch.Tensor, np.ndarray)) for d in self.data))
 
     def model(self, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
@@ -86,8 +170,11 @@ class Workload:
         return F.mse_loss(output.reshape(-1), target.reshape(-1))
 
     def optimizer_settings(self, optimizer: str | None = None) -> tuple[str, dict]:
-        """(name, settings) of `optimizer` (default: the workload's own) before any override."""
+        """(name, settings) of `optimizer` (default: the workload's own) before any override; a factory's are
+        ("custom", the workload's `lr` and `momentum`)."""
         name = self.optimizer if optimizer is None else optimizer
+        if callable(name):
+            return "custom", {"lr": self.lr, "momentum": self.momentum, "weight_decay": 0.0}
         check_optimizer(name)
         if name == "muon":      # the workload's AdamW settings, Muon's momentum
             settings = {**self.optimizer_settings("adamw")[1], **OPTIMIZERS["muon"], **self.optim.get("muon", {})}
@@ -102,6 +189,8 @@ class Workload:
         """The workload's default optimizer, or "sgd" / "adamw" / "muon" by name, over `parameters` (or a model's:
         "muon" needs the model, to tell its hidden weight matrices from its head); `lr` and `momentum` override its
         settings (for AdamW `momentum` is beta1, for Muon its momentum)."""
+        if optimizer is None and callable(self.optimizer):
+            return self._from_factory(parameters, lr, momentum)
         cls, kwargs = self._optimizer(lr, momentum, optimizer)
         if cls.__name__ == "MuonWithAdamW":
             from ..optim import muon_split
@@ -112,6 +201,30 @@ class Workload:
         if isinstance(parameters, nn.Module):
             parameters = parameters.parameters()
         return cls(parameters, **kwargs)
+
+    def _from_factory(self, parameters, lr: float | None, momentum: float | None) -> torch.optim.Optimizer:
+        """The workload's optimizer factory's optimizer over the model (where its first argument is named
+        `model`) or its parameters, with `lr` and `momentum` (beta1 where it has betas) set on every group."""
+        import inspect
+        factory = self.optimizer
+        try:
+            first = next(iter(inspect.signature(factory).parameters), None)
+        except (TypeError, ValueError):
+            first = None
+        if first != "model" and isinstance(parameters, nn.Module):
+            parameters = list(parameters.parameters())
+        opt = factory(parameters)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise UserError(f"workload {self.name}: its optimizer function returned {type(opt).__name__}, not a "
+                            f"torch.optim.Optimizer")
+        for group in opt.param_groups:
+            if lr is not None:
+                group["lr"] = lr
+            if momentum is not None and "momentum" in group:
+                group["momentum"] = momentum
+            elif momentum is not None and "betas" in group:
+                group["betas"] = (momentum, *group["betas"][1:])
+        return opt
 
     def _optimizer(self, lr, momentum, optimizer) -> tuple[type, dict]:
         """(the class, its keyword arguments) of `make_optimizer`'s optimizer."""
@@ -130,8 +243,11 @@ class Workload:
                            optimizer: str | None = None) -> torch.optim.Optimizer:
         """An optimizer of `make_optimizer`'s class with its settings in one parameter group of no parameters,
         never initialised (torch.optim's constructor imports torch._dynamo: seconds in a process that trains
-        nothing): what an algorithm checks before any worker starts (`Algorithm.check_run`)."""
+        nothing): what an algorithm checks before any worker starts (`Algorithm.check_run`). A factory's is
+        the real one, over a fresh model."""
         import inspect
+        if optimizer is None and callable(self.optimizer):
+            return self.make_optimizer(self.model(), lr, momentum)
         cls, kwargs = self._optimizer(lr, momentum, optimizer)
         defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
                     if p.default is not inspect.Parameter.empty}
@@ -141,14 +257,34 @@ class Workload:
         return stand_in
 
     def shard(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank's disjoint part of the training set (interleaved after a fixed permutation)."""
+        """Rank's disjoint part of the training tensors (interleaved after a fixed permutation)."""
+        if not self.tensors:
+            raise UserError(f"workload {self.name}: its data are datasets; take batches with loader()")
         x, y = self.data[0], self.data[1]
         return x[rank::world_size], y[rank::world_size]
+
+    def loader(self, rank: int, world_size: int, batch_size: int | None = None, seed: int = 0,
+               device: torch.device | str = "cpu"):
+        """Rank's batches on `device` (`thinwire.run.data`): `next()` gives (x, y); resumable."""
+        batch = batch_size or self.batch_size
+        if self.tensors:
+            x, y = self.shard(rank, world_size)
+            return ShardLoader(x.to(device), y.to(device), batch, seed=seed, rank=rank)
+        if is_dataset(self.data[0]):
+            return DatasetLoader(self.data[0], batch, seed, rank, world_size, device)
+        return StreamLoader(self.data[0], batch, seed, rank, world_size, device)
+
+    def per_worker(self, world_size: int) -> int:
+        """Training samples in the smallest worker's shard (an iterable without `len()` counted once)."""
+        if world_size not in self._sizes:
+            train = self.data[0]
+            self._sizes[world_size] = len(train) // world_size if self.tensors else per_worker(train, world_size)
+        return self._sizes[world_size]
 
     def check_batch_size(self, world_size: int, batch_size: int | None = None) -> None:
         """Refuse a batch larger than the smallest worker's shard (`ShardLoader` would, in every worker)."""
         batch = batch_size or self.batch_size
-        smallest = len(self.data[0]) // world_size
+        smallest = self.per_worker(world_size)
         if smallest < batch:
             raise UserError(f"a worker's shard of {smallest} samples is smaller than the batch size {batch}; "
                             f"use a smaller --batch-size or fewer --workers")
@@ -160,8 +296,7 @@ class Workload:
                             f"accuracy), got {target!r}")
 
     def steps_per_epoch(self, world_size: int, batch_size: int | None = None) -> int:
-        per = len(self.data[0]) // world_size
-        return max(1, per // (batch_size or self.batch_size))
+        return max(1, self.per_worker(world_size) // (batch_size or self.batch_size))
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> float:
@@ -180,10 +315,14 @@ class Workload:
         return float(self.loss(out, y))   # the training loss on the held-out set (`loss_fn`, else MSE)
 
     def held_out(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held-out set on `device` (where the model is), copied there once."""
+        """The held-out set on `device` (where the model is), copied there once (a test dataset stacked once)."""
         key = str(device)
         if key not in self._held_out:
-            self._held_out[key] = (self.data[2].to(device), self.data[3].to(device))
+            if self.tensors:
+                x, y = self.data[2], self.data[3]
+            else:
+                x, y = self._held_out["stacked"] = self._held_out.get("stacked") or materialize(self.data[1])
+            self._held_out[key] = (to_device(x, device), to_device(y, device))
         return self._held_out[key]
 
     def derived_metrics(self, value: float) -> dict:
@@ -194,43 +333,16 @@ class Workload:
         t = self.target if target is None else target
         return value >= t if self.metric == "accuracy" else value <= t
 
+    def unmoved(self, values: list[float]) -> str | None:
+        """One line when the metric never moved over a run's evaluations (the same value at every one of at
+        least two), else None: a metric not computed from the model, or a learning rate of zero."""
+        if len(values) < 2 or any(v != values[0] for v in values):
+            return None
+        return (f"the {self.metric} never moved: {values[0]:.6g} at all {len(values)} evaluations (is it computed "
+                f"from the model's output, and does the optimizer update the model?)")
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model().parameters())
-
-
-class ShardLoader:
-    """Mini-batches of one rank's shard, reshuffled every epoch by (seed, rank, epoch); resumable."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int = 0, rank: int = 0):
-        if batch_size < 1:
-            raise UserError("batch size must be >= 1")
-        if len(x) < batch_size:
-            raise UserError(f"a worker's shard of {len(x)} samples is smaller than the batch size {batch_size}; "
-                            f"use a smaller --batch-size or fewer --workers")
-        self.x, self.y, self.batch_size, self.seed, self.rank = x, y, batch_size, seed, rank
-        self.epoch, self.pos = 0, 0
-        self._order = self._shuffle()
-
-    def _shuffle(self) -> torch.Tensor:
-        """This epoch's order, drawn from a host generator (the same on every device) and kept where the shard
-        is: batches are then cut on the shard's device, with no host copy per step."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + self.epoch)
-        return torch.randperm(len(self.x), generator=g, device="cpu").to(self.x.device)
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.pos + self.batch_size > len(self.x):
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._order = self._shuffle()
-        idx = self._order[self.pos:self.pos + self.batch_size]
-        self.pos += self.batch_size
-        return self.x[idx], self.y[idx]
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos = state["epoch"], state["pos"]
-        self._order = self._shuffle()
 
 
 # -- data ------------------------------------------------------------------------------------------------
@@ -448,4 +560,5 @@ def mnist1d_resnet() -> Workload:
 
 
 def get(name: str) -> Workload:
+    """The workload `name` (built-in) or `module:function` / `path/to/file.py:function` (yours)."""
     return registry.get(name)

@@ -1,0 +1,94 @@
+"""A workload's training step timed on this machine, and the advice predicted from it, recorded.
+
+`measure_step` runs a few steps of one worker in this process, with no communication (what `thinwire compare`'s
+no-communication reference `local` runs): a batch from the workload's loader, forward, the loss, backward, the
+optimizer's step, `zero_grad`, and the loss read back to the host (on a GPU, the wait for the step's work); the
+first `warmup` steps are left out and the median of the rest is the step time. With `workers` > 1 sharing this
+machine (`local`), it runs with the CPU threads each of them gets (`threads_per_worker`) and the step is scaled
+by how much more than the machine's cores they ask for together (`share`); otherwise each worker is taken for a
+machine like this one, with all its threads. Nothing distributed starts.
+
+`thinwire advise --workload W --out DIR` writes `DIR/advice.json` (`write_advice`, read back by `read_advice`;
+`ADVICE_VERSION` 1):
+
+    {"version": 1,
+     "workload": spec, "workload_name": ..., "network": the --network as given,
+     "measured": {"step_s": median step time (s), "compute_s": what the planner was given (s) = step_s × share,
+                  "times_s": [every timed step], "warmup": steps left out, "steps": steps timed,
+                  "batch_size", "params", "device", "threads", "local", "workers", "share", "cpus", "torch"},
+     "scenario": {"params", "compute_s", "network": the link's numbers, "workers", "servers", "collective"},
+     "ranking": [{"config", "algorithm", "collective", "iteration_s", "scalability", "bytes_per_step",
+                  ["bytes_per_sync"], "note"}, ...] (best first: `thinwire.plan.advise.Advice.row`),
+     "diloco": the DiLoCo family's recommendation (`thinwire.plan.advise.recommend_diloco`)}
+
+A later `thinwire compare --out DIR` on the same workload, network and workers can put each cell's predicted
+`iteration_s` (its `config` / `algorithm` row) beside its measured median step time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from ..errors import UserError
+from ..files import atomic_write
+
+ADVICE = "advice.json"
+ADVICE_VERSION = 1
+
+
+def measure_step(wl, device: str = "cpu", batch_size: int | None = None, steps: int = 10, warmup: int = 3,
+                 workers: int = 1, local: bool = False) -> dict:
+    """The median time of one worker's training step of `wl` here (see the module's doc); the global random
+    state and the thread count are left as they were."""
+    from ..launcher.worker import threads_per_worker
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: torch sees no CUDA device on this machine")
+    cpus = os.cpu_count() or 1
+    threads = threads_per_worker(workers) if local and device == "cpu" else torch.get_num_threads()
+    share = max(1.0, workers * threads / cpus) if local and device == "cpu" else 1.0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    times = []
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model = wl.model(0).to(device)
+            opt = wl.make_optimizer(model)
+            loader = wl.loader(0, 1, batch_size, seed=0, device=device)
+            for _ in range(warmup + steps):
+                t0 = time.perf_counter()
+                x, y = loader.next()
+                loss = wl.loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+                loss.item()     # the host waits for the step's work, as the training loop's clock does
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    step = statistics.median(times[warmup:])
+    return {"step_s": step, "compute_s": step * share, "times_s": times[warmup:], "warmup": warmup,
+            "steps": steps, "batch_size": batch_size or wl.batch_size,
+            "params": sum(p.numel() for p in model.parameters()), "device": device, "threads": threads,
+            "local": local, "workers": workers, "share": share, "cpus": cpus, "torch": torch.__version__}
+
+
+def write_advice(out: str, advice: dict) -> str:
+    """`advice` (the module doc's format) as `out/advice.json`, written atomically; returns the path."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, ADVICE)
+    atomic_write(path, json.dumps({"version": ADVICE_VERSION, **advice}, indent=2) + "\n")
+    return path
+
+
+def read_advice(out: str) -> dict | None:
+    """The advice recorded in `out` (None where there is none, or of another version)."""
+    path = os.path.join(out, ADVICE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        advice = json.load(f)
+    return advice if advice.get("version") == ADVICE_VERSION else None
