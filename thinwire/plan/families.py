@@ -25,9 +25,8 @@ class Inputs(NamedTuple):
     overlap: Any                  # WFBP's flag; DiLoCo's τ_o inner steps (an int)
     comm: Cost                    # one exchange of the whole gradient through `compressor`
     delta: float                  # its compression time δ (0 without a compressor)
-    sparse_collective: str | None
-    compressor_params: dict
-    exchange: Callable            # `costmodel.exchange(s, compressor, sparse_collective, **params)`: another one
+    exchange: Callable            # (scenario, name=None) -> (collective, Cost) of one exchange there: through
+    #                               `compressor` as predicted (its parameters, sparse collective), or `name`'s defaults
 
 
 class Step(NamedTuple):
@@ -90,7 +89,7 @@ def diloco(x: Inputs, p: dict) -> Step:
     h, f, lag = int(p["period"]), int(p["fragments"]), int(x.overlap)
     k = max(1, h // f)
     sf = replace(s, params=s.params / f)    # one fragment: 1/F of the model, through the same exchange
-    _, cf = x.exchange(sf, x.compressor, x.sparse_collective, **x.compressor_params)
+    _, cf = x.exchange(sf)
     exposed = max(0.0, sf.compress_s(x.compressor) + cf.time - lag * tau)   # hidden by τ_o further inner steps
     return Step(tau + exposed / k, cf.sent / k, bytes_per_sync=cf.sent)
 
