@@ -114,6 +114,10 @@ def _replays(rank, world):
     out["four"] = _train(rank, world, 3, [9, 11, 13], period=2, delay=3)  # 3 workers, 1 server: steps differ
     dist.barrier()
     out["quorum"] = _train(rank, world, 3, 10, period=2, quorum=2, slow=2, delay=2)   # rounds without the slow one
+    dist.barrier()
+    out["dynamic"] = _train(rank, world, 3, 16, period=4, dynamic=True, slow=2)       # its period follows its speed
+    dist.barrier()
+    out["bounded"] = _train(rank, world, 3, 12, period=2, max_staleness=0)
     return out
 
 
@@ -133,8 +137,10 @@ def test_delayed_nesterov_replays_the_servers_record(replays):
 
 def test_workers_that_stop_at_different_steps_end_and_replay(replays):
     res = [r["four"] for r in replays]
-    _check_replay(res, 3)
+    (server,) = _check_replay(res, 3)
     assert [r["metrics"]["steps"] for r in res[:3]] == [9, 11, 13]
+    for r in res[:3]:                 # every worker ends with the servers' final model (close() waits for it)
+        assert torch.equal(r["flat"], server["final"][0])
     assert res[3]["metrics"]["ps_gradients"] == sum(r["metrics"]["pushes"] for r in res[:3]) == 5 + 6 + 7
 
 
@@ -206,7 +212,7 @@ def test_a_lost_worker_is_survived():
     out = tw.launch(_lose_one, 4, on_failure="continue", network="lan", timeout=180)
     assert out[2] is None
     for r in (out[0], out[1]):
-        assert r["metrics"]["steps"] == 24 and torch.isfinite(r["flat"]).all()
+        assert r["metrics"]["steps"] == 24 and torch.equal(r["flat"], out[3]["final"][0])
     server = out[3]
     assert server["metrics"]["ps_gradients"] == out[0]["metrics"]["pushes"] + out[1]["metrics"]["pushes"] + \
         sum(2 in rec["workers"] for rec in server["records"])
@@ -238,3 +244,23 @@ def test_parameters_are_checked_and_declared():
     assert predict(s, "async-diloco", period=10, overlap=1).iteration_s < predict(s, "async-diloco",
                                                                                   period=10).iteration_s
     assert predict(s, "async-diloco", period=50).collective == "ps"
+
+
+def test_dynamic_local_updates_shorten_the_slow_workers_period(replays):
+    """Liu et al. 2024 §4.2: H_i = max(1, round(H v_i / max_j v_j)); the slow worker (4× slower) pushes after fewer
+    inner steps, weighted by them in Delayed Nesterov's average (the replay checks the weights)."""
+    res = [r["dynamic"] for r in replays]
+    _check_replay(res, 3)
+    full = lambda w: [steps_of(a) for _, _, a in res[w]["pushed"][:-1]]     # (the last one: close()'s rest)
+    assert max(full(0)) == 4 and min(full(2)) < 4 and res[2]["metrics"]["period_now"] < 4
+    assert sum(full(2)) / len(full(2)) < sum(full(0)) / len(full(0))
+    assert all(speed_of(a) > 0 for _, _, a in res[2]["pushed"][1:])
+
+
+def test_a_push_older_than_max_staleness_is_dropped_and_counted(replays):
+    res = [r["bounded"] for r in replays]
+    server = res[3]
+    assert all(t == 0 for rec in server["records"] for t in rec["taus"])
+    pushes = sum(r["metrics"]["pushes"] for r in res[:3])
+    assert server["metrics"]["ps_gradients"] + server["metrics"]["dropped"] == pushes == 3 * 6
+    assert sum(r["metrics"].get("dropped", 0) for r in res[:3]) == server["metrics"]["dropped"]

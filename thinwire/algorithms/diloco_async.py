@@ -31,7 +31,8 @@ H_i = max(1, round(H v_i / max_j v_j)): fast workers push as often as slow ones 
 
 A worker stops on its own: `close()` pushes its last partial round (the inner steps since its last push, weighted
 by their count), takes the answer and tells the servers it is done (`PSWorker.done`); the servers serve until
-every worker is done, so workers may run different numbers of steps. A worker the launcher announces lost
+every worker is done, so workers may run different numbers of steps, and then answer each with the final model,
+which every worker ends with (`close()` is where a worker waits for the others: the drain). A worker the launcher announces lost
 (`on_failure="continue"`) is done for the servers (`thinwire.comm.ps.ServerLoop`), and the others, who wait for
 no other worker, go on. The outer state (m, the buffer and its count, per bucket slice) is the server's, in its
 checkpoint; a worker's checkpoint holds its anchor and an answer in flight (waited for), so a run whose arrival
@@ -220,10 +221,12 @@ class AsyncDiLoCo(PSMixin, Algorithm):
                 return {b: f.wait() for b, f in futures.items()}
             except PeerLost as lost:
                 servers = {self.layout.server_rank(k) for k in range(self.layout.servers)}
+                if servers & set(lost.lost) or all(f.is_completed() for f in futures.values()):
+                    raise
                 while not all(f.is_completed() for f in futures.values()):
                     now = MEMBERSHIP.lost(0)
-                    if servers & set(lost.lost) or (now is not None and servers & set(now.lost)):
-                        raise
+                    if now is not None and servers & set(now.lost):
+                        raise now from lost
                     time.sleep(1e-3)
 
     def close(self):
@@ -237,12 +240,16 @@ class AsyncDiLoCo(PSMixin, Algorithm):
                 self.pending, self.local_steps = {}, 0
                 self.pushes += 1
                 self._merge()
-        super().close()                 # PSMixin: the scheduler closed; the servers told this worker is done
+            # done: once every worker is, the servers answer each with the final model, which it ends with
+            final = self.worker.done(final=True)
+            self._inflight = ({f.b: f for f in final}, self.steps, None)
+            self._merge()
+        super().close()                 # PSMixin: the scheduler closed (the servers know this worker is done)
 
     # -- the server ----------------------------------------------------------------------------------------
     def server_options(self) -> dict:
         return {"quorum": self.quorum, "grace": self.grace, "max_staleness": self.max_staleness,
-                "weight": steps_of, "note": self._note if self.dynamic else None}
+                "weight": steps_of, "note": self._note if self.dynamic else None, "final": True}
 
     def server_setup(self) -> None:
         """(server) Delayed Nesterov's state per bucket slice: m, the buffered Σ s g, Σ s, Σ g and their count."""

@@ -30,7 +30,8 @@ info = {"taus": staleness of each contribution, "workers": who contributed, "aux
 "parts"}. With `weight`
 (a push header's aux -> its weight) the contributions of a round are merged as Σ w_i d_i / Σ w_i (d_i each one
 decoded, "parts"), else averaged by the codec's algebra ("weights" and "parts" None). A reply's codec field
-carries `note(worker, bucket)` where the algorithm gives one (e.g. the fastest worker's speed), else 0.
+carries `note(worker, bucket)` where the algorithm gives one (e.g. the fastest worker's speed), else 0. With
+`final`, once every worker is done each is answered with the model (`PSWorker.done(final=True)`).
 
 Compressed downlink (`downlink=`): the server sends each worker C(x - x̂_w), x̂_w the copy that worker holds, and
 both sides add scale·C(...) to x̂_w; the residual x - x̂_w stays at the server and goes out later: server-side error
@@ -57,6 +58,7 @@ from . import wire
 from .exchange import Exchange
 
 DROPPED = -1       # a reply's aux: the push was dropped (a backup round finished without it, or too stale)
+FINAL = -2         # a reply's aux: the model once every worker is done (PSWorker.done(final=True))
 
 
 class Push(NamedTuple):
@@ -174,7 +176,7 @@ class PSWorker:
             if b == 0 and k == 0:
                 if header.aux == DROPPED:
                     self.dropped += 1
-                else:
+                elif header.aux != FINAL:
                     self.staleness[header.aux] += 1
         fut._value = self.held[b].clone()
         with self._qlock:
@@ -191,17 +193,25 @@ class PSWorker:
             while self._queue:
                 self._decode_next()
 
-    def done(self) -> None:
-        """Drain, then tell every server this worker is finished."""
+    def done(self, final: bool = False) -> list[PushFuture]:
+        """Drain, then tell every server this worker is finished. `final` (servers with `final=True`): the futures
+        of every bucket's model as the servers hold it once every worker is done, decoded as answers are."""
         if self.closed:
-            return
+            return []
         self.drain()
         hs = []
         for k in range(self.layout.servers):
             hs += send(self.t, self.layout.server_rank(k), Header(DONE), None)
+        futs = []
+        for b in range(len(self.held) if final else 0):
+            replies = [(k, self.boxes[k].expect()) for k, (lo, hi) in enumerate(self.slices[b]) if hi > lo]
+            futs.append(PushFuture(self, b, [], replies))
+        with self._qlock:
+            self._queue.extend(futs)
         for h in hs:
             h.wait()
         self.closed = True
+        return futs
 
     def state_dict(self) -> dict:
         """At a quiescent point (drained): the copy it holds, the versions, the downlink steps, the counters."""
@@ -268,14 +278,14 @@ class PSServer:
                  update: Callable, rule: str = "sync", backups: int = 0, downlink: Compressor | None = None,
                  downlink_scale: float = 1.0, quorum: int = 0, grace: float | None = None,
                  max_staleness: int | None = None, weight: Callable[[int], float] | None = None,
-                 note: Callable[[int, int], int] | None = None):
+                 note: Callable[[int, int], int] | None = None, final: bool = False):
         if rule not in self.RULES:
             raise UserError(f"unknown PS rule {rule!r}; valid: {', '.join(self.RULES)}")
         self.layout, self.keys, self.params = layout, list(keys), list(params)
         self.codecs, self.update, self.rule, self.backups = list(codecs), update, rule, backups
         # a round ("backup", "quorum") is released with this many pushes (fewer once workers are done)
         self.need = layout.workers - backups if rule == "backup" else quorum
-        self.grace, self.weight, self.note = grace, weight, note
+        self.grace, self.weight, self.note, self.final = grace, weight, note, final
         self.max_staleness = 0 if rule == "backup" else max_staleness     # older pushes are dropped
         self.downlink, self.scale = downlink, float(downlink_scale)
         self.k = layout.shard_of(transport.rank)
@@ -324,6 +334,11 @@ class PSServer:
             self.done[w] = True
             for b in range(len(self.params)):
                 self._try_sync(b) if self.rule == "sync" else self._try_round(b)
+            if self.final and all(self.done):      # every worker (a lost one aside) gets the final model
+                for v in range(self.layout.workers):
+                    for b, p in enumerate(self.params):
+                        if p.numel():
+                            self._reply(v, b, FINAL)
             return
         b = header.bucket
         r = self.handled[w][b]
