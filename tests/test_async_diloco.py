@@ -27,7 +27,8 @@ from thinwire.run.train import TrainConfig, train_worker
 LR, BETA = 0.7, 0.9
 
 
-def _train(rank, world, workers, steps, algorithm="async-diloco", transport=None, slow=None, kill=None, **params):
+def _train(rank, world, workers, steps, algorithm="async-diloco", transport=None, slow=None, lag=0.04, kill=None,
+           **params):
     """linreg (float64) with AdamW inner steps; `steps` an int or one per worker. A server records every update
     it applies (wrapping `PSServer.update`), a worker every pushed Δ (wrapping its exchange's `start`)."""
     wl = workloads.get("linreg")
@@ -67,7 +68,7 @@ def _train(rank, world, workers, steps, algorithm="async-diloco", transport=None
         xb, yb = loader.next()
         wl.loss(model(xb), yb).backward()
         if slow is not None:
-            time.sleep(0.04 if rank == slow else 0.01)   # one worker four times slower than the others
+            time.sleep(lag if rank == slow else 0.01)    # one worker slower than the others (4×, by default)
         tr.step()
         opt.zero_grad()
     tr.close()
@@ -118,6 +119,8 @@ def _replays(rank, world):
     out["dynamic"] = _train(rank, world, 3, 16, period=4, dynamic=True, slow=2)       # its period follows its speed
     dist.barrier()
     out["bounded"] = _train(rank, world, 3, 12, period=2, max_staleness=0)
+    dist.barrier()
+    out["grace"] = _train(rank, world, 3, 6, period=2, quorum=3, grace=0.02, slow=2, lag=0.25)  # the window
     return out
 
 
@@ -154,6 +157,11 @@ def test_the_quorum_releases_rounds_without_the_slow_worker_and_merges_its_late_
     assert any(len(r["workers"]) == 2 and 2 in r["workers"] and r["taus"][r["workers"].index(2)] >= 1
                for r in rounds)
     assert server["metrics"]["ps_gradients"] == 3 * 5 and "dropped" not in server["metrics"]
+    # a quorum of all three with a 20 ms grace window: the first round goes without the slow worker (its first
+    # push comes half a second after the others'), released by the window
+    res = [r["grace"] for r in replays]
+    (server,) = _check_replay(res, 3)
+    assert 2 not in server["records"][0]["workers"] and server["metrics"]["ps_gradients"] == 3 * 3
 
 
 def _against_diloco(rank, world):

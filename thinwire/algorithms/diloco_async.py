@@ -27,16 +27,16 @@ current model, which the worker restarts from (`dropped` in the metrics).
 Dynamic local updates (`dynamic=True`; Liu et al. 2024 §4.2): each worker measures its speed v_i (inner steps per
 second over its last H steps, waits for answers left out) and sends it with every push; the servers answer with
 the fastest speed they know, max_j v_j (in the reply's header), and the worker's next period is
-H_i = max(1, round(H v_i / max_j v_j)): fast workers push as often as slow ones do in time, none much staler.
+H_i = max(1, round(H v_i / max_j v_j)): a slow worker pushes as often (in time) as the fastest, none much staler.
 
-A worker stops on its own: `close()` pushes its last partial round (the inner steps since its last push, weighted
-by their count), takes the answer and tells the servers it is done (`PSWorker.done`); the servers serve until
-every worker is done, so workers may run different numbers of steps, and then answer each with the final model,
-which every worker ends with (`close()` is where a worker waits for the others: the drain). A worker the launcher announces lost
-(`on_failure="continue"`) is done for the servers (`thinwire.comm.ps.ServerLoop`), and the others, who wait for
-no other worker, go on. The outer state (m, the buffer and its count, per bucket slice) is the server's, in its
-checkpoint; a worker's checkpoint holds its anchor and an answer in flight (waited for), so a run whose arrival
-order is fixed (one worker, or `quorum` = every worker) resumes bitwise.
+A worker stops on its own: `close()` pushes its last partial round (the inner steps since its last push, weighted by
+their count), takes the answer and tells the servers it is done (`PSWorker.done`); the servers serve until every
+worker is done, so workers may run different numbers of steps, and then answer each with the final model, which
+every worker ends with (`close()` is where a worker waits for the others: the drain). A worker the launcher
+announces lost (`on_failure="continue"`) is done for the servers (`thinwire.comm.ps.ServerLoop`), and the others,
+who wait for no other worker, go on. The outer state (m, the buffer and its count, per bucket slice) is the
+server's, in its checkpoint; a worker's checkpoint holds its anchor and an answer in flight (waited for), so a run
+whose arrival order is fixed (one worker, or `quorum` = every worker) resumes bitwise.
 """
 from __future__ import annotations
 

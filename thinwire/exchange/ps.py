@@ -27,11 +27,11 @@ algebra (`aggregate`; the majority vote for sign compressors) and applies a rule
 Under any rule, a push older than `max_staleness` updates of its bucket is dropped the same way ("backup": 0).
 `update(bucket, param, mean, info)` is the algorithm's (the worker's optimizer, or model averaging), with
 info = {"taus": staleness of each contribution, "workers": who contributed, "aux": their headers' aux, "weights",
-"parts"}. With `weight`
-(a push header's aux -> its weight) the contributions of a round are merged as Σ w_i d_i / Σ w_i (d_i each one
-decoded, "parts"), else averaged by the codec's algebra ("weights" and "parts" None). A reply's codec field
-carries `note(worker, bucket)` where the algorithm gives one (e.g. the fastest worker's speed), else 0. With
-`final`, once every worker is done each is answered with the model (`PSWorker.done(final=True)`).
+"parts"}. With `weight` (a push header's aux -> its weight) the contributions of a round are merged as
+Σ w_i d_i / Σ w_i (d_i each one decoded, "parts"), else averaged by the codec's algebra ("weights" and "parts"
+None). A reply's codec field carries `note(worker, bucket)` where the algorithm gives one (e.g. the fastest
+worker's speed), else 0. With `final`, once every worker is done each is answered with the model
+(`PSWorker.done(final=True)`).
 
 Compressed downlink (`downlink=`): the server sends each worker C(x - x̂_w), x̂_w the copy that worker holds, and
 both sides add scale·C(...) to x̂_w; the residual x - x̂_w stays at the server and goes out later: server-side error
