@@ -51,15 +51,11 @@ def at_least(low: float, **kw) -> Limit:
     return Limit(low, **kw)
 
 
-def above(low: float, **kw) -> Limit:
-    return Limit(low, low_open=True, **kw)
-
-
 def between(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Limit:
     return Limit(low, high, low_open, high_open)
 
 
-NON_NEGATIVE, POSITIVE, FRACTION = at_least(0), above(0), between(0, 1)
+NON_NEGATIVE = at_least(0)
 SEED = between(0, 2**63 - 1)
 
 

@@ -29,7 +29,6 @@ from ..errors import UserError, WorkerError
 from . import state
 from .membership import MEMBERSHIP
 
-PREFIX = "thinwire/elastic"
 HOST = "cpu"             # a state crosses from host buffers (the groups of an elastic job are gloo's)
 POLL_S = 0.01            # how often a member waiting for the others of its generation looks again
 
@@ -134,7 +133,6 @@ class Member:
         self.record: dict | None = None
         self.group = None
         self.switch_at: int | None = None    # a join generation announced: the step of the boundary to switch at
-        self.formed = 0                      # generations this member formed (for tests and metrics)
         self._watch_from = 0
         self._watcher: threading.Thread | None = None
         self._seen_pending = 0
@@ -233,7 +231,6 @@ class Member:
             self.group = group
             with self._lock:
                 self.gen, self.record, self.switch_at = g, rec, None
-            self.formed += 1
             self._watch(g)
             return rec
 
