@@ -1,21 +1,19 @@
 """Parameter-server messaging (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
 Comprehensive Survey", arXiv 2003.06307, §IV-A): roles, shards, framed messages, the server's loop.
 
-Roles. The world's last K ranks are servers, ranks 0..n-1 are workers (`PSLayout`). Each bucket of gradients
-(the scheduler's, the same on every rank) is cut into K contiguous slices (sizes differing by at most one
-element); server k owns slice k of every bucket, so every server gets 1/K of every push (as BytePS partitions
-its keys across the servers) and a worker's push of one bucket is K messages.
+Roles. The world's last K ranks are servers, ranks 0..n-1 workers (`PSLayout`). Each bucket of gradients (the
+scheduler's, the same on every rank) is cut into K contiguous slices (sizes differing by at most one); server k
+owns slice k of every bucket, so every server gets 1/K of every push (as BytePS partitions its keys).
 
-Messages. A message is a fixed int64 header (`Header`: kind, bucket, clock, version, aux, codec, nbytes) and, when
-nbytes > 0, a body: one uint8 buffer (what `thinwire.exchange.wire.pack` makes; this layer never looks inside).
-Each part is a Transport.isend/irecv, so the meter counts it and the emulated link queues it. A receiver posts
-a header's receive ahead and the body's receive as soon as the header's bytes are in (`Mailbox`), in order, so
-a message costs one latency, not two. Compression, error feedback and the payload algebra are the exchange
-layer's (`thinwire.exchange.ps`).
+Messages. A fixed int64 header (`Header`: kind, bucket, clock, version, aux, codec, nbytes) and, when nbytes > 0,
+a body: one uint8 buffer (`thinwire.exchange.wire.pack`'s; this layer never looks inside). Each part is a
+Transport.isend/irecv (metered, queued on the emulated link). A receiver posts a header's receive ahead and the
+body's as soon as the header's bytes are in (`Mailbox`), in order, so a message costs one latency, not two.
+Compression, error feedback and the payload algebra are the exchange layer's (`thinwire.exchange.ps`).
 
 Server loop. `ServerLoop.run(handle)` streams every worker's messages in order to `handle(worker, header, body)`
-and sends the replies it queues (`reply`) one after another on the server's link, so the k-th of n replies
-reaches its worker after k transfers: the PS broadcast costs n·Nβ at the server, as incast does on the way in.
+and sends the replies it queues (`reply`) one after another on the server's link: the k-th of n replies reaches
+its worker after k transfers, so the PS broadcast costs n·Nβ at the server, as incast does on the way in.
 A worker the launcher announces lost (`on_failure="continue"`, `thinwire.comm.membership`) is done: `handle` gets
 a DONE from it, its stream is dropped and nothing more is sent to it; the others are served on.
 """

@@ -1,21 +1,19 @@
 """The parameter server's exchange: push (compressed, with error feedback) and pull, on `thinwire.comm.ps` messages.
 
-Worker (`PSWorker`, one per worker rank, and a `PSExchange` per codec). `PSExchange.start(bucket, key)` is an
-`Exchange` whose collective is a push to the servers: its program (run by the engine in submission order, so a
-bucket is pushed as soon as backward hands it over, overlapped with the rest of backward, WFBP as in BytePS) cuts
-the bucket into the servers' slices, passes each slice through the memory and the compressor
-(`Exchange.encode`: compensate -> compress -> update), packs the payload into one buffer (`wire.pack`, the wire
-format of every exchange) and sends it; the future it returns is the server's answer for the bucket, decoded in
-push order: the bucket's parameters, or with a compressed downlink the worker's copy of them plus the decoded
-update. The header tells the server which codec (exchange) encoded the body, the compression step and the model
-version the gradient was computed on.
+Worker (`PSWorker`, and a `PSExchange` per codec). `PSExchange.start(bucket, key)` is an `Exchange` whose
+collective is a push to the servers: its program (on the engine, in submission order, so a bucket is pushed as
+soon as backward hands it over: WFBP as in BytePS) cuts the bucket into the servers' slices, passes each through
+the memory and compressor (`Exchange.encode`), packs the payload (`wire.pack`) and sends it with a header naming
+the codec, the compression step and the model version the gradient was computed on. Its future is the server's
+answer, decoded in push order: the bucket's parameters, or with a compressed downlink the worker's copy plus the
+decoded update.
 
-Server (`PSServer`, one per server rank). It decodes each push with the codec's `Compressor.context` (what every
-rank knows: shape, dtype, key, step; nothing is compressed to learn it), aggregates with the compressor's own
-algebra (`aggregate`; the majority vote for sign compressors) and applies a rule per bucket:
-- "sync": round r of a bucket is applied when every active worker's r-th push of it is in; the mean of the
-  contributions (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive
-  Survey", arXiv 2003.06307, eq. 6) goes to `update`, and every contributor is answered with the new slice;
+Server (`PSServer`). It decodes each push with the codec's `Compressor.context` (what every rank knows),
+aggregates with the compressor's own algebra (`aggregate`; the vote for sign compressors) and applies a rule per
+bucket:
+- "sync": round r of a bucket is applied when every active worker's r-th push of it is in; the mean (Tang, Shi,
+  Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive Survey", arXiv
+  2003.06307, eq. 6) goes to `update`, and every contributor is answered with the new slice;
 - "async": each push is applied as it arrives, x <- x - γ G_i(x_{t-τ}) (Tang et al. eq. 8 in its operational
   form: its printed delay indices disagree), τ = the updates of the bucket applied since the worker's copy;
 - "backup": the first n - n_b fresh pushes of a round are averaged (Chen, Pan, Monga, Bengio, Jozefowicz 2016,
@@ -33,12 +31,11 @@ None). A reply's codec field carries `note(worker, bucket)` where the algorithm 
 worker's speed), else 0. With `final`, once every worker is done each is answered with the model
 (`PSWorker.done(final=True)`).
 
-Compressed downlink (`downlink=`): the server sends each worker C(x - x̂_w), x̂_w the copy that worker holds, and
-both sides add scale·C(...) to x̂_w; the residual x - x̂_w stays at the server and goes out later: server-side error
-feedback, two-sided as in DoubleSqueeze (Tang et al. 2019). It converges only with a contractive compressor,
-E‖C(v) − v‖² < ‖v‖² (Stich & Karimireddy 2019, "The error-feedback framework"): `downlink_scale` measures the
-ratio; an unbiased compressor of variance ω (E‖C(v) − v‖² = ω‖v‖², e.g. qsgd's 1.5) is scaled by 1/(1 + ω),
-which makes it a 1/(1 + ω)-contraction (ibid., Remark 6); a biased one by its least-squares factor E⟨C(v), v⟩/E‖C(v)‖².
+Compressed downlink (`downlink=`): the server sends each worker C(x - x̂_w), x̂_w that worker's copy, and both
+sides add scale·C(...) to x̂_w: server-side error feedback, two-sided as in DoubleSqueeze (Tang et al. 2019). It
+converges only with a contraction, E‖C(v) − v‖² < ‖v‖² (Stich & Karimireddy 2019, "The error-feedback
+framework"), so `downlink_scale` scales an unbiased compressor of variance ω by 1/(1 + ω) (ibid., Remark 6) and a
+biased one by its least-squares factor E⟨C(v), v⟩/E‖C(v)‖² (`compress.base.contractive_scale`).
 """
 from __future__ import annotations
 
