@@ -41,7 +41,7 @@ class PSMixin:
     """The parameter-server roles of an algorithm; mixed in before its base class (an all-reduce algorithm's class,
     or `Algorithm`). The base class's `setup()` makes its exchanges with `make_exchange` as usual: here they are
     `PSExchange`s, one codec each (a server decodes a push with the compressor of the exchange that made it).
-    Class attributes: `rule` (the server's: "sync", "async", "backup"). The server applies `server_update`
+    Class attributes: `rule` (the server's: "sync", "async", "backup", "quorum"). The server applies `server_update`
     (default: the worker's optimizer on the mean gradient, Tang et al. eq. 6)."""
 
     architectures = ("ps",)
@@ -83,7 +83,8 @@ class PSMixin:
             params = [torch.nn.Parameter(x[lo:hi].clone()) for x, (lo, hi) in zip(initial, spans)]
             self.server = PSServer(self.transport, self.layout, keys, params,
                                    [ex.compressor for ex in self._exchanges], self.server_update, rule=self.rule,
-                                   backups=self.backups, downlink=self.downlink, downlink_scale=self.downlink_scale)
+                                   backups=self.backups, downlink=self.downlink, downlink_scale=self.downlink_scale,
+                                   **self.server_options())
             self.server_setup()
         else:
             self.worker_rank = self.rank
@@ -92,6 +93,10 @@ class PSMixin:
                 ex.bind(self.worker)
 
     # -- the server ----------------------------------------------------------------------------------------
+    def server_options(self) -> dict:
+        """(server) The rest of `PSServer`'s options (quorum, grace, max_staleness, weight, note): none here."""
+        return {}
+
     def server_setup(self) -> None:
         """(server) The state `server_update` needs: the worker's optimizer over this server's slices."""
         self.server_opt = clone_optimizer(self.optimizer, [p for p in self.server.params if p.numel()])

@@ -111,6 +111,18 @@ def parameter_server(x: Inputs, p: dict) -> Step:
     return Step(max(own, ps.transfer), ps.sent, collective="ps")
 
 
+def asynchronous(x: Inputs, p: dict) -> Step:
+    """Asynchronous DiLoCo (`period` H, `overlap` τ_o): every H inner steps each worker pushes its pseudo-gradient
+    to the servers and pulls the model, waiting for no other worker: τ + max(0, δ + 2α + (N_up + N_down)β −
+    τ_o τ)/H, bounded below by the servers' link, which carries every worker's push and pull once per H steps
+    (`ps_push_pull`)."""
+    s, tau, h, lag = x.s, x.s.compute_s, int(p["period"]), int(x.overlap)
+    ps = ps_push_pull(s.link, s.workers, x.comm.sent if x.compressor != "none" else s.nbytes, s.nbytes, s.servers)
+    own = x.delta + 2 * s.link.alpha + (ps.sent + ps.received) * s.link.beta
+    return Step(max(tau + max(0.0, own - lag * tau) / h, ps.transfer / h), ps.sent / h, bytes_per_sync=ps.sent,
+                collective="ps")
+
+
 def gossip(x: Inputs, p: dict) -> Step:
     """D-PSGD and its kin (`degree` d): τ + δ + α + dNβ, to d neighbours and theirs back."""
     s = x.s
@@ -149,4 +161,5 @@ FAMILIES = {"every_step": Family(every_step, True), "quantized": Family(quantize
             "local_update": Family(local_update, True), "delay_compensated": Family(delay_compensated, True),
             "periodic": Family(periodic, False), "diloco": Family(diloco, False),
             "parameter_server": Family(parameter_server, True), "gossip": Family(gossip, True),
-            "delayed": Family(delayed, True), "none": Family(no_communication, False)}
+            "delayed": Family(delayed, True), "async": Family(asynchronous, False),
+            "none": Family(no_communication, False)}
