@@ -8,7 +8,7 @@ import pathlib
 import thinwire
 
 ROOT = pathlib.Path(thinwire.__file__).parent
-UTILITIES = {"errors", "files", "optim", "registry", "tensors", "trace", "__main__"}
+UTILITIES = {"errors", "files", "optim", "registry", "speeds", "tensors", "trace", "__main__"}
 # package -> the packages it may import (DESIGN.md's "depends on", transitively closed)
 # compress: nothing — a compressor declares its payload, the exchange chooses the collective and runs the rounds
 BELOW: dict[str, set[str]] = {"net": set(), "comm": {"net"}, "compress": set()}

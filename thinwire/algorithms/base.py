@@ -93,6 +93,12 @@ class Algorithm:
     cost: ClassVar[CostFamily | None] = None    # how the planner predicts it (`thinwire.algorithms.cost`)
     sgd_only: ClassVar[bool] = False            # its update compensates plain or momentum SGD only (check_run)
     role: str = "worker"                        # "server" on a parameter-server rank (`PSMixin`: it calls serve())
+    # how the workers' steps relate, for the training loop's evaluations and stop: "step" (every worker takes the
+    # same steps in lockstep: evaluations meet at a common step), "round" (workers take different numbers of steps
+    # between syncs they all take: `request_stop`, then every worker ends at the sync where `finished` turns
+    # true), "free" (no worker waits for another between steps: each stops on its own)
+    pace: str = "step"
+    finished: bool = False                      # ("round") a sync read a stop request: every worker ends now
 
     def __init__(self, architecture: str | None = None):
         arch = architecture or self.architectures[0]
@@ -151,6 +157,9 @@ class Algorithm:
 
     def step(self) -> None:
         raise NotImplementedError
+
+    def request_stop(self) -> None:
+        """("round") The loop would stop: send it with the next sync, at which every worker ends together."""
 
     def close(self) -> None:
         """Drain in-flight communication; leave models consistent. Subclasses call super().close() last."""

@@ -28,9 +28,11 @@ Free Lunch", arXiv 2501.18512, Algorithm 1 and §2.2–2.4) are three options of
   each contribution decoded and summed in fp32 by the compressor).
 With F = 1, τ = 0, α = 0 this is DiLoCo. The schedule (the step that takes fragment p's pseudo-gradient, the step
 that merges it) is torchft's `DiLoCo(..., sync_every=H, fragment_sync_delay=τ, fragment_update_alpha=α)`.
-Two variants are helpers the class holds (None where off): `eager=True`, eager updates (`EagerRounds`,
-`diloco_eager`), and `replicas="island"`, one replica per island of a two-tier network (`IslandReplica`,
-`diloco_islands`).
+Three variants are helpers the class holds (None where off): `eager=True`, eager updates (`EagerRounds`,
+`diloco_eager`); `replicas="island"`, one replica per island of a two-tier network (`IslandReplica`,
+`diloco_islands`); and `dynamic=True` (or fixed relative `rates`), each worker's inner steps per round following
+its speed, merged weighted by samples (`DynamicRounds`, `diloco_dynamic`): workers of different speeds then wait
+for no one.
 
 Like `localsgd`, on a step that takes a pseudo-gradient each bucket's inner step is taken as soon as backward
 hands the bucket over, and the pseudo-gradient of its piece (its elements in the syncing fragment) starts
@@ -63,6 +65,7 @@ from ._registry import register
 from .base import Algorithm, int_at_least
 from .bsp import wait_buckets
 from .cost import CostFamily
+from .diloco_dynamic import DynamicRounds
 from .diloco_eager import EagerRounds
 from .diloco_fragments import Fragments
 from .diloco_islands import IslandReplica, island_groups
@@ -91,6 +94,20 @@ def _outer_factory(outer_optimizer, outer_lr: float, outer_momentum: float, nest
     return outer_optimizer
 
 
+def _rates(rates) -> list[float] | None:
+    """`rates` (fixed relative speeds, one per worker: "1,1,1,0.5" or a list) as floats, or None."""
+    if rates is None:
+        return None
+    parts = rates.split(",") if isinstance(rates, str) else list(rates)
+    try:
+        out = [float(r) for r in parts]
+    except (TypeError, ValueError):
+        raise UserError(f"diloco rates must be relative speeds per worker, e.g. 1,1,1,0.5; got {rates!r}") from None
+    if not out or not all(math.isfinite(r) and r > 0 for r in out):
+        raise UserError(f"diloco rates must be positive and finite, got {rates!r}")
+    return out
+
+
 class _SyncClock:
     """When a fragment's sync began, and when each of its pieces was delivered (a done-callback per piece)."""
 
@@ -113,10 +130,12 @@ class DiLoCo(Algorithm):
     survives_failures = True   # θ and the outer optimizer are replicated; the mean over fewer workers stays a mean
     keeps_local_work = True    # a survivor's inner steps go into the next sync
     cost = CostFamily("diloco")
+    rounds: DynamicRounds | None = None   # dynamic local updates (set at setup)
 
     def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,
-                 eager: bool = False, replicas: str = "worker", architecture: str | None = None):
+                 eager: bool = False, replicas: str = "worker", dynamic: bool = False, rates: str | None = None,
+                 architecture: str | None = None):
         super().__init__(architecture)
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
             int_at_least(f"diloco {name}", value, low)
@@ -142,6 +161,13 @@ class DiLoCo(Algorithm):
             raise UserError(f"diloco eager hides a fragment's sync behind a whole period (its average is applied "
                             f"one round later): give overlap=0 and alpha=0 with it, got overlap={overlap}, "
                             f"alpha={alpha}")
+        self.rates = _rates(rates)
+        self.dynamic = bool(dynamic) or self.rates is not None
+        if self.dynamic and (eager or replicas == "island"):
+            raise UserError("diloco dynamic (inner steps per round following each worker's speed) runs with "
+                            "replicas=worker and without eager updates")
+        if self.dynamic:        # workers take different numbers of steps: they stop together at a merge
+            self.pace, self.survives_failures = "round", False
         changed = [k for k, v in zip(DEFAULT_OUTER, (outer_lr, outer_momentum, nesterov)) if v != DEFAULT_OUTER[k]]
         if outer_optimizer is not None and not isinstance(outer_optimizer, str) and changed:
             raise UserError(f"give outer_optimizer or {', '.join(changed)}, not both (the callable builds the "
@@ -196,6 +222,10 @@ class DiLoCo(Algorithm):
         self.sync_times: list[float] = []   # each fragment sync, from its first piece's start to its last's delivery
         self.eager_rounds = EagerRounds(self.frags, self.anchor, self.outer, self.exchange, self.sync_times) \
             if self.eager else None
+        if self.rates is not None and len(self.rates) != self.world_size:
+            raise UserError(f"diloco rates gives {len(self.rates)} speeds for {self.world_size} workers")
+        self.rounds = DynamicRounds(self.transport, self.period, self.fragments, self.overlap, self.rates) \
+            if self.dynamic else None
 
     def attach(self, ctx) -> None:
         super().attach(ctx)
@@ -204,10 +234,14 @@ class DiLoCo(Algorithm):
     # -- the schedule (Streaming DiLoCo Alg. 1; F = 1, τ = 0 is DiLoCo's every H steps) -------------------
     def starting(self, step: int) -> int | None:
         """The fragment whose pseudo-gradient step `step` (1-based) takes, or None: the one merged τ steps later."""
+        if self.rounds is not None:
+            return self.rounds.starting(step)
         return self.merging(step + self.overlap)
 
     def merging(self, step: int) -> int | None:
         """The fragment whose average step `step` waits for and merges, or None."""
+        if self.rounds is not None:
+            return self.rounds.merging(step)
         k = self.period // self.fragments
         return None if step % k else (step // k - 1) % self.fragments
 
@@ -229,6 +263,8 @@ class DiLoCo(Algorithm):
             return
         with torch.no_grad():      # Δ_i = θ − θ_i (DiLoCo Alg. 1 line 12), in the bucket's order
             delta = torch.cat([(self.anchor[k] - self.frags.local(k)).reshape(-1) for k in piece])
+            if self.rounds is not None:     # weighted by the samples of its round (diloco_dynamic)
+                delta.mul_(self.rounds.weight)
         if self.island is None:
             fut = sent = self.exchange.start(delta, key=self.frags.key(bucket, f),
                                              shapes=[tuple(self.anchor[k].shape) for k in piece])
@@ -264,9 +300,22 @@ class DiLoCo(Algorithm):
         self.steps = n
         self._dirty = [True] * self.fragments
         f = self.merging(n)
+        t0 = time.perf_counter()
         if f is not None:
             self._merge([f], self.alpha)
+        if self.rounds is not None:
+            if f is not None:
+                self.rounds.merged(n)
+            self.rounds.stepped(time.perf_counter() - t0)
         self.scheduler.end_step()
+
+    def request_stop(self) -> None:
+        if self.rounds is not None:
+            self.rounds.stop_wanted = True
+
+    @property
+    def finished(self) -> bool:
+        return self.rounds is not None and self.rounds.finished
 
     @torch.no_grad()
     def _merge(self, fragments: list[int], alpha: float) -> None:
@@ -306,6 +355,8 @@ class DiLoCo(Algorithm):
                     for f in due:
                         self._start(bucket, f)
                 self._merge(due, 0.0)
+        if self.rounds is not None:
+            self.rounds.drain()
         super().close()
 
     @torch.no_grad()
@@ -379,7 +430,8 @@ class DiLoCo(Algorithm):
     # -- bookkeeping -----------------------------------------------------------------------------------
     def metrics(self):
         bounds = self.frags.bounds
-        return {**super().metrics(), "period": self.period, "fragments": self.fragments, "overlap": self.overlap,
+        more = {} if self.rounds is None else {"dynamic": True, "round_periods": self.rounds.history}
+        return {**super().metrics(), **more, "period": self.period, "fragments": self.fragments, "overlap": self.overlap,
                 "alpha": self.alpha, "eager": self.eager, "replicas": self.replicas,
                 "replicas_averaged": self.exchange.world_size, "outer_optimizer": self.outer_spec or
                 f"sgd(lr={self.outer_lr}, momentum={self.outer_momentum}, nesterov={self.nesterov})",
@@ -388,7 +440,7 @@ class DiLoCo(Algorithm):
 
     def _config(self) -> dict:
         return {"period": self.period, "fragments": self.fragments, "overlap": self.overlap, "eager": self.eager,
-                "replicas": self.replicas}
+                "replicas": self.replicas, **({"dynamic": True} if self.dynamic else {})}
 
     def state_dict(self):
         """Waits for a sync in flight and stores its average: a resumed run continues exactly."""
@@ -399,7 +451,8 @@ class DiLoCo(Algorithm):
         return {**self._config(), "steps": self.steps, "syncs": self.syncs, "dirty": list(self._dirty),
                 "anchor": [a.clone() for a in self.anchor], "outer": copy.deepcopy(self.outer.state_dict()),
                 "pending": [(m, v.clone()) for m, v in pending], "pending_fragment": self._pending_fragment,
-                **eager, "exchange": self.exchange.state_dict()}
+                **eager, "exchange": self.exchange.state_dict(),
+                **({"rounds": self.rounds.state_dict()} if self.rounds is not None else {})}
 
     def load_state_dict(self, state):
         if {k: state.get(k) for k in self._config()} != self._config():
@@ -412,4 +465,6 @@ class DiLoCo(Algorithm):
         self._pending_fragment = state["pending_fragment"]
         if self.eager_rounds is not None:
             self.eager_rounds.load_state_dict(state)
+        if self.rounds is not None:
+            self.rounds.load_state_dict(state["rounds"])
         self.exchange.load_state_dict(state["exchange"])

@@ -17,6 +17,7 @@ class Local(Algorithm):
 
     compression = False
     cost = CostFamily("none")
+    pace = "free"       # every worker at its own speed: the reference a race of unequal workers compares with
 
     def communicates(self):
         return False

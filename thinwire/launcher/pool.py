@@ -42,7 +42,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import speeds as speed_profiles
 from ..comm import set_default_network
+from ..comm.context import set_store
 from ..comm import progress
 from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
@@ -123,6 +125,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        set_store(store)
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which stops everyone
         fail_and_exit(results, (rank, -1), "error", f"cannot start: {e}")
     if on_failure == "continue":
@@ -131,8 +134,9 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
     results.put((rank, -1, "ok", b"", ""))
     for task_id, blob in iter(tasks.get, None):  # until close() sends None
         try:
-            fn, args, network, seed = pickle.loads(blob)
+            fn, args, network, seed, speeds = pickle.loads(blob)
             set_default_network(network, seed)
+            speed_profiles.set_process(speeds, rank, world_size, seed)
             out = pickle.dumps(fn(rank, world_size, *args))
         except BaseException as e:  # noqa: BLE001
             kind = "usererror" if isinstance(e, UserError) else "error"
@@ -305,14 +309,18 @@ class Pool(Launcher):
         return "\n".join(out)
 
     def run(self, fn, *args, network="lan", seed: int = 0, timeout: float | None = None,
-            deadline: float | None = None) -> list:
+            deadline: float | None = None, speeds=None) -> list:
         """Run `fn(rank, world_size, *args)` on every worker; the list of return values by rank. `timeout`
-        (default: the pool's) bounds a run that reports no progress; `deadline` (default none) any run."""
+        (default: the pool's) bounds a run that reports no progress; `deadline` (default none) any run. `speeds`
+        (a `thinwire.speeds` profile or spec) slows the models a Trainer builds in the workers."""
+        speeds = speed_profiles.parse(speeds)
+        if speeds is not None:
+            speeds.check_workers(self.world_size)
         task_id = self._next_task(network)
         if timeout is not None:
             check_timeout("timeout", timeout)
         check_timeout("deadline", deadline, allow_none=True)
-        blob = pickle.dumps((fn, args, network, seed))
+        blob = pickle.dumps((fn, args, network, seed, speeds))
         self._steps[:] = [-1] * self.world_size   # the last run's steps are not this run's progress
         self._times[:] = [0.0] * self.world_size
         for q in self._tasks:
@@ -341,9 +349,10 @@ LAUNCH_TIMEOUT = 3600.0     # launch(): gloo's operation timeout, and the bound 
 def launch(fn, world_size: int, network="lan", backend: str | None = None, args: tuple = (),
            timeout: float | None = None, seed: int = 0, host: str = "127.0.0.1", port: int = 0,
            progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop",
-           device: str | None = None, deadline: float | None = None) -> list:
+           device: str | None = None, deadline: float | None = None, speeds=None) -> list:
     """Start `world_size` workers on `host`, run `fn(rank, world_size, *args)` in each under the emulated
-    `network`, and return their return values by rank. Raises `WorkerError` if any worker fails (with
+    `network` (and, with `speeds`, each worker's model at its emulated speed: `thinwire.speeds`, e.g.
+    "1,1,1,0.5" or "stragglers"), and return their return values by rank. Raises `WorkerError` if any worker fails (with
     `on_failure="continue"`, a lost worker's value is None and the others go on; see `Pool`). A run that
     reports progress (`report_progress`; `Trainer.step` does) is bounded by the progress watchdog and may last
     as long as it progresses; one that reports none, by `timeout` (default 3600 s, also gloo's operation
@@ -354,10 +363,13 @@ def launch(fn, world_size: int, network="lan", backend: str | None = None, args:
     `backend` may be left out: it follows from the device."""
     parse_network(network)
     check_timeout("deadline", deadline, allow_none=True)
+    profile = speed_profiles.parse(speeds)
+    if profile is not None:
+        profile.check_workers(world_size)
     with Pool(world_size, backend=backend, host=host, port=port, timeout=timeout or LAUNCH_TIMEOUT,
               progress_timeout=progress_timeout, worker_init=worker_init, on_failure=on_failure,
               device=device) as pool:
-        return pool.run(fn, *args, network=network, seed=seed, timeout=timeout, deadline=deadline)
+        return pool.run(fn, *args, network=network, seed=seed, timeout=timeout, deadline=deadline, speeds=profile)
 
 
 def under_torchrun() -> bool:

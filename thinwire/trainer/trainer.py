@@ -14,6 +14,7 @@ import hashlib
 
 import torch
 
+from .. import speeds
 from ..algorithms.base import Context
 from ..comm import Transport, elastic
 from ..comm.collectives import parse
@@ -100,6 +101,24 @@ class Trainer:
         if joined is not None:
             self.resilience.welcome(joined, previous=[])
         self.scheduler.next_step(self.algorithm.communicates())
+        # under `tw.launch(..., speeds=)`: this worker's model at its emulated speed (`thinwire.speeds`)
+        self.slowdown = speeds.for_process(model, self.tracer)
+
+    @property
+    def pace(self) -> str:
+        """How the workers' steps relate (`Algorithm.pace`): "step" (lockstep), "round" (different step counts
+        between syncs every worker takes) or "free" (no worker waits for another)."""
+        return self.algorithm.pace
+
+    @property
+    def finished(self) -> bool:
+        """(pace "round") A sync read a stop request (`request_stop`): every worker leaves its loop now."""
+        return self.algorithm.finished
+
+    def request_stop(self) -> None:
+        """(pace "round") Ask every worker to stop: they end together at the next sync (`finished` turns true).
+        Under pace "step" every worker stops at the same step on its own; under "free" each whenever it will."""
+        self.algorithm.request_stop()
 
     def _check_models_match(self, values: bool) -> None:
         """Refuse to start when the ranks' models differ in shape (or, without the initial broadcast, in

@@ -1,0 +1,120 @@
+"""Dynamic local updates for DiLoCo (`diloco dynamic=true`): each worker's inner steps per round follow its speed,
+so the round's syncs arrive together and no worker waits for a slower one (Liu et al. 2024, "Asynchronous
+Local-SGD Training for Language Modeling", arXiv 2401.09135, §4.2, Dynamic Local Updates:
+H_i = ⌊H · v_i / max_j v_j⌋, v_i worker i's steps per second; here rounded, at least F, a multiple of F).
+
+Worker i's round r has H_i inner steps (the fastest worker's H is `period`), its fragments synced every
+K_i = H_i / F of them, each pseudo-gradient taken τ_i = round(τ · H_i / H) steps before its merge; every worker
+merges the same fragments in the same order, so the syncs (collectives) match. The merge weights each replica by
+the samples of its round (Decoupled DiLoCo's token-weighted merge): its pseudo-gradient is sent as
+w_i Δ_i with w_i = n H_i / Σ_j H_j, so the exchange's mean is Σ_j H_j Δ_j / Σ_j H_j. With equal speeds every
+H_i = H and w_i = 1: DiLoCo.
+
+Speeds are measured: the busy time of each segment between two merges (the worker's own steps, the waits of its
+merges excluded), gathered at every merge with a small all-gather that is left in flight and read at the next
+merge, so it costs no latency. A round's H_i come from the speeds read at the merge that ends the round before
+it (the speeds of the segment before that one). `rates` (fixed relative speeds per worker) replaces the
+measurement: the schedule is then reproducible, and a checkpoint resumes bitwise.
+
+A stop the training loop asks for (`request_stop`) travels in the same gather; the merge that reads a set flag
+ends the run on every worker at once (`finished`), at a point where every worker has merged the same fragments.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class DynamicRounds:
+    """Worker `rank`'s schedule of rounds among `world` workers (see the module doc)."""
+
+    def __init__(self, transport, period: int, fragments: int, overlap: int, rates: list[float] | None = None):
+        self.t, self.period, self.fragments, self.overlap = transport, period, fragments, overlap
+        self.rank, self.world = transport.rank, transport.world_size
+        self.rates = rates
+        self.speeds = list(rates) if rates is not None else [1.0] * self.world   # known speeds (relative)
+        self.start = 0                       # the step that ended the last round (its last merge)
+        self.periods = [period] * self.world  # H_j of the current round
+        self.stop_wanted = False            # the loop asked to stop (sent with the next gather)
+        self.finished = False               # a merge read a stop: every worker ends after it
+        self.history: list[list[int]] = []  # H_j of every round (the replay's schedule)
+        if rates is not None:               # known from the start: the first round follows them too
+            self._plan()
+        self._gather = None                 # the all-gather of the last merge, read at the next
+        self._got: list | None = None       # ... or its values, where a checkpoint waited for it
+        self._busy, self._steps, self._last = 0.0, 0, None
+
+    # -- the schedule ----------------------------------------------------------------------------------
+    @property
+    def own(self) -> int:
+        return self.periods[self.rank]
+
+    @property
+    def lead(self) -> int:
+        """τ_i: the steps a fragment's pseudo-gradient is taken before its merge, scaled like H_i."""
+        k = self.own // self.fragments
+        return min(k - 1, round(self.overlap * self.own / self.period))
+
+    def merging(self, step: int) -> int | None:
+        local, k = step - self.start, self.own // self.fragments
+        return None if local <= 0 or local % k or local > self.own else (local // k - 1) % self.fragments
+
+    def starting(self, step: int) -> int | None:
+        return self.merging(step + self.lead)
+
+    @property
+    def weight(self) -> float:
+        """w_i = n H_i / Σ_j H_j: the exchange's mean then weights each replica by the samples of its round."""
+        return self.world * self.own / sum(self.periods)
+
+    # -- busy time between merges ------------------------------------------------------------------------
+    def stepped(self, merge_s: float = 0.0) -> None:
+        """A step ended (`merge_s`: the time its merge waited, not the worker's own work)."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self._busy += now - self._last - merge_s
+            self._steps += 1
+        self._last = now
+
+    def merged(self, step: int) -> None:
+        """After the merge at `step`: read the last gather (speeds, stop flags), start this segment's, and at the
+        end of a round set the next round's H_j."""
+        self.drain()
+        got, self._got = self._got, None
+        if got is not None:
+            if self.rates is None:
+                self.speeds = [max(v[0], 1e-9) for v in got]
+            self.finished = any(v[1] > 0 for v in got)
+        speed = self._steps / self._busy if self._busy > 0 and self._steps else 0.0
+        mine = torch.tensor([speed, float(self.stop_wanted)], dtype=torch.float64, device=self.t.device)
+        self._gather = self.t.all_gather(mine, sizes=[2] * self.world, async_op=True)
+        self._busy, self._steps = 0.0, 0
+        if step - self.start == self.own:          # the round's last merge
+            self.history.append(list(self.periods))
+            self.start = step
+            self._plan()
+
+    def _plan(self) -> None:
+        """H_j = ⌊H v_j / max v⌉, at least F and a multiple of F (Liu et al. 2024 §4.2, rounded)."""
+        fastest, f = max(self.speeds), self.fragments
+        self.periods = [max(f, round(self.period * s / fastest / f) * f) for s in self.speeds]
+
+    def drain(self) -> None:
+        """Wait for the gather in flight; its values are read at the next merge (every worker reads them there,
+        whenever it waited)."""
+        if self._gather is not None:
+            self._got = torch.stack([t.reshape(-1) for t in self._gather.wait()]).tolist()   # host: once per merge
+            self._gather = None
+
+    # -- state -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        self.drain()
+        return {"start": self.start, "periods": list(self.periods), "speeds": list(self.speeds),
+                "history": [list(h) for h in self.history], "got": self._got}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start, self.periods = int(state["start"]), [int(p) for p in state["periods"]]
+        self.speeds = [float(s) for s in state["speeds"]]
+        self.history = [list(h) for h in state["history"]]
+        self._got = state["got"]
