@@ -357,7 +357,7 @@ def test_fp16_overflow_and_bad_parameters():
 # ---------------------------------------------------------------- benchmark
 
 def test_bench_covers_every_registered_compressor(tmp_path):
-    from thinwire.bench.compressors import _table, bench, plot
+    from thinwire.bench.compressors import bench, plot, table
     result = bench(4096, compressors.names(), repeat=1)
     assert set(result) == {"numel", "world_size", "memcpy_ms", "compressors"} and result["memcpy_ms"] > 0
     assert [r["name"] for r in result["compressors"]] == compressors.names()
@@ -375,20 +375,20 @@ def test_bench_covers_every_registered_compressor(tmp_path):
     assert rows["qsgd"]["collective"] == "allreduce"
     assert rows["qsgd"]["wire_bits_per_element"] == pytest.approx(8 + 32 * 8 / 4096)
     assert rows["terngrad"]["collective"] == "allgather" and rows["terngrad"]["wire_bits_per_element"] == 2 + 32 / 4096
-    assert "qsgd" in _table(result)
+    assert "qsgd" in table(result)
     plot(result, str(tmp_path / "c.png"))
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 
 def test_bench_marks_issue_31s_targets_per_device(tmp_path):
-    from thinwire.bench.compressors import _table, target
+    from thinwire.bench.compressors import table, target
     row = {"compress_ms": 3.0, "decompress_ms": 2.0, "x_memcpy": 5.0, "payload_bytes": 1, "bits_per_element": 1.0,
            "nominal_bits_per_element": 1.0, "wire_bits_per_element": 1.0, "collective": "allgather"}
     cpu = {"numel": 8, "world_size": 4, "memcpy_ms": 1.0,
            "compressors": [{"name": n, **row} for n in ("randomk", "qsgd", "topk", "powersgd")]}
     assert [target(cpu, n) for n in ("randomk", "qsgd", "topk", "powersgd")] == [4.0, 8.0, 12.0, None]
-    lines = _table(cpu).splitlines()
+    lines = table(cpu).splitlines()
     assert lines[2].endswith("<= 4.0 OVER") and lines[3].endswith("<= 8.0") and not lines[5].endswith("0")
     gpu = {**cpu, "device": "cuda", "device_name": "a GPU", "torch_topk_ms": 8.0}
     assert target(gpu, "topk") == pytest.approx(9.6) and target(gpu, "randomk") == 2.0 and target(gpu, "int8") == 3.0
-    assert "on a GPU" in _table(gpu) and "torch.topk of 1 %" in _table(gpu)
+    assert "on a GPU" in table(gpu) and "torch.topk of 1 %" in table(gpu)

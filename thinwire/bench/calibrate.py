@@ -6,7 +6,12 @@ import os
 import statistics
 import time
 
+import torch
+import torch.distributed as dist
+
+from ..compress import compressors
 from ..files import atomic_write
+from ..launcher import launch
 
 
 def _path() -> str:
@@ -27,8 +32,6 @@ def median_s(fn, repeats: int, before=None, clock=time.perf_counter) -> float:
 
 
 def _allreduce_times(rank, world_size, sizes, repeats):
-    import torch
-    import torch.distributed as dist
     out = {}
     for n in sizes:
         t = torch.zeros(max(1, n // 4))
@@ -38,8 +41,6 @@ def _allreduce_times(rank, world_size, sizes, repeats):
 
 
 def _compressor_x_memcpy(numel: int = 1 << 20, repeats: int = 5) -> dict:
-    import torch
-    from ..compress import compressors
     x = torch.randn(numel)
     memcpy = median_s(lambda: x.clone(), repeats)
     out = {}
@@ -56,7 +57,6 @@ def _compressor_x_memcpy(numel: int = 1 << 20, repeats: int = 5) -> dict:
 
 def calibrate(workers: int = 2) -> dict:
     """Fit the ring all-reduce cost 2(n-1)α + 2(n-1)/n Nβ to loopback all-reduces of 4 B and 16 MB."""
-    from ..launcher import launch
     small, large = 4, 16 << 20
     times = launch(_allreduce_times, workers, args=([small, large], 10))[0]
     n = workers

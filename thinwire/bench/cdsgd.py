@@ -19,6 +19,8 @@ import os
 
 from ..errors import UserError
 from ..files import pyplot, save, write_json
+from ..launcher import Pool
+from ..run.train import TrainConfig, run_training
 
 _TIME_MODEL = ("tau_s", "phi_s", "psi_s", "delta_s")   # the paper's Table 1: τ, φ, ψ, δ, measured by each run
 
@@ -44,8 +46,6 @@ def _ms(v):
 
 
 def run(args) -> int:
-    from ..launcher import Pool
-    from ..run.train import TrainConfig, run_training
     ks = [int(k) for k in args.ks.split(",")]
     alphas = _thresholds(args.thresholds)
     lr = {"local_lr": args.local_lr} if args.local_lr else {}

@@ -47,6 +47,18 @@ import tempfile
 import threading
 import time
 
+import torch
+
+from ..comm import set_default_network
+from ..compare.peers import find
+from ..compare.peers.counter import AllReduceCounter
+from ..compare.peers.torchft_diloco import quiet, replica_group
+from ..errors import UserError
+from ..files import check_writable_dir
+from ..net import parse_network
+from ..run import workloads
+from ..run.train import TrainConfig, check_int, check_number, run_elastic
+
 CONTESTANTS = ("diloco", "localsgd", "bsp", "ddp", "torchft-diloco")
 ELASTIC = ("diloco", "localsgd", "bsp")
 
@@ -79,10 +91,6 @@ def register(sub) -> None:
 
 
 def check(args) -> list[str]:
-    from ..errors import UserError
-    from ..net import parse_network
-    from ..run import workloads
-    from ..run.train import check_int, check_number
     workloads.registry.lookup(args.workload)
     parse_network(args.network)
     check_int("--workers", args.workers, 2, 64)
@@ -98,7 +106,6 @@ def check(args) -> list[str]:
     bad = [c for c in chosen if c not in CONTESTANTS]
     if bad or not chosen:
         raise UserError(f"unknown contestant {bad[0] if bad else ''!r}; valid: {', '.join(CONTESTANTS)}")
-    from ..compare.peers import find
     for peer in filter(None, map(find, chosen)):     # the peers' optional extras are installed
         why = peer.missing()
         if why:
@@ -163,7 +170,6 @@ class Killer:
 
 # -- the contestants --------------------------------------------------------------------------------------
 def _elastic(args, name: str, logdir: str, plan) -> dict:
-    from ..run.train import TrainConfig, run_elastic
     params = {"period": args.period} if name in ("diloco", "localsgd") else {}
     cfg = TrainConfig(workload=args.workload, algorithm=name, workers=args.workers, network=args.network,
                       steps=args.steps, eval_every=args.eval_every, seed=args.seed, params=params,
@@ -292,13 +298,10 @@ def _torchft(args, logdir: str, plan) -> dict:
                 elif p.returncode > 0:
                     errors.append(p.stderr.read()[-2000:])
                     finished.add(index)
-            for at, index in list(due):
-                if at <= now and not os.path.exists(os.path.join(logdir, "done")):
-                    due.remove((at, index))
-                    start(index)
-                elif os.path.exists(os.path.join(logdir, "done")):
-                    due.remove((at, index))
-                    finished.add(index)
+            done = os.path.exists(os.path.join(logdir, "done"))
+            for at, index in [d for d in due if done or d[0] <= now]:
+                due.remove((at, index))     # replaced, or after the job's end not needed
+                (finished.add if done else start)(index)
             time.sleep(0.1)
     finally:
         kills = killer.close()
@@ -306,9 +309,9 @@ def _torchft(args, logdir: str, plan) -> dict:
             if p.poll() is None:
                 p.kill()
         lighthouse.shutdown()
-    if errors and not any(json.loads(line).get("final") for line in _lines(logdir) if '"final"' in line):
-        raise RuntimeError("torchft replicas failed:\n" + errors[0])
     finals = [json.loads(line)["final"] for line in _lines(logdir) if '"final"' in line]
+    if errors and not any(finals):
+        raise RuntimeError("torchft replicas failed:\n" + errors[0])
     return {"kills": kills, "recoveries": f"{len(kills)} kills, {incarnation[0] - args.workers} replacement "
                                           f"replicas healed from a live one",
             "final": statistics.fmean(finals) if finals else None}
@@ -333,13 +336,6 @@ def replica(index: int, incarnation: int, spec: dict) -> None:
     optimizer, torchft's Manager (its own store, the emulated gloo of `thinwire.compare.peers.torchft_diloco`) and
     DiLoCo around the optimizer; the shard of worker `index`. Its steps count from the job's committed syncs: a
     replacement heals from a live replica at its first sync and goes on from there. Writes the step log."""
-    import torch
-
-    from ..comm import set_default_network
-    from ..compare.peers.counter import AllReduceCounter
-    from ..compare.peers.torchft_diloco import quiet, replica_group
-    from ..net import parse_network
-    from ..run import workloads
     quiet()
     from torchft.local_sgd import DiLoCo
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -493,8 +489,6 @@ def plot(result: dict, workdir: str) -> str | None:
 
 
 def run(args) -> int:
-    from ..files import check_writable_dir
-    from ..run import workloads
     chosen = check(args)
     if args.out:
         check_writable_dir(args.out, "--out")

@@ -16,17 +16,22 @@ import json
 import os
 import time
 
+import torch
+import torch.distributed as dist
+
+from ..comm import Transport
+from ..compress import coders, compressors, memories
+from ..compress.bitpack import unpack
+from ..compress.coding import entropy_bits, zigzag
+from ..exchange import Exchange
 from ..exchange.sparse import SPARSE_COLLECTIVES as COLLECTIVES
 from ..files import pyplot, save, write_json
+from ..launcher import launch
+from ..net import parse_network
+from ..net.cost import sparse_collective
 
 
 def _collectives_worker(rank, world_size, numel, densities, steps):
-    import torch
-    import torch.distributed as dist
-
-    from ..comm import Transport
-    from ..compress import compressors, memories
-    from ..exchange import Exchange
     torch.set_num_threads(1)
     tr = Transport()
     out = []
@@ -52,9 +57,6 @@ def _collectives_worker(rank, world_size, numel, densities, steps):
 
 
 def collectives(workers, networks, densities, numel, steps) -> list[dict]:
-    from ..net import parse_network
-    from ..net.cost import sparse_collective
-    from ..launcher import launch
     rows = []
     for net in networks:
         link = parse_network(net)
@@ -70,11 +72,6 @@ def collectives(workers, networks, densities, numel, steps) -> list[dict]:
 
 
 def qsgd_bits(numel: int, repeat: int = 3) -> list[dict]:
-    import torch
-
-    from ..compress import coders, compressors
-    from ..compress.coding import entropy_bits, zigzag
-    from ..compress.bitpack import unpack
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     rows = []
     for levels in (1, 3, 7, 15, 63):

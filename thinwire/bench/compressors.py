@@ -19,8 +19,8 @@ memcpy is `dst.copy_(x)` into a preallocated tensor (the fastest copy; compresso
 costs page faults on the CPU: set THP_MEM_ALLOC_ENABLE=1 to let PyTorch use huge pages for large tensors).
 `--device cuda` times on the GPU (CUDA-synchronised wall clock; the first calls compile the fused kernels, so a
 warm-up precedes the timed runs) and also times `torch.topk` of 1 % of the input, the yardstick of the top-k
-family there. The table's last column is issue 31's target for the compressor on that device (none for the
-sketches, transforms and coders), marked `OVER` where the measured multiple exceeds it:
+family there. The table's last column is the compressor's speed target on that device (none for the sketches,
+transforms and coders; BENCHMARKS.md, "Compressors"), marked `OVER` where the measured multiple exceeds it:
 
     CPU   randomk (any ratio) 4x, quantizers 8x, sparsifiers 12x
     CUDA  1- and 2-bit quantizers and int8 3x, qsgd/natural/fp4/fp8 4x, randomk 2x, topk/dgc/stc 1.2x torch.topk
@@ -32,12 +32,16 @@ import os
 import statistics
 import time
 
+import torch
+
+from ..compress import compressors
 from ..errors import UserError
+from ..exchange.choose import wire_bits
 from ..files import check_writable_dir, pyplot, save, write_json
 
 
 QUANTIZERS_1_2_BIT = ("signsgd", "signum", "efsignsgd", "onebit", "terngrad", "threshold2bit")
-TARGETS = {   # issue 31: x memcpy per device; "topk": a multiple of torch.topk of 1 % instead
+TARGETS = {   # x memcpy per device; "topk": a multiple of torch.topk of 1 % instead
     "cpu": {**{n: 8.0 for n in QUANTIZERS_1_2_BIT + ("int8", "qsgd", "natural", "fp4", "fp8", "fp16", "bf16")},
             **{n: 12.0 for n in ("topk", "dgc", "gaussiank", "threshold", "stc", "qsparse", "sparseloco")},
             "randomk": 4.0},
@@ -67,7 +71,6 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
     each call CUDA-synchronised on the wall clock; the result then also holds `device` ("cuda"), the GPU's name
     (`device_name`) and the time of `torch.topk` of 1 % (`torch_topk_ms`). `params` (name -> value) go to every
     compressor that takes them (its row's `params`)."""
-    import torch
     if clock not in ("wall", "cpu"):
         raise UserError(f"clock must be one of wall, cpu; got {clock!r}")
     if device not in ("cpu", "cuda"):
@@ -79,8 +82,6 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
     cuda = device == "cuda"
     now = time.perf_counter if clock == "wall" else time.process_time
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    from ..compress import compressors
-    from ..exchange.choose import wire_bits
     gen = torch.Generator().manual_seed(seed)
     shape = (numel // 1024, 1024) if numel >= 1024 and numel % 1024 == 0 else (numel,)
     x = torch.randn(shape, generator=gen).to(device)
@@ -140,7 +141,7 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
     return {"numel": numel, "world_size": world_size, "memcpy_ms": memcpy_ms, **extra, "compressors": rows}
 
 
-def _table(result: dict) -> str:
+def table(result: dict) -> str:
     n = result.get("world_size", 4)
     where = result.get("device_name", result.get("device", "cpu"))
     head = (f"numel {result['numel']} on {where}, memcpy {result['memcpy_ms']:.3f} ms (medians); wire: per rank's "
@@ -165,7 +166,7 @@ def _table(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    """Bars of compress + decompress time in memcpys (issue 31's targets on the result's device as lines) and of
+    """Bars of compress + decompress time in memcpys (the targets on the result's device as marks) and of
     bits/element."""
     plt = pyplot()
     rows = [r for r in result["compressors"] if "error" not in r]
@@ -197,7 +198,6 @@ def plot(result: dict, path: str) -> None:
 
 
 def run(args) -> int:
-    from ..compress import compressors
     names = compressors.names() + ["qsgd+elias", "qsgd+huffman", "topk+golomb"]  # coded (compress/coded.py)
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -219,7 +219,7 @@ def run(args) -> int:
     if args.out:       # before the run: never lose it to a bad path
         check_writable_dir(os.path.dirname(os.path.abspath(args.out)) if as_file else args.out, "--out")
     result = bench(args.numel, names, args.repeat, args.seed, args.clock, args.world_size, args.device, params)
-    print(json.dumps(result, indent=1) if args.json else _table(result))
+    print(json.dumps(result, indent=1) if args.json else table(result))
     if as_file:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -4,11 +4,11 @@
     thinwire bench diloco --crossover            # + bsp vs diloco vs streaming as bandwidth and latency vary
 
 Crossover: `local` (no communication) is measured first, on `lan`, in the same run; then every configuration of
-CROSSOVER on every `--crossover-networks` network (default: 1 Gbit/s 1 ms, 100 Mbit/s 50 ms, 10 Mbit/s 200 ms,
-issue 16's sweep). Printed per network: the mean step time (training time / steps, so the sync steps count) as a
-ratio to `local`'s and to bsp's on the same network, the cost model's prediction (compute = local's step), bytes
-per step, the accuracy reached and the time to the workload's target; then the fastest configuration per network
-(the crossover). The machine is shared: the ratios, not the milliseconds, are what carries over.
+CROSSOVER on every `--crossover-networks` network (default: 1 Gbit/s 1 ms, 100 Mbit/s 50 ms, 10 Mbit/s 200 ms).
+Printed per network: the mean step time (training time / steps, so the sync steps count) as a ratio to `local`'s
+and to bsp's on the same network, the cost model's prediction (compute = local's step), bytes per step, the
+accuracy reached and the time to the workload's target; then the fastest configuration per network (the
+crossover). The machine is shared: the ratios, not the milliseconds, are what carries over.
 
 Bytes per sync: each configuration trains `--steps` steps on `lan` (bytes do not depend on the link); the bytes a
 worker sent over those steps divided by the fragment syncs started in them (the largest step's bytes beside it: a
@@ -19,7 +19,14 @@ falls by F, the bytes per step stay DiLoCo's. Predicted against measured step ti
 """
 from __future__ import annotations
 
+from ..algorithms import get
+from ..errors import UserError
 from ..files import emit
+from ..launcher import Pool
+from ..net import parse_network
+from ..plan.costmodel import Scenario, predict
+from ..run import workloads
+from ..run.train import TrainConfig, run_training, train_worker
 
 OUT = "file"    # --out names the JSON file of the rows (thinwire/cli/bench.py checks it first)
 
@@ -46,10 +53,6 @@ CROSSOVER_NETWORKS = ("custom:bandwidth=1gbit,latency=1ms", "custom:bandwidth=10
 def crossover(pool, workload: str, workers: int, steps: int, networks=CROSSOVER_NETWORKS) -> list[dict]:
     """Rows of {network, config, step_s, vs_local, vs_bsp, predicted_s, bytes_per_step, accuracy/loss,
     time_to_target_s}; `local` on lan first, the baseline of every ratio (measured in this run)."""
-    from ..net import parse_network
-    from ..plan.costmodel import Scenario, predict
-    from ..run import workloads
-    from ..run.train import TrainConfig, run_training
     wl = workloads.get(workload)
 
     def train(algorithm, comp, params, network):
@@ -99,11 +102,6 @@ def format_crossover(rows: list[dict], metric: str) -> str:
 
 
 def bytes_per_sync(pool, workload: str, workers: int, steps: int) -> list[dict]:
-    from ..net import parse_network
-    from ..plan.costmodel import Scenario, predict
-    from ..run import workloads
-    from ..algorithms import get
-    from ..run.train import TrainConfig, train_worker
     n_params = workloads.get(workload).num_params()
     rows = []
     for label, comp, params in CASES:
@@ -127,13 +125,10 @@ def bytes_per_sync(pool, workload: str, workers: int, steps: int) -> list[dict]:
 
 
 def run(args) -> int:
-    from ..errors import UserError
-    from ..launcher import Pool
     if args.steps < 8 or args.steps % 8:
         raise UserError(f"--steps must be a multiple of 8 (the period of every configuration), got {args.steps}")
     if args.crossover_steps < 8 or args.crossover_steps % 8:
         raise UserError(f"--crossover-steps must be a multiple of 8, got {args.crossover_steps}")
-    from ..net import parse_network
     for net in args.crossover_networks:
         parse_network(net)                                  # a bad network fails before any work starts
     out = {}
@@ -150,7 +145,6 @@ def run(args) -> int:
                       f"{r['peak_step_bytes']:>11.0f} "
                       f"{r['bytes_per_step']:>9.0f} {r['predicted_bytes_per_step']:>9.0f}", flush=True)
         if args.crossover:
-            from ..run import workloads
             out["crossover"] = cross = crossover(pool, args.crossover_workload, args.workers, args.crossover_steps,
                                                  tuple(args.crossover_networks))
             if not args.json:

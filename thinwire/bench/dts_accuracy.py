@@ -15,11 +15,12 @@ import statistics
 import time
 
 from ..files import write_json
-from .latency import _label, specs
+from ..launcher import Pool
+from ..run.train import TrainConfig, summarize, train_worker
+from .latency import label, specs
 
 
 def _one(pool, workers, workload, name, params, steps, seed, momentum, lr):
-    from ..run.train import TrainConfig, summarize, train_worker
     cfg = TrainConfig(workload=workload, algorithm=name, workers=workers, network="lan", steps=steps, seed=seed,
                       momentum=momentum, lr=lr, params=dict(params), eval_every=steps, progress=False)
     cfg.validate()
@@ -33,7 +34,6 @@ def _one(pool, workers, workload, name, params, steps, seed, momentum, lr):
 
 
 def run(args) -> int:
-    from ..launcher import Pool
     algorithms = specs(args.algorithms)
     rows = []
     with Pool(args.workers, timeout=3600, start_timeout=900) as pool:
@@ -43,7 +43,7 @@ def run(args) -> int:
                     runs = [_one(pool, args.workers, workload, name, params, args.steps, s, mu, args.lr)
                             for s in args.seeds]
                     accs = [r["accuracy"] for r in runs]
-                    row = {"workload": workload, "momentum": mu, "algorithm": _label(name, params),
+                    row = {"workload": workload, "momentum": mu, "algorithm": label(name, params),
                            "steps": args.steps, "seeds": list(args.seeds), "accuracies": accs,
                            "accuracy": statistics.fmean(accs), "min": min(accs), "max": max(accs),
                            "train_loss": statistics.fmean(r["train_loss"] for r in runs),

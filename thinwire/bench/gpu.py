@@ -11,7 +11,7 @@ Three tables, each against a baseline measured in the same run:
    bytes, bf16 autocast, AdamW), one rank over NCCL (so a collective costs almost nothing and what shows is the
    framework's own cost): plain PyTorch, DDP, DDP with PyTorch's and thinwire's comm hooks, `tw.Trainer` with
    `bsp` (sends every step) and with the algorithms whose steps here send nothing (`local`; local SGD and DiLoCo
-   with H = 1000; DTS's sparse steps). Targets (issue 31): a local
+   with H = 1000; DTS's sparse steps). Targets (BENCHMARKS.md, "Step overhead"): a local
    step at most 1.03x plain, bsp at most 1.0x DDP, thinwire's fp16 hook no slower than PyTorch's.
 3. **race** — a short `thinwire compare` of 4 workers sharing the GPU (gloo: NCCL takes one process per GPU;
    thinwire's transport stages point-to-point messages through pinned host buffers): stdlib-lm on `cluster`
@@ -29,7 +29,21 @@ import statistics
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..compare import CompareConfig, compare
+from ..compare.report import table
+from ..compress import compressors
 from ..errors import UserError
+from ..exchange.ddp import ddp_hook
+from ..files import check_writable_dir
+from ..run.lm import ByteLM
+from ..trainer import Trainer
+from . import compressors as cbench
 
 PARTS = ("compressors", "overhead", "race")
 
@@ -66,11 +80,10 @@ OVERHEAD = [
     ("plain (SGD)", "plain", {"sgd": True}),
     ("tw dts (sparse steps, SGD)", "trainer", {"algorithm": "dts", "delay": 2, "period": 1000, "sgd": True}),
 ]
-LOCAL_TARGET, BSP_TARGET = 1.03, 1.0       # issue 31: x plain for a step that sends nothing; bsp x DDP
+LOCAL_TARGET, BSP_TARGET = 1.03, 1.0       # x plain for a step that sends nothing; bsp x DDP
 
 
 def check_device(device: str) -> None:
-    import torch
     if device not in SIZES:
         raise UserError(f"--device must be one of cuda, cpu; got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -81,20 +94,14 @@ def check_device(device: str) -> None:
 # -- 1. compressors -------------------------------------------------------------------------------------------
 def compressors_part(device: str, sizes: dict) -> tuple[dict, str]:
     """`thinwire bench compressors --device DEVICE` at the part's size: (result, its table)."""
-    from ..compress import compressors
-    from . import compressors as cbench
-    names = compressors.names()
-    result = cbench.bench(sizes["numel"], names, sizes["repeat"], device=device)
-    return result, cbench._table(result)
+    result = cbench.bench(sizes["numel"], compressors.names(), sizes["repeat"], device=device)
+    return result, cbench.table(result)
 
 
 # -- 2. step overhead on a GPT-like model ---------------------------------------------------------------------
 def _hook(net, hook) -> None:
     """Register a comm hook on the DDP model `net`: "torch:fp16" / "torch:powersgd" (PyTorch's), else thinwire's
     `ddp_hook(**hook)`."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    from ..exchange.ddp import ddp_hook
     if hook == "torch:fp16":
         net.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook == "torch:powersgd":
@@ -107,12 +114,6 @@ def _hook(net, hook) -> None:
 
 def _one_case(how: str, settings: dict, device, sizes: dict) -> float:
     """The median step (ms, CUDA-synchronised) of one configuration, built, warmed up, timed and released."""
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from ..run.lm import ByteLM
-    from ..trainer import Trainer
     torch.manual_seed(0)
     with torch.device(device):
         model = ByteLM(**sizes["lm"])
@@ -159,8 +160,6 @@ def _one_case(how: str, settings: dict, device, sizes: dict) -> float:
 
 def overhead_part(device_name: str, sizes: dict) -> tuple[list[dict], str]:
     """Every OVERHEAD row (one rank: NCCL on a GPU, gloo on the CPU): (rows, table)."""
-    import torch
-    import torch.distributed as dist
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -223,15 +222,12 @@ def overhead_part(device_name: str, sizes: dict) -> tuple[list[dict], str]:
 
 
 def _device_name(device) -> str:
-    import torch
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
 
 
 # -- 3. a race of 4 workers sharing the GPU -----------------------------------------------------------------
 def race_part(device: str, sizes: dict, out: str) -> tuple[dict, str]:
     """A short `thinwire compare` of RACE on `device` (4 workers on one GPU: gloo): (results, its table)."""
-    from ..compare import CompareConfig, compare
-    from ..compare.report import table
     cfg = CompareConfig(**RACE, budget_s=sizes["budget_s"], steps=sizes["race_steps"], device=device,
                         eval_every=2 if sizes["race_steps"] else None)
     results = compare(cfg.validate(), out, progress=False)
@@ -262,7 +258,6 @@ def run(args) -> int:
         if args.numel < 1:
             raise UserError(f"--numel must be >= 1, got {args.numel}")
         sizes["numel"] = args.numel
-    from ..files import check_writable_dir
     out = args.out or os.path.join("results", "bench-gpu")
     check_writable_dir(out, "--out")
     os.makedirs(out, exist_ok=True)

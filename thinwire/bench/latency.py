@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import json
 
+from ..algorithms import registry
 from ..errors import UserError
-from ..net import parse_network, ring_allreduce
 from ..files import pyplot, save, write_json
+from ..launcher import Pool
+from ..net import parse_network, ring_allreduce
+from ..run.train import TrainConfig, run_training
+from ..run.workloads import get as get_workload
 
 
 def _spec(text: str) -> tuple[str, dict]:
@@ -32,21 +36,17 @@ def _spec(text: str) -> tuple[str, dict]:
 
 def specs(texts: list[str]) -> list[tuple[str, dict]]:
     """Every `--algorithms` spec parsed, its algorithm checked to be registered before any run starts."""
-    from ..algorithms import registry
     out = [_spec(t) for t in texts]
     for name, _ in out:
         registry.lookup(name)
     return out
 
 
-def _label(name: str, params: dict) -> str:
+def label(name: str, params: dict) -> str:
     return name if not params else f"{name}(" + ",".join(f"{k}={v}" for k, v in params.items()) + ")"
 
 
 def run(args) -> int:
-    from ..launcher import Pool
-    from ..run.train import TrainConfig, run_training
-    from ..run.workloads import get as get_workload
     algorithms = specs(args.algorithms)
     try:
         latencies = [float(x) for x in args.latencies.split(",") if x.strip()]
@@ -90,7 +90,7 @@ def run(args) -> int:
                 if name == "bsp" and bound * steps > args.budget_s:
                     steps = max(args.min_steps, int(args.budget_s / bound))
                 s = run_training(cfg_for(name, params, network(lat), steps), pool=pool)
-                sweep.append({"algorithm": _label(name, params), "latency_ms": lat, "steps": steps,
+                sweep.append({"algorithm": label(name, params), "latency_ms": lat, "steps": steps,
                               "throughput": s["throughput_samples_s"],
                               "accuracy": s.get("final_accuracy") if steps == args.steps else None,
                               "loss": s.get("final_loss") if steps == args.steps else None,

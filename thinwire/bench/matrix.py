@@ -14,8 +14,13 @@ Algorithms that take no compressor are run once (compressor "none").
 """
 from __future__ import annotations
 
+from .. import algorithms as algs
+from ..compress import compressors as comps, memories
 from ..errors import UserError
 from ..files import emit
+from ..launcher import Pool
+from ..run import workloads
+from ..run.train import TrainConfig, run_training
 
 OUT = "file"    # --out names the JSON file of the rows (thinwire/cli/bench.py checks it first)
 
@@ -30,10 +35,9 @@ EPOCHS_FACTOR = 5
 
 def natural_memory(compressor: str) -> str:
     """The memory a compressor is meant to run with."""
-    from ..compress import compressors, memories
     if compressor in memories.names():
         return compressor
-    comp = compressors.get(compressor) if compressor != "none" else None
+    comp = comps.get(compressor) if compressor != "none" else None
     if comp is None or compressor in CASTS or comp.unbiased or comp.takes_momentum:   # at its defaults
         return "none"       # (signum: its momentum-sign is the method, Bernstein et al. 2018; no error feedback)
     return "residual"
@@ -41,9 +45,6 @@ def natural_memory(compressor: str) -> str:
 
 def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
     """Every (algorithm, architecture, compressor, memory) cell with its refusal (None where it is valid)."""
-    from .. import algorithms as algs
-    from ..compress import compressors as comps
-    from ..run.train import TrainConfig
     out = []
     for alg in algorithms or algs.names():
         archs = algs.architectures(alg)
@@ -71,7 +72,6 @@ def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
 
 
 def config(cell: dict, workload: str, workers: int, **kw):
-    from ..run.train import TrainConfig
     return TrainConfig(workload=workload, algorithm=cell["algorithm"], workers=workers,
                        compressor=cell["compressor"], memory=cell["memory"], servers=cell["servers"],
                        params=dict(cell["params"]), progress=False, **kw)
@@ -96,12 +96,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
-    from ..run import workloads
-    from ..launcher import Pool
-    from ..run.train import run_training
     wl = workloads.get(args.workload)
-    def split(s):
-        return [x for x in s.split(",") if x]
+    split = lambda s: [x for x in s.split(",") if x]
     epochs = args.epochs if args.epochs is not None else EPOCHS_FACTOR * wl.epochs
     # the run every cell shares, checked as `thinwire train` checks one (a bad --workers or --epochs is the
     # command's error, not every cell's refusal)

@@ -10,15 +10,23 @@ rounds so that a machine's drift reaches them all alike. The algorithms' rows ar
 (local SGD and DiLoCo with H = 1000, DTS's sparse steps with p = 1000, `local`), through `tw.Trainer` and, for
 DiLoCo, through `tw.attach` (the loop calls `optimizer.step()`). `bsp` (which sends every step) is compared with
 DistributedDataParallel's own all-reduce and with DDP + `tw.ddp_hook("none")`; CD-SGD sends every step too
-(at world size 1 each exchange is a real one-rank collective). Targets (issue 31): a local step at most 0.75 ms
-over plain on the CPU, at most 1.03x plain on a GPU; bsp at most 1.0x DDP.
+(at world size 1 each exchange is a real one-rank collective). Targets (BENCHMARKS.md, "Step overhead"): a local
+step at most 0.75 ms over plain on the CPU, at most 1.03x plain on a GPU; bsp at most 1.0x DDP.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from ..errors import UserError
+from ..exchange.ddp import ddp_hook
+from ..files import emit
+from ..trainer import Trainer, attach
 
 LOCAL = [("local", "local", {}), ("localsgd", "localsgd", {"period": 1000}),
          ("diloco", "diloco", {"period": 1000}), ("dts (sparse steps)", "dts", {"delay": 2, "period": 1000})]
@@ -26,8 +34,6 @@ SENDING = [("bsp", "bsp", {}), ("cdsgd (sends every step)", "cdsgd", {"warmup": 
 
 
 def _model(n: int, width: int, device):
-    import torch
-
     class SideBySide(torch.nn.Module):
         """`n` Linear(width, width) layers side by side: 2n small parameters."""
 
@@ -47,11 +53,6 @@ def _model(n: int, width: int, device):
 
 def _cases(args, device):
     """name -> (model, optimizer, step(), close()): every row, built before any is timed."""
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from ..exchange.ddp import ddp_hook
-    from ..trainer import Trainer, attach
     cases = {}
 
     def plain_case(wrap=None, hook=None):
@@ -81,9 +82,6 @@ def _cases(args, device):
 
 
 def measure(args) -> list[dict]:
-    import torch
-    import torch.distributed as dist
-
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -131,7 +129,6 @@ def measure(args) -> list[dict]:
 
 
 def run(args) -> int:
-    import os
     if args.steps < 1 or args.round < 1 or args.layers < 1 or args.width < 1 or args.batch < 1:
         raise UserError("--steps, --round, --layers, --width and --batch must be >= 1")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -148,7 +145,6 @@ def run(args) -> int:
         for r in rows:
             extra = f"   {r['x_ddp']:.3f}x DDP" if "x_ddp" in r else ""
             print(f"{r['case']:28s} {r['ms']:9.3f} {r['x_plain']:8.3f} {r['delta_ms']:+8.3f}{extra}")
-    from ..files import emit
     emit(rows, args.out, args.json)
     return 0
 

@@ -1,4 +1,4 @@
-"""`thinwire bench overlap`: what scheduling buys (issue 7), and the "no tax" check against PyTorch DDP.
+"""`thinwire bench overlap`: what scheduling buys, and the "no tax" check against PyTorch DDP.
 
 For each world size and network it trains, in ONE launch, alternating round by round, copies of the same model
 under: no communication (compute only), PyTorch DDP (default buckets), the same DDP model with thinwire's
@@ -14,7 +14,7 @@ beside what any Python hook costs.
 
 DDP does not go through thinwire's Transport, so under an emulated profile it would run at loopback speed:
 DDP is measured on `lan` only. Its exposed communication is estimated as its step time minus the
-compute-only step time. On `lan` the model is the MLP 784-2048-2048-10 of FACTS.md (batch 32); under an
+compute-only step time. On `lan` the model is the MLP 784-2048-2048-10 (batch 32); under an
 emulated profile a smaller MLP 784-512-512-10 keeps a run short (23 MB per step at 100 Mbit/s is ~3 s).
 
     thinwire bench overlap --workers 2,4 --network lan,wan --json
@@ -27,11 +27,17 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import UserError
+from ..exchange.ddp import ddp_hook
+from ..files import pyplot, save
+from ..launcher import Pool
 from ..net import parse_network, ring_allreduce
 from ..trace import ORDER
-from ..files import pyplot, save
+from ..trainer import Trainer
 
 _now = time.perf_counter
 
@@ -58,17 +64,12 @@ def _model(widths):
 def _python_allreduce_hook(state, bucket):
     """The least a Python DDP comm hook does: as DDP's C++ default, divide the bucket by the world size and
     all-reduce it; the `then` that hands DDP the tensor is what any Python hook adds."""
-    import torch.distributed as dist
     buf = bucket.buffer().div_(dist.get_world_size())
     return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
     """Every variant keeps its own model, optimizer and trainer; rounds alternate between them."""
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from ..trainer import Trainer
     g = torch.Generator().manual_seed(rank)
     data = [(torch.randn(batch, widths[0], generator=g), torch.randint(0, widths[-1], (batch,), generator=g))
             for _ in range(4)]
@@ -79,7 +80,6 @@ def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
         if name.startswith("ddp"):
             model = DDP(model)
             if name == "ddp+hook":
-                from ..exchange.ddp import ddp_hook
                 model.register_comm_hook(*ddp_hook("none"))
             elif name == "ddp+pyhook":
                 model.register_comm_hook(None, _python_allreduce_hook)
@@ -133,7 +133,6 @@ def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
 
 
 def measure(workers: int, network: str, rounds: int, steps: int, warmup: int) -> dict:
-    from ..launcher import Pool
     link = parse_network(network)
     widths = (784, 512, 512, 10) if link.emulated else (784, 2048, 2048, 10)
     names = (["compute", "ddp", "ddp+hook", "ddp+pyhook"] if not link.emulated else ["compute"]) + list(VARIANTS)

@@ -13,6 +13,8 @@ import json
 import os
 
 from ..files import pyplot, save, write_json
+from ..launcher import Pool
+from ..run.train import TrainConfig, run_training
 
 
 def _runs(staleness: list[int], servers: int, momentum=None) -> list[tuple[str, str, int, dict]]:
@@ -29,8 +31,6 @@ def _fmt(v, digits=1):
 
 
 def run(args) -> int:
-    from ..launcher import Pool
-    from ..run.train import TrainConfig, run_training
     staleness = [int(s) for s in args.staleness.split(",") if s]
     rows, pools = [], {}  # one pool per world size (workers, workers + servers): start-up is paid once
     try:

@@ -6,8 +6,18 @@
 from __future__ import annotations
 
 import json
+import time
 
+import torch
+import torch.distributed as dist
+
+from ..comm import Transport
+from ..comm.collectives import ALGORITHMS
 from ..files import emit
+from ..launcher import Pool
+from ..net import parse_network
+from ..net.cost import ALLREDUCE
+from ..run.train import TrainConfig, run_training
 
 OUT = "file"    # --out names the JSON file of the rows (thinwire/cli/bench.py checks it first)
 
@@ -18,13 +28,6 @@ CASES = [("bsp", None, {}), ("localsgd", None, {"period": 4}), ("localsgd", None
 
 def _time_allreduce(rank, world_size, numel):
     """Per algorithm: median over 3 of the slowest rank's time for one all-reduce, and rank's bytes sent."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from ..comm import Transport
-    from ..comm.collectives import ALGORITHMS
     tp = Transport()
     out = {}
     for algo in ALGORITHMS:
@@ -44,10 +47,6 @@ def _time_allreduce(rank, world_size, numel):
 
 
 def run(args) -> int:
-    from ..net import parse_network
-    from ..net.cost import ALLREDUCE
-    from ..launcher import Pool
-    from ..run.train import TrainConfig, run_training
     rows = []
     with Pool(args.workers, timeout=900, start_timeout=600) as pool:
         for net in args.networks:

@@ -11,9 +11,12 @@ import pkgutil
 import sys
 import time
 
+from .. import bench as benchmarks
+from ..errors import UserError
+from ..files import check_writable_dir, check_writable_file
+
 
 def register(sub) -> None:
-    from .. import bench as benchmarks
     p = sub.add_parser("bench", help="benchmarks (compressors, overlap, ...) against same-run baselines")
     inner = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=type(p))
     seen: set[str] = set()
@@ -38,7 +41,6 @@ def _checked_out(run, kind: str):
     """`run` after its `--out` is checked like every command's (before any work starts): a directory (`kind`
     "directory", most benchmarks) or a file ("file": the benchmarks that write their rows as JSON)."""
     def checked(args):
-        from ..files import check_writable_dir, check_writable_file
         out = getattr(args, "out", None)
         if out is not None:
             (check_writable_file if kind == "file" else check_writable_dir)(out, "--out")
@@ -68,8 +70,6 @@ def _load() -> str:
 
 
 def run_all(bench, inner, names: list[str], args) -> int:
-    from ..errors import UserError
-    from ..files import check_writable_dir
     chosen = [n for n in args.only.split(",") if n] or names
     skip = [n for n in args.skip.split(",") if n]
     bad = [n for n in chosen + skip if n not in names]

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 
+from .. import algorithms
+from ..compress import coders, compressors, memories
+from ..net import PROFILES
+from ..run import workloads
+
 
 def catalog() -> dict:
-    from .. import algorithms
-    from ..compress import coders, compressors, memories
-    from ..net import PROFILES
-    from ..run import workloads
     return {
         "workloads": workloads.registry.describe(),
         "networks": [{"name": k, "bandwidth_bps": bw, "latency_s": lat, "summary": doc}

@@ -9,7 +9,13 @@ training time, with results.json, report.md and PNG plots in --out DIR.
 """
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import replace
+
+from ..compare import CompareConfig, compare, peers, presets
+from ..errors import UserError
+from ..files import check_writable_dir
 
 
 def _split(text: str, continues) -> list[str]:
@@ -33,7 +39,6 @@ def split_cells(text: str) -> list[str]:
 
 
 def register(sub) -> None:
-    from ..compare import peers, presets
     p = sub.add_parser("compare", help="compare algorithms (and PyTorch's options) on your networks",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", help="workload (default: the preset's, else digits-mlp), or yours: "
@@ -76,11 +81,6 @@ def _networks(text: str) -> list[str]:
 
 def config_from_args(args):
     """The matrix of a preset (or the defaults) with what the flags give instead, checked before any cell starts."""
-    from dataclasses import replace
-
-    from ..errors import UserError
-    from ..compare import presets
-    from ..compare import CompareConfig
     if args.preset:
         pr = presets.get(args.preset)
         own = not args.workload or args.workload == pr.workload  # the preset's target and batch are for its workload
@@ -101,10 +101,6 @@ def config_from_args(args):
 
 
 def run(args) -> int:
-    import json
-    from ..errors import UserError
-    from ..compare import compare
-    from ..files import check_writable_dir
     if args.resume:
         if args.preset or args.algorithms or args.network:
             raise UserError("--resume DIR continues the matrix stored in DIR; give no --preset/--algorithms/--network")

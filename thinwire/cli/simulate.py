@@ -5,6 +5,12 @@ import json
 import os
 
 from ..errors import UserError
+from ..files import check_writable_dir, pyplot, save, write_json
+from ..net import parse_bandwidth
+from ..net.link import MAX_BANDWIDTH, MIN_BANDWIDTH
+from ..plan.simulate import WORLD_LATENCY, SimConfig, simulate
+from ..registry import check_params, params_of
+from ..run.train import MAX_SEED, check_int, check_number
 
 SPEC_HELP = "comma list of schedules, each optionally with parameters: bsp,dts:delay=4:period=4,localsgd:period=16"
 
@@ -38,8 +44,6 @@ MAX_WORKERS, MAX_STEPS, MAX_LATENCY_MS = 65536, 1_000_000, 60_000.0
 
 def check_numbers(args) -> None:
     """Every number of `simulate` in its range before anything runs (NaN and infinities included)."""
-    from ..files import check_writable_dir
-    from ..run.train import MAX_SEED, check_int, check_number
     check_number("--params", args.params, 1, 1e13)
     check_number("--compute-ms", args.compute_ms, 0, 3.6e6, low_open=True)
     check_number("--compute-cv", args.compute_cv, 0, 10)
@@ -52,10 +56,6 @@ def check_numbers(args) -> None:
 
 
 def run(args) -> int:
-    from ..net import parse_bandwidth
-    from ..net.link import MAX_BANDWIDTH, MIN_BANDWIDTH
-    from ..plan.simulate import WORLD_LATENCY, SimConfig, simulate
-    from ..registry import check_params, params_of
     check_numbers(args)
     algorithms = _parse_algorithms(args.algorithms)
     if not algorithms:
@@ -98,7 +98,6 @@ def run(args) -> int:
             print(f"{r['schedule']:<26} {r['workers']:>7} {lat:>9} {r['iteration_s'] * 1e3:>9.1f}ms "
                   f"{r['scalability']:>11.3f}")
     if args.out is not None:
-        from ..files import write_json
         write_json(rows, args.out, "simulate.json", indent=2)
         for path in plot(rows, args.out):
             if not args.json:
@@ -128,7 +127,6 @@ def plot(rows: list[dict], out: str) -> list[str]:
 
 def _plot(rows: list[dict], path: str, x, keep, log2: bool = False, **labels) -> str:
     """One line of scalability against `x(row)` per schedule, over the rows `keep(row)` selects, written to `path`."""
-    from ..files import pyplot, save
     fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for lab in dict.fromkeys(r["schedule"] for r in rows):
         pts = sorted((x(r), r["scalability"]) for r in rows if r["schedule"] == lab and keep(r))

@@ -8,6 +8,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import fields
+
+from ..compare.peers import resolve
+from ..errors import UserError
+from ..files import check_writable_dir
+from ..launcher import init, under_torchrun
+from ..run.train import TrainConfig, run_torchrun_worker, run_training
+from ..run.user import canonical
 
 
 def add_run_options(p) -> None:
@@ -39,11 +47,6 @@ def config_from_args(args):
     """The TrainConfig of `train`'s flags: each flag sets the field of its name, and --budget `budget_s`, the
     extra options `params`, --json / --quiet `progress`; checkpoints go to OUT/checkpoint by default; an
     --algorithm that names a peer (`ddp`, ...) runs it (`thinwire.compare.peers`)."""
-    from dataclasses import fields
-
-    from ..compare.peers import resolve
-    from ..run.train import TrainConfig
-    from ..run.user import canonical
     flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     default_dir = os.path.join(args.out, "checkpoint") if args.out else None
     return resolve(TrainConfig(**{**flags, "checkpoint_dir": args.checkpoint_dir or default_dir,
@@ -83,10 +86,6 @@ def format_summary(s: dict) -> str:
 
 
 def run(args) -> int:
-    from ..errors import UserError
-    from ..launcher import init, under_torchrun
-    from ..files import check_writable_dir
-    from ..run.train import run_training, run_torchrun_worker
     if args.out is not None:  # first: checkpoints go under it by default, no result may be lost to it after training
         check_writable_dir(args.out, "--out")
     cfg = config_from_args(args)

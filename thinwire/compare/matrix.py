@@ -8,8 +8,9 @@ stepper: thinwire's Trainer, a PyTorch DDP peer, torchft's DiLoCo) with the same
 the target, or when the budget is spent, or at the step bound (`epochs` / `steps`, none by default when a budget
 is given): a cell that is fast per step is never cut off by a step count. Evaluations close in on the crossing
 (2–5 % of the training clock apart near it, whatever the metric's trend: `thinwire.run.loop.Schedule`), so time to
-target is read to within 5 % (or one step, which is exact: the model changes at the end of a step); every worker rank takes the same stop decision (one all-gather of metric and clock per
-evaluation, outside the meter and the clock).
+target is read to within 5 % (or one step, which is exact: the model changes at the end of a step); every worker
+rank takes the same stop decision (one all-gather of metric and clock per evaluation, outside the meter and the
+clock).
 
 **A cell out of budget** is reported with its best metric and, where the matrix allows, a *predicted* time to
 target: its steps to target measured elsewhere in the same matrix (the same contestant, settings and seed on
@@ -21,18 +22,18 @@ ssgd, ddp — of the same seed for another exact one) times this cell's own medi
 target overlap (a seed that missed the target counts as +∞): a rule that is conservative with 3 seeds.
 
 **Defaults that suit the network.** Parameters a cell leaves out are picked by the planner for the network, the
-workload's size and the measured compute time (`thinwire.plan.advise.tune`); algorithms that compensate SGD only
-run with SGD on a workload whose optimizer is another. The report states each cell's parameters and why.
+workload's size and the measured compute time (`forecast.tune_cell`); algorithms that compensate SGD only run with
+SGD on a workload whose optimizer is another. The report states each cell's parameters and why.
 
 - Scalability = throughput / throughput of the same workers doing no communication: the registered algorithm
   `local`, raced first like every cell (the same workers, data, batch, budget, target and process layout), once per
   seed (its spread is reported); a cell is divided by the reference of its own seed, scaled by the machine's
   speed during the cell (the median of its own steps that sent nothing, else a short `local` run just before it,
-  `calibrate`), so a reading above 1 is a bug. Its median step is the compute time the planner predicts from, its steps to
-  target the convergence the predicted times to target start from.
+  `calibrate`), so a reading above 1 is a bug. Its median step is the compute time the planner predicts from, its
+  steps to target the convergence the predicted times to target start from.
 - **Predict, then race**: before the first cell runs, the planner's predicted step, sync and time to target of
-  every cell and its predicted winner per network are recorded (`predictions` in results.json); the report
-  says whether the measurement agreed.
+  every cell and its predicted winner per network are recorded (`predictions` in results.json,
+  `forecast.predict_race`); the report says whether the measurement agreed.
 - Worker processes are kept alive across cells (one pool per world size) and restarted after a failed cell; a
   cell whose wall time exceeds 4 × budget + 600 s is stopped and recorded as `timeout`.
 - Interrupted runs keep the cells already done; `resume` runs the missing (or failed) cells of a matrix directory.
@@ -49,17 +50,17 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UserError, WorkerError
 from ..files import atomic_write
-from .. import algorithms
-from ..net import Islands, parse_network
 from ..launcher import MAX_LOCAL_WORKERS, DeadlineError, Pool, pick_backend
-from ..plan.advise import tune
-from ..plan.costmodel import Scenario, cost_of, exchange, predict
-from ..plan.diloco import plan_diloco
-from ..plan.families import FAMILIES
+from ..launcher.netem import Emulation
+from ..net import Islands, parse_network
 from ..run import workloads
 from ..run.loop import check_tensorboard, progress_bar, train_worker
 from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
 from . import peers, presets
+from .forecast import (SYNC_STEPS, averaging_steps, family, planned_as, predict_cell, predict_race,
+                       syncs_every_step, tune_cell, with_sgd_where_needed)
+from .plots import plot_all
+from .report import write_report
 from .results import aggregate
 
 _now = time.perf_counter
@@ -128,24 +129,16 @@ def cell_config(c: CompareConfig, cell: presets.Cell, network: str, seed: int | 
     """The training run of `cell` on `network` in matrix `c` (before the planner fills in what it leaves out)."""
     params = dict(cell.params)
     servers = 0 if cell.peer else params.pop("servers", None)   # None: the algorithm's default
-    tc = TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
-                     epochs=c.epochs, steps=c.steps, seed=c.seed if seed is None else seed, target=c.target,
-                     compressor=cell.compressor, memory=cell.memory, params=params,
-                     trace=c.trace and not cell.peer, progress=False,
-                     servers=servers, peer=peers.find(cell.algorithm),
-                     budget_s=c.budget_s, stop_at_target=True, optimizer=cell.optimizer, tensorboard=board,
-                     eval_every=c.eval_every, batch_size=c.batch_size, device=c.device)
-    return tc
+    return TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
+                       epochs=c.epochs, steps=c.steps, seed=c.seed if seed is None else seed, target=c.target,
+                       compressor=cell.compressor, memory=cell.memory, params=params, trace=c.trace and not cell.peer,
+                       progress=False, servers=servers, peer=peers.find(cell.algorithm), budget_s=c.budget_s,
+                       stop_at_target=True, optimizer=cell.optimizer, tensorboard=board, eval_every=c.eval_every,
+                       batch_size=c.batch_size, device=c.device)
 
 
 def cell_key(label: str, network: str, seed: int | None = None) -> str:
     return f"{label} @ {network}" + ("" if seed is None else f" #seed {seed}")
-
-
-def planned_as(algorithm: str, compressor: str | None = None) -> tuple[str, str]:
-    """The (algorithm, compressor) the planner sees a cell as: a peer's declared `plan_as`, else its own."""
-    peer = peers.find(algorithm)
-    return peer.plan_as if peer is not None else (algorithm, compressor or "none")
 
 
 class _PoolView:
@@ -159,97 +152,6 @@ class _PoolView:
         # the cell's wall limit is a deadline: it ends the cell however it progresses
         extra = {k: v for k, v in (("timeout", timeout), ("deadline", self.timeout)) if v is not None}
         return self.pool.run(fn, *args, network="lan" if self.netem else network, seed=seed, **extra)
-
-
-def family(algorithm: str | None) -> str | None:
-    """The cost family of a cell's algorithm (`thinwire.algorithms.cost`), a peer's that of the thinwire algorithm
-    it is planned as (`planned_as`); None for a name nobody registered (a row of an older result)."""
-    name = planned_as(algorithm)[0] if algorithm else algorithm
-    return cost_of(name).family if name in algorithms.registry else None
-
-
-def syncs_every_step(algorithm: str | None) -> bool:
-    """Whether a cell's algorithm averages every step's gradient (its steps to a target are SGD's), rather than
-    its models every few steps."""
-    kind = family(algorithm)
-    return kind is not None and FAMILIES[kind].every_step
-
-
-def with_sgd_where_needed(cell: presets.Cell, workload: str) -> presets.Cell:
-    """A copy of `cell`, with SGD for an algorithm that compensates SGD only on a workload whose optimizer is
-    another (unless the cell names one)."""
-    out = replace(cell, params=dict(cell.params))
-    sgd_only = not cell.peer and cell.algorithm in algorithms.registry and \
-        algorithms.registry.lookup(cell.algorithm).sgd_only
-    if sgd_only and cell.optimizer is None and workloads.get(workload).optimizer != "sgd":
-        out.optimizer = "sgd"
-    return out
-
-
-def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
-              compute_s: float | None) -> tuple[presets.Cell, list[str]]:
-    """The cell with the parameters it leaves out picked for `network` (and SGD for an algorithm that
-    compensates SGD only, on a workload whose optimizer is another); the reasons, one per decision."""
-    wl = workloads.get(workload)
-    out = with_sgd_where_needed(cell, workload)
-    why: list[str] = []
-    if out.optimizer != cell.optimizer:
-        why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {wl.optimizer})")
-    if family(cell.algorithm) == "diloco":
-        return _tune_diloco(out, why, network, wl, workers, compute_s)
-    peer = peers.find(cell.algorithm)
-    plan_as = planned_as(cell.algorithm)[0]
-    takes = (lambda k: k in peer.params) if peer else (lambda k: algorithms.registry.accepts(cell.algorithm, k))
-    if not any(takes(k) and k not in out.params for k in cost_of(plan_as).tunable):
-        return out, why
-    if compute_s is None:
-        why.append("defaults: no compute time was measured for the planner")
-        return out, why
-    s = Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=workers,
-                 handshake=True)
-    momentum = wl.optimizer_settings(out.optimizer)[1]["momentum"] if not cell.peer else 0.9
-    pick, reason = tune(plan_as, s, out.params, compressor=out.compressor or "none", momentum=momentum)
-    pick = {k: v for k, v in pick.items() if takes(k)}
-    if pick:
-        out.params.update(pick)
-        why.append(f"{', '.join(f'{k}={v}' for k, v in pick.items())}: {reason}")
-    return out, why
-
-
-DILOCO_PLANNED = ("period", "fragments", "overlap", "eager", "allreduce", "replicas")
-
-
-DILOCO_DEFAULTS = {"fragments": 1, "overlap": 0, "eager": False, "allreduce": "gloo", "replicas": "worker"}
-
-
-def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float, complete: bool = False):
-    """The planner's DiLoCo (`thinwire.plan.diloco`) for this cell on `network`: what the cell gives (parameters,
-    a compressor) is kept, the rest planned (`complete`: the rest is the algorithm's defaults, as the cell runs)."""
-    link = parse_network(network)
-    s = Scenario(params=wl.num_params(), compute_s=compute_s, link=link, workers=workers, handshake=True)
-    given = {**(DILOCO_DEFAULTS if complete else {}), **{k: v for k, v in cell.params.items() if k in DILOCO_PLANNED}}
-    if cell.compressor or complete:
-        given.update(compressor=cell.compressor or "none", memory=cell.memory)
-    return plan_diloco(s, link if isinstance(link, Islands) else None, given)
-
-
-def _tune_diloco(out: presets.Cell, why: list, network: str, wl, workers: int, compute_s: float | None):
-    """DiLoCo's settings from the planner so that its sync is hidden (the τ rule, eager updates, the all-reduce and
-    the compressor: `thinwire.plan.diloco`), for those the cell leaves out."""
-    if all(k in out.params for k in DILOCO_PLANNED[:3]) and out.compressor:
-        return out, why
-    if compute_s is None:
-        why.append("defaults: no compute time was measured for the planner")
-        return out, why
-    plan = diloco_plan(out, network, wl, workers, compute_s)
-    picked = {k: v for k, v in plan.params().items() if k not in out.params}
-    out.params.update(picked)
-    if not out.compressor and plan.compressor != "none":
-        out.compressor, out.memory = plan.compressor, plan.memory
-        picked["compressor"] = f"{plan.compressor} + {plan.memory}"
-    if picked:
-        why.append(f"{', '.join(f'{k}={v}' for k, v in picked.items())}: planner: {plan.describe()}")
-    return out, why
 
 
 class Harness:
@@ -462,86 +364,6 @@ def _curve(celldir: str, metric: str, total_sent: float) -> list:
     return pts
 
 
-# -- predict, then race --------------------------------------------------------------------------------------
-# Steps to the target, relative to the no-communication reference's (independent workers, each its own model and
-# batch): a cell that averages every step trains on the workers' whole batch (fewer steps: SYNC_STEPS of the
-# reference's), one that averages every H steps follows its workers' own trajectories between averages (as many).
-# Measured on stdlib-lm to loss 2.5, 4 workers, seed 0 on `lan`: `local` 160 steps, `bsp` 116 (0.72 of it), `diloco`
-# H = 32 136, H = 64 144, H = 16 160 (BENCHMARKS.md, "Predict, then race"); a prior for other workloads, where the report says
-# how far it was off.
-SYNC_STEPS = 0.72
-# averaging every H steps: diloco H = 32 / 64 136 / 144 steps (0.85-0.9), overlapped by τ with α = 0.5 144 (0.9),
-# with α = 0 152-160 (about 1)
-PERIODIC_STEPS = {"plain": 0.88, "mixed": 0.9, "overlapped": 1.0}
-# model averaging every H steps (local SGD, post-local SGD, torchft's DiLoCo), by H: the map's cells (stdlib-lm to
-# loss 2.5, 4 workers, seed 0, reference 166 steps; BENCHMARKS.md, "The map") took H = 1: 95 and 97 steps (0.57-0.58
-# of the reference's), H = 2: 102-113 (0.61-0.68; fewer than bsp's 113-114 at H = 1 and 2), H = 32: 133-138
-# (0.80-0.83), H = 64: 138-145 (0.83-0.87), H = 128: 146-154 (0.88-0.93): about 0.575 + 0.048 log2 H, at most 1
-AVERAGING_STEPS = (0.575, 0.048)
-
-
-def averaging_steps(period: int) -> float:
-    """Steps to target of model averaging every `period` steps, relative to the no-communication reference's."""
-    return min(1.0, AVERAGING_STEPS[0] + AVERAGING_STEPS[1] * math.log2(max(1, period)))
-
-
-def predict_cell(cell: presets.Cell, network: str, cfg: CompareConfig, compute_s: float | None) -> dict:
-    """The planner's step time and time per sync of a (tuned) cell on `network`, from the model size and the
-    reference's step time: `thinwire.plan.diloco` for DiLoCo, `thinwire.plan.costmodel.predict` for the rest
-    (a peer as the thinwire algorithm of the same pattern); {} where it has no model for the cell."""
-    if compute_s is None:
-        return {}
-    wl = workloads.get(cfg.workload)
-    try:
-        if family(cell.algorithm) == "diloco":
-            plan = diloco_plan(cell, network, wl, cfg.workers, compute_s, complete=True)
-            return {"step_s": plan.iteration_s, "sync_s": plan.sync_s, "period": plan.period}
-        algorithm, compressor = planned_as(cell.algorithm, cell.compressor)
-        params, peer = dict(cell.params), peers.find(cell.algorithm)
-        if peer is not None:    # the parameters the planner reads as `algorithm`'s
-            params = {k: params.get(k, v) for k, v in peer.plan_params.items() if k in params or v is not None}
-        s = Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=cfg.workers,
-                     handshake=True)
-        pred = predict(s, algorithm, compressor, **params)
-        sync = exchange(s, compressor, **{k: v for k, v in params.items() if k in ("ratio", "rank", "levels")})[1]
-        return {"step_s": float(pred.iteration_s), "sync_s": float(sync.time) if pred.collective != "none" else None,
-                "period": int(params.get("period", 1))}
-    except (UserError, KeyError, TypeError, ValueError) as e:
-        return {"error": f"{type(e).__name__}: {e}"}
-
-
-def predict_race(tuned: dict, cells: list, cfg: CompareConfig, baseline: dict) -> dict:
-    """Before any cell runs: per network, each cell's predicted step, sync and time to target (the reference's
-    steps to target × SYNC_STEPS for a cell that averages every step, × PERIODIC_STEPS for DiLoCo, overlapped or
-    not, × `averaging_steps(H)` for model averaging every H steps, × its predicted step),
-    and the predicted winner (the least predicted time to target within the budget)."""
-    steps_ref = baseline.get("steps_to_target")
-    out = {}
-    for network in cfg.networks:
-        here = {}
-        for cell in cells:
-            ran, _ = tuned[cell.label, network]
-            p = predict_cell(ran, network, cfg, baseline.get("step_time_s"))
-            if p.get("step_s") and steps_ref:
-                lag = ran.params.get("overlap") or ran.params.get("fragment_sync_delay") or ran.params.get("eager")
-                mixed = (ran.params.get("alpha") or ran.params.get("fragment_update_alpha") or 0) >= 0.5
-                kind = family(ran.algorithm)
-                factor = (SYNC_STEPS if syncs_every_step(ran.algorithm) else 1.0 if kind == "none" else
-                          PERIODIC_STEPS["plain" if not lag else "mixed" if mixed else "overlapped"]
-                          if kind == "diloco" else averaging_steps(p.get("period") or 1))
-                net = parse_network(network)
-                if ran.params.get("replicas") == "island" and isinstance(net, Islands) and net.size > 1:
-                    # each replica data parallel over its island's m workers: between one worker (1) and all n
-                    factor *= SYNC_STEPS ** (math.log(net.size) / math.log(cfg.workers))
-                p["steps"] = steps_ref * factor
-                p["time_to_target_s"] = p["steps"] * p["step_s"]
-                p["within_budget"] = cfg.budget_s is None or p["time_to_target_s"] <= cfg.budget_s
-            here[cell.label] = p
-        timed = {k: v["time_to_target_s"] for k, v in here.items() if v.get("time_to_target_s") is not None}
-        out[network] = {"cells": here, "winner": min(timed, key=timed.get) if timed else None}
-    return out
-
-
 def quiet_step_s(celldir: str, least: int = 5) -> tuple[float | None, float | None]:
     """(median, mean) of a run's steps that sent nothing (its compute, measured alongside its communication:
     DiLoCo's and local SGD's inner steps), past the first two; Nones with fewer than `least` of them."""
@@ -700,14 +522,11 @@ def load(out: str) -> tuple[CompareConfig, dict]:
 
 def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress: bool = True, pool=None) -> dict:
     """Run (or resume) the matrix into `out`; write results.json, report.md and the plots; return the results."""
-    from .plots import plot_all
-    from .report import write_report
     cfg, results = load(out) if resume else (cfg, new_results(cfg))
     cfg.validate()  # bad names and numbers fail here, before anything is started
     os.makedirs(out, exist_ok=True)
     env = None
     if cfg.netem:
-        from ..launcher.netem import Emulation
         env = Emulation(cfg.workers + 1).__enter__()
     harness = Harness(cfg, out, netem_env=env, pool=pool)
     t0 = _now()

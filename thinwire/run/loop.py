@@ -46,19 +46,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from ..comm import elastic
 from ..errors import UserError
-from ..trace import Tracer
+from ..files import check_writable_dir
 from ..launcher import report_progress
+from ..trace import Tracer
+from ..trainer import Trainer
 from . import checkpoint, workloads
 from .stepper import Stepper, make_optimizer, model_device
 
@@ -75,8 +80,6 @@ class TrainerStepper(Stepper):
     """thinwire's own algorithms (and `local`, the no-communication reference) through `thinwire.Trainer`."""
 
     def __init__(self, cfg, wl, rank: int, tracer=None):
-        from ..comm import elastic
-        from ..trainer import Trainer
         if elastic.MEMBER is not None:      # a newcomer of another configuration is refused, naming the difference
             elastic.MEMBER.agree("run", checkpoint.config_fields(cfg))
         model = wl.model(cfg.seed).to(model_device(cfg))
@@ -85,12 +88,8 @@ class TrainerStepper(Stepper):
                                nonfinite=cfg.nonfinite, on_failure=cfg.on_failure, **cfg.component_params())
         super().__init__(model, model, getattr(self.trainer.algorithm, "worker_rank", rank))
         self.optimizer, self.role = self.trainer.optimizer, getattr(self.trainer.algorithm, "role", "worker")
-
-    def step(self) -> dict:
-        return self.trainer.step()
-
-    def close(self) -> None:
-        self.trainer.close()
+        t = self.trainer    # the Stepper's step, drain and checkpoint state are the Trainer's own
+        self.step, self.close, self.state_dict, self.load_state_dict = t.step, t.close, t.state_dict, t.load_state_dict
 
     def counted(self, before: dict | None) -> tuple[dict, dict]:
         """This rank's meter (bytes, ops, emulated and exposed time, by kind and in total) and metrics over the
@@ -106,12 +105,6 @@ class TrainerStepper(Stepper):
         metrics.update({k: v for k, v in meter["total"].items() if k in metrics})
         metrics["skipped_steps"] = metrics.get("skipped_steps", 0) + before.get("skipped_steps", 0)
         return meter, metrics
-
-    def state_dict(self) -> dict:
-        return self.trainer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.trainer.load_state_dict(state)
 
     def serve(self, cfg, rank: int, world_size: int, total: int | None) -> dict | None:
         """A server rank: restore its state on resume, then serve; with checkpoints, it joins each one at the
@@ -237,11 +230,9 @@ class Schedule:
 # -- TensorBoard ------------------------------------------------------------------------------------------
 def check_tensorboard(path) -> None:
     """`--tensorboard DIR` can work here: the optional extra is installed and DIR is writable (else one line)."""
-    import importlib.util
     if importlib.util.find_spec("tensorboard") is None:
         raise UserError("--tensorboard needs the optional extra: pip install 'thinwire[tensorboard]' "
                         "(the tensorboard package)")
-    from ..files import check_writable_dir
     check_writable_dir(path, "--tensorboard")
 
 
@@ -275,7 +266,6 @@ class Board:
 def train_worker(rank: int, world_size: int, cfg) -> dict:
     """Runs in every rank: train, evaluate, agree, stop; return this rank's records. In an elastic job `rank` is
     the member id and `world_size` the number of workers the job started with."""
-    from ..comm import elastic
     if elastic.MEMBER is not None and cfg.workers != world_size:   # (a newcomer joined by hand: the job's count)
         cfg = dataclasses.replace(cfg, workers=world_size)
     wl = workloads.get(cfg.workload)
@@ -297,8 +287,6 @@ def progress_bar(**kw):
     """A tqdm bar on stderr, locked by a thread lock. tqdm's default lock is a multiprocessing semaphore; made in a
     worker (rank 0 draws the training bar) it is registered with the launcher's resource tracker and not
     released when the worker exits, so every `thinwire train` ended with "1 leaked semaphore"."""
-    import threading
-
     from tqdm import tqdm
     tqdm.set_lock(threading.RLock())
     return tqdm(file=sys.stderr, dynamic_ncols=True, **kw)

@@ -18,17 +18,20 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import algorithms
+from ..algorithms.ps_sync import checkpointable_on_ps
 from ..compress import compressors, memories
 from ..errors import UserError
 from ..files import atomic_write, check_writable_dir
 from ..net import Islands, parse_network, ring_allreduce
 from ..optim import check_momentum
 from ..trace import write_chrome_trace
-from ..trainer import build_components, check_run, nonfinite_params
-from . import checkpoint, workloads
+from ..trainer import build_components, check_elastic, check_run, nonfinite_params
 from ..launcher import MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, launch, pick_backend, under_torchrun
+from ..launcher.elastic import ElasticPool, join_by_hand
+from . import checkpoint, workloads
 from .loop import check_tensorboard, train_worker
 
 _now = time.perf_counter
@@ -115,7 +118,12 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         workloads.registry.lookup(self.workload)
-        self._check_race()
+        if self.budget_s is not None:
+            check_number("--budget", self.budget_s, 0, low_open=True, why=" (seconds of training time)")
+        if self.optimizer is not None:
+            workloads.check_optimizer(self.optimizer, "--optimizer")
+        if self.tensorboard is not None:
+            check_tensorboard(self.tensorboard)
         if not self.peer:
             algorithms.registry.lookup(self.algorithm)
             if self.compressor is not None:
@@ -177,12 +185,10 @@ class TrainConfig:
         if self.nonfinite == "skip" and self.servers:  # the agreement is an all-reduce the servers never join
             raise UserError("--nonfinite skip needs every rank to step; parameter-server runs (--servers) use "
                             "--nonfinite stop")
-        if self.checkpoint_every is not None and self.servers:
-            from ..algorithms.ps_sync import checkpointable_on_ps
-            if not checkpointable_on_ps(self.algorithm):
-                ok = [n for n in algorithms.names() if checkpointable_on_ps(n)]
-                raise UserError(f"checkpoints of {self.algorithm} on the parameter server are not supported; "
-                                f"checkpointable there: {', '.join(ok)} (or {self.algorithm} on all-reduce)")
+        if self.checkpoint_every is not None and self.servers and not checkpointable_on_ps(self.algorithm):
+            ok = [n for n in algorithms.names() if checkpointable_on_ps(n)]
+            raise UserError(f"checkpoints of {self.algorithm} on the parameter server are not supported; "
+                            f"checkpointable there: {', '.join(ok)} (or {self.algorithm} on all-reduce)")
         if self.resume is not None:   # every rank's file too, where one launcher starts every rank
             checkpoint.check(self.resume, self.workers + self.servers, self, files=not under_torchrun())
         if self.checkpoint_dir is not None:
@@ -232,7 +238,6 @@ class TrainConfig:
     def _check_elastic(self) -> None:
         """An elastic job (or a worker joining one): an algorithm with synchronization boundaries on all-reduce,
         on the CPU, training a fixed number of steps (docs/reliability.md, "Workers that join a running job")."""
-        from ..trainer import check_elastic
         if self.elastic is not None and self.join is not None:
             raise UserError("--elastic starts an elastic job, --join joins one: give one of them")
         if self.elastic is not None:
@@ -259,15 +264,6 @@ class TrainConfig:
         alg, _, _, scheduler, *_ = build_components(self.algorithm, self.compressor, self.memory,
                                                     **self.component_params())
         check_elastic(alg, scheduler)
-
-    def _check_race(self) -> None:
-        """Numbers and paths of the race and logging options, and the optimizer's name."""
-        if self.budget_s is not None:
-            check_number("--budget", self.budget_s, 0, low_open=True, why=" (seconds of training time)")
-        if self.optimizer is not None:
-            workloads.check_optimizer(self.optimizer, "--optimizer")
-        if self.tensorboard is not None:
-            check_tensorboard(self.tensorboard)
 
     def _check_fit(self) -> None:
         """A target the workload's metric can reach, a batch no larger than the smallest worker's shard."""
@@ -432,8 +428,8 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
         check_writable_dir(out, "--out")  # before training: never lose the results to a bad path
     cfg.validate()
     t0 = _now()
-    if cfg.join is not None:
-        return join_training(cfg)
+    if cfg.join is not None:    # this process joins the elastic job there as one more worker (under torchrun
+        return join_by_hand(cfg.join, train_worker, cfg)    # too); the job's launcher writes the summary
     if cfg.elastic is not None:
         return run_elastic(cfg, out, pool)
     if pool is not None:
@@ -451,7 +447,6 @@ def run_elastic(cfg: TrainConfig, out: str | None = None, pool=None, on_start=No
     each lost worker (`replace_delay` later) and takes newcomers joined by hand (`--join`, the address printed on
     stderr) up to MAX. The summary adds `elastic`: the generations, the workers lost and the newcomers started.
     `on_start(pool)`, if given, runs once the pool listens (the churn benchmark starts its kill schedule there)."""
-    from ..launcher.elastic import ElasticPool
     lo, hi = cfg.elastic_range()
     t0 = _now()
     own = pool is None
@@ -476,13 +471,6 @@ def run_elastic(cfg: TrainConfig, out: str | None = None, pool=None, on_start=No
     return summarize_and_write(cfg, [got[m] for m in sorted(got)], _now() - t0, out, {"elastic": elastic})
 
 
-def join_training(cfg: TrainConfig) -> dict:
-    """`thinwire train --join HOST:PORT`: this process joins the elastic job there as one more worker (also under
-    torchrun: each of its processes joins); the job's launcher writes the summary. Returns this worker's records."""
-    from ..launcher.elastic import join_by_hand
-    return join_by_hand(cfg.join, train_worker, cfg)
-
-
 def summarize_and_write(cfg: TrainConfig, results: list[dict], wall_s: float, out: str | None,
                         extra: dict | None = None) -> dict:
     """The summary (`summarize`, with `extra`); with `out`, also written: `out/metrics.jsonl`,
@@ -502,7 +490,6 @@ def summarize_and_write(cfg: TrainConfig, results: list[dict], wall_s: float, ou
 def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str | None) -> dict | None:
     """Under torchrun: train as one worker of the job; rank 0 gathers the records (as JSON, never pickle)
     and writes the outputs. Returns the summary on rank 0, None elsewhere."""
-    import torch.distributed as dist
     cfg.workers = world_size - cfg.resolve_servers()  # the workers are what torchrun started
     if cfg.resume and not checkpoint.exists(cfg.resume):
         # torchrun runs the same command on every (re)start: `--resume DIR` before DIR's first checkpoint

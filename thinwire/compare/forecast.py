@@ -1,0 +1,183 @@
+"""What the planner says about a race before it runs: the parameters a cell leaves out, picked for its network
+(`tune_cell`: `thinwire.plan.advise.tune`, `thinwire.plan.diloco` for DiLoCo), a cell's predicted step and sync
+(`predict_cell`), and every cell's time to target with the predicted winner per network (`predict_race`), from the
+model size and the no-communication reference's median step and steps to target. A peer is predicted as the
+thinwire algorithm it declares (`planned_as`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from .. import algorithms
+from ..errors import UserError
+from ..net import Islands, parse_network
+from ..plan.advise import tune
+from ..plan.costmodel import Scenario, cost_of, exchange, predict
+from ..plan.diloco import plan_diloco
+from ..plan.families import FAMILIES
+from ..run import workloads
+from . import peers, presets
+
+DILOCO_PLANNED = ("period", "fragments", "overlap", "eager", "allreduce", "replicas")
+DILOCO_DEFAULTS = {"fragments": 1, "overlap": 0, "eager": False, "allreduce": "gloo", "replicas": "worker"}
+
+# Steps to the target, relative to the no-communication reference's (independent workers, each its own model and
+# batch): a cell that averages every step trains on the workers' whole batch (fewer steps: SYNC_STEPS of the
+# reference's), one that averages every H steps follows its workers' own trajectories between averages (as many).
+# Measured on stdlib-lm to loss 2.5, 4 workers, seed 0 on `lan`: `local` 160 steps, `bsp` 116 (0.72 of it), `diloco`
+# H = 32 136, H = 64 144, H = 16 160 (BENCHMARKS.md, "Predict, then race"); a prior for other workloads, where the
+# report says how far it was off.
+SYNC_STEPS = 0.72
+# averaging every H steps: diloco H = 32 / 64 136 / 144 steps (0.85-0.9), overlapped by τ with α = 0.5 144 (0.9),
+# with α = 0 152-160 (about 1)
+PERIODIC_STEPS = {"plain": 0.88, "mixed": 0.9, "overlapped": 1.0}
+# model averaging every H steps (local SGD, post-local SGD, torchft's DiLoCo), by H: the map's cells (stdlib-lm to
+# loss 2.5, 4 workers, seed 0, reference 166 steps; BENCHMARKS.md, "The map") took H = 1: 95 and 97 steps (0.57-0.58
+# of the reference's), H = 2: 102-113 (0.61-0.68; fewer than bsp's 113-114 at H = 1 and 2), H = 32: 133-138
+# (0.80-0.83), H = 64: 138-145 (0.83-0.87), H = 128: 146-154 (0.88-0.93): about 0.575 + 0.048 log2 H, at most 1
+AVERAGING_STEPS = (0.575, 0.048)
+
+
+def planned_as(algorithm: str, compressor: str | None = None) -> tuple[str, str]:
+    """The (algorithm, compressor) the planner sees a cell as: a peer's declared `plan_as`, else its own."""
+    peer = peers.find(algorithm)
+    return peer.plan_as if peer is not None else (algorithm, compressor or "none")
+
+
+def family(algorithm: str | None) -> str | None:
+    """The cost family of a cell's algorithm (`thinwire.algorithms.cost`), a peer's that of the thinwire algorithm
+    it is planned as (`planned_as`); None for a name nobody registered (a row of an older result)."""
+    name = planned_as(algorithm)[0] if algorithm else algorithm
+    return cost_of(name).family if name in algorithms.registry else None
+
+
+def syncs_every_step(algorithm: str | None) -> bool:
+    """Whether a cell's algorithm averages every step's gradient (its steps to a target are SGD's), rather than
+    its models every few steps."""
+    kind = family(algorithm)
+    return kind is not None and FAMILIES[kind].every_step
+
+
+def with_sgd_where_needed(cell: presets.Cell, workload: str) -> presets.Cell:
+    """A copy of `cell`, with SGD for an algorithm that compensates SGD only on a workload whose optimizer is
+    another (unless the cell names one)."""
+    out = replace(cell, params=dict(cell.params))
+    sgd_only = not cell.peer and cell.algorithm in algorithms.registry and \
+        algorithms.registry.lookup(cell.algorithm).sgd_only
+    if sgd_only and cell.optimizer is None and workloads.get(workload).optimizer != "sgd":
+        out.optimizer = "sgd"
+    return out
+
+
+def _scenario(wl, network: str, workers: int, compute_s: float) -> Scenario:
+    return Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=workers,
+                    handshake=True)
+
+
+def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
+              compute_s: float | None) -> tuple[presets.Cell, list[str]]:
+    """The cell with the parameters it leaves out picked for `network` (and SGD for an algorithm that
+    compensates SGD only, on a workload whose optimizer is another); the reasons, one per decision. DiLoCo's
+    settings hide its sync (the τ rule, eager updates, the all-reduce and the compressor: `thinwire.plan.diloco`)."""
+    wl = workloads.get(workload)
+    out = with_sgd_where_needed(cell, workload)
+    why: list[str] = []
+    if out.optimizer != cell.optimizer:
+        why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {wl.optimizer})")
+    peer, plan_as = peers.find(cell.algorithm), planned_as(cell.algorithm)[0]
+    diloco = family(cell.algorithm) == "diloco"
+    takes = (lambda k: k in peer.params) if peer else (lambda k: algorithms.registry.accepts(cell.algorithm, k))
+    if (all(k in out.params for k in DILOCO_PLANNED[:3]) and out.compressor if diloco else
+            not any(takes(k) and k not in out.params for k in cost_of(plan_as).tunable)):
+        return out, why
+    if compute_s is None:
+        why.append("defaults: no compute time was measured for the planner")
+        return out, why
+    if diloco:
+        plan = diloco_plan(out, network, wl, workers, compute_s)
+        pick, reason = {k: v for k, v in plan.params().items() if k not in out.params}, f"planner: {plan.describe()}"
+        out.params.update(pick)
+        if not out.compressor and plan.compressor != "none":
+            out.compressor, out.memory = plan.compressor, plan.memory
+            pick["compressor"] = f"{plan.compressor} + {plan.memory}"
+    else:
+        momentum = wl.optimizer_settings(out.optimizer)[1]["momentum"] if not cell.peer else 0.9
+        pick, reason = tune(plan_as, _scenario(wl, network, workers, compute_s), out.params,
+                            compressor=out.compressor or "none", momentum=momentum)
+        pick = {k: v for k, v in pick.items() if takes(k)}
+        out.params.update(pick)
+    if pick:
+        why.append(f"{', '.join(f'{k}={v}' for k, v in pick.items())}: {reason}")
+    return out, why
+
+
+def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float, complete: bool = False):
+    """The planner's DiLoCo (`thinwire.plan.diloco`) for this cell on `network`: what the cell gives (parameters,
+    a compressor) is kept, the rest planned (`complete`: the rest is the algorithm's defaults, as the cell runs)."""
+    s = _scenario(wl, network, workers, compute_s)
+    given = {**(DILOCO_DEFAULTS if complete else {}), **{k: v for k, v in cell.params.items() if k in DILOCO_PLANNED}}
+    if cell.compressor or complete:
+        given.update(compressor=cell.compressor or "none", memory=cell.memory)
+    return plan_diloco(s, s.link if isinstance(s.link, Islands) else None, given)
+
+
+def averaging_steps(period: int) -> float:
+    """Steps to target of model averaging every `period` steps, relative to the no-communication reference's."""
+    return min(1.0, AVERAGING_STEPS[0] + AVERAGING_STEPS[1] * math.log2(max(1, period)))
+
+
+def predict_cell(cell: presets.Cell, network: str, cfg, compute_s: float | None) -> dict:
+    """The planner's step time and time per sync of a (tuned) cell on `network` in the matrix `cfg`, from the
+    model size and the reference's step time: `thinwire.plan.diloco` for DiLoCo,
+    `thinwire.plan.costmodel.predict` for the rest (a peer as the thinwire algorithm of the same pattern); {}
+    where it has no model for the cell."""
+    if compute_s is None:
+        return {}
+    wl = workloads.get(cfg.workload)
+    try:
+        if family(cell.algorithm) == "diloco":
+            plan = diloco_plan(cell, network, wl, cfg.workers, compute_s, complete=True)
+            return {"step_s": plan.iteration_s, "sync_s": plan.sync_s, "period": plan.period}
+        algorithm, compressor = planned_as(cell.algorithm, cell.compressor)
+        params, peer = dict(cell.params), peers.find(cell.algorithm)
+        if peer is not None:    # the parameters the planner reads as `algorithm`'s
+            params = {k: params.get(k, v) for k, v in peer.plan_params.items() if k in params or v is not None}
+        s = _scenario(wl, network, cfg.workers, compute_s)
+        pred = predict(s, algorithm, compressor, **params)
+        sync = exchange(s, compressor, **{k: v for k, v in params.items() if k in ("ratio", "rank", "levels")})[1]
+        return {"step_s": float(pred.iteration_s), "sync_s": float(sync.time) if pred.collective != "none" else None,
+                "period": int(params.get("period", 1))}
+    except (UserError, KeyError, TypeError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def predict_race(tuned: dict, cells: list, cfg, baseline: dict) -> dict:
+    """Before any cell runs: per network, each cell's predicted step, sync and time to target (the reference's
+    steps to target × SYNC_STEPS for a cell that averages every step, × PERIODIC_STEPS for DiLoCo, overlapped or
+    not, × `averaging_steps(H)` for model averaging every H steps, × its predicted step),
+    and the predicted winner (the least predicted time to target within the budget)."""
+    steps_ref = baseline.get("steps_to_target")
+    out = {}
+    for network in cfg.networks:
+        here = {}
+        for cell in cells:
+            ran, _ = tuned[cell.label, network]
+            p = predict_cell(ran, network, cfg, baseline.get("step_time_s"))
+            if p.get("step_s") and steps_ref:
+                lag = ran.params.get("overlap") or ran.params.get("fragment_sync_delay") or ran.params.get("eager")
+                mixed = (ran.params.get("alpha") or ran.params.get("fragment_update_alpha") or 0) >= 0.5
+                kind = family(ran.algorithm)
+                factor = (SYNC_STEPS if syncs_every_step(ran.algorithm) else 1.0 if kind == "none" else
+                          PERIODIC_STEPS["plain" if not lag else "mixed" if mixed else "overlapped"]
+                          if kind == "diloco" else averaging_steps(p.get("period") or 1))
+                net = parse_network(network)
+                if ran.params.get("replicas") == "island" and isinstance(net, Islands) and net.size > 1:
+                    # each replica data parallel over its island's m workers: between one worker (1) and all n
+                    factor *= SYNC_STEPS ** (math.log(net.size) / math.log(cfg.workers))
+                p["steps"] = steps_ref * factor
+                p["time_to_target_s"] = p["steps"] * p["step_s"]
+                p["within_budget"] = cfg.budget_s is None or p["time_to_target_s"] <= cfg.budget_s
+            here[cell.label] = p
+        timed = {k: v["time_to_target_s"] for k, v in here.items() if v.get("time_to_target_s") is not None}
+        out[network] = {"cells": here, "winner": min(timed, key=timed.get) if timed else None}
+    return out
