@@ -18,6 +18,7 @@ from . import algorithms  # noqa: E402
 from .comm import Transport
 from .compress import compressors, memories
 from .errors import UserError, WorkerError
+from .exchange.ddp import ddp_hook
 from .net import Link, parse_network
 from .trainer import Attachment, Trainer, attach
 
@@ -34,12 +35,6 @@ def __getattr__(name):
         from .run.workloads import Workload
         return Workload
     raise AttributeError(f"module 'thinwire' has no attribute {name!r}")
-
-
-def ddp_hook(*args, **kwargs):
-    """A PyTorch DDP comm hook running a thinwire compressor (see `thinwire.exchange.ddp`)."""
-    from .exchange.ddp import ddp_hook as _hook
-    return _hook(*args, **kwargs)
 
 
 __all__ = ["Attachment", "Link", "Pool", "Trainer", "Transport", "UserError", "WorkerError", "Workload", "algorithms",

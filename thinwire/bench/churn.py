@@ -54,7 +54,7 @@ from ..compare.peers import find
 from ..compare.peers.counter import AllReduceCounter
 from ..compare.peers.torchft_diloco import quiet, replica_group
 from ..errors import UserError
-from ..files import check_writable_dir
+from ..files import check_writable_dir, pyplot, save
 from ..net import parse_network
 from ..run import workloads
 from ..run.train import TrainConfig, check_int, check_number, run_elastic
@@ -451,9 +451,7 @@ def plot(result: dict, workdir: str) -> str | None:
     those a loss threw away, the gaps (start-up, joins, restarts, evaluations) — the kills marked, the time to
     target and the goodput in the title. None if matplotlib is missing."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return None
     rows = [r for r in result["rows"] if r.get("goodput") is not None]
@@ -481,11 +479,8 @@ def plot(result: dict, workdir: str) -> str | None:
                            "blue: target", fontsize=8)
     fig.suptitle(f"{result['workload']}, {result['workers']} workers behind {result['network']}, a kill every "
                  f"{result['kill_every_s']:g} s", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(workdir, "churn.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    save(fig, os.path.join(workdir, "churn.png"))
+    return os.path.join(workdir, "churn.png")
 
 
 def run(args) -> int:

@@ -59,10 +59,6 @@ def target(result: dict, name: str) -> float | None:
     return t
 
 
-def _median_ms(samples: list[float]) -> float:
-    return statistics.median(samples) * 1e3
-
-
 def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: str = "wall",
           world_size: int = 4, device: str = "cpu", params: dict | None = None) -> dict:
     """`clock="cpu"` times with this process's CPU time (all its threads) instead of the wall clock: on a machine
@@ -127,7 +123,7 @@ def bench(numel: int, names: list[str], repeat: int = 5, seed: int = 0, clock: s
                 t, out = timed(lambda: comp.decompress(payload))
                 td.append(t)
                 del out
-            row.update(compress_ms=_median_ms(tc), decompress_ms=_median_ms(td))
+            row.update(compress_ms=statistics.median(tc) * 1e3, decompress_ms=statistics.median(td) * 1e3)
             row["x_memcpy"] = (row["compress_ms"] + row["decompress_ms"]) / memcpy_ms
             row["payload_bytes"] = int(payload.nbytes)
             row["bits_per_element"] = payload.nbytes * 8.0 / max(numel, 1)

@@ -18,31 +18,6 @@ from ..run.train import TrainConfig, run_torchrun_worker, run_training
 from ..run.user import canonical
 
 
-def add_run_options(p) -> None:
-    p.add_argument("--workload", default="digits-mlp", help="workload name (see `thinwire list`) or yours: "
-                                                             "module:function or path/to/file.py:function")
-    p.add_argument("--algorithm", default="bsp", help="algorithm name (see `thinwire list`)")
-    p.add_argument("--workers", type=int, default=4, help="number of worker processes (default 4)")
-    p.add_argument("--servers", type=int, default=None,
-                   help="parameter-server ranks (algorithms on the PS; default 1 there)")
-    p.add_argument("--network", default="lan",
-                   help="lan, dc, cluster, wan, world, home, custom:bandwidth=200mbit,latency=25ms,jitter=5ms or "
-                        "islands:2x2,inside=dc,across=world (two islands of two workers)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--epochs", type=float, help="epochs over the training set (default: the workload's)")
-    g.add_argument("--steps", type=int, help="number of steps")
-    p.add_argument("--batch-size", type=int, help="per-worker batch size (default: the workload's)")
-    p.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
-    p.add_argument("--momentum", type=float, help="SGD momentum (default: the workload's)")
-    p.add_argument("--compressor", help="compressor name (see `thinwire list`)")
-    p.add_argument("--memory", help="memory (error feedback) name")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, help="evaluate every N steps (default: twice per epoch)")
-    p.add_argument("--target", type=float, help="accuracy (or loss) target (default: the workload's)")
-    p.add_argument("--optimizer", help="sgd, adamw or muon (Muon on the hidden weight matrices, AdamW on the rest: "
-                                       "MuLoCo's inner optimizer) instead of the workload's own optimizer")
-
-
 def config_from_args(args):
     """The TrainConfig of `train`'s flags: each flag sets the field of its name, and --budget `budget_s`, the
     extra options `params`, --json / --quiet `progress`; checkpoints go to OUT/checkpoint by default; an
@@ -134,7 +109,28 @@ def register(sub) -> None:
         "Any other --name value (e.g. --architecture ps, --k 5 --warmup 20 --local-lr 0.05 --threshold 0.01, "
         "--delay 4 --period 2, --ratio 0.01, --sparse-collective gtopk) or --param name=value goes to the "
         "algorithm, compressor and memory that declare it; `thinwire list` shows each one's parameters."))
-    add_run_options(p)
+    p.add_argument("--workload", default="digits-mlp", help="workload name (see `thinwire list`) or yours: "
+                                                             "module:function or path/to/file.py:function")
+    p.add_argument("--algorithm", default="bsp", help="algorithm name (see `thinwire list`)")
+    p.add_argument("--workers", type=int, default=4, help="number of worker processes (default 4)")
+    p.add_argument("--servers", type=int, default=None,
+                   help="parameter-server ranks (algorithms on the PS; default 1 there)")
+    p.add_argument("--network", default="lan",
+                   help="lan, dc, cluster, wan, world, home, custom:bandwidth=200mbit,latency=25ms,jitter=5ms or "
+                        "islands:2x2,inside=dc,across=world (two islands of two workers)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--epochs", type=float, help="epochs over the training set (default: the workload's)")
+    g.add_argument("--steps", type=int, help="number of steps")
+    p.add_argument("--batch-size", type=int, help="per-worker batch size (default: the workload's)")
+    p.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
+    p.add_argument("--momentum", type=float, help="SGD momentum (default: the workload's)")
+    p.add_argument("--compressor", help="compressor name (see `thinwire list`)")
+    p.add_argument("--memory", help="memory (error feedback) name")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, help="evaluate every N steps (default: twice per epoch)")
+    p.add_argument("--target", type=float, help="accuracy (or loss) target (default: the workload's)")
+    p.add_argument("--optimizer", help="sgd, adamw or muon (Muon on the hidden weight matrices, AdamW on the rest: "
+                                       "MuLoCo's inner optimizer) instead of the workload's own optimizer")
     p.add_argument("--out", help="directory for metrics.jsonl, summary.json (and trace.json)")
     p.add_argument("--checkpoint-every", type=int, help="write a checkpoint every N steps (to --checkpoint-dir, "
                                                           "default OUT/checkpoint)")

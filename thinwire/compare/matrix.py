@@ -21,9 +21,8 @@ ssgd, ddp — of the same seed for another exact one) times this cell's own medi
 (min–max) per contestant, and says two contestants are *within noise* of each other when their ranges of time to
 target overlap (a seed that missed the target counts as +∞): a rule that is conservative with 3 seeds.
 
-**Defaults that suit the network.** Parameters a cell leaves out are picked by the planner for the network, the
-workload's size and the measured compute time (`forecast.tune_cell`); algorithms that compensate SGD only run with
-SGD on a workload whose optimizer is another. The report states each cell's parameters and why.
+**Defaults that suit the network.** Parameters a cell leaves out are picked by the planner (`forecast.tune_cell`);
+the report states each cell's parameters and why.
 
 - Scalability = throughput / throughput of the same workers doing no communication: the registered algorithm
   `local`, raced first like every cell (the same workers, data, batch, budget, target and process layout), once per
@@ -232,11 +231,6 @@ class Harness:
             out["steps_to_target_extrapolated"] = extrapolate_steps(celldir, s["metric"], s["target"])
         return out
 
-    def warm_up(self) -> None:
-        """Two steps of `local` in the pool, not recorded: every measured run (the reference first) starts in
-        processes that have built the model and run a step, as every later cell does."""
-        self.calibrate(steps=2)
-
     def calibrate(self, steps: int = CALIBRATION_STEPS) -> tuple[float, float]:
         """The machine's speed now: (median, mean) step of a short `local` run in the pool (its last 2/3 of
         steps), taken right before the reference and before every cell, so that a load that changes under the
@@ -284,7 +278,8 @@ class Harness:
                            initial=len(done) + (1 if results.get("baseline") else 0))
         try:
             if not results.get("baseline"):
-                self.warm_up()
+                # two steps of `local`, not recorded: every measured run (the reference first) starts in processes
+                self.calibrate(steps=2)     # that have built the model and run a step, as every later cell does
                 runs = []
                 for seed in range(cfg.seed, cfg.seed + cfg.seeds):
                     bar.set_description(f"compare: no-communication reference (seed {seed})")

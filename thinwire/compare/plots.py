@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 import os
 
+from ..files import pyplot
+from .results import rank
+
 
 def _style(results: dict) -> dict:
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     labels = list(dict.fromkeys(r["label"] for r in results["cells"]))  # in order of first appearance
     cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
     peers = {r["label"] for r in results["cells"] if r.get("peer")}
@@ -33,8 +36,7 @@ def _metric(results: dict) -> str:
 
 
 def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log_x: bool) -> str:
-    import matplotlib.pyplot as plt
-    style = _style(results)
+    plt, style = pyplot(), _style(results)
     nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
     cols = min(len(nets), 3)   # one panel per network, up to three a row
     rows = (len(nets) + cols - 1) // cols
@@ -82,8 +84,7 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
 
 
 def _ttt(results: dict, path: str) -> str:
-    import matplotlib.pyplot as plt
-    style = _style(results)
+    plt, style = pyplot(), _style(results)
     nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
     fig, ax = plt.subplots(figsize=(max(8.5, 1.9 * len(nets) + 3), 5.6))
     entries = results.get("summary") or []   # per contestant and network: the median over seeds
@@ -105,7 +106,6 @@ def _ttt(results: dict, path: str) -> str:
             ax.scatter(miss, [ceiling] * len(miss), color=s["color"], marker="x", s=50)
     # per network: the measured winner (a star on its point) and the planner's predicted one (a ring on its point,
     # predicted before the cells ran), both named under the axis
-    from .results import rank
     preds = results.get("predictions") or {}
     names = []
     for i, n in enumerate(nets):
@@ -155,8 +155,6 @@ def _ttt(results: dict, path: str) -> str:
 
 def plot_all(results: dict, out: str) -> dict:
     """Draw every plot into `out`; returns {title: file name}."""
-    import matplotlib
-    matplotlib.use("Agg")
     if not any(r.get("status") == "ok" for r in results["cells"]):
         return {}
     m = results["matrix"]

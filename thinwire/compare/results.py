@@ -57,7 +57,7 @@ def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
         for e in here:  # defined when the best reached the target: do the ranges of time to target overlap?
             e["within_noise_of_best"] = (None if not best["reached"] else
                                          e is not best and e["status"] == "ok" and e["ttt_min"] is not None
-                                         and _overlap(_span(e), _span(best)))
+                                         and max(_span(e)[0], _span(best)[0]) <= min(_span(e)[1], _span(best)[1]))
     return out
 
 
@@ -67,10 +67,6 @@ def _span(e: dict) -> tuple[float, float]:
     reading's error bar."""
     res = e.get("ttt_resolution") or 0.0
     return e["ttt_min"] * (1 - res), e["ttt_max"] * (1 + res)
-
-
-def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    return max(a[0], b[0]) <= min(a[1], b[1])
 
 
 def rank(entries: list[dict]) -> list[dict]:

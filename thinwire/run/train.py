@@ -355,17 +355,14 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         for rec in w["evals"]:
             evals_of.setdefault(rec["step"], []).append(rec)
     n_steps = len(steps_of)
-    rows = []
-    for step in sorted(steps_of):   # each step: the slowest worker's clock and step time, the workers' mean of the rest
-        per = steps_of[step]
-        rows.append({"step": step, **{k: (max if k in ("t", "step_s") else statistics.fmean)(p[k] for p in per)
-                                      for k in ("loss", "t", "step_s", "bytes_sent", "emulated_s", "wait_s")}})
-    evals = []
-    for step in sorted(evals_of):
-        per = evals_of[step]
-        # in a race the ranks agreed on the mean and the clock (and stopped on them): the same numbers here
-        evals.append({"step": per[0]["step"], "t": per[0].get("agreed_t", max(p["t"] for p in per)),
-                      "value": per[0].get("agreed", statistics.fmean(p["value"] for p in per))})
+    # each step: the slowest worker's clock and step time, the workers' mean of the rest
+    rows = [{"step": step, **{k: (max if k in ("t", "step_s") else statistics.fmean)(p[k] for p in per)
+                              for k in ("loss", "t", "step_s", "bytes_sent", "emulated_s", "wait_s")}}
+            for step, per in sorted(steps_of.items())]
+    # in a race the ranks agreed on the mean and the clock (and stopped on them): the same numbers here
+    evals = [{"step": per[0]["step"], "t": per[0].get("agreed_t", max(p["t"] for p in per)),
+              "value": per[0].get("agreed", statistics.fmean(p["value"] for p in per))}
+             for _, per in sorted(evals_of.items())]
     by_step = {e["step"]: e for e in evals}
     for row in rows:
         if row["step"] in by_step:

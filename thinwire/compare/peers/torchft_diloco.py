@@ -4,15 +4,12 @@
 How it runs here, on CPU and gloo, one replica group per thinwire worker rank:
 - worker rank 0 starts torchft's Lighthouse in-process on 127.0.0.1 (`LighthouseServer(min_replicas=workers)`)
   and the ranks learn its address through the launcher's process group;
-- each rank is a replica group of one: its own `TCPStore` (bound to 127.0.0.1), a torchft `Manager`
-  (`use_async_quorum=False`, as DiLoCo requires; `init_sync=False`: every replica builds the same model from the
-  seed) over torchft's `ProcessGroupGloo`, and `torchft.local_sgd.DiLoCo` around the workload's own optimizer
-  (inner steps) with an outer `SGD(lr=outer_lr 0.7, momentum=outer_momentum 0.9, nesterov=True)` (Douillard et al.
-  2023's outer optimizer), syncing every `period` steps; `fragments` > 1 is Streaming DiLoCo (with
-  `fragment_sync_delay` and `fragment_update_alpha`);
+- each rank is a replica group of one (`replica_group`) with `torchft.local_sgd.DiLoCo` around the workload's
+  own optimizer (inner steps) and an outer `SGD(lr=outer_lr 0.7, momentum=outer_momentum 0.9, nesterov=True)`
+  (Douillard et al. 2023's outer optimizer), syncing every `period` steps; `fragments` > 1 is Streaming DiLoCo
+  (with `fragment_sync_delay` and `fragment_update_alpha`);
 - pseudo-gradients go in one bucket per sync (`use_bucketization=True`, as thinwire's exchanges bucket; torchft's
-  default is one all-reduce per parameter tensor);
-- `RUST_LOG=warn` unless set (its Rust side logs every quorum otherwise).
+  default is one all-reduce per parameter tensor).
 
 **Same network as thinwire's cells.** torchft's process group is wrapped (`emulated_gloo`): every all-reduce runs
 for real on gloo, then completes no earlier than the emulated link delivers it, with the α-β ring all-reduce cost
