@@ -16,6 +16,7 @@ from dataclasses import replace
 from ..compare import CompareConfig, compare, peers, presets
 from ..errors import UserError
 from ..files import check_writable_dir
+from ..run.user import canonical
 
 
 def _split(text: str, continues) -> list[str]:
@@ -91,10 +92,9 @@ def config_from_args(args):
         cfg = CompareConfig(cells=split_cells(args.algorithms))  # digits-mlp, 4 workers, wan
     else:
         raise UserError(f"give --algorithms a,b,... or --preset NAME ({', '.join(presets.names())})")
-    from ..run.user import canonical
-    given = dict(workload=canonical(args.workload) if args.workload else None, workers=args.workers, target=args.target, budget_s=args.budget,
-                 epochs=args.epochs, networks=_networks(args.network) if args.network else None,
-                 seeds=getattr(args, "seeds", None))
+    given = dict(workload=canonical(args.workload) if args.workload else None, workers=args.workers,
+                 target=args.target, budget_s=args.budget, epochs=args.epochs,
+                 networks=_networks(args.network) if args.network else None, seeds=getattr(args, "seeds", None))
     return replace(cfg, **{k: v for k, v in given.items() if v is not None}, seed=args.seed, trace=args.trace,
                    netem=args.netem, preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
                    eval_every=getattr(args, "eval_every", None), device=getattr(args, "device", "cpu")).validate()

@@ -90,7 +90,10 @@ class ThinwireStrategy(DDPStrategy):
 
     def on_train_end(self) -> None:
         """Drain what is in flight and leave every rank with the model the algorithm defines."""
-        self._close()
+        if self.attachment is not None:
+            self.attachment.close()
+            self._metrics = self.attachment.metrics()
+            self.attachment = None
         super().on_train_end()
 
     def teardown(self) -> None:
@@ -99,12 +102,6 @@ class ThinwireStrategy(DDPStrategy):
             self.attachment.detach()
             self.attachment = None
         super().teardown()
-
-    def _close(self) -> None:
-        if self.attachment is not None:
-            self.attachment.close()
-            self._metrics = self.attachment.metrics()
-            self.attachment = None
 
     def metrics(self) -> dict:
         """thinwire's counters for this process (steps, bytes_sent, bytes_recv, emulated_s, wait_s, ...): live

@@ -20,20 +20,19 @@ import itertools
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from ..errors import UserError
 
 
 def is_dataset(part) -> bool:
     """A map-style dataset: `len()` and indexing by position (a torch `Dataset` with both, a list, a tuple)."""
-    from torch.utils.data import IterableDataset
     return not isinstance(part, IterableDataset) and hasattr(part, "__getitem__") and hasattr(part, "__len__")
 
 
 def check_part(part, what: str) -> None:
     """`part` (the training or the test data of a workload in `(train, test)` form) is a dataset, an iterable
     or (training only) a callable; a DataLoader is refused: thinwire batches and shards the samples itself."""
-    from torch.utils.data import DataLoader
     if isinstance(part, DataLoader):
         raise UserError(f"{what} is a DataLoader: pass its dataset (loader.dataset); thinwire shards it by rank "
                         f"and batches it with the workload's batch_size")
@@ -44,7 +43,6 @@ def check_part(part, what: str) -> None:
 
 def collate(samples: list):
     """A batch of `(x, y)` samples: (stacked x, stacked y)."""
-    from torch.utils.data import default_collate
     try:
         x, y = default_collate(samples)
     except (TypeError, ValueError, RuntimeError) as e:

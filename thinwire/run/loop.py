@@ -116,13 +116,6 @@ class TrainerStepper(Stepper):
         return before
 
 
-def make_stepper(cfg, wl, rank: int, world_size: int, tracer=None) -> Stepper:
-    """The stepper of the run: its peer's factory (`cfg.peer.stepper`), else thinwire's Trainer."""
-    if cfg.peer is not None:
-        return cfg.peer.stepper(cfg, wl, rank, world_size)
-    return TrainerStepper(cfg, wl, rank, tracer)
-
-
 # -- when to evaluate and when to stop --------------------------------------------------------------------
 def worker_group(is_worker: bool):
     """A gloo group of the worker ranks (parameter servers left out) for the loop's agreements, apart from every
@@ -270,7 +263,8 @@ def train_worker(rank: int, world_size: int, cfg) -> dict:
         cfg = dataclasses.replace(cfg, workers=world_size)
     wl = workloads.get(cfg.workload)
     tracer = Tracer(rank, enabled=cfg.trace)
-    stepper = make_stepper(cfg, wl, rank, world_size, tracer)
+    # the run's stepper: its peer's factory, else thinwire's Trainer
+    stepper = TrainerStepper(cfg, wl, rank, tracer) if cfg.peer is None else cfg.peer.stepper(cfg, wl, rank, world_size)
     try:
         group = worker_group(stepper.role == "worker") if racing(cfg) and world_size > 1 else None
         if stepper.role != "worker":  # e.g. a parameter server rank: serves until the workers are done

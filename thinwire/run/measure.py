@@ -35,6 +35,7 @@ import torch
 
 from ..errors import UserError
 from ..files import atomic_write
+from ..launcher.worker import threads_per_worker
 
 ADVICE = "advice.json"
 ADVICE_VERSION = 1
@@ -44,7 +45,6 @@ def measure_step(wl, device: str = "cpu", batch_size: int | None = None, steps: 
                  workers: int = 1, local: bool = False) -> dict:
     """The median time of one worker's training step of `wl` here (see the module's doc); the global random
     state and the thread count are left as they were."""
-    from ..launcher.worker import threads_per_worker
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: torch sees no CUDA device on this machine")
     cpus = os.cpu_count() or 1

@@ -19,8 +19,12 @@ the model and the loss. A metric that never moves is only seen after training: t
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
+
+import torch
+import torch.distributed as dist
 
 from ..errors import MissingExtra, UserError
 
@@ -162,14 +166,11 @@ def load(spec: str, kind: type):
 
 def _in_worker() -> bool:
     """This process is a worker of thinwire's launcher (its process group is up and no torchrun started it)."""
-    import torch.distributed as dist
-
-    from ..launcher import under_torchrun
+    from ..launcher import under_torchrun   # (lazy: `tw.Workload` loads no launcher)
     return dist.is_available() and dist.is_initialized() and not under_torchrun()
 
 
 def _shape(v) -> str:
-    import torch
     if isinstance(v, torch.Tensor):
         return f"{tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
     if isinstance(v, dict):
@@ -179,9 +180,6 @@ def _shape(v) -> str:
 
 def check(wl, spec: str) -> None:
     """One batch through `wl` on the CPU (see the module's doc); the global random state is left as it was."""
-    import math
-
-    import torch
     what = f"workload {spec!r}"
     with torch.random.fork_rng(devices=[]):
         try:
