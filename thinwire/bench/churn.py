@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -135,13 +136,7 @@ class Killer:
         return self
 
     def first_step(self) -> float | None:
-        for path in glob.glob(os.path.join(self.logdir, "*.jsonl")):
-            with open(path) as f:
-                for line in f:
-                    rec = json.loads(line)
-                    if "a" in rec:
-                        return rec["a"]
-        return None
+        return next((json.loads(line)["a"] for line in _lines(self.logdir) if '"a":' in line), None)
 
     def _run(self) -> None:
         t0 = None
@@ -294,7 +289,7 @@ def _torchft(args, logdir: str, plan) -> dict:
                     finished.add(index)
                 elif p.returncode < 0 and not any(i == index for _, i in due):   # killed: replace it later
                     due.append((now + args.replace_delay, index))
-                    procs[index] = _Gone()
+                    procs[index] = SimpleNamespace(returncode=-9, poll=lambda: -9)     # until its replacement
                 elif p.returncode > 0:
                     errors.append(p.stderr.read()[-2000:])
                     finished.add(index)
@@ -315,14 +310,6 @@ def _torchft(args, logdir: str, plan) -> dict:
     return {"kills": kills, "recoveries": f"{len(kills)} kills, {incarnation[0] - args.workers} replacement "
                                           f"replicas healed from a live one",
             "final": statistics.fmean(finals) if finals else None}
-
-
-class _Gone:
-    """A killed replica's place until its replacement starts."""
-    returncode = -9
-
-    def poll(self):
-        return -9
 
 
 def _lines(logdir: str):

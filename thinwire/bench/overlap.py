@@ -95,10 +95,7 @@ def bench_worker(rank, world_size, widths, names, steps, rounds, warmup, batch):
         w0 = tr.transport.meter.wait_s if tr else 0.0
         t0 = _now()
         F.cross_entropy(model(x), y).backward()
-        if tr is None:
-            opt.step()
-        else:
-            tr.step()
+        (opt.step if tr is None else tr.step)()
         opt.zero_grad(set_to_none=False)
         dt = _now() - t0
         if record:
