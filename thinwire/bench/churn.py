@@ -135,13 +135,10 @@ class Killer:
         self.thread.start()
         return self
 
-    def first_step(self) -> float | None:
-        return next((json.loads(line)["a"] for line in _lines(self.logdir) if '"a":' in line), None)
-
     def _run(self) -> None:
         t0 = None
-        while t0 is None and not self.stop.wait(0.2):
-            t0 = self.first_step()
+        while t0 is None and not self.stop.wait(0.2):     # the start of the first step any worker logged
+            t0 = next((json.loads(line)["a"] for line in _lines(self.logdir) if '"a":' in line), None)
         if t0 is None:
             return
         for at, draw in self.plan:
@@ -414,12 +411,8 @@ def analyse(logdir: str, workers: int, metric: str, target: float, reached) -> d
     if not starts:
         return {"goodput": None, "time_to_target_s": None, "wall_s": None}
     t0, t1 = min(starts), max(ends)
-    useful = kept_steps = 0.0
-    for steps in per_process:
-        for s, k in zip(steps, kept(steps)):
-            if k:
-                useful += s["b"] - s["a"]
-                kept_steps += 1
+    good = [s for steps in per_process for s, k in zip(steps, kept(steps)) if k]
+    useful = sum(s["b"] - s["a"] for s in good)
     hit = None
     for step in sorted(evals):
         recs = evals[step]
@@ -430,7 +423,7 @@ def analyse(logdir: str, workers: int, metric: str, target: float, reached) -> d
     last = evals[max(evals)] if evals else []
     return {"goodput": useful / (workers * (t1 - t0)), "time_to_target_s": None if hit is None else hit[0],
             "steps_to_target": None if hit is None else hit[1], "wall_s": t1 - t0,
-            "steps_kept": int(kept_steps), "last_eval": statistics.fmean(r["e"] for r in last) if last else None}
+            "steps_kept": len(good), "last_eval": statistics.fmean(r["e"] for r in last) if last else None}
 
 
 def plot(result: dict, workdir: str) -> str | None:

@@ -5,25 +5,18 @@ and nominal). Times are medians of `--repeat` runs after one warm-up; the input 
 only: `compress(x, key, step)` then `decompress(payload)`; a compressor that fails is reported with its error.
 Bits per element: the payload as compressed (actual, and its `nominal_bits`), and what the exchange really puts
 on the wire per rank's contribution at `--world-size` ranks on the collective it picks there
-(`thinwire.exchange.choose.wire_bits`: a quantizer's all-reduce sums levels widened for that many ranks, e.g. qsgd's 4-bit
-codes as 8-bit levels from 4 ranks and 32-bit ones from 19).
+(`thinwire.exchange.choose.wire_bits`: a quantizer's all-reduce sums levels widened for that many ranks, e.g.
+qsgd's 4-bit codes as 8-bit levels from 4 ranks and 32-bit ones from 19).
 
-    thinwire bench compressors [--numel 16777216] [--json] [--only qsgd,terngrad] [--repeat 5]
-                               [--out FILE.json | DIR] [--clock wall|cpu] [--world-size 4] [--device cpu|cuda]
-                               [--set KEY=VALUE ...]
-
-`--out FILE.json` writes the result there and the plot (x memcpy per compressor, bits per element) beside it as
-FILE.png; `--out DIR` writes DIR/compressors.json and DIR/compressors.png.
+    thinwire bench compressors --only qsgd,terngrad --clock cpu --out docs/benchmarks
 
 memcpy is `dst.copy_(x)` into a preallocated tensor (the fastest copy; compressors allocate their outputs, which
 costs page faults on the CPU: set THP_MEM_ALLOC_ENABLE=1 to let PyTorch use huge pages for large tensors).
 `--device cuda` times on the GPU (CUDA-synchronised wall clock; the first calls compile the fused kernels, so a
 warm-up precedes the timed runs) and also times `torch.topk` of 1 % of the input, the yardstick of the top-k
-family there. The table's last column is the compressor's speed target on that device (none for the sketches,
-transforms and coders; BENCHMARKS.md, "Compressors"), marked `OVER` where the measured multiple exceeds it:
-
-    CPU   randomk (any ratio) 4x, quantizers 8x, sparsifiers 12x
-    CUDA  1- and 2-bit quantizers and int8 3x, qsgd/natural/fp4/fp8 4x, randomk 2x, topk/dgc/stc 1.2x torch.topk
+family there. The table's last column is the compressor's speed target on that device (`TARGETS`; none for the
+sketches, transforms and coders; BENCHMARKS.md, "Compressors"), marked `OVER` where the measured multiple exceeds
+it.
 """
 from __future__ import annotations
 

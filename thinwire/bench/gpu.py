@@ -83,14 +83,6 @@ OVERHEAD = [
 LOCAL_TARGET, BSP_TARGET = 1.03, 1.0       # x plain for a step that sends nothing; bsp x DDP
 
 
-def check_device(device: str) -> None:
-    if device not in SIZES:
-        raise UserError(f"--device must be one of cuda, cpu; got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("thinwire bench gpu: torch sees no CUDA device here (torch.cuda.is_available() is False; "
-                        f"torch {torch.__version__}); --device cpu dry-runs the same code at tiny sizes")
-
-
 # -- 1. compressors -------------------------------------------------------------------------------------------
 def compressors_part(device: str, sizes: dict) -> tuple[dict, str]:
     """`thinwire bench compressors --device DEVICE` at the part's size: (result, its table)."""
@@ -208,7 +200,8 @@ def overhead_part(device_name: str, sizes: dict) -> tuple[list[dict], str]:
     lines = [f"the median over {sizes['passes']} passes of each pass's median step ({sizes['steps']} steps after "
              f"{sizes['warmup']} warm-up; the passes' spread in the last column), ByteLM context {lm['context']} "
              f"width {lm['width']} x {lm['layers']} layers (~{params / 1e6:.1f} M parameters), batch "
-             f"{sizes['batch']}, bf16 autocast, AdamW (SGD where named), one rank on {_device_name(device)}",
+             f"{sizes['batch']}, bf16 autocast, AdamW (SGD where named), one rank on "
+             f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'the CPU'}",
              f"{'case':38s}{'ms':>9s}{'x plain':>9s}{'x DDP':>8s}  {'target':22s}passes (ms)"]
     for r in rows:
         if "error" in r:
@@ -219,10 +212,6 @@ def overhead_part(device_name: str, sizes: dict) -> tuple[list[dict], str]:
         spread = f"{min(r['passes']):.2f}-{max(r['passes']):.2f}"
         lines.append(f"{r['case']:38s}{r['ms']:9.2f}{r.get('x_plain', float('nan')):9.3f}{x_ddp}  {mark:22s}{spread}")
     return rows, "\n".join(lines)
-
-
-def _device_name(device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
 
 
 # -- 3. a race of 4 workers sharing the GPU -----------------------------------------------------------------
@@ -248,7 +237,11 @@ def run(args) -> int:
     bad = [p for p in parts if p not in PARTS]
     if bad or not parts:
         raise UserError(f"--parts: unknown part {bad[0] if bad else ''!r}; valid: {', '.join(PARTS)}")
-    check_device(args.device)
+    if args.device not in SIZES:
+        raise UserError(f"--device must be one of cuda, cpu; got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("thinwire bench gpu: torch sees no CUDA device here (torch.cuda.is_available() is False; "
+                        f"torch {torch.__version__}); --device cpu dry-runs the same code at tiny sizes")
     sizes = dict(SIZES[args.device])
     if args.budget is not None:
         if not args.budget > 0:

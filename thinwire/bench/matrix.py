@@ -1,12 +1,11 @@
 """`thinwire bench matrix`: every registered algorithm (on each architecture it runs on) × every compressor with
-its natural memory, each at its defaults on a small workload (issue 17).
+its natural memory, each at its defaults on a small workload.
 
 A cell is either refused at construction — `TrainConfig.validate()` raises a `UserError` whose message names the
 alternatives, and the table shows it — or trained at its defaults, reporting the final metric, the steps to the
 workload's target, bytes sent per worker per step, and whether it reached the target.
 
-    thinwire bench matrix [--workload digits-mlp] [--workers 4] [--only-algorithms bsp,dts]
-                          [--only-compressors topk,qsgd] [--epochs E] [--out rows.json] [--markdown table.md]
+    thinwire bench matrix --only-algorithms bsp,dts --only-compressors topk,qsgd --markdown table.md
 
 Parameter-server cells run with `--servers 1` beside `--ps-workers` workers (default `--workers`; a second
 pool of workers + 1 ranks). A cell whose run fails is reported with its error and the next starts afresh.

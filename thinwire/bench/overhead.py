@@ -34,6 +34,7 @@ SENDING = [("bsp", "bsp", {}), ("cdsgd (sends every step)", "cdsgd", {"warmup": 
 
 
 def _model(n: int, width: int, device):
+    """A model of many small parameters and plain SGD over them."""
     class SideBySide(torch.nn.Module):
         """`n` Linear(width, width) layers side by side: 2n small parameters."""
 
@@ -48,7 +49,8 @@ def _model(n: int, width: int, device):
             return out
 
     torch.manual_seed(0)
-    return SideBySide().to(device)
+    model = SideBySide().to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
 
 def _cases(args, device):
@@ -56,8 +58,7 @@ def _cases(args, device):
     cases = {}
 
     def plain_case(wrap=None, hook=None):
-        model = _model(args.layers, args.width, device)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        model, opt = _model(args.layers, args.width, device)
         net = model
         if wrap:
             net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -67,12 +68,10 @@ def _cases(args, device):
 
     cases["plain"] = plain_case()
     for name, algorithm, params in LOCAL + SENDING:
-        model = _model(args.layers, args.width, device)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        model, opt = _model(args.layers, args.width, device)
         trainer = Trainer(model, opt, algorithm=algorithm, **params)
         cases[name] = (model, opt, trainer.step, trainer.close)
-    model = _model(args.layers, args.width, device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt = _model(args.layers, args.width, device)
     handle = attach(model, opt, algorithm="diloco", period=1000)
     cases["diloco (tw.attach)"] = (model, opt, opt.step, handle.close)
     if not args.no_ddp:

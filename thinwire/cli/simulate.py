@@ -85,10 +85,8 @@ def run(args) -> int:
                     setattr(cfg, key, value)
                 cfg.validate()                  # every configuration before the first is simulated
                 runs.append((label, n, lat, cfg))
-    rows = []
-    for label, n, lat, cfg in runs:
-        r = simulate(cfg)
-        rows.append({"schedule": label, "workers": n, "latency_s": lat, **r.to_dict()})
+    rows = [{"schedule": label, "workers": n, "latency_s": lat, **simulate(cfg).to_dict()}
+            for label, n, lat, cfg in runs]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

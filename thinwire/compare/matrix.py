@@ -3,39 +3,36 @@ training run on the same workload, data shards and workers; the results go to `D
 then `DIR/report.md` and PNG plots are drawn from it.
 
 **The race.** Every cell runs `thinwire.run.train.run_training` (the one loop of `thinwire.run.loop`, whatever its
-stepper: thinwire's Trainer, a PyTorch DDP peer, torchft's DiLoCo) with the same budget of *training time*
-(`budget_s`, evaluations excluded) and stops at the first evaluation whose mean metric over the workers reaches
-the target, or when the budget is spent, or at the step bound (`epochs` / `steps`, none by default when a budget
-is given): a cell that is fast per step is never cut off by a step count. Evaluations close in on the crossing
-(2–5 % of the training clock apart near it, whatever the metric's trend: `thinwire.run.loop.Schedule`), so time to
-target is read to within 5 % (or one step, which is exact: the model changes at the end of a step); every worker
-rank takes the same stop decision (one all-gather of metric and clock per evaluation, outside the meter and the
-clock).
+stepper) with the same budget of *training time* (`budget_s`, evaluations excluded) and stops at the first
+evaluation whose mean metric over the workers reaches the target, when the budget is spent, or at the step bound
+(`epochs` / `steps`, none by default with a budget: a cell fast per step is never cut off by a step count).
+Evaluations close in on the crossing (`thinwire.run.loop.Schedule`), so time to target is read to within 5 % (or
+one step); every worker rank takes the same stop decision.
 
 **A cell out of budget** is reported with its best metric and, where the matrix allows, a *predicted* time to
-target: its steps to target measured elsewhere in the same matrix (the same contestant, settings and seed on
-another network, where thinwire's trajectories are the same step by step; or an exact synchronous-SGD cell — bsp,
-ssgd, ddp — of the same seed for another exact one) times this cell's own median step time.
+target (`predict_missing`): the steps to target of the same trajectory elsewhere in the matrix (the same
+contestant, settings and seed on another network; or an exact synchronous-SGD cell — bsp, ssgd, ddp — of the same
+seed for another exact one) times this cell's own median step time.
 
-**Seeds** (`seeds` > 1): every cell runs with seeds seed, seed+1, ...; the report gives the median and the range
-(min–max) per contestant, and says two contestants are *within noise* of each other when their ranges of time to
-target overlap (a seed that missed the target counts as +∞): a rule that is conservative with 3 seeds.
+**Seeds** (`seeds` > 1): the report gives the median and the range (min–max) per contestant, and says two
+contestants are *within noise* of each other when their ranges of time to target overlap (a seed that missed the
+target counts as +∞): a rule that is conservative with 3 seeds.
 
-**Defaults that suit the network.** Parameters a cell leaves out are picked by the planner (`forecast.tune_cell`);
-the report states each cell's parameters and why.
+**The planner's side** (`forecast.py`): the parameters a cell leaves out, picked for its network, and, before the
+first cell runs, every cell's predicted step, sync and time to target and the predicted winner per network
+(`predictions` in results.json); the report states each cell's parameters and why, and whether the measurement
+agreed.
 
-- Scalability = throughput / throughput of the same workers doing no communication: the registered algorithm
-  `local`, raced first like every cell (the same workers, data, batch, budget, target and process layout), once per
-  seed (its spread is reported); a cell is divided by the reference of its own seed, scaled by the machine's
-  speed during the cell (the median of its own steps that sent nothing, else a short `local` run just before it,
-  `calibrate`), so a reading above 1 is a bug. Its median step is the compute time the planner predicts from, its
-  steps to target the convergence the predicted times to target start from.
-- **Predict, then race**: before the first cell runs, the planner's predicted step, sync and time to target of
-  every cell and its predicted winner per network are recorded (`predictions` in results.json,
-  `forecast.predict_race`); the report says whether the measurement agreed.
-- Worker processes are kept alive across cells (one pool per world size) and restarted after a failed cell; a
-  cell whose wall time exceeds 4 × budget + 600 s is stopped and recorded as `timeout`.
-- Interrupted runs keep the cells already done; `resume` runs the missing (or failed) cells of a matrix directory.
+**Scalability** = throughput / throughput of the same workers doing no communication: `local`, raced first like
+every cell (the same workers, data, batch, budget, target and process layout), once per seed (its spread is
+reported); a cell is divided by the reference of its own seed, scaled by the machine's speed during the cell (the
+median of its own steps that sent nothing, else a short `local` run just before it, `calibrate`), so a reading
+above 1 is a bug. The reference's median step is the compute time the planner predicts from, its steps to target
+the convergence the predicted times to target start from.
+
+Worker processes are kept alive across cells (one pool per world size) and restarted after a failed cell; a cell
+whose wall time exceeds 4 × budget + 600 s is stopped and recorded as `timeout`. Interrupted runs keep the cells
+already done; `resume` runs the missing (or failed) cells of a matrix directory.
 """
 from __future__ import annotations
 

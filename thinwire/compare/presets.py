@@ -8,7 +8,7 @@ A cell spec names one contestant:  `ALGO[:k=v,...][+COMPRESSOR[:k=v,...]]`, e.g.
 
 Algorithms and compressors are registered by other modules; a preset names what the papers compare and `resolve`
 keeps only what is registered (and installed) now, with a note for each thing it leaves out (never an error).
-Parameters a cell leaves out are picked by the harness for the network (`thinwire.plan.advise.tune`).
+Parameters a cell leaves out are picked for the network by the planner (`thinwire.compare.forecast.tune_cell`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from ..errors import UserError
 from ..registry import parse_scalar
 from ..run import workloads
 from . import peers
-
 
 
 @dataclass

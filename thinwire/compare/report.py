@@ -36,16 +36,13 @@ def _ttt(e: dict, seeds: int) -> str:
         pred = e.get("predicted_time_to_target_s")
         why = "/".join(e.get("stop_reasons") or []) or "stopped"
         return f"not reached ({why})" + (f"; predicted {pred:.0f}" if pred is not None else "")
-    if seeds == 1:
-        return _secs(e["ttt_median"])
-    return f"{_secs(e['ttt_median'])} [{_secs(e['ttt_min'])}–{_secs(e['ttt_max'])}] {e['reached']}/{e['ok']}"
+    return _secs(e["ttt_median"]) + ("" if seeds == 1 else
+                                     f" [{_secs(e['ttt_min'])}–{_secs(e['ttt_max'])}] {e['reached']}/{e['ok']}")
 
 
 def _pair(a, b, scale=1e3) -> str:
     """`predicted / measured` (ms), or what there is."""
-    if a is None and b is None:
-        return "—"
-    return f"{_fmt(a, '.0f', scale)} / {_fmt(b, '.0f', scale)}"
+    return "—" if a is None and b is None else f"{_fmt(a, '.0f', scale)} / {_fmt(b, '.0f', scale)}"
 
 
 def table(entries: list[dict], seeds: int, two_tier: bool = False) -> list[str]:

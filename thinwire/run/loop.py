@@ -154,9 +154,7 @@ class Schedule:
         self.first = None       # the agreed metric at step 0
 
     def due(self, step: int) -> bool:
-        if step == self.total:
-            return True
-        return step == self.next if self.race else step % self.every == 0
+        return step == self.total or (step == self.next if self.race else step % self.every == 0)
 
     def agree(self, value: float, clock: float, eval_s: float) -> tuple[float, float, float]:
         """(mean metric over the worker ranks, the slowest worker's clock, the slowest evaluation): the same
@@ -174,13 +172,9 @@ class Schedule:
         if not self.race:
             return ("steps" if step == self.total else None), {}
         mean, t, e = self.agree(value, clock, eval_s)
-        stop = None
-        if step > 0 and self.stop_at_target and math.isfinite(mean) and self.wl.reached(mean, self.target):
-            stop = "target"
-        elif self.budget is not None and t >= self.budget:
-            stop = "budget"
-        elif step == self.total:
-            stop = "steps"
+        on_target = step > 0 and self.stop_at_target and math.isfinite(mean) and self.wl.reached(mean, self.target)
+        stop = ("target" if on_target else "budget" if self.budget is not None and t >= self.budget else
+                "steps" if step == self.total else None)
         s0, t0 = self.last
         tau = (t - t0) / (step - s0) if step > s0 else 0.0
         if self.every:
@@ -456,13 +450,11 @@ def _save(cfg, rank, world_size, step, stepper, before, **more) -> None:
     state = {"step": step, "trainer": stepper.state_dict(), "rng": checkpoint.rng_state()}
     meter, metrics = stepper.counted(before)   # after state_dict(), which may wait for exchanges in flight
     state.update(counted={"meter": meter, "skipped_steps": metrics.get("skipped_steps", 0)}, **more)
-    member = getattr(getattr(stepper, "trainer", None), "elastic", None)
-    if member is not None:      # an elastic job: the current generation's ranks write it, on its own group
-        transport = stepper.trainer.transport
-        checkpoint.save(cfg.checkpoint_dir, transport.rank, transport.world_size, step, cfg, state,
-                        transport.barrier)
-        return
-    checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, dist.barrier)
+    barrier = dist.barrier
+    if getattr(getattr(stepper, "trainer", None), "elastic", None) is not None:   # an elastic job: the current
+        t = stepper.trainer.transport           # generation's ranks write it, on the generation's own group
+        rank, world_size, barrier = t.rank, t.world_size, t.barrier
+    checkpoint.save(cfg.checkpoint_dir, rank, world_size, step, cfg, state, barrier)
 
 
 def _restore(cfg, rank, stepper) -> dict:

@@ -49,11 +49,9 @@ class AllReduceCounter:
         """Count one ring all-reduce of `nbytes` over `n` ranks (as the Transport does): its (cost, link), to
         deliver. `members`: the group's global ranks in ring order and `me` this rank's index there (default: the
         first n ranks, this rank's own)."""
-        path = self.link
         members = list(range(n)) if members is None else members
         me = self.rank if me is None else me
-        if self.islands is not None:
-            path = self.islands.path(members)
+        path = self.link if self.islands is None else self.islands.path(members)
         cost = ring_allreduce(path.handshaking(), n, nbytes)
         self.bytes_sent += cost.sent
         if self.islands is not None and self.islands.ring_crossing(members, me):

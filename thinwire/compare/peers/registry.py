@@ -29,9 +29,8 @@ class Peer:
 
     def missing(self) -> str | None:
         """Why this peer cannot run here (its optional extra is not installed), or None."""
-        if self.needs is not None and importlib.util.find_spec(self.needs) is None:
-            return f"{self.name} needs the optional extra: {self.install}"
-        return None
+        gone = self.needs is not None and importlib.util.find_spec(self.needs) is None
+        return f"{self.name} needs the optional extra: {self.install}" if gone else None
 
     def unknown(self, params: dict) -> str | None:
         """What is wrong with the names of `params` (ones this peer does not take), or None."""
