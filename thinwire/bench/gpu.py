@@ -44,6 +44,7 @@ from ..files import check_writable_dir
 from ..run.lm import ByteLM
 from ..trainer import Trainer
 from . import compressors as cbench
+from .calibrate import median_s
 
 PARTS = ("compressors", "overhead", "race")
 
@@ -137,17 +138,10 @@ def _one_case(how: str, settings: dict, device, sizes: dict) -> float:
     try:
         for _ in range(sizes["warmup"]):
             step()
-        times = []
-        for _ in range(sizes["steps"]):
-            sync()
-            t0 = time.perf_counter()
-            step()
-            sync()
-            times.append(time.perf_counter() - t0)
+        return median_s(lambda: (step(), sync()), sizes["steps"], before=sync) * 1e3
     finally:
         if trainer is not None:
             trainer.close()
-    return statistics.median(times) * 1e3
 
 
 def overhead_part(device_name: str, sizes: dict) -> tuple[list[dict], str]:
