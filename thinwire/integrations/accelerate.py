@@ -17,6 +17,7 @@ yourself. The optimizer Accelerate returns wraps yours; its `step()` calls yours
 from __future__ import annotations
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError, require_extra
 from ..trainer import Attachment
@@ -28,7 +29,6 @@ require_extra("accelerate", "accelerate", "thinwire.accelerate (Hugging Face Acc
 def attach(accelerator, model: torch.nn.Module, optimizer, algorithm="bsp", **params) -> Attachment:
     """`tw.attach(model, optimizer, algorithm, **params)` for an Accelerate script: `optimizer` may be the one
     `accelerator.prepare` returned; `model` must not have been prepared (see the module's docstring)."""
-    from torch.nn.parallel import DistributedDataParallel
     if isinstance(model, DistributedDataParallel):
         raise UserError("the model is wrapped in DistributedDataParallel (accelerator.prepare(model)), whose "
                         "all-reduce would run beside thinwire's algorithm: prepare the optimizer and data loaders "

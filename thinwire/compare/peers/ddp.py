@@ -11,6 +11,14 @@ shards, batch, optimizer settings, evaluations and race rules (`thinwire train -
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from ...errors import UserError
 from ...net import parse_network
 from ...registry import Param, at_least
@@ -28,8 +36,6 @@ def _hierarchy(params: dict, workers: int) -> tuple[int, int, int]:
 
 def _build(cfg, wl, model, workers: int):
     """(DDP model, optimizer, description of the configuration) for the DDP peer `cfg.algorithm`."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
-    from torch.nn.parallel import DistributedDataParallel as DDP
     name, p = cfg.algorithm, cfg.params
     opt = make_optimizer(cfg, wl, model)   # DDP's parameters are the model's
     dev = next(model.parameters()).device
@@ -52,22 +58,16 @@ def _build(cfg, wl, model, workers: int):
         ddp.register_comm_hook(None, hook)
         return ddp, opt, desc
     # ddp-postlocalsgd and ddp-hierarchical: post-local SGD, then a model averager
-    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
-    from torch.distributed.optim import PostLocalSGDOptimizer
+    from torch.distributed.optim import PostLocalSGDOptimizer     # (lazy: 1.7 s to import)
     warmup = int(p.get("warmup", 8))
     state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
                               post_local_gradient_allreduce=False)
     ddp.register_comm_hook(state, post_localSGD_hook)
     if name == "ddp-postlocalsgd":
-        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
         period = int(p.get("period", 8))
         averager = PeriodicModelAverager(period=period, warmup_steps=warmup)
         desc = f"post_localSGD_hook + PeriodicModelAverager, period {period}, warm-up {warmup} steps"
     else:
-        from collections import OrderedDict
-
-        from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import \
-            HierarchicalModelAverager
         period, local, group = _hierarchy(p, workers)
         averager = HierarchicalModelAverager(OrderedDict([(local, group), (period, workers)]), warmup_steps=warmup)
         desc = (f"post_localSGD_hook + HierarchicalModelAverager: groups of {group} every {local} steps, "

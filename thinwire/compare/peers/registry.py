@@ -34,10 +34,8 @@ class Peer:
 
     def unknown(self, params: dict) -> str | None:
         """What is wrong with the names of `params` (ones this peer does not take), or None."""
-        bad = [k for k in params if k not in self.params]
-        if not bad:
-            return None
-        return f"peer {self.name!r} takes {', '.join(self.params) or 'no parameters'}, not {', '.join(bad)}"
+        bad, takes = [k for k in params if k not in self.params], ", ".join(self.params) or "no parameters"
+        return f"peer {self.name!r} takes {takes}, not {', '.join(bad)}" if bad else None
 
     def check(self, params: dict, workers: int) -> dict:
         """`params` converted to the types the peer declares (CLI strings like every other parameter's); a

@@ -29,12 +29,14 @@ import os
 import sys
 import time
 from datetime import timedelta
+from importlib.metadata import version
 
 import torch
 import torch.distributed as dist
 
 from ...comm.state import broadcast_text
 from ...errors import UserError
+from ...launcher.worker import listen
 from ...net import parse_network
 from ...registry import Param, at_least, between
 from ...run.stepper import make_optimizer, model_device
@@ -80,7 +82,6 @@ def replica_group(counter: AllReduceCounter, lighthouse: str, replica_id: str, m
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
 
-    from ...launcher.worker import listen
     fd, port = listen("127.0.0.1", 0)
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
                           use_libuv=False)
@@ -170,7 +171,6 @@ class TorchftDiLoCoStepper(PeerStepper):
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
         return version("torchft")
     except Exception:  # noqa: BLE001
         return "?"
