@@ -9,8 +9,8 @@ from . import peers
 from .results import metric_name, rank
 
 
-def _fmt(v, spec, scale=1):
-    return "—" if v is None else format(v * scale, spec)
+def _fmt(v, spec, scale=1, div=1):
+    return "—" if v is None else format(v * scale / div, spec)
 
 
 def _secs(v) -> str:
@@ -65,13 +65,13 @@ def table(entries: list[dict], seeds: int, two_tier: bool = False) -> list[str]:
             f"| {i}{noise} | `{e['label']}` | {kind} | {e.get('ran_with') or ''} | {_ttt(e, seeds)} | "
             f"{_fmt(within, '.1f', 100)}{'' if within is None else ' %'} | "
             f"{_fmt(e.get('best_' + name), '.3f')} | {_fmt(e.get('final_' + name), '.3f')} | "
-            f"{_fmt(e.get('step_time_s') or None, '.0f', 1e3)} | {_fmt(None if mb is None else mb / 1e6, '.3f')} | "
+            f"{_fmt(e.get('step_time_s') or None, '.0f', 1e3)} | {_fmt(mb, '.3f', div=1e6)} | "
             f"{_fmt(e.get('compression_ratio'), '.1f')}× | {_exposed(e)} | "
             f"{_fmt(e.get('scalability'), '.2f')} | {_pair(e.get('predicted_step_time_s'), e.get('mean_step_s'))} | "
             f"{_pair(e.get('predicted_sync_s'), e.get('measured_sync_s'))} | "
             f"{_fmt(e.get('planned_time_to_target_s'), '.3g')} |"
-            + (f" {_fmt(_mb(e.get('bytes_across_per_worker')), '.1f')} ({_fmt(_mb(e.get('bytes_sent_per_worker')), '.1f')})"
-               f" |" if two_tier else ""))
+            + (f" {_fmt(e.get('bytes_across_per_worker'), '.1f', div=1e6)} "
+               f"({_fmt(e.get('bytes_sent_per_worker'), '.1f', div=1e6)}) |" if two_tier else ""))
     return lines
 
 
@@ -81,10 +81,6 @@ def _exposed(e: dict) -> str:
         return _fmt(e.get("exposed_comm_s"), ".1f")
     drain = e.get("drain_s") or 0.0
     return _fmt(e["exposed_in_steps_s"], ".1f") + (f" (+{drain:.1f} drain)" if drain >= 0.05 else "")
-
-
-def _mb(v):
-    return None if v is None else v / 1e6
 
 
 def prediction(results: dict, network: str, entries: list[dict]) -> str:
