@@ -300,11 +300,10 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     gen = member.gen if member is not None else None
     total = cfg.total_steps(wl)
     schedule = Schedule(cfg, wl, total, cfg.workers, group)
-    bar = board = None
-    if cfg.progress and wrank == 0 and not os.environ.get("THINWIRE_NO_PROGRESS"):
-        bar = progress_bar(total=total, desc=f"{cfg.algorithm} on {cfg.network}", unit="step", leave=False)
-    if cfg.tensorboard and wrank == 0:
-        board = Board(cfg.tensorboard, wl.metric)
+    shown = cfg.progress and wrank == 0 and not os.environ.get("THINWIRE_NO_PROGRESS")
+    bar = progress_bar(total=total, desc=f"{cfg.algorithm} on {cfg.network}", unit="step", leave=False) \
+        if shown else None
+    board = Board(cfg.tensorboard, wl.metric) if cfg.tensorboard and wrank == 0 else None
     steps, evals, clock, first, before, stop = [], [], 0.0, 1, None, None
     log = StepLog(rank, stepper)
 
@@ -384,11 +383,9 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             stepper.close()
             evaluate(first - 1)
     finally:
-        log.close()
-        if bar is not None:
-            bar.close()
-        if board is not None:
-            board.close()
+        for opened in (log, bar, board):
+            if opened is not None:
+                opened.close()
     params = stepper.parameters
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     meter, metrics = stepper.counted(before)
