@@ -23,9 +23,9 @@ every contestant: its last step); a killed worker's steps since its last boundar
 a loss threw away in a survivor (bsp: the interrupted one; local SGD and DiLoCo, only where the survivors had not
 all counted the same step, else they keep theirs for the next average: the steps since the last boundary; DDP:
 the steps since the last checkpoint, done again after the restart; torchft: a failed sync's local steps, a
-replacement's steps before it is healed) does not count, nor
-does time outside steps (start-up, restarts, evaluations, waiting for a replacement). Each worker writes its
-steps as it goes (`THINWIRE_STEP_LOG`, `thinwire.run.loop.StepLog`); the numbers come from those logs.
+replacement's steps before it is healed) does not count, nor does time outside steps (start-up, restarts,
+evaluations, waiting for a replacement). Each worker writes its steps as it goes (`THINWIRE_STEP_LOG`,
+`thinwire.run.loop.StepLog`); the numbers come from those logs.
 
 **Time to target** is the wall time from the first step to the first evaluation whose mean over the workers that
 evaluated that step reached the workload's target (evaluations every `--eval-every` steps).
