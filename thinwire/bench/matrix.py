@@ -113,7 +113,7 @@ def run(args) -> int:
         try:
             for r in todo:
                 cfg = config(r, args.workload, workers, epochs=epochs, seed=args.seed)
-                if pool is None or pool._closed:         # a failed run closes its pool: a fresh one
+                if pool is None or pool.closed:          # a failed run closes its pool: a fresh one
                     pool = Pool(workers + servers, timeout=900, start_timeout=600)
                 try:
                     s = run_training(cfg, pool=pool)

@@ -167,7 +167,7 @@ class Harness:
         if self._given is not None and world == self.cfg.workers and not self.cfg.netem:
             return self._given
         p = self._pools.get(world)
-        if p is None or p._closed:
+        if p is None or p.closed:
             p = self.netem_env.pool(world) if self.cfg.netem else Pool(world, timeout=3600.0, device=self.cfg.device)
             self._pools[world] = p
         return p
