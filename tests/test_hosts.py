@@ -158,7 +158,8 @@ def test_gloo_goes_on_the_interface_that_reaches_the_host(two_hosts, monkeypatch
     with netem.inside(two_hosts.ns["a"]):
         got = {h: interface_to(h) for h in (two_hosts.addr["a"], two_hosts.addr["b"], "127.0.0.1", "0.0.0.0",
                                             "no-such-host.invalid")}
-        monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")           # recorded, so the teardown restores what was there
+        monkeypatch.delenv("GLOO_SOCKET_IFNAME")
         pin_gloo(two_hosts.addr["b"])
         pinned = os.environ.get("GLOO_SOCKET_IFNAME")
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")       # the user's choice stands

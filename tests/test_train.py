@@ -59,7 +59,7 @@ def test_race_schedule_evaluates_every_two_percent_of_the_clock_and_lands_on_the
     """In one process (no agreement needed): with a constant step time τ the gap after an evaluation at clock t is
     max(1, ⌊0.02 t / τ⌋) steps, so a reading is at most 2 % (+ one step) late; the gap never runs past the step
     where the budget is spent, and the stop comes at the first evaluation whose clock reached the budget."""
-    from thinwire.run.loop import EVAL_PRECISION, Schedule
+    from thinwire.run.schedule import EVAL_PRECISION, Schedule
     wl = get("digits-mlp")
     tau, budget = 0.01, 30.0
     cfg = TrainConfig(workload="digits-mlp", budget_s=budget, stop_at_target=True, target=2.0)  # never reached
@@ -80,7 +80,7 @@ def test_race_schedule_evaluates_every_two_percent_of_the_clock_and_lands_on_the
         assert (s1 - s0) * tau <= max(tau, EVAL_PRECISION * t0) * (1 + 1e-9)   # the reading's error bound
     assert len(evals) < 500   # not every step: 3000 steps in all
     # an evaluation that costs 10 steps' time comes at most every 40 steps: a quarter of the training time at most
-    from thinwire.run.loop import EVAL_OVERHEAD
+    from thinwire.run.schedule import EVAL_OVERHEAD
     s = Schedule(cfg, wl, total=None, workers=1)
     s.evaluated(0, 0.1, 0.0, eval_s=10 * tau)
     s.evaluated(1, 0.1, tau, eval_s=10 * tau)
@@ -97,7 +97,7 @@ def test_race_schedule_evaluates_every_two_percent_of_the_clock_and_lands_on_the
     assert 900 <= step <= 900 * (1 + EVAL_PRECISION) + 1 and len(seen) < 60
     # a metric that drops in a jump (a local-update method's models land at an average) from a plateau 17/18 of the
     # way to the target, an evaluation costing 300 steps: past 9/10 of the way evaluations come every 5 % at most
-    from thinwire.run.loop import RESOLUTION
+    from thinwire.run.schedule import RESOLUTION
     s = Schedule(TrainConfig(workload="digits-mlp", stop_at_target=True, target=0.9), wl, total=None, workers=1)
     s.evaluated(0, 0.0, 0.0, eval_s=300 * tau)
     while True:

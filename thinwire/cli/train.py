@@ -31,7 +31,7 @@ def config_from_args(args):
 
 def format_summary(s: dict) -> str:
     metric = "final_accuracy" if s["metric"] == "accuracy" else "final_loss"
-    ttt = f"{s['time_to_target_s']:.2f} s (step {s['steps_to_target']})" if s["time_to_target_s"] is not None \
+    ttt = f"{s['time_to_target_s']:.2f} s (step {s['steps_to_target']:.0f})" if s["time_to_target_s"] is not None \
         else "not reached"
     stop = {"target": ", stopped at the target", "budget": f", stopped at the budget of {s.get('budget_s')} s"}.get(
         s.get("stop_reason"), "")
@@ -45,6 +45,9 @@ def format_summary(s: dict) -> str:
         f"(uncompressed fp32 would be {s['nominal_bytes_per_worker'] / mb:.3f} MB)",
         f"  emulated comm     {s['emulated_comm_s']:.2f} s   (exposed, waited for: {s['exposed_comm_s']:.2f} s)",
     ]
+    if s.get("speeds"):
+        lines.append(f"  worker speeds     {s['speeds']}   (steps per worker {', '.join(map(str, s['steps_per_worker']))}; "
+                     f"waited out {s['slowed_s']:.2f} s each)")
     if s.get("metric_note"):
         lines.append(f"  note              {s['metric_note']}")
     for f in s.get("failures") or []:
@@ -160,6 +163,10 @@ def register(sub) -> None:
     p.add_argument("--deadline", type=float, metavar="S",
                    help="stop the run after S seconds of wall time whatever its progress (default: none; a run "
                         "lasts as long as it progresses)")
+    p.add_argument("--speeds", metavar="SPEC",
+                   help="emulate workers of different speeds: factors per worker (1,1,1,0.5), two speeds A:B, "
+                        "one-half, two-speeds, stragglers[:p=,factor=,steps=], or SPEC@SECONDS>SPEC "
+                        "(see `thinwire list`)")
     p.add_argument("--budget", type=float, metavar="S",
                    help="stop after S seconds of training time (evaluations excluded; decided on every rank alike)")
     p.add_argument("--stop-at-target", action="store_true",

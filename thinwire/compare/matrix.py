@@ -6,7 +6,7 @@ then `DIR/report.md` and PNG plots are drawn from it.
 stepper) with the same budget of *training time* (`budget_s`, evaluations excluded) and stops at the first
 evaluation whose mean metric over the workers reaches the target, when the budget is spent, or at the step bound
 (`epochs` / `steps`, none by default with a budget: a cell fast per step is never cut off by a step count).
-Evaluations close in on the crossing (`thinwire.run.loop.Schedule`), so time to target is read to within 5 % (or
+Evaluations close in on the crossing (`thinwire.run.schedule`), so time to target is read to within 5 % (or
 one step); every worker rank takes the same stop decision.
 
 **A cell out of budget** is reported with its best metric and, where the matrix allows, a *predicted* time to

@@ -437,6 +437,7 @@ def join_by_hand(address: str, fn, *args, timeout: float = 3600.0):
     member = run.add("next_id", 1) - 1
     run.append("foreign", f"{member},")
     threading.Thread(target=_beat_store, args=(run, member), daemon=True).start()
+    pinned = os.environ.get("GLOO_SOCKET_IFNAME")
     pin_gloo(host)
     MEMBERSHIP.reset()
     me = elastic.Member(run, member, True, timeout, config["max"])
@@ -451,5 +452,7 @@ def join_by_hand(address: str, fn, *args, timeout: float = 3600.0):
         raise
     finally:
         elastic.set_member(None)
+        if pinned is None:      # this process goes on (an in-process `--join`): its next job picks its own interface
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
     run.set(f"result/{member}", json.dumps(["ok", value]))
     return value

@@ -28,7 +28,7 @@ from ..files import atomic_write
 
 MANIFEST = "checkpoint.json"
 # configuration fields that may change between the interrupted and the resumed run
-_FREE = {"epochs", "steps", "progress", "trace", "eval_every", "target", "checkpoint_every", "checkpoint_dir",
+_FREE = {"race_id", "epochs", "steps", "progress", "trace", "eval_every", "target", "checkpoint_every", "checkpoint_dir",
          "resume", "nonfinite", "progress_timeout", "deadline", "budget_s", "stop_at_target", "tensorboard",
          "elastic", "replace_delay", "join", "listen"}
 

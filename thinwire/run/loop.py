@@ -19,27 +19,7 @@ update) and the final drain (`close()`); evaluations, checkpoints, agreements an
 drain after the evaluation that stopped it is also kept apart (`drain_s`): it is on the clock, but not in the
 throughput a scalability reading compares (the sync it waits out would have been hidden by the steps not taken).
 
-**When to evaluate, when to stop (`Schedule`).** Without a race, every `eval_every` steps (default: twice per
-epoch) and at the last step. In a race (`budget_s` and/or `stop_at_target`) every worker rank evaluates at the
-same steps and then *agrees*: one all-gather of (metric, clock) per evaluation on a gloo group of the worker
-ranks of its own (not the training's group, outside the meter and the clock), so every rank computes the same
-mean metric (the mean `summarize` reports) and the same clock (the slowest worker's), and takes the same
-decision: stop at the target (`stop_at_target`), stop when the clock reached the budget (`budget_s`), or go on.
-Its cadence comes from the step time. After an evaluation at step s and clock t, with τ the mean step time since
-the previous one, the next comes ⌊max(EVAL_PRECISION · t, ahead) / τ⌋ steps later (at least 1, and no later than
-the step where the budget runs out), where `ahead` is
-- half the time the metric needs to reach the target at its current rate (linear through the last two agreed
-  evaluations), at most max(FAR · t, e / EVAL_OVERHEAD): evaluations close in on the crossing, few while it is
-  far (e is the evaluation's own time, the slowest rank's);
-- else (no race to a target, or the metric is not moving toward it) e / EVAL_OVERHEAD: evaluations then cost at
-  most a quarter of the training time;
-- and, once the metric has covered NEAR (9/10) of the way from its value at step 0 to the target, at most
-  RESOLUTION (5 %) of the clock, whatever its trend: a metric that drops in jumps (local-update methods, whose
-  models land at each average) crosses where no trend predicts it.
-Near the crossing the interval is 2–5 % of the clock, so the evaluation that first reaches the target comes at most
-5 % (or one step) after the true crossing; `summarize` reports that interval with every reading
-(`time_to_target_resolution_s`: 0 when the evaluation before was one step earlier, as the model changes only at
-the end of a step), so each one carries its own accuracy.
+**When to evaluate, when to stop**: `thinwire.run.schedule` (`Schedule`, `ClockSchedule`).
 """
 from __future__ import annotations
 
@@ -58,20 +38,19 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import speeds
 from ..comm import elastic
+from ..comm.context import store as race_store
 from ..errors import UserError
 from ..files import check_writable_dir
 from ..launcher import report_progress
 from ..trace import Tracer
 from ..trainer import Trainer
 from . import checkpoint, workloads
+from .schedule import ClockSchedule, Schedule, racing
 from .stepper import Stepper, make_optimizer, model_device
 
 _now = time.perf_counter
-EVAL_PRECISION = 0.02   # in a race, evaluations come every 2 % of the training clock (see the module's doc) ...
-EVAL_OVERHEAD = 0.25    # ... or far from the target: evaluations cost at most a quarter of the training time ...
-FAR = 0.25              # ... or half-way to the predicted crossing, at most a quarter of the clock ahead ...
-NEAR, RESOLUTION = 0.9, 0.05    # ... and past 9/10 of the way to the target, at most 5 % of the clock
 ELASTIC_SEED = 10007    # an elastic job's loader of generation g is shuffled by seed + ELASTIC_SEED * g
 
 
@@ -90,6 +69,11 @@ class TrainerStepper(Stepper):
         self.optimizer, self.role = self.trainer.optimizer, getattr(self.trainer.algorithm, "role", "worker")
         t = self.trainer    # the Stepper's step, drain and checkpoint state are the Trainer's own
         self.step, self.close, self.state_dict, self.load_state_dict = t.step, t.close, t.state_dict, t.load_state_dict
+        self.pace, self.request_stop = t.pace, t.request_stop
+
+    @property
+    def finished(self) -> bool:
+        return self.trainer.finished
 
     def counted(self, before: dict | None) -> tuple[dict, dict]:
         """This rank's meter (bytes, ops, emulated and exposed time, by kind and in total) and metrics over the
@@ -132,86 +116,6 @@ def worker_group(is_worker: bool):
 def _gloo_group(world: int, ranks: tuple):
     """The gloo group of `ranks`, made once per process and world size."""
     return dist.new_group(list(ranks), backend="gloo")
-
-
-def racing(cfg) -> bool:
-    return cfg.budget_s is not None or bool(cfg.stop_at_target)
-
-
-class Schedule:
-    """The evaluation steps and the stop decision (see the module's doc); identical on every worker rank."""
-
-    def __init__(self, cfg, wl, total: int | None, workers: int, group=None):
-        self.wl, self.total, self.group = wl, total, group
-        self.race = racing(cfg)
-        self.every = cfg.eval_every or (None if self.race else max(1, wl.steps_per_epoch(workers, cfg.batch_size) // 2))
-        self.budget = cfg.budget_s
-        self.target = cfg.target if cfg.target is not None else wl.target
-        self.stop_at_target = bool(cfg.stop_at_target)
-        self.next = 1 if self.race else self.every
-        self.last = (0, 0.0)    # (step, agreed clock) of the last evaluation
-        self.seen = None        # (agreed clock, agreed metric) of the last evaluation
-        self.first = None       # the agreed metric at step 0
-
-    def due(self, step: int) -> bool:
-        return step == self.total or (step == self.next if self.race else step % self.every == 0)
-
-    def agree(self, value: float, clock: float, eval_s: float) -> tuple[float, float, float]:
-        """(mean metric over the worker ranks, the slowest worker's clock, the slowest evaluation): the same
-        numbers on every rank (all ranks compute them from the same all-gathered list, in rank order)."""
-        if self.group is None or dist.get_world_size(self.group) == 1:
-            return value, clock, eval_s
-        mine = torch.tensor([value, clock, eval_s], dtype=torch.float64, device="cpu")   # (a gloo group)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(every, mine, group=self.group)
-        return (statistics.fmean(float(v[0]) for v in every), max(float(v[1]) for v in every),
-                max(float(v[2]) for v in every))
-
-    def evaluated(self, step: int, value: float, clock: float, eval_s: float = 0.0) -> tuple[str | None, dict]:
-        """After the evaluation at `step` (which took `eval_s`): (why to stop or None, what to add to its record)."""
-        if not self.race:
-            return ("steps" if step == self.total else None), {}
-        mean, t, e = self.agree(value, clock, eval_s)
-        on_target = step > 0 and self.stop_at_target and math.isfinite(mean) and self.wl.reached(mean, self.target)
-        stop = ("target" if on_target else "budget" if self.budget is not None and t >= self.budget else
-                "steps" if step == self.total else None)
-        s0, t0 = self.last
-        tau = (t - t0) / (step - s0) if step > s0 else 0.0
-        if self.every:
-            gap = self.every
-        elif tau <= 0:
-            gap = 1
-        else:
-            gap = max(1, math.floor(max(EVAL_PRECISION * t, self._ahead(t, mean, e)) / tau))
-            if self.budget is not None:  # land on the budget; the slower of the recent and the mean step time
-                gap = min(gap, max(1, math.ceil((self.budget - t) / max(tau, t / step))))
-        self.next = step + gap if self.total is None else min(step + gap, self.total)
-        self.last, self.seen = (step, t), (t, mean)
-        if step == 0:
-            self.first = mean
-        return stop, {"agreed": mean, "agreed_t": t}
-
-    def _ahead(self, t: float, mean: float, e: float) -> float:
-        """How far ahead (training time) the next evaluation may come, beyond 2 % of the clock (module doc)."""
-        near = (self.stop_at_target and self.first is not None and math.isfinite(mean) and self.first != self.target
-                and (mean - self.first) / (self.target - self.first) >= NEAR)
-        cap = RESOLUTION * t if near else math.inf
-        if self.stop_at_target and self.seen is not None and t > self.seen[0] and math.isfinite(mean):
-            rate = (mean - self.seen[1]) / (t - self.seen[0])
-            left = (self.target - mean) / rate if rate else -1.0
-            if left > 0:
-                return min(left / 2, max(FAR * t, e / EVAL_OVERHEAD), cap)
-        return min(e / EVAL_OVERHEAD, cap)
-
-    def state_dict(self) -> dict:
-        return {"next": self.next, "last_step": self.last[0], "last_t": self.last[1],
-                "seen": list(self.seen) if self.seen else None, "first": self.first}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        if state:
-            self.next, self.last = int(state["next"]), (int(state["last_step"]), float(state["last_t"]))
-            self.seen = tuple(state["seen"]) if state.get("seen") else None
-            self.first = state.get("first")
 
 
 # -- TensorBoard ------------------------------------------------------------------------------------------
@@ -299,7 +203,13 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     loader = shard()
     gen = member.gen if member is not None else None
     total = cfg.total_steps(wl)
-    schedule = Schedule(cfg, wl, total, cfg.workers, group)
+    # workers at their own pace (dynamic local updates, asynchronous DiLoCo, `local`) meet on the clock
+    clocked = stepper.pace != "step" and racing(cfg) and member is None and cfg.workers > 1
+    schedule = (ClockSchedule(cfg, wl, total, cfg.workers, wrank, race_store(), cfg.race_id) if clocked else
+                Schedule(cfg, wl, total, cfg.workers, group))
+    profile = speeds.parse(cfg.speeds)          # this worker's emulated speed (thinwire.speeds), on its clock
+    slow = speeds.Slowdown(profile, wrank, cfg.workers, cfg.seed, tracer).install(stepper.module) \
+        if profile is not None else None
     shown = cfg.progress and wrank == 0 and not os.environ.get("THINWIRE_NO_PROGRESS")
     bar = progress_bar(total=total, desc=f"{cfg.algorithm} on {cfg.network}", unit="step", leave=False) \
         if shown else None
@@ -337,9 +247,11 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
         else:
             evaluate(0)
         step = first
-        while total is None or step <= total:
+        while total is None or step <= total or stop is not None:
             t0 = _now()
             log.begin()
+            if slow is not None:
+                slow.clock = clock
             xb, yb = loader.next()
             with tracer.span("forward", "forward"):
                 loss = wl.loss(stepper.model(xb), yb)
@@ -359,7 +271,15 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             steps.append(rec)
             if board is not None:
                 board.step(rec)
-            if schedule.due(step):
+            if clocked:
+                if stop is None:
+                    stop = evaluate(step) if schedule.due(step, clock) else schedule.poll(step, clock)
+                    if stop is not None:
+                        stepper.request_stop()      # pace "round": every worker ends at the same sync
+                if stop is not None and (stepper.pace == "free" or stepper.finished):
+                    drained = _timed(stepper.close)
+                    clock += drained
+            elif schedule.due(step):
                 if step == total:  # drain before the final evaluation: the final model is the consistent one
                     clock += _timed(stepper.close)
                     log.committed = step
@@ -367,6 +287,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                 if stop is not None and step != total:  # a race ends here: drain, on the clock (and apart:
                     drained = _timed(stepper.close)     # it came after the evaluation that stopped the race)
                     clock += drained
+            ending = stop is not None and (not clocked or stepper.pace == "free" or stepper.finished)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop is None and step != total:
                 more = {} if member is None else {"loader_seed": loader.seed}
                 _save(cfg, rank, world_size, step, stepper, before, loader=loader.state_dict(),
@@ -376,7 +297,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.3f}", refresh=False)
-            if stop is not None:
+            if ending:
                 break
             step += 1
         if not evals:                   # a newcomer that joined at the last step
@@ -386,6 +307,8 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
         for opened in (log, bar, board):
             if opened is not None:
                 opened.close()
+        if slow is not None:
+            slow.remove()
     params = stepper.parameters
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     meter, metrics = stepper.counted(before)
@@ -393,7 +316,8 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             "model_sha256": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest(),
             "meter": meter, "metrics": metrics, "stopped": stop or "steps",
             "trace": tracer.events, "num_params": sum(p.numel() for p in params), "train_s": clock,
-            "drain_s": drained}
+            "drain_s": drained, "pace": "clock" if clocked else "step",
+            "slowed_s": slow.waited_s if slow is not None else 0.0}
 
 
 class StepLog:

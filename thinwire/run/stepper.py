@@ -13,9 +13,13 @@ class Stepper:
     model evaluated and fingerprinted, `optimizer` (each stepper sets it) the one `zero_grad()` clears. `step()`
     applies one step after backward and returns this step's traffic ({"bytes_sent", "emulated_s", "wait_s"});
     `close()` drains what is in flight (inside the training clock); `counted(before)` gives (meter, metrics) of
-    the whole run; `shutdown()` releases what the stepper holds (always called, also after an error)."""
+    the whole run; `shutdown()` releases what the stepper holds (always called, also after an error). `pace`:
+    how the workers' steps relate (`thinwire.algorithms.base.Algorithm.pace`); under "round" the loop asks the
+    stepper to stop (`request_stop`) and leaves when it is `finished`."""
 
     role = "worker"
+    pace = "step"
+    finished = False
 
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module, worker_rank: int):
         self.model, self.module, self.worker_rank = model, module, worker_rank
@@ -31,6 +35,9 @@ class Stepper:
         self.optimizer.zero_grad(set_to_none=False)
 
     def close(self) -> None:
+        pass
+
+    def request_stop(self) -> None:
         pass
 
     def counted(self, before: dict | None) -> tuple[dict, dict]:

@@ -14,13 +14,14 @@ import os
 import statistics
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import algorithms
+from .. import algorithms, speeds
 from ..algorithms.ps_sync import checkpointable_on_ps
 from ..compress import compressors, memories
 from ..errors import UserError
@@ -33,6 +34,7 @@ from ..launcher import MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, launch, pick_backend
 from ..launcher.elastic import ElasticPool, join_by_hand
 from . import checkpoint, workloads
 from .loop import check_tensorboard, train_worker
+from .schedule import race_crossing
 
 _now = time.perf_counter
 MAX_SEED = 2**32 - 1   # seeds feed torch, Python and NumPy generators (NumPy's legacy seeding takes 32 bits)
@@ -107,6 +109,8 @@ class TrainConfig:
     optimizer: str | None = None          # the workload's own by default; "sgd" / "adamw" by name
     tensorboard: str | None = None        # a directory for TensorBoard scalars (worker rank 0 writes them)
     device: str = "cpu"                   # "cuda": model, batches, buffers on GPUs (launcher.pick_backend)
+    speeds: str | None = None             # each worker's emulated speed (`thinwire.speeds`: "1,1,1,0.5", "stragglers")
+    race_id: str | None = None            # (set by run_training) names this run's evaluations in the launcher's store
     # a race peer that `algorithm` names (PyTorch's, torchft's), resolved by `thinwire.compare.peers.resolve`
     # above this layer: its `stepper` runs instead of thinwire's Trainer, `check(params, workers)` and
     # `checkpoints` serve validation; None: a thinwire algorithm. Not part of the record (`to_dict`).
@@ -135,6 +139,9 @@ class TrainConfig:
         if isinstance(net, Islands):
             net.check_workers(self.workers)
         check_int("--seed", self.seed, 0, MAX_SEED)
+        profile = speeds.parse(self.speeds)
+        if profile is not None:
+            profile.check_workers(self.workers)
         if self.peer:
             return self._validate_peer()
         arch = self.architecture()
@@ -179,7 +186,7 @@ class TrainConfig:
             raise UserError("--on-failure continue goes on with the survivors instead of restarting from a "
                             "checkpoint; drop --checkpoint-every (or use --on-failure stop)")
         if self.on_failure == "continue" and (self.budget_s is not None or self.stop_at_target):
-            # the race's stop is agreed over every worker rank (run/loop.py Schedule): a lost one would hang it
+            # the race's stop is agreed over every worker rank (run/schedule.py): a lost one would hang it
             raise UserError("--on-failure continue trains a fixed number of steps; drop --budget and "
                             "--stop-at-target (or use --on-failure stop)")
         if self.nonfinite == "skip" and self.servers:  # the agreement is an all-reduce the servers never join
@@ -201,6 +208,9 @@ class TrainConfig:
         optimizer = wl.optimizer_stand_in(self.lr, self.momentum, self.optimizer)   # the run's kind and settings
         check_run(alg, transport, self.workers + self.servers, optimizer, self.on_failure,
                   watching=not under_torchrun())
+        if alg.pace != "step" and self.checkpoint_every is not None and not (alg.pace == "free" and self.servers):
+            raise UserError(f"{self.algorithm} here lets workers take different numbers of steps (pace "
+                            f"{alg.pace!r}), so no step is a checkpoint of every worker; drop --checkpoint-every")
         name, settings = wl.optimizer_settings(self.optimizer)
         if name == "sgd":
             check_momentum(alg, comp, mem, settings["momentum"] if self.momentum is None else self.momentum,
@@ -348,28 +358,39 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
     servers = [r for r in results if r is not None and r["role"] != "worker"]
     # by step: the workers that recorded it (all of them, except in an elastic job, where a newcomer's records
     # begin at the step it joined)
+    target = cfg.target if cfg.target is not None else wl.target
+    clocked = any(w.get("pace") == "clock" for w in workers)   # workers at their own pace (run/schedule.py)
     steps_of, evals_of = {}, {}
-    for w in workers:
+    for w in (workers[:1] if clocked else workers):   # (at their own pace: worker 0's steps and clock)
         for rec in w["steps"]:
             steps_of.setdefault(rec["step"], []).append(rec)
+    for w in workers:
         for rec in w["evals"]:
-            evals_of.setdefault(rec["step"], []).append(rec)
+            evals_of.setdefault(rec.get("k", rec["step"]) if clocked else rec["step"], []).append(rec)
     n_steps = len(steps_of)
     # each step: the slowest worker's clock and step time, the workers' mean of the rest
     rows = [{"step": step, **{k: (max if k in ("t", "step_s") else statistics.fmean)(p[k] for p in per)
                               for k in ("loss", "t", "step_s", "bytes_sent", "emulated_s", "wait_s")}}
             for step, per in sorted(steps_of.items())]
-    # in a race the ranks agreed on the mean and the clock (and stopped on them): the same numbers here
+    # in a race the ranks agreed on the mean and the clock (and stopped on them): the same numbers here; at their
+    # own pace, the k-th evaluation of every worker (at worker 0's step)
     evals = [{"step": per[0]["step"], "t": per[0].get("agreed_t", max(p["t"] for p in per)),
               "value": per[0].get("agreed", statistics.fmean(p["value"] for p in per))}
-             for _, per in sorted(evals_of.items())]
+             for _, per in sorted(evals_of.items()) if not clocked or len(per) == len(workers)]
     by_step = {e["step"]: e for e in evals}
     for row in rows:
         if row["step"] in by_step:
             row[wl.metric if wl.metric == "accuracy" else "test_loss"] = by_step[row["step"]]["value"]
-    target = cfg.target if cfg.target is not None else wl.target
-    at = next((i for i, e in enumerate(evals) if e["step"] > 0 and wl.reached(e["value"], target)), None)
-    hit = None if at is None else evals[at]
+    if clocked:     # the mean of every worker's latest evaluation, in the order of their clocks
+        hit, resolution = race_crossing([w["evals"] for w in workers], lambda v: wl.reached(v, target))
+    else:
+        at = next((i for i, e in enumerate(evals) if e["step"] > 0 and wl.reached(e["value"], target)), None)
+        hit = None if at is None else evals[at]
+        # the true crossing lies in the interval before the evaluation that saw it: the reading's resolution
+        # (0 when the evaluation before was one step earlier: the model changes only at the end of a step)
+        resolution = (hit["t"] - evals[at - 1]["t"] if evals[at - 1]["step"] < hit["step"] - 1 else 0.0) \
+            if hit and at > 0 else None
+    per_worker = [len(w["steps"]) for w in workers]
     n_params = workers[0]["num_params"]
     nominal_step = ring_allreduce(parse_network("lan"), len(workers), n_params * 4).sent
     sent = [w["meter"]["total"]["bytes_sent"] for w in workers]
@@ -387,10 +408,7 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         ("final_accuracy" if wl.metric == "accuracy" else "final_loss"): final,
         ("best_accuracy" if wl.metric == "accuracy" else "best_loss"): best,
         "time_to_target_s": hit["t"] if hit else None, "steps_to_target": hit["step"] if hit else None,
-        # the true crossing lies in the interval before the evaluation that saw it: the reading's resolution
-        # (0 when the evaluation before was one step earlier: the model changes only at the end of a step)
-        "time_to_target_resolution_s": (hit["t"] - evals[at - 1]["t"] if evals[at - 1]["step"] < hit["step"] - 1
-                                         else 0.0) if hit and at > 0 else None,
+        "time_to_target_resolution_s": resolution,
         "stop_reason": workers[0].get("stopped", "steps"), "budget_s": cfg.budget_s,
         "bytes_sent_per_worker": statistics.fmean(sent),
         # of those, over a two-tier network's thin link (between islands): what a user pays for between sites
@@ -408,7 +426,9 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         "drain_s": drain_s,
         "step_time_s": statistics.median(step_times) if step_times else None,
         # steady throughput: the training clock without the drain after a race stopped
-        "throughput_samples_s": n_steps * batch * len(workers) / (train_s - drain_s) if train_s > drain_s else None,
+        "throughput_samples_s": sum(per_worker) * batch / (train_s - drain_s) if train_s > drain_s else None,
+        "steps_per_worker": per_worker, "slowed_s": statistics.fmean(w.get("slowed_s", 0.0) for w in workers),
+        "speeds": cfg.speeds,
         "num_params": n_params,
         "model_sha256": workers[0].get("model_sha256"),  # rank 0's final model: resume equality checks
         "algorithm_metrics": workers[0]["metrics"],
@@ -425,6 +445,8 @@ def run_training(cfg: TrainConfig, out: str | None = None, pool=None) -> dict:
         check_writable_dir(out, "--out")  # before training: never lose the results to a bad path
     cfg.validate()
     t0 = _now()
+    if cfg.race_id is None:     # (workers at their own pace post their evaluations under it: run/schedule.py)
+        cfg = replace(cfg, race_id=uuid.uuid4().hex)
     if cfg.join is not None:    # this process joins the elastic job there as one more worker (under torchrun
         return join_by_hand(cfg.join, train_worker, cfg)    # too); the job's launcher writes the summary
     if cfg.elastic is not None:
