@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
+from ..compress import compressors
 from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cdsgd as cd
 from ..net import cost as netcost
@@ -136,6 +137,20 @@ def delayed(x: Inputs, p: dict) -> Step:
     return Step(window / period, comm.sent / period)
 
 
+def compressed_momentum(x: Inputs, p: dict) -> Step:
+    """1-bit Adam and 0/1 Adam after the warm-up, a sync every `period` H steps (0/1 Adam's local steps; default 1):
+    the compressed all-reduce with two-sided error feedback (`thinwire.exchange.twosided`). Each rank sends its n − 1
+    chunks of the compressed tensor P (P/n each) point to point, then all-gathers the owners' compressed chunks:
+    τ + ((1 + 1/n)δ + α + (n − 1)P/n β + ring all-gather of P/n)/H, 2(n − 1)P/n bytes per sync."""
+    s, n, h = x.s, x.s.workers, int(p.get("period", 1))
+    bits = 32.0 if x.compressor == "none" else \
+        compressors.get(x.compressor, **x.compressor_params).nominal_bits(max(1, int(s.params) // n))
+    chunk = bits * s.params / n / 8
+    comm = (netcost.p2p(s.link, (n - 1) * chunk) if n > 1 else netcost.ZERO) + \
+        netcost.ring_allgather(s.collective_link, n, chunk)
+    return Step(s.compute_s + ((1 + 1 / n) * x.delta + comm.time) / h, comm.sent / h, collective="two-sided")
+
+
 def no_communication(x: Inputs, p: dict) -> Step:
     """local: τ, nothing sent."""
     return Step(x.s.compute_s, 0.0, collective="none")
@@ -150,4 +165,5 @@ FAMILIES = {"every_step": Family(every_step, True), "quantized": Family(quantize
             "local_update": Family(local_update, True), "delay_compensated": Family(delay_compensated, True),
             "periodic": Family(periodic, False), "diloco": Family(diloco, False),
             "parameter_server": Family(parameter_server, True), "gossip": Family(gossip, True),
-            "delayed": Family(delayed, True), "none": Family(no_communication, False)}
+            "delayed": Family(delayed, True), "compressed_momentum": Family(compressed_momentum, True),
+            "none": Family(no_communication, False)}

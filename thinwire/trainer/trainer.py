@@ -12,6 +12,7 @@ model, starts every rank from rank 0's, and runs each step as the algorithm dict
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 
@@ -23,7 +24,7 @@ from ..comm.progress import report as report_progress
 from ..errors import UserError
 from ..optim import hand_over_momentum
 from ..trace import NULL, Tracer
-from .assembly import build_components, check_elastic, check_on_failure, check_optimizer_of
+from .assembly import adam_feedback_warning, build_components, check_elastic, check_on_failure, check_optimizer_of
 from .nonfinite import FiniteGuard, nonfinite_flag, nonfinite_params
 from .resilience import Resilience
 
@@ -79,6 +80,9 @@ class Trainer:
             transport.generation = self.elastic.gen
         self.transport = transport or Transport(network=network, tracer=self.tracer,
                                                 device=self.parameters[0].device, **transport_params)
+        warning = adam_feedback_warning(self.algorithm, self.compressor, self.memory, optimizer)
+        if warning and self.transport.rank == 0:
+            warnings.warn(warning, stacklevel=2)
         if transport is not None and "allreduce" in transport_params:
             parse(transport_params["allreduce"], transport.world_size)
             transport.allreduce = transport_params["allreduce"]
