@@ -17,7 +17,7 @@ class LazyPool:
 
     def run(self, fn, *args, network="lan", seed=0, timeout=300, deadline=None):
         from thinwire.launcher.pool import Pool
-        if self._pool is None or self._pool._closed:
+        if self._pool is None or self._pool.closed:
             self._pool = Pool(self.world_size, timeout=max(timeout, 300))
         return self._pool.run(fn, *args, network=network, seed=seed, timeout=timeout, deadline=deadline)
 
@@ -47,7 +47,7 @@ def pool4():
 # Modules whose tests kill, stall or restart worker processes (or start processes of their own): the property
 # they test is the process boundary. `make test` runs them; `make test-fast` (the inner loop) leaves them out.
 PROCESS_MODULES = {"test_faults", "test_survive", "test_elastic", "test_reliability", "test_reliability_ps",
-                   "test_launcher", "test_torchrun"}
+                   "test_launcher", "test_torchrun", "test_hosts"}
 
 
 # The longest files first (seconds in one run of `make test` with `--durations=0`, summed per file: faults 94,
@@ -56,9 +56,10 @@ PROCESS_MODULES = {"test_faults", "test_survive", "test_elastic", "test_reliabil
 # the files with the most tests first, which left the 79-second examples file running alone at the end): longest
 # first, no long file ends the run on one core while the other idles.
 LONGEST_FIRST = ("test_faults", "test_examples", "test_reliability", "test_compare", "test_survive", "test_torchrun",
-                 "test_launcher", "test_matrix", "test_reliability_ps", "test_localsgd_gossip", "test_compress_diloco",
-                 "test_cdsgd", "test_elastic", "test_sparse_collectives", "test_compress_training", "test_cli",
-                 "test_ps", "test_train", "test_gossip", "test_device", "test_diloco", "test_dts", "test_workloads")
+                 "test_hosts", "test_launcher", "test_matrix", "test_reliability_ps", "test_localsgd_gossip",
+                 "test_compress_diloco", "test_cdsgd", "test_elastic", "test_sparse_collectives",
+                 "test_compress_training", "test_cli", "test_ps", "test_train", "test_gossip", "test_device",
+                 "test_diloco", "test_dts", "test_workloads")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -67,6 +68,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.processes)
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: order.get(item.module.__name__.rpartition(".")[2], len(order)))   # stable
+
+
+@pytest.fixture(scope="session")
+def two_hosts():
+    """Two hosts with their own addresses: network namespaces on a veth pair (tests/hosts.py documents the API).
+    Skipped, with the reason in one line, where this machine cannot make them."""
+    from hosts import open_two_hosts
+    hosts, why = open_two_hosts()
+    if hosts is None:
+        pytest.skip(f"two hosts: {why}")
+    try:
+        yield hosts
+    finally:
+        hosts.close()
 
 
 @pytest.fixture(params=["cpu", "cuda"])

@@ -127,8 +127,6 @@ def test_uniforms_are_uniform_and_pairwise_uncorrelated():
     cells = torch.stack([u.offset_uniforms(2 * 4096, 1)[[0, 1, 4096, 4097]].clone() for _ in range(3000)])
     corr = torch.corrcoef(cells.T)
     assert float((corr - torch.eye(4)).abs().max()) < 0.07
-    m = u.mantissas(50_000)
-    assert int(m.min()) >= 0 and int(m.max()) < 2**23
     assert not torch.equal(Uniforms(seed=3).offset_uniforms(10, 1), Uniforms(seed=4).offset_uniforms(10, 1))
     assert torch.equal(Uniforms(seed=3).offset_uniforms(10, 1), Uniforms(seed=3).offset_uniforms(10, 1))
 

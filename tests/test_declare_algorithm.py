@@ -38,8 +38,8 @@ def register(rank=None, world_size=None, names=((TOY, Toy),)) -> None:
 
 
 def unregister(rank=None, world_size=None, names=(TOY,)) -> None:
-    for name in names:   # the registry has no removal: a test's toy leaves the table as it found it
-        algorithms.registry._table.pop(name, None)
+    for name in names:
+        algorithms.registry.unregister(name)
 
 
 @pytest.fixture

@@ -71,7 +71,7 @@ def _epools():
 @pytest.fixture
 def epool(_epools):
     from thinwire.launcher.elastic import ElasticPool
-    if "pool" not in _epools or _epools["pool"]._closed:
+    if "pool" not in _epools or _epools["pool"].closed:
         _epools["pool"] = ElasticPool(2, max_workers=3, spares=1, timeout=300)
     return _epools["pool"]
 

@@ -106,7 +106,7 @@ def test_gossip_exchanges_buckets_during_backward(algorithm, params, pool2, tmp_
                       steps=6, trace=True, progress=False,
                       compressor="topk" if algorithm == "choco" else None,
                       params={"schedule": "wfbp", "serial": False, "pipeline": False, **params})
-    if pool2.pool is None or pool2.pool._closed:
+    if pool2.pool is None or pool2.pool.closed:
         pool2.run(_noop)
     summary = run_training(cfg, out=str(tmp_path / algorithm), pool=pool2.pool)
     with open(summary["trace"]) as f:

@@ -176,7 +176,7 @@ def test_a_stalled_training_thread_is_named_by_the_progress_watchdog():
     assert err.value.rank == 1, str(err.value)
     assert "rank 1 made no progress for" in str(err.value) and "(stuck at step 4; others at step 5)" in str(err.value)
     assert len(str(err.value).splitlines()) == 1
-    assert pool._closed and not [p for p in pids if os.path.exists(f"/proc/{p}/status")
+    assert pool.closed and not [p for p in pids if os.path.exists(f"/proc/{p}/status")
                                  and "zombie" not in open(f"/proc/{p}/status").read()]
 
 

@@ -1,4 +1,7 @@
 """Errors thinwire raises. A `UserError` is the user's to fix: the CLI prints its one line and exits with 2."""
+import importlib
+import os
+import sys
 
 
 class UserError(ValueError):
@@ -25,7 +28,6 @@ class MissingExtra(UserError, ImportError):
 
 def require_extra(module: str, extra: str, feature: str):
     """`import module`, or raise `MissingExtra` naming the pip command that installs `extra` (beside the torch pin)."""
-    import importlib
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -37,7 +39,6 @@ def require_extra(module: str, extra: str, feature: str):
 def _exit_2_when_uncaught() -> None:
     """Make an uncaught `MissingExtra` end the program with its one line and status 2 (any other exception keeps
     Python's own report): installed once, and only where such an error is raised."""
-    import sys
     previous = sys.excepthook
     if getattr(previous, "_thinwire", False):
         return
@@ -45,7 +46,6 @@ def _exit_2_when_uncaught() -> None:
     def hook(kind, value, tb):
         if not isinstance(value, MissingExtra):
             return previous(kind, value, tb)
-        import os
         sys.stdout.flush()
         print(f"thinwire: error: {value}", file=sys.stderr, flush=True)
         os._exit(2)     # Python ends an uncaught exception with status 1; nothing was started before the import

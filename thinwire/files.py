@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 from .errors import UserError
 
@@ -63,7 +64,6 @@ def check_writable_dir(path, flag: str) -> None:
     """`path` is a directory this process can write in, or one it can create: else a UserError naming `flag`.
     Run before any worker starts, so that no result is lost to a bad path after training. Creates nothing
     (a probe file in the nearest existing directory comes and goes)."""
-    import tempfile
     if not isinstance(path, str) or not path.strip() or "\0" in path:
         raise UserError(f"{flag} needs a directory name, got {path!r}")
     probe, missing = os.path.abspath(path), []

@@ -63,9 +63,9 @@ def momentum_taker(algorithm, compressor, memory):
     """The component that applies the training's momentum itself where `algorithm` exchanges the gradients its
     optimizer applies (`Memory` in compress/base.py, "Momentum"): the compressor (signum) before the memory;
     None where nothing takes it."""
-    if not getattr(algorithm, "exchanges_gradients", False):
+    if not algorithm.exchanges_gradients:
         return None
-    return next((c for c in (compressor, memory) if getattr(c, "takes_momentum", False)), None)
+    return next((c for c in (compressor, memory) if c.takes_momentum), None)
 
 
 def check_momentum(algorithm, compressor, memory, momentum: float, explicit: bool = True) -> None:
@@ -83,7 +83,7 @@ def check_momentum(algorithm, compressor, memory, momentum: float, explicit: boo
 
 
 def replaces_momentum(algorithm, memory) -> bool:
-    return bool(getattr(algorithm, "exchanges_gradients", False) and getattr(memory, "replaces_momentum", False))
+    return bool(algorithm.exchanges_gradients and memory.replaces_momentum)
 
 
 def hand_over_momentum(optimizer, algorithm, compressor, memory) -> float:
@@ -105,7 +105,7 @@ def hand_over_momentum(optimizer, algorithm, compressor, memory) -> float:
         return 0.0
     taker.momentum = mu
     for other in (compressor, memory):      # a second component able to take it applies none
-        if other is not taker and getattr(other, "takes_momentum", False) and other.momentum is None:
+        if other is not taker and other.takes_momentum and other.momentum is None:
             other.momentum = 0.0
     for g in optimizer.param_groups:
         g["momentum"] = 0.0
@@ -118,12 +118,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
     arXiv 2505.23725), and how Muon is meant to be used (Jordan et al. 2024, "Muon: An optimizer for hidden layers
     in neural networks": the embeddings, the classifier head, biases and gains stay with AdamW).
 
-    Muon is `torch.optim.Muon`: Nesterov momentum, then the update orthogonalized by five Newton–Schulz iterations,
-    its learning rate scaled by 0.2·√max(A, B) so that its update's RMS matches AdamW's (`adjust_lr_fn=
-    "match_rms_adamw"`, Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv 2502.16982): both parts then
-    take the same learning rate and decoupled weight decay. One optimizer to the algorithms: its param groups are
-    the two inner optimizers' own (Muon's first), its state theirs, so a step of some parameters only
-    (`step_subset`) and `state_dict()` work as for any torch.optim optimizer."""
+    Muon is `torch.optim.Muon` (Nesterov momentum, the update orthogonalized by five Newton–Schulz iterations), its
+    learning rate scaled so that its update's RMS matches AdamW's (`adjust_lr_fn="match_rms_adamw"`, Liu et al.
+    2025, "Muon is Scalable for LLM Training", arXiv 2502.16982): both parts take the same learning rate and weight
+    decay. Its param groups and state are the two inner optimizers' own (Muon's first), so `step_subset` and
+    `state_dict()` work as for any torch.optim optimizer."""
 
     def __init__(self, muon_params, adamw_params, lr: float, weight_decay: float, momentum: float = 0.95,
                  betas: tuple = (0.9, 0.999), eps: float = 1e-8):

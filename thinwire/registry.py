@@ -1,9 +1,11 @@
 """Name -> constructor tables (one per family), so the CLI, configs and tests enumerate the same list."""
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import numbers
+import pkgutil
 import sys
 from typing import Any, Callable
 
@@ -49,15 +51,11 @@ def at_least(low: float, **kw) -> Limit:
     return Limit(low, **kw)
 
 
-def above(low: float, **kw) -> Limit:
-    return Limit(low, low_open=True, **kw)
-
-
 def between(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Limit:
     return Limit(low, high, low_open, high_open)
 
 
-NON_NEGATIVE, POSITIVE, FRACTION = at_least(0), above(0), between(0, 1)
+NON_NEGATIVE = at_least(0)
 SEED = between(0, 2**63 - 1)
 
 
@@ -80,12 +78,8 @@ class Param:
         """`value` as this parameter takes it (a CLI string converted to its type); a UserError naming `what`,
         the parameter and what it takes otherwise."""
         got = self._typed(value)
-        if got is _BAD:
-            raise UserError(f"{what}: {self.name} must be {self.describe()}, got {value!r}")
-        if isinstance(got, float) and not isinstance(got, bool):
-            if not (self.limit.ok(got) if self.limit else math.isfinite(got)):
-                raise UserError(f"{what}: {self.name} must be {self.describe()}, got {value!r}")
-        elif isinstance(got, int) and not isinstance(got, bool) and self.limit and not self.limit.ok(got):
+        number = isinstance(got, (int, float)) and not isinstance(got, bool)
+        if got is _BAD or (number and not (self.limit.ok(got) if self.limit else math.isfinite(got))):
             raise UserError(f"{what}: {self.name} must be {self.describe()}, got {value!r}")
         return got
 
@@ -119,21 +113,16 @@ _BAD = object()
 def _from_text(text: str, kind):
     if kind is bool:
         return _WORDS.get(text.strip().lower(), _BAD)
-    if kind is int:
-        try:
-            number = float(text)
-        except ValueError:
-            return _BAD
-        if math.isfinite(number) and number.is_integer():   # "1e3" and "2.0" are integers too
-            return int(number) if "." in text or "e" in text.lower() else int(text)
-        return _BAD
-    if kind is float:
-        try:
-            return float(text)
-        except ValueError:
-            return _BAD
     if kind is str:
         return text
+    try:
+        number = float(text)
+    except ValueError:
+        return _BAD
+    if kind is float:
+        return number
+    if kind is int and math.isfinite(number) and number.is_integer():   # "1e3" and "2.0" are integers too
+        return int(number) if "." in text or "e" in text.lower() else int(text)
     return _BAD
 
 
@@ -226,6 +215,11 @@ class Registry:
                 obj.name = key
             return obj
         return deco
+
+    def unregister(self, name: str) -> None:
+        """Forget `name` and its variants (a test's toy leaves the table as it found it)."""
+        self._table.pop(name, None)
+        self._variants.pop(name, None)
 
     def variants(self, name: str) -> dict[str, Callable]:
         """The constructors registered for the variants of `name` (besides its default)."""
@@ -334,8 +328,6 @@ def call(ctor: Callable, what: str, params: dict):
 
 def import_submodules(package_name: str, package_path) -> None:
     """Import every module of a package so each file registers itself (one concept per file)."""
-    import importlib
-    import pkgutil
     for mod in sorted(pkgutil.iter_modules(package_path), key=lambda m: m.name):
         if not mod.name.startswith("_"):
             importlib.import_module(f"{package_name}.{mod.name}")

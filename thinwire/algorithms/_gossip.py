@@ -1,26 +1,24 @@
 """What the gossip family shares: a topology, the neighbour exchange per bucket, mixing, the consensus distance.
 
-Every gossip algorithm walks the scheduler's path: backward hands each full bucket to `on_bucket`, where the
-algorithm takes the bucket's local step if its rule steps before mixing (atc) and starts the bucket's
-`NeighborExchange` (`thinwire/exchange/gossip.py`: compressed with the trainer's compressor where the algorithm
-takes one, one wire format, point to point); `step()` waits for the buckets and mixes. So gossip gets wait-free
-backprop, fusion and MG-WFBP like bsp does.
+Gossip walks bsp's path (wait-free backprop, fusion, MG-WFBP): backward hands each full bucket to `on_bucket`,
+where the algorithm takes the bucket's local step if its rule steps before mixing (atc) and starts the bucket's
+`NeighborExchange` (`thinwire/exchange/gossip.py`: point to point, through the trainer's compressor where the
+algorithm takes one); `step()` waits for the buckets and mixes.
 
 Consensus distance (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
 Comprehensive Survey", arXiv 2003.06307, §II-B, §VIII): mean_i ‖x_i - x̄‖², the spread of the workers' models around
-their average. Measuring it costs communication (one all-reduce of the model and one of a scalar), which goes through
-the Transport and is counted like any other traffic. It is measured in `close()` (before the final average) and, with
-`consensus_every=K`, every K steps as well (those steps are slower and carry the extra bytes).
+their average, measured (one all-reduce of the model and one of a scalar, counted like any other traffic) in
+`close()` before the final average and, with `consensus_every=K`, every K steps.
 
 `close()` leaves every worker with the average model x̄ (`final_average=true`, the default): the model the
 gossip convergence guarantees are stated for (D-PSGD: Lian et al. 2017, arXiv 1705.09056; CHOCO-SGD: Koloskova et al.
-2019, arXiv 1902.00340: the averaged iterate). With
-`final_average=false` the workers keep their own models.
+2019, arXiv 1902.00340: the averaged iterate); with `final_average=false` the workers keep their own models.
 """
 from __future__ import annotations
 
 import torch
 
+from ..comm.context import default_seed
 from ..comm.topology import NAMES, Topology
 from ..errors import UserError
 from ..exchange.gossip import NeighborExchange
@@ -50,7 +48,6 @@ class Gossip(Algorithm):
         self.consensus: list[tuple[int, float]] = []
 
     def setup(self):
-        from ..comm.context import default_seed
         self.topology = Topology(self.topology_name, self.world_size, seed=default_seed())
         self.exchange = self.make_exchange()
         self.pending: dict[int, object] = {}   # bucket index -> the future of its neighbour exchange

@@ -1,7 +1,6 @@
-"""`backup`: synchronous SGD with backup workers (Chen et al., "Revisiting distributed synchronous SGD";
-Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive Survey", arXiv
-2003.06307, §III-B; Chen, Pan, Monga, Bengio, Jozefowicz 2016, "Revisiting Distributed Synchronous SGD", arXiv
-1604.00981), on the parameter server."""
+"""`backup`: synchronous SGD with backup workers (Chen, Pan, Monga, Bengio, Jozefowicz 2016, "Revisiting Distributed
+Synchronous SGD", arXiv 1604.00981; Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep
+Learning: A Comprehensive Survey", arXiv 2003.06307, §III-B), on the parameter server."""
 from __future__ import annotations
 
 from ..errors import UserError

@@ -26,9 +26,11 @@ import torch
 from ..comm import Transport
 from ..errors import UserError
 from ..exchange import Exchange
+from ..exchange.ps import check_uplink
 from ..optim import own_step
 from ..sched import Scheduler
 from ..trace import Tracer
+from ._registry import architectures
 from .cost import CostFamily
 
 
@@ -91,11 +93,11 @@ class Algorithm:
     cost: ClassVar[CostFamily | None] = None    # how the planner predicts it (`thinwire.algorithms.cost`)
     sgd_only: ClassVar[bool] = False            # its update compensates plain or momentum SGD only (check_run)
     adam_only: ClassVar[bool] = False           # its update is Adam's, on the user's Adam/AdamW (check_run)
+    role: str = "worker"                        # "server" on a parameter-server rank (`PSMixin`: it calls serve())
 
     def __init__(self, architecture: str | None = None):
         arch = architecture or self.architectures[0]
         if arch not in self.architectures:
-            from ._registry import architectures
             valid = architectures(self.name) if self.name else self.architectures
             raise UserError(f"algorithm {self.name!r} does not run on architecture {arch!r}; "
                             f"valid: {', '.join(valid)}")
@@ -121,7 +123,6 @@ class Algorithm:
         `memory`; called at construction, before any worker starts. The parameter server's links cannot carry a
         compressor whose rounds are summed over every rank (aggregation "custom")."""
         if self.architecture == "ps" and compressor is not None:
-            from ..exchange.ps import check_uplink
             check_uplink(compressor)
 
     def check_run(self, world_size: int, optimizer=None) -> None:

@@ -13,11 +13,19 @@ from .base import Algorithm
 from .cost import CostFamily
 
 
+def wait_buckets(pending: dict, buckets) -> None:
+    """Wait for each bucket's exchange (`pending`: bucket index -> its future, popped); its result in place in the
+    bucket, i.e. in every p.grad (a bucket all-reduced in place is there already)."""
+    for bucket in buckets:
+        res = pending.pop(bucket.index).wait()
+        if res.data_ptr() != bucket.buffer.data_ptr():
+            bucket.buffer.copy_(res.reshape(-1))
+
+
 @register("bsp")
 class BSP(Algorithm):
     """Synchronous SGD: x_{t+1} = x_t - γ (1/n) Σ_i G_i(x_t) (eq. 6)."""
 
-    architectures = ("allreduce",)
     schedules = ("none", "wfbp", "fusion", "mgwfbp", "priority")
     checks_finite = True      # each bucket is checked (Exchange._check_finite) before it is sent
     exchanges_gradients = True
@@ -35,10 +43,7 @@ class BSP(Algorithm):
 
     def average_gradients(self) -> None:
         """Wait for every bucket's exchange; the averaged gradients in place in every p.grad."""
-        for bucket in self.scheduler.buckets:
-            res = self.pending.pop(bucket.index).wait()
-            if res.data_ptr() != bucket.buffer.data_ptr():
-                bucket.buffer.copy_(res.reshape(-1))
+        wait_buckets(self.pending, self.scheduler.buckets)
 
     def recover(self):
         self.pending.clear()

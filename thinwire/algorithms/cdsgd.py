@@ -68,26 +68,17 @@ class _TimedCompressor:
     def __getattr__(self, attr):  # anything not timed (a custom exchange, parameters, state) is the inner one's
         if attr == "inner":
             raise AttributeError(attr)
-        return getattr(self.inner, attr)
+        value = getattr(self.inner, attr)
+        if attr not in ("compress", "decompress", "aggregate", "vote"):
+            return value
 
-    def _timed(self, fn, *args):
-        t0 = _now()
-        try:
-            return fn(*args)
-        finally:
-            self.seconds += _now() - t0
-
-    def compress(self, tensor, key=None, step=0, agreed=None):
-        return self._timed(self.inner.compress, tensor, key, step, agreed)
-
-    def decompress(self, payload):
-        return self._timed(self.inner.decompress, payload)
-
-    def aggregate(self, payloads):
-        return self._timed(self.inner.aggregate, payloads)
-
-    def vote(self, payloads):
-        return self._timed(self.inner.vote, payloads)
+        def timed(*args, **kwargs):
+            t0 = _now()
+            try:
+                return value(*args, **kwargs)
+            finally:
+                self.seconds += _now() - t0
+        return timed
 
 
 def _sgd_hyper(optimizer) -> dict:
@@ -106,10 +97,8 @@ def _sgd_hyper(optimizer) -> dict:
 
 @register("cdsgd")
 class CDSGD(BSP):
-    """CD-SGD (Yu et al. 2021): 2-bit exchange hidden behind the next iteration by a local update, k-step correction.
-
-    The local update is eq. 11; every k-th formal iteration is a full-precision correction; the first `warmup`
-    iterations are synchronous and full precision."""
+    """CD-SGD (Yu et al. 2021): 2-bit exchange hidden behind the next iteration by a local update, k-step correction
+    (see the module's doc)."""
 
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
     exchanges_gradients = False   # its own momentum update (eqs. 8-11) on the exchanged gradients (see __init__)

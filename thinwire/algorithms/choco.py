@@ -11,7 +11,7 @@ E‖Q(x) - x‖² ≤ (1 - ω)‖x‖²) and consensus step size γ (`gamma`):
 s makes Q a contraction (the paper's Assumption 1): 1 for a contractive biased Q (top-k, sign with its scale),
 1/(1 + ω) for an unbiased Q of variance ω (qsgd, random-k with its 1/ratio scale), as the paper rescales unbiased
 operators, and the least-squares factor for a biased one near the edge (clipped terngrad); without it qsgd, terngrad
-and random-k diverged (NaN by step 70 of the matrix, issue 17). `compress.base.contractive_scale`.
+and random-k diverged (NaN by step 70 of the docs/matrix.md run). `compress.base.contractive_scale`.
 γ = "auto" (the default) is min(0.5, δ), δ = 1 − E‖s·Q(v) − v‖²/‖v‖²: the paper's Theorem 2 takes γ proportional to
 δ (γ = ρ²δ / (16ρ + ρ² + 4β² + 2ρβ² − 8ρδ)) but tunes it in its experiments; at the old fixed 0.5, top-k 1 %
 (δ ≈ 0.08) ended at 0.34 on digits-mlp in 330 steps, at γ = 0.1 at 0.99.
@@ -37,7 +37,6 @@ from ._gossip import Gossip
 class CHOCO(Gossip):
     """CHOCO-SGD: gossip of compressed model differences with public copies, consensus step size gamma."""
 
-    compression = True
 
     def __init__(self, topology: str = "ring", gamma: float | str = "auto", consensus_every: int = 0,
                  final_average: bool = True, architecture: str | None = None):

@@ -15,13 +15,9 @@ error-feedback buffer in place of outer momentum, so pair it with `outer_momentu
 
 Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication: Towards a Distributed
 Free Lunch", arXiv 2501.18512, Algorithm 1 and §2.2–2.4) are three options of the same algorithm:
-- `fragments` F: the model's parameters, flattened in model order (fragment 0 is the input side), cut into F
-  consecutive ranges of equal element counts (⌊T f / F⌋ boundaries; a tensor may straddle two fragments: each
-  part is stepped and merged with its fragment). The paper cuts between layers of equal size; cutting elements
-  makes every fragment 1/F of the model whatever its layers, so the peak bytes per sync fall by F while the
-  average stays that of DiLoCo. Fragment p is synced every H steps, the fragments staggered: one sync every
-  K = H/F steps, fragments 0, 1, ..., F−1, 0, ... (§2.2). Where the boundaries fall between tensors (layers of
-  equal size) the fragments are torchft's per-module fragments.
+- `fragments` F: the parameters cut into F fragments of equal element counts (`diloco_fragments`); fragment p is
+  synced every H steps, the fragments staggered: one sync every K = H/F steps, fragments 0, 1, ..., F−1, 0, ...
+  (§2.2). The peak bytes per sync fall by F, the average stays that of DiLoCo.
 - `overlap` τ: the fragment's pseudo-gradient is taken (and its average starts) τ inner steps before the step
   that ends its period; the worker goes on training meanwhile and waits for the average only at that step
   (§2.3). 0 ≤ τ < K, so at most one fragment is in flight.
@@ -32,24 +28,18 @@ Free Lunch", arXiv 2501.18512, Algorithm 1 and §2.2–2.4) are three options of
   each contribution decoded and summed in fp32 by the compressor).
 With F = 1, τ = 0, α = 0 this is DiLoCo. The schedule (the step that takes fragment p's pseudo-gradient, the step
 that merges it) is torchft's `DiLoCo(..., sync_every=H, fragment_sync_delay=τ, fragment_update_alpha=α)`.
-
-Two variants, each a helper the class holds (None where the variant is off) and calls at the points its module
-names:
-- `eager=True`: eager updates (Kale, Douillard, Donchev 2025, arXiv 2502.12996), a fragment's average applied one
-  round late, the worker's own outer gradient standing in for it (`EagerRounds`, `thinwire.algorithms.diloco_eager`).
-- `replicas="island"`: hierarchical DiLoCo on a two-tier network, each island one replica, data parallel inside,
-  its outer sync sharded over the thin link (`IslandReplica`, `thinwire.algorithms.diloco_islands`).
+Two variants are helpers the class holds (None where off): `eager=True`, eager updates (`EagerRounds`,
+`diloco_eager`), and `replicas="island"`, one replica per island of a two-tier network (`IslandReplica`,
+`diloco_islands`).
 
 Like `localsgd`, on a step that takes a pseudo-gradient each bucket's inner step is taken as soon as backward
-hands the bucket over, and the pseudo-gradient of its elements in the syncing fragment (a piece) starts averaging
-at once, overlapped with the rest of backward. θ is kept per segment (a parameter's elements in one fragment) and
-exchange state per piece, following a re-plan of the buckets (MG-WFBP): `thinwire.algorithms.diloco_fragments`.
-The outer optimizer steps the segments, so any element-wise torch.optim optimizer works (a shape-aware one sees a
-cut parameter as 1-D slices).
+hands the bucket over, and the pseudo-gradient of its piece (its elements in the syncing fragment) starts
+averaging at once, overlapped with the rest of backward. θ is kept per segment, exchange state per piece,
+following a re-plan of the buckets (MG-WFBP). The outer optimizer steps the segments, so any element-wise
+torch.optim optimizer works (a shape-aware one sees a cut parameter as 1-D slices).
 
 `close()` first merges a sync in flight, then takes one last outer step of every fragment whose parameters moved
-since its last merge into θ (as at the end of a period) and leaves every worker with θ: the same model everywhere
-(eager: the averages in flight applied, then one all-reduce of the workers' models).
+since its last merge into θ (as at the end of a period) and leaves every worker with θ: the same model everywhere.
 Outer optimizer: SGD(outer_lr, outer_momentum, nesterov) with `torch.optim.SGD` semantics (nesterov is plain
 momentum when outer_momentum = 0), or `outer_optimizer=` a callable building any torch.optim optimizer from the
 list of θ tensors, or the name of a torch.optim class (CLI: `--outer-optimizer adam`, built with lr=outer_lr).
@@ -59,7 +49,6 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-import threading
 import time
 from typing import Callable
 
@@ -72,46 +61,13 @@ from ..optim import step_subset
 from ..tensors import copy_each, views
 from ._registry import register
 from .base import Algorithm, int_at_least
+from .bsp import wait_buckets
 from .cost import CostFamily
 from .diloco_eager import EagerRounds
 from .diloco_fragments import Fragments
 from .diloco_islands import IslandReplica, island_groups
 
 DEFAULT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
-
-
-def _check_options(period, outer_lr, outer_momentum, nesterov, outer_optimizer, fragments, overlap, alpha, eager,
-                   replicas) -> None:
-    """A UserError naming the first of `DiLoCo`'s parameters that is out of range or conflicts with another."""
-    for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
-        int_at_least(f"diloco {name}", value, low)
-    if period % fragments:
-        raise UserError(f"diloco period H={period} must be a multiple of fragments F={fragments} (one fragment "
-                        f"is synced every H/F steps); e.g. period={fragments * max(1, period // fragments)}")
-    if overlap >= period // fragments:
-        raise UserError(f"diloco overlap τ={overlap} must be below H/F={period // fragments} (a fragment's "
-                        f"average arrives before the next fragment's sync starts); valid: 0..{period // fragments - 1}")
-    if not (isinstance(outer_lr, (int, float)) and math.isfinite(outer_lr) and outer_lr > 0):
-        raise UserError(f"diloco outer_lr must be a finite number > 0, got {outer_lr!r}")
-    if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
-        raise UserError(f"diloco outer_momentum must be in [0, 1), got {outer_momentum!r}")
-    if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
-        raise UserError(f"diloco alpha must be in [0, 1] (θ ← α θ_local + (1 − α) θ_global), got {alpha!r}")
-    if replicas not in ("worker", "island"):
-        raise UserError(f"diloco replicas must be worker (every worker a DiLoCo replica) or island (every island "
-                        f"of a two-tier network one, data parallel inside), got {replicas!r}")
-    if not isinstance(eager, bool):
-        raise UserError(f"diloco eager must be true or false, got {eager!r}")
-    if eager and (overlap or alpha):
-        raise UserError(f"diloco eager hides a fragment's sync behind a whole period (its average is applied "
-                        f"one round later): give overlap=0 and alpha=0 with it, got overlap={overlap}, "
-                        f"alpha={alpha}")
-    given = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
-    if outer_optimizer is not None and not isinstance(outer_optimizer, str):
-        changed = [k for k, v in given.items() if v != DEFAULT_OUTER[k]]
-        if changed:
-            raise UserError(f"give outer_optimizer or {', '.join(changed)}, not both (the callable builds the "
-                            f"whole outer optimizer)")
 
 
 def _outer_factory(outer_optimizer, outer_lr: float, outer_momentum: float, nesterov: bool) -> Callable:
@@ -136,22 +92,17 @@ def _outer_factory(outer_optimizer, outer_lr: float, outer_momentum: float, nest
 
 
 class _SyncClock:
-    """When a fragment's sync began, and when the last of its pieces was delivered (a done-callback per piece)."""
+    """When a fragment's sync began, and when each of its pieces was delivered (a done-callback per piece)."""
 
     def __init__(self):
-        self.t0 = self.done = time.perf_counter()
-        self._lock = threading.Lock()
+        self.t0 = time.perf_counter()
+        self.done = [self.t0]       # (list.append: safe from the engine's threads)
 
     def watch(self, fut) -> None:
-        fut.add_done_callback(self._delivered)
-
-    def _delivered(self, _fut) -> None:
-        with self._lock:
-            self.done = max(self.done, time.perf_counter())
+        fut.add_done_callback(lambda _fut: self.done.append(time.perf_counter()))
 
     def elapsed(self) -> float:
-        with self._lock:
-            return self.done - self.t0
+        return max(self.done) - self.t0
 
 
 @register("diloco")
@@ -159,9 +110,6 @@ class DiLoCo(Algorithm):
     """DiLoCo (Douillard et al. 2023, Alg. 1): H inner steps, averaged pseudo-gradient, outer Nesterov SGD;
     Streaming DiLoCo (2025) with fragments, overlap τ and mixing α."""
 
-    architectures = ("allreduce",)
-    schedules = ("none", "wfbp", "fusion", "mgwfbp")
-    checks_finite = False
     survives_failures = True   # θ and the outer optimizer are replicated; the mean over fewer workers stays a mean
     keeps_local_work = True    # a survivor's inner steps go into the next sync
     cost = CostFamily("diloco")
@@ -170,8 +118,34 @@ class DiLoCo(Algorithm):
                  outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,
                  eager: bool = False, replicas: str = "worker", architecture: str | None = None):
         super().__init__(architecture)
-        _check_options(period, outer_lr, outer_momentum, nesterov, outer_optimizer, fragments, overlap, alpha, eager,
-                       replicas)
+        for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
+            int_at_least(f"diloco {name}", value, low)
+        if period % fragments:
+            raise UserError(f"diloco period H={period} must be a multiple of fragments F={fragments} (one fragment "
+                            f"is synced every H/F steps); e.g. period={fragments * max(1, period // fragments)}")
+        if overlap >= period // fragments:
+            raise UserError(f"diloco overlap τ={overlap} must be below H/F={period // fragments} (a fragment's "
+                            f"average arrives before the next fragment's sync starts); "
+                            f"valid: 0..{period // fragments - 1}")
+        if not (isinstance(outer_lr, (int, float)) and math.isfinite(outer_lr) and outer_lr > 0):
+            raise UserError(f"diloco outer_lr must be a finite number > 0, got {outer_lr!r}")
+        if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
+            raise UserError(f"diloco outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
+            raise UserError(f"diloco alpha must be in [0, 1] (θ ← α θ_local + (1 − α) θ_global), got {alpha!r}")
+        if replicas not in ("worker", "island"):
+            raise UserError(f"diloco replicas must be worker (every worker a DiLoCo replica) or island (every island "
+                            f"of a two-tier network one, data parallel inside), got {replicas!r}")
+        if not isinstance(eager, bool):
+            raise UserError(f"diloco eager must be true or false, got {eager!r}")
+        if eager and (overlap or alpha):
+            raise UserError(f"diloco eager hides a fragment's sync behind a whole period (its average is applied "
+                            f"one round later): give overlap=0 and alpha=0 with it, got overlap={overlap}, "
+                            f"alpha={alpha}")
+        changed = [k for k, v in zip(DEFAULT_OUTER, (outer_lr, outer_momentum, nesterov)) if v != DEFAULT_OUTER[k]]
+        if outer_optimizer is not None and not isinstance(outer_optimizer, str) and changed:
+            raise UserError(f"give outer_optimizer or {', '.join(changed)}, not both (the callable builds the "
+                            f"whole outer optimizer)")
         self.replicas = replicas
         self.period, self.fragments, self.overlap, self.alpha = period, fragments, overlap, float(alpha)
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
@@ -205,7 +179,8 @@ class DiLoCo(Algorithm):
             self.exchange = self.ctx.exchange(self.exchange_class, transport=column)
             self.inner = self.ctx.exchange(self.exchange_class, "none", "none", transport=inside)
             self._exchanges += [self.exchange, self.inner]
-            self.island = IslandReplica(inside, self.inner)
+            self.island = IslandReplica(inside)
+            self.grads: dict = {}       # bucket index -> the future of its mean gradient over the island
         self.frags = Fragments(self.params, self.fragments)
         # θ per segment (a parameter's elements in one fragment): the same on every worker
         self.anchor = [self.frags.local(k).clone() for k in range(len(self.frags.segs))]
@@ -239,7 +214,7 @@ class DiLoCo(Algorithm):
     # -- the step --------------------------------------------------------------------------------------
     def on_bucket(self, bucket):
         if self.island is not None:     # data parallel inside the island: the bucket's mean gradient starts
-            self.island.start_gradients(bucket)
+            self.grads[bucket.index] = self.inner.start(bucket.buffer, bucket.key, shapes=bucket.shapes, inplace=True)
             return
         f = self.starting(self.steps + 1)
         if f is None:
@@ -275,7 +250,7 @@ class DiLoCo(Algorithm):
         n = self.steps + 1
         if self.island is not None:     # the island's mean gradient, the inner step, then (a starting step) the Δs
             self.scheduler.flush()
-            self.island.average_gradients(self.scheduler.buckets)
+            wait_buckets(self.grads, self.scheduler.buckets)
             self.optimizer_step()
             f = self.starting(n)
             if f is not None:

@@ -10,16 +10,12 @@ the fragments staggered as Streaming DiLoCo's), worker m of M steps θ at once:
     θ_m ← OuterOpt(θ_m, Δ̃_m^(t));  θ_m,local ← θ_m
 Every worker's outer gradient is applied exactly once, the others' one round late; θ and the outer optimizer's
 state are each worker's own (they differ by the own shares in flight). The sync is hidden behind a whole period:
-H inner steps per fragment round instead of τ (so `overlap` and `alpha` stay 0).
+H inner steps per fragment round instead of τ (so `overlap` and `alpha` stay 0). `close()` applies the averages
+still in flight (their others' shares), then averages the workers' models once (one all-reduce of the model)
+so that every worker ends with the same model.
 
-`close()` applies the averages still in flight (their others' shares), then averages the workers' models once (one
-all-reduce of the model) so that every worker ends with the same model.
-
-Contract: `DiLoCo` (`thinwire.algorithms.diloco`) holds one `EagerRounds` over its fragments, θ segments, outer
-optimizer and exchange (whose world size is M), and calls it where the flat algorithm waits: `keep` as a piece's
-Δ starts, `round` in place of a fragment's merge (handing over the round's futures and sync clock), `close` in
-place of the last merges, `reset` when a worker is lost, `state_dict`/`load_state_dict` for its checkpoint's
-`inflight` and `own`. A round's sync time goes to `sync_times` when its average is applied.
+Contract: `DiLoCo` holds one `EagerRounds` and calls it where the flat algorithm waits: `keep` as a piece's Δ
+starts, `round` in place of a fragment's merge, `close` in place of the last merges, `reset` when a worker is lost.
 """
 from __future__ import annotations
 
@@ -60,13 +56,18 @@ class EagerRounds:
         own = {k: self.current.pop(k) for k in ks if k in self.current}
         grads = {k: d / m for k, d in own.items()}
         self._apply_delayed(f, grads)
+        self._outer_step(ks, {k: grads.get(k, torch.zeros_like(self.anchor[k])) for k in ks})
         for k in ks:
-            self.anchor[k].grad = grads.get(k, torch.zeros_like(self.anchor[k]))
+            self.frags.local(k).copy_(self.anchor[k])
+        self.inflight[f], self.own[f], self.clocks[f] = pending, own, clock
+
+    def _outer_step(self, ks: list[int], grads: dict) -> None:
+        """θ ← OuterOpt(θ, grads) on the segments `ks`."""
+        for k in ks:
+            self.anchor[k].grad = grads[k]
         step_subset(self.outer, [self.anchor[k] for k in ks])
         for k in ks:
             self.anchor[k].grad = None
-            self.frags.local(k).copy_(self.anchor[k])
-        self.inflight[f], self.own[f], self.clocks[f] = pending, own, clock
 
     def _apply_delayed(self, f: int, grads: dict) -> None:
         """Add to `grads` the others' shares of fragment f's previous average: Δ_prev − Δ_m,prev / M."""
@@ -91,11 +92,8 @@ class EagerRounds:
             self._apply_delayed(f, grads)
             ks = [k for k in self.frags.by_fragment[f] if k in grads]
             before = [self.anchor[k].clone() for k in ks]
-            for k in ks:
-                self.anchor[k].grad = grads[k]
-            step_subset(self.outer, [self.anchor[k] for k in ks])
+            self._outer_step(ks, grads)
             for k, b in zip(ks, before):
-                self.anchor[k].grad = None
                 self.frags.local(k).add_(self.anchor[k] - b)
         params = [p.detach() for p in self.frags.params]
         flat = torch.cat([p.reshape(-1) for p in params])

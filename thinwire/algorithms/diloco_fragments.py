@@ -1,6 +1,8 @@
 """Streaming DiLoCo's fragments as `diloco` cuts them (Douillard et al. 2025, "Streaming DiLoCo with overlapping
 communication: Towards a Distributed Free Lunch", arXiv 2501.18512, §2.2): the model's parameters, flattened in
-model order (fragment 0 is the input side), in F consecutive ranges of equal element counts.
+model order (fragment 0 is the input side), in F consecutive ranges of equal element counts. The paper cuts between
+layers of equal size (so does torchft, per module); cutting elements makes every fragment 1/F of the model whatever
+its layers, and where the boundaries fall between tensors the fragments are torchft's.
 
 A segment is a parameter's elements in one fragment: the whole parameter, unless a fragment boundary cuts it, then
 a 1-D slice of it (a cut parameter must be contiguous); `diloco` keeps θ per segment. A piece is the segments of a

@@ -13,11 +13,8 @@ workers' links. M, the number of replicas averaged, is the number of islands. On
 worker) it is the flat algorithm.
 
 Contract: `island_groups(transport)` gives (the island's transport, the transport of the islands' j-th workers),
-or None without islands of several workers. `DiLoCo` (`thinwire.algorithms.diloco`) builds its outer exchange on
-the second and an uncompressed one on the first, and holds an `IslandReplica(inside, that exchange)`: each
-bucket's gradients start averaging in the island during backward (`start_gradients`), `step()` waits for them
-before the inner step (`average_gradients`), and a piece of Δ travels as this worker's shard (`start`, keyed and
-sized by `shard`).
+or None; `DiLoCo` builds its outer exchange on the second and an uncompressed one for the gradients on the first,
+and sends a piece of Δ as this worker's shard (`IslandReplica.start`, keyed and sized by `shard`).
 """
 from __future__ import annotations
 
@@ -61,23 +58,10 @@ class _Gathered(Future):
 
 
 class IslandReplica:
-    """This worker's part of its island's replica: `inside` the island's transport, `inner` the exchange that
-    averages the inner steps' gradients over it."""
+    """This worker's part of its island's replica; `inside`: the island's transport."""
 
-    def __init__(self, inside, inner):
-        self.inside, self.inner = inside, inner
-        self.grads: dict = {}       # bucket index -> the future of its mean gradient over the island
-
-    def start_gradients(self, bucket) -> None:
-        """The bucket's mean gradient over the island starts (data parallel inside: into the bucket, in place)."""
-        self.grads[bucket.index] = self.inner.start(bucket.buffer, bucket.key, shapes=bucket.shapes, inplace=True)
-
-    def average_gradients(self, buckets) -> None:
-        """The island's mean gradient in every p.grad."""
-        for bucket in buckets:
-            res = self.grads.pop(bucket.index).wait()
-            if res.data_ptr() != bucket.buffer.data_ptr():
-                bucket.buffer.copy_(res.reshape(-1))
+    def __init__(self, inside):
+        self.inside = inside
 
     def start(self, exchange, delta: torch.Tensor, key: str):
         """(the future of what crosses the thin link, the future of the piece's mean Δ): this worker's shard of the

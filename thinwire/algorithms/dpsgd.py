@@ -10,12 +10,11 @@ topology (symmetric, doubly stochastic):
     lian (the form of Lian et al. 2017, Algorithm 1):
         x_{i,t+1} = Σ_j W_ij x_{j,t} - γ G_i(x_{i,t})
 On the complete graph (W = 11ᵀ/n) the atc form is exactly synchronous SGD (bsp), momentum included.
-Per bucket, during backward: atc takes the bucket's local step as soon as backward hands the bucket over (its
-gradients are final and no later backward work reads its parameters) and sends the stepped parameters to the
-neighbours; lian sends the parameters the gradients were computed on. `step()` mixes every bucket and (lian)
-then applies the own gradient. 32 N n_peers bits per step (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient
-Distributed Deep Learning: A Comprehensive Survey", arXiv 2003.06307, Table IV Gossip/BSP). `close()` measures
-the consensus distance and averages the models (see _gossip).
+Per bucket, during backward, atc takes the bucket's local step (its gradients are final) and sends the stepped
+parameters to the neighbours, lian the parameters the gradients were computed on; `step()` mixes every bucket and
+(lian) then applies the own gradient. 32 N n_peers bits per step (Tang, Shi, Chu, Wang, Li 2020,
+"Communication-Efficient Distributed Deep Learning: A Comprehensive Survey", arXiv 2003.06307, Table IV
+Gossip/BSP).
 
 `localsgd` on gossip (Tang et al. Table II, Gossip/Local SGD): H local steps, then one gossip averaging step (the
 atc mixing above) over the topology; with H = 1 it is D-PSGD, on the complete graph local SGD on all-reduce.

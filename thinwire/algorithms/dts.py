@@ -1,17 +1,13 @@
 """`dts`, `delayed`, `tsparse`: delayed and temporally sparse updates with error compensation
-(Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World" (DTS), §3).
-
-Every step a worker updates its model with its own gradient (eq. 2) and keeps what it used; every
-`period` steps it launches the average of its window, bucket by bucket as backward hands the buckets over, and
-goes on training; `delay` - 1 windows later it waits
-for that average and corrects the model by the difference between the average and what it used (eqs. 3, 4).
-The derivation of the momentum-SGD compensation (weights and momentum buffer) is in docs/dts.md.
+(Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World" (DTS), §3). The schedule and the update are
+`DTS`'s docstring; the derivation of the momentum-SGD compensation (weights and momentum buffer) is in docs/dts.md.
 """
 from __future__ import annotations
 
 from collections import deque
 
 import torch
+import torch.distributed as dist
 
 from ..comm.engine import Ready
 from ..errors import UserError
@@ -65,7 +61,6 @@ class DTS(Algorithm):
     What is averaged can go through any compressor and memory of the Trainer (Zhu et al. §4.3 use DGC).
     """
 
-    architectures = ("allreduce",)
     overlaps_steps = True
     survives_failures = True   # a lost worker's windows are dropped; the survivors average among themselves
     sgd_only = True
@@ -300,7 +295,6 @@ class DTS(Algorithm):
         at close only, like the Trainer's initial one not counted as training traffic)."""
         if self.world_size == 1:
             return
-        import torch.distributed as dist
         tensors = list(self.params)
         if self.mu > 0.0:
             tensors += [b for b in (self.optimizer.state[p].get("momentum_buffer") for p in self.params)

@@ -211,9 +211,8 @@ class PostLocalSGD(LocalSGD):
 class PSLocalSGD(PSMixin, LocalSGD):
     """Local SGD on the parameter server (Tang et al. Table II, PS / Local SGD): H local steps on every worker, then
     each worker pushes its model delta x_i - x (bucket by bucket, as backward hands the bucket over, through the
-    compressor and memory) and the server averages them, x <- x + (1/n) Σ_i C(x_i - x) (the corrected eq. 9,
-    Tang et al.'s eq. 9 corrected as above), and answers x, which every worker continues from. Momentum stays local
-    (per-worker buffers, as on all-reduce)."""
+    compressor and memory) and the server averages them, x <- x + (1/n) Σ_i C(x_i - x) (Tang et al.'s eq. 9,
+    corrected as above), and answers x, which every worker continues from. Momentum stays local."""
 
     keeps_local_work = False
 

@@ -15,7 +15,6 @@ from .cost import CostFamily
 class Local(Algorithm):
     """No communication: each worker steps its own optimizer on its own gradients; models are never averaged."""
 
-    architectures = ("allreduce",)
     compression = False
     cost = CostFamily("none")
 

@@ -18,16 +18,13 @@ from ..exchange.ps import PSExchange, PSServer, PSWorker, downlink_scale
 from ..comm.ps import PSLayout
 from ..optim import step_subset
 from ..tensors import copy_flat
-from ._registry import register
+from ._registry import register, registry
 from .base import Algorithm
 from .cost import CostFamily
 
 # Table II of Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive
 # Survey", arXiv 2003.06307: which architectures each PS-only scheme lacks, and what to use instead
-_ALTERNATIVES = {
-    "allreduce": "for all-reduce use bsp or localsgd",
-    "gossip": "for gossip use dpsgd, adpsgd, sgp or choco",
-}
+_ALTERNATIVES = {"allreduce": "for all-reduce use bsp or localsgd", "gossip": "for gossip use dpsgd, adpsgd, sgp or choco"}
 
 
 def clone_optimizer(template: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:
@@ -44,7 +41,7 @@ class PSMixin:
     """The parameter-server roles of an algorithm; mixed in before its base class (an all-reduce algorithm's class,
     or `Algorithm`). The base class's `setup()` makes its exchanges with `make_exchange` as usual: here they are
     `PSExchange`s, one codec each (a server decodes a push with the compressor of the exchange that made it).
-    Class attributes: `rule` (the server's: "sync", "async", "backup"). The server applies `server_update`
+    Class attributes: `rule` (the server's: "sync", "async", "backup", "quorum"). The server applies `server_update`
     (default: the worker's optimizer on the mean gradient, Tang et al. eq. 6)."""
 
     architectures = ("ps",)
@@ -52,6 +49,7 @@ class PSMixin:
     rule = "sync"
     backups = 0
     exchange_class = PSExchange
+    server_opt: torch.optim.Optimizer | None = None   # (server) what `server_update` steps; none for averaging
 
     def _ps_init(self, servers, downlink_compressor: str = "none", downlink_params: dict | None = None) -> None:
         if not isinstance(servers, int) or isinstance(servers, bool) or servers < 1:
@@ -65,7 +63,6 @@ class PSMixin:
             self.downlink, self.downlink_scale = None, 1.0
         else:
             self.downlink_scale = downlink_scale(self.downlink)   # contractive, or refused here
-        self.role = "worker"
         self.server = self.worker = None
 
     # -- wiring --------------------------------------------------------------------------------------------
@@ -86,7 +83,8 @@ class PSMixin:
             params = [torch.nn.Parameter(x[lo:hi].clone()) for x, (lo, hi) in zip(initial, spans)]
             self.server = PSServer(self.transport, self.layout, keys, params,
                                    [ex.compressor for ex in self._exchanges], self.server_update, rule=self.rule,
-                                   backups=self.backups, downlink=self.downlink, downlink_scale=self.downlink_scale)
+                                   backups=self.backups, downlink=self.downlink, downlink_scale=self.downlink_scale,
+                                   **self.server_options())
             self.server_setup()
         else:
             self.worker_rank = self.rank
@@ -95,6 +93,10 @@ class PSMixin:
                 ex.bind(self.worker)
 
     # -- the server ----------------------------------------------------------------------------------------
+    def server_options(self) -> dict:
+        """(server) The rest of `PSServer`'s options (quorum, grace, max_staleness, weight, note): none here."""
+        return {}
+
     def server_setup(self) -> None:
         """(server) The state `server_update` needs: the worker's optimizer over this server's slices."""
         self.server_opt = clone_optimizer(self.optimizer, [p for p in self.server.params if p.numel()])
@@ -141,7 +143,7 @@ class PSMixin:
         a quiescent point: every worker checkpoints at the same step, so the servers answer them all); a server is
         called at that cut (PSServer.serve). The worker's memory and compressor are the trainer's."""
         if self.server is not None:
-            opt = getattr(self, "server_opt", None)
+            opt = self.server_opt
             return {"server": self.server.state_dict(), "optimizer": None if opt is None else opt.state_dict()}
         return {**super().state_dict(), "worker": self.worker.state_dict(),
                 "ps_exchanges": [ex.state_dict() for ex in self._exchanges]}
@@ -160,7 +162,6 @@ class PSMixin:
 
 def checkpointable_on_ps(algorithm: str) -> bool:
     """Whether `algorithm`'s parameter-server runs can be checkpointed: the ones built on PSMixin."""
-    from ._registry import registry
     ctor = registry.constructor(algorithm, {"architecture": "ps"})
     return isinstance(ctor, type) and issubclass(ctor, PSMixin)
 
@@ -215,12 +216,12 @@ class StalenessAware:
       (Mitliagkas, Zhang, Hadjis, Ré 2016, "Asynchrony begets momentum", Theorem 2: M queued workers give
       1 − 1/M); composed with the optimizer's μ_e the total is 1 − (1 − μ_e)/(τ + 1), so the server's SGD runs
       μ_e = max(0, 1 − (1 − μ)(τ̄ + 1)) to keep the total at the configured μ (τ̄: the mean staleness seen so
-      far). Without it the stale gradients of `ssp`/`asp` at μ = 0.9 oscillate and diverge (issue 17).
+      far). Without it the stale gradients of `ssp`/`asp` at μ = 0.9 oscillated and diverged (docs/matrix.md's runs).
     """
 
     SCALES = ("staleness", "mean", "full")
     # the momentum stays with the server's optimizer, where it is net of asynchrony's own (below); handed to an
-    # error-feedback memory it applied 0.9 on top of the stale gradients: ssp + topk ended at 0.15 (issue 17 matrix)
+    # error-feedback memory it applied 0.9 on top of the stale gradients: ssp + topk ended at 0.15 (docs/matrix.md)
     exchanges_gradients = False
 
     def __init__(self, architecture: str | None = None, scale: str = "staleness", implicit_momentum: bool = True,

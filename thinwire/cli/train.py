@@ -98,7 +98,7 @@ def run(args) -> int:
         print(f"thinwire: joined the elastic job at {cfg.join} as member {mine['rank']}: steps "
               f"{steps[0]['step'] if steps else '-'}..{steps[-1]['step'] if steps else '-'}, final "
               f"{mine['final']:.4f} (the job's launcher writes the summary)", file=sys.stderr)
-        return 0
+        _exit_past_gloo()
     torchrun = under_torchrun()
     if torchrun:
         rank, world = init(cfg.network, seed=cfg.seed, device=cfg.device)
@@ -112,16 +112,22 @@ def run(args) -> int:
             print(format_summary(summary))
             if args.out:
                 print(f"  written to        {args.out}/summary.json, {args.out}/metrics.jsonl")
-    sys.stdout.flush()
     if torchrun:
-        # on success, a torchrun worker ends here without the interpreter's teardown: gloo's worker thread frees
-        # the last collective's work (and its tensors, which need the GIL) after that collective returns; if
-        # teardown has begun by then the thread is killed inside a destructor and the process aborts
-        # (SIGABRT, "terminate called without an active exception"; 4 of 30 two-worker runs here did, also
-        # after destroy_process_group, which leaves the group's threads running while anything refers to it)
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_past_gloo()
+    sys.stdout.flush()
     return 0
+
+
+def _exit_past_gloo() -> None:
+    """End a successful worker process that holds gloo groups of its own (under torchrun, or joined by hand)
+    without the interpreter's teardown: gloo's worker thread frees the last collective's work (and its tensors,
+    which need the GIL) after that collective returns; if teardown has begun by then the thread is killed inside
+    a destructor and the process aborts (SIGABRT, "terminate called without an active exception"; 4 of 30
+    two-worker torchrun runs here did, and 1 of 5 workers joined by hand, also after destroy_process_group,
+    which leaves the group's threads running while anything refers to it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def register(sub) -> None:
@@ -144,6 +150,10 @@ def register(sub) -> None:
                         "MIN remain (bsp, localsgd, postlocalsgd, diloco, dts; docs/reliability.md)")
     p.add_argument("--replace-delay", type=float, default=0.0, metavar="S",
                    help="--elastic: start a lost worker's replacement S seconds after the loss (default 0)")
+    p.add_argument("--listen", metavar="HOST[:PORT]",
+                   help="--elastic: the address the job listens on for workers that join, one of this machine's "
+                        "that the others reach (default 127.0.0.1: this machine only; PORT default: a free one; "
+                        "0.0.0.0: every interface; docs/multi-host.md)")
     p.add_argument("--join", metavar="HOST:PORT",
                    help="join the running elastic job whose launcher listens at HOST:PORT (it prints the address) "
                         "as one more worker, with the job's options; under torchrun each process joins")

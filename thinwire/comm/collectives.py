@@ -1,16 +1,11 @@
 """All-reduce algorithms built on the Transport's point-to-point ops, so they can be chosen and costed.
 
-Every message goes through `Transport.isend`/`irecv`, so the meter counts each algorithm's real traffic and the
-emulated link charges α + Nβ per message on this rank's queue: the emulated time of each algorithm follows its
-own α-β formula (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive
-Survey", arXiv 2003.06307, Table III; `thinwire.net.cost`) without any formula being applied here.
-
-    transport.allreduce = "ring"        # or: recursive_doubling, recursive_halving, tree, double_binary_tree,
-                                        #     hierarchical[:m], torus[:X], gloo
-    transport.all_reduce(t, op="mean")  # dispatched here when not "gloo"
-
-Each algorithm is a program (`thinwire.comm.engine`): it yields the messages of a round before the next, so
-an asynchronous all-reduce returns at once and its rounds run on the engine's thread while the caller computes.
+Every message goes through `Transport.isend`/`irecv`: the meter counts each algorithm's real traffic and the
+emulated link charges α + Nβ per message, so each algorithm's emulated time follows its own α-β formula (Tang, Shi,
+Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive Survey", arXiv 2003.06307,
+Table III; `thinwire.net.cost`) with no formula applied here. `Transport(allreduce=NAME)` dispatches here when
+NAME is not "gloo". Each algorithm is a program (`thinwire.comm.engine`): its rounds run on the engine's thread
+while the caller computes.
 
 | name | steps | cost (thinwire.net.cost) | world sizes |
 | --- | --- | --- | --- |
@@ -205,14 +200,12 @@ def double_trees(n: int) -> list[list[tuple[int | None, list[int]]]]:
 
 
 def _double_binary_tree(tp, flat, members, me, combine, _size=None) -> None:
-    """Double binary tree all-reduce (Sanders, Speck, Träff 2009, "Two-Tree Algorithms for Full
-    Bandwidth Broadcast, Reduction and Scan"): the vector's two halves are reduced up and then
-    broadcast down two complementary binary trees, each half cut into k blocks that follow one another through
-    the tree (pipelined): 2 d α + 2 (k + d − 1)/k N β (`thinwire.net.cost.double_binary_tree_allreduce`).
-    A rank is an inner node of at most one tree: its blocks of the other tree (where it is a leaf) go up at once,
-    and in its own tree it adds its children's block j to its own and passes it up as soon as they are in, so
-    no wait of one tree holds the other back. Once a tree's root holds the sums, block j goes down the same way.
-    Each block is summed once (at its tree's root) and copied: identical on every rank."""
+    """Double binary tree all-reduce (Sanders, Speck, Träff 2009, "Two-Tree Algorithms for Full Bandwidth
+    Broadcast, Reduction and Scan"): the vector's halves are reduced up and broadcast down two complementary binary
+    trees, each half in k pipelined blocks: 2 d α + 2 (k + d − 1)/k N β (`net.cost.double_binary_tree_allreduce`).
+    A rank is an inner node of at most one tree: its blocks of the other go up at once, and in its own it passes
+    block j up as soon as its children's are in and added (no wait of one tree holds the other back), then down
+    once the root holds the sums. Each block is summed once (at its root) and copied: identical on every rank."""
     k = tree_blocks(flat.nbytes)
     parts = [half.tensor_split(k) for half in flat.tensor_split(2)]
     links = [tree[me] for tree in double_trees(len(members))]     # per tree: (parent, children) of this rank

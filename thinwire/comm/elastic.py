@@ -1,21 +1,18 @@
 """Elastic membership: workers that join a running job, and the group each generation of members trains on.
 
-The design is in docs/reliability.md ("Workers that join a running job"). In short:
+The design is in docs/reliability.md ("Workers that join a running job"). In short: every worker process is a
+*member* with an id never reused (the first workers 0..N-1, each newcomer the next); the membership is a sequence
+of *generations*, lists of member ids (old members first: rank 0 of a generation always trained before), small
+JSON records written once (`compare_set`) in the launcher's rendezvous store (`gen/<g>`): the launcher writes
+`loss` generations (the members' waits then raise `PeerLost`), rank 0 writes `join` generations at a
+synchronization boundary, with `at`, the step where every member switches. Each generation trains on a gloo group
+of its own, made from the store under `pg/<g>/` (torch.distributed's default group cannot grow, and destroying a
+gloo group blocks while one of its operations waits on a lost peer). What a newcomer takes from a live peer
+crosses in comm/state.py's format, point to point on the Transport (`send_state`, `recv_state`,
+`broadcast_state`): nothing is unpickled.
 
-- every worker process of an elastic job is a *member* with an id that is never reused (the first workers 0..N-1,
-  each newcomer the next id); the job's membership is a sequence of *generations*, each a list of member ids
-  (old members first, newcomers appended: rank 0 of a generation always trained before);
-- generations are small JSON records in the launcher's rendezvous store (`gen/<g>`), each written once
-  (`compare_set`): the launcher writes `loss` generations (at once: the members' waits raise `PeerLost`), rank 0
-  of the current generation writes `join` generations at a synchronization boundary, with `at`, the step of the
-  boundary where every member switches;
-- each generation trains on a gloo group of its own, made from the store under `pg/<g>/` (torch.distributed's
-  default group cannot grow, and destroying a gloo group blocks while an operation of it waits on a lost peer);
-- what a newcomer takes from a live peer crosses as tensors behind a JSON header (comm/state.py's format, here
-  point to point on the Transport: `send_state`, `recv_state`, `broadcast_state`). Nothing is unpickled.
-
-`MEMBER` is this process's membership (None outside an elastic job); the launcher (`thinwire.launcher.elastic`)
-sets it in each worker before the worker's function runs.
+`MEMBER` is this process's membership (None outside an elastic job), set by the launcher
+(`thinwire.launcher.elastic`) in each worker before the worker's function runs.
 """
 from __future__ import annotations
 
@@ -32,7 +29,6 @@ from ..errors import UserError, WorkerError
 from . import state
 from .membership import MEMBERSHIP
 
-PREFIX = "thinwire/elastic"
 HOST = "cpu"             # a state crosses from host buffers (the groups of an elastic job are gloo's)
 POLL_S = 0.01            # how often a member waiting for the others of its generation looks again
 
@@ -71,52 +67,19 @@ def retire(box: list) -> None:
 
 # -- state as tensors behind a JSON header (the format of comm/state.py), point to point ------------------
 def send_state(transport, obj, dst: int) -> None:
-    """Send `obj` (comm/state.py's format) to group rank `dst` of `transport`: the lengths, the JSON header, the
-    tensors' bytes (three messages, counted and emulated as any transfer)."""
-    manifest, payload = state.pack(obj, HOST)
-    head = torch.tensor([len(manifest), payload.numel()], dtype=torch.int64, device=HOST)
-    transport.send(head, dst)
-    transport.send(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), dst)
-    if payload.numel():
-        transport.send(payload, dst)
+    """Send `obj` (comm/state.py's format) to group rank `dst` of `transport` (`state.transfer`: three messages,
+    counted and emulated as any transfer)."""
+    state.transfer(obj, True, lambda t: transport.send(t, dst), HOST)
 
 
 def recv_state(transport, src: int):
-    head = torch.zeros(2, dtype=torch.int64, device=HOST)
-    transport.recv(head, src)
-    n_manifest, n_payload = (int(v) for v in head.tolist())   # host: a host tensor, once per state
-    state.check_lengths(n_manifest, n_payload)
-    manifest = torch.zeros(n_manifest, dtype=torch.uint8, device=HOST)
-    transport.recv(manifest, src)
-    header = bytes(manifest.numpy())
-    state.layout(header)       # checked before a buffer of the declared size is allocated
-    payload = torch.zeros(n_payload, dtype=torch.uint8, device=HOST)
-    if n_payload:
-        transport.recv(payload, src)
-    return state.decode(header, payload)
+    return state.decode(*state.transfer(None, False, lambda t: transport.recv(t, src), HOST))
 
 
 def broadcast_state(transport, obj, src: int = 0):
     """`obj` of group rank `src` on every rank of `transport` (the others pass anything; see `state.pack`)."""
-    if transport.rank == src:
-        manifest, payload = state.pack(obj, HOST)
-        head = torch.tensor([len(manifest), payload.numel()], dtype=torch.int64, device=HOST)
-    else:
-        head = torch.zeros(2, dtype=torch.int64, device=HOST)
-    transport.broadcast(head, src)
-    n_manifest, n_payload = (int(v) for v in head.tolist())   # host: a host tensor, once per state
-    state.check_lengths(n_manifest, n_payload)
-    if transport.rank != src:
-        manifest = bytes(n_manifest)
-    mbuf = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
-    transport.broadcast(mbuf, src)
-    if transport.rank != src:
-        manifest = bytes(mbuf.numpy())
-        state.layout(manifest)
-        payload = torch.zeros(n_payload, dtype=torch.uint8, device=HOST)
-    if n_payload:
-        transport.broadcast(payload, src)
-    return state.decode(manifest, payload)
+    move = lambda t: transport.broadcast(t, src)     # noqa: E731
+    return state.decode(*state.transfer(obj, transport.rank == src, move, HOST))
 
 
 # -- the coordinator's records -----------------------------------------------------------------------------
@@ -170,7 +133,6 @@ class Member:
         self.record: dict | None = None
         self.group = None
         self.switch_at: int | None = None    # a join generation announced: the step of the boundary to switch at
-        self.formed = 0                      # generations this member formed (for tests and metrics)
         self._watch_from = 0
         self._watcher: threading.Thread | None = None
         self._seen_pending = 0
@@ -269,7 +231,6 @@ class Member:
             self.group = group
             with self._lock:
                 self.gen, self.record, self.switch_at = g, rec, None
-            self.formed += 1
             self._watch(g)
             return rec
 

@@ -1,24 +1,21 @@
 """One rank's emulated link: a queue for its sending side and one for its receiving side.
 
-An operation occupies the link for its transfer time (the β term): a second transfer queues behind the first,
-so bandwidth is not free because an operation is asynchronous. The latency (α) term of a point-to-point message
-does not occupy the link. Collectives run at most `COLLECTIVE_SLOTS` at a time, as gloo runs a process group's
-collectives on its two worker threads (a third in flight waits for a thread; under the real-network mode, three
-in flight took far longer than one). Jitter and loss add to an operation's delivery time but never reorder
-deliveries on one link.
+An operation occupies the link for its transfer time (the β term): a second transfer queues behind the first, so
+bandwidth is not free because an operation is asynchronous; the latency (α) of a point-to-point message does not
+occupy it. Collectives run at most `COLLECTIVE_SLOTS` at a time, as gloo runs a process group's collectives on its
+two worker threads (under the real-network mode, three in flight took far longer than one). Jitter and loss add to
+an operation's delivery time but never reorder deliveries on one link.
 
-Point-to-point messages are charged on both ends: a send occupies the sender's link from the moment it is
-issued (`schedule(issued, ..., tx only)`: a rank sending to three peers at once pushes the three messages out one
-after another), and the message carries the time its last byte left the sender's link, so the receiver's link
-carries it in a window that cannot end before that time (`not_before`): no receiver gets its data before the
-sender pushed it out, whatever the receiver's own link is doing (`Transport.send` / `recv`). The time is the
-host's monotonic clock (`time.perf_counter`), which every process of one host shares: emulated links model
-ranks that really run on one host.
+A point-to-point message is charged on both ends: a send occupies the sender's link from the moment it is issued
+(`schedule(issued, ..., tx only)`: sends to three peers at once go out one after another), and the message carries
+the time its last byte left, so the receiver's link cannot end its window before then (`not_before`): no receiver
+gets data before the sender pushed it out (`Transport.send` / `recv`). The clock is the host's monotonic
+`time.perf_counter`, which every process of one host shares: emulated links model ranks on one host.
 
 The emulated wire is FIFO for a process group's collectives, though gloo runs them on two threads and may finish
 the second first: each group's `DeliveryQueue` puts them on the link in issue order, each once its own real part
 and every earlier one's are done. Unemulated, each completes with gloo's (as DDP's own futures do: a small bucket
-done first is not held behind a large one, which put its completion on a DDP hook's critical path).
+is not held behind a large one).
 """
 from __future__ import annotations
 

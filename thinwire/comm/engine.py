@@ -5,19 +5,18 @@ when the future belongs to a Transport), `is_completed()`, `then(fn)` (a future 
 future, of that future's result) and `add_done_callback(fn)` (run on a background thread once completed).
 
 A *program* is a generator that communicates: it issues operations on a Transport and `yield`s a future whenever
-it needs that future's result to go on (`value = yield handle`); it `return`s its result, either a value or a
-future (typically its last collective with the local post-processing chained by `then`), so the program's last
-round need not be waited for by the engine. Sub-programs compose with `yield from`.
+it needs that future's result to go on (`value = yield handle`); it `return`s its result, a value or a future
+(typically its last collective with the local post-processing chained by `then`, so the engine need not wait for
+the last round). Sub-programs compose with `yield from`.
 
-`ENGINE.submit(program)` returns a `Task` at once. gloo matches the collectives of a process group by the order
-they are issued, so every operation of this process is issued in submission order, and the operations of one
-program are contiguous: a program waiting for one round before issuing the next keeps the engine until its last
-operation is issued, and programs submitted meanwhile wait their turn. When the engine is idle a program starts on
-the caller's thread (a single all-reduce is issued at once, with no thread hop) and moves to the engine's thread at
-its first `yield` of a future that is not complete; otherwise it is queued. So a multi-round exchange (PowerSGD's
-two all-reduces, gTop-k's rounds, a ring all-reduce of point-to-point messages, a scale agreed before quantizing)
-returns at once and completes while the caller computes. Transport operations called outside a program go through
-the engine too, so nothing a training thread issues can overtake a queued program (or be overtaken by it).
+`ENGINE.submit(program)` returns a `Task` at once. gloo matches a process group's collectives by the order they are
+issued, so every operation of this process is issued in submission order, and a program's operations are
+contiguous: a program waiting for one round before issuing the next keeps the engine until its last operation is
+issued. When the engine is idle a program starts on the caller's thread (a single all-reduce is issued at once)
+and moves to the engine's thread at its first `yield` of a future that is not complete; otherwise it is queued.
+So a multi-round exchange (PowerSGD's two all-reduces, gTop-k's rounds, a ring all-reduce of point-to-point
+messages, an agreed scale) returns at once and completes while the caller computes. Transport operations called
+outside a program go through the engine too: nothing a training thread issues overtakes a queued program.
 
 Options of a submission: `background=True` never runs the program on the caller's thread (compression overlaps
 backward, the compress/communicate pipeline of Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed
@@ -30,6 +29,7 @@ import collections
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, Generator
 
 _now = time.perf_counter
@@ -317,7 +317,6 @@ class _Callbacks:
             try:
                 fn(fut)
             except BaseException:  # noqa: BLE001 - a callback's error is the callback's to report
-                import traceback
                 traceback.print_exc()
 
 

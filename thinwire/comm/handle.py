@@ -1,15 +1,14 @@
 """The Handle: one real operation on the wire, complete once the real op is done and the emulated link delivered it.
 
-A `Transport` operation issues the real op (gloo or NCCL) and wraps its works in a Handle. Its result is ready
-once the real op completed **and** the emulated link (`thinwire.comm.emulation`) would have delivered it, so
-compute done before `Handle.wait()` overlaps the emulated transfer. Its done-callbacks run on the thread that saw
-the real op complete (gloo's), or on a timer's at the emulated delivery: no polling thread in between.
+A `Transport` operation issues the real op (gloo or NCCL) and wraps its works in a Handle, whose result is ready
+once the real op completed **and** the emulated link (`thinwire.comm.emulation`) would have delivered it: compute
+done before `Handle.wait()` overlaps the emulated transfer. Its done-callbacks run on the thread that saw the real
+op complete (gloo's), or on a timer's at the emulated delivery: no polling thread in between.
 
-What it takes from its transport: `clock` (the queue of its link, unless it crosses another), `meter` and
-`tracer` (what it counts and traces), `generation` (the membership its waits watch) and `delivery` (the
-`DeliveryQueue` that puts a group's collectives on an emulated link in issue order). What that queue calls
-back: `arrived()` (the real op is done), `schedule()` (take the delivery time from the link) and `fire()` (run
-the callbacks that were waiting for that time).
+From its transport it takes `clock` (its link's queue, unless it crosses another), `meter`, `tracer`, `generation`
+(the membership its waits watch) and `delivery` (the `DeliveryQueue` that puts a group's collectives on an
+emulated link in issue order), which calls back `arrived()`, `schedule()` (take the delivery time from the link)
+and `fire()` (run the callbacks waiting for that time).
 """
 from __future__ import annotations
 
@@ -187,7 +186,7 @@ class Handle(Future):
     def result(self):
         if not self._done and MEMBERSHIP.watching:   # a lost peer must not leave this wait blocked
             try:
-                self._await_real()
+                self._watch(self._real if self._real is not None else self._real_event)   # the real op
                 return self._result_once()
             except RuntimeError as e:
                 lost = e if isinstance(e, PeerLost) else MEMBERSHIP.wait_change(self.generation, 30.0)
@@ -196,11 +195,10 @@ class Handle(Future):
                 raise
         return self._result_once()
 
-    def _await_real(self) -> None:
-        """Wait for the real op, checking every 0.1 s whether the launcher announced a lost worker."""
-        event = self._real if self._real is not None else self._real_event
+    def _watch(self, event: threading.Event) -> None:
+        """Wait for `event`, checking every 0.1 s whether the launcher announced a lost worker (`PeerLost`)."""
         while not event.wait(0.1):
-            lost = MEMBERSHIP.lost(self.generation)
+            lost = MEMBERSHIP.lost(self.generation) if MEMBERSHIP.watching else None
             if lost is not None:
                 raise lost
 
@@ -216,10 +214,7 @@ class Handle(Future):
                     if self._error is not None:   # seen by the waiter thread or the future's callback
                         raise self._error
                     self._on_real_done()
-                    while not self._scheduled.wait(0.1):   # an earlier collective still running: after it
-                        lost = MEMBERSHIP.lost(self.generation) if MEMBERSHIP.watching else None
-                        if lost is not None:
-                            raise lost
+                    self._watch(self._scheduled)      # an earlier collective still running: after it
                     delay = self.deadline - _now()
                     if delay > 0:
                         time.sleep(delay)

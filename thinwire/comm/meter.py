@@ -10,14 +10,11 @@ FIELDS = ("ops", "bytes_sent", "bytes_recv", "real_s", "emulated_s", "bytes_acro
 
 @dataclass
 class Meter:
-    """Counters of one rank's traffic.
-
-    bytes_sent / bytes_recv are what this rank puts on / takes off the wire under the algorithm that runs
-    (ring all-reduce sends 2(n-1)/n of the payload, an all-gather n-1 blocks, padding and size headers included).
-    `emulated_s` is the emulated network time of each op (α + β terms, jitter and loss); `real_s` the loopback
-    time; `wait_s` the time the caller was blocked waiting for communication (the exposed, non-overlapped part).
-    `bytes_across`: of bytes_sent, those that went over the thin link of a two-tier network (`Islands`).
-    """
+    """Counters of one rank's traffic: `bytes_sent` / `bytes_recv`, what it puts on / takes off the wire under the
+    algorithm that runs (a ring all-reduce sends 2(n-1)/n of the payload, an all-gather n-1 blocks, padding and size
+    headers included); of those, `bytes_across` over a two-tier network's thin link (`Islands`); `emulated_s`, each
+    op's emulated network time (α + β, jitter, loss); `real_s`, the loopback time; `wait_s`, the time the caller was
+    blocked waiting (the exposed, non-overlapped part)."""
 
     by_kind: dict = field(default_factory=lambda: defaultdict(lambda: dict.fromkeys(FIELDS, 0.0)))
     wait_s: float = 0.0
@@ -44,10 +41,6 @@ class Meter:
     @property
     def bytes_sent(self) -> float:
         return self.totals()["bytes_sent"]
-
-    @property
-    def bytes_recv(self) -> float:
-        return self.totals()["bytes_recv"]
 
     def mark_step(self) -> dict:
         """Close a training step: returns what was counted since the previous mark."""

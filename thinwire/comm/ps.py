@@ -1,21 +1,21 @@
 """Parameter-server messaging (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
 Comprehensive Survey", arXiv 2003.06307, §IV-A): roles, shards, framed messages, the server's loop.
 
-Roles. The world's last K ranks are servers, ranks 0..n-1 are workers (`PSLayout`). Each bucket of gradients
-(the scheduler's, the same on every rank) is cut into K contiguous slices (sizes differing by at most one
-element); server k owns slice k of every bucket, so every server gets 1/K of every push (as BytePS partitions
-its keys across the servers) and a worker's push of one bucket is K messages.
+Roles. The world's last K ranks are servers, ranks 0..n-1 workers (`PSLayout`). Each bucket of gradients (the
+scheduler's, the same on every rank) is cut into K contiguous slices (sizes differing by at most one); server k
+owns slice k of every bucket, so every server gets 1/K of every push (as BytePS partitions its keys).
 
-Messages. A message is a fixed int64 header (`Header`: kind, bucket, clock, version, aux, codec, nbytes) and, when
-nbytes > 0, a body: one uint8 buffer (what `thinwire.exchange.wire.pack` makes; this layer never looks inside).
-Each part is a Transport.isend/irecv, so the meter counts it and the emulated link queues it. A receiver posts
-a header's receive ahead and the body's receive as soon as the header's bytes are in (`Mailbox`), in order, so
-a message costs one latency, not two. Compression, error feedback and the payload algebra are the exchange
-layer's (`thinwire.exchange.ps`).
+Messages. A fixed int64 header (`Header`: kind, bucket, clock, version, aux, codec, nbytes) and, when nbytes > 0,
+a body: one uint8 buffer (`thinwire.exchange.wire.pack`'s; this layer never looks inside). Each part is a
+Transport.isend/irecv (metered, queued on the emulated link). A receiver posts a header's receive ahead and the
+body's as soon as the header's bytes are in (`Mailbox`), in order, so a message costs one latency, not two.
+Compression, error feedback and the payload algebra are the exchange layer's (`thinwire.exchange.ps`).
 
 Server loop. `ServerLoop.run(handle)` streams every worker's messages in order to `handle(worker, header, body)`
-and sends the replies it queues (`reply`) one after another on the server's link, so the k-th of n replies
-reaches its worker after k transfers: the PS broadcast costs n·Nβ at the server, as incast does on the way in.
+and sends the replies it queues (`reply`) one after another on the server's link: the k-th of n replies reaches
+its worker after k transfers, so the PS broadcast costs n·Nβ at the server, as incast does on the way in.
+A worker the launcher announces lost (`on_failure="continue"`, `thinwire.comm.membership`) is done: `handle` gets
+a DONE from it, its stream is dropped and nothing more is sent to it; the others are served on.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import torch
 from ..errors import UserError
 from .engine import Future, Task
 from .handle import Handle
+from .membership import MEMBERSHIP, PeerLost
 
 PUSH, DONE, REPLY = 1, 2, 3
 PUSH_TAGS, REPLY_TAGS = (7101, 7102), (7103, 7104)      # (header, body)
@@ -162,23 +163,40 @@ class ServerLoop:
         self.workers = workers
         self._outbox: deque = deque()
         self._sending: list[Future] = []
+        self._sending_to: int | None = None
+        self.lost: set[int] = set()        # workers the launcher announced lost
+        self._generation = 0               # the membership generation last looked at
 
     def reply(self, dst: int, header: Header, body: torch.Tensor | None) -> None:
         """Queue a reply; it leaves once the replies queued before it left this server's link."""
-        self._outbox.append((dst, header, body))
+        if dst not in self.lost:
+            self._outbox.append((dst, header, body))
         self._pump_out()
 
     def quiet(self) -> bool:
         """No reply queued or on the way."""
-        return not self._outbox and all(h.is_completed() for h in self._sending)
+        return not self._outbox and self._sent()
+
+    def _sent(self) -> bool:
+        return self._sending_to in self.lost or all(h.is_completed() for h in self._sending)
 
     def _pump_out(self) -> bool:
         """Send the next queued reply once the previous one left; whether a reply left or started."""
-        if not all(h.is_completed() for h in self._sending):
+        if not self._sent():
             return False
         progressed = bool(self._sending or self._outbox)
+        while self._outbox and self._outbox[0][0] in self.lost:
+            self._outbox.popleft()
+        self._sending_to = self._outbox[0][0] if self._outbox else None
         self._sending = send(self.t, *self._outbox.popleft(), REPLY_TAGS) if self._outbox else []
         return progressed
+
+    def _losses(self) -> None:
+        """Add the workers lost since the last look (the launcher's announcements) to `lost`."""
+        if MEMBERSHIP.watching and MEMBERSHIP.generation != self._generation:
+            self._generation = MEMBERSHIP.generation
+            members = set(MEMBERSHIP.members)
+            self.lost |= {w for w in range(self.workers) if self.t.global_of(w) not in members}
 
     def run(self, handle: Callable[[int, Header, torch.Tensor | None], None],
             tick: Callable[[], bool] | None = None) -> None:
@@ -189,10 +207,21 @@ class ServerLoop:
             box.expect()
         while boxes or not self.quiet():
             progressed = bool(tick()) if tick is not None else False
+            self._losses()
+            for w in self.lost & set(boxes):
+                del boxes[w]
+                handle(w, Header(DONE), None)
             for w in list(boxes):
                 q = boxes[w].queue
                 while q and q[0].is_completed():
-                    header, body = q.popleft().result()
+                    try:
+                        header, body = q.popleft().result()
+                    except (PeerLost, RuntimeError):       # the worker died mid-message: lost, if announced
+                        MEMBERSHIP.wait_change(self._generation, 30.0)
+                        self._losses()
+                        if w not in self.lost:
+                            raise
+                        header, body = Header(DONE), None
                     handle(w, header, body)
                     progressed = True
                     if header.kind == DONE:

@@ -1,10 +1,11 @@
 """Structured state between workers, never pickled: the optimizer state survivors take from the new rank 0
-(`Trainer._recover`), a short string such as torchft's Lighthouse address (`broadcast_text`).
+(`Trainer._recover`), a newcomer's state in an elastic job, a short string such as torchft's Lighthouse address
+(`broadcast_text`).
 
-`torch.distributed.broadcast_object_list` and its kin pickle: a worker that receives runs whatever the bytes
-say. Here the sender writes a JSON header that describes the tree and one byte buffer that holds every tensor's
-bytes; the receiver parses the header with `json` (no code runs), checks it against this grammar and builds fresh
-tensors of the declared dtypes and shapes from the bytes:
+`torch.distributed.broadcast_object_list` and its kin pickle: a worker that receives runs whatever the bytes say.
+Here the sender writes a JSON header describing the tree and one byte buffer holding every tensor's bytes; the
+receiver parses the header with `json` (no code runs), checks it against this grammar and builds fresh tensors of
+the declared dtypes and shapes from the bytes:
 
     value   := null | true | false | number | string            (JSON's own; NaN and the infinities allowed)
              | {"T": [dtype, shape]}                             a tensor; dtype one of DTYPES, shape [int >= 0, ...]
@@ -12,8 +13,8 @@ tensors of the declared dtypes and shapes from the bytes:
              | {"L": [value, ...]} | {"U": [value, ...]}         a list, a tuple
 
 Tensors follow each other in the buffer in the header's order, each at an offset rounded up to 8 bytes; the
-buffer's length must be exactly what the header declares. Anything else is refused with a ValueError naming
-what is wrong. Three broadcasts: the two lengths, the header, the buffer.
+buffer's length must be exactly what the header declares. Anything else is a ValueError naming what is wrong.
+Three messages (`transfer`): the two lengths, the header, the buffer.
 """
 from __future__ import annotations
 
@@ -152,29 +153,36 @@ def decode(header: bytes, buffer: torch.Tensor):
     return build(tree)
 
 
-def broadcast_state(obj, src: int, group=None, device=None):
-    """`obj` (given on rank `src`, a global rank; ignored elsewhere) on every rank of `group`: three broadcasts,
-    nothing pickled (see the module's doc). Returns the state on every rank (freshly built off `src`)."""
-    device = torch.device(device or "cpu")
-    mine = dist.get_rank() == src
+def transfer(obj, mine: bool, move, device="cpu") -> tuple[bytes, torch.Tensor]:
+    """(header, buffer) of `obj` moved in three messages by `move(tensor)`, which sends a tensor where `mine` (the
+    side that has `obj`) and fills it in place elsewhere (a broadcast; a send or a receive): the two lengths, the
+    header, the buffer. Each received length and header is checked before anything of its size is allocated;
+    `decode` builds the state."""
     if mine:
         header, buffer = pack(obj, device)
         lengths = torch.tensor([len(header), buffer.numel()], dtype=torch.int64, device=device)
     else:
         lengths = torch.zeros(2, dtype=torch.int64, device=device)
-    dist.broadcast(lengths, src=src, group=group)
+    move(lengths)
     n_header, n_buffer = (int(v) for v in lengths.tolist())   # host: once per state transfer
     check_lengths(n_header, n_buffer)
     head = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device) if mine
             else torch.zeros(n_header, dtype=torch.uint8, device=device))
-    dist.broadcast(head, src=src, group=group)
+    move(head)
     if not mine:
         header = bytes(head.cpu().numpy().tobytes())
-        layout(header)      # checked before any buffer of the declared size is allocated
+        layout(header)
         buffer = torch.zeros(n_buffer, dtype=torch.uint8, device=device)
     if n_buffer:
-        dist.broadcast(buffer, src=src, group=group)
-    return decode(header, buffer)
+        move(buffer)
+    return header, buffer
+
+
+def broadcast_state(obj, src: int, group=None, device=None):
+    """`obj` (given on rank `src`, a global rank; ignored elsewhere) on every rank of `group`: three broadcasts,
+    nothing pickled (see the module's doc). Returns the state on every rank (freshly built off `src`)."""
+    move = lambda t: dist.broadcast(t, src=src, group=group)     # noqa: E731
+    return decode(*transfer(obj, dist.get_rank() == src, move, torch.device(device or "cpu")))
 
 
 def broadcast_text(text: str | None, src: int, group=None, device=None, limit: int = 4096) -> str:

@@ -1,24 +1,21 @@
 """The Transport: every operation thinwire puts on the wire, counted and (optionally) emulated.
 
 One object wraps a torch.distributed process group. Each operation runs for real on the group (gloo on
-127.0.0.1, or NCCL) and completes no earlier than the emulated link would have delivered it: the α-β cost of
-the algorithm that runs (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
-Comprehensive Survey", arXiv 2003.06307, Table III), queued behind this rank's earlier transfers. Asynchronous
-operations return a `Handle` (`thinwire.comm.handle`); compute done before `Handle.wait()` overlaps the emulated
-transfer.
-
-Every op has a synchronous form (returns the result) and an `async_op=True` form (returns a `Future`). Tensors
-are used in place where torch.distributed does (all_reduce, broadcast, recv). Every op is issued through the
-process's engine (`thinwire.comm.engine`), in the order ops and programs were submitted; inside a program (`run`)
-ops are issued directly. A program's `serial` and `background` options are the caller's (an `Exchange` carries
-the ones its scheduler chose): the transport keeps no mode of its own.
+127.0.0.1, or NCCL) and completes no earlier than the emulated link would have delivered it: the α-β cost of the
+algorithm that runs (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
+Comprehensive Survey", arXiv 2003.06307, Table III), queued behind this rank's earlier transfers. Every op has a
+synchronous form (the result; tensors used in place where torch.distributed does: all_reduce, broadcast, recv) and
+an `async_op=True` form (a `Handle`, `thinwire.comm.handle`: compute done before its `wait()` overlaps the emulated
+transfer). Every op is issued through the process's engine (`thinwire.comm.engine`) in submission order; inside a
+program (`run`) ops are issued directly. A program's `serial` and `background` options are the caller's: the
+transport keeps no mode of its own.
 
 On a two-tier network (`thinwire.net.Islands`) every op is charged on the link it crosses: a collective on its
-group's path (`inside` when the group lies in one island, else the thin link, whose pace a ring across islands
-steps at), a point-to-point message on the link between its two ranks, each on that link's queue (`clocks`: one
-LinkClock per link of this worker, shared by the transports of its subgroups, `sub`). The bytes a rank sends over
-the thin link are metered apart (`across`): in a ring collective, all of its bytes when its right neighbour is in
-another island; in a broadcast, those to its children in the tree that are in another island.
+group's path (`inside` when the group lies in one island, else the thin link), a point-to-point message on the
+link between its two ranks, each on that link's queue (`clocks`: one LinkClock per link of this worker, shared by
+the transports of its subgroups, `sub`). The bytes a rank sends over the thin link are metered apart (`across`):
+in a ring collective all of them when its right neighbour is in another island, in a broadcast those to its
+children in another island.
 """
 from __future__ import annotations
 
@@ -120,10 +117,9 @@ class Transport:
         # CUDA device current at construction under NCCL (read here, on the constructing thread: the engine's
         # threads have their own current device), else the CPU
         nccl = backend_of(self.group) == "nccl"
-        if device is not None:
-            self.device = torch.device(device)
-        else:
-            self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+        self.device = torch.device(device)
         self.staging = Staging(nccl)      # point-to-point ops through host buffers where gloo needs them
 
     # -- links -----------------------------------------------------------------------------------------
@@ -162,8 +158,7 @@ class Transport:
             self.group, self.generation = group, generation
             self.rank, self.world_size = group.rank(), group.size()
             self.members = [self.global_of(r) for r in range(self.world_size)]
-            if self.islands is not None:
-                self._ring_across = self.islands.ring_crossing(self.members, self.rank)
+            self._ring_across = self.islands is not None and self.islands.ring_crossing(self.members, self.rank)
             self.delivery.clear()
 
     # -- programs --------------------------------------------------------------------------------------

@@ -1,11 +1,10 @@
 """Chunked payloads, shared by `fp8`, `fp4`, `demo` and `sparseloco`.
 
-A flat tensor of n elements is cut into rows of `chunk` elements plus one shorter tail row (n mod chunk). Top-k per
-chunk keeps `k` entries of every full row and ceil(k · tail / chunk) of the tail (the same density), so what is
-kept depends only on (n, chunk, k): every rank knows it, the payload size is fixed by the shape, and an index
-needs only its position inside its chunk, ceil(log2 chunk) bits, packed (a 12-bit index of a 4096-chunk travels
-as one byte plus a packed nibble). All four compressors decode to fp32 and sum the ranks' contributions in fp32
-(the "fp32 accumulation" of Streaming DiLoCo), casting to the tensor's dtype once at the end.
+A flat tensor of n elements is cut into rows of `chunk` elements plus one shorter tail row. Top-k per chunk keeps
+`k` entries of every full row and ceil(k · tail / chunk) of the tail (the same density): what is kept depends only
+on (n, chunk, k), so the payload size is fixed by the shape and an index needs only its position inside its chunk,
+ceil(log2 chunk) bits, packed. All four decode to fp32 and sum the ranks' contributions in fp32 (Streaming
+DiLoCo's "fp32 accumulation"), casting to the tensor's dtype once at the end.
 """
 from __future__ import annotations
 
@@ -188,7 +187,6 @@ class Chunked(Compressor):
 
     unbiased = False
     linear = False
-    randomness = "none"
     aggregation = "allgather"
     fixed_size = True         # the payload size depends only on the shape
 

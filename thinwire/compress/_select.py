@@ -1,14 +1,12 @@
 """Selecting the k largest magnitudes, the same coordinates on every device.
 
 `torch.topk` leaves ties to the implementation, and a CPU and a GPU break them differently; where every rank must
-take the same coordinates of the same numbers (the heavy hitters of a summed Count Sketch) the ties must be broken
-by something every device sees alike. `largest` takes every magnitude above the k-th largest value t and, of
-those equal to t, the lowest indices: a function of the numbers alone.
-
-On a GPU, `torch.topk` finds t and the rest is elementwise (no host read). On the CPU a full selection costs ~50
-memcpys at k = 1 %, so t is found among candidates instead: a hashed sample sets a threshold a little below the
-k-th magnitude, one pass keeps the few that pass it, and the selection runs on those (a full `torch.topk` when
-the sample overshot, which it does rarely: the margin is four standard deviations of the sample count).
+take the same coordinates of the same numbers (the heavy hitters of a summed Count Sketch), `largest` takes every
+magnitude above the k-th largest value t and, of those equal to t, the lowest indices: a function of the numbers
+alone. On a GPU `torch.topk` finds t (no host read). On the CPU, where a full selection costs ~50 memcpys at
+k = 1 %, a hashed sample sets a threshold a little below the k-th magnitude, one pass keeps the few that pass it,
+and the selection runs on those (a full `torch.topk` in the rare case the sample overshot: the margin is four
+standard deviations of the sample count).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A `Payload` holds the tensors that cross the wire (already packed: bits, levels,
 context needed to decompress them, which never crosses the wire (shape, dtype: every rank knows them).
 A compressor knows nothing of collectives, networks or transports: it DECLARES what its payload is, and the
 exchange (`thinwire.exchange`, the one place payloads are framed for the wire) chooses the collective from that
-and runs every round. The declarations:
+and runs every round. The declarations (class attributes of `Compressor`):
 - `unbiased`: E[decompress(compress(x))] = x;
 - `linear`: payloads of different ranks may be summed element-wise and decompressed as one;
 - `randomness`: "none", "shared" (every rank must draw the same numbers: seeded by step and key) or "local";
@@ -13,13 +13,13 @@ and runs every round. The declarations:
 - `x_memcpy`: compress + decompress time in memcpys of the input (the planner's where no calibration measured it);
 - `aggregation`: the algebra that combines the ranks' payloads:
   "allreduce"  summable: payload tensors add element-wise (after `sum_payload` widens them to the type their sum
-               needs: `sum_dtypes` declares it); `decompress` of the summed payload is the sum of the
-               contributions. If the ranks must first agree on something (a shared scale), `agree` returns a
+               needs, which `sum_dtypes` declares); `decompress` of the summed payload is the sum of the
+               contributions. Ranks that must first agree on something (a shared scale) get it from `agree`: a
                small tensor whose element-wise max every rank needs, handed to `compress(..., agreed=...)`.
   "allgather"  one by one: every rank's payload is needed (sizes may differ); `aggregate(payloads)` sums the
                contributions.
-  "majority"   a vote: the element-wise sign of `aggregate(payloads)`: for sign payloads the majority vote of the
-               ranks' signs (signsgd), for DeMo's `sign=true` the sign of the summed update.
+  "majority"   a vote: `vote(payloads)`, the element-wise sign of `aggregate` (signsgd's majority of signs,
+               DeMo's `sign=true`).
   "custom"     several rounds, named in `rounds` (PowerSGD's ("P", "Q")): `begin` does the local math before
                the first round and returns a `Round` whose `send` (fp32) every rank contributes to a sum;
                `advance(round, summed)` does the local math after it and returns the next `Round` or the
@@ -31,21 +31,20 @@ Payloads of other ranks ("allgather", "majority") arrive as 1-D tensors of the s
 with THIS rank's `ctx`: a compressor must put in `ctx` only what every rank knows (shape, dtype, a shared seed's
 indices), never something about its own data. A rank that decodes without having compressed (a parameter server
 decoding pushes, a worker decoding the server's compressed reply) asks `context(shape, dtype, key, step)` for the
-ctx `compress` would have made: computed from what every rank knows, without compressing, touching no state.
-`sum_payload` may also pre-scale (fp16 divides by the world size before the sum, as PyTorch's
-`fp16_compress_hook` does, so the fp16 sum cannot overflow), as long as `decompress` of the summed payload still
-returns the sum of the contributions (it records the scale in `ctx`).
+ctx `compress` would have made. `sum_payload` may also pre-scale (fp16 divides by the world size before the sum, as
+PyTorch's `fp16_compress_hook` does, so the fp16 sum cannot overflow), as long as `decompress` of the summed
+payload still returns the sum of the contributions (it records the scale in `ctx`).
 
-Sizes. `nominal_bits(numel)` is the payload as `compress` makes it (packed codes: what gathering carries).
-A summable quantizer's sum is made of something else: its levels widened so that the sum of `world_size` of them
-fits, plus the scale agreed first; `sum_dtypes(numel, world_size)` declares those tensors' types and sizes, and
-the exchange (`thinwire.exchange.choose`) turns them into the bits the transport really carries and picks the
-collective.
+Sizes: `nominal_bits(numel)` is the payload as `compress` makes it (what gathering carries); a summable
+quantizer's sum is made of its levels widened so that the sum of `world_size` of them fits, plus the scale agreed
+first: `sum_dtypes(numel, world_size)` declares those, and `thinwire.exchange.choose` turns them into the bits the
+transport really carries and picks the collective.
 """
 from __future__ import annotations
 
+import copy
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -172,7 +171,6 @@ class Result:
 class Payload:
     tensors: list[torch.Tensor]
     ctx: Any = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -262,16 +260,14 @@ class Compressor(Stateful):
 class Memory(Stateful):
     """Error feedback and its variants: `compensate` before compression, `update` after.
 
-    Momentum. A memory (or compressor) with `takes_momentum = True` can apply the training's heavy-ball
-    momentum itself, before compression — DGC's momentum correction (Lin et al. 2018, §3.2 eq. 4), EF-SGDM
-    (Zheng, Huang, Kwok 2019, Alg. 1: m = μ m + g, p = m + e, Δ = C(p), e = p − Δ) —, which is how error
-    feedback and momentum combine: momentum applied after a biased compressor (the optimizer's) multiplies the
-    compression error by 1/(1 − μ) and, for sign and 1-bit compressors, does not train at momentum 0.9. Its
-    `momentum` parameter left unset (None) takes the optimizer's: the Trainer hands the SGD momentum over where the
-    algorithm's exchange carries the gradients the optimizer applies (`Algorithm.exchanges_gradients`) and runs
-    the optimizer without momentum (`hand_over_momentum`); elsewhere it is `default_momentum`. A memory with
-    `replaces_momentum = True` (DeMo's decoupled momentum, SparseLoCo's decayed error feedback) is itself the
-    momentum: there the optimizer's is set to 0, and an explicit `--momentum` is refused."""
+    Momentum. A memory (or compressor) with `takes_momentum = True` applies the training's heavy-ball momentum
+    itself, before compression (DGC's momentum correction, Lin et al. 2018, §3.2 eq. 4; EF-SGDM, Zheng, Huang, Kwok
+    2019, Alg. 1: m = μ m + g, p = m + e, Δ = C(p), e = p − Δ): momentum after a biased compressor (the
+    optimizer's) multiplies the compression error by 1/(1 − μ), and sign and 1-bit compressors do not train so at
+    0.9. Its `momentum` unset (None) takes the optimizer's where the exchange carries the gradients the optimizer
+    applies (`Algorithm.exchanges_gradients`: the Trainer hands it over, `hand_over_momentum`), else
+    `default_momentum`. A memory with `replaces_momentum = True` (DeMo's, SparseLoCo's decayed error feedback) is
+    itself the momentum: the optimizer's is set to 0, and an explicit `--momentum` is refused."""
 
     name: ClassVar[str] = ""
     takes_momentum: ClassVar[bool] = False
@@ -315,8 +311,6 @@ def optional_momentum(value, what: str) -> float | None:
 
 def _probes(compressor: "Compressor", trials: int = 3, numel: int = 4096):
     """(v, C(v)) on Gaussian probes, from a copy of `compressor` (its own state is untouched)."""
-    import copy
-
     probe = copy.deepcopy(compressor)
     # a stochastic compressor draws from a stream seeded by its rank on first use (`_gen`: Uniforms, qsparse's
     # rounding): the probes take one fixed stream, so every rank measures the same numbers and takes the same

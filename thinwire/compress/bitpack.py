@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import constant
-from .kernels import scratch
+from .kernels import blockwise, scratch
 
 # bits -> (word type, multiplier, shift): a word of 8/b code bytes times sum_j 2^(top - (8 - b) j) puts code j at
 # bit top + b j with no carries between terms (checked exhaustively in the tests); top = the word's last byte.
@@ -106,7 +106,6 @@ def pack_signs(x: torch.Tensor, stats: int = 0) -> tuple[torch.Tensor, ...]:
     float64 sum of |x| (1) and of x and the count of set codes, int64 (2), as 0-d tensors on x's device. One
     pass over x: block by block on the CPU, compiled on a GPU (`kernels.blockwise`). The sums add fixed
     groups of `GROUP` elements in fp32 and the groups in float64: the same numbers whatever the blocks."""
-    from .kernels import blockwise
     n = x.numel()
     specs = [(1, 8)] + [(1, GROUP)] * min(stats, 2) + ([None] if stats > 1 else [])
     if n == 0:
@@ -142,7 +141,6 @@ def decode(packed: torch.Tensor, bits: int, numel: int, values, dtype=torch.floa
     """`values[code]` (as `dtype`) for the `numel` codes packed in `packed` (bits in 1, 2, 4): one table lookup
     per byte, no intermediate codes. `scale` (a number or a one-element tensor on `packed`'s device) multiplies
     the table, so a per-tensor scale needs no host round trip and no new cached table."""
-    from .kernels import blockwise
     table = value_table(bits, values, packed.device, dtype)
     if scale is not None and not (isinstance(scale, (int, float)) and scale == 1):
         table = table * (scale.reshape(()) if isinstance(scale, torch.Tensor) else scale)

@@ -1,13 +1,11 @@
 """`A+B`: compressor A followed by the lossless coder B (`qsgd+elias`, `qsgd+huffman`, `topk+golomb`, …).
 
 The registry resolves any "compressor+coder" name to `Coded(compressor, coder)`, which takes the compressor's
-parameters. What gets coded:
-- quantizers with integer levels (`bits` packed codes of `numel` elements, e.g. qsgd): the levels, zig-zagged
-  around the zero level for Elias (0 → one bit), as they are for Huffman;
-- sparsifiers (index, value) payloads: the sorted index gaps (Golomb-Rice or Elias); the pairs are reordered by
-  index first, which changes nothing in their sum.
-Coded payloads are variable-length and not summable, so aggregation is an all-gather; decode(encode(p)) gives
-back the compressor's payload bit for bit, so the result equals the uncoded compressor's.
+parameters. Quantizers with integer levels (`bits` packed codes, e.g. qsgd) get their levels coded, zig-zagged
+around the zero level for Elias (0 → one bit), as they are for Huffman; sparsifiers get their sorted index gaps
+coded (Golomb-Rice or Elias; the pairs reordered by index, which changes nothing in their sum). Coded payloads
+are variable-length and not summable (all-gathered), and decode(encode(p)) gives back the compressor's payload bit
+for bit: the result equals the uncoded compressor's.
 """
 from __future__ import annotations
 

@@ -1,38 +1,30 @@
 """`countsketch`: a Count Sketch of the tensor (Charikar, Chen, Farach-Colton 2002, "Finding Frequent Items in
 Data Streams", ICALP 2002) with heavy-hitter recovery.
 
-r rows × c columns; row j has a bucket hash h_j: [d] → [c] and a sign hash s_j: [d] → {±1}, drawn from a seed
-shared by every rank (seed, key); pairwise independent, and structured so that inserting and querying sweep
-memory in order (see `_hash`). Insert: S[j, h_j(i)] += s_j(i) g_i; query: ĝ_i = median_j s_j(i) S[j, h_j(i)].
-Because S(g₁) + S(g₂) = S(g₁ + g₂), the summed sketch is the sketch of the sum and its query estimates the
-sum. c = the first prime ≥ ratio·d / r.
+r rows × c columns (c = the first prime ≥ ratio·d / r); row j has a bucket hash h_j: [d] → [c] and a sign hash
+s_j: [d] → {±1}, pairwise independent, drawn from a seed every rank shares (seed, key) and laid out so that
+inserting and querying sweep memory in order (`_hash`). Insert: S[j, h_j(i)] += s_j(i) g_i; query: ĝ_i = median_j
+s_j(i) S[j, h_j(i)]. S(g₁) + S(g₂) = S(g₁ + g₂): the summed sketch is the sketch of the sum.
 
-Heavy-hitter recovery (`heavy` > 0, the default): the exchange takes the two rounds of Sketched-SGD (Ivkin et al.,
-NeurIPS 2019, Algorithm 1 / §4: workers sketch their error-accumulated vectors, the sketches are summed, the
-heavy coordinates of the sum are found by querying the summed sketch, then the workers' exact values at those
-coordinates are summed in a second round; FetchSGD, Rothchild et al., ICML 2020, Algorithm 1 line
-"Δ = Top-k(U(S_e))", notes the same second round for exact values): round 1 sums the sketches over the ranks (r·c
-floats), every rank queries the summed sketch and takes the same k = heavy·d coordinates of largest |estimate|,
-round 2 sums the ranks' exact values there (k floats). The aggregate is exact on those k coordinates and
-zero elsewhere, and this rank's contribution (what the memory subtracts) is its own values there, so with
-`--memory residual` (its pairing: Sketched-SGD's error accumulation) the residual keeps exactly what was not sent
-and stays bounded like top-k's. Tensors too small to gain (r·c + k ≥ d) are summed exactly.
-Aggregation "custom" then: the compressor declares the rounds ("sketch", "values") and does their local math
-(`begin`, `after_sketch`, `after_values`), the exchange sums each round over the ranks; the single-process
-`compress` makes the sketch and this rank's own values at the top-k of its own estimate.
+`heavy` > 0 (the default): the two rounds of Sketched-SGD (Ivkin et al., NeurIPS 2019, Algorithm 1 / §4; FetchSGD,
+Rothchild et al., ICML 2020, Algorithm 1 line "Δ = Top-k(U(S_e))", notes the same second round): round "sketch"
+sums the sketches over the ranks (r·c floats), every rank queries the summed sketch and takes the same k = heavy·d
+coordinates of largest |estimate|, round "values" sums the ranks' exact values there (k floats). The aggregate is
+exact on those k coordinates and zero elsewhere, and this rank's contribution is its own values there, so with
+`--memory residual` (Sketched-SGD's error accumulation) the residual keeps exactly what was not sent, bounded like
+top-k's. Tensors too small to gain (r·c + k ≥ d) are summed exactly (round "dense"). Aggregation "custom": the
+exchange sums each round, the compressor does the local math (`begin`, `after_sketch`, `after_values`); the
+single-process `compress` makes the sketch and this rank's values at the top-k of its own estimate.
 Wire: 32 (r·c + k) / d bits per element.
 
-`heavy=0`: the plain one-round sketch, linear, summable, decoded to the dense median estimate of
-every coordinate (unbiased with one row). Its estimate errs on every coordinate by ~‖g‖/√c, so do not pair it
-with error feedback: the residual then accumulates that error (the dense estimate is not a contraction) and
-training diverges (the defect of issue 17).
-Defaults ratio 0.3, heavy 0.05 (11 bits per element). Heavy hitters are found only where they stand above the
-sketch's error ~‖g‖/√c: on digits-mlp (an 8 k-element layer, c ≈ 270 columns at ratio 0.1) the top 1 % does not,
-the recovered coordinates are nearly random, and error feedback then waits as random-k's does (ratio 0.1, heavy
-0.01: 0.15–0.85 at lr 0.2, momentum 0.9); ratio 0.3, heavy 0.05 reaches the target under every algorithm
-(docs/matrix.md). A sketch pays off on large, heavy-tailed tensors; on small dense ones prefer `topk`.
-The hashes are drawn once per (key, size) and cached as int32 table slots (rows·d·4 bytes: 192 MB for 2^24
-elements and 3 rows).
+`heavy=0`: the plain one-round sketch, linear and summable, decoded to the dense median estimate (unbiased with one
+row). It errs on every coordinate by ~‖g‖/√c, so not with error feedback: the residual accumulates that error (the
+dense estimate is not a contraction) and training diverges.
+Defaults ratio 0.3, heavy 0.05 (11 bits per element): heavy hitters are found only where they stand above the
+sketch's error; at ratio 0.1, heavy 0.01 on digits-mlp the recovered coordinates were nearly random (0.15–0.85 at
+lr 0.2, momentum 0.9), at the defaults every algorithm reaches the target (docs/matrix.md). A sketch pays off on
+large, heavy-tailed tensors; on small dense ones prefer `topk`. The hashes are cached per (key, size) as int32
+table slots (rows·d·4 bytes: 192 MB for 2^24 elements and 3 rows).
 """
 from __future__ import annotations
 
@@ -77,9 +69,7 @@ class CountSketch(Compressor):
     """Count Sketch (rows × ~ratio·d/rows table, shared hashes); heavy > 0: the exact top heavy·d coordinates of
     the summed sketch's estimate in a second summed round (Sketched-SGD); heavy = 0: one linear, summable payload."""
 
-    linear = True
     randomness = "shared"
-    aggregation = "allreduce"
     fixed_size = True
     x_memcpy = 8.0
 

@@ -7,25 +7,21 @@ The paper's Algorithm 1 on each worker, with g the local gradient, β the moment
     m ← m − q                                 what is sent leaves the momentum                   (memory `demo`)
     Q ← Synchronize(q)                        all-gather of every worker's sparse coefficients
     x ← x − η sign(Q)                         the signed update (the optimizer's step; see `sign`)
-The momentum is decoupled: each worker keeps its own, and only its fast components (largest DCT coefficients)
-travel. The memory is error feedback with decay (`residual` with beta = β: m_new = (β m + g) − D(C(β m + g))), so
-sent + kept = β m + g exactly: nothing is lost, the slow components stay and grow until they are sent.
+Only each worker's fast components travel; the memory is error feedback with decay (`residual` with beta = β), so
+sent + kept = β m + g exactly: the slow components stay and grow until they are sent. The momentum lives in the
+memory: where gradients are exchanged the Trainer runs the optimizer without momentum (`replaces_momentum`).
 
-The transform: the flattened tensor is cut into chunks of `chunk` elements (the tail gets its own size) and each is
+The transform: the flattened tensor is cut into chunks of `chunk` elements (the tail gets its own size), each
 multiplied by the orthonormal DCT-II basis C[u, j] = c_u cos(π (2j + 1) u / (2s)), c_0 = √(1/s), c_u = √(2/s)
-(precomputed once per size: one matmul, no FFT); the inverse is the transpose. The reference code transforms 2-D
-blocks of weight matrices; here 1-D chunks of the flat tensor, so any tensor or bucket works the same way.
-Payload: in-chunk indices (ceil(log2 chunk) bits each, packed) and the kept coefficients in the tensor's dtype.
-Aggregation "allgather": every rank's coefficients are summed in fp32 in coefficient space, then one inverse DCT
-(the reference averages coinciding coefficients instead; a sum keeps the exchange's mean = mean of contributions).
-`sign=True` makes the exchange return sign(Σ_ranks IDCT(q)) ("majority" collective: the element-wise sign of the
-aggregate) so a plain SGD step with lr η applies DeMo's signed update; `decompress` still gives this rank's own
-IDCT(q), which is what the memory subtracts. `sign=true` is for exchanged gradients (bsp, the DDP hook); where
-models or pseudo-gradients are averaged (localsgd, dts, diloco) keep `sign=false`, and a parameter server averages
-the decompressed contributions whatever the flag. The paper scales g by η inside the momentum; here the optimizer's
-lr scales the step instead (the same update under `sign=True` at a constant lr).
-The momentum lives in the memory: where gradients are exchanged the Trainer runs the optimizer without momentum
-(`replaces_momentum`; an explicit `--momentum` other than 0 is refused).
+(one matmul per size; the inverse is the transpose). The reference code transforms 2-D blocks of weight
+matrices; 1-D chunks of the flat tensor serve any tensor or bucket. Payload: in-chunk indices (ceil(log2 chunk)
+bits each, packed) and the kept coefficients in the tensor's dtype. "allgather": the ranks' coefficients summed in
+fp32 in coefficient space, then one inverse DCT (the reference averages coinciding coefficients; a sum keeps the
+exchange's mean). `sign=True` makes the exchange return sign(Σ_ranks IDCT(q)) ("majority") so a plain SGD step
+applies DeMo's signed update, for exchanged gradients (bsp, the DDP hook); where models or pseudo-gradients are
+averaged (localsgd, dts, diloco) keep `sign=false`. `decompress` gives this rank's own IDCT(q), which the memory
+subtracts. The paper scales g by η inside the momentum; here the optimizer's lr scales the step (the same update
+under `sign=True` at a constant lr).
 """
 from __future__ import annotations
 

@@ -1,18 +1,16 @@
 """`dgc`: Deep Gradient Compression's sparsifier (Lin, Han, Mao, Wang, Dally 2018, "Deep Gradient
 Compression: Reducing the Communication Bandwidth for Distributed Training", arXiv 1712.01887, ICLR 2018).
 
-The threshold is estimated from a random sample (1% by default) by a top-k on the sample; applied to the whole
-tensor it selects about k = ρ·d coordinates. If more pass than 1.03k, the exact top-k of the selected ones
-is taken, as the paper does ("an exact threshold is then calculated from the filtered elements"); if fewer than
-0.97k, the threshold is lowered ×0.7 and re-applied, up to 10 times (GRACE's refinement of the paper's sampled
-threshold, which uses a 0.7k–1.3k band; the 3% band keeps the payload within 3% of its nominal ρ·d pairs, at the
-price of the exact step on ~1 call in 5, when the 1% sample's estimate misses by more than 3%). The count sent is
-therefore in [0.97k, 1.03k] but for pathological tensors.
+A threshold estimated by a top-k on a random sample (1% by default) selects about k = ρ·d coordinates of the
+whole tensor. More than 1.03k pass: the exact top-k of those is taken, as the paper does ("an exact threshold is
+then calculated from the filtered elements"); fewer than 0.97k: the threshold is lowered ×0.7 and re-applied, up
+to 10 times (GRACE's refinement of the paper's 0.7k–1.3k band: the 3% band keeps the payload within 3% of its
+nominal ρ·d pairs, at the price of the exact step on ~1 call in 5). The count sent is in [0.97k, 1.03k] but for
+pathological tensors.
 
-The warm-up of the DGC recipe lives here because it sets the density: over the first `warmup_steps`
-exchanges of a tensor the density falls exponentially 25% → 6.25% → 1.5625% → 0.39% (sparsity 75% → 93.75% →
-98.4375% → 99.6%, the paper's warm-up training), then stays at `ratio`. Momentum correction, masking and
-local clipping are in the `dgc` memory below.
+The recipe's warm-up lives here because it sets the density: over the first `warmup_steps` exchanges of a tensor
+the density falls 25% → 6.25% → 1.5625% → 0.39% (the paper's warm-up training), then stays at `ratio`.
+Momentum correction, masking and local clipping are the `dgc` memory's.
 """
 from __future__ import annotations
 
@@ -72,19 +70,14 @@ class DGC(SparseCompressor):
 
 @memories.register("dgc")
 class DGCMemory(Memory):
-    """DGC memory: momentum correction, momentum factor masking, local clipping at N^-1/2·clip_norm.
-
-    Per key (the paper's momentum correction and momentum factor masking, the sent coordinates of v and u reset):
-        g ← g · min(1, N^{-1/2} clip_norm / ‖g‖₂)     local gradient clipping (Lin et al.; off when 0)
+    """DGC memory, per key: momentum correction, momentum factor masking, local clipping (Lin et al. 2018):
+        g ← g · min(1, N^{-1/2} clip_norm / ‖g‖₂)     local gradient clipping (off when 0)
         u ← m u + g                                  momentum correction
         v ← v + u                                    error accumulation; v is what gets compressed
-    and after compression, with `sent` the coordinates that left:
-        v ← v − sent;  u ← u ⊙ ¬mask(sent)           clear what was sent; momentum factor masking
-    The momentum is inside the memory, so the optimizer runs WITHOUT momentum: `momentum` unset takes the
-    optimizer's (the Trainer hands it over where gradients are exchanged and zeroes the optimizer's; elsewhere the
-    algorithm applies its own momentum and the memory none: with 0.9 here too, CD-SGD + dgc stopped at 0.91 in the
-    matrix); set explicitly, the optimizer's must be 0 (`Memory` in compress/base.py).
-    """
+        v ← v − sent;  u ← u ⊙ ¬mask(sent)           after compression: momentum factor masking
+    The momentum is inside the memory, so the optimizer runs WITHOUT it: `momentum` unset takes the optimizer's
+    where gradients are exchanged (the Trainer hands it over); elsewhere the algorithm applies its own and the
+    memory none (with 0.9 here too, CD-SGD + dgc stopped at 0.91 in the matrix). `Memory` in compress/base.py."""
 
     takes_momentum = True
     state_attrs = ("u", "v")

@@ -14,9 +14,6 @@ class Cast(Compressor):
     """A cast to a 16-bit float type, summable by all-reduce in that type."""
 
     unbiased = False          # round-to-nearest: a tiny deterministic bias
-    linear = True
-    randomness = "none"
-    aggregation = "allreduce"
     fixed_size = True         # the payload size depends only on the shape
     wire_dtype = torch.float16
 

@@ -3,15 +3,13 @@
 arXiv 2501.18512: outer gradients sent as 4-bit floats, accumulated in fp32; the paper's 4-bit format is E3M0,
 1 sign bit, 3 exponent bits and no mantissa bit).
 
-A 4-bit code is a sign bit and a 3-bit magnitude code m ∈ 0..7; per chunk of `chunk` elements with max-abs a_c,
-    D(code)_i = ±a_c · v_m,
-with the magnitudes v normalized so the chunk's max-abs is the format's largest value:
+A code is a sign bit and a magnitude code m ∈ 0..7; per chunk of `chunk` elements with max-abs a_c,
+D(code)_i = ±a_c · v_m, the magnitudes v normalized so the chunk's max-abs is the format's largest value:
     e3m0: v = (0, 2^-6, 2^-5, 2^-4, 2^-3, 2^-2, 2^-1, 1)   (0 and seven powers of two: no mantissa)
     e2m1: v = (0, 0.5, 1, 1.5, 2, 3, 4, 6) / 6             (the OCP MX FP4 value set)
-and m the nearest magnitude to |x_i| / a_c (round to nearest; a tie goes to the smaller one). Codes are bit-packed
-two per byte (`bitpack`), plus one fp32 scale a_c per chunk: 4 + 32/chunk bits per element. The payloads cannot be
-summed in 4 bits: they are all-gathered, decoded and summed in fp32 ("allgather"). Error per element: e3m0 at most
-|x|/3 above a_c·2^-6 and a_c·2^-7 below; e2m1 at most a_c/24 below a_c/6 and |x|/5 above. Biased (deterministic):
+and m the nearest magnitude to |x_i| / a_c (a tie goes to the smaller). Two codes per byte plus one fp32 scale
+per chunk: 4 + 32/chunk bits per element, all-gathered and summed in fp32. Error per element: e3m0 at most |x|/3
+above a_c·2^-6 and a_c·2^-7 below; e2m1 at most a_c/24 below a_c/6 and |x|/5 above. Biased (deterministic):
 pair with `--memory residual`.
 """
 from __future__ import annotations

@@ -2,14 +2,11 @@
 (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication: Towards a Distributed Free Lunch",
 arXiv 2501.18512: the outer gradients travel in low precision and are accumulated in fp32).
 
-Per chunk of `chunk` elements (0: one chunk for the whole tensor) with max-abs a_c, the scale s_c = a_c / F maps
-the chunk onto the format's finite range [-F, F] (F = 448 for e4m3, 57344 for e5m2), and
-    q_i = fp8(x_i / s_c)           (torch's float8_e4m3fn / float8_e5m2 cast: round to nearest even)
-    D(q)_i = fp32(q_i) · s_c
-Each element travels as its 8 raw bits (the fp8 tensor viewed as uint8, so every wire and the parameter server
-carry it) plus one fp32 scale per chunk. Payloads of different ranks cannot be summed in fp8: they are all-gathered
-and each decoded and summed in fp32 ("allgather"). Relative error ≤ 2^-4 (e4m3, 3 mantissa bits) or 2^-3 (e5m2)
-above the subnormal range; biased (deterministic rounding), so `--memory residual` keeps what rounding drops.
+Per chunk of `chunk` elements (0: the whole tensor) with max-abs a_c, s_c = a_c / F maps the chunk onto the
+format's finite range [-F, F] (F = 448 for e4m3, 57344 for e5m2): q_i = fp8(x_i / s_c) (torch's float8 cast,
+round to nearest even), D(q)_i = fp32(q_i) · s_c. Each element travels as its 8 raw bits plus one fp32 scale per
+chunk; payloads are all-gathered and summed in fp32. Relative error ≤ 2^-4 (e4m3) or 2^-3 (e5m2) above the
+subnormal range; biased (deterministic rounding): `--memory residual` keeps what rounding drops.
 """
 from __future__ import annotations
 
@@ -23,18 +20,11 @@ from ._chunks import Chunked, check_chunk
 from .base import Payload, constant
 from .finite import check_scale
 from .fp4 import chunk_amax
+from .int8 import maxabs
 from .kernels import blockwise, scratch
 from .qsgd import scale_buckets
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
-def whole_amax(flat: torch.Tensor) -> torch.Tensor:
-    """max |flat| as a one-element fp32 tensor (one min-max pass; no element for an empty tensor)."""
-    if flat.numel() == 0:
-        return torch.zeros(0, device=flat.device)
-    lo, hi = torch.aminmax(flat)
-    return torch.maximum(-lo, hi).float().reshape(1)
 
 
 def encode(x: torch.Tensor, inv: torch.Tensor | None, fmax: float, chunk: int, dtype8: torch.dtype):
@@ -77,9 +67,6 @@ class FP8(Chunked):
         self.fmax = float(torch.finfo(self.dtype8).max)
         self.chunk = check_chunk("fp8", chunk, allow_zero=True)
 
-    def _bucket(self, n: int) -> int:
-        return self.chunk or max(n, 1)
-
     def compress(self, tensor, key=None, step=0, agreed=None):
         flat = tensor.reshape(-1)
         n = flat.numel()
@@ -88,7 +75,7 @@ class FP8(Chunked):
                                   self.chunk, self.dtype8, align=self.chunk)
             check_scale(scales, self.name, key, flat)
             return Payload([q, scales], ctx=self.context(tensor.shape, tensor.dtype))
-        amax = whole_amax(flat)
+        amax = maxabs(flat, empty=0)
         check_scale(amax, self.name, key, flat)
         scales = amax / self.fmax
         inv = torch.where(scales > 0, 1.0 / scales, 0.0)     # an all-zero tensor codes as zeros
@@ -108,4 +95,4 @@ class FP8(Chunked):
                          [(1, 1)], table, self.chunk, align=self.chunk)[0]
 
     def nominal_bits(self, numel):
-        return 8.0 + 32.0 * math.ceil(numel / self._bucket(numel)) / max(numel, 1)
+        return 8.0 + 32.0 * math.ceil(numel / (self.chunk or max(numel, 1))) / max(numel, 1)

@@ -1,12 +1,11 @@
 """`gaussiank`: Gaussian-k (Shi, Chu, Cheung, See 2019, "Understanding Top-k Sparsification in
 Distributed Deep Learning", arXiv 1911.08772).
 
-Models g as N(μ, σ²) and sends |g − μ| ≥ z σ with z = Φ⁻¹(1 − ρ/2), i.e. thr = μ + σ Φ⁻¹(1 − ρ/2) on the right
-tail, as the paper does; then corrects the estimate up to 5 times: fewer than 2k/3 selected → thr × 0.5, more
-than 4k/3 → thr × 1.5. μ and σ come from the whole tensor (Σg and Σg², two fast reductions: a sample's σ
-misses by ~1%, which moves the count at z = 2.58 by ~7%), |g − μ| is kept in a reused buffer, and each
-correction re-counts the whole tensor from it; the count is within [2k/3, 4k/3] unless the 5 corrections run out
-(on normal data the first threshold already lands within a few per cent of k).
+Models g as N(μ, σ²) and sends |g − μ| ≥ z σ with z = Φ⁻¹(1 − ρ/2), as the paper does, then corrects the threshold
+up to `adjust` times: fewer than 2k/3 selected → × 0.5, more than 4k/3 → × 1.5. μ and σ come from the whole tensor
+(Σg and Σg², two fast reductions: a sample's σ misses by ~1%, which moves the count at z = 2.58 by ~7%); each
+correction re-counts the whole tensor from |g − μ| in a reused buffer. On normal data the first threshold lands
+within a few per cent of k.
 """
 from __future__ import annotations
 

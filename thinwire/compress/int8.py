@@ -14,9 +14,10 @@ from .rounding import Stochastic, stochastic_codes
 LEVELS = 127
 
 
-def maxabs(flat: torch.Tensor) -> torch.Tensor:
+def maxabs(flat: torch.Tensor, empty: int = 1) -> torch.Tensor:
+    """max |flat| as a one-element fp32 tensor (one min-max pass); `empty` zeros for an empty tensor."""
     if flat.numel() == 0:
-        return torch.zeros(1, device=flat.device)
+        return torch.zeros(empty, device=flat.device)
     lo, hi = torch.aminmax(flat)
     return torch.maximum(-lo, hi).float().reshape(1)
 
@@ -45,7 +46,6 @@ class ScaledLevels(Stochastic):
     exchange takes the class's natural collective unless the other sends fewer bytes (`pick_by_bytes`), or the
     one its `collective` names (`thinwire.exchange.choose`)."""
 
-    linear = True
     fixed_size = True         # the payload size depends only on the shape
     pick_by_bytes = True
 
@@ -77,7 +77,6 @@ class Int8(ScaledLevels):
     where that sends fewer bytes (from 8 ranks on a ring: `thinwire.exchange.choose`)."""
 
     unbiased = False
-    randomness = "none"
     aggregation = "allgather"
     x_memcpy = 4.0
 

@@ -1,28 +1,26 @@
 """Device-side machinery of the compressors: fused kernels, host reads, and randomness every device agrees on.
 
 Fused kernels. A compressor's elementwise work is written once, as a plain function of torch ops (the eager
-source of truth), and wrapped by `fused`: on a CUDA tensor of at least `COMPILE_MIN` elements it runs compiled
-by `torch.compile` (Inductor emits one Triton kernel per fused group, so the work reads and writes memory once
-instead of once per op); elsewhere (the CPU, small tensors, no Triton, `THINWIRE_COMPILE=0`) it runs as it is.
-The compiled and the eager function compute the same thing; they may differ in the last bit of a float where
-the compiler contracts a multiply and an add into one fused multiply-add.
+source of truth), and wrapped by `fused`: on a CUDA tensor of at least `COMPILE_MIN` elements it runs compiled by
+`torch.compile` (one Triton kernel per fused group: memory read and written once instead of once per op);
+elsewhere (the CPU, small tensors, no Triton, `THINWIRE_COMPILE=0`) as it is. Both compute the same thing, up to
+the last bit of a float where the compiler contracts a multiply and an add into a fused multiply-add.
 
-Blocks. On the CPU the same function runs block by block (`blockwise`): each op then works on a block that
-stays in the core's caches, so a chain of ten ops costs about one pass over memory instead of ten. The blocks
-run with torch's intra-op thread pool off (one thread): an op on a block is too small to share, and a pool
-round trip per op costs more than the op (on a loaded machine, milliseconds each).
+Blocks. On the CPU the same function runs block by block (`blockwise`), each block in the core's caches (ten ops
+cost about one pass over memory instead of ten), with torch's intra-op thread pool off (a pool round trip per op
+on a block costs more than the op).
 
 Host reads. A value a device tensor carries reaches the host through `host_read`: on CUDA one asynchronous copy
-into pinned memory and a wait on that copy alone (the host waits for the work queued before it, as any read
-must, and no more: not a synchronisation of the device, and not one torch's sync debug mode reports).
+into pinned memory and a wait on that copy alone (not a synchronisation of the device).
 
 Randomness every device agrees on. `random_bits(key, n)` hashes (key, index) with integer tensor ops (exact on
-every device), so a seed names the same numbers on the CPU and on a GPU, and every rank computes them where
-its tensors live: no host generator, no copy from the host, no state but the key (see `Stream`).
+every device): a seed names the same numbers on the CPU and on a GPU, computed where the tensors live, with no
+host generator and no state but the key (`Stream`).
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib.util
 import math
@@ -64,8 +62,6 @@ def _huge_pages(t: torch.Tensor) -> torch.Tensor:
     global _madvise
     if _madvise is None:
         try:
-            import ctypes
-            import sys
             if not sys.platform.startswith("linux"):
                 raise OSError("not Linux")
             libc = ctypes.CDLL(None, use_errno=True)
@@ -83,10 +79,8 @@ def _huge_pages(t: torch.Tensor) -> torch.Tensor:
 
 def fresh(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     """torch.empty for an output a compressor hands back (a payload, a decompressed tensor). A large fresh CPU
-    tensor is first touched page by page, and 4 KB page faults cost several memcpys of it (a 64 MB output:
-    ~5x a copy into memory already mapped); on huge pages they cost ~1.2x (what THP_MEM_ALLOC_ENABLE=1 gives
-    PyTorch's own allocations), and memory that is mapped already costs nothing: a large CPU output comes from
-    `_Pool`, the buffers of earlier outputs that nothing references any more."""
+    tensor's 4 KB page faults cost several memcpys of it (a 64 MB output: ~5x a copy into mapped memory; ~1.2x on
+    huge pages, what THP_MEM_ALLOC_ENABLE=1 gives PyTorch's own): it comes from `_Pool`, memory mapped already."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= 2 * _HUGE and torch.device(device).type == "cpu":
@@ -100,13 +94,11 @@ def fresh(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
 
 
 class _Pool:
-    """Large CPU outputs on memory mapped already: a caching allocator for `fresh`, as PyTorch's is for CUDA.
-
-    A buffer handed out stays in the pool, and is handed out again once no tensor references its storage any
-    more (the storage's use count and its Python object's reference count back at what the pool's own
-    reference makes: a view, a clone's source, a storage object someone holds all keep it out). Free buffers
-    count against `THINWIRE_POOL_MB` (default 512); past it the least recently used free ones are let go. A
-    torch whose counts do not behave so (checked once) gets no pooling."""
+    """Large CPU outputs on memory mapped already: a caching allocator for `fresh`, as PyTorch's is for CUDA. A
+    buffer is handed out again once no tensor references its storage (its use count and its Python object's
+    reference count back at the pool's own; a view or a held storage keeps it out). Free buffers count against
+    `THINWIRE_POOL_MB` (default 512), past which the least recently used go. A torch whose counts do not behave so
+    (checked once) gets no pooling."""
 
     def __init__(self, limit_mb: int):
         self.limit = limit_mb << 20
@@ -251,17 +243,15 @@ def _span(spec: tuple[int, int], lo: int, hi: int) -> tuple[int, int]:
 
 def blockwise(kernel: Callable, n: int, inputs: list[tuple[torch.Tensor, tuple[int, int]]],
               outputs: list[tuple[int, int]], *consts, align: int = 8):
-    """`kernel(*input blocks, *consts)` over the `n` elements of the data: on CUDA once over everything (compiled
-    by `fused` for large tensors), on the CPU block by block (`BLOCK` elements, a multiple of `align`) into
-    outputs allocated once. `inputs` pair each tensor with its (num, den) entries per element (see `_span`), or
-    None for a tensor every block takes whole (a scale);
-    `outputs` give the kernel's results' (num, den) likewise, and each result of a block must be exactly its
-    span or longer (cut to it: a decoder may make up to a group's padding past the end); an output spec None is
-    a per-block result (a partial sum, a count), concatenated over the blocks (one entry on CUDA). Returns the
-    kernel's results for the whole data, as a tuple."""
+    """`kernel(*input blocks, *consts)` over the `n` elements of the data, its results for the whole data as a
+    tuple: on CUDA once over everything (`fused`), on the CPU block by block (`BLOCK` elements, a multiple of
+    `align`) into outputs allocated once. `inputs` pair each tensor with its (num, den) entries per element
+    (`_span`), or None for a tensor every block takes whole (a scale); `outputs` give the results' (num, den) (a
+    block's result may run past its span: cut to it), or None for a per-block result (a partial sum, a count),
+    concatenated over the blocks (one entry on CUDA)."""
     tensors = [t for t, _ in inputs]
     if n <= BLOCK // 4 or tensors[0].device.type != "cpu":
-        run = kernel if tensors[0].device.type == "cpu" else _fused_cache(kernel)
+        run = kernel if tensors[0].device.type == "cpu" else _fused_once(kernel)
         return tuple(p if spec is None else p[:_span(spec, 0, n)[1]] for p, spec in zip(run(*tensors, *consts), outputs))
     block = max(align, BLOCK - BLOCK % align)
     outs = None
@@ -309,14 +299,7 @@ def _store(outs, parts, outputs, n, lo, hi):
     return outs
 
 
-_FUSED: dict = {}
-
-
-def _fused_cache(kernel: Callable) -> Callable:
-    got = _FUSED.get(kernel)
-    if got is None:
-        got = _FUSED[kernel] = fused(kernel)
-    return got
+_fused_once = functools.cache(fused)      # a kernel's `fused` wrapper, made once
 
 
 def seed_of(*parts: Any) -> int:

@@ -1,13 +1,11 @@
 """`efsignsgd` memory: the learning-rate-scaled error feedback of EF-SignSGD (Karimireddy, Rebjock, Stich, Jaggi
 2019, "Error Feedback Fixes SignSGD and other Gradient Compression Schemes", arXiv 1901.09847, Algorithm 1):
-p_t = lr g_t + e_t, Delta_t = C(p_t), e_{t+1} = p_t - Delta_t, and the aggregate is divided by lr again because the
-optimizer applies the learning rate. The exchange sees gradient units: `compensate` returns p_t / lr and `update`
-stores e = lr (p_t / lr - D(C(p_t / lr))), which equals p_t - Delta_t for scale-equivariant compressors (all sign
-and norm-scaled ones). Keeping e in update units is what differs from `residual` when lr changes (schedules):
-pass `ef_lr` = the optimizer's learning rate (a separate name: `--lr` is the optimizer's own flag) and, under a
-schedule, set `memory.lr` before each step. Invariant: lr * sum(sent) + e_final = lr * sum(g) for a constant lr.
-`momentum` as `residual`'s: heavy-ball momentum before compression, unset = the optimizer's where gradients are
-exchanged (handed over by the Trainer)."""
+p_t = lr g_t + e_t, Delta_t = C(p_t), e_{t+1} = p_t - Delta_t, the aggregate divided by lr again (the optimizer
+applies it). The exchange sees gradient units: `compensate` returns p_t / lr and `update` stores e = lr (p_t / lr -
+D(C(p_t / lr))) = p_t - Delta_t for scale-equivariant compressors (all sign and norm-scaled ones). Keeping e in
+update units is what differs from `residual` when lr changes: pass `ef_lr` = the optimizer's learning rate and,
+under a schedule, set `memory.lr` before each step. Invariant: lr * sum(sent) + e_final = lr * sum(g) for a constant
+lr. `momentum` as `residual`'s."""
 from __future__ import annotations
 
 from ..errors import UserError

@@ -47,7 +47,6 @@ def decode_kernel(exponent: torch.Tensor, sign: torch.Tensor, table: torch.Tenso
 
 @compressors.register("natural")
 class Natural(Stochastic):
-    unbiased = True
     linear = False
     randomness = "local"
     aggregation = "allgather"

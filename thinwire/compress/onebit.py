@@ -17,7 +17,6 @@ from .bitpack import decode, pack_signs
 class OneBit(Compressor):
     unbiased = False
     linear = False
-    randomness = "none"
     aggregation = "allgather"
     fixed_size = True         # the payload size depends only on the shape
     needs_momentum_first = True

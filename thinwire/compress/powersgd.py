@@ -7,13 +7,12 @@ For each matrix M (a parameter of ndim ≥ 2 reshaped to a × b, after error fee
     P̂ = orthogonalise(P)  (column Gram–Schmidt; the scale of P does not matter, so the sum serves as the mean)
     Q = Mᵀ P̂;  Q ← Σ_ranks Q   round "Q"
     mean over ranks ≈ P̂ Qᵀ / n,  this rank's own contribution = P̂ (Mᵀ P̂)ᵀ (what the memory subtracts)
-1-D tensors (biases, norms) and matrices too small to gain ((a + b) r ≥ a b) travel uncompressed in round "P".
-The compressor declares the two rounds ("P", "Q") and does their local math (`begin`, `after_P`,
-`after_Q`); the exchange sums each round's buffer over the ranks (`thinwire.exchange.rounds`), on the engine while
-the caller computes. A flat tensor (bucket, whole model) is split by `shapes`, the parameter shapes it is made of;
-without `shapes` a 1-D tensor is sent uncompressed. Aggregation is "custom": two rounds.
-Use with `--memory powersgd` (its error feedback: e ← M − own contribution; PowerSGD does need EF, as the
-paper's Algorithm 2 has it, though Wang et al. 2023's survey, Table 1, lists it without).
+1-D tensors (biases, norms) and matrices too small to gain ((a + b) r ≥ a b) travel uncompressed in round "P";
+a flat tensor (bucket, whole model) is split by `shapes`, the parameter shapes it is made of (without them a 1-D
+tensor goes uncompressed). Aggregation "custom": the exchange sums each round (`thinwire.exchange.rounds`), the
+compressor does the local math (`begin`, `after_P`, `after_Q`). Use with `--memory powersgd` (e ← M − own
+contribution: PowerSGD needs EF, as its Algorithm 2 has it, though Wang et al. 2023's survey, Table 1, lists it
+without).
 """
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
 """`qsgd`: QSGD (Alistarh, Grubic, Li, Tomioka, Vojnovic 2017, "QSGD: Communication-Efficient SGD via
 Gradient Quantization and Encoding", arXiv 1610.02132): C(g_i) = ||g||_2 sign(g_i) xi_i(g, s), xi the unbiased random
-rounding of s|g_i|/||g|| to the levels {0, 1/s, ..., 1} (s intervals, s + 1 levels), the norm taken per bucket.
-Sign and level travel as one code in [0, 2s], packed to ceil(log2(2s + 1)) bits, plus one fp32 norm per bucket.
+rounding of s|g_i|/||g|| to the levels {0, 1/s, ..., 1} (s intervals), the norm taken per bucket. Sign and level
+travel as one code in [0, 2s], packed to ceil(log2(2s + 1)) bits, plus one fp32 norm per bucket.
 
-"allreduce": the ranks agree on the per-bucket max of their norms (the levels stay unbiased, since
-|g_i| <= agreed norm), and the signed levels are summed in an integer type wide enough for world_size of them;
-that widened type is what crosses the wire then (8 bits up to 127/s ranks, then int16, which gloo sums as int32).
-"allgather": the packed codes and norms of each rank travel. The exchange's "auto": all-reduce unless the all-gather
-sends fewer bytes at the world size (with s = 7, 4-bit codes: gathered on 2–3 ranks; `thinwire.exchange.choose`).
+"allreduce": the ranks agree on the per-bucket max of their norms (the levels stay unbiased: |g_i| <= the agreed
+norm) and sum the signed levels in an integer type wide enough for world_size of them (8 bits up to 127/s ranks,
+then int16, which gloo sums as int32). "allgather": each rank's packed codes and norms (with s = 7, 4-bit codes:
+chosen on 2–3 ranks; `thinwire.exchange.choose`).
 """
 from __future__ import annotations
 
@@ -70,9 +69,7 @@ def decode4(packed: torch.Tensor, factors: torch.Tensor, table: torch.Tensor, bu
 
 @compressors.register("qsgd")
 class QSGD(ScaledLevels):
-    unbiased = True
     randomness = "local"
-    aggregation = "allreduce"
     x_memcpy = 8.0
 
     def __init__(self, levels: int = 7, bucket: int = 512, norm: str = "l2", seed: int = 0):

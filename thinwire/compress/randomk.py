@@ -2,33 +2,26 @@
 SGD with Memory", arXiv 1809.07599, rand_k).
 
 Every rank draws the SAME indices, from a seed derived from (seed, key, step), so only the k values travel and
-they are summed by all-reduce (the shared indices make the payloads addable). `scale=True`:
-C(g)_i = (d/k) g_i 1[i ∈ Ω], unbiased with E‖C(g) − g‖² = (d/k − 1)‖g‖²; `scale=False`: g ⊙ 1_Ω, biased,
-E‖C(g) − g‖² = (1 − k/d)‖g‖², the form to use with error feedback (scaling by d/k inside error feedback amplifies
-the residual: unstable).
+they are summed by all-reduce. `scale=True`: C(g)_i = (d/k) g_i 1[i ∈ Ω], unbiased with E‖C(g) − g‖² =
+(d/k − 1)‖g‖²; `scale=False`: g ⊙ 1_Ω, biased, E‖C(g) − g‖² = (1 − k/d)‖g‖², the form for error feedback
+(scaling by d/k inside error feedback amplifies the residual: unstable).
 
-Default ratio 0.5. The unbiased form multiplies the gradient noise: averaged over n workers the variance grows
-by ω/n with ω = d/k − 1, and the step size that trains shrinks by about 1 + ω/n (the bound of unbiased
-compressed SGD, e.g. Khirirat et al. 2018; DIANA's γ ≤ 1/(L(1 + 2ω/n))). On digits-mlp at its lr 0.2 and momentum
-0.9, 4 workers: at k/d = 1 % (ω = 99) it ended at 0.09–0.20 under every algorithm, at 10 % at 0.34 (lr 0.05: 0.97),
-at 50 % it reaches the target under every algorithm (docs/matrix.md). Error feedback (`scale=false`, `residual`)
-does not rescue small ratios at momentum 0.9: each coordinate waits ~d/k steps, a staleness heavy-ball momentum
-does not tolerate (0.11–0.19 at 1–25 %). For fewer bytes at the same step size use `topk`.
+Default ratio 0.5. The unbiased form multiplies the gradient noise: averaged over n workers the variance grows by
+ω/n with ω = d/k − 1, and the step size that trains shrinks by about 1 + ω/n (Khirirat et al. 2018; DIANA's
+γ ≤ 1/(L(1 + 2ω/n))): on digits-mlp (lr 0.2, momentum 0.9, 4 workers) 1 % and 10 % missed the target, 50 % reached
+it under every algorithm, and error feedback did not rescue small ratios (each coordinate waits ~d/k steps, a
+staleness heavy-ball momentum does not tolerate; docs/matrix.md). For fewer bytes at the same step size: `topk`.
 
-Sampling (`sampling`). "stratified" (the default): [d] is cut into k consecutive strata of ⌊d/k⌋ or ⌈d/k⌉
-coordinates and one coordinate is drawn uniformly in each; with `scale`, C(g)_i = m_s g_i for the drawn i of a
-stratum of m_s coordinates. Every coordinate is kept with probability 1/m_s ≈ k/d, so C is unbiased, and
-E‖C(g) − g‖² = Σ_s (m_s − 1)‖g_s‖², which is (d/k − 1)‖g‖² when k divides d: rand-k's variance. (Stratified
-sampling is systematic sampling with a random start per stratum: it never keeps two neighbours of one stratum,
-where rand-k may; the bounds above are all the analyses use.) Its draws are offsets u_s m_s / 2^31 of
-pairwise-independent uniforms u_s (the xor table of `rounding.Uniforms`, hashed on the tensor's device from (seed,
-key, step): `kernels.random_bits`): no host generator, nothing copied from the host, the same indices on every
-device and rank, and only k offsets computed (in cache-sized blocks on the CPU, fused on a GPU), so the gather
-and the scatter sweep memory in order. The offsets are uniform up to m_s/2^31 (the grid of u).
-"uniform": a uniform k-subset, as Stich et al. define rand-k, drawn on the host without a full permutation:
-a few more than k points with replacement (already in increasing order, as exponential spacings: no sort), the
-distinct ones kept and a random few dropped to leave k (a permutation where k > d/4); the indices then travel
-in the payload's context to the tensor's device.
+`sampling="stratified"` (the default): [d] is cut into k consecutive strata of ⌊d/k⌋ or ⌈d/k⌉ coordinates and one
+coordinate is drawn uniformly in each (with `scale`, C(g)_i = m_s g_i in a stratum of m_s). Every coordinate is
+kept with probability 1/m_s ≈ k/d, so C is unbiased with E‖C(g) − g‖² = Σ_s (m_s − 1)‖g_s‖², rand-k's variance
+when k divides d (systematic sampling with a random start per stratum; the bounds above are all the analyses
+use). The draws are offsets u_s m_s / 2^31 of pairwise-independent uniforms u_s (the xor table of
+`rounding.Uniforms`, hashed on the tensor's device by `kernels.random_bits`): the same indices on every device and
+rank, nothing from the host, and the gather and scatter sweep memory in order (uniform up to the grid m_s/2^31).
+"uniform": a uniform k-subset, as Stich et al. define rand-k, drawn on the host without a full permutation (a few
+more than k sorted points with replacement, as exponential spacings, the distinct ones kept and a random few
+dropped; a permutation where k > d/4); the indices travel in the payload's context to the tensor's device.
 """
 from __future__ import annotations
 
@@ -179,19 +172,23 @@ def _tables(key: int, groups, device):
     return out
 
 
-def _row_blocks(count: int, cols: int, m: int):
-    """(first stratum, strata) of blocks of whole table rows, about `_BLOCK` coordinates each."""
+def _row_blocks(count: int, a: torch.Tensor, b: torch.Tensor, m: int):
+    """(first stratum, strata, their table rows of `a`) of CPU blocks of whole table rows, about `_BLOCK`
+    coordinates each, in `cpu_blocks`' setting (the arena taken back at each)."""
+    cols = b.shape[1]
     step = cols * max(1, _BLOCK // (cols * m))
-    return [(s, min(step, count - s)) for s in range(0, count, step)]
+    with cpu_blocks() as next_block:
+        for s in range(0, count, step):
+            c = min(step, count - s)
+            next_block()
+            yield s, c, a[s // cols:s // cols - (-c // cols)]
 
 
 @compressors.register("randomk")
 class RandomK(Compressor):
     """Random-k with indices shared by seed: only k values travel, summed by all-reduce; scale=d/k if unbiased."""
 
-    linear = True
     randomness = "shared"
-    aggregation = "allreduce"
     fixed_size = True
     x_memcpy = 4.0
 
@@ -218,12 +215,8 @@ class RandomK(Compressor):
             if flat.device.type != "cpu":
                 out[done:done + count] = _fused_gather(x, a, b, m)
             else:               # blocks of whole table rows, in cache
-                with cpu_blocks() as next_block:
-                    for s, c in _row_blocks(count, b.shape[1], m):
-                        next_block()
-                        r = s // b.shape[1]
-                        gather_kernel(x[s:s + c], a[r:r - (-c // b.shape[1])], b, m,
-                                      into=out[done + s:done + s + c])
+                for s, c, rows in _row_blocks(count, a, b, m):
+                    gather_kernel(x[s:s + c], rows, b, m, into=out[done + s:done + s + c])
             done += count
         return Payload([out], ctx=(shape, dtype, d, draw))
 
@@ -255,12 +248,8 @@ class RandomK(Compressor):
             if vals.device.type != "cpu":
                 region.copy_(_fused_scatter(vals[done:done + count], a, b, m, scale))
             else:
-                with cpu_blocks() as next_block:
-                    for s, c in _row_blocks(count, b.shape[1], m):
-                        next_block()
-                        r = s // b.shape[1]
-                        scatter_kernel(vals[done + s:done + s + c], a[r:r - (-c // b.shape[1])], b, m, scale,
-                                       into=region[s:s + c])
+                for s, c, rows in _row_blocks(count, a, b, m):
+                    scatter_kernel(vals[done + s:done + s + c], rows, b, m, scale, into=region[s:s + c])
             done += count
         return out.view(shape)
 

@@ -1,14 +1,12 @@
-"""`residual`: error feedback (Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory",
-arXiv 1809.07599, Algorithm 1; the beta, gamma form of
-GRACE's ResidualMemory): c = beta e + gamma g is compressed, and e <- c - D(C(c)) keeps what was not sent.
-With beta = gamma = 1: sum of what was sent + the final residual = sum of the inputs (nothing is lost, only delayed).
-State is per key (parameter, bucket or whole model); a key whose shape changes starts again from a zero residual.
+"""`residual`: error feedback (Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory", arXiv 1809.07599,
+Algorithm 1; the beta, gamma form of GRACE's ResidualMemory): c = beta e + gamma g is compressed, and
+e <- c - D(C(c)) keeps what was not sent. With beta = gamma = 1: sum of what was sent + the final residual = sum of
+the inputs (nothing is lost, only delayed). State per key; a key whose shape changes starts from a zero residual.
 
 `momentum` μ > 0 applies heavy-ball momentum before compression, EF-SGDM (Zheng, Huang, Kwok 2019, "Communication-
 Efficient Distributed Blockwise Momentum SGD with Error-Feedback", Alg. 1 with its η moved to the optimizer):
-u ← μ u + g, c = β e + γ u. Unset (None) it takes the optimizer's momentum where the exchange carries gradients
-(the Trainer hands it over and runs the optimizer without momentum; `Memory` in compress/base.py), else 0. With
-momentum after a biased compressor instead (the optimizer's), sign and 1-bit compressors do not train at 0.9."""
+u ← μ u + g, c = β e + γ u. Unset (None) it takes the optimizer's where the exchange carries gradients (`Memory` in
+compress/base.py), else 0."""
 from __future__ import annotations
 
 from ..errors import UserError

@@ -1,30 +1,30 @@
 """Cheap randomness for stochastic rounding, and the rounding itself.
 
-`torch.rand` costs about 20 memcpys per element here (FACTS.md), more than a whole quantizer may. Unbiased
-rounding only needs each element's uniform to be uniform (E[floor(y + u)] = y for u ~ U[0, 1)), and variance bounds
-only need pairwise independence. So the n numbers are laid out as an R x C table u_ij = A_i xor B_j of random
-integers (R + C ~ 2 sqrt(n) draws): each cell is exactly uniform, and any two cells are independent (pairwise,
-not jointly: the xor of four corners of a rectangle is 0). The table is written straight into the bits of fp32
-numbers, so one broadcast op per call produces them, into a scratch buffer reused across calls.
-Local randomness (per rank) comes from a counter-based stream keyed by (seed, rank) (`kernels.Stream`): its numbers
-are hashed on the tensor's device, the same on every device; shared randomness from (seed, step, key).
+`torch.rand` costs about 20 memcpys per element here (BENCHMARKS.md, "Where the time goes"), more than a whole
+quantizer may. Unbiased rounding only needs each element's uniform to be uniform (E[floor(y + u)] = y for
+u ~ U[0, 1)), and variance bounds only pairwise independence. So the n numbers are an R x C table
+u_ij = A_i xor B_j of random integers (R + C ~ 2 sqrt(n) draws): each cell exactly uniform, any two cells
+independent (pairwise, not jointly: the xor of four corners of a rectangle is 0), written straight into the bits
+of fp32 numbers by one broadcast op. Local randomness (per rank) comes from a counter-based stream keyed by
+(seed, rank) (`kernels.Stream`), hashed on the tensor's device (the same on every device); shared randomness from
+(seed, step, key).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 
 from .base import Compressor, reused
 from .bitpack import pack_kernel
-from .kernels import Stream, random_bits, scratch
+from .kernels import Stream, blockwise, random_bits, scratch
 
 _COLS = 4096
 
 
 def rank() -> int:
     """This process's rank in the default process group (0 when there is none)."""
-    import torch.distributed as dist
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -53,11 +53,6 @@ class Uniforms:
         key = self.stream().next_key()
         ab = random_bits(key, rows + cols, bits, device)
         return ab[:rows].view(rows, 1).bitwise_or_(prefix), ab[rows:].view(1, cols)
-
-    def mantissas(self, numel: int, device="cpu") -> torch.Tensor:
-        """`numel` pairwise-independent integers uniform on [0, 2**23) as int32: A_i xor B_j over an R x C table
-        (a view of an internal buffer, valid until the next call)."""
-        return self._xor_table(numel, device, 23)
 
     def offset_uniforms(self, numel: int, offset: int, device="cpu") -> torch.Tensor:
         """`numel` fp32 numbers offset + u, u pairwise-independent uniform on a grid of [0, 1), built in one
@@ -113,12 +108,10 @@ def stochastic_codes(x: torch.Tensor, inv_scale: torch.Tensor | float, levels: i
     """uint8 codes in [0, 2*levels] of floor(x * inv_scale + u) + levels, the unbiased rounding of x * inv_scale
     to the integers -levels..levels (QSGD's xi(g, s), Alistarh et al. 2017, arXiv 1610.02132, and TernGrad's
     Bernoulli, Wen et al. 2017, arXiv 1705.07878, are both this rounding).
-    `inv_scale` is a number, a one-element tensor, or one value per bucket of `bucket` elements (the last bucket
-    may be shorter); a tensor stays on the device. `clip`: values of |x * inv_scale| may exceed `levels` and are
-    clipped to it (TernGrad's clipping); without it they must not (QSGD: |x| <= norm), and only float round-off
-    is guarded against, on the bytes. `bits` in 1, 2, 4: the codes come packed (`bitpack.pack`'s layout).
+    `inv_scale`: a number, a one-element tensor or one value per bucket of `bucket` elements (kept on the device).
+    `clip`: |x * inv_scale| may exceed `levels` and is clipped to it (TernGrad's clipping); without it it must not
+    (QSGD: |x| <= norm; only round-off is guarded against). `bits` in 1, 2, 4: the codes come packed (`bitpack`).
     One kernel (`codes_kernel`) per block of the table's rows on the CPU, fused on a GPU."""
-    from .kernels import blockwise
     flat = x.reshape(-1)
     n = flat.numel()
     free, prefix = offset_bits(levels)

@@ -22,19 +22,15 @@ def signs(bits: torch.Tensor, numel: int, scale=1.0) -> torch.Tensor:
 
 @compressors.register("signsgd")
 class SignSGD(Compressor):
-    """Packed sign bits and (`scale=True`) one fp32 scale ‖x‖₁/d; the exchange takes the element-wise majority
-    vote times the ranks' mean scale; `decompress` gives scale·(±1).
-
-    The scale is EF-SignSGD's (Karimireddy et al. 2019, arXiv 1901.09847, Alg. 1: C(p) = (‖p‖₁/d) sign(p)): with it
-    a sign step has the gradient's mean magnitude, so the optimizer's learning rate means what it means for SGD,
-    and `residual` error feedback is bounded (C is a contraction: ‖C(p) − p‖² = ‖p‖² − ‖p‖₁²/d). Without it
-    (`scale=False`, signSGD with majority vote as Bernstein et al. 2018/2019 print it: x ← x − η sign(Σ sign g))
-    every coordinate moves by the full learning rate each step — a rate tuned for SGD (0.1) is then orders of
-    magnitude too large, and error feedback keeps a residual of the order of 1 per coordinate."""
+    """Packed sign bits and (`scale=True`) one fp32 scale ‖x‖₁/d: the exchange takes the majority vote times the
+    ranks' mean scale; `decompress` gives scale·(±1). The scale is EF-SignSGD's (Karimireddy et al. 2019, arXiv
+    1901.09847, Alg. 1: C(p) = (‖p‖₁/d) sign(p)): a sign step then has the gradient's mean magnitude, so the
+    learning rate means what it means for SGD, and `residual` error feedback is bounded (‖C(p) − p‖² = ‖p‖² −
+    ‖p‖₁²/d). Without it (`scale=False`, as Bernstein et al. 2018/2019 print it: x ← x − η sign(Σ sign g)) every
+    coordinate moves by the full learning rate each step: an SGD rate is orders of magnitude too large."""
 
     unbiased = False
     linear = False
-    randomness = "none"
     aggregation = "majority"
     fixed_size = True         # the payload size depends only on the shape
     needs_momentum_first = True

@@ -1,14 +1,12 @@
-"""`signum`: the sign of a momentum kept per tensor (Signum: Bernstein, Wang, Azizzadenesheli,
-Anandkumar 2018, "signSGD: Compressed Optimisation for Non-Convex Problems", arXiv 1802.04434:
-send sign(m_t)), combined by
-majority vote and scaled as `signsgd` is (the ranks' mean ‖m‖₁/d).
+"""`signum`: the sign of a momentum kept per tensor (Signum: Bernstein, Wang, Azizzadenesheli, Anandkumar 2018,
+"signSGD: Compressed Optimisation for Non-Convex Problems", arXiv 1802.04434: send sign(m_t)), combined by majority
+vote and scaled as `signsgd` is (the ranks' mean ‖m‖₁/d).
 
-The momentum is heavy ball's, m_t = β m_{t−1} + g_t. Signum prints the dampened m_t = β m_{t−1} + (1 − β) g_t; the
-sign is the same for both, and only the scale differs: the undampened one makes a step lr·(‖m‖₁/d)·sign(m) as large
-as heavy-ball SGD's lr·m, so the optimizer's learning rate keeps its meaning. The compressor takes the training's
-momentum (`Memory` in compress/base.py, "Momentum"): `beta` unset is the optimizer's momentum, handed over by the
-Trainer where gradients are exchanged (the optimizer then runs without momentum), else 0: a momentum of model
-differences (CHOCO's x − x̂) or on top of an algorithm's own momentum diverged (NaN at step 242 under choco)."""
+The momentum is heavy ball's, m_t = β m_{t−1} + g_t, not Signum's dampened β m_{t−1} + (1 − β) g_t: the sign is the
+same, and the undampened scale makes a step lr·(‖m‖₁/d)·sign(m) as large as heavy-ball SGD's lr·m. It takes the
+training's momentum (`Memory` in compress/base.py, "Momentum"): `beta` unset is the optimizer's where gradients are
+exchanged (handed over by the Trainer), else 0 (a momentum of model differences, CHOCO's x − x̂, or on top of an
+algorithm's own momentum diverged: NaN at step 242 under choco)."""
 from __future__ import annotations
 
 import torch

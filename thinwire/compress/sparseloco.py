@@ -7,14 +7,12 @@ The paper's Algorithm 1 on replica r, after H inner steps give the pseudo-gradie
     e_r ← e_r − Δ̂_r                        what is sent leaves the accumulator                           (memory)
     Δ = (1/R) Σ_r Δ̂_r                       all-gather of the sparse payloads, summed in fp32 (the exchange's mean)
     θ ← θ − α Δ                             the outer step (plain SGD with lr α: no outer momentum)
-The memory `sparseloco` is `residual` with beta = β (sent + e_new = β e_old + Δ exactly: nothing is lost).
-
-TopK keeps the `topk` largest |e| of every `chunk`-element chunk of the flattened tensor (the tail chunk the same
-density). Q, the 2-bit code: one sign bit and one magnitude bit per kept value; per chunk with kept magnitudes in
-[lo, hi], the bit says whether |v| > (lo + hi)/2, and each half decodes to the mean |v| of its members (two fp32
-levels per chunk, the conditional means: the least-squares levels for that split). Error per kept value
-≤ (hi − lo)/2 of its chunk; a chunk whose kept values take at most two magnitudes is exact. Payload: in-chunk
-indices (ceil(log2 chunk) bits, packed), the 2-bit codes (4 per byte), 2 fp32 levels per chunk.
+The memory is `residual` with beta = β (sent + e_new = β e_old + Δ exactly). TopK keeps the `topk` largest |e| of
+every `chunk`-element chunk (the tail the same density). Q, the 2-bit code: a sign bit and a magnitude bit per
+kept value, which says whether |v| > (lo + hi)/2 for the chunk's kept magnitudes in [lo, hi]; each half decodes
+to the mean |v| of its members (two fp32 levels per chunk: the least-squares levels for that split), so the
+error per kept value is ≤ (hi − lo)/2, nil where a chunk's kept values take at most two magnitudes. Payload:
+in-chunk indices (ceil(log2 chunk) bits, packed), the 2-bit codes (4 per byte), 2 fp32 levels per chunk.
 """
 from __future__ import annotations
 

@@ -3,14 +3,11 @@ Communication in Distributed Deep Learning", arXiv 1705.07878): C(g_i) = s sign(
 after clipping g to +-c sigma (c = 2.5, sigma the tensor's standard deviation), so s = min(max|g|, c sigma). Ternary
 values travel as 2-bit codes (4 per byte) plus one fp32 scale per tensor.
 
-"allreduce" ("scaler sharing"): the ranks agree on the max of their scales, and the ternary values are summed in
-an integer type wide enough for world_size of them (that type crosses the wire: 8 bits up to 127 ranks).
-"allgather": each rank sends its packed codes and its own scale. The exchange's "auto": all-reduce unless the
-all-gather sends fewer bytes at the world size (2-bit codes: gathered up to 7 ranks on a ring; `thinwire.exchange.choose`).
-
-Bias: E[C(g)] is the *clipped* gradient clamp(g, −cσ, cσ), not g (TernGrad's own clipping, Wen et al. §3.2): the
-compressor is unbiased only with `clip=0`, and says so (`unbiased` is `clip == 0`). Clipping trades that bias
-on the few outliers for a smaller scale s and so a smaller variance s·|g_i| − g_i² on every other element.
+"allreduce" ("scaler sharing"): the ranks agree on the max of their scales and sum the ternary values in an integer
+type wide enough for world_size of them (8 bits up to 127 ranks); "allgather": each rank's codes and own scale
+(chosen up to 7 ranks on a ring: `thinwire.exchange.choose`). E[C(g)] is the *clipped* gradient clamp(g, −cσ, cσ)
+(Wen et al. §3.2), so `unbiased` is `clip == 0`: clipping trades that bias on the few outliers for a smaller scale
+s, so a smaller variance s·|g_i| − g_i² on every other element.
 """
 from __future__ import annotations
 
@@ -29,7 +26,6 @@ from .rounding import stochastic_codes
 class TernGrad(ScaledLevels):
     unbiased = False          # unbiased for the clipped gradient only: True with clip=0 (see the module docstring)
     randomness = "local"
-    aggregation = "allreduce"
     x_memcpy = 7.0
 
     def __init__(self, clip: float = 2.5, seed: int = 0):

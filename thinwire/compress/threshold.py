@@ -1,20 +1,16 @@
 """`threshold`: every coordinate with |g_i| ≥ v (Threshold-v: Dutta et al. 2020, "On the Discrepancy between
 the Theoretical Analysis and Practical Implementations of Compressed Communication for Distributed Deep Learning",
-arXiv 1911.08250, AAAI 2020).
+arXiv 1911.08250, AAAI 2020). O(d), no sorting, but the number sent varies with the gradient's scale (sizes are
+exchanged before the gather). Biased: use `--memory residual`.
 
-O(d), no sorting, but the number sent varies with the gradient's scale (the payload size is exchanged before
-the gather). Biased: use `--memory residual`.
+The default v = 0.01 is set for gradients, not unit-variance data: it keeps 2–5% of a fresh `digits-mlp` /
+`digits-cnn` / `mnist1d-cnn` gradient (v = 0.001 kept ~50%: no saving), none of `wide-mlp`'s at first (the
+residual accumulates them), 99% of N(0, 1). Where the (value, index) pairs would outweigh the tensor, it sends
+the tensor with the others zeroed (`dense_payload`): never more bytes than no compression.
 
-The default v = 0.01 is set for gradients, not for unit-variance data: on a fresh `digits-mlp` / `digits-cnn` /
-`mnist1d-cnn` gradient it keeps 2–5% of the coordinates (v = 0.001 kept ~50%, i.e. 32 bits per element, no
-saving), on `wide-mlp` none at first (the residual memory accumulates them). On N(0, 1) input it keeps 99%.
-Where the kept (value, index) pairs would weigh more than the tensor (more than half of an fp32 tensor's
-entries pass with int32 indices), it sends the tensor with the others zeroed instead (`dense_payload`): never
-more bytes than no compression.
-
-`select_beyond` (the mask |g − c| ≥ v and its indices) is shared with `dgc` and `gaussiank`: |g − c| goes into a
-reused buffer, the comparison into a reused mask, and the indices come from `nonzero` over the mask read as
-int64 words (8 flags each: 8× fewer elements to scan), then over the 8 flags of each non-zero word only.
+`select_beyond` (the mask |g − c| ≥ v and its indices), shared with `dgc` and `gaussiank`: |g − c| and the mask
+in reused buffers, the indices from `nonzero` over the mask read as int64 words (8 flags each: 8× fewer elements
+to scan), then over the 8 flags of each non-zero word only.
 """
 from __future__ import annotations
 

@@ -3,24 +3,20 @@ Liao 2021, "CD-SGD: Distributed Stochastic Gradient Descent with Compression and
 2106.10796, §2.3, §3.4.1).
 
 Each element becomes +α where it is ≥ α, −α where it is ≤ −α, and 0 otherwise; with the `residual` memory the
-dropped part (x − Q(x)) is carried to the next step, so small gradients accumulate until they cross ±α. The
-codes (0 → 0, 1 → +α, 2 → −α) are packed four per byte: 2 bits per element on the wire, no scale (α is a
-parameter every rank knows).
+dropped part x − Q(x) waits for the next step, so small gradients accumulate until they cross ±α. The codes
+(0 → 0, 1 → +α, 2 → −α) are packed four per byte: 2 bits per element, no scale (α is a parameter).
 
-Default α = 0.15625 = (0.5/32)/(1 − 0.9). MXNet's default, and Yu et al.'s setting for LeNet (§4.2, plain SGD),
-is α = 0.5 on the gradient MXNet pushes, which is the *sum* over the worker's batch (the 1/batch rescale is the
-optimizer's), with a batch of 32 per GPU; thinwire's losses are batch means, so the paper's quantizer is
-α = 0.5/32 = 0.015625 (for a batch B, 0.5/B). Under heavy-ball momentum μ the quantity that crosses the
-threshold carries momentum (the residual's `momentum` where the Trainer hands it over: u = Σ μ^t g ≈ g/(1 − μ)),
-so the default divides the paper's α by 1 − μ at thinwire's usual μ = 0.9. Measured on digits-mlp, 4 workers,
-lr 0.2, μ = 0.9 (docs/matrix.md): at 0.015625 bsp, bitsgd, dts, delayed and backup ended at 0.10–0.83, at 0.15
-every algorithm reaches the target; with plain SGD (lr 0.5) cdsgd and bitsgd reach it at both. An element can
-move by at most α per step (the rest waits in the residual), so α far below the largest gradient entries
-throttles them, and far above it leaves most entries waiting for many steps (docs/benchmarks/cdsgd-accuracy.md).
+Default α = 0.15625 = (0.5/32)/(1 − 0.9). MXNet's default and Yu et al.'s LeNet setting (§4.2, plain SGD) is
+α = 0.5 on the *sum* of gradients over a batch of 32 per GPU (the 1/batch rescale is the optimizer's); thinwire's
+losses are batch means, hence 0.5/32, and under heavy-ball momentum μ the quantity that crosses the threshold
+carries momentum (u ≈ g/(1 − μ)), hence the division by 1 − μ at thinwire's usual μ = 0.9. Measured on
+digits-mlp, 4 workers, lr 0.2, μ = 0.9 (docs/matrix.md): at 0.015625 bsp, bitsgd, dts, delayed and backup ended
+at 0.10–0.83, at 0.15 every algorithm reaches the target. An element moves by at most α per step, so α far below
+the largest gradient entries throttles them, and far above it leaves most entries waiting
+(docs/benchmarks/cdsgd-accuracy.md).
 
-Algebra: biased, not linear. Two ranks' packed codes cannot be added byte-wise (1 + 2 = 3 is no code), and
-summing them in a wider type would be unpacking before the wire; so the payloads are all-gathered and each
-rank sums the decoded contributions (`aggregate`).
+Biased, not linear: two ranks' packed codes cannot be added byte-wise (1 + 2 = 3 is no code), so the payloads
+are all-gathered and each rank sums the decoded contributions (`aggregate`).
 """
 from __future__ import annotations
 
@@ -47,7 +43,6 @@ class Threshold2Bit(Compressor):
 
     unbiased = False
     linear = False
-    randomness = "none"
     aggregation = "allgather"
     fixed_size = True
     x_memcpy = 6.0

@@ -1,24 +1,19 @@
 """The exchange's choice of collective, from what a compressor declares (`thinwire.compress.base`) and the α-β counts
 of `thinwire.net.cost`. Pure: it sends nothing, so the planner predicts with the same rule the exchange runs.
 
-A compressor says what its payload is: summable ("allreduce") or combined one by one ("allgather", "majority"),
-linear or not, several rounds ("custom"), and for a summable quantizer the types its sum needs (`sum_dtypes`).
-The exchange decides:
-- which collectives that algebra allows (`allowed_collectives`; naming another is a `UserError`);
+- the collectives a compressor's algebra allows (`allowed_collectives`; naming another is a `UserError`);
 - for a linear payload that may be summed or gathered (`pick_by_bytes`: qsgd, terngrad, int8), the one that puts
-  fewer bytes on this rank's wire at the world size (`pick`): all-reduce 2(n−1)/n of the summed payload on a
-  ring (or the named algorithm's count), all-gather n−1 packed payloads; the natural one on a tie. QSGD (4-bit
-  codes, 8-bit summed levels) is gathered on 2–3 ranks and summed from 4; TernGrad (2-bit codes, 8-bit sums) is
-  gathered up to 7 ranks; int8 (int32 sums) is summed from 8 ranks;
-- for a payload combined one by one ("allgather": every sparsifier, natural, onebit, ...), whether all-reducing
-  the decoded tensors costs less than gathering n − 1 payloads padded to the largest (`dense_is_cheaper`): the
-  contract of "allgather" is that `aggregate` sums the decoded contributions, so the sum of the decoded tensors
-  is the same mean. In bytes a ring all-reduce sends 2(n − 1)/n tensors, a gather n − 1 payloads: a payload
-  above 2/n of the tensor is cheaper summed dense (threshold with its residual past 25 % density at 4 ranks,
-  natural's 9 bits from 8 ranks); on an emulated link the comparison is of time, so the all-reduce's n − 1
-  extra start-ups keep a small payload gathered where latency dominates. The exchange decides on the real sizes
-  it learns before the gather and its transport's link; `pick` on `nominal_bits` and the link it is given, so
-  the planner predicts with the same rule;
+  fewer bytes on this rank's wire at the world size (`pick`): an all-reduce sends 2(n−1)/n of the summed payload
+  on a ring (or the named algorithm's count), an all-gather n−1 packed payloads; the natural one on a tie. QSGD
+  (4-bit codes, 8-bit sums) is gathered on 2–3 ranks and summed from 4; TernGrad (2-bit codes, 8-bit sums)
+  gathered up to 7 ranks; int8 (int32 sums) summed from 8 ranks;
+- for a payload combined one by one ("allgather": every sparsifier, natural, onebit, ...), whether all-reducing the
+  decoded tensors costs less than gathering n − 1 payloads padded to the largest (`dense_is_cheaper`; by contract
+  `aggregate` is the sum of the decoded contributions, so the mean is the same). In bytes a payload above 2/n of
+  the tensor is cheaper summed dense (threshold with its residual past 25 % density at 4 ranks, natural's 9 bits
+  from 8 ranks); on an emulated link time is compared, so the all-reduce's n − 1 extra start-ups keep a small
+  payload gathered where latency dominates. The exchange decides on the real sizes and its transport's link,
+  `pick` on `nominal_bits` and the link it is given;
 - the bits that then travel (`wire_bits`): gloo's all-reduce sums no int16 or bool, so those travel widened
   (`GLOO_SUM_WIDEN`), plus what the ranks agree on first.
 """
@@ -105,7 +100,7 @@ def dense_is_cheaper(gathered_bytes: float, dense_bytes: float, world_size: int,
 def densifies(compressor: Compressor) -> bool:
     """Whether the exchange may all-reduce this compressor's decoded tensors instead of gathering its payloads:
     payloads combined one by one, whose `aggregate` is by contract the sum of the decoded contributions."""
-    return compressor.aggregation == "allgather" and not getattr(compressor, "pick_by_bytes", False)
+    return compressor.aggregation == "allgather" and not compressor.pick_by_bytes
 
 
 def pick(compressor: Compressor, numel: int, world_size: int, allreduce: str = "ring", link: Link | None = None) -> str:
@@ -120,7 +115,7 @@ def pick(compressor: Compressor, numel: int, world_size: int, allreduce: str = "
     if densifies(compressor):
         dense = dense_is_cheaper(compressor.nominal_bits(numel) * numel / 8, 4.0 * numel, world_size, allreduce, link)
         return "allreduce" if dense else natural
-    if not compressor.linear or not getattr(compressor, "pick_by_bytes", False):
+    if not compressor.linear or not compressor.pick_by_bytes:
         return natural
     ar = _allreduce_cost(allreduce, world_size, summed_bits(compressor, numel, world_size) * numel / 8, Link()).sent
     ag = ring_allgather(Link(), world_size, compressor.nominal_bits(numel) * numel / 8).sent

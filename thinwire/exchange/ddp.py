@@ -3,32 +3,27 @@
     model = DistributedDataParallel(net)
     model.register_comm_hook(*tw.ddp_hook("topk", memory="residual", ratio=0.01))
 
-`ddp_hook` returns `(state, hook)`, the two arguments `register_comm_hook` takes. The hook runs one
-`Exchange` per DDP bucket (key = the bucket's index and size; the bucket's parameter shapes are passed on, so
-PowerSGD compresses each weight matrix and sends biases uncompressed), through a thinwire `Transport` on DDP's
-process group, so bytes are metered (`state.meter`) and the emulated network applies. The hook returns a future
-that completes when the exchange does: backward goes on while the bucket is on the wire, as with DDP's own
-all-reduce (the identity compressor all-reduces DDP's bucket in place, as DDP does).
+`ddp_hook` returns `(state, hook)`, the two arguments `register_comm_hook` takes. The hook runs one `Exchange` per
+DDP bucket (key: the bucket's index and size; its parameter shapes passed on, so PowerSGD compresses each weight
+matrix) through a thinwire `Transport` on DDP's process group: bytes are metered (`state.meter`), the emulated
+network applies, and the returned future completes when the exchange does, so backward goes on while the bucket
+is on the wire (the identity compressor all-reduces DDP's bucket in place, as DDP does).
 
-NaN/Inf: with `check_finite` unset, a bucket is checked before it is sent (`NonFiniteError`, which DDP raises when
-it waits for the bucket) wherever thinwire keeps state a non-finite value would poison (a compressor, a memory);
-the identity exchange keeps none and, like DDP's own all-reduce, does not check (the check is a pass over the
-bucket on the autograd thread before the all-reduce starts: 1.7 ms of a 55 ms step for the 5.8 M-parameter MLP
-of `thinwire bench overlap`). `check_finite=True` checks there too.
+NaN/Inf: with `check_finite` unset a bucket is checked before it is sent (`NonFiniteError`, raised by DDP when it
+waits for the bucket) wherever thinwire keeps state it would poison (a compressor, a memory); the identity exchange
+keeps none and, like DDP's all-reduce, does not check (the check costs 1.7 ms of a 55 ms step for the 5.8
+M-parameter MLP of `thinwire bench overlap`). `check_finite=True` checks there too.
 
-DDP rebuilds its buckets after the first iteration (in the order gradients became ready). Per-bucket error
-feedback follows each parameter into its new bucket: the first time a bucket is seen, the memory's and the
-compressor's flat per-bucket state is assembled from the slices its parameters held in their old buckets
-(`thinwire.compress.base.assemble`), so nothing a residual held is dropped; per-matrix state (PowerSGD's
-warm-start Q) follows its matrix (`regroup`). A compressor that works per parameter matrix therefore gives the
-same result whatever DDP's bucketing (PowerSGD: its start Q is drawn per matrix shape, not per bucket).
+DDP rebuilds its buckets after the first iteration. Per-bucket error feedback follows each parameter: the first
+time a bucket is seen, the memory's and compressor's flat per-bucket state is assembled from the slices its
+parameters held in their old buckets (`thinwire.compress.base.assemble`), and per-matrix state (PowerSGD's
+warm-start Q, drawn per matrix shape) follows its matrix (`regroup`): the result does not depend on DDP's bucketing.
 
-Momentum. An error-feedback memory (or compressor) that applies the training's momentum before compression
-(`residual`, `efsignsgd`, `dgc`, `signum`) cannot see an optimizer that applies it after: error feedback does not
-survive momentum after compression (EF-SGDM, Zheng et al. 2019), and onebit + residual beside SGD momentum 0.9 does
-not train. `ddp_hook(..., optimizer=opt)` moves the optimizer's heavy-ball momentum into that component and runs
-the optimizer without it, as `tw.Trainer` does; built without it, the hook warns (once, one line) at the first
-step of an optimizer with momentum over its parameters.
+Momentum. A memory (or compressor) that applies the training's momentum before compression (`residual`,
+`efsignsgd`, `dgc`, `signum`) cannot see an optimizer that applies it after, and error feedback does not survive
+momentum after compression (EF-SGDM, Zheng et al. 2019: onebit + residual beside SGD momentum 0.9 does not train).
+`ddp_hook(..., optimizer=opt)` moves the optimizer's heavy-ball momentum into that component, as `tw.Trainer` does;
+without it the hook warns (once) at the first step of an optimizer with momentum over its parameters.
 """
 from __future__ import annotations
 
@@ -39,6 +34,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..comm import Transport
 from ..compress import compressors, memories
 from ..compress.base import assemble
 from ..optim import hand_over_momentum, momentum_taker
@@ -87,12 +83,10 @@ class HookState:
 
     def watch_momentum(self, taker) -> None:
         """Warn (once) at the first step of an optimizer over the hooked parameters that applies momentum itself
-        while `taker`, which would apply it before compression, has none.
-
-        The check is a global optimizer hook (the optimizer beside DDP is unknown). It never removes itself: torch
-        iterates the global hooks while it runs, so it is removed at the next bucket (`follow`). It holds the
-        state and the parameters weakly, so a finished DDP model's hook neither keeps its buffers alive nor
-        matches a new model's parameters through a reused `id()`."""
+        while `taker`, which would apply it before compression, has none: a global optimizer hook (the optimizer
+        beside DDP is unknown), removed at the next bucket (`follow`: torch iterates the global hooks while one
+        runs), holding the state and parameters weakly (a finished model's hook keeps nothing alive and matches no
+        new parameter through a reused `id()`)."""
         me = weakref.ref(self)
 
         def check(optimizer, args, kwargs):
@@ -116,7 +110,6 @@ class HookState:
     def get_exchange(self, device=None) -> Exchange:
         """The exchange, made on first use (the first bucket's: its buffers live on `device`, the bucket's)."""
         if self.exchange is None:
-            from ..comm import Transport
             transport = Transport(group=self.process_group, network=self.network, device=device)
             ex = Exchange(transport, self.compressor, self.memory, collective=self.collective,
                           sparse_collective=self.sparse_collective)

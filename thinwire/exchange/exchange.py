@@ -5,45 +5,35 @@ The flow of one `start(tensor, key)` (GRACE's compensate → compress → update
 1. `memory.compensate(tensor, key)` adds the error-feedback state;
 2. `compressor.compress(...)` makes the payload (after the ranks `agree` on a shared scale, if it needs one);
 3. `memory.update(compensated, key, sent)` with `sent` = this rank's own decompressed contribution;
-4. the collective the compressor's algebra allows:
-   - "allreduce": payload tensors summed element-wise (widened or pre-scaled by `sum_payload` so the sum
-     cannot overflow; tensors of one dtype are fused into one all-reduce); with `collective="auto"` a quantizer
-     whose packed codes are narrower than its summed levels (qsgd, terngrad, int8) is all-gathered instead when
-     that sends fewer bytes at this world size (`collective_for`, `choose.pick`);
-   - "allgather": each rank's payload packed into ONE uint8 buffer with a small header (`wire.pack`), one
-     variable-size all-gather, then `compressor.aggregate` (e.g. `index_add_` of the sparse parts); where the
-     ranks' sizes (exchanged first when they vary) make that gather heavier than an all-reduce of the decoded
-     tensors on the transport's link (`choose.dense_is_cheaper`: in bytes, a payload above 2/n of its tensor on
-     a ring), each rank all-reduces its decoded contribution instead (the same sum; unless the all-gather was
-     named explicitly);
-   - "majority": as all-gather, then the element-wise sign of the sum of the ranks' signs (a vote, not a mean);
-   - "custom": the rounds the compressor declares, each summed over ranks here with the compressor's local math
-     between them (`rounds.run_rounds`; PowerSGD: sum P, orthogonalise, sum Q);
+4. the collective the compressor's algebra allows (`thinwire.compress.base` declares it, `choose` picks it):
+   "allreduce" sums the payload tensors (widened or pre-scaled by `sum_payload`; tensors of one dtype fused into
+   one all-reduce), or all-gathers the packed codes where that sends fewer bytes (`pick_by_bytes`: `choose.pick`);
+   "allgather" packs each rank's payload into ONE uint8 buffer (`wire.pack`) for one variable-size all-gather,
+   then `compressor.aggregate`, unless the ranks' sizes make an all-reduce of the decoded tensors cheaper on the
+   transport's link (`choose.dense_is_cheaper`; not where the all-gather was named); "majority" gathers, then
+   votes; "custom" runs the compressor's rounds (`rounds.run_rounds`: PowerSGD sums P, orthogonalises, sums Q);
 5. the future's `wait()` decompresses/aggregates and returns the mean over ranks (same shape and dtype).
 
 `start` submits all of this as one program to the engine (`thinwire.comm.engine`) and returns its future at
-once: rounds that need an earlier round's result (a scale agreed by a max all-reduce, PowerSGD's second
-all-reduce, the rounds of a sparse collective) run on the engine's thread while the caller computes, and the
-decompression runs in `wait()`. The program reads `tensor` when it runs, which may be after `start` returns
-(the engine busy with earlier programs): the caller leaves it untouched until the future completes, or passes a
-copy. `inplace=True` lets the identity exchange all-reduce the tensor in place (a bucket, as DDP does).
-Every change of state (memory, compressor state, step counters) happens in the program, so it happens in
-submission order on every rank whatever the timing; only pure decompression is left to `wait()`.
+once: rounds that need an earlier round's result (an agreed scale, PowerSGD's second all-reduce, a sparse
+collective's rounds) run on the engine's thread while the caller computes; decompression runs in `wait()`. The
+program reads `tensor` when it runs, maybe after `start` returned: the caller leaves it untouched until the future
+completes, or passes a copy (`inplace=True` lets the identity exchange all-reduce it in place, as DDP does a
+bucket). Every change of state (memory, compressor, step counters) happens in the program, so in submission order
+on every rank whatever the timing.
 
 Granularity is the caller's: a parameter's gradient, a bucket or the whole flattened model, each under its own
-`key`; per-key state (residuals, PowerSGD's Q, shared seeds) follows the key. `shapes` (the parameter shapes a
-flat tensor is made of) lets structure-aware compressors (PowerSGD) treat each parameter as a matrix.
+`key`, which per-key state (residuals, PowerSGD's Q, shared seeds) follows; `shapes` (the parameter shapes a flat
+tensor is made of) lets PowerSGD treat each parameter as a matrix. The exchange alone names the collective:
+`collective` and, replacing a top-k family's all-gather, `sparse_collective` (`sparse.py`), checked at
+construction (`check_collectives`).
 
-One place names the collective: the exchange's `collective` and, replacing a top-k family's all-gather,
-`sparse_collective` (`sparse.py`), checked at construction (`check_collectives`; the Trainer's before any worker).
-
-NaN/Inf policy: with `check_finite=True` (the default) a non-finite value in the tensor raises
-`NonFiniteError` (a `FloatingPointError`) naming the key and rank BEFORE anything is compressed, remembered or
-sent, so no rank's model or memory is poisoned; the launcher then stops every worker. With `check_finite=False` non-finite values
-travel as they are (linear and gathered payloads spread them to every rank: a visible failure, never a silent
-one for the dense paths; sparsifiers may drop NaNs into their memory). A `guard` (given at construction) shares
-that check's one host read: `guard.read_with(extra) -> list[float]` reads `extra` (1.0 where this tensor's sum is
-finite) with its own verdict on earlier tensors, raises where that one is not finite, and returns extra's values.
+NaN/Inf: with `check_finite=True` (the default) a non-finite value raises `NonFiniteError` naming the key and rank
+BEFORE anything is compressed, remembered or sent, so no rank's model or memory is poisoned; with `False` such
+values travel as they are (dense paths spread them to every rank: visible, never silent; sparsifiers may drop NaNs
+into their memory). A `guard` (given at construction) shares that check's one host read: `guard.read_with(extra)`
+reads `extra` (1.0 where this tensor's sum is finite) with its own verdict on earlier tensors, raises where that
+one is not finite, and returns extra's values.
 """
 from __future__ import annotations
 
@@ -52,6 +42,7 @@ from typing import Any
 import torch
 
 from ..comm import Transport
+from ..comm.transport import backend_of
 from ..comm.engine import Ready
 from ..compress import Compressor, Memory, Payload, compressors, memories
 from ..compress.finite import NonFiniteError
@@ -72,11 +63,6 @@ def check_collectives(compressor: Compressor, collective: str = "auto", sparse_c
     return resolved
 
 
-def _backend(transport) -> str:
-    from ..comm.transport import backend_of
-    return backend_of(getattr(transport, "group", None))
-
-
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     try:
         return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -85,15 +71,10 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class Exchange:
-    """Average tensors across the ranks of `transport`, compressed.
-
-    `start(tensor, key, shapes=None)` launches the exchange and returns a handle whose `wait()` gives the mean
-    over ranks of the (decompressed) contributions, same shape and dtype as `tensor` (for "majority": the
-    vote, sign of the sum of signs). `aggregate(...)` is the synchronous form. `collective="auto"` takes the
-    compressor's natural collective; naming one its algebra does not allow is a `UserError` here, not a wrong
-    answer later (`sparse_collective`, `guard`: the module docstring). `background` and `serial` are how its
-    programs run on the engine (`Transport.run`; a scheduler's choice, `thinwire.sched.Scheduler.modes`).
-    """
+    """Average tensors across the ranks of `transport`, compressed (see the module docstring): `start(tensor, key,
+    shapes=None)` returns a future of the mean over ranks (for "majority": the vote), same shape and dtype;
+    `aggregate(...)` is the synchronous form. A collective the compressor's algebra does not allow is a `UserError`
+    here. `background` and `serial`: how its programs run on the engine (`thinwire.sched.Scheduler.modes`)."""
 
     def __init__(self, transport: Transport, compressor: "str | Compressor" = "none",
                  memory: "str | Memory" = "none", collective: str = "auto", check_finite: bool = True,
@@ -109,7 +90,7 @@ class Exchange:
         self.densify = collective == "auto" and densifies(self.compressor)   # may all-reduce the decoded tensors
         self.collective = check_collectives(self.compressor, collective, sparse_collective)
         self.check_finite, self.guard = check_finite, guard
-        self._gloo = _backend(transport) == "gloo"
+        self._gloo = backend_of(getattr(transport, "group", None)) == "gloo"
         self.memory.setup(transport.world_size)
         self._memory_updates = type(self.memory).update is not Memory.update
         # top-k family: "gtopk" | "shared" | "hierarchical" replace the all-gather (exchange/sparse.py)
@@ -171,11 +152,9 @@ class Exchange:
         return (yield from self._gather(payload, x, c, sent))
 
     def collective_for(self, numel: int) -> str:
-        """The collective an exchange of `numel` elements runs: the one named at construction, or with "auto"
-        for a quantizer that may go either way, the one sending fewer bytes at this world size
-        (`choose.pick`: all-gather of packed codes or all-reduce of widened levels).
-        Every rank computes the same from the same size. (A gathered payload may still go dense once the
-        ranks know its real sizes: `_gather`.)"""
+        """The collective an exchange of `numel` elements runs: the one named at construction, or with "auto" for a
+        quantizer that may go either way the one sending fewer bytes at this world size (`choose.pick`), the same on
+        every rank. (A gathered payload may still go dense once the ranks know its real sizes: `_gather`.)"""
         if not self.auto:
             return self.collective
         return pick(self.compressor, numel, self.world_size, getattr(self.transport, "allreduce", "gloo"))
@@ -223,7 +202,7 @@ class Exchange:
 
         def finish(results):
             with tr.tracer.span("decompress", "compress"):
-                total = comp.decompress(Payload(results, p.ctx, p.extra))
+                total = comp.decompress(Payload(results, p.ctx))
                 return (total / n).to(x.dtype).reshape(x.shape)
         return summed.then(finish)
 
@@ -252,7 +231,7 @@ class Exchange:
 
         def finish(blocks):
             with tr.tracer.span("decompress", "compress"):
-                payloads = [Payload(ts, payload.ctx, payload.extra) for ts in wire.unpack_all(blocks)]
+                payloads = [Payload(ts, payload.ctx) for ts in wire.unpack_all(blocks)]
                 out = comp.vote(payloads) if majority else comp.aggregate(payloads) / n
                 return out.to(x.dtype).reshape(x.shape)
         return fut.then(finish)

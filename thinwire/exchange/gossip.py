@@ -1,25 +1,18 @@
 """`NeighborExchange`: one tensor, compressed, to some ranks and from others (gossip), as a program on the engine.
 
-`start(tensor, key, dsts, srcs)` returns a future at once (`thinwire.comm.engine`); its result is a dict
-{rank: tensor}: for each rank of `srcs` the tensor it sent, decompressed, and under this rank's own number
-what the others receive from it (its decompressed contribution: a lossy compressor's `q`, which CHOCO-SGD
-adds to its public copy). Same shape and dtype as `tensor`. The flow is the `Exchange`'s, with point-to-point
-messages in place of the collective:
+`start(tensor, key, dsts, srcs)` returns a future at once (`thinwire.comm.engine`) of a dict {rank: tensor}: for
+each rank of `srcs` the tensor it sent, decompressed, and under this rank's own number what the others receive
+from it (its decompressed contribution: CHOCO-SGD's `q`). The flow is the `Exchange`'s with point-to-point messages
+in place of the collective: compensate → compress → update (CHOCO passes no memory: its public copies are its
+error feedback); the payload as ONE uint8 buffer (`exchange/wire.py`), its size (one int64) first unless the
+compressor is `fixed_size`; `isend` to every rank of `dsts`, `irecv` from every rank of `srcs`; decompression when
+the result is first asked for. No scale agreement (a neighbour's payload carries its own scale); compressors whose
+rounds are summed over every rank (PowerSGD) or that ask for a sparse collective are refused. Nothing compressed
+or remembered: the tensor itself travels, no header.
 
-1. `memory.compensate` → `compressor.compress` → `memory.update` with the sent value (error feedback, as for
-   all-reduce; CHOCO passes none: its public copies are its error feedback);
-2. the payload as ONE uint8 buffer in the wire format of `exchange/wire.py`; unless the compressor is
-   `fixed_size`, its size (one int64) goes first, so sizes may differ per rank and per step;
-3. `isend` to every rank of `dsts`, `irecv` from every rank of `srcs`; the future completes when all did;
-   decompression runs when the result is first asked for.
-No scale agreement: a neighbour's payload carries its own scale (as on the all-gather path). Compressors whose rounds
-are summed over every rank (PowerSGD) or that ask for a sparse collective (gTop-k...) need every rank and are
-refused here.
-Nothing compressed or remembered (compressor `none`, memory `none`): the tensor itself travels, no header.
-
-Deadlock-free as long as every rank submits its neighbour exchanges in the same order with matching `dsts`
-and `srcs` (rank j is in i's `dsts` exactly when i is in j's `srcs` for the same submission): all sends of a
-program are posted before it waits for anything, and programs run in submission order.
+Deadlock-free as long as every rank submits its neighbour exchanges in the same order with matching `dsts` and
+`srcs` (j is in i's `dsts` exactly when i is in j's `srcs`): all sends of a program are posted before it waits
+for anything, and programs run in submission order.
 """
 from __future__ import annotations
 
@@ -101,6 +94,6 @@ class NeighborExchange(Exchange):
             with tr.tracer.span("decompress", "compress"):
                 out = {me: own.to(x.dtype).reshape(x.shape)}
                 for s, ts in zip(srcs, wire.unpack_all([bufs[s] for s in srcs])):
-                    out[s] = comp.decompress(Payload(ts, payload.ctx, payload.extra)).to(x.dtype).reshape(x.shape)
+                    out[s] = comp.decompress(Payload(ts, payload.ctx)).to(x.dtype).reshape(x.shape)
                 return out
         return AllOf(hs).then(finish)

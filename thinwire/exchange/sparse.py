@@ -1,30 +1,30 @@
 """Sparse collectives: aggregate top-k-family contributions without the all-gather's O(n·k) build-up.
 
 Each takes this rank's compensated tensor c and returns (sum over ranks, this rank's share `sent`), so the
-exchange can feed `c − sent` to the residual memory: summed over ranks, sent is exactly what was aggregated
-(nothing is lost, only delayed). Every byte goes through the Transport (point to point, all-reduce, broadcast),
-so the meter counts it and the emulated link delays it.
+exchange feeds `c − sent` to the residual memory: summed over ranks, sent is exactly what was aggregated. Every
+byte goes through the Transport (point to point, all-reduce, broadcast): metered and emulated.
 
-- `gtopk` (gTop-k: Shi et al. 2019, "A Distributed Synchronous SGD Algorithm with
-  Global Top-k Sparsification for Low Bandwidth Networks", arXiv 1901.04359): recursive doubling over log2 n rounds;
-  in round j a rank swaps its (index, value) set with rank ^ 2^j, both sum duplicates and re-select the top k of the
-  same merged set (sorted by index, so both partners compute the identical result). A rank's own contribution to an
-  index survives iff that index stayed in its set through every round; what was dropped returns to its residual.
-  Any n: with p the largest power of two ≤ n, each extra rank p + i first folds its set into rank i (which
-  merges and re-selects), the p ranks run the doubling, and rank i returns the result to p + i with a bit mask
-  of which of p + i's own entries survived (the fold of MPI's recursive-doubling all-reduce).
+- `gtopk` (gTop-k: Shi et al. 2019, "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification
+  for Low Bandwidth Networks", arXiv 1901.04359): recursive doubling over log2 n rounds; in round j a rank swaps
+  its (index, value) set with rank ^ 2^j, both sum duplicates and re-select the top k of the same merged set
+  (index-sorted, so both partners compute the identical result). A rank's own contribution to an index survives
+  iff that index stayed in its set through every round; what was dropped returns to its residual. Any n: with p
+  the largest power of two ≤ n, each extra rank p + i first folds its set into rank i, the p ranks run the
+  doubling, and rank i returns the result to p + i with a bit mask of which of its entries survived (the fold of
+  MPI's recursive-doubling all-reduce).
 - `shared` (CLT-k, ScaleCom): the leader (step mod n) broadcasts its top-k indices; every rank all-reduces its
   own values at those indices (k dense values); sent = c at the leader's indices.
-- `hierarchical` (HiTopKComm): dense all-reduce inside groups of m consecutive ranks (the last group smaller
-  when m does not divide n), the group leaders compress the group
-  sum and all-gather their payloads, each leader broadcasts the gathered payloads into its group. A member's
-  share is its own c on the group's selection plus 1/m of the group's compression error (so shares still sum to
-  the aggregate for quantising sparsifiers too).
+- `hierarchical` (HiTopKComm): dense all-reduce inside groups of m consecutive ranks (the last group smaller when
+  m does not divide n), the group leaders compress the group sum and all-gather their payloads, each leader
+  broadcasts them into its group. A member's share is its own c on the group's selection plus 1/m of the group's
+  compression error (so shares sum to the aggregate for quantising sparsifiers too).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from ..comm import Transport
 from ..compress import Payload, bitpack
 from ..errors import UserError
 from ..net.cost import sparse_group_size
@@ -34,16 +34,15 @@ SPARSE_COLLECTIVES = ("allgather", "gtopk", "shared", "hierarchical")
 
 
 def check(name: str, compressor=None) -> str:
-    """A sparse collective's name, checked: known, and for one that replaces the all-gather, a top-k-family
-    `compressor` (`Compressor.is_sparse`: gathered, never summed); a UserError naming what is valid otherwise (at
-    construction, before anything runs)."""
+    """A sparse collective's name, checked (at construction): known, and for one that replaces the all-gather, a
+    top-k-family `compressor` (`Compressor.is_sparse`); a UserError naming what is valid otherwise."""
     if name not in SPARSE_COLLECTIVES:
         raise UserError(f"unknown sparse collective {name!r}; valid: {', '.join(SPARSE_COLLECTIVES)}")
     if name == "allgather" or compressor is None:
         return name
     if not compressor.is_sparse:
         raise UserError(f"sparse collective {name!r} needs a top-k-family compressor, not "
-                        f"{getattr(compressor, 'name', compressor)!r}; valid: topk, dgc, gaussiank, threshold, "
+                        f"{compressor.name!r}; valid: topk, dgc, gaussiank, threshold, "
                         f"stc, qsparse (or --sparse-collective allgather)")
     return name
 
@@ -181,8 +180,6 @@ class Hierarchical:
     """Groups of m consecutive ranks, m = `sparse_group_size(n)` (about √n; the last group may be shorter)."""
 
     def __init__(self, tr):
-        import torch.distributed as dist
-        from ..comm import Transport
         n = tr.world_size
         m = sparse_group_size(n)
         self.m = min(m, n - tr.rank // m * m)            # my group's size (the last may be shorter)

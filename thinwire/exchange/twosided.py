@@ -72,7 +72,7 @@ def _split(tensors: list[torch.Tensor], like: list[Payload]) -> list[Payload]:
     out, at = [], 0
     for p in like:
         k = len(p.tensors)
-        out.append(Payload(tensors[at:at + k], p.ctx, p.extra))
+        out.append(Payload(tensors[at:at + k], p.ctx))
         at += k
     return out
 

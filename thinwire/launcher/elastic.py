@@ -1,4 +1,4 @@
-"""The elastic launcher: worker processes on 127.0.0.1 whose membership changes while they train.
+"""The elastic launcher: worker processes on one machine whose membership changes while they train.
 
 `ElasticPool(workers, max_workers=...)` starts `workers` processes and runs `fn(member, workers, *args)` in each
 (`member`: the worker's member id, 0..workers-1 for the first ones; a worker's rank in the current generation is
@@ -8,7 +8,8 @@ synchronization boundary and take a live peer's state:
 - `replace=True` starts a replacement for each lost worker (`replace_delay` seconds later; a fresh process);
 - `run(..., joins=[...])` starts extra workers during the run: `("time", s)` s seconds after it began,
   `("step", k)` once a member reported step k (tests);
-- `thinwire train --join HOST:PORT` joins by hand from another process (the store address is printed).
+- `thinwire train --join HOST:PORT` joins by hand from another process, on this machine or another (the store
+  address is printed; the store listens on `host`, 127.0.0.1 unless given, and on nothing wider).
 Up to `max_workers` members at a time (rank 0 refuses the rest); the job fails when fewer than `min_workers`
 remain and no replacement is coming (`replace=False`), or when none remains. The design: docs/reliability.md, "Workers that join a running job".
 
@@ -30,14 +31,15 @@ import threading
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from ..comm import set_default_network
 from ..comm import elastic
 from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
-from ..net import parse_network
 from .pool import check_world_size
-from .worker import (PROGRESS_TIMEOUT, Watchdog, check_timeout, ctx, died, fail_and_exit, peer_failure, pin_gloo,
-                     serve_store, start, stop, threads_per_worker)
+from .worker import (PROGRESS_TIMEOUT, Launcher, Watchdog, ctx, died, fail_and_exit, peer_failure, pin_gloo, start,
+                     threads_per_worker)
 
 FOREIGN_SILENCE_S = 3.0      # a member joined by hand (no child of this launcher) is lost after this much silence
 JOIN_REACH_S = 30.0          # `--join HOST:PORT`: the bound on reaching the job's store, ...
@@ -59,7 +61,6 @@ def _run_member(store_client, prefix: str, task, member: int, joining: bool, max
     fn, args, network, seed, workers = task
     set_default_network(network, seed)
     MEMBERSHIP.reset()
-    import torch.distributed as dist
     me = elastic.Member(dist.PrefixStore(prefix, store_client), member, joining, timeout, max_members)
     elastic.set_member(me)
     try:
@@ -79,7 +80,6 @@ def _run_member(store_client, prefix: str, task, member: int, joining: bool, max
 def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, times, worker_init, threads):
     """A worker process of an ElasticPool: runs tasks (one training each) as the member the launcher names."""
     start(slot, (slot, -1, -1), host, results, beats, steps, times, threads, worker_init, (slot, -1))
-    import torch.distributed as dist
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except BaseException as e:  # noqa: BLE001
@@ -96,7 +96,7 @@ def _elastic_main(slot, host, port, timeout_s, tasks, results, beats, steps, tim
     os._exit(0)
 
 
-class ElasticPool:
+class ElasticPool(Launcher):
     """Elastic workers on one machine (see the module doc). `spares` processes are started ahead and wait, so
     that a join in a test does not pay a process start; replacements (`replace=True`) are fresh processes."""
 
@@ -110,28 +110,19 @@ class ElasticPool:
         if not 1 <= min_workers <= workers <= max_workers:
             raise UserError(f"elastic workers need 1 <= min <= workers <= max, got min {min_workers}, workers "
                             f"{workers}, max {max_workers}")
-        for name, value in (("timeout", timeout), ("start_timeout", start_timeout), ("stall_timeout", stall_timeout)):
-            check_timeout(name, value)
-        check_timeout("progress_timeout", progress_timeout, allow_none=True)
         if not (isinstance(replace_delay, (int, float)) and 0 <= replace_delay < 3600):
             raise UserError(f"replace_delay must be in [0, 3600) seconds, got {replace_delay!r}")
+        super().__init__(host, port, timeout, start_timeout, stall_timeout, progress_timeout)
         self.workers, self.max_workers, self.min_workers = workers, max_workers, min_workers
-        self.timeout, self.stall_timeout, self.progress_timeout = timeout, stall_timeout, progress_timeout
         self.replace, self.replace_delay, self.worker_init = replace, float(replace_delay), worker_init
         # sized for the most workers the job may have: the same in every run of a job, whatever its members
         # (a checkpoint taken with 1 member resumes bitwise in a pool started with 1)
         self.threads = threads or threads_per_worker(max_workers)
-        self.spares, self.start_timeout = spares, start_timeout
-        self.host = host
-        self._store = serve_store(host, port, timeout)
-        self.port = self._store.port
-        self._results = ctx.Queue()
+        self.spares, self.host = spares, host
         self._slots: list[dict] = []       # {"proc", "tasks", "member", "busy"}
         cap = max_workers + spares + 64    # slots are reused; a replacement takes a dead worker's slot
         self._beats, self._steps, self._times = (ctx.Array(t, cap, lock=False) for t in "dqd")   # by slot
         self._cap = cap
-        self._task_id = -1
-        self._closed = False
         self.lost: list[dict] = []         # {"member", "reason", "t"} of the last run
         self.joined: list[dict] = []       # {"member", "t"} newcomers started in the last run
         self.refused: dict[int, str] = {}  # member -> the one-line refusal
@@ -192,16 +183,11 @@ class ElasticPool:
         last generation (the lost and the refused are in `lost` and `refused`). `replace` overrides the pool's
         for this run. As `Pool.run`: a run that reports progress is bounded by the progress watchdog, one that
         reports none by `timeout`; `deadline` ends it whatever its progress."""
-        if self._closed:
-            raise RuntimeError("the pool is closed")
-        parse_network(network)
+        tid = self._next_task(network)
         for kind, value in joins:
             if kind not in ("time", "step"):
                 raise UserError(f"a join is ('time', seconds) or ('step', k), got {(kind, value)!r}")
-        self._task_id += 1
-        tid = self._task_id
         self.prefix = f"thinwire/elastic/{tid}/"
-        import torch.distributed as dist
         store = dist.PrefixStore(self.prefix, self._store)
         self._run_store = store
         store.set("config", json.dumps({"max": self.max_workers, "min": self.min_workers}))
@@ -225,8 +211,7 @@ class ElasticPool:
         for member, slot in enumerate(idle[:self.workers]):
             self._assign(slot, member, joining=False)
         self._t0 = time.monotonic()
-        self._pending_joins = sorted(((v, "time") if k == "time" else (v, "step") for k, v in joins),
-                                     key=lambda j: (j[1], j[0]))
+        self._pending_joins = sorted(((v, k) for k, v in joins), key=lambda j: (j[1], j[0]))
         self._replacements: list[float] = []
         self._replace = self.replace if replace is None else replace
         try:
@@ -248,18 +233,16 @@ class ElasticPool:
         member = self._run_store.add("next_id", 1) - 1
         slot = self._idle_spare()
         if slot is None:
-            slot = self._spawn()
-            self._slots[slot]["pending_member"] = member
-            self._slots[slot]["member"] = member      # assigned once the process is ready
-            self._slots[slot]["joining"] = True
+            slot = self._spawn()      # its task assigned once the process is ready
+            self._slots[slot].update(pending_member=member, member=member, joining=True)
         else:
             self._assign(slot, member, joining=True)
         self.joined.append({"member": member, "t": time.monotonic() - self._t0})
         return member
 
-    def _newest(self) -> tuple[int, dict]:
-        g = elastic.newest(self._run_store, 0)
-        return g, elastic.read_gen(self._run_store, g)
+    def _newest(self) -> dict:
+        """The newest generation's record."""
+        return elastic.read_gen(self._run_store, elastic.newest(self._run_store, 0))
 
     def _read_generations(self) -> list[dict]:
         out, g = [], 0
@@ -275,7 +258,7 @@ class ElasticPool:
         self.lost.append({"member": member, "reason": reason, "t": time.monotonic() - self._t0})
         if elastic.publish_loss(self._run_store, [member]) is None:
             self._run_store.append("gone", f"{member},")   # never a member: rank 0 will not admit it
-        _, rec = self._newest()
+        rec = self._newest()
         if not rec["members"] or (len(rec["members"]) < self.min_workers and not self._replace):
             raise WorkerError(member, f"{reason}; {len(rec['members'])} workers remain, fewer than the minimum "
                                       f"{self.min_workers}")
@@ -304,16 +287,14 @@ class ElasticPool:
                         got[member] = pickle.loads(payload)
                     elif status == "refused":
                         self.refused[member] = payload
-                    elif status == "dropped":
-                        self._lose(member, payload)
+                    elif status == "dropped" or (status == "error" and peer_failure(payload)):
+                        self._lose(member, payload)         # (it saw a peer go away: taken for lost)
                     elif status == "usererror":
                         raise UserError(payload.split(": ", 1)[-1])
-                    elif status == "error" and peer_failure(payload):
-                        self._lose(member, payload)         # it saw a peer go away: taken for lost
                     else:
                         raise WorkerError(member, payload, tb)
             now = time.monotonic()
-            for i, s in enumerate(self._slots):
+            for s in self._slots:
                 p = s["proc"]
                 if p is None or p.exitcode is None:
                     continue
@@ -332,8 +313,7 @@ class ElasticPool:
                 self._pending_joins.pop(0)
                 self.start_joiner()
             self._watch_foreign(got)
-            g, rec = self._newest()
-            members = rec["members"]
+            members = self._newest()["members"]
             running = {s["member"]: i for i, s in enumerate(self._slots)
                        if s["member"] in members and s["proc"] is not None}
             stuck = watch.check(now, list(running), running)
@@ -372,23 +352,17 @@ class ElasticPool:
                 self._lose(m, value)
 
     # -- the end ---------------------------------------------------------------------------------------
+    def _workers(self) -> list:
+        return [(s["proc"], s["tasks"]) for s in self._slots]
+
     def close(self, force: bool = False) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        stop([(s["proc"], s["tasks"]) for s in self._slots], self._results, force)
-        self._store = self._run_store = None
+        super().close(force)
+        self._run_store = None
 
     @property
     def pids(self) -> dict[int, int]:
         """{member id: pid} of the members running now."""
         return {s["member"]: s["proc"].pid for s in self._slots if s["proc"] is not None and s["member"] is not None}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close(force=exc[0] is not None)
 
 
 def _hand_joined(run_store, known: set) -> list[tuple[int, str, object]]:
@@ -414,7 +388,6 @@ def _connect(host: str, port: int):
     is probed first with a plain socket (the name lookup on a thread: it takes no timeout); then `TCPStore`,
     whose client retries past its timeout and writes a C++ stack dump at each try, has `STORE_ANSWER_S` to
     shake hands, with this process's stderr (fd 2) on /dev/null meanwhile."""
-    import torch.distributed as dist
     failure = []
 
     def probe():
@@ -449,13 +422,15 @@ def join_by_hand(address: str, fn, *args, timeout: float = 3600.0):
     """Join the elastic job whose launcher's store is at `address` ("HOST:PORT") from this process (`thinwire
     train --join`, also under torchrun: each process joins as one member): run `fn(member, workers, *args)` as a
     newcomer and hand the result (JSON-able) to the launcher through its store. Returns the result."""
-    import torch.distributed as dist
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise UserError(f"--join takes HOST:PORT (the address an elastic job prints), got {address!r}")
     store = _connect(host, int(port))
-    if not store.check(["thinwire/elastic/current"]):
-        raise UserError(f"{address} is no thinwire elastic job")
+    end = time.monotonic() + STORE_ANSWER_S     # (a job sets it as its run begins, just after it prints its address)
+    while not store.check(["thinwire/elastic/current"]):
+        if time.monotonic() > end:
+            raise UserError(f"{address} is no thinwire elastic job")
+        time.sleep(0.05)
     prefix = store.get("thinwire/elastic/current").decode()
     run = dist.PrefixStore(prefix, store)
     config = json.loads(run.get("config").decode())

@@ -17,6 +17,11 @@ worker traffic crosses the shaped link, and the Transport runs with no in-proces
 
 Clean-up: namespaces, bridge and forwarder are removed on exit, on Ctrl-C, on SIGTERM and on failure; stale ones
 left by a killed run (their PID is gone) are removed at the next start.
+
+The pieces are public for other namespaces built the same way (tests/hosts.py: two hosts on a veth pair): `sh`
+runs a command, `add_namespace` makes one with its loopback up, `set_rate` shapes an interface with tbf,
+`inside` puts this thread in a namespace for a block, `remove_namespace` kills what runs in one and removes it,
+`remove_stale` removes what a killed run left.
 """
 from __future__ import annotations
 
@@ -25,12 +30,14 @@ import fcntl
 import heapq
 import os
 import random
+import re
 import select
 import signal
 import struct
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 
 from ..errors import UserError
@@ -45,35 +52,37 @@ MTU = 16000          # large packets: fewer for the user-space forwarder to move
 DATA_NET, CTL_NET = "10.232.0", "10.231.0"
 
 
-def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+def sh(*cmd: str, check: bool = True, what: str = "--netem") -> subprocess.CompletedProcess:
+    """Run `cmd`; with `check`, a failure is a one-line UserError starting with `what`."""
     r = subprocess.run(cmd, capture_output=True, text=True)
     if check and r.returncode != 0:
-        raise UserError(f"--netem: `{' '.join(cmd)}` failed: {(r.stderr or r.stdout).strip()}")
+        raise UserError(f"{what}: `{' '.join(cmd)}` failed: {(r.stderr or r.stdout).strip()}")
     return r
 
 
 def has_netem_qdisc() -> bool:
     """True when the kernel knows the netem qdisc (tried on a throw-away namespace's loopback)."""
     ns = f"twprobe{os.getpid()}"
-    if _sh("ip", "netns", "add", ns, check=False).returncode != 0:
+    if sh("ip", "netns", "add", ns, check=False).returncode != 0:
         return False
     try:
-        return _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
-                   check=False).returncode == 0
+        return sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                  check=False).returncode == 0
     finally:
-        _sh("ip", "netns", "del", ns, check=False)
+        sh("ip", "netns", "del", ns, check=False)
 
 
-def available() -> str | None:
-    """None when the real-network mode can run here, else why not (one line)."""
+def available(tun: bool = True) -> str | None:
+    """None when the real-network mode (with `tun=False`: namespaces shaped by tc, no TUN device) can run here,
+    else why not (one line)."""
     if not sys.platform.startswith("linux"):
         return "needs Linux"
     if os.geteuid() != 0:
-        return "needs root (network namespaces, TUN devices, tc)"
+        return f"needs root (network namespaces{', TUN devices' if tun else ''}, tc)"
     for tool in ("ip", "tc"):
         if subprocess.run(["which", tool], capture_output=True).returncode != 0:
             return f"needs the `{tool}` command (iproute2)"
-    if not os.path.exists("/dev/net/tun"):
+    if tun and not os.path.exists("/dev/net/tun"):
         return "needs /dev/net/tun"
     return None
 
@@ -88,24 +97,71 @@ def _setns(path: str) -> None:
         os.close(fd)
 
 
+@contextmanager
+def inside(ns: str):
+    """This thread in network namespace `ns` for the block: sockets and TUN devices made there stay there."""
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        _setns(f"/var/run/netns/{ns}")
+        yield
+    finally:
+        ctypes.CDLL("libc.so.6", use_errno=True).setns(home, CLONE_NEWNET)
+        os.close(home)
+
+
+def add_namespace(ns: str, what: str = "--netem") -> None:
+    """A network namespace named `ns` with its loopback up (and TCP's slow start after idle off: a link that
+    waits between bursts keeps its window). Remove it with `ip netns del`."""
+    sh("ip", "netns", "add", ns, what=what)
+    ex = ("ip", "netns", "exec", ns)
+    sh(*ex, "ip", "link", "set", "lo", "up", what=what)
+    sh(*ex, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0", check=False)
+
+
+def set_rate(ns: str, dev: str, bandwidth: float | None, what: str = "--netem") -> None:
+    """Shape what `dev` in namespace `ns` sends to `bandwidth` bits/s (tbf), or leave it unshaped (None)."""
+    ex = ("ip", "netns", "exec", ns)
+    sh(*ex, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+    if bandwidth is not None:
+        burst = max(2 * MTU + 2000, int(bandwidth / 8 * 0.002))
+        sh(*ex, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(bandwidth)}bit", "burst", str(burst),
+           "latency", "2s", what=what)
+
+
+def remove_namespace(ns: str) -> None:
+    """Kill every process still in network namespace `ns` (`ip netns pids`), then remove it."""
+    for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+    sh("ip", "netns", "del", ns, check=False)
+
+
+def remove_stale(namespaces: str = r"tw(\d+)n\d+|twprobe(\d+)", links: str = r"twb(\d+)|twv(\d+)r\d+") -> None:
+    """Remove the network namespaces and the links (of this namespace) whose whole names match the patterns and
+    whose maker, the process whose PID the pattern's (first matching) group reads, is gone: what a killed run
+    left, with any process still running in those namespaces. The defaults: `Emulation`'s namespaces, bridge and
+    veth ends, and `has_netem_qdisc`'s probe."""
+    def stale(pattern: str, name: str) -> bool:
+        m = re.fullmatch(pattern, name)
+        pid = next((g for g in m.groups() if g), None) if m else None
+        return pid is not None and not os.path.exists(f"/proc/{pid}")
+    for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if stale(namespaces, name):
+            remove_namespace(name)
+    for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+        if stale(links, name):
+            sh("ip", "link", "del", name, check=False)
+
+
 def enter_namespace(prefix: str, rank: int, world_size: int) -> None:
     """The launcher's `worker_init` under emulation: move this worker into its namespace (before the process
     group exists, so gloo's threads are born there) and pin gloo to the shaped interface."""
     _setns(f"/var/run/netns/{prefix}n{rank}")
     os.environ["GLOO_SOCKET_IFNAME"] = "tw0"
-
-
-def _cleanup_stale() -> None:
-    for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
-        if name.startswith("tw") and "n" in name[2:]:
-            pid = name[2:].split("n", 1)[0]
-            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                _sh("ip", "netns", "del", name, check=False)
-    for line in _sh("ip", "-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
-        name = line.split(":")[1].strip().split("@")[0]
-        if name.startswith("twb") and name[3:].isdigit() and not os.path.exists(f"/proc/{name[3:]}"):
-            _sh("ip", "link", "del", name, check=False)
 
 
 class Emulation:
@@ -130,7 +186,7 @@ class Emulation:
         return f"{self.prefix}n{r}"
 
     def __enter__(self):
-        _cleanup_stale()
+        remove_stale()
         self.netem_qdisc = has_netem_qdisc()  # recorded; the forwarder handles delay either way
         if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # else the caller's handler unwinds
             self._old_term = signal.signal(signal.SIGTERM, _raise_exit)
@@ -145,25 +201,23 @@ class Emulation:
         self.close()
 
     def _build(self) -> None:
-        _sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
         self._undo.append(("ip", "link", "del", self.bridge))
-        _sh("ip", "addr", "add", f"{CTL_NET}.254/24", "dev", self.bridge)
-        _sh("ip", "link", "set", self.bridge, "up")
+        sh("ip", "addr", "add", f"{CTL_NET}.254/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
         for r in range(self.slots):
             ns = self.ns(r)
-            _sh("ip", "netns", "add", ns)
+            add_namespace(ns)
             self._undo.append(("ip", "netns", "del", ns))
             ex = ("ip", "netns", "exec", ns)
-            _sh(*ex, "ip", "link", "set", "lo", "up")
             host_end, ns_end = f"twv{self.tag}r{r}", f"twp{self.tag}r{r}"
-            _sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", ns_end)
-            _sh("ip", "link", "set", ns_end, "netns", ns)
-            _sh("ip", "link", "set", host_end, "master", self.bridge)
-            _sh("ip", "link", "set", host_end, "up")
-            _sh(*ex, "ip", "link", "set", ns_end, "name", "ctl0")
-            _sh(*ex, "ip", "addr", "add", f"{CTL_NET}.{r + 1}/24", "dev", "ctl0")
-            _sh(*ex, "ip", "link", "set", "ctl0", "up")
-            _sh(*ex, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0", check=False)
+            sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+            sh("ip", "link", "set", ns_end, "netns", ns)
+            sh("ip", "link", "set", host_end, "master", self.bridge)
+            sh("ip", "link", "set", host_end, "up")
+            sh(*ex, "ip", "link", "set", ns_end, "name", "ctl0")
+            sh(*ex, "ip", "addr", "add", f"{CTL_NET}.{r + 1}/24", "dev", "ctl0")
+            sh(*ex, "ip", "link", "set", "ctl0", "up")
         self.forwarder = subprocess.Popen(
             [sys.executable, "-c", "from thinwire.launcher.netem import forward_main; forward_main()", self.prefix,
              str(self.slots)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
@@ -173,9 +227,9 @@ class Emulation:
             raise UserError(f"--netem: the forwarder did not start ({line or 'no output'})")
         for r in range(self.slots):
             ex = ("ip", "netns", "exec", self.ns(r))
-            _sh(*ex, "ip", "link", "set", "tw0", "mtu", str(MTU), "txqueuelen", "10000")
-            _sh(*ex, "ip", "addr", "add", f"{DATA_NET}.{r + 1}/24", "dev", "tw0")
-            _sh(*ex, "ip", "link", "set", "tw0", "up")
+            sh(*ex, "ip", "link", "set", "tw0", "mtu", str(MTU), "txqueuelen", "10000")
+            sh(*ex, "ip", "addr", "add", f"{DATA_NET}.{r + 1}/24", "dev", "tw0")
+            sh(*ex, "ip", "link", "set", "tw0", "up")
 
     def configure(self, network: str) -> None:
         """Shape every worker's link like `network`: tbf rate on tw0, delay/jitter/loss in the forwarder."""
@@ -183,12 +237,7 @@ class Emulation:
             return
         link = parse_network(network)
         for r in range(self.slots):
-            ex = ("ip", "netns", "exec", self.ns(r))
-            _sh(*ex, "tc", "qdisc", "del", "dev", "tw0", "root", check=False)
-            if link.bandwidth is not None:
-                burst = max(2 * MTU + 2000, int(link.bandwidth / 8 * 0.002))
-                _sh(*ex, "tc", "qdisc", "add", "dev", "tw0", "root", "tbf", "rate", f"{int(link.bandwidth)}bit",
-                    "burst", str(burst), "latency", "2s")
+            set_rate(self.ns(r), "tw0", link.bandwidth)
         self.forwarder.stdin.write(f"{link.latency} {link.jitter} {link.loss}\n")
         self.forwarder.stdin.flush()
         if self.forwarder.stdout.readline().strip() != "ok":
@@ -208,7 +257,7 @@ class Emulation:
             self.forwarder.wait()
             self.forwarder = None
         for cmd in reversed(self._undo):
-            _sh(*cmd, check=False)
+            sh(*cmd, check=False)
         self._undo.clear()
         if self._old_term is not None:
             signal.signal(signal.SIGTERM, self._old_term)
@@ -220,16 +269,11 @@ def _raise_exit(signum, frame):
 
 
 # -- the forwarder process ---------------------------------------------------------------------------------
-def _open_tun_in(ns_path: str) -> int:
-    """A TUN device named tw0 created inside the namespace at `ns_path` (this process returns to its own)."""
-    home = os.open("/proc/self/ns/net", os.O_RDONLY)
-    try:
-        _setns(ns_path)
+def _open_tun_in(ns: str) -> int:
+    """A TUN device named tw0 created inside namespace `ns` (this process returns to its own)."""
+    with inside(ns):
         fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
         fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", b"tw0", IFF_TUN | IFF_NO_PI))
-    finally:
-        ctypes.CDLL("libc.so.6", use_errno=True).setns(home, CLONE_NEWNET)
-        os.close(home)
     return fd
 
 
@@ -237,7 +281,7 @@ def forward_main() -> None:
     """argv: prefix, slots. stdin lines `latency jitter loss` (seconds, seconds, probability) reconfigure;
     packets from namespace r to 10.232.0.d+1 are written to namespace d's tw0 after the one-way delay."""
     prefix, slots = sys.argv[1], int(sys.argv[2])
-    fds = [_open_tun_in(f"/var/run/netns/{prefix}n{r}") for r in range(slots)]
+    fds = [_open_tun_in(f"{prefix}n{r}") for r in range(slots)]
     src_of = {fd: r for r, fd in enumerate(fds)}
     latency = jitter = loss = 0.0
     rng = random.Random(0)

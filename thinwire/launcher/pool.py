@@ -24,10 +24,10 @@ When the launcher gives up on a hang (a stall, no progress, no result, or only "
 ranks), the error carries every live worker's Python stacks at that moment, each thread's (`faulthandler`, on
 `STACKS_SIGNAL`: written from C, so a thread blocked inside a collective shows where it waits).
 
-The rendezvous store listens on `host` only (127.0.0.1 by default: the launcher binds the socket there and
-hands it to `TCPStore`, whose own listener would bind every interface), and with a loopback `host` the
-workers' gloo sockets are pinned to the loopback interface (`GLOO_SOCKET_IFNAME=lo` unless already set).
-Nothing here authenticates: keep these ports off untrusted networks.
+The rendezvous store listens on `host` only (`worker.listen`), and the workers' gloo sockets are pinned to the
+interface through which they reach `host` (`worker.pin_gloo`: the loopback for a loopback `host`; under torchrun,
+`init` does the same for MASTER_ADDR). Nothing here authenticates: keep these ports off untrusted networks
+(docs/multi-host.md).
 """
 from __future__ import annotations
 
@@ -39,13 +39,16 @@ import threading
 import time
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+
 from ..comm import set_default_network
 from ..comm import progress
 from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
 from ..net import parse_network
-from .worker import (PROGRESS_TIMEOUT, STACKS_SIGNAL, Inherit, NoProgressError, Watchdog, check_timeout, ctx, died,
-                     fail_and_exit, peer_failure, serve_store, start, stop, threads_per_worker)
+from .worker import (PROGRESS_TIMEOUT, STACKS_SIGNAL, Inherit, Launcher, NoProgressError, Watchdog, check_timeout, ctx,
+                     died, fail_and_exit, peer_failure, pin_gloo, start, threads_per_worker)
 
 MAX_LOCAL_WORKERS = 512     # processes on one machine: each holds an interpreter, torch and a copy of the model
 
@@ -68,7 +71,6 @@ def check_world_size(world_size) -> None:
 def _watch_membership(host: str, port: int, world_size: int) -> None:
     """(daemon thread, on_failure="continue") hand the launcher's announcements of lost workers to
     `thinwire.comm.membership`: generation g's surviving ranks are published under `thinwire/members/g`."""
-    import torch.distributed as dist
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(days=365))
     generation = 0
     while True:
@@ -92,7 +94,6 @@ def pick_backend(backend: str | None, device: str | None, local_world_size: int 
     if backend == "nccl" and device != "cuda":
         raise UserError("backend nccl needs device cuda; valid: backend gloo with device cpu, nccl with cuda")
     if device == "cuda":
-        import torch
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not have:
             raise UserError("device cuda: this machine has no GPU that torch can use "
@@ -107,7 +108,6 @@ def pick_backend(backend: str | None, device: str | None, local_world_size: int 
 
 def gpu_of(local_rank: int) -> int:
     """The GPU a worker of this machine trains on: its own where there are enough, else shared (round robin)."""
-    import torch
     return local_rank % torch.cuda.device_count()
 
 
@@ -115,8 +115,6 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
                  worker_init, on_failure="stop", device="cpu", stacks=None):
     start(rank, (rank, -1), host, results, beats, steps, times, threads_per_worker(world_size), worker_init,
           (rank, world_size), stacks)
-    import torch
-    import torch.distributed as dist
     if backend == "nccl":  # one process per GPU: this worker's rank is its local rank
         os.environ["LOCAL_RANK"] = str(rank)
     if device == "cuda":   # its GPU (shared with other workers under gloo) is its current device
@@ -146,13 +144,7 @@ def _worker_main(rank, world_size, backend, host, port, timeout_s, tasks, result
         os._exit(0)
 
 
-def _hung(error: WorkerError) -> bool:
-    """A failure that shows a hang (a stall, no progress, no result) or only a peer's going away: where every
-    worker was is then the story."""
-    return isinstance(error, NoProgressError) or error.cause.startswith("stalled") or peer_failure(error.cause)
-
-
-class Pool:
+class Pool(Launcher):
     """`world_size` workers with an initialised process group, running functions on request.
 
     `worker_init(rank, world_size)`, if given (picklable: a module-level function or a `functools.partial` of
@@ -176,17 +168,10 @@ class Pool:
         self.backend, self.device = pick_backend(backend, device, world_size)
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise UserError(f"port must be in 0..65535, got {port!r}")
-        for name, value in (("timeout", timeout), ("start_timeout", start_timeout),
-                            ("stall_timeout", stall_timeout)):
-            check_timeout(name, value)
-        check_timeout("progress_timeout", progress_timeout, allow_none=True)
         if worker_init is not None and not callable(worker_init):
             raise UserError(f"worker_init must be callable, got {type(worker_init).__name__}")
-        self.world_size, self.timeout, self.stall_timeout = world_size, timeout, stall_timeout
-        self.progress_timeout = progress_timeout
-        self._store = serve_store(host, port, timeout)
-        self.port = self._store.port
-        self._results = ctx.Queue()
+        super().__init__(host, port, timeout, start_timeout, stall_timeout, progress_timeout)
+        self.world_size = world_size
         self._beats = ctx.Array("d", world_size, lock=False)   # last heartbeat of each worker (monotonic)
         self._steps = ctx.Array("q", world_size, lock=False)   # last step reported (-1: none in this run)
         self._times = ctx.Array("d", world_size, lock=False)   # when it was reported (monotonic)
@@ -198,10 +183,8 @@ class Pool:
                                          self._results, self._beats, self._steps, self._times, worker_init,
                                          on_failure, self.device, Inherit(self._stack_files[r].fileno())))
                        for r in range(world_size)]
-        self._task_id = -1
         self._gone: set[int] = set()
         self._generation = 0
-        self._closed = False
         try:
             for p in self._procs:
                 p.start()
@@ -293,7 +276,11 @@ class Pool:
         return errors[0] if errors else WorkerError(-1, "a worker exited unexpectedly")
 
     def _fail(self, error: Exception):
-        if isinstance(error, WorkerError) and _hung(error) and not error.stacks:
+        """Close and raise `error`; a hang (a stall, no progress, no result) or only a peer's going away carries
+        every live worker's stacks: where each was is then the story."""
+        if isinstance(error, WorkerError) and not error.stacks and (isinstance(error, NoProgressError) or
+                                                                   error.cause.startswith("stalled") or
+                                                                   peer_failure(error.cause)):
             error = type(error)(error.rank, error.cause, error.traceback, self._stacks())
         self.close(force=True)
         raise error
@@ -321,41 +308,31 @@ class Pool:
             deadline: float | None = None) -> list:
         """Run `fn(rank, world_size, *args)` on every worker; the list of return values by rank. `timeout`
         (default: the pool's) bounds a run that reports no progress; `deadline` (default none) any run."""
-        if self._closed:
-            raise RuntimeError("the pool is closed")
-        parse_network(network)  # a bad profile is the caller's error, reported before any work starts
+        task_id = self._next_task(network)
         if timeout is not None:
             check_timeout("timeout", timeout)
         check_timeout("deadline", deadline, allow_none=True)
-        self._task_id += 1
         blob = pickle.dumps((fn, args, network, seed))
         self._steps[:] = [-1] * self.world_size   # the last run's steps are not this run's progress
         self._times[:] = [0.0] * self.world_size
         for q in self._tasks:
-            q.put((self._task_id, blob))
-        out = [None if b is None else pickle.loads(b) for b in self._collect(self._task_id, timeout, deadline)]
+            q.put((task_id, blob))
+        out = [None if b is None else pickle.loads(b) for b in self._collect(task_id, timeout, deadline)]
         if self._gone:              # the survivors' group is not this pool's any more
             self.close(force=True)
         return out
 
+    def _workers(self) -> list:
+        return list(zip(self._procs, self._tasks))
+
     def close(self, force: bool = False) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        stop(list(zip(self._procs, self._tasks)), self._results, force)
-        self._store = None  # closes the listening socket
+        super().close(force)
         for f in self._stack_files:
             f.close()
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close(force=exc[0] is not None)
 
 
 LAUNCH_TIMEOUT = 3600.0     # launch(): gloo's operation timeout, and the bound of a run that reports no progress
@@ -392,9 +369,9 @@ def init(network="lan", backend: str | None = None, seed: int = 0, timeout: floa
          device: str | None = None) -> tuple[int, int]:
     """Initialise torch.distributed inside a process started by torchrun; returns (rank, world_size).
     `device="cuda"`: this process's GPU is cuda:LOCAL_RANK (made the current device) on NCCL, or, with more
-    processes on this machine than GPUs, GPU LOCAL_RANK mod count, shared over gloo (`pick_backend`)."""
-    import torch
-    import torch.distributed as dist
+    processes on this machine than GPUs, GPU LOCAL_RANK mod count, shared over gloo (`pick_backend`).
+    gloo's sockets go on the interface through which this machine reaches MASTER_ADDR, unless
+    `GLOO_SOCKET_IFNAME` names one (`pin_gloo`): across machines, the address the others reach."""
     if not under_torchrun():
         raise UserError("thinwire.init() expects torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR); "
                         "on one machine use thinwire.launch instead")
@@ -404,6 +381,8 @@ def init(network="lan", backend: str | None = None, seed: int = 0, timeout: floa
     if device == "cuda":
         torch.cuda.set_device(gpu_of(int(os.environ.get("LOCAL_RANK", "0"))))
     if not dist.is_initialized():
+        if os.environ.get("MASTER_ADDR"):
+            pin_gloo(os.environ["MASTER_ADDR"])
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or threads_per_worker(local)))
     return dist.get_rank(), dist.get_world_size()

@@ -1,22 +1,25 @@
-"""What the worker processes of a launcher (`pool.Pool`, `elastic.ElasticPool`) share, and how a launcher watches them.
+"""What the launchers (`pool.Pool`, `elastic.ElasticPool`: `Launcher`) and their worker processes share.
 
 The launcher hosts the rendezvous store (`serve_store`: listening on `host` and on nothing wider, `listen`) and
 spawns its workers with `ctx`. Each worker begins with `start`: it dies with the launcher (`die_with_parent`),
 writes every thread's Python stacks on `STACKS_SIGNAL` into a file the launcher handed it (`Inherit`), runs the
-caller's `worker_init`, pins gloo's sockets to the loopback interface for a loopback host (`pin_gloo`), beats
-every 0.5 s into the launcher's `beats` array (`heartbeat`), reports its steps into the launcher's `steps` and
-`times` arrays (`thinwire.comm.progress`) and takes its share of the CPU threads (`threads_per_worker`). Each
+caller's `worker_init`, pins gloo's sockets to the interface through which it reaches the launcher's host
+(`pin_gloo`, `interface_to`: the loopback for a loopback host), beats every 0.5 s into the launcher's `beats`
+array (`heartbeat`), reports its steps into the launcher's `steps` and `times` arrays
+(`thinwire.comm.progress`) and takes its share of the CPU threads (`threads_per_worker`). Each
 worker has a slot in those arrays (a rank, or an elastic worker's process slot). A worker that fails reports
 the exception being handled on the results queue and exits (`fail_and_exit`); the report is never lost.
 
 The launcher names a process that died (`died`), tells an error that only says a peer went away
 (`peer_failure`) from a worker's own, watches the steps (`Watchdog`, whose verdict is a `NoProgressError`) and
-ends its processes and queues without leaving anything behind (`stop`). `check_timeout` checks the bounds it is
-given, before any process starts.
+ends its processes and queues without leaving anything behind (`stop`).
 """
 from __future__ import annotations
 
 import ctypes
+import errno
+import faulthandler
+import fcntl
 import ipaddress
 import math
 import multiprocessing as mp
@@ -24,6 +27,7 @@ import os
 import signal
 import socket
 import statistics
+import struct
 import sys
 import threading
 import time
@@ -32,8 +36,12 @@ from collections import deque
 from datetime import timedelta
 from multiprocessing import reduction
 
+import torch
+import torch.distributed as dist
+
 from ..comm import progress
 from ..errors import UserError, WorkerError
+from ..net import parse_network
 
 ctx = mp.get_context("spawn")
 
@@ -66,10 +74,43 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def interface_to(host: str) -> str | None:
+    """The name of this machine's network interface whose (IPv4) address it reaches `host` from: the kernel's
+    choice of route and source address, so for one of this machine's own addresses, the interface holding it. None
+    where that cannot be told: a name that does not resolve, an unspecified address (0.0.0.0), no route, a
+    source address that no interface holds as its first, a system other than Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0]
+        if ipaddress.ip_address(addr[0]).is_unspecified:
+            return None
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)     # UDP: nothing is sent; the kernel picks the route and the source address
+            source = s.getsockname()[0]
+            for _, name in socket.if_nameindex():
+                try:
+                    got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:
+                    continue    # an interface without an IPv4 address
+                if socket.inet_ntoa(got[20:24]) == source:
+                    return name
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def pin_gloo(host: str) -> None:
-    """With a loopback `host`, gloo's sockets go on the loopback interface too, not the host's address."""
-    if is_loopback(host) and os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    """gloo's sockets on the interface through which this process reaches `host` (the launcher's store, torchrun's
+    MASTER_ADDR, the elastic job a worker joins by hand): the loopback for a loopback host, else `interface_to`.
+    Left to gloo where `GLOO_SOCKET_IFNAME` is set or no interface can be told; gloo then listens on the address
+    the host name resolves to, which on many machines is a loopback address (Debian's 127.0.1.1) that no other
+    machine reaches."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    name = "lo" if is_loopback(host) and os.path.exists("/sys/class/net/lo") else interface_to(host)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
 def listen(host: str, port: int) -> tuple[int, int]:
@@ -85,7 +126,9 @@ def listen(host: str, port: int) -> tuple[int, int]:
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        raise UserError(f"cannot listen on {host}:{port} (port in use?): {e}") from None
+        why = {errno.EADDRINUSE: "the port is in use",
+               errno.EADDRNOTAVAIL: "no interface of this machine has that address"}.get(e.errno, str(e))
+        raise UserError(f"cannot listen on {host}:{port}: {why}") from None
     bound = sock.getsockname()[1]
     return sock.detach(), bound
 
@@ -93,7 +136,6 @@ def listen(host: str, port: int) -> tuple[int, int]:
 def serve_store(host: str, port: int, timeout: float):
     """(the launcher) The rendezvous store, listening on `host` only; `port` 0: a free one (`store.port`).
     The launcher binds the socket itself: no free-port race."""
-    import torch.distributed as dist
     fd, port = listen(host, port)
     try:
         return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout),
@@ -156,7 +198,6 @@ def start(slot: int, head: tuple, host: str, results, beats, steps, times, threa
     main thread (e.g. to enter a network namespace); its failure is reported under `head` and ends the process."""
     die_with_parent()
     if stacks is not None and STACKS_SIGNAL is not None:
-        import faulthandler
         faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
     try:
         if worker_init is not None:
@@ -166,7 +207,6 @@ def start(slot: int, head: tuple, host: str, results, beats, steps, times, threa
     pin_gloo(host)
     threading.Thread(target=heartbeat, args=(beats, slot), daemon=True).start()
     progress.install(steps, times, slot)
-    import torch
     torch.set_num_threads(threads)
 
 
@@ -213,6 +253,50 @@ def stop(workers, results, force: bool = False) -> None:
         feeder = getattr(q, "_thread", None)
         if feeder is not None:
             feeder.join(timeout=5)
+
+
+class Launcher:
+    """(base of `Pool`, `ElasticPool`) Their bounds, checked before any process starts, the rendezvous store, the
+    results queue and the end (`close`, forced when an exception leaves a `with` block); `_workers()`: (process or
+    None, task queue) of each worker process."""
+
+    def __init__(self, host: str, port: int, timeout: float, start_timeout: float, stall_timeout: float,
+                 progress_timeout: float | None):
+        for name, value in (("timeout", timeout), ("start_timeout", start_timeout), ("stall_timeout", stall_timeout)):
+            check_timeout(name, value)
+        check_timeout("progress_timeout", progress_timeout, allow_none=True)
+        self.timeout, self.start_timeout = timeout, start_timeout
+        self.stall_timeout, self.progress_timeout = stall_timeout, progress_timeout
+        self._store = serve_store(host, port, timeout)
+        self.port = self._store.port
+        self._results = ctx.Queue()
+        self._task_id = -1
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _next_task(self, network) -> int:
+        """A run's task id; a closed launcher or a bad network profile (the caller's error) is refused first."""
+        if self._closed:
+            raise RuntimeError("the pool is closed")
+        parse_network(network)
+        self._task_id += 1
+        return self._task_id
+
+    def close(self, force: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        stop(self._workers(), self._results, force)
+        self._store = None  # closes the listening socket
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(force=exc[0] is not None)
 
 
 class Watchdog:

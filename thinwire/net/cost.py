@@ -1,10 +1,9 @@
 """α-β cost of the collectives (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
 Comprehensive Survey", arXiv 2003.06307, Table III and §IV-B), per rank: time, bytes sent, bytes received.
 
-Every function takes the link, the number of ranks n and the message size in bytes, and returns a `Cost`:
-`latency` (the α part), `transfer` (the β part: time the link is busy) and the bytes this rank sends and
-receives under that algorithm. The Transport uses these to emulate networks and to count bytes; `thinwire.plan`
-uses them to predict.
+Every function takes the link, the number of ranks n and the message size in bytes, and returns a `Cost`: `latency`
+(α), `transfer` (β: the time the link is busy) and the bytes this rank sends and receives under that algorithm; the
+Transport emulates and counts with them, `thinwire.plan` predicts.
 """
 from __future__ import annotations
 

@@ -138,25 +138,21 @@ def parse_network(spec: "str | Link | None") -> Link:
                     f"loss=..., islands:AxB,inside=NET,across=NET")
 
 
-# -- two-tier networks ------------------------------------------------------------------------------------
-# Two-tier networks: islands of workers on fast links, a thin link between islands.
-#
-#     islands:2x2,inside=dc,across=world      2 islands of 2 workers; `dc` inside an island, `world` between them
-#
-# Ranks are laid out island by island (ranks 0..m-1 are island 0, m..2m-1 island 1, ...). Every message is charged
-# on the link it crosses: a message between two ranks of one island on `inside`, any other on `across`. Each worker
-# has its own path across, as on a flat network (a flat `world` is `islands:4x1,across=world`): a worker's traffic
-# to another site queues behind its own earlier traffic to other sites, not behind its island's neighbours'.
-#
-# `Islands` is a `Link` whose own bandwidth, latency, jitter and loss are the thin link's, so code that sees a
-# network as one link (a scheduler's heuristics, a planner asked about the bottleneck) sees the link that decides:
-# a collective over ranks of several islands steps at the pace of its slowest hop. `path(members)` is the link a
-# group's collectives cross (`inside` when every member is in one island), `between(a, b)` a message's, and
-# `crosses(a, b)` whether it goes over the thin link (the bytes a report counts apart: what a user pays for between
-# sites). Inside/across are profile names or `BANDWIDTH@LATENCY` (`10mbit@100ms`).
 @dataclass(frozen=True)
 class Islands(Link):
-    """`islands` islands of `size` workers each; the Link fields are the thin link between islands."""
+    """`islands` islands of `size` workers on fast links (`inside`), a thin link between islands: the Link fields.
+
+        islands:2x2,inside=dc,across=world      2 islands of 2 workers; `dc` inside an island, `world` between them
+
+    Ranks are laid out island by island (ranks 0..m-1 are island 0, m..2m-1 island 1, ...). A message between two
+    ranks of one island is charged on `inside`, any other on `across`. Each worker has its own path across, as on a
+    flat network (a flat `world` is `islands:4x1,across=world`): its traffic to another site queues behind its own
+    earlier traffic to other sites, not behind its island's neighbours'. Its own bandwidth, latency, jitter and loss
+    are the thin link's, so code that sees a network as one link (a scheduler's heuristics, a planner asked about
+    the bottleneck) sees the link that decides: a collective over ranks of several islands steps at the pace of
+    its slowest hop. `path(members)` is the link a group's collectives cross, `between(a, b)` a message's, and
+    `crosses(a, b)` whether it goes over the thin link (the bytes a report counts apart). Inside/across are profile
+    names or `BANDWIDTH@LATENCY` (`10mbit@100ms`)."""
 
     islands: int = 1
     size: int = 1
@@ -223,8 +219,7 @@ class Islands(Link):
 def _tier(text: str, key: str, spec: str) -> Link:
     """A profile name or BANDWIDTH@LATENCY (e.g. `10mbit@100ms`)."""
     if text in PROFILES:
-        bw, lat, _ = PROFILES[text]
-        return Link(bandwidth=bw, latency=lat, name=text)
+        return parse_network(text)
     if "@" in text:
         bw, _, lat = text.partition("@")
         return Link(bandwidth=parse_bandwidth(bw), latency=_number(lat, _UNITS_T, "latency"), name=text)

@@ -1,6 +1,7 @@
 """`thinwire advise`: rank algorithm + compressor configurations for a model, a compute time and a network."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import product
 
@@ -85,7 +86,6 @@ def _variants(comp: str, params: dict) -> list:
 
 def check_scenario(s: Scenario) -> None:
     """A scenario the cost model can rank: finite, positive sizes and times (NaN would sort arbitrarily)."""
-    import math
     if not 0 < s.params < math.inf:
         raise UserError(f"params must be a finite number > 0, got {s.params}")
     if not 0 <= s.compute_s < math.inf:

@@ -134,11 +134,12 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     constructor defaults. `overlap`: WFBP's flag, or DiLoCo's τ_o (an int). `sparse_collective=` (a
     top-k-family compressor) picks the sparse collective of its exchange; the prediction's `collective` names what
     carries it."""
-    cp = {k: v for k, v in p.items() if k in COMPRESSOR_PARAMS}
-    collective, comm = exchange(s, compressor, p.get("sparse_collective"), **cp)
+    cp, sparse = {k: v for k, v in p.items() if k in COMPRESSOR_PARAMS}, p.get("sparse_collective")
+    collective, comm = exchange(s, compressor, sparse, **cp)
     declared = cost_of(algorithm)
     delta = s.compress_s(compressor) if compressor != "none" else 0.0
-    x = Inputs(s, compressor, overlap, comm, delta, p.get("sparse_collective"), cp, exchange)
+    again = lambda sc, name=None: exchange(sc, compressor, sparse, **cp) if name is None else exchange(sc, name)
+    x = Inputs(s, compressor, overlap, comm, delta, again)
     step = FAMILIES[declared.family].formula(x, {**algorithms.registry.parameters(algorithm), **declared.params, **p})
     return Prediction(algorithm, step.iteration_s, s.compute_s, step.bytes_per_step,
                       collective=step.collective or collective, bytes_per_sync=step.bytes_per_sync)

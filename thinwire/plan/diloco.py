@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, replace
 from itertools import product
 
+from ..compress import compressors
+from ..exchange.choose import wire_bits
 from ..net import Cost, Islands
 from ..net import cost as netcost
 from .costmodel import Scenario
@@ -103,8 +105,6 @@ class Plan:
 def fragment_sync(s: Scenario, compressor: str, allreduce: str, fragments: int,
                   islands: Islands | None = None) -> tuple[float, Cost]:
     """(compression time, collective cost) of one fragment's outer sync for one worker."""
-    from ..compress import compressors
-    from ..exchange.choose import wire_bits
     n, link, numel = s.workers, s.link, s.params / fragments
     if islands is not None and islands.size > 1:
         n, link, numel = islands.islands, islands.across, numel / islands.size
@@ -168,19 +168,13 @@ def candidates(s: Scenario, islands: Islands | None = None, given: dict | None =
         delta, cost = fragment_sync(s, comp, algo, f, isl)
         sync = delta + cost.time
         lag = math.ceil(sync / tau - 1e-9) if tau > 0 else 0
-        options = []
         if "overlap" in given or "eager" in given:
-            options.append((int(given.get("overlap", 0)), bool(given.get("eager", False))))
-        elif lag <= k // 2 and lag < k:
-            options.append((lag, False))
-        elif f == 1:
-            options.append((0, True))
-        else:
-            options.append((0, False))
-        for lag_, eager in options:
-            step, sync_, cost_ = predict_diloco(s, comp, algo, f, h, lag_, eager, isl)
-            out.append(Plan(h, f, lag_, eager, comp, given.get("memory", mem), algo, replicas, bits, step, sync_,
-                            cost_.transfer, cost_.sent, s.compute_s))
+            lag, eager = int(given.get("overlap", 0)), bool(given.get("eager", False))
+        else:       # the τ rule, else eager updates (F = 1), else nothing hides the sync
+            lag, eager = (lag, False) if lag <= k // 2 and lag < k else (0, f == 1)
+        step, sync, cost = predict_diloco(s, comp, algo, f, h, lag, eager, isl)
+        out.append(Plan(h, f, lag, eager, comp, given.get("memory", mem), algo, replicas, bits, step, sync,
+                        cost.transfer, cost.sent, s.compute_s))
     return out
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
-from ..compress import compressors
 from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cdsgd as cd
 from ..net import cost as netcost
@@ -26,9 +25,8 @@ class Inputs(NamedTuple):
     overlap: Any                  # WFBP's flag; DiLoCo's τ_o inner steps (an int)
     comm: Cost                    # one exchange of the whole gradient through `compressor`
     delta: float                  # its compression time δ (0 without a compressor)
-    sparse_collective: str | None
-    compressor_params: dict
-    exchange: Callable            # `costmodel.exchange(s, compressor, sparse_collective, **params)`: another one
+    exchange: Callable            # (scenario, name=None) -> (collective, Cost) of one exchange there: through
+    #                               `compressor` as predicted (its parameters, sparse collective), or `name`'s defaults
 
 
 class Step(NamedTuple):
@@ -91,7 +89,7 @@ def diloco(x: Inputs, p: dict) -> Step:
     h, f, lag = int(p["period"]), int(p["fragments"]), int(x.overlap)
     k = max(1, h // f)
     sf = replace(s, params=s.params / f)    # one fragment: 1/F of the model, through the same exchange
-    _, cf = x.exchange(sf, x.compressor, x.sparse_collective, **x.compressor_params)
+    _, cf = x.exchange(sf)
     exposed = max(0.0, sf.compress_s(x.compressor) + cf.time - lag * tau)   # hidden by τ_o further inner steps
     return Step(tau + exposed / k, cf.sent / k, bytes_per_sync=cf.sent)
 
@@ -111,6 +109,18 @@ def parameter_server(x: Inputs, p: dict) -> Step:
     ps = ps_push_pull(s.link, s.workers, x.comm.sent if x.compressor != "none" else s.nbytes, s.nbytes, s.servers)
     own = s.compute_s + x.delta + 2 * s.link.alpha + (ps.sent + ps.received) * s.link.beta
     return Step(max(own, ps.transfer), ps.sent, collective="ps")
+
+
+def asynchronous(x: Inputs, p: dict) -> Step:
+    """Asynchronous DiLoCo (`period` H, `overlap` τ_o): every H inner steps each worker pushes its pseudo-gradient
+    to the servers and pulls the model, waiting for no other worker: τ + max(0, δ + 2α + (N_up + N_down)β −
+    τ_o τ)/H, bounded below by the servers' link, which carries every worker's push and pull once per H steps
+    (`ps_push_pull`)."""
+    s, tau, h, lag = x.s, x.s.compute_s, int(p["period"]), int(x.overlap)
+    ps = ps_push_pull(s.link, s.workers, x.comm.sent if x.compressor != "none" else s.nbytes, s.nbytes, s.servers)
+    own = x.delta + 2 * s.link.alpha + (ps.sent + ps.received) * s.link.beta
+    return Step(max(tau + max(0.0, own - lag * tau) / h, ps.transfer / h), ps.sent / h, bytes_per_sync=ps.sent,
+                collective="ps")
 
 
 def gossip(x: Inputs, p: dict) -> Step:
@@ -143,9 +153,7 @@ def compressed_momentum(x: Inputs, p: dict) -> Step:
     chunks of the compressed tensor P (P/n each) point to point, then all-gathers the owners' compressed chunks:
     τ + ((1 + 1/n)δ + α + (n − 1)P/n β + ring all-gather of P/n)/H, 2(n − 1)P/n bytes per sync."""
     s, n, h = x.s, x.s.workers, int(p.get("period", 1))
-    bits = 32.0 if x.compressor == "none" else \
-        compressors.get(x.compressor, **x.compressor_params).nominal_bits(max(1, int(s.params) // n))
-    chunk = bits * s.params / n / 8
+    chunk = x.exchange(replace(s, workers=2))[1].sent / n    # (2 ranks: one rank's bytes are the payload P)
     comm = (netcost.p2p(s.link, (n - 1) * chunk) if n > 1 else netcost.ZERO) + \
         netcost.ring_allgather(s.collective_link, n, chunk)
     return Step(s.compute_s + ((1 + 1 / n) * x.delta + comm.time) / h, comm.sent / h, collective="two-sided")
@@ -165,5 +173,6 @@ FAMILIES = {"every_step": Family(every_step, True), "quantized": Family(quantize
             "local_update": Family(local_update, True), "delay_compensated": Family(delay_compensated, True),
             "periodic": Family(periodic, False), "diloco": Family(diloco, False),
             "parameter_server": Family(parameter_server, True), "gossip": Family(gossip, True),
-            "delayed": Family(delayed, True), "compressed_momentum": Family(compressed_momentum, True),
+            "delayed": Family(delayed, True), "async": Family(asynchronous, False),
+            "compressed_momentum": Family(compressed_momentum, True),
             "none": Family(no_communication, False)}

@@ -30,7 +30,7 @@ MANIFEST = "checkpoint.json"
 # configuration fields that may change between the interrupted and the resumed run
 _FREE = {"epochs", "steps", "progress", "trace", "eval_every", "target", "checkpoint_every", "checkpoint_dir",
          "resume", "nonfinite", "progress_timeout", "deadline", "budget_s", "stop_at_target", "tensorboard",
-         "elastic", "replace_delay", "join"}
+         "elastic", "replace_delay", "join", "listen"}
 
 
 def config_fields(cfg) -> dict:

@@ -96,6 +96,7 @@ class TrainConfig:
     elastic: str | None = None            # "MIN:MAX": an elastic job (lost workers replaced, newcomers join)
     replace_delay: float = 0.0            # an elastic job: seconds before a lost worker's replacement starts
     join: str | None = None               # "HOST:PORT": join the elastic job whose launcher listens there
+    listen: str | None = None             # "HOST[:PORT]": where an elastic job's store listens (127.0.0.1 by default)
     progress_timeout: float | None = None # the launcher's progress watchdog (s); None: its default
     deadline: float | None = None         # the launcher ends the run after this wall time (s); None: no deadline
     budget_s: float | None = None         # a race: stop when the training clock reaches this (agreed by all)
@@ -164,6 +165,8 @@ class TrainConfig:
             raise UserError(f"--on-failure must be stop or continue, got {self.on_failure!r}")
         if self.elastic is not None or self.join is not None:
             self._check_elastic()
+        if self.listen is not None:
+            self.listen_address()
         if self.on_failure == "continue" and self.checkpoint_every:
             raise UserError("--on-failure continue goes on with the survivors instead of restarting from a "
                             "checkpoint; drop --checkpoint-every (or use --on-failure stop)")
@@ -209,6 +212,22 @@ class TrainConfig:
             raise UserError(f"--elastic takes MIN:MAX, the fewest and the most workers, integers with 1 <= MIN <= "
                             f"MAX <= {MAX_LOCAL_WORKERS}; got {self.elastic!r}")
         return lo, hi
+
+    def listen_address(self) -> tuple[str, int]:
+        """(HOST, PORT) of `--listen HOST[:PORT]`, where an elastic job's store listens (PORT 0: a free one);
+        127.0.0.1 (this machine only) by default."""
+        if self.listen is None:
+            return "127.0.0.1", 0
+        if self.elastic is None:
+            raise UserError("--listen is where an elastic job listens for workers that join (--join): give it with "
+                            "--elastic MIN:MAX")
+        text = str(self.listen)
+        host, _, port = text.rpartition(":") if ":" in text else (text, ":", "0")
+        host = host.removeprefix("[").removesuffix("]")     # [IPv6]:PORT
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise UserError(f"--listen takes HOST or HOST:PORT (an address of this machine, [IPv6]:PORT; PORT 0 or "
+                            f"none: a free one), got {text!r}")
+        return host, int(port)
 
     def _check_elastic(self) -> None:
         """An elastic job (or a worker joining one): an algorithm with synchronization boundaries on all-reduce,
@@ -437,12 +456,14 @@ def run_elastic(cfg: TrainConfig, out: str | None = None, pool=None, on_start=No
     t0 = _now()
     own = pool is None
     if own:
+        host, port = cfg.listen_address()
         pool = ElasticPool(cfg.workers, max_workers=hi, min_workers=lo, replace=True,
-                           replace_delay=cfg.replace_delay,
+                           replace_delay=cfg.replace_delay, host=host, port=port,
                            progress_timeout=cfg.progress_timeout or PROGRESS_TIMEOUT)
     try:
+        here = pool.host if pool.host not in ("0.0.0.0", "::") else "ADDRESS"     # every interface: any of them
         print(f"thinwire: elastic job ({lo}..{hi} workers) on {pool.host}:{pool.port}; more workers join with "
-              f"`thinwire train --join {pool.host}:{pool.port}` and this run's other options", file=sys.stderr,
+              f"`thinwire train --join {here}:{pool.port}` and this run's other options", file=sys.stderr,
               flush=True)
         if on_start is not None:
             on_start(pool)

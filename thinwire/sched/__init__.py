@@ -17,10 +17,8 @@ Schedules:
 - `priority` P3/ByteScheduler: chunks, input-side first, a credit window, and the update deferred to the next
              forward, layer by layer. It applies the optimizer itself (bsp only): `attach(..., optimizer=opt)`,
              then `finish_step()` instead of the update, and `flush()` before reading the model.
-`serial=True` (default: on emulated links) keeps one collective in flight at a time, in bucket order, as a NCCL
-stream or Horovod's background thread does: each bucket pays its own start-up α, as the α-β model says.
-`pipeline=True` (default: on when the exchange compresses) compresses bucket b on the engine's thread while
-bucket b-1 is on the wire and backward goes on. Both are options of the engine (`thinwire.comm.engine`) that
+`serial` (one collective in flight at a time, in bucket order) and `pipeline` (compression on the engine's thread
+while the previous bucket is on the wire) are options of the engine (`thinwire.comm.engine`) that
 `sched.modes(transport, compressor, overlaps_steps)` returns and the algorithm's exchanges are built with.
 Gradients are views into the bucket buffers (no copy).
 """

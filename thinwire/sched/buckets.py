@@ -1,13 +1,10 @@
 """Tensor fusion: gradients grouped into flat buckets in backward order; each gradient is a view of its bucket.
 
-`assign(params, bucket_bytes, first_bucket_bytes)` walks the parameters in backward order (the reverse of the
-order they are registered, which is the forward order for sequential models) and closes a bucket once it holds
-at least `bucket_bytes` (Horovod / DDP-style fixed-threshold fusion); a dtype change also
-closes one. `bucket_bytes=0` gives one bucket per parameter (plain WFBP, per-layer exchange).
-
-`Buckets` allocates one flat buffer per bucket and makes every `p.grad` a view into it (as DDP's
-`gradient_as_bucket_view`), so backward accumulates straight into the buffer that goes on the wire: no copy into
-the bucket, and each parameter is covered exactly once, used in this step or not.
+`assign(params, bucket_bytes, first_bucket_bytes)` walks the parameters in backward order (the reverse of their
+registration: the forward order of sequential models) and closes a bucket once it holds at least `bucket_bytes`
+(Horovod / DDP-style fusion) or the dtype changes; `bucket_bytes=0` gives one bucket per parameter (WFBP).
+`Buckets` makes every `p.grad` a view into its bucket's flat buffer (DDP's `gradient_as_bucket_view`): backward
+accumulates straight into what goes on the wire, and each parameter is covered once, used in this step or not.
 """
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """MG-WFBP, merged-gradient wait-free backprop (Shi, Chu, Li 2019, "MG-WFBP: Efficient Data
-Communication for Distributed Synchronous SGD Algorithms", arXiv 1811.11141): merge buckets so that the
-start-up latency of a collective is not paid per layer on high-latency links, but only where the merge does not
-delay the pipeline.
+Communication for Distributed Synchronous SGD Algorithms", arXiv 1811.11141): merge buckets so that a collective's
+start-up latency is not paid per layer on high-latency links, but only where the merge does not delay the pipeline.
 
 `Profiled` measures, during the first `profile_steps` steps, when each gradient becomes ready in backward (the
-layer-wise BP times t_b) and takes the link's all-reduce cost T_ar(bytes) = a + b·bytes from the emulated
-profile (α-β of the ring, Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A
-Comprehensive Survey", arXiv 2003.06307, Table III) or, on an unemulated link, from a few timed all-reduces through
-the Transport (1 MiB and 4 bytes, 3 times each: counted like any traffic). Rank 0's measurements are broadcast so
-every rank plans the same buckets. `merge_plan` is the merge rule; `MGWFBP` applies it once profiling is done.
+layer-wise BP times t_b), and the link's all-reduce cost T_ar(bytes) = a + b·bytes: the ring's α-β on an emulated
+link (Tang, Shi, Chu, Wang, Li 2020, "Communication-Efficient Distributed Deep Learning: A Comprehensive Survey",
+arXiv 2003.06307, Table III), else a few timed all-reduces (1 MiB and 4 bytes, 3 times each: counted like any
+traffic). Rank 0's measurements are broadcast so every rank plans the same buckets (`merge_plan`, `MGWFBP.plan`).
 """
 from __future__ import annotations
 

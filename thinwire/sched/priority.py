@@ -2,21 +2,18 @@
 Distributed DNN Training", arXiv 1905.03960; ByteScheduler: Peng et al. 2019, "A Generic Communication Scheduler
 for Distributed DNN Training Acceleration", SOSP 2019).
 
-- The flat gradient, in forward order, is cut into chunks of `chunk_mb` (large tensors are split, small ones
-  fused), so a big late layer cannot block a small early one for long.
-- Chunks nearer the input have higher priority: the next forward needs them first.
-- A credit window bounds the bytes in flight (`credit_mb`); a chunk is only put on the wire when the window
-  has room, so a higher-priority chunk that becomes ready later can still go before queued lower ones.
-- `step()` returns before the update; a forward pre-hook on each module waits only for the chunks holding
-  that module's parameters and applies their optimizer update, so the next forward of layer l starts as soon
-  as layer l is synchronised, while later layers are still on the wire.
+- The flat gradient, in forward order, is cut into chunks of `chunk_mb` (large tensors split, small ones fused),
+  so a big late layer cannot block a small early one for long; chunks nearer the input go first.
+- A credit window bounds the bytes in flight (`credit_mb`): a higher-priority chunk ready later can still go
+  before queued lower ones.
+- `step()` returns before the update; a forward pre-hook on each module waits only for the chunks holding its
+  parameters and applies their update, so layer l's next forward starts as soon as layer l is synchronised.
 
-An all-reduce must be issued in the same order on every rank, so the priority order is not decided per rank
-at run time: after `profile_steps` steps (first-in first-out in backward order meanwhile), rank 0's measured
-gradient ready times and the link's cost are broadcast and every rank simulates the credit-window priority
-queue on them (TicTac-style static order); a background thread then launches the chunks in that order, each
-once it is ready and the window has room. A second gradient buffer lets backward of the next step (and the
-user's zero_grad) proceed while the previous step's chunks are still being sent.
+An all-reduce must be issued in the same order on every rank, so the order is not decided per rank at run time:
+after `profile_steps` steps (first-in first-out in backward order meanwhile), rank 0's measured ready times and
+the link's cost are broadcast and every rank simulates the credit-window priority queue on them (TicTac-style
+static order); a background thread launches the chunks in that order, each once it is ready and the window has
+room. A second gradient buffer lets the next backward (and the user's zero_grad) proceed meanwhile.
 """
 from __future__ import annotations
 

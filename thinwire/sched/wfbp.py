@@ -2,28 +2,23 @@
 Distributed Deep Learning on GPU Clusters", arXiv 1706.03292; Awan et al. 2017, S-Caffe, PPoPP 2017) with tensor
 fusion: `Scheduler`.
 
-A post-accumulate-grad hook on every parameter marks its gradient ready during backward; as soon as every
-gradient of a bucket is ready the bucket is handed to the algorithm (`algorithm.on_bucket(bucket)`), which
-decides what to do with it at once (start its exchange, accumulate it, take a local optimizer step of its
-parameters...), while backward goes on with the earlier layers. Buckets are handed over strictly in bucket order
-(0, 1, ...) so every rank starts the same exchanges in the same order even if its gradients become ready in
-another order. `flush()` (the algorithm's `step()` calls it first) hands over what backward did not (parameters
-without a gradient this step count as zeros); `end_step()` closes the step (MG-WFBP re-plans here).
-
-With `overlap=False` no hook is registered and every bucket is handed over in `flush()` (no overlap).
+A post-accumulate-grad hook on every parameter marks its gradient ready during backward; once every gradient of a
+bucket is ready the bucket goes to the algorithm (`algorithm.on_bucket(bucket)`: start its exchange, accumulate
+it, take a local step...) while backward goes on. Buckets are handed over strictly in bucket order, so every rank
+starts the same exchanges in the same order whatever order its gradients arrive in. `flush()` (the algorithm's
+`step()` calls it first) hands over what backward did not (a parameter without a gradient counts as zeros);
+`end_step()` closes the step (MG-WFBP re-plans there). With `overlap=False` no hook is registered and every
+bucket is handed over in `flush()`.
 
 A step that sends nothing (DiLoCo's and local SGD's inner steps, DTS's sparse steps: `Algorithm.communicates()`
-is false) runs no per-parameter Python in its backward: whoever drives the steps says after each one whether the
-next communicates (`next_step`), the hooks are removed before a local step and put back by a forward pre-hook on
-the model before the next step that communicates (one Python call per forward). The algorithm's `step()` of a
-local step calls `local_step()` (missing gradients become zeros, as `flush()` makes them), not `flush()`. A step
-that communicates but whose forward did not run through the model hands every bucket over in `flush()`.
-`serial` and `pipeline` are options of the exchanges' programs (`thinwire.comm.engine`): `modes()` says which,
-and the algorithm's exchanges are built with them (`thinwire.algorithms.base.Context.exchange`).
+false) runs no per-parameter Python in its backward: the driver says after each step whether the next
+communicates (`next_step`); the hooks are removed before a local step and put back by a forward pre-hook before
+the next step that communicates. A local step's `step()` calls `local_step()` (missing gradients become zeros),
+not `flush()`. How the exchanges run on the engine (serial, pipelined) is `modes()`'s to say.
 
-What an algorithm may use (its public view): `buckets` (and `layout()`), `flush()`, `local_step()`, `end_step()`,
-`began`, `discard_step()`, `close()`, `describe()`, `defers_update` and, where it is set, `finish_step()`
-(priority). The driver (the Trainer) calls `next_step()` and `discard_step()`.
+An algorithm's public view: `buckets` (and `layout()`), `flush()`, `local_step()`, `end_step()`, `began`,
+`discard_step()`, `close()`, `describe()`, `defers_update` and, where set, `finish_step()` (priority). The driver
+(the Trainer) calls `next_step()` and `discard_step()`.
 """
 from __future__ import annotations
 
@@ -52,12 +47,8 @@ class Scheduler:
         self.bucket_bytes = bucket_mb * MB
         self.first_bucket_mb = first_bucket_mb   # None: DDP's 1 MB on links with α <= 1 ms, else no special one
         self.overlap = overlap
-        self.pipelined = pipeline                # None: on when the exchange compresses
-        # one collective in flight at a time, in bucket order (a NCCL stream, Horovod's background thread): the
-        # α-β model of WFBP/MG-WFBP (Shi, Chu, Li 2019, arXiv 1811.11141). None: on emulated links, where the link
-        # clock would otherwise let concurrent collectives overlap their start-up latencies; loopback gloo keeps its
-        # own.
-        self.serial = serial
+        self.pipelined = pipeline                # None: on when the exchange compresses (`modes`)
+        self.serial = serial                     # None: on emulated links (`modes`)
         self._hooks: list = []        # the gradient hooks, while they are on (`_arm`)
         self._forward = None          # the model's forward pre-hook that puts them back
         self._handing = True          # the current step hands its buckets to the algorithm (`next_step`)
@@ -68,11 +59,13 @@ class Scheduler:
         """How the exchanges of this schedule run on the engine, as keyword options of an `Exchange`
         (`Transport.run`): `background` compresses bucket b on the engine's thread while bucket b-1 is on the
         wire (default: when the exchange compresses); `serial` keeps one collective in flight at a time, in
-        bucket order (default: on emulated links, except for exchanges that outlive their step, DTS's windows,
-        which run side by side as on gloo)."""
+        bucket order, as a NCCL stream or Horovod's background thread does: the α-β model of WFBP/MG-WFBP (Shi,
+        Chu, Li 2019, arXiv 1811.11141), each bucket paying its own start-up α (default: on emulated links, where
+        the link clock would otherwise let concurrent collectives overlap their start-ups; not for exchanges that
+        outlive their step, DTS's windows, which run side by side as on gloo)."""
         background = self.pipelined
         if background is None:
-            background = self.overlap and getattr(compressor, "name", "none") != "none"
+            background = self.overlap and compressor.name != "none"
         serial = self.serial
         if serial is None:
             serial = self.overlap and transport.link.emulated and not overlaps_steps

@@ -32,8 +32,8 @@ def build_components(algorithm, compressor=None, memory=None, **params):
     parameters, bad values and invalid combinations (used before launching too)."""
     alg_cls = (algorithms.registry.constructor(algorithm, params) if isinstance(algorithm, str)
                else type(algorithm))
-    compressor = compressor or getattr(alg_cls, "default_compressor", "none")
-    memory = memory or getattr(alg_cls, "default_memory", "none")
+    compressor = compressor or alg_cls.default_compressor
+    memory = memory or alg_cls.default_memory
     if isinstance(algorithm, str) and algorithms.registry.accepts(algorithm, "downlink_params"):
         down = {k: params.pop(k) for k in list(params)
                 if k.startswith("downlink_") and k not in ("downlink_compressor", "downlink_params")}
@@ -43,12 +43,12 @@ def build_components(algorithm, compressor=None, memory=None, **params):
     alg_params, comp_params, mem_params, sched_params, transport_params, exchange_params = route(
         {"algorithm": (algorithms.registry, algorithm), "compressor": (compressors, compressor),
          "memory": (memories, memory)}, params, (SCHED_PARAMS, TRANSPORT_PARAMS, EXCHANGE_PARAMS))
-    if not getattr(alg_cls, "compression", True) and compressor != "none":
+    if not alg_cls.compression and compressor != "none":
         raise UserError(f"algorithm {alg_cls.name!r} does not exchange gradients through a compressor; "
                         f"drop --compressor or use one of: "
                         f"{', '.join(n for n in algorithms.names() if algorithms.registry.lookup(n).compression)}")
     schedule = sched_params.get("schedule", "fusion")
-    if isinstance(schedule, str) and schedule not in getattr(alg_cls, "schedules", sched.SCHEDULES):
+    if isinstance(schedule, str) and schedule not in alg_cls.schedules:
         raise UserError(f"algorithm {alg_cls.name!r} does not run with schedule {schedule!r}; "
                         f"valid: {', '.join(alg_cls.schedules)}")
     alg, comp, mem = (algorithms.get(algorithm, **alg_params), compressors.get(compressor, **comp_params),
@@ -101,9 +101,8 @@ def check_on_failure(on_failure: str, algorithm, watching: bool | None = None) -
     launcher announces the survivors (`watching`; default: whether this process's launcher does)."""
     if on_failure not in ON_FAILURE:
         raise UserError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
-    if on_failure == "continue" and not getattr(algorithm, "survives_failures", False):
-        valid = sorted(n for n in algorithms.names()
-                       if getattr(algorithms.registry.lookup(n), "survives_failures", False))
+    if on_failure == "continue" and not algorithm.survives_failures:
+        valid = sorted(n for n in algorithms.names() if algorithms.registry.lookup(n).survives_failures)
         raise UserError(f"on_failure='continue' needs an algorithm whose averages stay meaningful over fewer "
                         f"workers; {algorithm.name!r} is not one; valid: {', '.join(valid)} "
                         f"(elsewhere: on_failure='stop' and resume from a checkpoint)")
@@ -120,6 +119,6 @@ def check_elastic(algorithm, scheduler) -> None:
                        if algorithms.registry.lookup(n).join_boundary is not algorithms.base.Algorithm.join_boundary)
         raise UserError(f"an elastic job needs an algorithm that takes newcomers in at its synchronization "
                         f"boundaries; {algorithm.name!r} does not; valid: {', '.join(valid)}")
-    if getattr(scheduler, "defers_update", False):
+    if scheduler.defers_update:
         raise UserError("an elastic job cannot run schedule='priority' (its update is applied in the next "
                         "forward, so a step's end is no synchronization boundary); use fusion, wfbp or mgwfbp")

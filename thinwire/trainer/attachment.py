@@ -1,8 +1,5 @@
 """`attach`: a thinwire algorithm driven from PyTorch's own hook points, for a loop that calls `optimizer.step()`
-itself (its own, Lightning's, Accelerate's). The `Attachment` it returns holds a `Trainer`: the optimizer's step
-pre-hook runs the Trainer's step and the loop's own call then updates nothing; the result is the Trainer's,
-bitwise, for the same seed.
-"""
+itself (its own, Lightning's, Accelerate's); the `Attachment` it returns holds a `Trainer`."""
 from __future__ import annotations
 
 import torch
@@ -70,7 +67,7 @@ class Attachment:
     @property
     def role(self) -> str:
         """"worker", or "server" on a parameter-server rank (which calls `serve()` instead of training)."""
-        return getattr(self.trainer.algorithm, "role", "worker")
+        return self.trainer.algorithm.role
 
     @property
     def step_count(self) -> int:
@@ -89,22 +86,21 @@ class Attachment:
     def load_state_dict(self, state: dict) -> None:
         self.trainer.load_state_dict(state)
 
-    def detach(self) -> None:
-        """Remove the optimizer's hooks and the scheduler's; nothing is sent (the optimizer steps plainly again)."""
+    def _unhook(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         self._unmute()
+
+    def detach(self) -> None:
+        """Remove the optimizer's hooks and the scheduler's; nothing is sent (the optimizer steps plainly again)."""
+        self._unhook()
         self.trainer.scheduler.close()
 
     def close(self) -> None:
-        if not self._hooks:
-            return
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self._unmute()
-        self.trainer.close()
+        if self._hooks:
+            self._unhook()
+            self.trainer.close()
 
     def __enter__(self) -> "Attachment":
         return self

@@ -40,10 +40,8 @@ def nonfinite_flag(grads: list[torch.Tensor], found: torch.Tensor, one: torch.Te
 
 
 class FiniteGuard:
-    """The NaN/Inf policy `stop` without a host read per step: each step's gradients are checked on their device
-    (`nonfinite_flag`, a few device ops, nothing read), and the verdict is read by the host once, with the next
-    exchange's own finiteness read (`Exchange.guard`: before anything is sent), at a checkpoint and at close. An
-    error names the first step whose gradient was not finite."""
+    """The NaN/Inf policy `stop` without a host read per step (see the module's doc; the exchange reads the verdict
+    through `Exchange.guard`, before anything is sent). An error names the first step whose gradient was not finite."""
 
     def __init__(self, params: list[torch.Tensor], rank: int):
         self.rank = rank

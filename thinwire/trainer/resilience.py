@@ -1,14 +1,9 @@
-"""The Trainer's resilience: its members' agreement on one model, surviving a lost worker, and taking newcomers in.
-
-A `Resilience` belongs to one `Trainer` and acts on its components (transport, algorithm, optimizer, model,
-scheduler) and its counters (`step_count`, `failures`, `joins`):
-
-- `broadcast_model`: every member starts from rank 0's model (at start-up, and after a loss);
-- `recover`: with `on_failure="continue"`, the survivors of a lost worker form a new group, agree on the step and
-  go on (docs/reliability.md, "Faults injected and their outcomes");
-- `boundary` and `welcome`: in an elastic job (`thinwire.comm.elastic`), newcomers join at the algorithm's
-  synchronization boundaries and take a live member's state (docs/reliability.md, "Workers that join a running
-  job").
+"""The Trainer's resilience, acting on one `Trainer`'s components and counters (`step_count`, `failures`, `joins`):
+every member starts from rank 0's model (`broadcast_model`, at start-up and after a loss); with
+`on_failure="continue"` the survivors of a lost worker form a new group, agree on the step and go on (`recover`;
+docs/reliability.md, "Faults injected and their outcomes"); in an elastic job (`thinwire.comm.elastic`) newcomers
+join at the algorithm's synchronization boundaries and take a live member's state (`boundary`, `welcome`;
+docs/reliability.md, "Workers that join a running job").
 
 Its torch.distributed calls are the transport's control-plane verbs (`Transport.agree_max`, `Transport.share`,
 `Transport.regroup_to`: neither metered nor emulated); `watched` turns an error of one into the `PeerLost` that an

@@ -4,10 +4,9 @@
     ...; loss.backward(); trainer.step(); opt.zero_grad()
     trainer.close()
 
-Keyword parameters are routed by name to the algorithm, the compressor, the memory, the scheduler, the
-transport and the exchange (`collective`, `sparse_collective`) (`build_components`, in `assembly.py`). The Trainer builds them, checks that every rank holds the same
-model, starts every rank from rank 0's, and runs each step as the algorithm dictates, under the NaN/Inf policy of
-`nonfinite.py`; surviving a lost worker and taking newcomers in are its `Resilience`'s (`resilience.py`).
+The Trainer builds its components from names and keyword parameters (`assembly.py`), checks that every rank holds
+the same model, starts every rank from rank 0's, and runs each step as the algorithm dictates, under the NaN/Inf
+policy of `nonfinite.py`; surviving a lost worker and taking newcomers in are its `Resilience`'s (`resilience.py`).
 """
 from __future__ import annotations
 
@@ -78,14 +77,16 @@ class Trainer:
             transport = Transport(group=self.elastic.group, network=network, tracer=self.tracer,
                                   device=self.parameters[0].device, **transport_params)
             transport.generation = self.elastic.gen
-        self.transport = transport or Transport(network=network, tracer=self.tracer,
-                                                device=self.parameters[0].device, **transport_params)
+        elif transport is None:
+            transport = Transport(network=network, tracer=self.tracer, device=self.parameters[0].device,
+                                  **transport_params)
+        elif "allreduce" in transport_params:     # a transport given: the all-reduce algorithm asked for
+            parse(transport_params["allreduce"], transport.world_size)
+            transport.allreduce = transport_params["allreduce"]
+        self.transport = transport
         warning = adam_feedback_warning(self.algorithm, self.compressor, self.memory, optimizer)
         if warning and self.transport.rank == 0:
             warnings.warn(warning, stacklevel=2)
-        if transport is not None and "allreduce" in transport_params:
-            parse(transport_params["allreduce"], transport.world_size)
-            transport.allreduce = transport_params["allreduce"]
         if tracer is not None:
             self.transport.tracer = tracer
         if joined is None:               # a newcomer is checked by its fingerprint and takes a live peer's state
@@ -95,7 +96,7 @@ class Trainer:
         # policy stop: every step's gradients checked on the device, the verdict read with the next exchange;
         # none where the algorithm's exchange checks every gradient bucket itself before sending it
         self.finite = (FiniteGuard(self.parameters, self.transport.rank)
-                       if nonfinite == "stop" and not getattr(self.algorithm, "checks_finite", False) else None)
+                       if nonfinite == "stop" and not self.algorithm.checks_finite else None)
         self.context = Context(model, optimizer, self.parameters, self.scheduler, self.transport, self.tracer,
                                self.compressor, self.memory, failures=self.failures, finite=self.finite,
                                collectives=exchange_params)
