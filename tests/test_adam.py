@@ -353,6 +353,9 @@ def test_refusals_name_what_to_use(algorithm):
     assert "residual" in _refusal(algorithm, workload="stdlib-lm", memory="residual", params={"momentum": 0.9})
     assert "valid" in _refusal(algorithm, workload="stdlib-lm", params={"schedule": "mgwfbp"})
     assert _refusal(algorithm, workload="stdlib-lm", compressor="topk", memory="residual") is None
+    assert "qsgd" in _refusal(algorithm, workload="stdlib-lm", compressor="randomk")       # measured: 0.68, 0.89
+    threshold = _refusal(algorithm, workload="stdlib-lm", compressor="threshold")
+    assert (threshold is None) == (algorithm == "onebit-adam"), threshold                  # 0/1 Adam sends γ̃m
     model = _model()
     with pytest.raises(UserError, match="amsgrad"):
         from thinwire import algorithms

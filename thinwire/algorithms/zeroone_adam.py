@@ -40,6 +40,14 @@ class ZeroOneAdam(OneBitAdam):
     local steps after the freeze."""
 
     cost = CostFamily("compressed_momentum")
+    # (see OneBitAdam._MISSES) u = Σ γ̃ m is the learning rate times the momentum: an absolute threshold sends next to
+    # nothing of it (threshold, threshold2bit: 0.68); DeMo's and SparseLoCo's payloads without their own memories
+    # (their momentum, refused here) have no error feedback (0.84, 0.71)
+    _MISSES = {**OneBitAdam._MISSES,
+               **dict.fromkeys(("threshold", "threshold2bit"), ("its threshold is absolute and 0/1 Adam exchanges the "
+                               "learning rate times the momentum: it sends next to nothing (digits-mlp: 0.68)", False)),
+               **dict.fromkeys(("demo", "sparseloco"), ("its sparse payload has no error feedback without memory "
+                               "residual (digits-mlp: 0.84 and 0.71)", True))}
 
     def __init__(self, var_freeze_step: int = 100000, var_update_scaler: int = 16, local_step_scaler: int = 32678,
                  local_step_clipper: int = 16, architecture: str | None = None):
