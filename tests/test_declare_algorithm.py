@@ -98,7 +98,7 @@ def test_the_declarations_say_what_the_name_tables_said():
     """(compare/matrix.py's EVERY_STEP and compare/presets.py's SGD_ONLY, before the algorithms declared them)"""
     from thinwire.compare.matrix import syncs_every_step
     every_step = {"bsp", "ssgd", "bitsgd", "odsgd", "cdsgd", "dts", "delayed", "tsparse", "dpsgd", "choco", "sgp",
-                  "adpsgd", "asp", "ssp", "backup", "ddp", "ddp-fp16", "ddp-powersgd"}
+                  "adpsgd", "asp", "ssp", "backup", "ddp", "ddp-fp16", "ddp-powersgd", "onebit-adam", "zeroone-adam"}
     peers = ("ddp", "ddp-fp16", "ddp-powersgd", "ddp-postlocalsgd", "ddp-hierarchical", "torchft-diloco")
     assert {n for n in [*algorithms.names(), *peers] if syncs_every_step(n)} == every_step
     assert {n for n in algorithms.names() if algorithms.registry.lookup(n).sgd_only} == \

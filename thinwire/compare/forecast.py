@@ -39,9 +39,13 @@ AVERAGING_STEPS = (0.575, 0.048)
 
 
 def planned_as(algorithm: str, compressor: str | None = None) -> tuple[str, str]:
-    """The (algorithm, compressor) the planner sees a cell as: a peer's declared `plan_as`, else its own."""
+    """The (algorithm, compressor) the planner sees a cell as: a peer's declared `plan_as`, else its own (none
+    named: the algorithm's default, e.g. 1-bit Adam's onebit)."""
     peer = peers.find(algorithm)
-    return peer.plan_as if peer is not None else (algorithm, compressor or "none")
+    if peer is not None:
+        return peer.plan_as
+    default = algorithms.registry.lookup(algorithm).default_compressor if algorithm in algorithms.registry else "none"
+    return algorithm, compressor or default
 
 
 def family(algorithm: str | None) -> str | None:
@@ -60,12 +64,16 @@ def syncs_every_step(algorithm: str | None) -> bool:
 
 def with_sgd_where_needed(cell: presets.Cell, workload: str) -> presets.Cell:
     """A copy of `cell`, with SGD for an algorithm that compensates SGD only on a workload whose optimizer is
-    another (unless the cell names one)."""
+    another, and AdamW for one whose update is Adam's (1-bit Adam, 0/1 Adam) (unless the cell names one)."""
     out = replace(cell, params=dict(cell.params))
-    sgd_only = not cell.peer and cell.algorithm in algorithms.registry and \
-        algorithms.registry.lookup(cell.algorithm).sgd_only
-    if sgd_only and cell.optimizer is None and workloads.get(workload).optimizer != "sgd":
-        out.optimizer = "sgd"
+    cls = algorithms.registry.lookup(cell.algorithm) if not cell.peer and cell.algorithm in algorithms.registry \
+        else None
+    if cls is not None and cell.optimizer is None:
+        own = workloads.get(workload).optimizer
+        if cls.sgd_only and own != "sgd":
+            out.optimizer = "sgd"
+        elif cls.adam_only and own != "adamw":
+            out.optimizer = "adamw"
     return out
 
 
@@ -83,7 +91,8 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
     out = with_sgd_where_needed(cell, workload)
     why: list[str] = []
     if out.optimizer != cell.optimizer:
-        why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {wl.optimizer})")
+        why.append(f"optimizer={out.optimizer}: {cell.algorithm} " + ("compensates SGD only" if out.optimizer == "sgd"
+                   else "runs Adam's update") + f" (the workload trains with {wl.optimizer})")
     peer, plan_as = peers.find(cell.algorithm), planned_as(cell.algorithm)[0]
     diloco = family(cell.algorithm) == "diloco"
     takes = (lambda k: k in peer.params) if peer else (lambda k: algorithms.registry.accepts(cell.algorithm, k))

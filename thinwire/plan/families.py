@@ -147,6 +147,18 @@ def delayed(x: Inputs, p: dict) -> Step:
     return Step(window / period, comm.sent / period)
 
 
+def compressed_momentum(x: Inputs, p: dict) -> Step:
+    """1-bit Adam and 0/1 Adam after the warm-up, a sync every `period` H steps (0/1 Adam's local steps; default 1):
+    the compressed all-reduce with two-sided error feedback (`thinwire.exchange.twosided`). Each rank sends its n − 1
+    chunks of the compressed tensor P (P/n each) point to point, then all-gathers the owners' compressed chunks:
+    τ + ((1 + 1/n)δ + α + (n − 1)P/n β + ring all-gather of P/n)/H, 2(n − 1)P/n bytes per sync."""
+    s, n, h = x.s, x.s.workers, int(p.get("period", 1))
+    chunk = x.exchange(replace(s, workers=2))[1].sent / n    # (2 ranks: one rank's bytes are the payload P)
+    comm = (netcost.p2p(s.link, (n - 1) * chunk) if n > 1 else netcost.ZERO) + \
+        netcost.ring_allgather(s.collective_link, n, chunk)
+    return Step(s.compute_s + ((1 + 1 / n) * x.delta + comm.time) / h, comm.sent / h, collective="two-sided")
+
+
 def no_communication(x: Inputs, p: dict) -> Step:
     """local: τ, nothing sent."""
     return Step(x.s.compute_s, 0.0, collective="none")
@@ -162,4 +174,5 @@ FAMILIES = {"every_step": Family(every_step, True), "quantized": Family(quantize
             "periodic": Family(periodic, False), "diloco": Family(diloco, False),
             "parameter_server": Family(parameter_server, True), "gossip": Family(gossip, True),
             "delayed": Family(delayed, True), "async": Family(asynchronous, False),
+            "compressed_momentum": Family(compressed_momentum, True),
             "none": Family(no_communication, False)}

@@ -16,7 +16,7 @@ import torch
 from .. import algorithms, sched
 from ..comm.collectives import parse
 from ..comm.membership import MEMBERSHIP
-from ..compress import compressors, memories
+from ..compress import Memory, compressors, memories
 from ..errors import UserError
 from ..exchange.exchange import check_collectives
 from ..registry import call, route
@@ -78,6 +78,19 @@ def check_optimizer_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     if foreign:
         raise UserError(f"the optimizer holds {foreign} of {len(held)} tensors that are not the model's parameters "
                         f"(another model's?): build it from this model's parameters (model.parameters())")
+
+
+def adam_feedback_warning(algorithm, compressor, memory, optimizer) -> str | None:
+    """One line where a biased compressor's error feedback carries the gradient of an Adam: Adam divides by a running
+    variance of what it is fed, whose compression error does not cancel (Tang et al. 2021, "1-bit Adam", arXiv
+    2102.02888, §3). Measured on stdlib-lm (docs/adam.md): bsp + onebit + residual under AdamW stalls at test loss
+    2.7 from step 150 on, where uncompressed AdamW reaches 2.07 at step 300. None where the combination is not that."""
+    if not (algorithm.exchanges_gradients and isinstance(optimizer, torch.optim.Adam) and not compressor.unbiased
+            and type(memory).update is not Memory.update):
+        return None
+    return (f"thinwire: error feedback on the gradient ({compressor.name} + memory {memory.name}) under "
+            f"{type(optimizer).__name__} stalls (Tang et al. 2021, 1-bit Adam; docs/adam.md): use algorithm "
+            f"onebit-adam or zeroone-adam, which exchange Adam's momentum with a frozen variance")
 
 
 ON_FAILURE = ("stop", "continue")

@@ -11,6 +11,7 @@ policy of `nonfinite.py`; surviving a lost worker and taking newcomers in are it
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 
@@ -23,7 +24,7 @@ from ..comm.progress import report as report_progress
 from ..errors import UserError
 from ..optim import hand_over_momentum
 from ..trace import NULL, Tracer
-from .assembly import build_components, check_elastic, check_on_failure, check_optimizer_of
+from .assembly import adam_feedback_warning, build_components, check_elastic, check_on_failure, check_optimizer_of
 from .nonfinite import FiniteGuard, nonfinite_flag, nonfinite_params
 from .resilience import Resilience
 
@@ -84,6 +85,9 @@ class Trainer:
             parse(transport_params["allreduce"], transport.world_size)
             transport.allreduce = transport_params["allreduce"]
         self.transport = transport
+        warning = adam_feedback_warning(self.algorithm, self.compressor, self.memory, optimizer)
+        if warning and self.transport.rank == 0:
+            warnings.warn(warning, stacklevel=2)
         if tracer is not None:
             self.transport.tracer = tracer
         if joined is None:               # a newcomer is checked by its fingerprint and takes a live peer's state
