@@ -90,6 +90,7 @@ class Algorithm:
     exchange_class: ClassVar[type] = Exchange   # what make_exchange builds (the PS and gossip forms: their own)
     cost: ClassVar[CostFamily | None] = None    # how the planner predicts it (`thinwire.algorithms.cost`)
     sgd_only: ClassVar[bool] = False            # its update compensates plain or momentum SGD only (check_run)
+    adam_only: ClassVar[bool] = False           # it averages Adam's moments: Adam or AdamW only (check_run)
 
     def __init__(self, architecture: str | None = None):
         arch = architecture or self.architectures[0]

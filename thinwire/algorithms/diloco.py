@@ -76,8 +76,7 @@ from .cost import CostFamily
 from .diloco_eager import EagerRounds
 from .diloco_fragments import Fragments
 from .diloco_islands import IslandReplica, island_groups
-
-DEFAULT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+from .diloco_outer import PAPER as DEFAULT_OUTER, outer_settings
 
 
 def _check_options(period, outer_lr, outer_momentum, nesterov, outer_optimizer, fragments, overlap, alpha, eager,
@@ -166,10 +165,14 @@ class DiLoCo(Algorithm):
     keeps_local_work = True    # a survivor's inner steps go into the next sync
     cost = CostFamily("diloco")
 
-    def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,
-                 eager: bool = False, replicas: str = "worker", architecture: str | None = None):
+    def __init__(self, period: int = 50, outer_lr: float | None = None, outer_momentum: float | None = None,
+                 nesterov: bool | None = None, outer_optimizer=None, fragments: int = 1, overlap: int = 0,
+                 alpha: float = 0.0, eager: bool = False, replicas: str = "worker", architecture: str | None = None):
         super().__init__(architecture)
+        # the outer SGD's unset settings: the paper's until setup, where they follow the inner optimizer and H
+        given = {k: v for k, v in zip(DEFAULT_OUTER, (outer_lr, outer_momentum, nesterov)) if v is not None}
+        outer_lr, outer_momentum, nesterov = {**DEFAULT_OUTER, **given}.values()
+        self._outer_given = given if outer_optimizer is None or str(outer_optimizer).lower() == "sgd" else None
         _check_options(period, outer_lr, outer_momentum, nesterov, outer_optimizer, fragments, overlap, alpha, eager,
                        replicas)
         self.replicas = replicas
@@ -209,6 +212,10 @@ class DiLoCo(Algorithm):
         self.frags = Fragments(self.params, self.fragments)
         # θ per segment (a parameter's elements in one fragment): the same on every worker
         self.anchor = [self.frags.local(k).clone() for k in range(len(self.frags.segs))]
+        if self._outer_given is not None:      # the outer SGD: the settings left unset follow the run (diloco_outer)
+            outer = outer_settings(self.optimizer, self.period, self._outer_given, warn=self.rank == 0)
+            self.outer_lr, self.outer_momentum, self.nesterov = (outer[k] for k in DEFAULT_OUTER)
+            self._make_outer = _outer_factory(None, self.outer_lr, self.outer_momentum, self.nesterov)
         self.outer = self._make_outer(self.anchor)
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise UserError(f"outer_optimizer must build a torch.optim.Optimizer, got {type(self.outer).__name__}")

@@ -51,6 +51,7 @@ def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
             cls = algs.registry.constructor(alg, {"architecture": arch})
             names = (compressors or comps.names()) if cls.compression else ["none"]
             servers = 1 if arch == "ps" else 0
+            optimizer = "adamw" if cls.adam_only else None     # (the workloads here train with SGD)
             for comp in names:
                 params = {} if arch == archs[0] else {"architecture": arch}
                 # its natural memory, else none (an algorithm with its own error feedback, e.g. choco, refuses one)
@@ -58,7 +59,7 @@ def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
                 for memory in dict.fromkeys([natural, "none"]):
                     try:
                         TrainConfig(algorithm=alg, workers=workers, compressor=comp, memory=memory,
-                                    servers=servers, params=params, progress=False).validate()
+                                    servers=servers, params=params, optimizer=optimizer, progress=False).validate()
                         refused = None
                         break
                     except UserError as e:
@@ -66,7 +67,7 @@ def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
                 else:
                     memory = natural
                 out.append({"algorithm": alg, "architecture": arch, "compressor": comp, "memory": memory,
-                            "servers": servers, "params": params, "refused": refused})
+                            "servers": servers, "params": params, "optimizer": optimizer, "refused": refused})
     return out
 
 
@@ -74,7 +75,7 @@ def config(cell: dict, workload: str, workers: int, **kw):
     from ..run.train import TrainConfig
     return TrainConfig(workload=workload, algorithm=cell["algorithm"], workers=workers,
                        compressor=cell["compressor"], memory=cell["memory"], servers=cell["servers"],
-                       params=dict(cell["params"]), progress=False, **kw)
+                       params=dict(cell["params"]), optimizer=cell.get("optimizer"), progress=False, **kw)
 
 
 def markdown(rows: list[dict]) -> str:

@@ -116,7 +116,7 @@ class CompareConfig:
         for cell in cells:    # every cell's run checked as `thinwire train` checks one (train's one path)
             for network in self.networks:
                 try:
-                    cell_config(self, with_sgd_where_needed(cell, self.workload), network).validate()
+                    cell_config(self, with_needed_optimizer(cell, self.workload), network).validate()
                 except UserError as e:
                     raise UserError(f"cell {cell.label!r}" + (f" on {network}" if len(self.networks) > 1
                                                                else "") + f": {e}") from None
@@ -175,26 +175,36 @@ def syncs_every_step(algorithm: str | None) -> bool:
     return kind is not None and FAMILIES[kind].every_step
 
 
-def with_sgd_where_needed(cell: presets.Cell, workload: str) -> presets.Cell:
-    """A copy of `cell`, with SGD for an algorithm that compensates SGD only on a workload whose optimizer is
-    another (unless the cell names one)."""
+def needed_optimizer(cell: presets.Cell) -> tuple[str, str] | None:
+    """(optimizer, why) an algorithm's update is written for: SGD for one that compensates SGD only, AdamW for one
+    that averages Adam's moments; None for any optimizer (and for a peer)."""
+    if cell.peer or cell.algorithm not in algorithms.registry:
+        return None
+    cls = algorithms.registry.lookup(cell.algorithm)
+    return ("sgd", "compensates SGD only") if cls.sgd_only else \
+        ("adamw", "averages Adam's moments") if cls.adam_only else None
+
+
+def with_needed_optimizer(cell: presets.Cell, workload: str) -> presets.Cell:
+    """A copy of `cell`, with the optimizer its algorithm needs (`needed_optimizer`) on a workload whose optimizer
+    is another (unless the cell names one)."""
     out = replace(cell, params=dict(cell.params))
-    sgd_only = not cell.peer and cell.algorithm in algorithms.registry and \
-        algorithms.registry.lookup(cell.algorithm).sgd_only
-    if sgd_only and cell.optimizer is None and workloads.get(workload).optimizer != "sgd":
-        out.optimizer = "sgd"
+    need = needed_optimizer(cell)
+    if need and cell.optimizer is None and workloads.get(workload).optimizer != need[0]:
+        out.optimizer = need[0]
     return out
 
 
 def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
               compute_s: float | None) -> tuple[presets.Cell, list[str]]:
-    """The cell with the parameters it leaves out picked for `network` (and SGD for an algorithm that
-    compensates SGD only, on a workload whose optimizer is another); the reasons, one per decision."""
+    """The cell with the parameters it leaves out picked for `network` (and the optimizer its algorithm needs, on a
+    workload whose optimizer is another: `needed_optimizer`); the reasons, one per decision."""
     wl = workloads.get(workload)
-    out = with_sgd_where_needed(cell, workload)
+    out = with_needed_optimizer(cell, workload)
     why: list[str] = []
     if out.optimizer != cell.optimizer:
-        why.append(f"optimizer=sgd: {cell.algorithm} compensates SGD only (the workload trains with {wl.optimizer})")
+        why.append(f"optimizer={out.optimizer}: {cell.algorithm} {needed_optimizer(cell)[1]} (the workload trains "
+                   f"with {wl.optimizer})")
     if family(cell.algorithm) == "diloco":
         return _tune_diloco(out, why, network, wl, workers, compute_s)
     peer = peers.find(cell.algorithm)
@@ -242,7 +252,9 @@ def _tune_diloco(out: presets.Cell, why: list, network: str, wl, workers: int, c
         why.append("defaults: no compute time was measured for the planner")
         return out, why
     plan = diloco_plan(out, network, wl, workers, compute_s)
-    picked = {k: v for k, v in plan.params().items() if k not in out.params}
+    name = wl.optimizer_settings(out.optimizer)[0]      # the outer SGD's settings follow the inner optimizer
+    inner = None if "outer_optimizer" in out.params or name == "custom" else name
+    picked = {k: v for k, v in plan.params(inner).items() if k not in out.params}
     out.params.update(picked)
     if not out.compressor and plan.compressor != "none":
         out.compressor, out.memory = plan.compressor, plan.memory
