@@ -301,3 +301,24 @@ def test_train_and_compare_run_desloc_with_adamw(pool2, tmp_path):
                                         budget_s=0.5), str(tmp_path), progress=False, pool=pool2)
     (row,) = res["cells"]
     assert row["status"] == "ok" and row["steps"] > 0, row.get("error")
+
+
+def _every_compressor(rank, world, cells):
+    from thinwire.bench import matrix
+    from thinwire.run.train import train_worker
+    out = []
+    for cell in cells:
+        rec = train_worker(rank, world, matrix.config(cell, "digits-mlp", world, steps=4, eval_every=10 ** 6))
+        out.append(rec["steps"][-1]["loss"])
+    return out
+
+
+def test_every_compressor_of_the_matrix_trains_with_desloc(pool2):
+    """The matrix's cells (AdamW, each compressor with its natural memory) with every state averaged within 4
+    steps: x through the compressor and u every step, v every second step."""
+    import math
+    from thinwire.bench import matrix
+    cells = [dict(c, params={"period": 1, "period_v": 2}) for c in matrix.cells(["desloc"], workers=2)]
+    assert len(cells) > 20 and not any(c["refused"] for c in cells) and {c["optimizer"] for c in cells} == {"adamw"}
+    for rank_out in pool2.run(_every_compressor, cells):
+        assert all(math.isfinite(x) for x in rank_out), [(c["compressor"], x) for c, x in zip(cells, rank_out)]

@@ -16,10 +16,12 @@ schedule, betas, ε, weight decay), its state is the two moments averaged here, 
 correction) is the same on every worker. An optimizer without those moments (SGD, Muon) or with AMSGrad's running
 maximum (a third moment the paper does not average) is refused in one line (`check_run`).
 
-The compressor and memory of the run apply where the algebra allows: the parameters travel as their deltas since
-the last average, x = x̄ + E_m[C(x^m − x̄)] (local SGD's, `thinwire.algorithms.localsgd`), and so does the first
-moment, u = ū + E_m[C(u^m − ū)], each delta with its own error-feedback state; the second moment is averaged in
-full precision (Adam divides by its root: a sparsified or quantized v can reach zero, or below).
+The compressor and memory of the run apply where the algebra allows: to the parameters, which travel as their
+deltas since the last average, x = x̄ + E_m[C(x^m − x̄)] with error feedback on the deltas (local SGD's,
+`thinwire.algorithms.localsgd`). The two moments are averaged in full precision: Adam divides the first by the root
+of the second, so a compression error in u is multiplied by 1/(√v + ε), large where v is near zero
+(digits-mlp, K_x = 8, with the first moment's deltas through efsignsgd as well: NaN at step 153), and a sparsified
+or quantized v can reach zero, or below.
 
 Like `localsgd`, on a step that averages anything each bucket's local Adam step is taken as soon as backward hands
 the bucket over, and the averages of its parameters' deltas and moments start at once, overlapped with the rest of
@@ -42,10 +44,6 @@ U_RATIO, V_RATIO = 3, 6      # the paper's K_u = 3 K_x, K_v = 6 K_x
 def periods(period: int, period_u: int | None = None, period_v: int | None = None) -> tuple[int, int, int]:
     """(K_x, K_u, K_v): the moments' periods the paper's multiples of K_x where they are left unset."""
     return period, period_u or U_RATIO * period, period_v or V_RATIO * period
-
-
-def _u_keys(layout: list) -> list:
-    return [(f"{key}:u", n) for key, n in layout]
 
 
 @register("desloc")
@@ -80,11 +78,9 @@ class DESLOC(Algorithm):
 
     def setup(self):
         self.check_run(self.world_size, self.optimizer)
-        self.exchange = self.make_exchange()                    # parameters' and first moment's deltas
-        self.plain = self.make_exchange("none", "none")         # the second moment, in full precision
+        self.exchange = self.make_exchange()                    # the parameters' deltas
+        self.plain = self.make_exchange("none", "none")         # the moments, in full precision
         self.anchor = [p.detach().clone() for p in self.params]          # x̄: the last averaged parameters
-        self.anchor_u = [self.optimizer.state.get(p, {}).get("exp_avg", torch.zeros_like(p)).detach().clone()
-                         for p in self.params]                  # ū: Adam's first moment starts at zero
         self.steps = 0
         self.syncs = {"x": 0, "u": 0, "v": 0}
         self.pending: dict[int, tuple] = {}
@@ -114,9 +110,8 @@ class DESLOC(Algorithm):
                                                                                         bucket.members)]),
                                          key=bucket.key, shapes=bucket.shapes)
             if u:
-                fu = self.exchange.start(bucket.flat([self._moment(p, "exp_avg") - self.anchor_u[i]
-                                                      for p, i in zip(bucket.params, bucket.members)]),
-                                         key=f"{bucket.key}:u", shapes=bucket.shapes)
+                fu = self.plain.start(bucket.flat([self._moment(p, "exp_avg") for p in bucket.params]),
+                                      key=f"{bucket.key}:u")
             if v:
                 fv = self.plain.start(bucket.flat([self._moment(p, "exp_avg_sq") for p in bucket.params]),
                                       key=bucket.key)
@@ -124,7 +119,7 @@ class DESLOC(Algorithm):
 
     @torch.no_grad()
     def _apply(self) -> None:
-        """Wait for every bucket's averages; x ← x̄ + mean, u ← ū + mean, v ← mean, the anchors following."""
+        """Wait for every bucket's averages; x ← x̄ + mean (the new x̄), u ← mean, v ← mean."""
         with self.tracer.span("average", "communicate"):
             for bucket in self.scheduler.buckets:
                 fx, fu, fv = self.pending.pop(bucket.index)
@@ -132,13 +127,10 @@ class DESLOC(Algorithm):
                     for p, i, m in zip(bucket.params, bucket.members, bucket.split(fx.wait())):
                         self.anchor[i].add_(m)
                         p.copy_(self.anchor[i])
-                if fu is not None:
-                    for p, i, m in zip(bucket.params, bucket.members, bucket.split(fu.wait())):
-                        self.anchor_u[i].add_(m)
-                        self._moment(p, "exp_avg").copy_(self.anchor_u[i])
-                if fv is not None:
-                    for p, m in zip(bucket.params, bucket.split(fv.wait())):
-                        self._moment(p, "exp_avg_sq").copy_(m)
+                for fut, name in ((fu, "exp_avg"), (fv, "exp_avg_sq")):
+                    if fut is not None:
+                        for p, m in zip(bucket.params, bucket.split(fut.wait())):
+                            self._moment(p, name).copy_(m)
 
     def step(self):
         n = self.steps + 1
@@ -160,10 +152,6 @@ class DESLOC(Algorithm):
             self._apply()
         super().close()
 
-    def rekey(self, old, new):
-        super().rekey(old, new)
-        self.exchange.rekey(_u_keys(old), _u_keys(new))
-
     # -- bookkeeping ------------------------------------------------------------------------------------------
     def metrics(self):
         return {**super().metrics(), "period": self.kx, "period_u": self.ku, "period_v": self.kv,
@@ -171,7 +159,7 @@ class DESLOC(Algorithm):
 
     def state_dict(self):
         return {"periods": [self.kx, self.ku, self.kv], "steps": self.steps, "syncs": dict(self.syncs),
-                "anchor": [a.clone() for a in self.anchor], "anchor_u": [a.clone() for a in self.anchor_u],
+                "anchor": [a.clone() for a in self.anchor],
                 "exchange": self.exchange.state_dict(), "plain": self.plain.state_dict()}
 
     def load_state_dict(self, state):
@@ -180,6 +168,5 @@ class DESLOC(Algorithm):
                             f"run has {(self.kx, self.ku, self.kv)}")
         self.steps, self.syncs = int(state["steps"]), dict(state["syncs"])
         copy_each(self.anchor, state["anchor"])
-        copy_each(self.anchor_u, state["anchor_u"])
         self.exchange.load_state_dict(state["exchange"])
         self.plain.load_state_dict(state["plain"])

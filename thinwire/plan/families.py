@@ -98,15 +98,13 @@ def diloco(x: Inputs, p: dict) -> Step:
 
 def desynced(x: Inputs, p: dict) -> Step:
     """DES-LOC (`period` K_x, `period_u` K_u, `period_v` K_v; Iacob et al. 2025, "DES-LOC: Desynced Low
-    Communication Adaptive Optimizers for Training Foundation Models", arXiv 2505.22549): the parameters' and the
-    first moment's deltas through the compressor every K_x and K_u steps, the second moment in full precision every
-    K_v: τ + (δ + C)/K_x + (δ + C)/K_u + C_32/K_v, bytes per step N/K_x + N/K_u + N/K_v (N: one exchange of the
-    model)."""
+    Communication Adaptive Optimizers for Training Foundation Models", arXiv 2505.22549): the parameters' deltas
+    through the compressor every K_x steps, the two moments in full precision every K_u and K_v:
+    τ + (δ + C)/K_x + C_32/K_u + C_32/K_v, bytes per step N/K_x + N/K_u + N/K_v (N: one exchange of the model)."""
     kx, ku, kv = periods(int(p["period"]), p.get("period_u"), p.get("period_v"))
     full = x.comm if x.compressor == "none" else x.exchange(x.s, "none")[1]
-    moved = x.delta + x.comm.time
-    return Step(x.s.compute_s + moved / kx + moved / ku + full.time / kv,
-                x.comm.sent / kx + x.comm.sent / ku + full.sent / kv)
+    return Step(x.s.compute_s + (x.delta + x.comm.time) / kx + full.time / ku + full.time / kv,
+                x.comm.sent / kx + full.sent / ku + full.sent / kv)
 
 
 def ps_push_pull(link: Link, n: int, up: float, down: float, servers: int = 1) -> Cost:
