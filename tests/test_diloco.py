@@ -13,6 +13,7 @@ import torch
 
 from thinwire import algorithms
 from thinwire.algorithms.diloco_fragments import fragment_bounds, segments
+from thinwire.algorithms.diloco_outer import outer_defaults
 from thinwire.errors import UserError
 from thinwire.run import workloads
 
@@ -132,17 +133,18 @@ def _run(rank, world, algorithm, params, steps, **kw):
 
 
 NO_MOMENTUM = {"outer_lr": 1.0, "outer_momentum": 0.0}
-REPLAYS = {   # name -> (model, params, steps): outer Nesterov momentum, AdamW inner steps
-    "diloco H=3": ("linreg", {"period": 3}, 12),
+PAPER = {"outer_lr": 0.7, "outer_momentum": 0.9}
+REPLAYS = {   # name -> (model, params, steps): outer Nesterov momentum (unset: the defaults for AdamW and H), AdamW
+    "diloco H=3": ("linreg", {"period": 3, **PAPER}, 12),
     "diloco H=4 mlp": ("mlp", {"period": 4, "outer_lr": 0.5, "outer_momentum": 0.8}, 14),
     "streaming F=1": ("mlp", {"period": 4, "fragments": 1, "overlap": 0, "alpha": 0.0}, 14),
-    "streaming F=2 τ=1 α=.5": ("mlp", {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5}, 14),
-    "streaming F=3 τ=2": ("mlp", {"period": 9, "fragments": 3, "overlap": 2}, 20),
+    "streaming F=2 τ=1 α=.5": ("mlp", {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5, **PAPER}, 14),
+    "streaming F=3 τ=2": ("mlp", {"period": 9, "fragments": 3, "overlap": 2, **PAPER}, 20),
     "streaming F=6 fusion": ("mlp", {"period": 12, "fragments": 6, "overlap": 1, "bucket_mb": 0.0005,
-                                 "first_bucket_mb": 0.0005}, 26),
-    "eager H=3": ("linreg", {"period": 3, "eager": True}, 13),
-    "eager F=3 fusion": ("mlp", {"period": 6, "fragments": 3, "eager": True, "outer_lr": 0.5, "bucket_mb": 0.0005,
-                             "first_bucket_mb": 0.0005}, 17),
+                                 "first_bucket_mb": 0.0005, **PAPER}, 26),
+    "eager H=3": ("linreg", {"period": 3, "eager": True, **PAPER}, 13),
+    "eager F=3 fusion": ("mlp", {"period": 6, "fragments": 3, "eager": True, "outer_lr": 0.5, "outer_momentum": 0.9,
+                             "bucket_mb": 0.0005, "first_bucket_mb": 0.0005}, 17),
 }
 
 
@@ -167,7 +169,7 @@ def replay(model, params, steps, n=N, island=1):
         return replay_eager(model, params, steps, n)[0]
     H, F = params["period"], params.get("fragments", 1)
     tau, alpha = params.get("overlap", 0), params.get("alpha", 0.0)
-    lr, mu = params.get("outer_lr", 0.7), params.get("outer_momentum", 0.9)
+    lr, mu = (({**outer_defaults(H, "adamw"), **params})[k] for k in ("outer_lr", "outer_momentum"))
     wl = workloads.get("linreg")
     shards = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
     n //= island
@@ -222,7 +224,7 @@ def replay_eager(model, params, steps, n=N):
     Returns (the models before close, the model every worker holds after close: the last averages' others' shares
     applied, then the workers' models averaged)."""
     H, F = params["period"], params.get("fragments", 1)
-    lr, mu = params.get("outer_lr", 0.7), params.get("outer_momentum", 0.9)
+    lr, mu = (({**outer_defaults(H, "adamw"), **params})[k] for k in ("outer_lr", "outer_momentum"))
     wl = workloads.get("linreg")
     models = [_model(model) for _ in range(n)]
     opts = [_inner(m, "adamw") for m in models]
@@ -313,7 +315,7 @@ def test_equivalences_and_replays_on_linreg(pool4):
 ISLANDS = "islands:2x2,inside=lan,across=lan"     # two islands of two workers (unemulated: the algebra only)
 HIERARCHICAL = {"diloco H=3 islands": ("linreg", {"period": 3, "replicas": "island"}, 10),
                 "streaming F=2 τ=1 islands": ("mlp", {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5,
-                                                      "replicas": "island"}, 11)}
+                                                      "replicas": "island", **PAPER}, 11)}
 
 
 def _islands(rank, world):
@@ -458,6 +460,86 @@ def test_checkpoint_resume_with_a_fragment_in_flight(pool4):
         assert r["in_flight"] > 0                      # step 5 started fragment 0's sync, merged at step 6
         assert torch.equal(r["whole"][0], r["resumed"][0]) and torch.equal(r["whole"][1], r["resumed"][1])
         assert r["wrong"] and "period" in r["wrong"]
+
+
+# -- outer settings that follow the inner optimizer and the period (docs/diloco.md) -------------------------------
+def test_outer_defaults_follow_the_inner_optimizer_and_the_period():
+    from thinwire.algorithms.diloco_outer import FULL_PERIOD, MODEL_AVERAGING, PAPER as PAPERS, outer_settings
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    adamw, sgd = torch.optim.AdamW(p), torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    for h in (FULL_PERIOD, 50, 500):                      # AdamW, Adam, Muon: the paper's from H = 24 on
+        assert outer_settings(adamw, h, {}) == PAPERS == outer_defaults(h, "muon") == outer_defaults(h, "adam")
+    line = [outer_settings(adamw, h, {}) for h in (1, 8, 12, FULL_PERIOD - 1)]    # frequent syncs: less momentum,
+    for h, o in zip((1, 8, 12, FULL_PERIOD - 1), line):   # on the line from model averaging to the paper's
+        s = h / FULL_PERIOD
+        assert o == pytest.approx({"outer_lr": 1 - 0.3 * s, "outer_momentum": 0.9 * s, "nesterov": True})
+    amplification = [o["outer_lr"] / (1 - o["outer_momentum"]) for o in line + [PAPERS]]
+    assert amplification[0] < 1.04 and all(a < b for a, b in zip(amplification, amplification[1:]))
+    for h in (1, 10, 50, 500):                            # SGD, with or without momentum: model averaging
+        assert outer_settings(sgd, h, {}) == MODEL_AVERAGING == outer_defaults(h, "sgd")
+        assert outer_settings(torch.optim.SGD(p, lr=0.1), h, {}) == MODEL_AVERAGING
+    assert outer_settings(sgd, 50, {"outer_lr": 0.5}, warn=False) == {**MODEL_AVERAGING, "outer_lr": 0.5}
+    assert outer_settings(adamw, 50, {"outer_momentum": 0.5}) == {**PAPERS, "outer_momentum": 0.5}
+
+
+def _user_loop(rank, world, params, steps=240):
+    """A user's own loop: a 32-64-4 MLP on a synthetic 4-class problem (2 048 points, each worker its shard),
+    batches of 32, SGD(lr=0.1, momentum=0.9); returns the full-data loss after `steps`, the outer optimizer DiLoCo
+    ran with and thinwire's warnings."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    from thinwire import Trainer
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 32, generator=g)
+    y = (x @ torch.randn(32, 4, generator=g)).argmax(1)
+    mine = torch.arange(rank, len(x), world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = Trainer(model, opt, **params)
+    batches = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        b = mine[torch.randint(len(mine), (32,), generator=batches)]
+        F.cross_entropy(model(x[b]), y[b]).backward()
+        tr.step()
+        opt.zero_grad()
+    tr.close()
+    with torch.no_grad():
+        loss = float(F.cross_entropy(model(x), y))
+    return loss, tr.metrics().get("outer_optimizer"), [str(w.message) for w in caught if "thinwire" in str(w.message)]
+
+
+def _loops(rank, world):
+    return {"defaults": _user_loop(rank, world, {"algorithm": "diloco", "period": 10}),
+            "localsgd": _user_loop(rank, world, {"algorithm": "localsgd", "period": 10}),
+            "paper's": _user_loop(rank, world, {"algorithm": "diloco", "period": 10, **PAPER}, steps=10)}
+
+
+def test_sgd_with_momentum_gets_outer_settings_that_do_not_compound_it(pool2):
+    """At the paper's outer settings this loop diverged (1.39 → 1.04 at step 80 → 20.8 at 240); at its defaults
+    DiLoCo averages the models (local SGD, whose loss it reaches), and the paper's settings given warn once."""
+    for rank, r in enumerate(pool2.run(_loops)):
+        loss, outer, warned = r["defaults"]
+        assert loss < 0.1 and outer.startswith("sgd(lr=1.0, momentum=0.0") and not warned, (loss, outer, warned)
+        assert loss == pytest.approx(r["localsgd"][0], abs=1e-5)
+        warned = r["paper's"][2]
+        assert len(warned) == (rank == 0) and all("measured to diverge" in w and "\n" not in w for w in warned)
+
+
+def test_the_sgd_workloads_diloco_cell_reaches_its_target_at_the_defaults(pool4):
+    """digits-mlp (SGD lr 0.2, momentum 0.9) as `thinwire bench matrix` trains its diloco cell: 4 workers, 30
+    epochs, H = 50; mnist1d-cnn and linreg measured in docs/diloco.md."""
+    from thinwire.bench import matrix
+    from thinwire.run.train import run_training
+    (cell,) = matrix.cells(["diloco"], ["none"])
+    epochs = matrix.EPOCHS_FACTOR * workloads.get("digits-mlp").epochs
+    s = run_training(matrix.config(cell, "digits-mlp", 4, epochs=epochs), pool=pool4)
+    assert s["algorithm_metrics"]["outer_optimizer"].startswith("sgd(lr=1.0, momentum=0.0")
+    assert s["final_accuracy"] >= 0.95 and s["steps_to_target"] is not None, s["final_accuracy"]
 
 
 # -- training digits-mlp with AdamW inner steps; the CLI and compare names -----------------------------------

@@ -92,7 +92,7 @@ class Algorithm:
     exchange_class: ClassVar[type] = Exchange   # what make_exchange builds (the PS and gossip forms: their own)
     cost: ClassVar[CostFamily | None] = None    # how the planner predicts it (`thinwire.algorithms.cost`)
     sgd_only: ClassVar[bool] = False            # its update compensates plain or momentum SGD only (check_run)
-    adam_only: ClassVar[bool] = False           # its update is Adam's, on the user's Adam/AdamW (check_run)
+    adam_only: ClassVar[bool] = False           # Adam's update or moments: Adam/AdamW only (check_run)
     role: str = "worker"                        # "server" on a parameter-server rank (`PSMixin`: it calls serve())
     # how the workers' steps relate, for the training loop's evaluations and stop: "step" (every worker takes the
     # same steps in lockstep: evaluations meet at a common step), "round" (workers take different numbers of steps

@@ -69,8 +69,7 @@ from .diloco_dynamic import DynamicRounds
 from .diloco_eager import EagerRounds
 from .diloco_fragments import Fragments
 from .diloco_islands import IslandReplica, island_groups
-
-DEFAULT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+from .diloco_outer import PAPER as DEFAULT_OUTER, outer_settings
 
 
 def _outer_factory(outer_optimizer, outer_lr: float, outer_momentum: float, nesterov: bool) -> Callable:
@@ -132,11 +131,15 @@ class DiLoCo(Algorithm):
     cost = CostFamily("diloco")
     rounds: DynamicRounds | None = None   # dynamic local updates (set at setup)
 
-    def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 outer_optimizer=None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0,
-                 eager: bool = False, replicas: str = "worker", dynamic: bool = False, rates: str | None = None,
-                 architecture: str | None = None):
+    def __init__(self, period: int = 50, outer_lr: float | None = None, outer_momentum: float | None = None,
+                 nesterov: bool | None = None, outer_optimizer=None, fragments: int = 1, overlap: int = 0,
+                 alpha: float = 0.0, eager: bool = False, replicas: str = "worker", dynamic: bool = False,
+                 rates: str | None = None, architecture: str | None = None):
         super().__init__(architecture)
+        # the outer SGD's unset settings: the paper's until setup, where they follow the inner optimizer and H
+        given = {k: v for k, v in zip(DEFAULT_OUTER, (outer_lr, outer_momentum, nesterov)) if v is not None}
+        outer_lr, outer_momentum, nesterov = {**DEFAULT_OUTER, **given}.values()
+        self._outer_given = given if outer_optimizer is None or str(outer_optimizer).lower() == "sgd" else None
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
             int_at_least(f"diloco {name}", value, low)
         if period % fragments:
@@ -168,9 +171,8 @@ class DiLoCo(Algorithm):
                             "replicas=worker and without eager updates")
         if self.dynamic:        # workers take different numbers of steps: they stop together at a merge
             self.pace, self.survives_failures = "round", False
-        changed = [k for k, v in zip(DEFAULT_OUTER, (outer_lr, outer_momentum, nesterov)) if v != DEFAULT_OUTER[k]]
-        if outer_optimizer is not None and not isinstance(outer_optimizer, str) and changed:
-            raise UserError(f"give outer_optimizer or {', '.join(changed)}, not both (the callable builds the "
+        if outer_optimizer is not None and not isinstance(outer_optimizer, str) and given:
+            raise UserError(f"give outer_optimizer or {', '.join(given)}, not both (the callable builds the "
                             f"whole outer optimizer)")
         self.replicas = replicas
         self.period, self.fragments, self.overlap, self.alpha = period, fragments, overlap, float(alpha)
@@ -210,6 +212,10 @@ class DiLoCo(Algorithm):
         self.frags = Fragments(self.params, self.fragments)
         # θ per segment (a parameter's elements in one fragment): the same on every worker
         self.anchor = [self.frags.local(k).clone() for k in range(len(self.frags.segs))]
+        if self._outer_given is not None:      # the outer SGD: the settings left unset follow the run (diloco_outer)
+            outer = outer_settings(self.optimizer, self.period, self._outer_given, warn=self.rank == 0)
+            self.outer_lr, self.outer_momentum, self.nesterov = (outer[k] for k in DEFAULT_OUTER)
+            self._make_outer = _outer_factory(None, self.outer_lr, self.outer_momentum, self.nesterov)
         self.outer = self._make_outer(self.anchor)
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise UserError(f"outer_optimizer must build a torch.optim.Optimizer, got {type(self.outer).__name__}")

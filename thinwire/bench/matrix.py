@@ -52,6 +52,7 @@ def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
             names = (compressors or comps.names()) if cls.compression else ["none"]
             optimizer = "adamw" if cls.adam_only else None       # 1-bit Adam, 0/1 Adam: Adam's update
             servers = 1 if arch == "ps" else 0
+            optimizer = "adamw" if cls.adam_only else None     # (the workloads here train with SGD)
             for comp in names:
                 params = {} if arch == archs[0] else {"architecture": arch}
                 # its natural memory, else none (an algorithm with its own error feedback, e.g. choco, refuses one)

@@ -62,18 +62,24 @@ def syncs_every_step(algorithm: str | None) -> bool:
     return kind is not None and FAMILIES[kind].every_step
 
 
-def with_sgd_where_needed(cell: presets.Cell, workload: str) -> presets.Cell:
-    """A copy of `cell`, with SGD for an algorithm that compensates SGD only on a workload whose optimizer is
-    another, and AdamW for one whose update is Adam's (1-bit Adam, 0/1 Adam) (unless the cell names one)."""
+def needed_optimizer(cell: presets.Cell) -> tuple[str, str] | None:
+    """(optimizer, why) an algorithm's update is written for: SGD for one that compensates SGD only, AdamW for one
+    whose update is Adam's or that averages Adam's moments (1-bit Adam, 0/1 Adam, DES-LOC); None for any optimizer
+    (and for a peer)."""
+    if cell.peer or cell.algorithm not in algorithms.registry:
+        return None
+    cls = algorithms.registry.lookup(cell.algorithm)
+    return ("sgd", "compensates SGD only") if cls.sgd_only else \
+        ("adamw", "runs on Adam's moments") if cls.adam_only else None
+
+
+def with_needed_optimizer(cell: presets.Cell, workload: str) -> presets.Cell:
+    """A copy of `cell`, with the optimizer its algorithm needs (`needed_optimizer`) on a workload whose optimizer
+    is another (unless the cell names one)."""
     out = replace(cell, params=dict(cell.params))
-    cls = algorithms.registry.lookup(cell.algorithm) if not cell.peer and cell.algorithm in algorithms.registry \
-        else None
-    if cls is not None and cell.optimizer is None:
-        own = workloads.get(workload).optimizer
-        if cls.sgd_only and own != "sgd":
-            out.optimizer = "sgd"
-        elif cls.adam_only and own != "adamw":
-            out.optimizer = "adamw"
+    need = needed_optimizer(cell)
+    if need and cell.optimizer is None and workloads.get(workload).optimizer != need[0]:
+        out.optimizer = need[0]
     return out
 
 
@@ -88,11 +94,11 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
     compensates SGD only, on a workload whose optimizer is another); the reasons, one per decision. DiLoCo's
     settings hide its sync (the τ rule, eager updates, the all-reduce and the compressor: `thinwire.plan.diloco`)."""
     wl = workloads.get(workload)
-    out = with_sgd_where_needed(cell, workload)
+    out = with_needed_optimizer(cell, workload)
     why: list[str] = []
     if out.optimizer != cell.optimizer:
-        why.append(f"optimizer={out.optimizer}: {cell.algorithm} " + ("compensates SGD only" if out.optimizer == "sgd"
-                   else "runs Adam's update") + f" (the workload trains with {wl.optimizer})")
+        why.append(f"optimizer={out.optimizer}: {cell.algorithm} {needed_optimizer(cell)[1]} (the workload trains "
+                   f"with {wl.optimizer})")
     peer, plan_as = peers.find(cell.algorithm), planned_as(cell.algorithm)[0]
     diloco = family(cell.algorithm) == "diloco"
     takes = (lambda k: k in peer.params) if peer else (lambda k: algorithms.registry.accepts(cell.algorithm, k))
@@ -104,7 +110,10 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
         return out, why
     if diloco:
         plan = diloco_plan(out, network, wl, workers, compute_s)
-        pick, reason = {k: v for k, v in plan.params().items() if k not in out.params}, f"planner: {plan.describe()}"
+        name = wl.optimizer_settings(out.optimizer)[0]  # the outer SGD's settings follow the inner optimizer
+        inner = None if peer or "outer_optimizer" in out.params or name == "custom" else name
+        pick = {k: v for k, v in plan.params(inner).items() if k not in out.params}
+        reason = f"planner: {plan.describe()}"
         out.params.update(pick)
         if not out.compressor and plan.compressor != "none":
             out.compressor, out.memory = plan.compressor, plan.memory

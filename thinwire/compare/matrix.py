@@ -54,7 +54,7 @@ from ..run.loop import check_tensorboard, progress_bar, train_worker
 from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
 from . import peers, presets
 from .forecast import (SYNC_STEPS, averaging_steps, family, planned_as, predict_cell, predict_race,
-                       syncs_every_step, tune_cell, with_sgd_where_needed)
+                       syncs_every_step, tune_cell, with_needed_optimizer)
 from .plots import plot_all
 from .report import write_report
 from .results import aggregate
@@ -113,7 +113,7 @@ class CompareConfig:
         for cell in cells:    # every cell's run checked as `thinwire train` checks one (train's one path)
             for network in self.networks:
                 try:
-                    cell_config(self, with_sgd_where_needed(cell, self.workload), network).validate()
+                    cell_config(self, with_needed_optimizer(cell, self.workload), network).validate()
                 except UserError as e:
                     raise UserError(f"cell {cell.label!r}" + (f" on {network}" if len(self.networks) > 1
                                                                else "") + f": {e}") from None

@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, replace
 from itertools import product
 
+from ..algorithms.diloco_outer import outer_defaults
 from ..compress import compressors
 from ..exchange.choose import wire_bits
 from ..net import Cost, Islands
@@ -76,9 +77,13 @@ class Plan:
     def scalability(self) -> float:
         return self.compute_s / self.iteration_s
 
-    def params(self) -> dict:
-        """The cell's parameters (the compressor and memory go on the cell itself)."""
+    def params(self, inner: str | None = None) -> dict:
+        """The cell's parameters (the compressor and memory go on the cell itself); with `inner`, the inner
+        optimizer's name, the outer SGD's settings for it at this period (`outer_defaults`: the rule DiLoCo applies
+        to the outer settings a run leaves unset)."""
         out = {"period": self.period}
+        if inner is not None:
+            out.update({k: v for k, v in outer_defaults(self.period, inner).items() if k != "nesterov"})
         if self.fragments > 1:
             out["fragments"] = self.fragments
         if self.overlap:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
+from ..algorithms.desloc import periods
 from ..net import COLLECTIVE_SLOTS, Cost, Link
 from ..net import cdsgd as cd
 from ..net import cost as netcost
@@ -94,6 +95,17 @@ def diloco(x: Inputs, p: dict) -> Step:
     return Step(tau + exposed / k, cf.sent / k, bytes_per_sync=cf.sent)
 
 
+def desynced(x: Inputs, p: dict) -> Step:
+    """DES-LOC (`period` K_x, `period_u` K_u, `period_v` K_v; Iacob et al. 2025, "DES-LOC: Desynced Low
+    Communication Adaptive Optimizers for Training Foundation Models", arXiv 2505.22549): the parameters' deltas
+    through the compressor every K_x steps, the two moments in full precision every K_u and K_v:
+    τ + (δ + C)/K_x + C_32/K_u + C_32/K_v, bytes per step N/K_x + N/K_u + N/K_v (N: one exchange of the model)."""
+    kx, ku, kv = periods(int(p["period"]), p.get("period_u"), p.get("period_v"))
+    full = x.comm if x.compressor == "none" else x.exchange(x.s, "none")[1]
+    return Step(x.s.compute_s + (x.delta + x.comm.time) / kx + full.time / ku + full.time / kv,
+                x.comm.sent / kx + full.sent / ku + full.sent / kv)
+
+
 def ps_push_pull(link: Link, n: int, up: float, down: float, servers: int = 1) -> Cost:
     """Parameter server with k servers, parameters sharded evenly: each worker pushes N_up/k to each server and
     pulls N_down/k back; a server's link receives n·N_up/k (incast) and sends n·N_down/k, so one round costs
@@ -171,7 +183,7 @@ class Family(NamedTuple):
 
 FAMILIES = {"every_step": Family(every_step, True), "quantized": Family(quantized, True),
             "local_update": Family(local_update, True), "delay_compensated": Family(delay_compensated, True),
-            "periodic": Family(periodic, False), "diloco": Family(diloco, False),
+            "periodic": Family(periodic, False), "diloco": Family(diloco, False), "desynced": Family(desynced, False),
             "parameter_server": Family(parameter_server, True), "gossip": Family(gossip, True),
             "delayed": Family(delayed, True), "async": Family(asynchronous, False),
             "compressed_momentum": Family(compressed_momentum, True),
