@@ -168,7 +168,8 @@ def _against_diloco(rank, world):
     out = {}
     group = dist.new_group([0])
     if rank == 0:
-        out["diloco"] = _train(0, 1, 1, 14, algorithm="diloco", transport=Transport(group=group), period=4)["flat"]
+        out["diloco"] = _train(0, 1, 1, 14, algorithm="diloco", transport=Transport(group=group), period=4,
+                               outer_lr=0.7, outer_momentum=0.9)["flat"]     # async-diloco's outer settings
     dist.barrier()
     out["async"] = _train(rank, world, 1, 14, period=4)         # N = 1: one worker
     return out

@@ -156,7 +156,14 @@ def _equivalences(rank, world):
            "diloco H=4 none": _run(rank, world, "diloco", {"period": 4, **NO_MOMENTUM, "schedule": "none"}, 10)}
     for name, (model, params, steps) in REPLAYS.items():
         out[name] = _run(rank, world, "diloco", params, steps, model=model, inner="adamw")
+    # dynamic local updates with fixed speeds: H_i = 4, 4, 4, 2 inner steps per round, 4 rounds
+    out["dynamic"] = _run(rank, world, "diloco", DYNAMIC, 4 * (2 if rank == 3 else 4), model="mlp", inner="adamw")
+    out["dynamic equal"] = _run(rank, world, "diloco", {**REPLAYS["diloco H=4 mlp"][1], "rates": "1,1,1,1"}, 14,
+                                model="mlp", inner="adamw")
     return out
+
+
+DYNAMIC = {"period": 4, "rates": "1,1,1,0.5"}
 
 
 # -- the single-process replay of the papers' algorithms -------------------------------------------------------
@@ -205,6 +212,36 @@ def replay(model, params, steps, n=N, island=1):
                     new[lo:hi] = alpha * new[lo:hi] + (1 - alpha) * theta[lo:hi]
                     torch.nn.utils.vector_to_parameters(new, ps[r])
     return [flat(r) for r in range(n) for _ in range(island)]
+
+
+def replay_dynamic(model, params, rounds, n=N):
+    """Dynamic local updates (Liu et al. 2024, arXiv 2401.09135, §4.2) at fixed relative speeds v_i, for n workers
+    in one process: worker i takes H_i = round(H v_i / max_j v_j) inner steps a round, and the outer gradient is
+    the sample-weighted mean Σ_i H_i (θ − θ_i) / Σ_j H_j; the outer step as in `replay`."""
+    H, rates = params["period"], [float(v) for v in params["rates"].split(",")]
+    Hs = [max(1, round(H * v / max(rates))) for v in rates]
+    lr, mu = (({**outer_defaults(H, "adamw"), **params})[k] for k in ("outer_lr", "outer_momentum"))
+    wl = workloads.get("linreg")
+    loaders = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
+    models = [_model(model) for _ in range(n)]
+    opts = [_inner(m, "adamw") for m in models]
+    ps = [list(m.parameters()) for m in models]
+    flat = lambda r: torch.cat([p.detach().reshape(-1) for p in ps[r]])     # noqa: E731
+    theta, buf = flat(0).clone(), None
+    for _ in range(rounds):
+        for r in range(n):
+            for _ in range(Hs[r]):
+                xb, yb = loaders[r].next()
+                wl.loss(models[r](xb), yb).backward()
+                opts[r].step()
+                opts[r].zero_grad()
+        with torch.no_grad():
+            d = sum(n * Hs[r] / sum(Hs) * (theta - flat(r)) for r in range(n)) / n
+            buf = d if buf is None else mu * buf + d
+            theta -= lr * (d + mu * buf if mu else d)
+            for r in range(n):
+                torch.nn.utils.vector_to_parameters(theta.clone(), ps[r])
+    return [flat(r) for r in range(n)]
 
 
 class _Island:
@@ -304,6 +341,11 @@ def test_equivalences_and_replays_on_linreg(pool4):
             assert close(afters[0], replay_eager(model, params, steps)[1]), name
             # the workers' own θ differ while own shares stand in for averages
             assert not torch.equal(results[0][name][0], results[1][name][0]), name
+    want = replay_dynamic("mlp", DYNAMIC, 4)
+    for rank, r in enumerate(results):
+        assert close(r["dynamic"][0], want[rank]), (rank, float((r["dynamic"][0] - want[rank]).abs().max()))
+        assert r["dynamic"][2]["round_periods"] == [[4, 4, 4, 2]] * 4 and r["dynamic"][2]["syncs"] == 4
+        assert torch.equal(r["dynamic equal"][0], r["diloco H=4 mlp"][0])     # equal speeds: DiLoCo, bitwise
     # with mixing α > 0 the workers differ until close()
     mixed = [r["streaming F=2 τ=1 α=.5"][0] for r in results]
     assert not torch.equal(mixed[0], mixed[1])

@@ -50,9 +50,8 @@ def cells(algorithms=None, compressors=None, workers: int = 4) -> list[dict]:
         for arch in archs:
             cls = algs.registry.constructor(alg, {"architecture": arch})
             names = (compressors or comps.names()) if cls.compression else ["none"]
-            optimizer = "adamw" if cls.adam_only else None       # 1-bit Adam, 0/1 Adam: Adam's update
+            optimizer = "adamw" if cls.adam_only else None       # 1-bit Adam, 0/1 Adam, DES-LOC: Adam's
             servers = 1 if arch == "ps" else 0
-            optimizer = "adamw" if cls.adam_only else None     # (the workloads here train with SGD)
             for comp in names:
                 params = {} if arch == archs[0] else {"architecture": arch}
                 # its natural memory, else none (an algorithm with its own error feedback, e.g. choco, refuses one)

@@ -1,9 +1,10 @@
-"""`thinwire list [--json]`: every registered workload, network profile, algorithm, compressor and memory."""
+"""`thinwire list [--json]`: every registered workload, network profile, worker speed profile, algorithm,
+compressor and memory."""
 from __future__ import annotations
 
 import json
 
-from .. import algorithms
+from .. import algorithms, speeds
 from ..compress import coders, compressors, memories
 from ..net import PROFILES
 from ..run import workloads
@@ -16,6 +17,11 @@ def catalog() -> dict:
                      for k, (bw, lat, doc) in PROFILES.items()]
                     + [{"name": "custom:bandwidth=...,latency=...,jitter=...,loss=...", "bandwidth_bps": None,
                         "latency_s": None, "summary": "any link, e.g. custom:bandwidth=200mbit,latency=25ms"}],
+        "speeds": [{"name": k, "summary": doc} for k, doc in speeds.NAMES.items()]
+                  + [{"name": "1,1,1,0.5", "summary": "a factor per worker, the fastest at 1"},
+                     {"name": "A:B", "summary": "two speeds, half the workers each (e.g. 1:3)"},
+                     {"name": "SPEC@SECONDS>SPEC", "summary": "a change when the training clock reaches SECONDS "
+                                                            "(e.g. equal@30>one-half)"}],
         "algorithms": algorithms.registry.describe(),
         "compressors": compressors.describe(),
         "memories": memories.describe(),
@@ -38,6 +44,7 @@ def run(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("list", help="list registered workloads, networks, algorithms, compressors, memories")
+    p = sub.add_parser("list", help="list registered workloads, networks, worker speeds, algorithms, compressors, "
+                                    "memories")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

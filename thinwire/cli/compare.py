@@ -50,6 +50,10 @@ def register(sub) -> None:
     g.add_argument("--preset", help=f"a named matrix: {', '.join(presets.names())}")
     p.add_argument("--network", help="comma-separated profiles (lan, dc, cluster, wan, world, home, custom:..., "
                                      "islands:AxB,inside=NET,across=NET; separate custom specs with ';')")
+    p.add_argument("--speeds", metavar="SPEC[;SPEC...]",
+                   help="emulated worker speeds, a dimension of the matrix beside the network: per profile, factors "
+                        "per worker (1,1,1,0.5), two speeds A:B, or a name (thinwire list); several separated by "
+                        "';' (default: equal). The no-communication reference races the same speeds")
     p.add_argument("--workers", type=int, help="workers per cell (default: the preset's, else 4)")
     p.add_argument("--epochs", type=float, help="an upper bound on the epochs of a cell (default: none with a budget, "
                                                 "else the workload's)")
@@ -87,14 +91,15 @@ def config_from_args(args):
         own = not args.workload or args.workload == pr.workload  # the preset's target and batch are for its workload
         cfg = CompareConfig(workload=pr.workload, workers=pr.workers, networks=list(pr.networks), cells=list(pr.cells),
                             target=pr.target if own else None, budget_s=pr.budget_s, epochs=pr.epochs, seeds=pr.seeds,
-                            batch_size=pr.batch_size if own else None)
+                            batch_size=pr.batch_size if own else None, speeds=list(pr.speeds))
     elif args.algorithms:
         cfg = CompareConfig(cells=split_cells(args.algorithms))  # digits-mlp, 4 workers, wan
     else:
         raise UserError(f"give --algorithms a,b,... or --preset NAME ({', '.join(presets.names())})")
     given = dict(workload=canonical(args.workload) if args.workload else None, workers=args.workers,
                  target=args.target, budget_s=args.budget, epochs=args.epochs,
-                 networks=_networks(args.network) if args.network else None, seeds=getattr(args, "seeds", None))
+                 networks=_networks(args.network) if args.network else None, seeds=getattr(args, "seeds", None),
+                 speeds=[s.strip() for s in args.speeds.split(";")] if getattr(args, "speeds", None) else None)
     return replace(cfg, **{k: v for k, v in given.items() if v is not None}, seed=args.seed, trace=args.trace,
                    netem=args.netem, preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
                    eval_every=getattr(args, "eval_every", None), device=getattr(args, "device", "cpu")).validate()
@@ -102,8 +107,9 @@ def config_from_args(args):
 
 def run(args) -> int:
     if args.resume:
-        if args.preset or args.algorithms or args.network:
-            raise UserError("--resume DIR continues the matrix stored in DIR; give no --preset/--algorithms/--network")
+        if args.preset or args.algorithms or args.network or getattr(args, "speeds", None):
+            raise UserError("--resume DIR continues the matrix stored in DIR; give no --preset/--algorithms/--network/"
+                            "--speeds")
         check_writable_dir(args.resume, "--resume")
         out, results = args.resume, compare(None, args.resume, resume=True)
     else:

@@ -169,13 +169,16 @@ def predict_cell(cell: presets.Cell, network: str, cfg, compute_s: float | None)
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def predict_race(tuned: dict, cells: list, cfg, baseline: dict) -> dict:
+def predict_race(tuned: dict, cells: list, cfg, baseline: dict, speeds: str | None = None) -> dict:
     """Before any cell runs: per network, each cell's predicted step, sync and time to target (the reference's
     steps to target × SYNC_STEPS for a cell that averages every step, × PERIODIC_STEPS for DiLoCo, overlapped or
     not, × `averaging_steps(H)` for model averaging every H steps, × its predicted step),
     and the predicted winner (the least predicted time to target within the budget)."""
     steps_ref = baseline.get("steps_to_target")
     out = {}
+    if speeds is not None:
+        return {n: {"cells": {}, "winner": None, "note": "the planner predicts for equal speeds only"}
+                for n in cfg.networks}
     for network in cfg.networks:
         here = {}
         for cell in cells:

@@ -57,7 +57,8 @@ from .forecast import (SYNC_STEPS, averaging_steps, family, planned_as, predict_
                        syncs_every_step, tune_cell, with_needed_optimizer)
 from .plots import plot_all
 from .report import write_report
-from .results import aggregate
+from ..speeds import parse as parse_speeds
+from .results import aggregate, place, places
 
 _now = time.perf_counter
 RESULTS = "results.json"
@@ -85,6 +86,7 @@ class CompareConfig:
     eval_every: int | None = None      # a fixed evaluation cadence instead of the race's
     batch_size: int | None = None      # per worker (None: the workload's), the same for every cell
     device: str = "cpu"                # "cuda": every cell's workers on GPUs (NCCL one per GPU, else shared on gloo)
+    speeds: list = field(default_factory=lambda: [None])   # worker speed profiles (`thinwire.speeds`; None: equal)
 
     def validate(self) -> "CompareConfig":
         """Every name known and every number in its range (NaN and infinities included), before any cell starts."""
@@ -95,6 +97,10 @@ class CompareConfig:
                 net.check_workers(self.workers)
         if not self.networks:
             raise UserError("give at least one network, e.g. --network wan")
+        self.speeds = [None if parse_speeds(sp) is None else sp.strip() for sp in (self.speeds or [None])]
+        for sp in self.speeds:
+            if parse_speeds(sp) is not None:
+                parse_speeds(sp).check_workers(self.workers)
         check_int("--workers", self.workers, 1, MAX_LOCAL_WORKERS - 1)  # + 1 rank for a parameter server
         check_lengths(self, counts=("eval_every",))
         if self.target is not None:
@@ -111,18 +117,19 @@ class CompareConfig:
         workloads.get(self.workload).check_target(self.target)
         cells, _ = presets.resolve(self.cells, strict=self.preset is None)  # bad cell names
         for cell in cells:    # every cell's run checked as `thinwire train` checks one (train's one path)
-            for network in self.networks:
+            for name, network, sp in places(asdict(self)):
                 try:
-                    cell_config(self, with_needed_optimizer(cell, self.workload), network).validate()
+                    cell_config(self, with_needed_optimizer(cell, self.workload), network, speeds=sp).validate()
                 except UserError as e:
-                    raise UserError(f"cell {cell.label!r}" + (f" on {network}" if len(self.networks) > 1
+                    raise UserError(f"cell {cell.label!r}" + (f" on {name}" if len(places(asdict(self))) > 1
                                                                else "") + f": {e}") from None
         return self
 
 
 def cell_config(c: CompareConfig, cell: presets.Cell, network: str, seed: int | None = None,
-                board: str | None = None) -> TrainConfig:
-    """The training run of `cell` on `network` in matrix `c` (before the planner fills in what it leaves out)."""
+                board: str | None = None, speeds: str | None = None) -> TrainConfig:
+    """The training run of `cell` on `network` with worker `speeds` in matrix `c` (before the planner fills in
+    what it leaves out)."""
     params = dict(cell.params)
     servers = 0 if cell.peer else params.pop("servers", None)   # None: the algorithm's default
     return TrainConfig(workload=c.workload, algorithm=cell.algorithm, workers=c.workers, network=network,
@@ -130,7 +137,7 @@ def cell_config(c: CompareConfig, cell: presets.Cell, network: str, seed: int | 
                        compressor=cell.compressor, memory=cell.memory, params=params, trace=c.trace and not cell.peer,
                        progress=False, servers=servers, peer=peers.find(cell.algorithm), budget_s=c.budget_s,
                        stop_at_target=True, optimizer=cell.optimizer, tensorboard=board, eval_every=c.eval_every,
-                       batch_size=c.batch_size, device=c.device)
+                       batch_size=c.batch_size, device=c.device, speeds=speeds)
 
 
 def cell_key(label: str, network: str, seed: int | None = None) -> str:
@@ -182,40 +189,42 @@ class Harness:
         return None if self.cfg.budget_s is None else 4 * self.cfg.budget_s + 600
 
     # -- one cell ------------------------------------------------------------------------------------
-    def key(self, cell: presets.Cell, network: str, seed: int | None) -> str:
+    def key(self, cell: presets.Cell, network: str, seed: int | None, speeds: str | None = None) -> str:
         """The cell's name in the results (with its seed when the matrix has several)."""
-        return cell_key(cell.label, network, seed if self.cfg.seeds > 1 else None)
+        return cell_key(cell.label, place(network, speeds), seed if self.cfg.seeds > 1 else None)
 
-    def train_config(self, cell: presets.Cell, network: str, seed: int | None = None) -> TrainConfig:
+    def train_config(self, cell: presets.Cell, network: str, seed: int | None = None,
+                     speeds: str | None = None) -> TrainConfig:
         c = self.cfg
-        board = os.path.join(c.tensorboard, _slug(self.key(cell, network, seed))) if c.tensorboard else None
-        tc = cell_config(c, cell, network, seed, board)
+        board = os.path.join(c.tensorboard, _slug(self.key(cell, network, seed, speeds))) if c.tensorboard else None
+        tc = cell_config(c, cell, network, seed, board, speeds)
         tc.resolve_servers()
         return tc
 
-    def run_cell(self, cell: presets.Cell, network: str, seed: int | None = None) -> dict:
-        tc = self.train_config(cell, network, seed)
+    def run_cell(self, cell: presets.Cell, network: str, seed: int | None = None, speeds: str | None = None) -> dict:
+        tc = self.train_config(cell, network, seed, speeds)
         if self.cfg.netem:  # the real, shaped link delays the traffic: no in-process emulation on top
             tc = replace(tc, network="lan")
         world = tc.workers + tc.servers
         view = _PoolView(self.pool(world, network), self.wall_limit(), self.cfg.netem)
-        celldir = os.path.join(self.out, "cells", _slug(self.key(cell, network, seed)))
+        celldir = os.path.join(self.out, "cells", _slug(self.key(cell, network, seed, speeds)))
         summary = run_training(tc, out=celldir, pool=view)
-        summary["network"] = network
+        summary["network"], summary["link"] = place(network, speeds), network
         summary["curve"] = _curve(celldir, summary["metric"], summary["bytes_sent_per_worker"])
         summary["quiet_step_s"], summary["quiet_mean_step_s"] = quiet_step_s(celldir)
         return summary
 
     # -- the no-communication reference (scalability, and the compute time the planner needs) ------------
-    def reference(self, seed: int) -> dict:
+    def reference(self, seed: int, speeds: str | None = None) -> dict:
         """`local` (no communication) raced like a cell, one run per seed of the matrix: the same workers, data
-        shards, batch, budget, target, evaluations and process layout (this pool) as every cell. Its throughput
+        shards, batch, budget, target, evaluations, worker speeds and process layout (this pool) as every cell.
+        Its throughput (every worker at its own speed, waiting for no one)
         is the denominator of scalability, its median step the compute time the planner predicts from, its steps to
         target the convergence the planner's times to target start from."""
         calibration, calibration_mean = self.calibrate()
-        tc = self.train_config(REFERENCE, "lan", seed)
+        tc = self.train_config(REFERENCE, "lan", seed, speeds)
         view = _PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem)
-        celldir = os.path.join(self.out, "cells", _slug(self.key(REFERENCE, "lan", seed)))
+        celldir = os.path.join(self.out, "cells", _slug(self.key(REFERENCE, "lan", seed, speeds)))
         s = run_training(tc, out=celldir, pool=view)
         name = "best_accuracy" if s["metric"] == "accuracy" else "best_loss"
         out = {"seed": seed, "config": tc.to_dict(), "throughput_samples_s": s["throughput_samples_s"],
@@ -267,21 +276,31 @@ class Harness:
             if n not in results["notes"]:
                 results["notes"].append(n)
                 self.log(f"note: {n}")
-        todo = [(c, n, s) for n in cfg.networks for c in cells for s in range(cfg.seed, cfg.seed + cfg.seeds)]
+        todo = [(c, n, sp, s) for _, n, sp in places(asdict(cfg)) for c in cells
+                for s in range(cfg.seed, cfg.seed + cfg.seeds)]
         results["cells"] = [r for r in results["cells"] if r.get("status") == "ok"]
         done = {r["key"] for r in results["cells"]}
         shown = progress and not os.environ.get("THINWIRE_NO_PROGRESS")
-        bar = progress_bar(total=len(todo) + 1, desc="compare", unit="cell", disable=not shown,
-                           initial=len(done) + (1 if results.get("baseline") else 0))
+        if results.get("baseline") and not results.get("baselines"):    # an older matrix: one reference
+            results["baselines"] = {speeds_key(cfg.speeds[0]): results["baseline"]}
+        baselines = results.setdefault("baselines", {})
+        bar = progress_bar(total=len(todo) + len(cfg.speeds), desc="compare", unit="cell", disable=not shown,
+                           initial=len(done) + len(baselines))
         try:
-            if not results.get("baseline"):
-                # two steps of `local`, not recorded: every measured run (the reference first) starts in processes
-                self.calibrate(steps=2)     # that have built the model and run a step, as every later cell does
+            for sp in cfg.speeds:   # the reference races the same speeds as the cells it is read against
+                if speeds_key(sp) in baselines:
+                    continue
+                if not baselines:
+                    # two steps of `local`, not recorded: every measured run (the reference first) starts in
+                    self.calibrate(steps=2)    # processes that have built the model and run a step, as every cell
                 runs = []
                 for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-                    bar.set_description(f"compare: no-communication reference (seed {seed})")
-                    runs.append(self.reference(seed))
-                results["baseline"] = self.baseline(runs)
+                    bar.set_description(f"compare: no-communication reference (seed {seed}"
+                                        + (f", speeds {sp})" if sp else ")"))
+                    runs.append(self.reference(seed, sp))
+                baselines[speeds_key(sp)] = self.baseline(runs)
+                results["baseline"] = baselines[speeds_key(cfg.speeds[0])] \
+                    if speeds_key(cfg.speeds[0]) in baselines else None
                 _save(results, self.out)
                 bar.update(1)
             tuned: dict = {}
@@ -290,21 +309,23 @@ class Harness:
                     tuned[cell.label, network] = tune_cell(cell, network, cfg.workload, cfg.workers,
                                                            results["baseline"].get("step_time_s"))
             if not results.get("predictions"):    # the planner's race, recorded before any cell runs
-                results["predictions"] = predict_race(tuned, cells, cfg, results["baseline"])
+                results["predictions"] = {place(n, sp): p for sp in cfg.speeds for n, p in
+                                          predict_race(tuned, cells, cfg, baselines[speeds_key(sp)], sp).items()}
                 _save(results, self.out)
-            for cell, network, seed in todo:
-                key = self.key(cell, network, seed)
+            for cell, network, sp, seed in todo:
+                key = self.key(cell, network, seed, sp)
                 if key in done:
                     continue
                 bar.set_description(f"compare: {key}")
                 ran, why = tuned[cell.label, network]
                 t0 = _now()
-                row = {"key": key, "label": cell.label, "network": network, "seed": seed, "device": cfg.device,
-                       "peer": cell.peer, "cell": ran.to_dict(), "ran_with": _ran_with(ran), "why": why,
-                       "config": self.train_config(ran, network, seed).to_dict()}
+                row = {"key": key, "label": cell.label, "network": place(network, sp), "link": network,
+                       "speeds": sp, "seed": seed, "device": cfg.device, "peer": cell.peer, "cell": ran.to_dict(),
+                       "ran_with": _ran_with(ran), "why": why,
+                       "config": self.train_config(ran, network, seed, sp).to_dict()}
                 try:
                     row["calibration_step_s"], row["calibration_mean_step_s"] = self.calibrate()
-                    row.update(self.run_cell(ran, network, seed))
+                    row.update(self.run_cell(ran, network, seed, sp))
                     row["status"] = "ok"
                 except WorkerError as e:
                     stalled = isinstance(e, DeadlineError) or "stalled" in str(e)
@@ -314,17 +335,22 @@ class Harness:
                 except UserError as e:
                     row["status"], row["error"] = "failed", str(e)
                 row["cell_wall_s"] = _now() - t0
-                _derive(row, results["baseline"], cfg, results["predictions"])
+                _derive(row, baselines[speeds_key(sp)], cfg, results["predictions"])
                 results["cells"].append(row)
                 _save(results, self.out)
                 (bar.write if shown else self.log)(_one_line(row))
                 bar.update(1)
         finally:
             bar.close()
-            order = {n: i for i, n in enumerate(cfg.networks)}
+            order = {n: i for i, (n, _, _) in enumerate(places(asdict(cfg)))}
             results["cells"].sort(key=lambda r: order.get(r["network"], 99))
             _save(results, self.out)
         return results
+
+
+def speeds_key(speeds: str | None) -> str:
+    """A speeds profile as the results' `baselines` name it."""
+    return speeds or "equal"
 
 
 def _save(results: dict, out: str) -> None:
@@ -434,7 +460,7 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | N
     if ok and row.get("compute_step_s"):    # predicted again from the compute the cell met (see above)
         cell = presets.Cell(row["label"], **{k: row["cell"][k] for k in ("algorithm", "compressor", "memory",
                                                                          "params", "optimizer")})
-        now = predict_cell(cell, row["network"], cfg, row["compute_step_s"])
+        now = predict_cell(cell, row.get("link", row["network"]), cfg, row["compute_step_s"])
         row["predicted_step_time_s"] = now.get("step_s", row["predicted_step_time_s"])
     row["predicted_sync_s"] = pred.get("sync_s") if ok else None
     row["planned_time_to_target_s"] = pred.get("time_to_target_s")
@@ -480,7 +506,7 @@ def predict_missing(rows: list[dict]) -> None:
 def finish(results: dict) -> None:
     """The cross-cell fields: predictions for cells out of budget, then the per-contestant summary."""
     predict_missing(results["cells"])
-    results["summary"] = aggregate(results["cells"], results["matrix"]["networks"])
+    results["summary"] = aggregate(results["cells"], [name for name, _, _ in places(results["matrix"])])
 
 
 def _one_line(r: dict) -> str:

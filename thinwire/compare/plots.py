@@ -6,7 +6,7 @@ import math
 import os
 
 from ..files import pyplot
-from .results import rank
+from .results import places, rank
 
 
 def _style(results: dict) -> dict:
@@ -37,7 +37,7 @@ def _metric(results: dict) -> str:
 
 def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log_x: bool) -> str:
     plt, style = pyplot(), _style(results)
-    nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
+    nets = [n for n, _, _ in places(results["matrix"]) if any(r["network"] == n for r in results["cells"])]
     cols = min(len(nets), 3)   # one panel per network, up to three a row
     rows = (len(nets) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.8 * rows + 0.6), squeeze=False)
@@ -85,7 +85,7 @@ def _curves(results: dict, path: str, x_index: int, xlabel: str, title: str, log
 
 def _ttt(results: dict, path: str) -> str:
     plt, style = pyplot(), _style(results)
-    nets = [n for n in results["matrix"]["networks"] if any(r["network"] == n for r in results["cells"])]
+    nets = [n for n, _, _ in places(results["matrix"]) if any(r["network"] == n for r in results["cells"])]
     fig, ax = plt.subplots(figsize=(max(8.5, 1.9 * len(nets) + 3), 5.6))
     entries = results.get("summary") or []   # per contestant and network: the median over seeds
     med = lambda e: e["ttt_median"] if e.get("reached") and e.get("ttt_median") not in (None, math.inf) else None

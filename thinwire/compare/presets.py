@@ -52,6 +52,7 @@ class Preset:
     target: float | None = None   # None: the workload's
     seeds: int = 1
     batch_size: int | None = None  # per worker; None: the workload's
+    speeds: list = field(default_factory=lambda: [None])   # worker speed profiles (`thinwire.speeds`)
 
 
 def _kv(text: str, spec: str) -> dict:
@@ -204,6 +205,16 @@ PRESETS: dict[str, Preset] = {
         doc="Yu et al. 2021 (CD-SGD, arXiv 2106.10796) §4: S-SGD, BIT-SGD (2-bit threshold quantization), "
             "OD-SGD (local update) and CD-SGD with "
             "k = 2, 5, 10, 20 on the momentum-SGD workload"),
+    "hetero": Preset(
+        _LM, 4, ["world", "home"],
+        ["diloco", "diloco:dynamic=true", "async-diloco", "torchft-diloco", "ddp-postlocalsgd:warmup=0"],
+        budget_s=45, target=2.5, seeds=1, speeds=[None, "one-half", "two-speeds", "stragglers"],
+        doc="the map's second axis: workers of different speeds — equal, one worker of four at half speed, two "
+            "speeds 1:3 (two workers each), stragglers (each worker, each step, a 2 % chance of 10 steps at a "
+            "quarter speed) — on `world` and `home`, the LM workload, 45 s of training per cell to the validation "
+            "loss 2.5. thinwire's DiLoCo synchronous (the planner's), with dynamic local updates and asynchronous, "
+            "against torchft's DiLoCo and PyTorch's post-local SGD, which wait for the slowest worker at every "
+            "sync; every contestant and the no-communication reference face the same speeds"),
     "world": Preset(
         _LM, 4, ["world"],
         ["bsp", "bsp+topk:ratio=0.01,memory=residual", "bsp+powersgd:rank=4,memory=powersgd", "localsgd", "dts",

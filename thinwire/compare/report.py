@@ -3,10 +3,11 @@ winner named with what is within noise of it, the parameters each contestant ran
 from __future__ import annotations
 
 import math
+import statistics
 
 from ..net import Islands, parse_network
 from . import peers
-from .results import metric_name, rank
+from .results import metric_name, places, rank
 
 
 def _fmt(v, spec, scale=1, div=1):
@@ -87,6 +88,8 @@ def prediction(results: dict, network: str, entries: list[dict]) -> str:
     """The planner's race, recorded before the cells ran, against the measurement."""
     p = (results.get("predictions") or {}).get(network) or {}
     winner = p.get("winner")
+    if winner is None and p.get("note"):
+        return f"The planner made no prediction of the winner here: {p['note']}."
     if winner is None:
         return ("The planner made no prediction of the winner here (the no-communication reference did not reach "
                 "the target, so it had no steps to target to start from).")
@@ -124,9 +127,10 @@ def verdict(entries: list[dict], seeds: int, budget) -> str:
              f"{w.get('ran_with') or 'defaults'})."]
     if seeds > 1:
         close = [e["label"] for e in ok if e.get("within_noise_of_best")]
-        parts.append(f"Within noise of it (ranges of time to target overlap): {', '.join(f'`{c}`' for c in close)}."
-                     if close else "No other contestant's range overlaps the winner's: the win is outside the "
-                                   "seed-to-seed noise measured here.")
+        parts.append(f"Within noise of it (not behind it in every seed, seed by seed, beyond a reading's precision):"
+                     f" {', '.join(f'`{c}`' for c in close)}." if close else
+                     "It is ahead of every other contestant in every seed (times to target compared seed by seed, "
+                     "beyond a reading's precision).")
     else:
         parts.append("One seed: the margins are not tested against seed noise (`--seeds 3` does).")
 
@@ -138,6 +142,12 @@ def verdict(entries: list[dict], seeds: int, budget) -> str:
             tail = f"; predicted {pred:.0f} s, {pred / w['ttt_median']:.1f}× the winner's" if pred else ""
             parts.append(f"{what[0].upper() + what[1:]} (`{other['label']}`) did not reach it in {other['train_s']:.1f} s "
                          f"(best {name} {other['best_' + name]:.3f}{tail}).")
+        elif seeds > 1 and other.get("paired_ratios"):
+            ratios = other["paired_ratios"]
+            mid = statistics.median(r for r in ratios if not math.isnan(r))
+            parts.append(f"That is {mid:.2f}× faster than {what} (`{other['label']}`: median of the per-seed ratios "
+                         f"{', '.join(f'{r:.2f}' for r in ratios)}; " + ("ahead in every seed)." if other["lead_real"]
+                                                                        else "not ahead in every seed)."))
         else:
             parts.append(f"That is {other['ttt_median'] / w['ttt_median']:.1f}× faster than "
                          f"{what} (`{other['label']}`, {other['ttt_median']:.1f} s).")
@@ -156,8 +166,8 @@ def write_report(results: dict, path: str) -> None:
     m = results["matrix"]
     seeds = m.get("seeds", 1)
     entries = results.get("summary") or []
-    nets = [n for n in m["networks"] if any(e["network"] == n for e in entries)]
-    base = results.get("baseline") or {}
+    where = [(name, n, sp) for name, n, sp in places(m) if any(e["network"] == name for e in entries)]
+    nets = list(dict.fromkeys(n for _, n, _ in where))
     lines = [f"# thinwire compare: {m['workload']}, {m['workers']} workers", ""]
     mode = ("real network: each worker in its own network namespace, rate shaped by `tbf`, delay by thinwire's "
             "user-space forwarder (`--netem`)" if m.get("netem") else
@@ -169,14 +179,19 @@ def write_report(results: dict, path: str) -> None:
     lines += [f"Networks: {', '.join(_link(n) for n in nets)}. Network mode: {mode}. The race: {race}, stopping at "
               f"the target; {seeds_txt}." + (f" Preset `{m['preset']}`." if m.get("preset") else "")
               + (f" Batch {m['batch_size']} per worker." if m.get("batch_size") else ""), ""]
-    for n in nets:
-        here = [e for e in entries if e["network"] == n]
+    for name, n, sp in where:
+        here = [e for e in entries if e["network"] == name]
         two_tier = isinstance(parse_network(n), Islands)
-        lines += [f"## {_link(n)}", "", verdict(here, seeds, budget), "", prediction(results, n, here), ""]
+        title = _link(n) + (f", worker speeds `{sp}`" if sp else "")
+        lines += [f"## {title}", "", verdict(here, seeds, budget), "", prediction(results, name, here), ""]
         lines += table(here, seeds, two_tier) + [""]
-    if base.get("runs"):
+    baselines = results.get("baselines") or {"equal": results.get("baseline") or {}}
+    for sp, base in baselines.items():
+        if not base.get("runs"):
+            continue
         reached = base.get("time_to_target_s")
-        lines += [f"No-communication reference (`local`, the same workers, data and process layout): "
+        lines += [f"No-communication reference (`local`, the same workers, data and process layout"
+                  + (f", worker speeds `{sp}`" if len(baselines) > 1 or sp != "equal" else "") + "): "
                   f"{_fmt(base['throughput_samples_s'], '.0f')} samples/s (range {_fmt(base['throughput_min'], '.0f')}–"
                   f"{_fmt(base['throughput_max'], '.0f')} over {len(base['runs'])} run(s): spread "
                   f"{base['spread'] * 100:.1f} %), median step {base['step_time_s'] * 1e3:.0f} ms"

@@ -16,10 +16,24 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def place(network: str, speeds: str | None = None) -> str:
+    """A (network, worker speeds) of the matrix as its rows name it: the network, and the speeds profile
+    (`thinwire.speeds`) where one is set."""
+    return network if not speeds else f"{network}, speeds {speeds}"
+
+
+def places(matrix: dict) -> list[tuple[str, str, str | None]]:
+    """(name, network, speeds) of every place of a matrix (`asdict(CompareConfig)`), in its order: every network
+    under the first speeds profile, then under the next."""
+    return [(place(n, s), n, s) for s in (matrix.get("speeds") or [None]) for n in matrix["networks"]]
+
+
 def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
     """One entry per (contestant, network): the seeds' median and range of time to target (a seed that missed
-    it counts as +∞), how many reached it, medians of the other figures, and which contestants are within noise
-    of the best one (ranges overlap, each widened by its readings' precision: `_span`)."""
+    it counts as +∞), how many reached it, medians of the other figures, and each contestant's ratio to the best
+    one's time to target seed by seed (`paired_ratios`: the same seed is the same data and initialization for
+    every contestant); the best one's lead over it is real only where every seed's ratio is above 1 beyond the
+    readings' precision (`lead_real`), else it is within noise of the best."""
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["label"], r["network"]), []).append(r)
@@ -42,6 +56,8 @@ def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
                   "planned_time_to_target_s", "bytes_across_per_worker", "bytes_sent_per_worker", "mean_step_s",
                   "exposed_in_steps_s", "drain_s"):
             entry[k] = _median(r.get(k) for r in ok)
+        entry["ttt_by_seed"] = {r.get("seed"): (r.get("time_to_target_s") or math.inf,
+                                                r.get("time_to_target_resolution_s") or 0.0) for r in ok}
         entry["stop_reasons"] = sorted({r.get("stop_reason") for r in ok if r.get("stop_reason")})
         entry["ttt_resolution"] = _median(r["time_to_target_resolution_s"] / r["time_to_target_s"] for r in ok
                                           if r.get("time_to_target_resolution_s") is not None
@@ -54,19 +70,25 @@ def aggregate(rows: list[dict], networks: list[str]) -> list[dict]:
         best = here[0]
         if best["status"] != "ok":
             continue
-        for e in here:  # defined when the best reached the target: do the ranges of time to target overlap?
-            e["within_noise_of_best"] = (None if not best["reached"] else
-                                         e is not best and e["status"] == "ok" and e["ttt_min"] is not None
-                                         and max(_span(e)[0], _span(best)[0]) <= min(_span(e)[1], _span(best)[1]))
+        for e in here:  # defined when the best reached the target
+            if not best["reached"] or e is best or e["status"] != "ok":
+                e["within_noise_of_best"] = None if not best["reached"] else False
+                continue
+            e["paired_ratios"], e["lead_real"] = paired(best, e)
+            e["within_noise_of_best"] = not e["lead_real"]
     return out
 
 
-def _span(e: dict) -> tuple[float, float]:
-    """The seeds' range of time to target, widened by the precision of a reading (`ttt_resolution`: the time to
-    target is read between two evaluations, known to within that fraction): with one seed, a point and its
-    reading's error bar."""
-    res = e.get("ttt_resolution") or 0.0
-    return e["ttt_min"] * (1 - res), e["ttt_max"] * (1 + res)
+def paired(best: dict, e: dict) -> tuple[list[float], bool]:
+    """`e`'s time to target over `best`'s, seed by seed (+∞ where only `e` missed it), and whether `best` leads in
+    every seed beyond the readings' precision (a time to target is read between two evaluations: the true
+    crossing lies up to its resolution earlier) — a seed that either missed, or one `best` lacks, is no lead."""
+    ratios, real = [], True
+    for seed, (t, res_t) in sorted(e["ttt_by_seed"].items(), key=lambda kv: str(kv[0])):
+        b, res_b = best["ttt_by_seed"].get(seed, (math.inf, 0.0))
+        ratios.append(t / b if b < math.inf else math.nan)
+        real = real and b < math.inf and t - res_t > b
+    return ratios, real and bool(ratios)
 
 
 def rank(entries: list[dict]) -> list[dict]:

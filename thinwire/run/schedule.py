@@ -139,7 +139,7 @@ class ClockSchedule(Schedule):
         self.wrank, self.workers = wrank, workers
         self.store = dist.PrefixStore(f"thinwire/race/{run}/", store)
         self.keys = [f"latest/{r}" for r in range(workers)]
-        self.next_t, self.k, self.polled = 0.0, 0, 0.0
+        self.next_t, self.polled = 0.0, 0.0
 
     def due(self, step: int, clock: float = 0.0) -> bool:
         return step == self.total or clock >= self.next_t
@@ -150,7 +150,7 @@ class ClockSchedule(Schedule):
         if not self.store.check(self.keys):
             return None
         got = [json.loads(v) for v in self.store.multi_get(self.keys)]
-        return statistics.fmean(g[2] for g in got), max(g[1] for g in got)
+        return statistics.fmean(g[1] for g in got), max(g[0] for g in got)
 
     def poll(self, step: int, clock: float) -> str | None:
         """Between evaluations, every RESOLUTION of the clock: why to stop (every worker's latest on target, or
@@ -164,9 +164,7 @@ class ClockSchedule(Schedule):
         return "target" if seen and math.isfinite(seen[0]) and self.wl.reached(seen[0], self.target) else None
 
     def evaluated(self, step: int, value: float, clock: float, eval_s: float = 0.0) -> tuple[str | None, dict]:
-        self.store.set(self.keys[self.wrank], json.dumps([self.k, clock, value, step]))
-        rec = {"k": self.k}
-        self.k += 1
+        self.store.set(self.keys[self.wrank], json.dumps([clock, value, step]))
         seen = self.latest()
         mean, t = seen if seen is not None else (value, clock)
         on_target = (step > 0 and seen is not None and self.stop_at_target and math.isfinite(mean)
@@ -180,31 +178,36 @@ class ClockSchedule(Schedule):
         if self.first is None:
             self.first = mean
         self.seen = (t, mean)
-        return stop, rec
+        return stop, {}
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "next_t": self.next_t, "k": self.k}
+        return {**super().state_dict(), "next_t": self.next_t}
 
     def load_state_dict(self, state: dict | None) -> None:
         super().load_state_dict(state)
         if state:
-            self.next_t, self.k = float(state["next_t"]), int(state["k"])
+            self.next_t = float(state["next_t"])
 
 
-def race_crossing(workers_evals: list[list[dict]], reached) -> tuple[dict | None, float | None]:
-    """(a race of workers at their own pace) The first evaluation, in the order of the workers' clocks, at which
-    the mean of every worker's latest evaluation is `reached`: ({"t", "value", "step"}, the step the mean of the
-    workers' steps then), and the reading's resolution (the time since the evaluation event before it); or
-    (None, None)."""
+def race_curve(workers_evals: list[list[dict]]) -> list[dict]:
+    """(a race of workers at their own pace) The race's metric as it moved: at every evaluation, in the order of
+    the workers' clocks, once every worker has posted one, {"t", "value": the mean of every worker's latest
+    evaluation, "step": the mean of their steps}."""
     events = sorted((e["t"], w, e) for w, evals in enumerate(workers_evals) for e in evals)
     latest: dict[int, dict] = {}
-    before = None
+    out = []
     for t, w, e in events:
         latest[w] = e
-        if len(latest) == len(workers_evals) and e["step"] > 0:
-            mean = statistics.fmean(x["value"] for x in latest.values())
-            if math.isfinite(mean) and reached(mean):
-                return ({"t": t, "value": mean, "step": statistics.fmean(x["step"] for x in latest.values())},
-                        None if before is None else t - before)
-        before = t
+        if len(latest) == len(workers_evals):
+            out.append({"t": t, "value": statistics.fmean(x["value"] for x in latest.values()),
+                        "step": statistics.fmean(x["step"] for x in latest.values())})
+    return out
+
+
+def race_crossing(curve: list[dict], reached) -> tuple[dict | None, float | None]:
+    """The first point of a `race_curve` past step 0 whose value is `reached`, and the reading's resolution (the
+    time since the point before it); or (None, None)."""
+    for i, e in enumerate(curve):
+        if e["step"] > 0 and math.isfinite(e["value"]) and reached(e["value"]):
+            return e, (e["t"] - curve[i - 1]["t"] if i else None)
     return None, None

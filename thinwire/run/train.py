@@ -34,7 +34,7 @@ from ..launcher import MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, launch, pick_backend
 from ..launcher.elastic import ElasticPool, join_by_hand
 from . import checkpoint, workloads
 from .loop import check_tensorboard, train_worker
-from .schedule import race_crossing
+from .schedule import race_crossing, race_curve
 
 _now = time.perf_counter
 MAX_SEED = 2**32 - 1   # seeds feed torch, Python and NumPy generators (NumPy's legacy seeding takes 32 bits)
@@ -360,30 +360,41 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
     # begin at the step it joined)
     target = cfg.target if cfg.target is not None else wl.target
     clocked = any(w.get("pace") == "clock" for w in workers)   # workers at their own pace (run/schedule.py)
-    steps_of, evals_of = {}, {}
+    steps_of = {}
     for w in (workers[:1] if clocked else workers):   # (at their own pace: worker 0's steps and clock)
         for rec in w["steps"]:
             steps_of.setdefault(rec["step"], []).append(rec)
-    for w in workers:
-        for rec in w["evals"]:
-            evals_of.setdefault(rec.get("k", rec["step"]) if clocked else rec["step"], []).append(rec)
     n_steps = len(steps_of)
     # each step: the slowest worker's clock and step time, the workers' mean of the rest
     rows = [{"step": step, **{k: (max if k in ("t", "step_s") else statistics.fmean)(p[k] for p in per)
                               for k in ("loss", "t", "step_s", "bytes_sent", "emulated_s", "wait_s")}}
             for step, per in sorted(steps_of.items())]
     # in a race the ranks agreed on the mean and the clock (and stopped on them): the same numbers here; at their
-    # own pace, the k-th evaluation of every worker (at worker 0's step)
-    evals = [{"step": per[0]["step"], "t": per[0].get("agreed_t", max(p["t"] for p in per)),
-              "value": per[0].get("agreed", statistics.fmean(p["value"] for p in per))}
-             for _, per in sorted(evals_of.items()) if not clocked or len(per) == len(workers)]
-    by_step = {e["step"]: e for e in evals}
-    for row in rows:
-        if row["step"] in by_step:
-            row[wl.metric if wl.metric == "accuracy" else "test_loss"] = by_step[row["step"]]["value"]
+    # own pace, the mean of every worker's latest evaluation as it moved (`race_curve`)
+    mark = wl.metric if wl.metric == "accuracy" else "test_loss"
     if clocked:     # the mean of every worker's latest evaluation, in the order of their clocks
-        hit, resolution = race_crossing([w["evals"] for w in workers], lambda v: wl.reached(v, target))
+        evals = race_curve([w["evals"] for w in workers])
+        hit, resolution = race_crossing(evals, lambda v: wl.reached(v, target))
+        j = 0       # worker 0's step rows carry the race's metric as it stood at their clock
+        for row in rows:
+            if j < len(evals) and evals[j]["t"] <= row["t"]:
+                while j < len(evals) and evals[j]["t"] <= row["t"]:
+                    j += 1
+                row[mark] = evals[j - 1]["value"]
+        if rows and 0 < j < len(evals):
+            rows[-1][mark] = evals[-1]["value"]
     else:
+        evals_of = {}
+        for w in workers:
+            for rec in w["evals"]:
+                evals_of.setdefault(rec["step"], []).append(rec)
+        evals = [{"step": per[0]["step"], "t": per[0].get("agreed_t", max(p["t"] for p in per)),
+                  "value": per[0].get("agreed", statistics.fmean(p["value"] for p in per))}
+                 for _, per in sorted(evals_of.items())]
+        by_step = {e["step"]: e for e in evals}
+        for row in rows:
+            if row["step"] in by_step:
+                row[mark] = by_step[row["step"]]["value"]
         at = next((i for i, e in enumerate(evals) if e["step"] > 0 and wl.reached(e["value"], target)), None)
         hit = None if at is None else evals[at]
         # the true crossing lies in the interval before the evaluation that saw it: the reading's resolution
@@ -399,7 +410,7 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
     drain_s = statistics.fmean(w.get("drain_s", 0.0) for w in workers)
     batch = cfg.batch_size or wl.batch_size
     final = statistics.fmean(w["final"] for w in workers)
-    best = (max if wl.metric == "accuracy" else min)(e["value"] for e in evals)
+    best = (max if wl.metric == "accuracy" else min)((e["value"] for e in evals), default=final)
     summary = {
         "workload": cfg.workload, "algorithm": cfg.algorithm, "network": cfg.network,
         "workers": len(workers), "servers": len(servers), "compressor": cfg.compressor, "memory": cfg.memory,

@@ -1,0 +1,138 @@
+"""Emulated worker speeds (`thinwire.speeds`) and the race of workers at their own pace (`thinwire.run.schedule`):
+profiles parsed and refused, the wait a slow worker takes, and races whose workers take different numbers of steps."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from thinwire import speeds
+from thinwire.errors import UserError
+
+
+def test_profiles_name_each_workers_speed():
+    assert speeds.parse(None) is None and speeds.parse("equal") is None and speeds.parse(" ") is None
+    assert speeds.parse("1,1,1,0.5").factors(4) == [1, 1, 1, 0.5]
+    assert speeds.parse("one-half").factors(4) == [1, 1, 1, 0.5]
+    assert speeds.parse("two-speeds").factors(4) == pytest.approx([1 / 3, 1 / 3, 1, 1])
+    assert speeds.parse("2:1").factors(2) == [1, 0.5]
+    change = speeds.parse("equal@30>one-half")
+    assert change.factors(2, at_s=29.9) == [1, 1] and change.factors(2, at_s=30) == [1, 0.5]
+    # stragglers: q = pL/(1 + pL) of the steps at the factor; times per step add up
+    q = 0.2 / 1.2
+    assert speeds.parse("stragglers").mean_factors(2) == pytest.approx([1 / ((1 - q) + q / 0.25)] * 2)
+    assert speeds.parse("stragglers:p=0,factor=0.5,steps=3").mean_factors(3) == [1, 1, 1]
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("1,1,1,2", "every factor must be in (0, 1]"),
+    ("1,0", "every factor must be in (0, 1]"),
+    ("1,x", "is not a number"),
+    ("1,nan", "must be finite"),
+    ("fast", "unknown --speeds profile 'fast'"),
+    ("0:1", "both speeds of A:B must be positive"),
+    ("stragglers:p=2", "p must be in [0, 1]"),
+    ("stragglers:factor=0", "factor must be in (0, 1]"),
+    ("stragglers:steps=1.5", "steps must be a whole number"),
+    ("stragglers:q=1", "stragglers take p=, factor=, steps="),
+    ("one-half>equal", "write SPEC@SECONDS>SPEC"),
+    ("equal@30>one-half@20>equal", "change times must increase"),
+    ("1,0.5", "gives 2 factors for 4 workers"),
+])
+def test_a_bad_profile_is_refused_in_one_line_before_any_worker_starts(spec, needle, capsys):
+    from thinwire.cli import main
+    assert main(["train", "--workload", "linreg", "--workers", "4", "--steps", "5", "--speeds", spec]) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+class _Sleep(torch.autograd.Function):
+    """A layer whose forward and backward take a fixed time: compute that load on the machine cannot stretch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        time.sleep(0.01)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.01)
+        return g
+
+
+def test_a_worker_at_half_speed_takes_twice_the_training_time_per_step():
+    """The wait before each backward is (1/s − 1) × (this forward + the last backward): at s = 0.5, a step's
+    training time (forward, wait, backward) is twice its compute (±5 %), and the wait lies before the backward."""
+    model = torch.nn.Linear(4, 1)
+    slow = speeds.Slowdown(speeds.parse("1,0.5"), rank=1, workers=2).install(model)
+    order, steps = [], []
+    model.weight.register_hook(lambda g: order.append(("grad", slow.waited_s)))
+    x = torch.randn(8, 4)
+    for i in range(21):
+        t0, w0 = time.perf_counter(), slow.waited_s
+        _Sleep.apply(model(x)).sum().backward()
+        steps.append((time.perf_counter() - t0, slow.waited_s - w0))
+    total = sum(t for t, _ in steps[1:])      # the first step has no last backward
+    waited = sum(w for _, w in steps[1:])
+    assert 1.9 <= total / (total - waited) <= 2.1, (total, waited)
+    assert order[-1][1] > 0 and slow.steps == 21
+    fast = speeds.Slowdown(speeds.parse("1,0.5"), rank=0, workers=2).install(model)
+    _Sleep.apply(model(x)).sum().backward()
+    assert fast.waited_s == 0.0
+    slow.remove(), fast.remove()
+
+
+def _race(rank, world, **kw):
+    from thinwire.run.train import TrainConfig, train_worker
+    return train_worker(rank, world, TrainConfig(**kw).validate())
+
+
+def test_workers_at_their_own_pace_meet_on_the_clock(pool2, tmp_path):
+    """`local` in a race: no worker waits for the other's evaluations. The worker at half speed takes fewer steps
+    in the same training time, is the only one that waited, and the race's curve is the mean of every worker's
+    latest evaluation in the order of their clocks, up to the budget."""
+    from thinwire.run.train import TrainConfig, run_training
+    cfg = TrainConfig(workload="digits-mlp", workers=2, algorithm="local", speeds="1,0.5", budget_s=1.5,
+                      target=1.0, progress=False)
+    s = run_training(cfg, str(tmp_path), pool=pool2)
+    fast, slow = s["steps_per_worker"]
+    assert s["stop_reason"] == "budget" and slow < 0.8 * fast, s["steps_per_worker"]
+    assert s["slowed_s"] > 0 and s["speeds"] == "1,0.5"
+    assert s["time_to_target_s"] is None and s["train_s"] >= 1.5
+
+
+def test_race_curve_and_crossing_follow_the_clocks():
+    from thinwire.run.schedule import race_crossing, race_curve
+    a = [{"t": 0.0, "value": 0.1, "step": 0}, {"t": 1.0, "value": 0.6, "step": 10}, {"t": 3.0, "value": 0.9, "step": 30}]
+    b = [{"t": 0.1, "value": 0.1, "step": 0}, {"t": 2.0, "value": 0.8, "step": 10}]
+    curve = race_curve([a, b])
+    assert [(p["t"], p["value"], p["step"]) for p in curve] == [
+        (0.1, 0.1, 0), (1.0, pytest.approx(0.35), 5), (2.0, pytest.approx(0.7), 10), (3.0, pytest.approx(0.85), 20)]
+    hit, resolution = race_crossing(curve, lambda v: v >= 0.7)
+    assert hit["t"] == 2.0 and resolution == 1.0
+    assert race_crossing(curve, lambda v: v >= 0.95) == (None, None)
+
+
+def test_compare_races_each_speeds_profile_against_its_own_reference(pool2, tmp_path):
+    from thinwire.compare import matrix as cmp
+    cfg = cmp.CompareConfig(workload="digits-mlp", workers=2, networks=["lan"], cells=["bsp"], budget_s=0.6,
+                            target=1.0, speeds=[None, "1,0.5"])
+    res = cmp.compare(cfg, str(tmp_path), progress=False, pool=pool2)
+    assert set(res["baselines"]) == {"equal", "1,0.5"} and res["baseline"] is res["baselines"]["equal"]
+    assert res["baselines"]["1,0.5"]["runs"][0]["config"]["speeds"] == "1,0.5"
+    by = {r["network"]: r for r in res["cells"]}
+    assert set(by) == {"lan", "lan, speeds 1,0.5"} and by["lan, speeds 1,0.5"]["link"] == "lan"
+    assert by["lan, speeds 1,0.5"]["config"]["speeds"] == "1,0.5" and by["lan, speeds 1,0.5"]["slowed_s"] > 0
+    assert by["lan"]["slowed_s"] == 0 and all(r["status"] == "ok" for r in res["cells"])
+    report = open(tmp_path / "report.md").read()
+    assert "## `lan` (loopback, no emulation), worker speeds `1,0.5`" in report
+    assert "reference (`local`, the same workers, data and process layout, worker speeds `1,0.5`)" in report
+
+
+def test_compare_refuses_a_bad_speeds_profile_in_one_line(capsys):
+    from thinwire.cli import main
+    assert main(["compare", "--algorithms", "bsp", "--workers", "2", "--speeds", "equal;1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "every factor must be in (0, 1]" in err and len(err.strip().splitlines()) == 1, err
