@@ -219,7 +219,9 @@ class Algorithm:
         return ex
 
     def metrics(self) -> dict:
-        return {"schedule": self.scheduler.describe()}
+        """The schedule, and where an exchange aggregates robustly its counts (`Robust.metrics`)."""
+        robust = next((ex.robust.metrics() for ex in getattr(self, "_exchanges", ()) if ex.robust is not None), {})
+        return {"schedule": self.scheduler.describe(), **robust}
 
     def state_dict(self) -> dict:
         return {}

@@ -53,6 +53,10 @@ def format_summary(s: dict) -> str:
     for f in s.get("failures") or []:
         lines.append(f"  lost workers      {f['lost']} at step {f['step']}: the survivors {f['members']} went on")
     am = s.get("algorithm_metrics") or {}
+    if am.get("robust_rule"):
+        lines.append(f"  robust {am['robust_rule']}: {am['robust_exchanges']} exchanges, rejected "
+                     f"{am['robust_rejected']} (non-finite), clipped {am['robust_clipped']}; left out per rank "
+                     f"{', '.join(f'{v:.2f}' for v in am['robust_left_out'])}")
     # CD-SGD's time model: Yu et al. 2021, "CD-SGD: Distributed Stochastic Gradient Descent with Compression and Delay
     # Compensation", arXiv 2106.10796, §3.3
     if am.get("predicted_step_s") is not None and am.get("measured_step_s") is not None:
@@ -163,6 +167,10 @@ def register(sub) -> None:
     p.add_argument("--deadline", type=float, metavar="S",
                    help="stop the run after S seconds of wall time whatever its progress (default: none; a run "
                         "lasts as long as it progresses)")
+    p.add_argument("--faulty", metavar="RANK:KIND",
+                   help="emulate a faulty worker: RANK's contributions to every exchange corrupted, KIND scale "
+                        "(x -10), noise (random, of its norm), stale (the previous one) or nan; try it against "
+                        "--aggregate median|trimmed|clip (docs/robust.md)")
     p.add_argument("--speeds", metavar="SPEC",
                    help="emulate workers of different speeds: factors per worker (1,1,1,0.5), two speeds A:B, "
                         "one-half, two-speeds, stragglers[:p=,factor=,steps=], or SPEC@SECONDS>SPEC "

@@ -28,6 +28,11 @@ tensor is made of) lets PowerSGD treat each parameter as a matrix. The exchange 
 `collective` and, replacing a top-k family's all-gather, `sparse_collective` (`sparse.py`), checked at
 construction (`check_collectives`).
 
+Robust aggregation (`aggregate="median" | "trimmed" | "clip"`, with `trim` β or `clip` τ: `robust.py`): every rank's
+contribution is gathered (never summed: the all-gather, whatever the compressor would pick), each is decoded, and
+the rule reduces them in place of the mean. `faulty="RANK:KIND"` emulates a faulty rank (`faulty.py`): its
+contribution is corrupted as it enters the program, after its own check.
+
 NaN/Inf: with `check_finite=True` (the default) a non-finite value raises `NonFiniteError` naming the key and rank
 BEFORE anything is compressed, remembered or sent, so no rank's model or memory is poisoned; with `False` such
 values travel as they are (dense paths spread them to every rank: visible, never silent; sparsifiers may drop NaNs
@@ -47,6 +52,8 @@ from ..comm.engine import Ready
 from ..compress import Compressor, Memory, Payload, compressors, memories
 from ..compress.finite import NonFiniteError
 from ..errors import UserError
+from . import faulty as _faulty
+from . import robust as _robust
 from . import sparse as _sparse
 from . import wire
 from .choose import (COLLECTIVES, GLOO_SUM_WIDEN as _GLOO_WIDEN, allowed_collectives, dense_is_cheaper, densifies,
@@ -56,9 +63,19 @@ from .rounds import run_rounds
 __all__ = ["COLLECTIVES", "Exchange", "allowed_collectives", "check_collectives", "resolve_collective"]
 
 
-def check_collectives(compressor: Compressor, collective: str = "auto", sparse_collective: str = "allgather") -> str:
-    """The collective an exchange through `compressor` runs with these choices; a UserError where one is invalid."""
-    resolved = resolve_collective(compressor, collective)
+def check_collectives(compressor: Compressor, collective: str = "auto", sparse_collective: str = "allgather",
+                      aggregate: str = "mean", trim=None, clip=None, faulty=None) -> str:
+    """The collective an exchange through `compressor` runs with these choices; a UserError where one is invalid.
+    A robust `aggregate` (`robust.make`) needs every rank's contribution: the all-gather."""
+    _faulty.parse(faulty)
+    robust = _robust.make(aggregate, trim, clip)
+    if robust is not None and (collective not in ("auto", "allgather") or sparse_collective != "allgather"
+                               or "allgather" not in allowed_collectives(compressor)):
+        named = sparse_collective if sparse_collective != "allgather" else collective
+        raise UserError(f"aggregate={aggregate} gathers every rank's contribution; it cannot run with "
+                        f"{'compressor ' + repr(compressor.name) if named == 'auto' else 'collective ' + repr(named)}"
+                        f" (valid: collective auto or allgather, a compressor whose payloads can be gathered)")
+    resolved = resolve_collective(compressor, "allgather" if robust is not None else collective)
     _sparse.check(sparse_collective, compressor)
     return resolved
 
@@ -79,16 +96,20 @@ class Exchange:
     def __init__(self, transport: Transport, compressor: "str | Compressor" = "none",
                  memory: "str | Memory" = "none", collective: str = "auto", check_finite: bool = True,
                  sparse_collective: str = "allgather", background: bool = False, serial: bool = False,
-                 guard=None, **params):
+                 guard=None, aggregate: str = "mean", trim=None, clip=None, faulty=None, **params):
         if params:
             raise UserError(f"unexpected exchange parameters: {sorted(params)}; valid: collective, check_finite, "
-                            f"sparse_collective, background, serial, guard")
+                            f"sparse_collective, background, serial, guard, aggregate, trim, clip, faulty")
         self.transport = transport
         self.background, self.serial = bool(background), bool(serial)
         self.compressor, self.memory = compressors.get(compressor), memories.get(memory)   # an object: as it is
-        self.auto = collective == "auto" and self.compressor.pick_by_bytes
-        self.densify = collective == "auto" and densifies(self.compressor)   # may all-reduce the decoded tensors
-        self.collective = check_collectives(self.compressor, collective, sparse_collective)
+        self.collective = check_collectives(self.compressor, collective, sparse_collective, aggregate, trim, clip,
+                                            faulty)
+        # a robust rule (robust.py) reduces every rank's contribution: always gathered
+        self.robust = _robust.make(aggregate, trim, clip)
+        self.faulty = None if faulty is None else _faulty.Faulty(faulty)   # an emulated faulty rank (faulty.py)
+        self.auto = collective == "auto" and self.compressor.pick_by_bytes and self.robust is None
+        self.densify = collective == "auto" and densifies(self.compressor) and self.robust is None
         self.check_finite, self.guard = check_finite, guard
         self._gloo = backend_of(getattr(transport, "group", None)) == "gloo"
         self.memory.setup(transport.world_size)
@@ -123,6 +144,8 @@ class Exchange:
             return Ready(x.clone())
         step = self._begin(x, key)
         tr, comp, n = self.transport, self.compressor, self.world_size
+        if self.faulty is not None:     # where this rank's contribution enters: after its own check (faulty.py)
+            x = self.faulty.corrupt(x, key, step, tr.rank)
         if self.identity:   # as DDP: the bucket itself, divided by n, is summed (no copy when allowed)
             # dividing first, as DDP's own hook does, puts the division before the transfer, overlapped with
             # the rest of backward, and not after the last bucket's transfer (1.5 ms of a 57 ms step here)
@@ -149,7 +172,7 @@ class Exchange:
         payload, sent = self._compress(c, key, step, agreed)
         if collective == "allreduce":
             return (yield from self._allreduce(payload, x, c))
-        return (yield from self._gather(payload, x, c, sent))
+        return (yield from self._gather(payload, x, c, sent, key))
 
     def collective_for(self, numel: int) -> str:
         """The collective an exchange of `numel` elements runs: the one named at construction, or with "auto" for a
@@ -206,7 +229,7 @@ class Exchange:
                 return (total / n).to(x.dtype).reshape(x.shape)
         return summed.then(finish)
 
-    def _gather(self, payload: Payload, x: torch.Tensor, c: torch.Tensor, sent: torch.Tensor | None):
+    def _gather(self, payload: Payload, x: torch.Tensor, c: torch.Tensor, sent: torch.Tensor | None, key=None):
         comp, n, tr = self.compressor, self.world_size, self.transport
         buf = wire.pack(payload.tensors)
         sizes = [buf.numel()] * n if comp.fixed_size else None
@@ -227,12 +250,13 @@ class Exchange:
                 fut = yield from tr.all_reduce_program(decoded, op="sum")
                 return fut.then(lambda total: (total / n).reshape(x.shape))
         fut = yield from tr.all_gather_program(buf, sizes=sizes)
-        majority = self.collective == "majority"
+        majority, robust = self.collective == "majority", self.robust
 
         def finish(blocks):
             with tr.tracer.span("decompress", "compress"):
                 payloads = [Payload(ts, payload.ctx) for ts in wire.unpack_all(blocks)]
-                out = comp.vote(payloads) if majority else comp.aggregate(payloads) / n
+                out = (comp.vote(payloads) if majority else comp.aggregate(payloads) / n if robust is None
+                       else robust.reduce([comp.decompress(p) for p in payloads], key))
                 return out.to(x.dtype).reshape(x.shape)
         return fut.then(finish)
 
@@ -259,13 +283,15 @@ class Exchange:
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"steps": dict(self.steps), "compressor": self.compressor.state_dict(),
-                "memory": self.memory.state_dict()}
+                "memory": self.memory.state_dict(), **({"robust": self.robust.state_dict()} if self.robust else {})}
 
     def rekey(self, old: list, new: list) -> None:
         """The scheduler re-planned its buckets ((key, numel) lists, same elements in the same order): the
         compressor's and memory's per-bucket state moves to the new keys, and the step counters go on."""
         self.compressor.rekey(old, new)
         self.memory.rekey(old, new)
+        if self.robust is not None:
+            self.robust.rekey()
         step = max((self.steps.get(k, 0) for k, _ in old), default=0)
         self.steps.update({k: step for k, _ in new})
 
@@ -273,3 +299,5 @@ class Exchange:
         self.steps = dict(state.get("steps", {}))
         self.compressor.load_state_dict(state["compressor"])
         self.memory.load_state_dict(state["memory"])
+        if self.robust is not None:
+            self.robust.load_state_dict(state.get("robust", {}))

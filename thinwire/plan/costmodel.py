@@ -84,10 +84,14 @@ def sparse_exchange_cost(s: Scenario, comp, name: str) -> Cost:
 
 
 def exchange(s: Scenario, compressor: str = "none", sparse_collective: str | None = None,
-             **params) -> tuple[str, Cost]:
+             aggregate: str | None = None, **params) -> tuple[str, Cost]:
     """One exchange of the whole gradient through `compressor`: the collective its algebra allows (the all-reduce
     algorithm, allgather, or for a top-k-family compressor `sparse_collective`, default the all-gather) and its
-    cost."""
+    cost. A robust `aggregate` (median, trimmed, clip: `thinwire.exchange.robust`) gathers every rank's payload."""
+    if aggregate not in (None, "mean"):
+        bits = 32.0 if compressor == "none" else compressors.get(compressor, **params).nominal_bits(int(s.params))
+        payload = bits * s.params / 8 if compressor != "none" else s.nbytes
+        return "allgather", netcost.ring_allgather(s.collective_link, s.workers, payload)
     if compressor == "none":
         return s.collective, s.allreduce(s.nbytes)
     comp = compressors.get(compressor, **params)
@@ -132,13 +136,14 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     """Iteration time of `algorithm` (with `compressor`) in scenario `s`: the formula of the cost family the
     algorithm declares (`thinwire.plan.families`), its parameters `p` over the declared ones over the algorithm's
     constructor defaults. `overlap`: WFBP's flag, or DiLoCo's τ_o (an int). `sparse_collective=` (a
-    top-k-family compressor) picks the sparse collective of its exchange; the prediction's `collective` names what
-    carries it."""
+    top-k-family compressor) picks the sparse collective of its exchange, `aggregate=` a robust rule its gather;
+    the prediction's `collective` names what carries it."""
     cp, sparse = {k: v for k, v in p.items() if k in COMPRESSOR_PARAMS}, p.get("sparse_collective")
-    collective, comm = exchange(s, compressor, sparse, **cp)
+    agg = p.get("aggregate")        # a robust rule: the exchange gathers (`exchange`)
+    collective, comm = exchange(s, compressor, sparse, agg, **cp)
     declared = cost_of(algorithm)
     delta = s.compress_s(compressor) if compressor != "none" else 0.0
-    again = lambda sc, name=None: exchange(sc, compressor, sparse, **cp) if name is None else exchange(sc, name)
+    again = lambda sc, name=None: exchange(sc, compressor, sparse, agg, **cp) if name is None else exchange(sc, name)
     x = Inputs(s, compressor, overlap, comm, delta, again)
     step = FAMILIES[declared.family].formula(x, {**algorithms.registry.parameters(algorithm), **declared.params, **p})
     return Prediction(algorithm, step.iteration_s, s.compute_s, step.bytes_per_step,

@@ -25,6 +25,7 @@ from .. import algorithms, speeds
 from ..algorithms.ps_sync import checkpointable_on_ps
 from ..compress import compressors, memories
 from ..errors import UserError
+from ..exchange.faulty import check as check_faulty
 from ..files import atomic_write, check_writable_dir
 from ..net import Islands, parse_network, ring_allreduce
 from ..optim import check_momentum
@@ -111,6 +112,7 @@ class TrainConfig:
     device: str = "cpu"                   # "cuda": model, batches, buffers on GPUs (launcher.pick_backend)
     speeds: str | None = None             # each worker's emulated speed (`thinwire.speeds`: "1,1,1,0.5", "stragglers")
     race_id: str | None = None            # (set by run_training) names this run's evaluations in the launcher's store
+    faulty: str | None = None             # "RANK:KIND": one worker's contributions corrupted (exchange/faulty.py)
     # a race peer that `algorithm` names (PyTorch's, torchft's), resolved by `thinwire.compare.peers.resolve`
     # above this layer: its `stepper` runs instead of thinwire's Trainer, `check(params, workers)` and
     # `checkpoints` serve validation; None: a thinwire algorithm. Not part of the record (`to_dict`).
@@ -139,6 +141,7 @@ class TrainConfig:
         if isinstance(net, Islands):
             net.check_workers(self.workers)
         check_int("--seed", self.seed, 0, MAX_SEED)
+        check_faulty(self.faulty, self.workers, self.algorithm if self.peer else None)
         profile = speeds.parse(self.speeds)
         if profile is not None:
             profile.check_workers(self.workers)
@@ -338,8 +341,10 @@ class TrainConfig:
         return self.servers
 
     def component_params(self) -> dict:
-        """The parameters routed to the algorithm, compressor and memory (`--servers` included)."""
-        return {**self.params, "servers": self.servers} if self.servers else dict(self.params)
+        """The parameters routed to the algorithm, compressor, memory and exchange (`--servers`, `--faulty`
+        included)."""
+        params = {**self.params, "faulty": self.faulty} if self.faulty is not None else dict(self.params)
+        return {**params, "servers": self.servers} if self.servers else params
 
     def total_steps(self, wl: workloads.Workload) -> int | None:
         """The step bound: --steps, else --epochs, else (a race with a budget) none, else the workload's epochs."""

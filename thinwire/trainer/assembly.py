@@ -18,18 +18,19 @@ from ..comm.collectives import parse
 from ..comm.membership import MEMBERSHIP
 from ..compress import Memory, compressors, memories
 from ..errors import UserError
-from ..exchange.exchange import check_collectives
+from ..exchange.exchange import Exchange, check_collectives
 from ..registry import call, route
 
 SCHED_PARAMS = tuple(inspect.signature(sched.make).parameters)
 TRANSPORT_PARAMS = ("allreduce",)
-EXCHANGE_PARAMS = tuple(inspect.signature(check_collectives).parameters)[1:]   # collective, sparse_collective
+EXCHANGE_PARAMS = tuple(inspect.signature(check_collectives).parameters)[1:]   # collective, ..., faulty
 
 
 def build_components(algorithm, compressor=None, memory=None, **params):
     """Resolve defaults, route `params` by name and build (algorithm, compressor, memory, scheduler, transport
-    options, exchange options: `collective`, `sparse_collective`); raises UserError for unknown names, unknown
-    parameters, bad values and invalid combinations (used before launching too)."""
+    options, exchange options: `collective`, `sparse_collective`, `aggregate`, `trim`, `clip`, `faulty`); raises
+    UserError for unknown names, unknown parameters, bad values and invalid combinations (used before launching
+    too)."""
     alg_cls = (algorithms.registry.constructor(algorithm, params) if isinstance(algorithm, str)
                else type(algorithm))
     compressor = compressor or alg_cls.default_compressor
@@ -55,6 +56,10 @@ def build_components(algorithm, compressor=None, memory=None, **params):
                       memories.get(memory, **mem_params))
     alg.check_components(comp, mem)      # invalid pairings are refused here, before any worker starts
     check_collectives(comp, **exchange_params)
+    robust = [k for k in ("aggregate", "faulty") if exchange_params.get(k, "mean") not in ("mean", None)]
+    if robust and alg.exchange_class is not Exchange:    # the PS and gossip exchanges gather no contributions
+        raise UserError(f"{' and '.join(robust)} act on an all-reduce exchange's contributions; {alg.name!r} on "
+                        f"{alg.architecture} has none (use bsp, localsgd or diloco on allreduce)")
     return alg, comp, mem, call(sched.make, "schedule", sched_params), transport_params, exchange_params
 
 
