@@ -22,8 +22,11 @@ warm-start Q, drawn per matrix shape) follows its matrix (`regroup`): the result
 Momentum. A memory (or compressor) that applies the training's momentum before compression (`residual`,
 `efsignsgd`, `dgc`, `signum`) cannot see an optimizer that applies it after, and error feedback does not survive
 momentum after compression (EF-SGDM, Zheng et al. 2019: onebit + residual beside SGD momentum 0.9 does not train).
-`ddp_hook(..., optimizer=opt)` moves the optimizer's heavy-ball momentum into that component, as `tw.Trainer` does;
-without it the hook warns (once) at the first step of an optimizer with momentum over its parameters.
+The hook learns the optimizer at its first step (a global optimizer step pre-hook, matched by the hooked
+parameters) and moves a plain heavy-ball SGD's momentum into that component, as `tw.Trainer` does: from then on the
+optimizer runs without it (its first step had no momentum to apply yet; the component's starts from the second
+gradient). `ddp_hook(..., optimizer=opt)` does the same at construction; an optimizer whose momentum cannot move
+(Nesterov, dampening, weight decay) gets one warning.
 """
 from __future__ import annotations
 
@@ -35,9 +38,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm import Transport
+from ..errors import UserError
 from ..compress import compressors, memories
 from ..compress.base import assemble
-from ..optim import hand_over_momentum, momentum_taker
+from ..optim import hand_over_momentum, heavy_ball, momentum_taker
 from ..registry import route
 from .exchange import Exchange, check_collectives
 
@@ -50,8 +54,10 @@ class HookState:
     """What the hook keeps between calls: its Exchange (built on first use, on DDP's process group)."""
 
     def __init__(self, compressor, memory, process_group=None, network=None, collective="auto",
-                 check_finite: bool | None = None, sparse_collective: str = "allgather"):
+                 check_finite: bool | None = None, sparse_collective: str = "allgather", start_iter: int = 0):
         self.compressor, self.memory = compressor, memory
+        self.start_iter, self.iter = start_iter, 0     # iterations all-reduced uncompressed; iterations seen
+        self.dense: Exchange | None = None             # their exchange: the identity, on the same transport
         self.process_group, self.network = process_group, network
         self.collective, self.sparse_collective, self.check_finite = collective, sparse_collective, check_finite
         self.exchange: Exchange | None = None
@@ -82,11 +88,12 @@ class HookState:
                 regroup(key, layout)
 
     def watch_momentum(self, taker) -> None:
-        """Warn (once) at the first step of an optimizer over the hooked parameters that applies momentum itself
-        while `taker`, which would apply it before compression, has none: a global optimizer hook (the optimizer
-        beside DDP is unknown), removed at the next bucket (`follow`: torch iterates the global hooks while one
-        runs), holding the state and parameters weakly (a finished model's hook keeps nothing alive and matches no
-        new parameter through a reused `id()`)."""
+        """At the first step of an optimizer over the hooked parameters that applies momentum itself while `taker`,
+        which would apply it before compression, has none: move a heavy-ball SGD's momentum into `taker`
+        (`hand_over_momentum`), else warn once. A global optimizer hook (the optimizer beside DDP is unknown),
+        removed at the next bucket (`follow`: torch iterates the global hooks while one runs), holding the state and
+        parameters weakly (a finished model's hook keeps nothing alive and matches no new parameter through a
+        reused `id()`)."""
         me = weakref.ref(self)
 
         def check(optimizer, args, kwargs):
@@ -99,11 +106,16 @@ class HookState:
             state._watch = (state._watch[0], True)      # fired: removed at the next bucket, outside torch's loop
             mu = max((g.get("momentum", 0.0) or 0.0 for g in optimizer.param_groups), default=0.0)
             taker = state._taker
-            if mu and taker.momentum is None:
-                warnings.warn(f"tw.ddp_hook: {taker.name!r} applies momentum before compression but "
-                              f"{type(optimizer).__name__} applies momentum {mu:g} after it, which error feedback "
-                              f"does not survive: pass optimizer=<your optimizer> to tw.ddp_hook (its momentum "
-                              f"moves into {taker.name!r}, as tw.Trainer does)", UserWarning, stacklevel=2)
+            if not mu or taker.momentum is not None:
+                return
+            if heavy_ball(optimizer) is not None:       # before this step reads it: it runs without momentum
+                hand_over_momentum(optimizer, _GRADIENTS, state.compressor, state.memory)
+                return
+            warnings.warn(f"tw.ddp_hook: {taker.name!r} applies momentum before compression but "
+                          f"{type(optimizer).__name__} applies momentum {mu:g} after it (with Nesterov, dampening or "
+                          f"weight decay, which cannot move into {taker.name!r}), and error feedback does not "
+                          f"survive that: use plain SGD momentum, or give {taker.name!r} momentum={mu:g} and the "
+                          f"optimizer none", UserWarning, stacklevel=2)
         self._taker = taker
         self._watch = (register_optimizer_step_pre_hook(check), False)
 
@@ -116,6 +128,13 @@ class HookState:
             ex.check_finite = (not ex.identity) if self.check_finite is None else bool(self.check_finite)
             self.exchange = ex
         return self.exchange
+
+    def get_dense(self, device=None) -> Exchange:
+        """The identity exchange of the first `start_iter` iterations, on the same transport (the same meter)."""
+        if self.dense is None:
+            self.dense = Exchange(self.get_exchange(device).transport, "none", "none", collective=self.collective)
+            self.dense.check_finite = bool(self.check_finite)
+        return self.dense
 
     @property
     def meter(self):
@@ -133,6 +152,11 @@ def thinwire_hook(state, bucket):
     that completes when the exchange does."""
     buf = bucket.buffer()
     ex, key, shapes = state.get_exchange(buf.device), ("bucket", bucket.index(), buf.numel()), None
+    if state.iter < state.start_iter:       # DDP's bucket 0 is the last of an iteration
+        state.iter += bucket.is_last()
+        ex = state.get_dense(buf.device)
+    elif bucket.is_last():
+        state.iter += 1
     if not ex.identity:     # the identity exchange keeps no state and uses no structure: nothing to follow
         state.follow(bucket, key)
         params = bucket.parameters()
@@ -158,15 +182,22 @@ _GRADIENTS = types.SimpleNamespace(exchanges_gradients=True)   # what DDP all-re
 
 def ddp_hook(compressor="none", memory="none", process_group=None, network=None, collective: str = "auto",
              check_finite: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
-             sparse_collective: str = "allgather", **params):
+             sparse_collective: str = "allgather", start_iter: int | None = None, **params):
     """`(state, hook)` for `DistributedDataParallel.register_comm_hook`; `params` go to the compressor and the
     memory by name (e.g. `ratio=0.01`, `rank=4`, `momentum=0.9`); an unknown one is a UserError. `optimizer`: the
     optimizer that steps the DDP model, whose heavy-ball momentum moves into a memory (or compressor) that applies
-    it before compression, as `tw.Trainer` does (see the module's docstring)."""
+    it before compression, as `tw.Trainer` does; without it the hook finds the optimizer at its first step and
+    does the same (see the module's docstring). `start_iter`: iterations all-reduced uncompressed first (metered
+    like the rest); by default 2 for `powersgd`, as PyTorch's `powerSGD_hook` at its smallest (its
+    `start_powerSGD_iter`, default 1000), else 0."""
     comp_params, mem_params = route({"compressor": (compressors, compressor), "memory": (memories, memory)}, params)
     comp, mem = compressors.get(compressor, **comp_params), memories.get(memory, **mem_params)
     check_collectives(comp, collective, sparse_collective)   # fail at construction, not at the first backward
-    state = HookState(comp, mem, process_group, network, collective, check_finite, sparse_collective)
+    if start_iter is None:
+        start_iter = 2 if comp.name == "powersgd" else 0
+    if not isinstance(start_iter, int) or start_iter < 0:
+        raise UserError(f"tw.ddp_hook: start_iter must be an integer >= 0, got {start_iter!r}")
+    state = HookState(comp, mem, process_group, network, collective, check_finite, sparse_collective, start_iter)
     if optimizer is not None:
         hand_over_momentum(optimizer, _GRADIENTS, comp, mem)
     else:
