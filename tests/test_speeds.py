@@ -136,3 +136,16 @@ def test_compare_refuses_a_bad_speeds_profile_in_one_line(capsys):
     assert main(["compare", "--algorithms", "bsp", "--workers", "2", "--speeds", "equal;1,2"]) == 2
     err = capsys.readouterr().err
     assert "every factor must be in (0, 1]" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_dynamic_rounds_outside_a_race_end_together(pool2, tmp_path):
+    """`--steps N` under dynamic local updates at fixed speeds 1 : 0.5 (H_i = 4, 2): the first worker to reach N
+    asks to stop, its flag travels in the next merge's gather and is read at the one after, and every worker ends
+    at that merge — the fast one past N, the slow one short of it — instead of waiting for a merge that never
+    comes."""
+    from thinwire.run.train import TrainConfig, run_training
+    cfg = TrainConfig(workload="linreg", workers=2, algorithm="diloco", params={"period": 4, "rates": "1,0.5"},
+                      steps=20, progress=False)
+    s = run_training(cfg, str(tmp_path), pool=pool2)
+    assert s["steps_per_worker"] == [28, 14] and s["stop_reason"] == "steps"
+    assert s["algorithm_metrics"]["round_periods"] == [[4, 2]] * 7

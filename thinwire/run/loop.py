@@ -205,6 +205,8 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
     total = cfg.total_steps(wl)
     # workers at their own pace (dynamic local updates, asynchronous DiLoCo, `local`) meet on the clock
     clocked = stepper.pace != "step" and racing(cfg) and member is None and cfg.workers > 1
+    # ... and outside a race, workers whose rounds differ in steps (dynamic local updates) end at the same sync
+    rounds = stepper.pace == "round" and not clocked and member is None and cfg.workers > 1
     schedule = (ClockSchedule(cfg, wl, total, cfg.workers, wrank, race_store(), cfg.race_id) if clocked else
                 Schedule(cfg, wl, total, cfg.workers, group))
     profile = speeds.parse(cfg.speeds)          # this worker's emulated speed (thinwire.speeds), on its clock
@@ -279,6 +281,14 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                 if stop is not None and (stepper.pace == "free" or stepper.finished):
                     drained = _timed(stepper.close)
                     clock += drained
+            elif rounds and (step >= total or stepper.finished):   # every worker ends at the same sync, after
+                if stop is None:                                    # the first one to reach `total` asked
+                    stop = "steps"
+                    stepper.request_stop()
+                if stepper.finished:
+                    clock += _timed(stepper.close)
+                    log.committed = step
+                    evaluate(step)
             elif schedule.due(step):
                 if step == total:  # drain before the final evaluation: the final model is the consistent one
                     clock += _timed(stepper.close)
@@ -287,7 +297,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                 if stop is not None and step != total:  # a race ends here: drain, on the clock (and apart:
                     drained = _timed(stepper.close)     # it came after the evaluation that stopped the race)
                     clock += drained
-            ending = stop is not None and (not clocked or stepper.pace == "free" or stepper.finished)
+            ending = stop is not None and (not (clocked or rounds) or stepper.pace == "free" or stepper.finished)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop is None and step != total:
                 more = {} if member is None else {"loader_seed": loader.seed}
                 _save(cfg, rank, world_size, step, stepper, before, loader=loader.state_dict(),
@@ -316,7 +326,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             "model_sha256": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest(),
             "meter": meter, "metrics": metrics, "stopped": stop or "steps",
             "trace": tracer.events, "num_params": sum(p.numel() for p in params), "train_s": clock,
-            "drain_s": drained, "pace": "clock" if clocked else "step",
+            "drain_s": drained, "pace": "clock" if clocked or rounds else "step",
             "slowed_s": slow.waited_s if slow is not None else 0.0}
 
 
