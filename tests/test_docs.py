@@ -186,6 +186,78 @@ def test_the_api_reference_documents_every_public_name():
     assert "thinwire.integrations.accelerate.attach" in entries.values()
 
 
+_ARGS = re.compile(r"^(?:Args|Parameters):[ \t]*$", re.M)
+
+
+def _documented_parameters(doc: str | None) -> set[str] | None:
+    """The names a Google-style docstring's `Args:` section documents (None: it has none), as the site renders it
+    (mkdocstrings, `docstring_style: google`)."""
+    import inspect
+    doc = inspect.cleandoc(doc or "")
+    found = _ARGS.search(doc)
+    if found is None:
+        return None
+    names = set()
+    for line in doc[found.end():].splitlines():
+        if line.strip() and not line.startswith(" "):
+            break                                       # the next section
+        entry = re.match(r"^ {4}\*{0,2}(\w+)(?: \([^)]*\))?:", line)
+        if entry:
+            names.add(entry.group(1))
+    return names
+
+
+def _public_api() -> dict[str, object]:
+    """What a user calls: every function and class `import thinwire as tw` exports, and the integrations'."""
+    import inspect
+
+    import thinwire
+    from thinwire.integrations import accelerate, lightning
+    from thinwire.registry import Registry
+    names = {f"tw.{n}": getattr(thinwire, n) for n in thinwire.__all__}
+    names |= {"tw.Registry": Registry, "thinwire.lightning.ThinwireStrategy": lightning.ThinwireStrategy,
+              "thinwire.lightning.sidecar": lightning.sidecar, "thinwire.accelerate.attach": accelerate.attach}
+    return {n: o for n, o in names.items() if inspect.isclass(o) or inspect.isfunction(o)}
+
+
+def test_every_public_name_documents_its_parameters():
+    """The API pages show each public function's and class's parameters (an `Args:` section naming every one of
+    its signature's), and every public method of the objects a training script holds (Trainer, Attachment, Pool)
+    says what it does: an undocumented member is hidden by mkdocstrings."""
+    import inspect
+
+    import thinwire as tw
+    missing = []
+
+    def check(where, fn, doc):
+        params = [p for p in inspect.signature(fn).parameters if p not in ("self", "cls") and not p.startswith("_")]
+        documented = _documented_parameters(doc)
+        if params and documented is None:
+            missing.append(f"{where}: no Args section")
+        elif params:
+            missing.extend(f"{where}: parameter {p!r} undocumented" for p in params if p not in documented)
+
+    for name, obj in _public_api().items():
+        if inspect.isclass(obj):
+            if any("__init__" in vars(c) for c in obj.__mro__ if c.__module__.startswith("thinwire")):
+                doc = obj.__doc__ if _documented_parameters(obj.__doc__) is not None else obj.__init__.__doc__
+                check(name, obj, doc)
+        else:
+            check(name, obj, obj.__doc__)
+    for cls in (tw.Trainer, tw.Attachment, tw.Pool):
+        for attr, member in vars(cls).items():
+            if attr.startswith("_"):
+                continue
+            fn = member.fget if isinstance(member, property) else member
+            if not callable(fn):
+                continue
+            if not (fn.__doc__ or "").strip():
+                missing.append(f"tw.{cls.__name__}.{attr}: no docstring")
+            elif not isinstance(member, property):
+                check(f"tw.{cls.__name__}.{attr}", fn, fn.__doc__)
+    assert not missing, "document these on the API pages:\n" + "\n".join(missing)
+
+
 def complete_programs() -> list[tuple[str, str]]:
     """(where, code) of every Python block in the README and the docs that is a whole program (it launches its
     workers under `if __name__ == "__main__":`): tests/test_examples.py runs each."""

@@ -47,7 +47,18 @@ def _dead():
 
 
 class HookState:
-    """What the hook keeps between calls: its Exchange (built on first use, on DDP's process group)."""
+    """What the hook keeps between calls: its Exchange (built on first use, on DDP's process group).
+
+    Args:
+        compressor: the compressor (built).
+        memory: the error-feedback memory (built).
+        process_group: DDP's process group (default: the world).
+        network: the network to emulate (default: the launcher's).
+        collective: "auto" (the compressor's natural collective) or one it allows: "allreduce",
+            "allgather", "majority", "custom".
+        check_finite: refuse a bucket holding NaN/Inf before it is sent (None: where state would be poisoned).
+        sparse_collective: how a sparse payload is exchanged ("allgather", "gtopk", "shared", "hierarchical").
+    """
 
     def __init__(self, compressor, memory, process_group=None, network=None, collective="auto",
                  check_finite: bool | None = None, sparse_collective: str = "allgather"):
@@ -162,7 +173,25 @@ def ddp_hook(compressor="none", memory="none", process_group=None, network=None,
     """`(state, hook)` for `DistributedDataParallel.register_comm_hook`; `params` go to the compressor and the
     memory by name (e.g. `ratio=0.01`, `rank=4`, `momentum=0.9`); an unknown one is a UserError. `optimizer`: the
     optimizer that steps the DDP model, whose heavy-ball momentum moves into a memory (or compressor) that applies
-    it before compression, as `tw.Trainer` does (see the module's docstring)."""
+    it before compression, as `tw.Trainer` does (see the module's docstring).
+
+    Args:
+        compressor: a registered compressor's name ("none": DDP's all-reduce, in place).
+        memory: a registered error-feedback memory's name ("residual", "powersgd", ...; "none": none).
+        process_group: the process group DDP runs on (default: the world).
+        network: the network to emulate (a profile name, "custom:...", or a `Link`; default: the launcher's).
+        collective: "auto" (the compressor's natural collective) or one it allows: "allreduce",
+            "allgather", "majority", "custom".
+        check_finite: refuse a bucket holding NaN/Inf before it is sent (None: wherever a compressor or memory
+            keeps state it would poison; True: always).
+        optimizer: the optimizer that steps the DDP model, whose momentum moves into a memory (or compressor)
+            that applies it before compression.
+        sparse_collective: how a sparse payload is exchanged ("allgather", "gtopk", "shared", "hierarchical").
+        **params: the compressor's and the memory's parameters, by name (`ratio=0.01`, `rank=4`).
+
+    Returns:
+        `(state, hook)`, the two arguments of `DistributedDataParallel.register_comm_hook`.
+    """
     comp_params, mem_params = route({"compressor": (compressors, compressor), "memory": (memories, memory)}, params)
     comp, mem = compressors.get(compressor, **comp_params), memories.get(memory, **mem_params)
     check_collectives(comp, collective, sparse_collective)   # fail at construction, not at the first backward
