@@ -48,6 +48,23 @@ def test_no_paragraph_appears_in_two_documents():
     assert not repeats, "\n".join(repeats)
 
 
+def test_algorithm_parameters_page_matches_the_code():
+    """docs/api/algorithm-parameters.md lists every registered algorithm's parameters as its constructor takes
+    them: the page's tables are `tools/algorithm_parameters.py`'s rendering of today's code."""
+    import importlib.util
+
+    from thinwire import algorithms
+    spec = importlib.util.spec_from_file_location("algorithm_parameters", ROOT / "tools" / "algorithm_parameters.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    page = mod.page_tables(mod.PAGE.read_text())
+    assert page == mod.render().strip("\n"), \
+        "docs/api/algorithm-parameters.md is out of date: python tools/algorithm_parameters.py --write"
+    for name in algorithms.registry.names():
+        assert f"### `{name}`" in page
+    assert "| `outer_lr` | `0.7` |" in page and "| `period` |" in page
+
+
 def test_cli_reference_is_generated_from_the_parsers():
     import importlib.util
 
