@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
@@ -284,6 +286,31 @@ def complete_programs() -> list[tuple[str, str]]:
             if lang == "python" and 'if __name__ == "__main__":' in code:
                 out.append((f"{f.relative_to(ROOT)}#{i}", code))
     return out
+
+
+@pytest.mark.slow
+def test_the_two_machine_script_runs_on_one_machine(tmp_path):
+    """docs/multi-host.md's torchrun script (its two machines' commands are run across two hosts by
+    tests/test_hosts.py where namespaces can be made) runs under the page's one-machine command: both ranks end
+    with one model."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    page = DOCS / "multi-host.md"
+    scripts = [code for lang, code in _blocks(page) if lang == "python" and "tw.init()" in code]
+    commands = [line for lang, code in _blocks(page) if lang == "bash" for line in code.splitlines()
+                if line.startswith("torchrun --standalone")]
+    assert len(scripts) == 1 and len(commands) == 1, (len(scripts), commands)
+    (tmp_path / "train.py").write_text(scripts[0])
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    argv = [torchrun, *commands[0].split()[1:]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "THINWIRE_NO_PROGRESS": "1"}
+    run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = re.findall(r"rank (\d) of 2: model (\w+), ([\d.]+) MB sent", run.stdout)
+    assert sorted(r for r, _, _ in lines) == ["0", "1"], run.stdout
+    assert len({m for _, m, _ in lines}) == 1 and all(float(mb) > 0 for _, _, mb in lines)
 
 
 def test_the_front_pages_hold_a_complete_program():
