@@ -159,13 +159,72 @@ def _blocks(path: Path, shown: bool = True) -> list[tuple[str, str]]:
             for lang, code in blocks]
 
 
+_LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s")
+
+
+def _indented_blocks(text: str) -> list[str]:
+    """Markdown's other code blocks: lines indented by 4 spaces after a blank line, outside fences, lists and
+    docstring sections (`Args:`), which Markdown renders as paragraphs."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    blocks, current, context = [], None, ""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if current is not None and (line.startswith("    ") or not line.strip()):
+            current.append(line[4:])
+            continue
+        if current is not None:
+            blocks.append("\n".join(current))
+            current = None
+        if line.startswith("    ") and i and not lines[i - 1].strip() and not _LIST_ITEM.match(context) \
+                and not context.startswith(" ") and not re.match(r"^\w[\w ]*:$", context):
+            current = [line[4:]]
+        elif line.strip():
+            context = line
+    if current is not None:
+        blocks.append("\n".join(current))
+    return blocks
+
+
+def _api_docstrings() -> dict[str, str]:
+    """The docstrings the API pages render: each `::: path` entry's, and its public members' (a module's or a
+    class's), one level down."""
+    import importlib
+    import inspect
+    out = {}
+    for page in sorted((DOCS / "api").glob("*.md")):
+        for path in re.findall(r"^::: ([\w.]+)", page.read_text(), flags=re.M):
+            module, _, attr = path.rpartition(".")
+            try:
+                obj = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError):
+                obj = importlib.import_module(path)
+            members = [(path, obj)]
+            if inspect.ismodule(obj) or inspect.isclass(obj):
+                members += [(f"{path}.{k}", v) for k, v in vars(obj).items() if not k.startswith("_")
+                            and (inspect.isclass(v) or callable(v) or isinstance(v, property))]
+            for where, member in members:
+                member = member.fget if isinstance(member, property) else member
+                if getattr(member, "__doc__", None) and not isinstance(member, (str, int, float, tuple, dict)):
+                    out[where] = inspect.cleandoc(member.__doc__)
+    return out
+
+
 def test_code_blocks_fit_the_box():
-    """Every line of every code block the site shows (a page's, the README's, an included example's) fits the
-    box; tables are not code."""
+    """Every line of every code block the site shows (a page's, the README's, an included example's, a
+    docstring's on the API pages, the generated CLI reference) fits the box; tables are not code."""
+    import importlib.util
     wide = []
     for f in [ROOT / "README.md"] + sorted(DOCS.glob("*.md")):
-        for _, code in _blocks(f):
+        for code in [c for _, c in _blocks(f)] + _indented_blocks(f.read_text()):
             wide += [f"{f.relative_to(ROOT)}: {line}" for line in code.splitlines() if len(line) > COLUMN]
+    for where, doc in _api_docstrings().items():
+        for code in _indented_blocks(doc):
+            wide += [f"docstring of {where}: {line}" for line in code.splitlines() if len(line) > COLUMN]
+    spec = importlib.util.spec_from_file_location("cli_reference", ROOT / "tools" / "cli_reference.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    for _, code in re.findall(r"```(\w*)[^\n]*\n(.*?)```", cli.render(), flags=re.S):
+        wide += [f"docs/cli-reference.md: {line}" for line in code.splitlines() if len(line) > COLUMN]
     assert not wide, f"code lines wider than {COLUMN}:\n" + "\n".join(wide)
 
 

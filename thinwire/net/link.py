@@ -158,7 +158,9 @@ def parse_network(spec: "str | Link | None") -> Link:
 class Islands(Link):
     """`islands` islands of `size` workers on fast links (`inside`), a thin link between islands: the Link fields.
 
-        islands:2x2,inside=dc,across=world      2 islands of 2 workers; `dc` inside an island, `world` between them
+        islands:2x2,inside=dc,across=world
+
+    is 2 islands of 2 workers, `dc` inside an island, `world` between them.
 
     Ranks are laid out island by island (ranks 0..m-1 are island 0, m..2m-1 island 1, ...). A message between two
     ranks of one island is charged on `inside`, any other on `across`. Each worker has its own path across, as on a

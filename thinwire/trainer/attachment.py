@@ -135,10 +135,11 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm="
     """Run `algorithm` from PyTorch's own hook points, for a loop that calls `optimizer.step()` itself (its own,
     Lightning's, Accelerate's):
 
-        with tw.attach(model, opt, algorithm="diloco", period=50, compressor="fp4") as tw_run:
+        with tw.attach(model, opt, algorithm="diloco", period=50,
+                       compressor="fp4") as tw_run:
             for x, y in loader:
                 loss_fn(model(x), y).backward()
-                opt.step()                     # the algorithm's step: communication and the update
+                opt.step()      # the algorithm's step: communication, update
                 opt.zero_grad()
 
     The model's backward hooks (the scheduler's, on every parameter) hand each bucket to the algorithm during
