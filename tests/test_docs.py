@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
@@ -46,6 +48,23 @@ def test_no_paragraph_appears_in_two_documents():
                 repeats.append(f"{f.relative_to(ROOT)} repeats {seen[p].relative_to(ROOT)}: {p[:80]}...")
             seen.setdefault(p, f)
     assert not repeats, "\n".join(repeats)
+
+
+def test_algorithm_parameters_page_matches_the_code():
+    """docs/api/algorithm-parameters.md lists every registered algorithm's parameters as its constructor takes
+    them: the page's tables are `tools/algorithm_parameters.py`'s rendering of today's code."""
+    import importlib.util
+
+    from thinwire import algorithms
+    spec = importlib.util.spec_from_file_location("algorithm_parameters", ROOT / "tools" / "algorithm_parameters.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    page = mod.page_tables(mod.PAGE.read_text())
+    assert page == mod.render().strip("\n"), \
+        "docs/api/algorithm-parameters.md is out of date: python tools/algorithm_parameters.py --write"
+    for name in algorithms.registry.names():
+        assert f"### `{name}`" in page
+    assert "| `outer_lr` | `0.7` |" in page and "| `period` |" in page
 
 
 def test_cli_reference_is_generated_from_the_parsers():
@@ -126,18 +145,86 @@ def test_design_names_real_files_and_functions():
     assert not missing, "docs/design.md names code that does not exist:\n" + "\n".join(sorted(set(missing)))
 
 
-COLUMN = 88     # what a code block shows without scrolling in the site's column (Material, 1400 px)
+COLUMN = 80     # what the site's code box shows without scrolling (Material's column, 1400 px, 13.6 px monospace)
+_SNIPPET = re.compile(r'^--8<-- "([^"]+)"$', flags=re.M)
 
 
-def _blocks(path: Path) -> list[tuple[str, str]]:
-    return re.findall(r"```(\w*)[^\n]*\n(.*?)```", path.read_text(), flags=re.S)
+def _blocks(path: Path, shown: bool = True) -> list[tuple[str, str]]:
+    """(language, code) of every fenced block of a page; `shown`: a `--8<-- "file"` line replaced by the file the
+    site shows there (an example, which tests/test_examples.py runs as its header says)."""
+    blocks = re.findall(r"```(\w*)[^\n]*\n(.*?)```", path.read_text(), flags=re.S)
+    if not shown:
+        return blocks
+    return [(lang, _SNIPPET.sub(lambda m: (ROOT / m.group(1)).read_text().rstrip("\n"), code))
+            for lang, code in blocks]
 
 
-def test_code_blocks_fit_the_column():
+_LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s")
+
+
+def _indented_blocks(text: str) -> list[str]:
+    """Markdown's other code blocks: lines indented by 4 spaces after a blank line, outside fences, lists and
+    docstring sections (`Args:`), which Markdown renders as paragraphs."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    blocks, current, context = [], None, ""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if current is not None and (line.startswith("    ") or not line.strip()):
+            current.append(line[4:])
+            continue
+        if current is not None:
+            blocks.append("\n".join(current))
+            current = None
+        if line.startswith("    ") and i and not lines[i - 1].strip() and not _LIST_ITEM.match(context) \
+                and not context.startswith(" ") and not re.match(r"^\w[\w ]*:$", context):
+            current = [line[4:]]
+        elif line.strip():
+            context = line
+    if current is not None:
+        blocks.append("\n".join(current))
+    return blocks
+
+
+def _api_docstrings() -> dict[str, str]:
+    """The docstrings the API pages render: each `::: path` entry's, and its public members' (a module's or a
+    class's), one level down."""
+    import importlib
+    import inspect
+    out = {}
+    for page in sorted((DOCS / "api").glob("*.md")):
+        for path in re.findall(r"^::: ([\w.]+)", page.read_text(), flags=re.M):
+            module, _, attr = path.rpartition(".")
+            try:
+                obj = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError):
+                obj = importlib.import_module(path)
+            members = [(path, obj)]
+            if inspect.ismodule(obj) or inspect.isclass(obj):
+                members += [(f"{path}.{k}", v) for k, v in vars(obj).items() if not k.startswith("_")
+                            and (inspect.isclass(v) or callable(v) or isinstance(v, property))]
+            for where, member in members:
+                member = member.fget if isinstance(member, property) else member
+                if getattr(member, "__doc__", None) and not isinstance(member, (str, int, float, tuple, dict)):
+                    out[where] = inspect.cleandoc(member.__doc__)
+    return out
+
+
+def test_code_blocks_fit_the_box():
+    """Every line of every code block the site shows (a page's, the README's, an included example's, a
+    docstring's on the API pages, the generated CLI reference) fits the box; tables are not code."""
+    import importlib.util
     wide = []
     for f in [ROOT / "README.md"] + sorted(DOCS.glob("*.md")):
-        for _, code in _blocks(f):
+        for code in [c for _, c in _blocks(f)] + _indented_blocks(f.read_text()):
             wide += [f"{f.relative_to(ROOT)}: {line}" for line in code.splitlines() if len(line) > COLUMN]
+    for where, doc in _api_docstrings().items():
+        for code in _indented_blocks(doc):
+            wide += [f"docstring of {where}: {line}" for line in code.splitlines() if len(line) > COLUMN]
+    spec = importlib.util.spec_from_file_location("cli_reference", ROOT / "tools" / "cli_reference.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    for _, code in re.findall(r"```(\w*)[^\n]*\n(.*?)```", cli.render(), flags=re.S):
+        wide += [f"docs/cli-reference.md: {line}" for line in code.splitlines() if len(line) > COLUMN]
     assert not wide, f"code lines wider than {COLUMN}:\n" + "\n".join(wide)
 
 
@@ -177,15 +264,112 @@ def test_the_api_reference_documents_every_public_name():
     assert "thinwire.integrations.accelerate.attach" in entries.values()
 
 
+_ARGS = re.compile(r"^(?:Args|Parameters):[ \t]*$", re.M)
+
+
+def _documented_parameters(doc: str | None) -> set[str] | None:
+    """The names a Google-style docstring's `Args:` section documents (None: it has none), as the site renders it
+    (mkdocstrings, `docstring_style: google`)."""
+    import inspect
+    doc = inspect.cleandoc(doc or "")
+    found = _ARGS.search(doc)
+    if found is None:
+        return None
+    names = set()
+    for line in doc[found.end():].splitlines():
+        if line.strip() and not line.startswith(" "):
+            break                                       # the next section
+        entry = re.match(r"^ {4}\*{0,2}(\w+)(?: \([^)]*\))?:", line)
+        if entry:
+            names.add(entry.group(1))
+    return names
+
+
+def _public_api() -> dict[str, object]:
+    """What a user calls: every function and class `import thinwire as tw` exports, and the integrations'."""
+    import inspect
+
+    import thinwire
+    from thinwire.integrations import accelerate, lightning
+    from thinwire.registry import Registry
+    names = {f"tw.{n}": getattr(thinwire, n) for n in thinwire.__all__}
+    names |= {"tw.Registry": Registry, "thinwire.lightning.ThinwireStrategy": lightning.ThinwireStrategy,
+              "thinwire.lightning.sidecar": lightning.sidecar, "thinwire.accelerate.attach": accelerate.attach}
+    return {n: o for n, o in names.items() if inspect.isclass(o) or inspect.isfunction(o)}
+
+
+def test_every_public_name_documents_its_parameters():
+    """The API pages show each public function's and class's parameters (an `Args:` section naming every one of
+    its signature's), and every public method of the objects a training script holds (Trainer, Attachment, Pool)
+    says what it does: an undocumented member is hidden by mkdocstrings."""
+    import inspect
+
+    import thinwire as tw
+    missing = []
+
+    def check(where, fn, doc):
+        params = [p for p in inspect.signature(fn).parameters if p not in ("self", "cls") and not p.startswith("_")]
+        documented = _documented_parameters(doc)
+        if params and documented is None:
+            missing.append(f"{where}: no Args section")
+        elif params:
+            missing.extend(f"{where}: parameter {p!r} undocumented" for p in params if p not in documented)
+
+    for name, obj in _public_api().items():
+        if inspect.isclass(obj):
+            if any("__init__" in vars(c) for c in obj.__mro__ if c.__module__.startswith("thinwire")):
+                doc = obj.__doc__ if _documented_parameters(obj.__doc__) is not None else obj.__init__.__doc__
+                check(name, obj, doc)
+        else:
+            check(name, obj, obj.__doc__)
+    for cls in (tw.Trainer, tw.Attachment, tw.Pool):
+        for attr, member in vars(cls).items():
+            if attr.startswith("_"):
+                continue
+            fn = member.fget if isinstance(member, property) else member
+            if not callable(fn):
+                continue
+            if not (fn.__doc__ or "").strip():
+                missing.append(f"tw.{cls.__name__}.{attr}: no docstring")
+            elif not isinstance(member, property):
+                check(f"tw.{cls.__name__}.{attr}", fn, fn.__doc__)
+    assert not missing, "document these on the API pages:\n" + "\n".join(missing)
+
+
 def complete_programs() -> list[tuple[str, str]]:
     """(where, code) of every Python block in the README and the docs that is a whole program (it launches its
     workers under `if __name__ == "__main__":`): tests/test_examples.py runs each."""
     out = []
     for f in [ROOT / "README.md"] + sorted(DOCS.glob("*.md")):
-        for i, (lang, code) in enumerate(_blocks(f)):
+        for i, (lang, code) in enumerate(_blocks(f, shown=False)):
             if lang == "python" and 'if __name__ == "__main__":' in code:
                 out.append((f"{f.relative_to(ROOT)}#{i}", code))
     return out
+
+
+@pytest.mark.slow
+def test_the_two_machine_script_runs_on_one_machine(tmp_path):
+    """docs/multi-host.md's torchrun script (its two machines' commands are run across two hosts by
+    tests/test_hosts.py where namespaces can be made) runs under the page's one-machine command: both ranks end
+    with one model."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    page = DOCS / "multi-host.md"
+    scripts = [code for lang, code in _blocks(page) if lang == "python" and "tw.init()" in code]
+    commands = [line for lang, code in _blocks(page) if lang == "bash" for line in code.splitlines()
+                if line.startswith("torchrun --standalone")]
+    assert len(scripts) == 1 and len(commands) == 1, (len(scripts), commands)
+    (tmp_path / "train.py").write_text(scripts[0])
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    argv = [torchrun, *commands[0].split()[1:]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "THINWIRE_NO_PROGRESS": "1"}
+    run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = re.findall(r"rank (\d) of 2: model (\w+), ([\d.]+) MB sent", run.stdout)
+    assert sorted(r for r, _, _ in lines) == ["0", "1"], run.stdout
+    assert len({m for _, m, _ in lines}) == 1 and all(float(mb) > 0 for _, _, mb in lines)
 
 
 def test_the_front_pages_hold_a_complete_program():

@@ -9,7 +9,14 @@ class UserError(ValueError):
 
 
 class WorkerError(RuntimeError):
-    """A worker process raised, died or stalled; names the rank and carries its traceback."""
+    """A worker process raised, died or stalled; names the rank and carries its traceback.
+
+    Args:
+        rank: the worker's rank (-1: no single rank to blame).
+        cause: what happened, one line.
+        traceback: the worker's traceback, if it raised.
+        stacks: every live worker's Python stacks when the launcher gave up on a hang.
+    """
 
     def __init__(self, rank: int, cause: str, traceback: str = "", stacks: str = ""):
         self.rank, self.cause, self.traceback, self.stacks = rank, cause, traceback, stacks

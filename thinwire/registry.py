@@ -187,7 +187,15 @@ def check_params(what: str, declared: dict[str, Param], params: dict, takes_more
 
 
 class Registry:
-    """A table of named constructors of one family (compressor, algorithm, workload, ...)."""
+    """A table of named constructors of one family (compressor, algorithm, workload, ...).
+
+    Args:
+        family: what the registered things are ("compressor", "algorithm", ...), for messages.
+        variant_param: a parameter whose value picks one of several constructors under one name (an
+            algorithm's `architecture`), or None.
+        default_variant: (with `variant_param`) a constructor -> the value of `variant_param` it is by default.
+        retired: a parameter that moved elsewhere -> where it went (its use is refused naming it).
+    """
 
     def __init__(self, family: str, variant_param: str | None = None, default_variant: Callable | None = None,
                  retired: dict[str, str] | None = None):

@@ -23,7 +23,7 @@ def _subparsers(parser: argparse.ArgumentParser):
 
 
 def _walk(parser: argparse.ArgumentParser, path: list[str], depth: int, out: list[str]) -> None:
-    os.environ["COLUMNS"] = "110"  # argparse wraps help at the terminal width: fix it so the page is stable
+    os.environ["COLUMNS"] = "82"   # argparse wraps at the terminal width less 2: the site's 80-column code box
     out.append(f"{'#' * depth} `{' '.join(path)}`\n")
     out.append("```text\n" + parser.format_help().rstrip() + "\n```\n")
     sub = _subparsers(parser)

@@ -165,7 +165,7 @@ def register(subparsers) -> None:
                    help="also bsp vs diloco vs streaming as bandwidth and latency vary (ratios to local, bsp)")
     p.add_argument("--crossover-workload", default="digits-mlp")
     p.add_argument("--crossover-steps", type=int, default=40, help="steps per crossover run (a multiple of 8)")
-    p.add_argument("--crossover-networks", nargs="+", default=list(CROSSOVER_NETWORKS))
+    p.add_argument("--crossover-networks", nargs="+", default=list(CROSSOVER_NETWORKS), metavar="NETWORK")
     p.add_argument("--out", default=None, help="write the rows as JSON")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

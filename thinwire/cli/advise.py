@@ -117,7 +117,8 @@ def register(sub) -> None:
     p.add_argument("--latency", help="instead of --network: one-way, e.g. 25ms")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--servers", type=int, default=1, help="parameter servers for PS algorithms")
-    p.add_argument("--collective", default="ring", choices=sorted(COLLECTIVES), help="all-reduce algorithm")
+    p.add_argument("--collective", default="ring", choices=sorted(COLLECTIVES), metavar="NAME",
+                   help=f"all-reduce algorithm: {', '.join(sorted(COLLECTIVES))}")
     p.add_argument("--scalability", type=float, default=0.9,
                    help="the DiLoCo family's recommendation: smallest period H reaching this scalability (0.9)")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's loopback α, β and store them")

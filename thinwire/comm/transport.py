@@ -77,7 +77,21 @@ def subgroup(ranks) -> object:
 
 class Transport:
     """Collectives and point-to-point ops on one process group, with a byte meter and network emulation (see the
-    module's doc)."""
+    module's doc).
+
+    Args:
+        group: the process group (default: torch.distributed's world, which must be initialised).
+        network: the network to emulate (a profile name, "custom:...", "islands:...", or a `Link`; default:
+            the one the launcher or `tw.init` set).
+        seed: the seed of the emulation's randomness (default: the launcher's).
+        tracer: a `Tracer` recording every operation; default none.
+        meter: the byte `Meter` to count into (default: a new one).
+        clock: the `LinkClock` that schedules this transport's messages (default: one for its link).
+        allreduce: the all-reduce algorithm: "gloo" (its own) or one of `thinwire.comm.collectives.ALGORITHMS`
+            ("ring", "tree", "hierarchical:K", "torus:K", ...).
+        clocks: the link clocks shared with the transports of subgroups (`sub`), by tier.
+        device: where collectives' buffers live (default: the CPU, or the current GPU on NCCL).
+    """
 
     def __init__(self, group=None, network: "str | Link | None" = None, seed: int | None = None,
                  tracer: Tracer | None = None, meter: Meter | None = None, clock: LinkClock | None = None,

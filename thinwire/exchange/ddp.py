@@ -51,7 +51,19 @@ def _dead():
 
 
 class HookState:
-    """What the hook keeps between calls: its Exchange (built on first use, on DDP's process group)."""
+    """What the hook keeps between calls: its Exchange (built on first use, on DDP's process group).
+
+    Args:
+        compressor: the compressor (built).
+        memory: the error-feedback memory (built).
+        process_group: DDP's process group (default: the world).
+        network: the network to emulate (default: the launcher's).
+        collective: "auto" (the compressor's natural collective) or one it allows: "allreduce",
+            "allgather", "majority", "custom".
+        check_finite: refuse a bucket holding NaN/Inf before it is sent (None: where state would be poisoned).
+        sparse_collective: how a sparse payload is exchanged ("allgather", "gtopk", "shared", "hierarchical").
+        start_iter: iterations all-reduced uncompressed before the compressor takes over.
+    """
 
     def __init__(self, compressor, memory, process_group=None, network=None, collective="auto",
                  check_finite: bool | None = None, sparse_collective: str = "allgather", start_iter: int = 0):
@@ -187,9 +199,27 @@ def ddp_hook(compressor="none", memory="none", process_group=None, network=None,
     memory by name (e.g. `ratio=0.01`, `rank=4`, `momentum=0.9`); an unknown one is a UserError. `optimizer`: the
     optimizer that steps the DDP model, whose heavy-ball momentum moves into a memory (or compressor) that applies
     it before compression, as `tw.Trainer` does; without it the hook finds the optimizer at its first step and
-    does the same (see the module's docstring). `start_iter`: iterations all-reduced uncompressed first (metered
-    like the rest); by default 2 for `powersgd`, as PyTorch's `powerSGD_hook` at its smallest (its
-    `start_powerSGD_iter`, default 1000), else 0."""
+    does the same (see the module's docstring).
+
+    Args:
+        compressor: a registered compressor's name ("none": DDP's all-reduce, in place).
+        memory: a registered error-feedback memory's name ("residual", "powersgd", ...; "none": none).
+        process_group: the process group DDP runs on (default: the world).
+        network: the network to emulate (a profile name, "custom:...", or a `Link`; default: the launcher's).
+        collective: "auto" (the compressor's natural collective) or one it allows: "allreduce",
+            "allgather", "majority", "custom".
+        check_finite: refuse a bucket holding NaN/Inf before it is sent (None: wherever a compressor or memory
+            keeps state it would poison; True: always).
+        optimizer: the optimizer that steps the DDP model, whose momentum moves into a memory (or compressor)
+            that applies it before compression (None: found at the first step).
+        sparse_collective: how a sparse payload is exchanged ("allgather", "gtopk", "shared", "hierarchical").
+        start_iter: iterations all-reduced uncompressed first (metered like the rest); None: 2 for
+            `powersgd`, as PyTorch's `powerSGD_hook` at its smallest `start_powerSGD_iter` (default 1000), else 0.
+        **params: the compressor's and the memory's parameters, by name (`ratio=0.01`, `rank=4`).
+
+    Returns:
+        `(state, hook)`, the two arguments of `DistributedDataParallel.register_comm_hook`.
+    """
     comp_params, mem_params = route({"compressor": (compressors, compressor), "memory": (memories, memory)}, params)
     comp, mem = compressors.get(compressor, **comp_params), memories.get(memory, **mem_params)
     check_collectives(comp, collective, sparse_collective)   # fail at construction, not at the first backward

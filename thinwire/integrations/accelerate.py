@@ -28,7 +28,18 @@ require_extra("accelerate", "accelerate", "thinwire.accelerate (Hugging Face Acc
 
 def attach(accelerator, model: torch.nn.Module, optimizer, algorithm="bsp", **params) -> Attachment:
     """`tw.attach(model, optimizer, algorithm, **params)` for an Accelerate script: `optimizer` may be the one
-    `accelerator.prepare` returned; `model` must not have been prepared (see the module's docstring)."""
+    `accelerator.prepare` returned; `model` must not have been prepared (see the module's docstring).
+
+    Args:
+        accelerator: the script's `Accelerator` (gradient accumulation is refused).
+        model: the model, not prepared (no DDP wrapper), on `accelerator.device`.
+        optimizer: the optimizer, or the one `accelerator.prepare` returned.
+        algorithm: a registered algorithm's name, as for `tw.Trainer`.
+        **params: `tw.Trainer`'s other parameters and the algorithm's, compressor's and memory's own.
+
+    Returns:
+        `tw.attach`'s `Attachment`.
+    """
     if isinstance(model, DistributedDataParallel):
         raise UserError("the model is wrapped in DistributedDataParallel (accelerator.prepare(model)), whose "
                         "all-reduce would run beside thinwire's algorithm: prepare the optimizer and data loaders "

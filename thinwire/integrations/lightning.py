@@ -36,12 +36,31 @@ _TRAINER_ONLY = ("transport", "tracer", "sync_initial_model", "nonfinite", "on_f
 
 
 def sidecar(filepath, rank: int) -> str:
-    """Where rank `rank` keeps its thinwire state beside Lightning's checkpoint file."""
+    """Where rank `rank` keeps its thinwire state beside Lightning's checkpoint file.
+
+    Args:
+        filepath: Lightning's checkpoint file.
+        rank: the process's global rank.
+    """
     return f"{os.fspath(filepath)}.thinwire-rank{rank}"
 
 
 class ThinwireStrategy(DDPStrategy):
-    """Lightning's multi-process strategy with a thinwire algorithm in place of DDP's all-reduce."""
+    """Lightning's multi-process strategy with a thinwire algorithm in place of DDP's all-reduce.
+
+    Args:
+        algorithm: a registered algorithm's name, as for `tw.Trainer` (the parameter server is refused).
+        accelerator: Lightning's (DDPStrategy's parameter).
+        parallel_devices: Lightning's (DDPStrategy's parameter).
+        cluster_environment: Lightning's (DDPStrategy's parameter).
+        checkpoint_io: Lightning's (DDPStrategy's parameter).
+        precision_plugin: Lightning's (DDPStrategy's parameter).
+        process_group_backend: "gloo" or "nccl" (default: Lightning's choice for the accelerator).
+        start_method: how Lightning starts the processes ("popen": a fresh interpreter runs the script).
+        log_every_step: log `thinwire/bytes_sent` and `thinwire/emulated_s` to Lightning's loggers each step.
+        **params: `tw.Trainer`'s (`compressor`, `memory`, `schedule`, `network`, `nonfinite`, ...) and the
+            algorithm's, compressor's and memory's own, checked here, before any process starts.
+    """
 
     strategy_name = "thinwire"
 

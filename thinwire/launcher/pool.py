@@ -54,7 +54,18 @@ from .worker import (PROGRESS_TIMEOUT, STACKS_SIGNAL, Inherit, Launcher, NoProgr
 
 MAX_LOCAL_WORKERS = 512     # processes on one machine: each holds an interpreter, torch and a copy of the model
 
-report_progress = progress.report   # thinwire.report_progress: see thinwire/comm/progress.py
+
+
+def report_progress(step: int | None = None) -> None:
+    """Tell the launcher's progress watchdog that this rank has reached training step `step`, for a loop that
+    drives no `Trainer` (`Trainer.step` reports itself). Call it once per step, best after the step's local
+    computation and before its communication waits: a rank that stopped computing is then told apart from the
+    ranks waiting for it. A no-op outside a worker of `tw.launch` or a `Pool` (thinwire/comm/progress.py).
+
+    Args:
+        step: the step reached (default: one more than this rank's last report).
+    """
+    progress.report(step)
 
 
 class DeadlineError(WorkerError):
@@ -158,7 +169,23 @@ class Pool(Launcher):
     `on_failure="continue"`: a worker process that dies does not stop the others. The launcher announces the
     survivors (a new membership generation in its store); a `Trainer(on_failure="continue")` in each survivor
     forms a new group at its next synchronization point and goes on. `run` returns None for a lost rank and
-    `lost` names it. The pool's group has changed: it is closed after that run."""
+    `lost` names it. The pool's group has changed: it is closed after that run.
+
+    Args:
+        world_size: the number of worker processes (each one rank of the process group).
+        backend: "gloo" or "nccl" (default: follows from `device`).
+        host: the address the rendezvous store listens on and the workers' gloo sockets reach it by.
+        port: the store's port (0: a free one).
+        timeout: bounds a run that reports no progress, and gloo's operations (seconds).
+        start_timeout: bounds the workers' start-up and rendezvous (seconds).
+        stall_timeout: a worker process whose heartbeat is silent this long is named (seconds).
+        progress_timeout: a run whose ranks make no progress this long is stopped, naming the rank the others
+            wait for (seconds; None: off; raised to 50 median step times when steps are slow).
+        worker_init: `worker_init(rank, world_size)`, run first in each worker (picklable).
+        on_failure: "stop" (a lost worker stops every worker) or "continue" (the others go on).
+        device: None or "cpu" (gloo on the CPU), or "cuda" (one worker per GPU on NCCL; more workers than GPUs
+            share them over gloo).
+    """
 
     def __init__(self, world_size: int, backend: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 600.0, start_timeout: float = 120.0, stall_timeout: float = 60.0,
@@ -310,9 +337,18 @@ class Pool(Launcher):
 
     def run(self, fn, *args, network="lan", seed: int = 0, timeout: float | None = None,
             deadline: float | None = None, speeds=None) -> list:
-        """Run `fn(rank, world_size, *args)` on every worker; the list of return values by rank. `timeout`
-        (default: the pool's) bounds a run that reports no progress; `deadline` (default none) any run. `speeds`
-        (a `thinwire.speeds` profile or spec) slows the models a Trainer builds in the workers."""
+        """Run `fn(rank, world_size, *args)` on every worker; the list of return values by rank.
+
+        Args:
+            fn: a picklable function (module level) of `(rank, world_size, *args)`.
+            *args: more arguments of `fn`, the same for every worker (picklable).
+            network: the network every worker emulates (a profile name, "custom:...", or a `Link`).
+            seed: the seed of the emulated network's randomness (jitter, loss).
+            timeout: bounds a run that reports no progress (seconds; default: the pool's).
+            deadline: ends the run at this wall time whatever its progress (seconds; default none).
+            speeds: a `thinwire.speeds` profile or spec ("1,1,1,0.5", "stragglers"): slows the models a
+                Trainer builds in the workers.
+        """
         speeds = speed_profiles.parse(speeds)
         if speeds is not None:
             speeds.check_workers(self.world_size)
@@ -334,12 +370,18 @@ class Pool(Launcher):
         return list(zip(self._procs, self._tasks))
 
     def close(self, force: bool = False) -> None:
+        """Stop the workers (leaving a `with` block does it).
+
+        Args:
+            force: terminate them at once instead of asking each to finish (10 s) first.
+        """
         super().close(force)
         for f in self._stack_files:
             f.close()
 
     @property
     def pids(self) -> list[int]:
+        """The worker processes' ids, by rank."""
         return [p.pid for p in self._procs]
 
 
@@ -360,7 +402,29 @@ def launch(fn, world_size: int, network="lan", backend: str | None = None, args:
     `progress_timeout` and `worker_init`.
     `device="cuda"` starts one worker per GPU on NCCL (worker r on cuda:r, its current device), or, with more
     workers than GPUs, workers sharing the GPUs over gloo (`pick_backend`); the default is the CPU on gloo.
-    `backend` may be left out: it follows from the device."""
+    `backend` may be left out: it follows from the device.
+
+    Args:
+        fn: a picklable function (module level) of `(rank, world_size, *args)`, run in every worker.
+        world_size: the number of workers.
+        network: the network every worker emulates: a profile name ("lan", "wan", "world", ...),
+            "custom:bandwidth=200mbit,latency=25ms", "islands:...", or a `Link`.
+        backend: "gloo" or "nccl" (default: follows from `device`).
+        args: more arguments of `fn`, the same for every worker (picklable).
+        timeout: bounds a run that reports no progress, and gloo's operations (seconds; default 3600).
+        seed: the seed of the emulated network's randomness (jitter, loss).
+        host: the address the rendezvous listens on.
+        port: the rendezvous port (0: a free one).
+        progress_timeout: a run whose ranks make no progress this long is stopped (seconds; None: off).
+        worker_init: `worker_init(rank, world_size)`, run first in each worker (see `Pool`).
+        on_failure: "stop" (a failed worker stops every worker: `WorkerError`) or "continue".
+        device: None or "cpu", or "cuda" (one worker per GPU on NCCL).
+        deadline: ends the run at this wall time whatever its progress (seconds; default none).
+        speeds: each worker's emulated compute speed, a `thinwire.speeds` spec ("1,1,1,0.5", "stragglers").
+
+    Returns:
+        `fn`'s return values, by rank.
+    """
     parse_network(network)
     check_timeout("deadline", deadline, allow_none=True)
     profile = speed_profiles.parse(speeds)
@@ -383,7 +447,19 @@ def init(network="lan", backend: str | None = None, seed: int = 0, timeout: floa
     `device="cuda"`: this process's GPU is cuda:LOCAL_RANK (made the current device) on NCCL, or, with more
     processes on this machine than GPUs, GPU LOCAL_RANK mod count, shared over gloo (`pick_backend`).
     gloo's sockets go on the interface through which this machine reaches MASTER_ADDR, unless
-    `GLOO_SOCKET_IFNAME` names one (`pin_gloo`): across machines, the address the others reach."""
+    `GLOO_SOCKET_IFNAME` names one (`pin_gloo`): across machines, the address the others reach.
+
+    Args:
+        network: the network this process emulates (a profile name, "custom:...", or a `Link`); "lan" (the
+            default) emulates nothing: across machines, the real link as it is.
+        backend: "gloo" or "nccl" (default: follows from `device`).
+        seed: the seed of the emulated network's randomness (jitter, loss).
+        timeout: gloo's (or NCCL's) operation timeout, seconds.
+        device: None or "cpu", or "cuda" (this process's GPU: LOCAL_RANK's).
+
+    Returns:
+        `(rank, world_size)` of this process.
+    """
     if not under_torchrun():
         raise UserError("thinwire.init() expects torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR); "
                         "on one machine use thinwire.launch instead")

@@ -14,6 +14,13 @@ class Link:
 
     α (per-message start-up cost) is the one-way latency; β (seconds per byte) is 8 / bandwidth.
     `loss` is the probability that a message is lost once and resent after a retransmission timeout.
+
+    Args:
+        bandwidth: bits per second (None: unlimited).
+        latency: one-way latency, seconds.
+        jitter: the spread of the latency, seconds.
+        loss: the probability that a message is lost once and resent, in [0, 1).
+        name: what reports call it.
     """
 
     bandwidth: float | None = None
@@ -41,6 +48,7 @@ class Link:
 
     @property
     def emulated(self) -> bool:
+        """Whether anything is emulated (a bandwidth, a latency, jitter or loss)."""
         return self.bandwidth is not None or self.latency > 0 or self.jitter > 0 or self.loss > 0
 
     @property
@@ -56,6 +64,7 @@ class Link:
         return replace(self, latency=2 * self.latency)
 
     def to_dict(self) -> dict:
+        """The link's fields, as a dict (for JSON)."""
         return asdict(self)
 
     def __str__(self) -> str:
@@ -96,7 +105,14 @@ def parse_bandwidth(text: str) -> float:
 def parse_network(spec: "str | Link | None") -> Link:
     """A profile name (`lan`, `dc`, `cluster`, `wan`, `world`, `home`),
     `custom:bandwidth=200mbit,latency=25ms,jitter=5ms,loss=0.01` (each key optional), or a two-tier network
-    `islands:2x2,inside=dc,across=world` (an `Islands`)."""
+    `islands:2x2,inside=dc,across=world` (an `Islands`).
+
+    Args:
+        spec: the name or spec (None: "lan"), or a `Link`, returned as it is.
+
+    Returns:
+        The `Link`; a malformed spec is a `UserError`.
+    """
     if isinstance(spec, Link):
         return spec
     if spec is None:
@@ -142,7 +158,9 @@ def parse_network(spec: "str | Link | None") -> Link:
 class Islands(Link):
     """`islands` islands of `size` workers on fast links (`inside`), a thin link between islands: the Link fields.
 
-        islands:2x2,inside=dc,across=world      2 islands of 2 workers; `dc` inside an island, `world` between them
+        islands:2x2,inside=dc,across=world
+
+    is 2 islands of 2 workers, `dc` inside an island, `world` between them.
 
     Ranks are laid out island by island (ranks 0..m-1 are island 0, m..2m-1 island 1, ...). A message between two
     ranks of one island is charged on `inside`, any other on `across`. Each worker has its own path across, as on a

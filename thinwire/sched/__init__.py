@@ -1,13 +1,14 @@
 """When each gradient enters the exchange: the "how to overlap" dimension (Tang, Shi, Chu, Wang, Li 2020,
 "Communication-Efficient Distributed Deep Learning: A Comprehensive Survey", arXiv 2003.06307, §II-D, §VII).
 
-    sched = thinwire.sched.make("fusion", bucket_mb=25)      # or "none" | "wfbp" | "mgwfbp" | "priority"
-    sched.attach(model, params, algorithm, transport)         # registers the hooks (the Trainer does this)
-    loss.backward()                                           # full buckets go to algorithm.on_bucket(bucket)
-    sched.flush()                                             # (algorithm.step) the buckets backward did not
-    ...                                                       # (algorithm.step) wait, update
+    # "fusion", or "none" | "wfbp" | "mgwfbp" | "priority"
+    sched = thinwire.sched.make("fusion", bucket_mb=25)
+    sched.attach(model, params, algorithm, transport)  # the hooks (the Trainer's)
+    loss.backward()     # full buckets go to algorithm.on_bucket(bucket)
+    sched.flush()       # (algorithm.step) the buckets backward did not
+    ...                 # (algorithm.step) wait, update
     sched.end_step()
-    sched.close()                                             # removes the hooks
+    sched.close()       # removes the hooks
 
 Schedules:
 - `none`     no overlap: one bucket with every gradient, exchanged after backward.

@@ -15,6 +15,9 @@ class Attachment:
     leaves every worker with the model the algorithm defines and removes the hooks. As a context manager it
     closes on a normal exit and only removes the hooks when an exception leaves the block (nothing more is sent).
     On a parameter-server rank (`role == "server"`) call `serve()` instead of training.
+
+    Args:
+        trainer: the `Trainer` the hooks drive (`attach` builds it).
     """
 
     def __init__(self, trainer: Trainer):
@@ -62,6 +65,7 @@ class Attachment:
     # -- the handle ---------------------------------------------------------------------------------------
     @property
     def algorithm(self):
+        """The running `Algorithm` (the Trainer's)."""
         return self.trainer.algorithm
 
     @property
@@ -71,19 +75,32 @@ class Attachment:
 
     @property
     def step_count(self) -> int:
+        """The optimizer steps taken so far (the Trainer's)."""
         return self.trainer.step_count
 
     def serve(self, checkpoint=None) -> None:
-        """(parameter-server rank) Serve the workers until they are done."""
+        """(parameter-server rank) Serve the workers until they are done.
+
+        Args:
+            checkpoint: None, or `(every, total, save)`: the server joins the workers' checkpoints every
+                `every` of `total` steps through `save` (`PSServer.serve`).
+        """
         self.trainer.algorithm.serve(checkpoint=checkpoint)
 
     def metrics(self) -> dict:
+        """This rank's counters (`Trainer.metrics`): steps, bytes, emulated time, the algorithm's own."""
         return self.trainer.metrics()
 
     def state_dict(self) -> dict:
+        """This rank's checkpoint (`Trainer.state_dict`): save it on every rank."""
         return self.trainer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from this rank's `state_dict()` (`Trainer.load_state_dict`).
+
+        Args:
+            state: what `state_dict()` returned.
+        """
         self.trainer.load_state_dict(state)
 
     def _unhook(self) -> None:
@@ -98,6 +115,8 @@ class Attachment:
         self.trainer.scheduler.close()
 
     def close(self) -> None:
+        """Remove the hooks, drain in-flight communication and leave every worker with the model the algorithm
+        defines (`Trainer.close`); leaving the `with` block normally does it."""
         if self._hooks:
             self._unhook()
             self.trainer.close()
@@ -116,10 +135,11 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm="
     """Run `algorithm` from PyTorch's own hook points, for a loop that calls `optimizer.step()` itself (its own,
     Lightning's, Accelerate's):
 
-        with tw.attach(model, opt, algorithm="diloco", period=50, compressor="fp4") as tw_run:
+        with tw.attach(model, opt, algorithm="diloco", period=50,
+                       compressor="fp4") as tw_run:
             for x, y in loader:
                 loss_fn(model(x), y).backward()
-                opt.step()                     # the algorithm's step: communication and the update
+                opt.step()      # the algorithm's step: communication, update
                 opt.zero_grad()
 
     The model's backward hooks (the scheduler's, on every parameter) hand each bucket to the algorithm during
@@ -127,5 +147,16 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm="
     (after evaluating its closure, if it passes one) and the loop's own call then updates nothing, the
     algorithm having applied its update; the post-hook restores the parameter groups. Parameters are the
     `Trainer`'s (compressor, memory, schedule, network, nonfinite, ...), and the result is the Trainer's, bitwise,
-    for the same seed. Don't wrap the model in DistributedDataParallel: the algorithm does the communicating."""
+    for the same seed. Don't wrap the model in DistributedDataParallel: the algorithm does the communicating.
+
+    Args:
+        model: the model (bare, not wrapped in DistributedDataParallel).
+        optimizer: the optimizer the loop steps; its step pre- and post-hooks run the algorithm.
+        algorithm: a registered algorithm's name or an `Algorithm` instance, as for `Trainer`.
+        **params: the `Trainer`'s other parameters (`compressor`, `memory`, `network`, `nonfinite`, ...) and
+            the algorithm's, compressor's and memory's own, routed by name.
+
+    Returns:
+        The `Attachment`: a context manager with `metrics()`, `state_dict()` and `close()`.
+    """
     return Attachment(Trainer(model, optimizer, algorithm=algorithm, **params))

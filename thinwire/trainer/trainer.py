@@ -31,7 +31,28 @@ from .resilience import Resilience
 
 class Trainer:
     """A model and its optimizer trained by a thinwire algorithm (see the module's docstring); `step()` after
-    each backward, `close()` at the end. `failures` and `joins` record the workers lost and taken in."""
+    each backward, `close()` at the end. `failures` and `joins` record the workers lost and taken in.
+
+    Args:
+        model: the model every worker builds alike (a bare `torch.nn.Module`, not wrapped in
+            DistributedDataParallel); rank 0's initial weights are broadcast to the others.
+        optimizer: the optimizer over the model's parameters; the algorithm calls its `step()` (DiLoCo's inner
+            optimizer; a memory or compressor that applies momentum before compression takes its momentum).
+        algorithm: a registered algorithm's name (`thinwire list`; the API reference's Algorithms page lists
+            each one's parameters) or an `Algorithm` instance.
+        compressor: a registered compressor's name (default: the algorithm's, usually "none").
+        memory: a registered error-feedback memory's name (default: the algorithm's, usually "none").
+        transport: the `Transport` to communicate through (default: one on the default process group).
+        network: the network to emulate: a profile name ("lan", "wan", "world", ...), "custom:bandwidth=..,
+            latency=..", or a `Link` (default: the one `tw.launch` or `tw.init` was given, else "lan").
+        tracer: a `Tracer` recording the run's events (`--trace`); default none.
+        sync_initial_model: broadcast rank 0's model at the start (else the ranks must start equal, checked).
+        nonfinite: "stop" (a NaN/Inf gradient stops every rank) or "skip" (every rank skips that step).
+        on_failure: "stop", or "continue": the survivors of a lost worker go on (algorithms that allow it).
+        **params: routed by name to the algorithm, the compressor, the memory, the scheduler (`schedule`,
+            `bucket_mb`, ...), the transport (`allreduce`) and the exchange (`collective`, `sparse_collective`);
+            one that none of them takes is a `UserError` naming the valid ones.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm="bsp",
                  compressor=None, memory=None, transport: Transport | None = None, network=None,
@@ -199,6 +220,8 @@ class Trainer:
         self.algorithm.step()
 
     def close(self) -> None:
+        """Drain what is in flight and leave every worker with the model the algorithm defines (DiLoCo's last
+        outer step, DTS's last window); call it once, after the last `step()`."""
         if self.finite is not None:
             self.finite.read_with(seen="at close")
         try:
@@ -208,6 +231,8 @@ class Trainer:
             self.algorithm.close()
 
     def metrics(self) -> dict:
+        """This rank's counters: `steps`, `skipped_steps`, the transport's traffic (`bytes_sent`, `bytes_recv`,
+        `emulated_s`, `wait_s`, ...), `failures` if any, and the algorithm's own metrics."""
         out = {"steps": self.step_count, "skipped_steps": self.skipped_steps, **self.transport.meter.totals()}
         if self.failures:
             out["failures"] = list(self.failures)
@@ -215,6 +240,8 @@ class Trainer:
         return out
 
     def state_dict(self) -> dict:
+        """This rank's checkpoint: the step, the model, the optimizer and the algorithm's, compressor's and
+        memory's state (error-feedback residuals, DiLoCo's anchor and outer optimizer)."""
         if self.finite is not None:        # a checkpoint never holds a model a non-finite gradient went into
             self.finite.read_with(seen="at a checkpoint")
         return {"step": self.step_count, "model": self.model.state_dict(),
@@ -222,6 +249,11 @@ class Trainer:
                 "compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()`'s result, saved by this rank.
+
+        Args:
+            state: what `state_dict()` returned.
+        """
         self.step_count = state["step"]
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
