@@ -39,6 +39,7 @@ from .schedule import race_crossing
 _now = time.perf_counter
 MAX_SEED = 2**32 - 1   # seeds feed torch, Python and NumPy generators (NumPy's legacy seeding takes 32 bits)
 MAX_LR = 100.0
+MAX_STEPS = 10**9      # a run's steps: past what any run could reach (a billion steps of 1 ms are 11 days)
 
 
 def check_int(flag: str, value, low: int, high: int | None = None) -> None:
@@ -71,6 +72,13 @@ def check_lengths(cfg, counts=("steps", "batch_size", "eval_every", "checkpoint_
     for name in counts:
         if getattr(cfg, name) is not None:
             check_int(f"--{name.replace('_', '-')}", getattr(cfg, name), 1)
+    steps = cfg.steps
+    if cfg.epochs is not None:      # (a float: 1e300 epochs are not counted in ints)
+        steps = cfg.epochs * workloads.get(cfg.workload).steps_per_epoch(cfg.workers, cfg.batch_size)
+    if isinstance(steps, (int, float)) and steps > MAX_STEPS:
+        given = f"--steps {cfg.steps}" if cfg.epochs is None else \
+            f"--epochs {cfg.epochs:g}" + (f" ({steps:.3g} steps)" if math.isfinite(steps) else "")
+        raise UserError(f"{given} is more than any run could reach: at most {MAX_STEPS:,} steps (10**9)")
 
 
 @dataclass
