@@ -132,7 +132,8 @@ def _lose_rank_1(rank, world_size, order, steps=8, kill=4):
         trainer.step()
         opt.zero_grad()
     trainer.close()
-    return {"failures": trainer.metrics().get("failures"), "steps": trainer.step_count, "told": told}
+    return {"failures": trainer.metrics().get("failures"), "steps": trainer.step_count, "told": told,
+            "participants": trainer.metrics().get("participants")}
 
 
 @pytest.mark.parametrize("order", ["told first", "error first", "in flight"])
@@ -148,6 +149,8 @@ def test_the_survivor_goes_on_whatever_it_learns_first(order):
     # the step of the loss: 4, or 3 where the announcement came while step 3's all-reduce was still on the
     # emulated link (that step is then abandoned and taken again)
     assert failure["step"] in (3, 4), failure
+    # the ranks of each sync (bsp: every step's), two up to the loss, then the survivor alone
+    assert out[0]["participants"] == [[1, failure["step"] - 1, 2], [failure["step"] + 1, 8, 1]]
     if order == "told first":
         assert out[0]["told"] == 1
     if order == "error first":
