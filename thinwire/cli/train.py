@@ -50,12 +50,13 @@ def format_summary(s: dict) -> str:
                      f"waited out {s['slowed_s']:.2f} s each)")
     if s.get("metric_note"):
         lines.append(f"  note              {s['metric_note']}")
+    runs = (s.get("algorithm_metrics") or {}).get("participants") or []
+    if len(runs) > 1:     # the ranks of each sync changed (a loss, a join)
+        lines.append("  ranks per sync    " + ", ".join(f"{n} in steps {a}-{b}" if a < b else f"{n} at step {a}"
+                                                       for a, b, n in runs))
     for f in s.get("failures") or []:
         lines.append(f"  lost workers      {f['lost']} at step {f['step']}: the survivors {f['members']} went on")
     am = s.get("algorithm_metrics") or {}
-    if len(am.get("participants") or []) > 1:     # the ranks of each sync changed (a loss, a join)
-        lines.append("  ranks per sync    " + ", ".join(f"{n} in steps {a}-{b}" if a < b else f"{n} at step {a}"
-                                                       for a, b, n in am["participants"]))
     # CD-SGD's time model: Yu et al. 2021, "CD-SGD: Distributed Stochastic Gradient Descent with Compression and Delay
     # Compensation", arXiv 2106.10796, §3.3
     if am.get("predicted_step_s") is not None and am.get("measured_step_s") is not None:
