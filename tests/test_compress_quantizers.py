@@ -100,6 +100,20 @@ def test_sign_methods_send_the_signs(n, seed):
         assert torch.allclose(y[x < 0], neg.mean().expand(len(neg)), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "signum", "onebit"])
+def test_sign_methods_round_an_integer_tensor_to_the_nearest(name):
+    """On an integer tensor the float scale is rounded to the nearest integer, not truncated toward zero: [1, 2]
+    (scale ‖x‖₁/d = 1.5) was sent back as [1, 1]."""
+    comp = compressors.get(name)
+    x = torch.tensor([1, 2])
+    out = comp.decompress(comp.compress(x, key="w"))
+    assert out.dtype == torch.int64 and out.tolist() == [2, 2]
+    if name != "onebit":
+        assert comp.vote([comp.compress(x, key="w")] * 2).tolist() == [2, 2]
+    y = torch.tensor([-4, 1, 2], dtype=torch.int32)        # scale 7/3: ±2
+    assert comp.decompress(comp.compress(y, key="v")).tolist() == ([-4, 2, 2] if name == "onebit" else [-2, 2, 2])
+
+
 def test_lossless_cases_are_exact():
     ints = torch.arange(-127, 128, dtype=torch.float32)
     cases = {"fp16": ints, "bf16": ints, "int8": ints, "natural": torch.tensor([0.0, 1, -2, 0.25, -1024, 2.0**-20]),

@@ -31,7 +31,8 @@ def _sha(model) -> str:
 def _train(member, workers, algorithm, params, want, after, other=None, cap=3000):
     """Train digits-mlp until the job has `want` members, then `after` more steps (every member stops at the same
     step: they switched at the same boundary). The newcomer (`member` >= `workers`) may run `other` parameters
-    (a refused join) or die while it takes its state (`other == "die"`)."""
+    (a refused join), die while it takes its state (`other == "die"`) or come with a model far from the job's
+    (`other == "poison"`: every parameter 1000)."""
     wl = workloads.get("digits-mlp")
     model = wl.model(0)
     opt = torch.optim.SGD(model.parameters(), lr=wl.lr, momentum=0.9)
@@ -39,12 +40,17 @@ def _train(member, workers, algorithm, params, want, after, other=None, cap=3000
         def die(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
         elastic.recv_state = die
-    mine = params if member < workers or other in (None, "die") else other
+    if member >= workers and other == "poison":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(1000.0)
+    mine = params if member < workers or other in (None, "die", "poison") else other
     trainer = tw.Trainer(model, opt, algorithm=algorithm, network="custom:latency=1ms", **mine)
-    gen, stop, at_join = None, None, None
+    gen, stop, at_join, largest = None, None, None, None
     while trainer.step_count < (cap if stop is None else stop):
         if stop is None and trainer.transport.world_size >= want:
             stop, at_join = trainer.step_count + after, (trainer.step_count, _sha(model))
+            largest = max(p.detach().abs().max().item() for p in model.parameters())
         if stop is None and other == "die" and trainer.failures:    # the newcomer was lost: go on a while
             stop = trainer.step_count + after
         if trainer.elastic.gen != gen:     # the data follows the membership: this generation's shard
@@ -57,7 +63,8 @@ def _train(member, workers, algorithm, params, want, after, other=None, cap=3000
         opt.zero_grad()
     trainer.close()
     return {"sha": _sha(model), "at_join": at_join, "steps": trainer.step_count, "accuracy": wl.evaluate(model),
-            "joins": trainer.joins, "failures": trainer.metrics().get("failures", []), "gen": trainer.elastic.gen}
+            "joins": trainer.joins, "failures": trainer.metrics().get("failures", []), "gen": trainer.elastic.gen,
+            "participants": trainer.metrics().get("participants"), "largest_at_join": largest}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +104,25 @@ def test_a_newcomer_joins_at_the_boundary_with_a_peers_state(epool, algorithm, p
     else:                                       # the boundary: a model average, a fragment merge, a window's end
         period = params["period"]
         assert step % period == 0, (algorithm, step)
+
+
+def test_a_newcomer_takes_the_live_state_never_supplies_it_and_takes_part_in_the_next_sync(epool):
+    """A replica that joins a job which has progressed takes a live member's state, whatever its own model (here
+    every parameter 1000: had it supplied the state, every member would hold it); every live replica, the
+    newcomer included, takes part in the first synchronization after the join, and the metrics say so: the
+    ranks of every sync, as runs [first step, last step, ranks]."""
+    period = 4
+    out = epool.run(_train, "diloco", {"period": period, "outer_lr": 0.6, "outer_momentum": 0.5}, 3, 3 * period,
+                    "poison", joins=[("time", 0)])
+    assert sorted(out) == [0, 1, 2] and not epool.lost and not epool.refused
+    assert [g["kind"] for g in epool.generations] == ["start", "join"]
+    step = out[0]["at_join"][0]
+    assert step >= period and step % period == 0            # the job had progressed
+    assert len({o["at_join"] for o in out.values()}) == 1 and len({o["sha"] for o in out.values()}) == 1
+    assert all(o["largest_at_join"] < 100 for o in out.values()), [o["largest_at_join"] for o in out.values()]
+    for member in (0, 1):   # every sync up to the join among the two, from the next one on among the three
+        assert out[member]["participants"] == [[period, step, 2], [step + period, step + 3 * period, 3]]
+    assert out[2]["participants"] == [[step + period, step + 3 * period, 3]]
 
 
 def test_a_newcomer_of_another_configuration_is_refused_and_the_job_goes_on(epool):

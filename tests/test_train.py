@@ -267,3 +267,25 @@ def test_a_drain_after_the_race_stopped_is_on_the_clock_but_not_in_the_throughpu
     assert summary["throughput_samples_s"] == pytest.approx(4 * 8 * 2 / 8.5)
     assert summary["exposed_in_steps_s"] == pytest.approx(0.5)          # the workers' mean, step by step
     assert summary["exposed_comm_s"] == pytest.approx(0.5 + 1.5)        # everything waited, the drain included
+
+
+def test_the_nominal_bytes_after_a_loss_count_the_steps_before_it():
+    """After a lost worker (--on-failure continue) the uncompressed fp32 reference is the ring all-reduce among the
+    workers of each step: two before the loss, the survivor alone after it (the summary said 0.000 MB: it took
+    the survivors' count for every step)."""
+    from thinwire.run.train import summarize
+    cfg = TrainConfig(workload="digits-mlp", workers=2, steps=4, on_failure="continue")
+    steps = [{"step": i + 1, "loss": 1.0, "t": i + 1.0, "step_s": 1.0, "bytes_sent": 0.0, "emulated_s": 0.0,
+              "wait_s": 0.0} for i in range(4)]
+    survivor = {"role": "worker", "rank": 0, "steps": steps, "evals": [{"step": 4, "t": 4.0, "value": 0.5}],
+                "meter": {"total": {"bytes_sent": 0.0, "emulated_s": 0.0, "wait_s": 0.0}}, "train_s": 4.0,
+                "num_params": 1000, "model_sha256": "x", "final": 0.5, "stopped": "steps",
+                "metrics": {"failures": [{"lost": [1], "step": 2, "members": [0], "kept": False}],
+                            "participants": [[1, 2, 2], [3, 4, 1]]}}
+    s, _ = summarize(cfg, [survivor, None], 0.0)
+    two = ring_allreduce(parse_network("lan"), 2, 4000).sent
+    assert s["nominal_bytes_per_worker"] == pytest.approx(2 * two) and two > 0
+    assert s["nominal_bytes_per_worker_per_step"] == pytest.approx(2 * two / 4)
+    from thinwire.cli.train import format_summary
+    assert f"uncompressed fp32 would be {2 * two / 1e6:.3f} MB" in format_summary(s)
+    assert "ranks per sync    2 in steps 1-2, 1 in steps 3-4" in format_summary(s)

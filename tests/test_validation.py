@@ -76,6 +76,13 @@ BAD = [
                                                                "linear=False) cannot use collective 'allreduce'"),
     (L + ["--compressor", "int8", "--aggregation", "allreduce"], "compressor 'int8' no longer takes aggregation: the "
                                                                  "collective is the exchange's parameter"),
+    # runs that could never end, and an optimizer that would silently be another
+    (L[:5] + ["--seed", "0", "--steps", str(10**20)], f"--steps {10**20} is more than any run could reach: at most "
+                                                       f"1,000,000,000 steps"),
+    (L[:5] + ["--seed", "0", "--epochs", "1e300"], "--epochs 1e+300 (4.8e+301 steps) is more than any run could reach"),
+    (L[:5] + ["--seed", "0", "--epochs", "1e308"], "--epochs 1e+308 is more than any run could reach"),
+    (L + ["--optimizer", "muon"], "this model has none, so Muon would train nothing: use --optimizer adamw"),
+    (D[:5] + ["--seed", "0", "--workload", "digits-cnn", "--optimizer", "muon"], "Muon would train nothing"),
 ]
 
 
@@ -105,6 +112,11 @@ def test_bad_input_is_refused_before_any_worker_starts(args, needle, capsys):
     assert not os.path.exists("/tmp/thinwire-never")
 
 
+def _config(**kw):
+    from thinwire.run.train import TrainConfig
+    return TrainConfig(**{"workload": "linreg", "workers": 2, **kw}).validate()
+
+
 @pytest.mark.parametrize("call, needle", [
     (lambda: compressors.get("qsgd", levels=2.5), "compressor 'qsgd': levels must be an integer, got 2.5"),
     (lambda: compressors.get("terngrad", clip=float("nan")), "compressor 'terngrad': clip must be a finite number"),
@@ -115,6 +127,11 @@ def test_bad_input_is_refused_before_any_worker_starts(args, needle, capsys):
     (lambda: tw.algorithms.get("localsgd", period=4.5), "period must be an integer"),
     (lambda: compressors.get("topk", sparse_collective="gtopk"), "compressor 'topk' no longer takes sparse_collective"),
     (lambda: tw.ddp_hook("int8", aggregation="allreduce"), "compressor 'int8' no longer takes aggregation"),
+    (lambda: _config(steps=10**9 + 1), "--steps 1000000001 is more than any run could reach"),
+    (lambda: _config(epochs=1e300), "--epochs 1e+300 (4.8e+301 steps) is more than any run could reach"),
+    (lambda: _config(optimizer="muon"), "Muon would train nothing"),
+    (lambda: tw.optim.MuonWithAdamW([], [torch.nn.Parameter(torch.zeros(2))], lr=0.1, weight_decay=0.0),
+     "Muon would train nothing"),
     (lambda: tw.Trainer(torch.nn.Linear(3, 1), torch.optim.SGD(torch.nn.Linear(3, 1).parameters(), lr=0.1)),
      "the optimizer holds 2 of 2 tensors that are not the model's parameters"),
 ])

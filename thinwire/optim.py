@@ -130,6 +130,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         bad = [tuple(p.shape) for p in muon_params if p.dim() != 2]
         if bad:
             raise ValueError(f"Muon takes 2-D weight matrices only, got shapes {bad}")
+        if not muon_params:
+            raise UserError(NO_HIDDEN_MATRIX)
         self.inner = []
         if muon_params:
             self.inner.append(torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum,
@@ -164,10 +166,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._link(self.param_groups)
 
 
+NO_HIDDEN_MATRIX = ("the muon optimizer trains a model's hidden weight matrices (the weights of its nn.Linear "
+                    "layers before the output layer) with Muon and the rest with AdamW; this model has none, so "
+                    "Muon would train nothing: use --optimizer adamw (optimizer=\"adamw\")")
+
+
 def muon_split(model: torch.nn.Module) -> tuple[list, list]:
     """(hidden weight matrices, the rest) of `model`'s trainable parameters: the weights of its `nn.Linear` layers
-    but the last one (the output head); embeddings, biases, norms and everything else in the rest."""
+    but the last one (the output head); embeddings, biases, norms and everything else in the rest. A model with no
+    hidden weight matrix (a linear model, convolutions and a head) is refused: it would train with AdamW alone."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     hidden = {id(m.weight) for m in linears[:-1] if m.weight.requires_grad}
     params = [p for p in model.parameters() if p.requires_grad]
+    if not any(id(p) in hidden for p in params):
+        raise UserError(NO_HIDDEN_MATRIX)
     return [p for p in params if id(p) in hidden], [p for p in params if id(p) not in hidden]

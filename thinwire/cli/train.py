@@ -50,6 +50,10 @@ def format_summary(s: dict) -> str:
                      f"waited out {s['slowed_s']:.2f} s each)")
     if s.get("metric_note"):
         lines.append(f"  note              {s['metric_note']}")
+    runs = (s.get("algorithm_metrics") or {}).get("participants") or []
+    if len(runs) > 1:     # the ranks of each sync changed (a loss, a join)
+        lines.append("  ranks per sync    " + ", ".join(f"{n} in steps {a}-{b}" if a < b else f"{n} at step {a}"
+                                                       for a, b, n in runs))
     for f in s.get("failures") or []:
         lines.append(f"  lost workers      {f['lost']} at step {f['step']}: the survivors {f['members']} went on")
     am = s.get("algorithm_metrics") or {}

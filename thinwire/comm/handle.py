@@ -54,7 +54,8 @@ class Handle(Future):
         self._callbacks: list = []
         self._arrival: list = []                    # on_arrival callbacks
         self._real_event = threading.Event()          # the real op completed (or failed)
-        # the membership it was issued in: its group's (an elastic generation's), else the newest announced
+        # the membership of its group (`Transport.generation`: a loss announced before this op was issued is a loss
+        # to it), else the newest announced
         own = getattr(transport, "generation", None)
         self.generation = MEMBERSHIP.generation if own is None else own
         # a collective on an emulated link is delivered in issue order (`emulation.DeliveryQueue`)
@@ -189,7 +190,7 @@ class Handle(Future):
                 self._watch(self._real if self._real is not None else self._real_event)   # the real op
                 return self._result_once()
             except RuntimeError as e:
-                lost = e if isinstance(e, PeerLost) else MEMBERSHIP.wait_change(self.generation, 30.0)
+                lost = MEMBERSHIP.explain(e, self.generation)
                 if lost is not None:
                     raise lost from (None if lost is e else e)
                 raise

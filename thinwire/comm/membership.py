@@ -64,5 +64,16 @@ class _Membership:
             self._changed.wait_for(lambda: self.generation > since, timeout)
         return self.lost(since)
 
+    def explain(self, error: BaseException, since: int, timeout: float = 30.0) -> PeerLost | None:
+        """The loss that `error` (an operation on a group of membership generation `since` failed) stands for, or
+        None. A peer's going away shows in the survivors' operations (gloo's "Connection closed by peer") and in
+        the launcher's announcement, in either order: the announcement may have come already (the operation was
+        issued after it, on the old group), or it comes within `timeout` s."""
+        if isinstance(error, PeerLost):
+            return error
+        if not self.watching:
+            return None
+        return self.wait_change(since, timeout)
+
 
 MEMBERSHIP = _Membership()

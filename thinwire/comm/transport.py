@@ -52,13 +52,21 @@ def backend_of(group) -> str:
 
 
 class _Work(Future):
-    """A raw torch.distributed work as a future (a size exchange folded into the next operation's cost)."""
+    """A raw torch.distributed work as a future (a size exchange folded into the next operation's cost); its
+    failure, once the launcher announced a loss in the membership after `generation`, is that `PeerLost`."""
 
-    def __init__(self, work):
+    def __init__(self, work, generation: int | None):
         self.work = work
+        self.generation = MEMBERSHIP.generation if generation is None else generation
 
     def result(self):
-        self.work.wait()
+        try:
+            self.work.wait()
+        except RuntimeError as e:
+            lost = MEMBERSHIP.explain(e, self.generation)
+            if lost is None:
+                raise
+            raise lost from e
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -103,7 +111,10 @@ class Transport:
         # ranks are addressed within the group (group_src / group_dst), so both work
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world_size = self.group.rank(), self.group.size()
-        self.generation: int | None = None   # an elastic generation's number (its waits watch later losses)
+        # the membership generation this group belongs to (its waits watch later losses): the world's is the
+        # launcher's first, 0; an elastic generation's or a loss's survivors' group is set by `regroup`. None (a
+        # subgroup): the newest announced when an op is issued
+        self.generation: int | None = 0 if group is None else None
         self.link = parse_network(network) if network is not None else default_network()
         self.meter = meter or Meter()
         self._seed = default_seed() if seed is None else seed
@@ -255,7 +266,7 @@ class Transport:
         if sizes is None and n > 1:
             mine = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
             got = [torch.empty_like(mine) for _ in range(n)]
-            yield _Work(dist.all_gather(got, mine, group=self.group, async_op=True))
+            yield _Work(dist.all_gather(got, mine, group=self.group, async_op=True), self.generation)
             sizes = torch.cat(got).tolist()       # host: once per gather (every rank's size)
             cost_extra = ring_allgather(self.collective_link, n, 8)
         elif sizes is None:
@@ -289,7 +300,7 @@ class Transport:
     def barrier(self) -> None:
         if self.world_size > 1:
             def program():
-                yield _Work(dist.barrier(group=self.group, async_op=True))
+                yield _Work(dist.barrier(group=self.group, async_op=True), self.generation)
             self._op(program(), "barrier", False)
 
     # -- point to point (device tensors under gloo through host buffers: `thinwire.comm.staging`) -------
@@ -374,7 +385,7 @@ class Transport:
         for t in tensors:
             dist.broadcast(t, group=self.group, group_src=src)
 
-    def regroup_to(self, members: Sequence[int]) -> None:
-        """`regroup` onto a new group of these global ranks (the survivors of a lost worker), formed by the
-        members alone: ranks outside it take no part."""
-        self.regroup(dist.new_group(list(members), use_local_synchronization=True))
+    def regroup_to(self, members: Sequence[int], generation: int | None = None) -> None:
+        """`regroup` onto a new group of these global ranks (the survivors of a lost worker, membership
+        `generation`), formed by the members alone: ranks outside it take no part."""
+        self.regroup(dist.new_group(list(members), use_local_synchronization=True), generation)

@@ -56,6 +56,15 @@ from ..registry import SEED
 _CONSTANTS: dict = {}
 
 
+def cast_back(decoded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`decoded` (a float tensor a compressor decoded: a scale times signs, levels) in the input's `dtype`: to
+    the nearest integer for an integer dtype, where a plain cast truncates toward zero (a sign payload of [1, 2],
+    scale 1.5, would decode to [1, 1])."""
+    if decoded.dtype != dtype and not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+        decoded = decoded.round()
+    return decoded.to(dtype)
+
+
 def constant(key: tuple, device, build) -> torch.Tensor:
     """A constant tensor (a lookup table, a transform basis) built once on the host by `build()` and kept once per
     device, so every device holds the same numbers and a GPU gets no host copy per call. `key` names the tensor

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from .base import Compressor, Payload
+from .base import Compressor, Payload, cast_back
 from .finite import check_scale
 from .bitpack import decode, pack_signs
 
@@ -36,7 +36,7 @@ class OneBit(Compressor):
 
     def decompress(self, payload):
         shape, dtype, n = payload.ctx
-        return decode(payload.tensors[0], 1, n, payload.tensors[1]).to(dtype).view(shape)   # (mean-, mean+)[bit]
+        return cast_back(decode(payload.tensors[0], 1, n, payload.tensors[1]), dtype).view(shape)   # (mean-, mean+)[bit]
 
     def nominal_bits(self, numel):
         return 1.0 + 64.0 / max(numel, 1)

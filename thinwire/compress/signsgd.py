@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import compressors
-from .base import Compressor, Payload
+from .base import Compressor, Payload, cast_back
 from .bitpack import decode, pack_signs
 from ..errors import UserError
 from .finite import check_scale, check_tensor
@@ -61,7 +61,7 @@ class SignSGD(Compressor):
     def decompress(self, payload):
         shape, dtype, n = payload.ctx
         s = payload.tensors[1] if self.scale else 1.0
-        return signs(payload.tensors[0], n, s).to(dtype).view(shape)
+        return cast_back(signs(payload.tensors[0], n, s), dtype).view(shape)
 
     def vote(self, payloads):
         """sign(Σ_ranks sign_r) · (1/R) Σ_r scale_r: the majority vote with the ranks' mean scale."""
@@ -72,7 +72,7 @@ class SignSGD(Compressor):
         total.sign_()
         if self.scale:        # the mean scale, kept on the device
             total.mul_(torch.stack([p.tensors[1].reshape(()) for p in payloads]).mean())
-        return total.to(dtype).view(shape)
+        return cast_back(total, dtype).view(shape)
 
     def nominal_bits(self, numel):
         return 1.0 + (32.0 / max(numel, 1) if self.scale else 0.0)

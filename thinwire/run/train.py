@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -40,6 +41,7 @@ from .schedule import race_crossing, race_curve
 _now = time.perf_counter
 MAX_SEED = 2**32 - 1   # seeds feed torch, Python and NumPy generators (NumPy's legacy seeding takes 32 bits)
 MAX_LR = 100.0
+MAX_STEPS = 10**9      # a run's steps: past what any run could reach (a billion steps of 1 ms are 11 days)
 
 
 def check_int(flag: str, value, low: int, high: int | None = None) -> None:
@@ -72,6 +74,13 @@ def check_lengths(cfg, counts=("steps", "batch_size", "eval_every", "checkpoint_
     for name in counts:
         if getattr(cfg, name) is not None:
             check_int(f"--{name.replace('_', '-')}", getattr(cfg, name), 1)
+    steps = cfg.steps
+    if cfg.epochs is not None:      # (a float: 1e300 epochs are not counted in ints)
+        steps = cfg.epochs * workloads.get(cfg.workload).steps_per_epoch(cfg.workers, cfg.batch_size)
+    if isinstance(steps, (int, float)) and steps > MAX_STEPS:
+        given = f"--steps {cfg.steps}" if cfg.epochs is None else \
+            f"--epochs {cfg.epochs:g}" + (f" ({steps:.3g} steps)" if math.isfinite(steps) else "")
+        raise UserError(f"{given} is more than any run could reach: at most {MAX_STEPS:,} steps (10**9)")
 
 
 @dataclass
@@ -408,7 +417,15 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
             if hit and at > 0 else None
     per_worker = [len(w["steps"]) for w in workers]
     n_params = workers[0]["num_params"]
-    nominal_step = ring_allreduce(parse_network("lan"), len(workers), n_params * 4).sent
+    # an fp32 ring all-reduce of the model every step, among the workers of that step: those who began, then
+    # each loss's survivors (a lost worker's records are gone: it is not among `workers`)
+    failures = workers[0]["metrics"].get("failures", []) if cfg.elastic is None else []
+    began = len(workers) + sum(len(f["lost"]) for f in failures)
+    worlds = Counter(next((len(f["members"]) for f in reversed(failures) if step > f["step"]), began)
+                     for step in steps_of)
+    nominal = {w: ring_allreduce(parse_network("lan"), w, n_params * 4).sent for w in {began, *worlds}}
+    nominal_run = sum(nominal[w] * k for w, k in worlds.items())
+    nominal_step = nominal[began] if set(worlds) <= {began} else nominal_run / n_steps
     sent = [w["meter"]["total"]["bytes_sent"] for w in workers]
     step_times = [r["step_s"] for r in rows]
     train_s = max(w["train_s"] for w in workers)
@@ -430,7 +447,7 @@ def summarize(cfg: TrainConfig, results: list[dict], wall_s: float) -> tuple[dic
         # of those, over a two-tier network's thin link (between islands): what a user pays for between sites
         "bytes_across_per_worker": statistics.fmean(w["meter"]["total"].get("bytes_across", 0.0) for w in workers),
         "bytes_sent_per_worker_per_step": statistics.fmean(sent) / max(1, n_steps),
-        "nominal_bytes_per_worker": nominal_step * n_steps,
+        "nominal_bytes_per_worker": nominal_run,
         "nominal_bytes_per_worker_per_step": nominal_step,
         "bytes_sent_per_server": statistics.fmean(s["meter"]["total"]["bytes_sent"] for s in servers) if servers else None,
         "bytes_recv_per_server": statistics.fmean(s["meter"]["total"]["bytes_recv"] for s in servers) if servers else None,

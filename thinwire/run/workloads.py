@@ -249,6 +249,10 @@ class Workload:
         if optimizer is None and callable(self.optimizer):
             return self.make_optimizer(self.model(), lr, momentum)
         cls, kwargs = self._optimizer(lr, momentum, optimizer)
+        if cls.__name__ == "MuonWithAdamW":     # a model with no hidden weight matrix is refused here already
+            from ..optim import muon_split
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):   # its shapes: no memory, no RNG drawn
+                muon_split(self.build())
         defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
                     if p.default is not inspect.Parameter.empty}
         stand_in = cls.__new__(cls)

@@ -70,7 +70,7 @@ class Resilience:
                     rec = t.elastic.regroup(lost.generation)
                     self._regrouped(rec, previous)
                 else:
-                    t.transport.regroup_to(lost.members)
+                    t.transport.regroup_to(lost.members, lost.generation)
                 self._resync(lost, counted)
                 return
             except PeerLost as again:

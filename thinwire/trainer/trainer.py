@@ -85,6 +85,9 @@ class Trainer:
         self.on_failure = on_failure
         self.failures: list[dict] = []   # workers lost and survived (on_failure="continue")
         self.joins: list[dict] = []      # newcomers taken in (an elastic job)
+        # the ranks that took part in each synchronization (at each `committed` boundary: its group's size), as
+        # runs [first step, last step, ranks]: a newcomer counts from the first boundary after it joined
+        self.participants: list[list[int]] = []
         self.committed = 0               # the last synchronization boundary passed (bsp: every step; localsgd,
         #                                  diloco: a sync; dts: a window's end): the work before it counts
         self.step_count = 0
@@ -191,6 +194,7 @@ class Trainer:
         if not resilience.behind and len(self.failures) == losses:
             if self.algorithm.join_boundary(self.step_count):
                 self.committed = self.step_count     # every step's work up to here is in every member's model
+                self._took_part(self.transport.world_size)
                 if self.elastic is not None:
                     resilience.boundary()
             elif self.elastic is not None:       # rank 0 may fix a join's switch between boundaries
@@ -230,12 +234,22 @@ class Trainer:
             self.resilience.recover(lost)
             self.algorithm.close()
 
+    def _took_part(self, ranks: int) -> None:
+        """The synchronization that ended this step ran among `ranks` ranks (`participants`)."""
+        last = self.participants[-1] if self.participants else None
+        if last is not None and last[2] == ranks and last[1] < self.step_count:
+            last[1] = self.step_count
+        else:
+            self.participants.append([self.step_count, self.step_count, ranks])
+
     def metrics(self) -> dict:
         """This rank's counters: `steps`, `skipped_steps`, the transport's traffic (`bytes_sent`, `bytes_recv`,
         `emulated_s`, `wait_s`, ...), `failures` if any, and the algorithm's own metrics."""
         out = {"steps": self.step_count, "skipped_steps": self.skipped_steps, **self.transport.meter.totals()}
         if self.failures:
             out["failures"] = list(self.failures)
+        if self.participants:
+            out["participants"] = [list(run) for run in self.participants]
         out.update(self.algorithm.metrics())
         return out
 
