@@ -69,7 +69,7 @@ def run(args) -> int:
     diloco = recommend_diloco(s, args.scalability)
     advice = {"scenario": {"params": params, "compute_s": s.compute_s, "network": link.to_dict(),
                            "workers": s.workers, "servers": s.servers, "collective": s.collective,
-                           **({"speeds": args.speeds, **paces} if paces else {})},
+                           **({"speeds_spec": args.speeds, **paces} if paces else {})},
               "ranking": [a.row() for a in rows], "diloco": diloco}
     planned = None
     if paces:           # what a `diloco` cell would run at these speeds: synchronous, dynamic, quorum or async
