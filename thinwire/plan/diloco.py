@@ -41,7 +41,7 @@ thin one (`home`), and there the 4-bit payload is.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import product
 
 from ..compress import compressors
@@ -83,8 +83,8 @@ class Plan:
     transfer_s: float        # of which the link is busy
     bytes_per_sync: float    # one worker, one fragment sync (over the thin link, on a two-tier network)
     compute_s: float         # the no-communication reference's mean step (at the workers' speeds)
-    variant: str = "sync"    # of VARIANTS
-    quorum: int = 0          # the quorum K of `async-diloco` (variant "quorum")
+    variant: str = field(default="sync", repr=False)   # of VARIANTS
+    quorum: int = field(default=0, repr=False)         # the quorum K of `async-diloco` (variant "quorum")
 
     @property
     def scalability(self) -> float:
