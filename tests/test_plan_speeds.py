@@ -112,3 +112,19 @@ def test_advise_refuses_a_bad_speed_spec_in_one_line(spec, needle, capsys):
     assert main(["advise", "--params", "1e6", "--workers", "4", "--speeds", spec]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_a_diloco_cell_is_planned_for_the_speeds():
+    from types import SimpleNamespace
+
+    from thinwire.compare import forecast
+    from thinwire.compare.presets import parse_cell
+    cell = parse_cell("diloco")
+    equal, _ = forecast.tune_cell(cell, "world", "wide-mlp", 4, compute_s=0.05)
+    slow, why = forecast.tune_cell(cell, "world", "wide-mlp", 4, compute_s=0.05, speeds="1,1,1,0.5")
+    assert "dynamic" not in equal.params and cell.params == {}
+    assert slow.algorithm == "diloco" and slow.params["dynamic"] is True and "dynamic local updates" in why[0]
+    cfg = SimpleNamespace(workload="wide-mlp", workers=4, speeds="1,1,1,0.5")
+    ran = forecast.predict_cell(slow, "world", cfg, 0.05)
+    sync = forecast.predict_cell(equal, "world", cfg, 0.05)       # synchronous DiLoCo waits for the slow worker
+    assert ran["step_s"] < sync["step_s"]

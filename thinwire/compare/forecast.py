@@ -12,14 +12,16 @@ from .. import algorithms
 from ..errors import UserError
 from ..net import Islands, parse_network
 from ..plan.advise import tune
-from ..plan.costmodel import Scenario, cost_of, exchange, predict
+from ..plan.costmodel import Scenario, cost_of, exchange, predict, scenario_speeds
+from ..speeds import parse as parse_speeds
 from ..plan.diloco import plan_diloco
 from ..plan.families import FAMILIES
 from ..run import workloads
 from . import peers, presets
 
-DILOCO_PLANNED = ("period", "fragments", "overlap", "eager", "allreduce", "replicas")
-DILOCO_DEFAULTS = {"fragments": 1, "overlap": 0, "eager": False, "allreduce": "gloo", "replicas": "worker"}
+DILOCO_PLANNED = ("period", "fragments", "overlap", "eager", "allreduce", "replicas", "dynamic")
+DILOCO_DEFAULTS = {"fragments": 1, "overlap": 0, "eager": False, "allreduce": "gloo", "replicas": "worker",
+                   "dynamic": False}
 
 # Steps to the target, relative to the no-communication reference's (independent workers, each its own model and
 # batch): a cell that averages every step trains on the workers' whole batch (fewer steps: SYNC_STEPS of the
@@ -69,13 +71,13 @@ def with_sgd_where_needed(cell: presets.Cell, workload: str) -> presets.Cell:
     return out
 
 
-def _scenario(wl, network: str, workers: int, compute_s: float) -> Scenario:
+def _scenario(wl, network: str, workers: int, compute_s: float, speeds: str | None = None) -> Scenario:
     return Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=workers,
-                    handshake=True)
+                    handshake=True, **scenario_speeds(parse_speeds(speeds), workers))
 
 
 def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
-              compute_s: float | None) -> tuple[presets.Cell, list[str]]:
+              compute_s: float | None, speeds: str | None = None) -> tuple[presets.Cell, list[str]]:
     """The cell with the parameters it leaves out picked for `network` (and SGD for an algorithm that
     compensates SGD only, on a workload whose optimizer is another); the reasons, one per decision. DiLoCo's
     settings hide its sync (the τ rule, eager updates, the all-reduce and the compressor: `thinwire.plan.diloco`)."""
@@ -94,15 +96,17 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
         why.append("defaults: no compute time was measured for the planner")
         return out, why
     if diloco:
-        plan = diloco_plan(out, network, wl, workers, compute_s)
+        plan = diloco_plan(out, network, wl, workers, compute_s, speeds=speeds)
         pick, reason = {k: v for k, v in plan.params().items() if k not in out.params}, f"planner: {plan.describe()}"
         out.params.update(pick)
+        if plan.algorithm != out.algorithm:     # at unequal speeds: a quorum or asynchronous DiLoCo, on servers
+            out.algorithm = pick["algorithm"] = plan.algorithm
         if not out.compressor and plan.compressor != "none":
             out.compressor, out.memory = plan.compressor, plan.memory
             pick["compressor"] = f"{plan.compressor} + {plan.memory}"
     else:
         momentum = wl.optimizer_settings(out.optimizer)[1]["momentum"] if not cell.peer else 0.9
-        pick, reason = tune(plan_as, _scenario(wl, network, workers, compute_s), out.params,
+        pick, reason = tune(plan_as, _scenario(wl, network, workers, compute_s, speeds), out.params,
                             compressor=out.compressor or "none", momentum=momentum)
         pick = {k: v for k, v in pick.items() if takes(k)}
         out.params.update(pick)
@@ -111,11 +115,15 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
     return out, why
 
 
-def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float, complete: bool = False):
-    """The planner's DiLoCo (`thinwire.plan.diloco`) for this cell on `network`: what the cell gives (parameters,
-    a compressor) is kept, the rest planned (`complete`: the rest is the algorithm's defaults, as the cell runs)."""
-    s = _scenario(wl, network, workers, compute_s)
+def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float, complete: bool = False,
+                speeds: str | None = None):
+    """The planner's DiLoCo (`thinwire.plan.diloco`) for this cell on `network` and workers at `speeds` (a
+    `--speeds` spec): what the cell gives (parameters, a compressor) is kept, the rest planned (`complete`: the rest
+    is the algorithm's defaults, as the cell runs)."""
+    s = _scenario(wl, network, workers, compute_s, speeds)
     given = {**(DILOCO_DEFAULTS if complete else {}), **{k: v for k, v in cell.params.items() if k in DILOCO_PLANNED}}
+    if cell.peer:       # a peer runs its own synchronous DiLoCo: only its parameters are planned
+        given.setdefault("dynamic", False)
     if cell.compressor or complete:
         given.update(compressor=cell.compressor or "none", memory=cell.memory)
     return plan_diloco(s, s.link if isinstance(s.link, Islands) else None, given)
@@ -136,13 +144,14 @@ def predict_cell(cell: presets.Cell, network: str, cfg, compute_s: float | None)
     wl = workloads.get(cfg.workload)
     try:
         if family(cell.algorithm) == "diloco":
-            plan = diloco_plan(cell, network, wl, cfg.workers, compute_s, complete=True)
+            plan = diloco_plan(cell, network, wl, cfg.workers, compute_s, complete=True,
+                               speeds=getattr(cfg, "speeds", None))
             return {"step_s": plan.iteration_s, "sync_s": plan.sync_s, "period": plan.period}
         algorithm, compressor = planned_as(cell.algorithm, cell.compressor)
         params, peer = dict(cell.params), peers.find(cell.algorithm)
         if peer is not None:    # the parameters the planner reads as `algorithm`'s
             params = {k: params.get(k, v) for k, v in peer.plan_params.items() if k in params or v is not None}
-        s = _scenario(wl, network, cfg.workers, compute_s)
+        s = _scenario(wl, network, cfg.workers, compute_s, getattr(cfg, "speeds", None))
         pred = predict(s, algorithm, compressor, **params)
         sync = exchange(s, compressor, **{k: v for k, v in params.items() if k in ("ratio", "rank", "levels")})[1]
         return {"step_s": float(pred.iteration_s), "sync_s": float(sync.time) if pred.collective != "none" else None,
