@@ -51,6 +51,7 @@ class Scenario:
     handshake: bool = False   # gloo: every collective step starts with a round trip (Link.handshaking)
     speeds: tuple | None = None   # each worker's speed, a factor of the fastest's (None: every worker at 1)
     lockstep_speed: float | None = None   # the speed a step that waits for every worker runs at (None: the least)
+    stragglers: tuple | None = None       # (p, factor, steps) of straggler episodes (`thinwire.speeds`), or None
 
     @property
     def unequal(self) -> bool:
@@ -73,7 +74,35 @@ class Scenario:
         """One worker at speed f: its step's compute τ/f, of which the backward still takes what it did (the
         slowness comes before it, as a slow worker's gradients leave late: `thinwire.speeds`)."""
         return replace(self, compute_s=self.compute_s / f, backward_fraction=self.backward_fraction * f,
-                       speeds=None, lockstep_speed=None)
+                       speeds=None, lockstep_speed=None, stragglers=None)
+
+    def round_factor(self, period: int, waits_for: int | None = None) -> float:
+        """How much longer a round of `period` steps that waits for every worker's round is than the workers' mean
+        round, under straggler episodes (1 without): worker i spends E_i of its H steps in episodes, E[E_i] = Hq,
+        and the round lasts as long as the most: (H + (1/f − 1) E[max_i E_i]) / (H + (1/f − 1) Hq). The episodes
+        that overlap a worker's round are counted as Poisson, N_i ~ Poisson(μ), μ = (H + L − 1) p (1 − q) (an
+        episode starts at a step outside one with probability p), each c = Hq/μ of its steps inside the round, so
+        E[max_i E_i] = Σ_k min(c, H − kc)⁺ (1 − F(k)^n), F the Poisson CDF (at H = 1 about the lockstep step's
+        1 − (1 − q)^n). `waits_for`: a round that waits for m of the n workers' rounds (a quorum of K: the K-th
+        fastest, bounded here by the slowest of m = n − K + 1)."""
+        if not self.stragglers:
+            return 1.0
+        p, slow, steps = self.stragglers
+        h, q = max(1, int(period)), p * steps / (1 + p * steps)
+        mu = (h + steps - 1) * p * (1 - q)
+        if mu <= 0:
+            return 1.0
+        c, n = h * q / mu, waits_for or len(self.speeds)
+        most, k, cdf, pk = 0.0, 0, 0.0, math.exp(-mu)
+        while k * c < h:
+            cdf += pk
+            tail = 1 - cdf ** n
+            most += min(c, h - k * c) * tail
+            if tail < 1e-12:
+                break
+            k += 1
+            pk *= mu / k
+        return (h + (1 / slow - 1) * most) / (h + (1 / slow - 1) * h * q)
 
     @property
     def collective_link(self) -> Link:
@@ -190,7 +219,7 @@ def scenario_speeds(profile, workers: int) -> dict:
         now = math.exp(logp) if zeros == 0 else 0.0
         mean += v * (now - last)
         last = now
-    return {"speeds": tuple(factors), "lockstep_speed": 1.0 / mean}
+    return {"speeds": tuple(factors), "lockstep_speed": 1.0 / mean, "stragglers": seg.stragglers}
 
 
 def pace_of(declared: algorithms.CostFamily, params: dict) -> str:
@@ -207,26 +236,33 @@ def paced(s: Scenario, pace: str, params: dict, at: "callable") -> tuple[float, 
     of all the workers together (asynchronous local SGD runs at the sum of the speeds: Liu, Chhaparia, Douillard,
     Kale, Rusu, Shen, Szlam, Ranzato 2024, "Asynchronous Local-SGD Training for Language Modeling", arXiv
     2401.09135, §4.2):
-    - "slowest": every step waits for the slowest worker: T(τ/s_min) (a bounded-staleness algorithm too: its
+    - "slowest": every step waits for the slowest worker: T(τ/s_min); one that syncs every K steps waits at each
+      sync, under straggler episodes T(τ/s_min) × `Scenario.round_factor(K)` (a bounded-staleness algorithm too: its
       fastest worker runs at most s clocks ahead of its slowest, Ho et al. 2013, so a lasting difference of speed
       leaves it at the slowest's pace);
     - "own": worker i steps in T_i = T(τ/s_i), waiting for none: n / Σ 1/T_i;
     - "rounds": a round is H steps of the fastest worker, H s_i/s_max of worker i (dynamic local updates, Liu et
-      al. 2024 §4.2): T(τ/s_max) · n s_max / Σ s_i;
+      al. 2024 §4.2): T(τ/s_max) · n s_max / Σ s_i, × `Scenario.round_factor(H)` under straggler episodes (the
+      round waits for the worker its episodes caught the most);
     - "quorum": the K fastest wait for the K-th fastest, the others at their own pace (their work merges a round
-      later): n / (K / T(τ/s_(K)) + Σ_{j>K} 1/T_j)."""
+      later): n / (K / T(τ/s_(K)) + Σ_{j>K} 1/T_j), T(τ/s_(K)) × `round_factor(H, n − K + 1)` under episodes."""
     speeds = sorted(s.speeds, reverse=True)
     n = len(speeds)
+    every = max(1, int(params.get("period") or 1) // max(1, int(params.get("fragments") or 1)))   # steps a sync
     if pace == "own" or (pace == "quorum" and not params.get("quorum")):
         steps = [at(s.at_speed(f)) for f in speeds]
         return n / sum(1.0 / st.iteration_s for st in steps), steps[-1]
     if pace == "rounds":
         step = at(s.at_speed(speeds[0]))
-        return step.iteration_s * n * speeds[0] / sum(speeds), step
+        return step.iteration_s * n * speeds[0] / sum(speeds) * s.round_factor(every), step
     if pace == "quorum":
         k = min(n, int(params["quorum"]))
         steps = [at(s.at_speed(f)) for f in [speeds[k - 1]] + speeds[k:]]
-        return n / (k / steps[0].iteration_s + sum(1.0 / st.iteration_s for st in steps[1:])), steps[0]
+        quorum_s = steps[0].iteration_s * s.round_factor(every, n - k + 1)
+        return n / (k / quorum_s + sum(1.0 / st.iteration_s for st in steps[1:])), steps[0]
+    if s.stragglers and every > 1:   # a sync every K steps waits for the worker its episodes caught the most
+        step = at(s.at_speed(speeds[-1]))
+        return step.iteration_s * s.round_factor(every), step
     step = at(s.at_speed(s.slowest))
     return step.iteration_s, step
 

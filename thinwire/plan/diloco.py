@@ -230,10 +230,11 @@ def candidates(s: Scenario, islands: Islands | None = None, given: dict | None =
             out += [p if variant == "sync" else replace(p, variant=variant)
                     for p in synchronous(s, islands, given, replicas)]
             continue
-        fast = max(s.speeds)
-        at = s.at_speed(s.slowest if variant == "sync" else fast)
+        fast = max(s.speeds)     # a round waits at each sync (every K = H/F steps) for the worker caught the most
+        at = s.at_speed(fast if variant == "dynamic" else min(s.speeds) if s.stragglers else s.slowest)
         scale = 1.0 if variant == "sync" else len(s.speeds) * fast / sum(s.speeds)
-        out += [replace(p, iteration_s=p.iteration_s * scale, compute_s=s.reference_s, variant=variant)
+        out += [replace(p, iteration_s=p.iteration_s * scale * s.round_factor(p.period // p.fragments),
+                        compute_s=s.reference_s, variant=variant)
                 for p in synchronous(at, islands, given, replicas) if not (variant == "dynamic" and p.eager)]
     return out
 
