@@ -140,5 +140,6 @@ def test_straggler_episodes_cost_a_round_less_the_longer_it_is():
     assert f[2] == pytest.approx(1.42, abs=0.05) and f[3] == pytest.approx(1.24, abs=0.05)
     assert s.round_factor(32, waits_for=2) < f[2] and scenario("lan").round_factor(32) == 1.0
     # a synchronous DiLoCo waits at every sync: under episodes no variant but the asynchronous one keeps the speeds
-    plan = plan_diloco(scenario("world", params=1.3e6, compute_s=0.05, **scenario_speeds(speeds.parse("stragglers"), 4)))
+    episodes = scenario_speeds(speeds.parse("stragglers"), 4)
+    plan = plan_diloco(scenario("world", params=1.3e6, compute_s=0.05, **episodes))
     assert plan.algorithm == "async-diloco" and plan.scalability >= 0.95

@@ -25,13 +25,14 @@ class SSP(StalenessAware, PSBSP):
     of `StalenessAware` (its momentum part is the server's alone). s = 0 is exactly `bsp` on the PS. The
     staleness τ <= s of every applied gradient is recorded.
 
-    The default bound is s = 1: one clock in flight hides one round trip to the servers per step, and every further
-    clock costs steps. Ho et al. 2013 (Theorem 1) bound SSP SGD's regret by O(√((s + 1) P T)), growing with s; and
-    with momentum μ a gradient d steps stale is stable only while its effective rate γλ/(1 − μ) stays below about 1/d
-    (the roots of z^{d+2} − (1 + μ) z^{d+1} + μ z^d + γλ z; at d = 0 heavy ball allows 2(1 + μ)/(1 − μ), 38 at
-    μ = 0.9), so each clock of staleness shrinks the rate that trains. Where answers come no sooner than the next
-    push the staleness sits at the bound (τ = s on every clock): on digits-mlp, 4 workers on `lan`, 8 epochs, s = 2
-    ended at 0.886 and s = 1 at 0.931 (`bsp` on the PS, s = 0: 0.956; docs/ps.md)."""
+    The default bound is s = 1: one clock in flight hides one round trip to the servers per step, and every
+    further clock costs steps. Ho et al. 2013 (Theorem 1) bound SSP SGD's regret by O(√((s + 1) P T)), growing
+    with s; and with momentum μ a gradient d steps stale is stable only while its effective rate γλ/(1 − μ) stays
+    below about 1/d on the stiffest direction λ (the roots of z^{d+2} − (1 + μ) z^{d+1} + μ z^d + γλ z inside the
+    unit circle; at d = 0 heavy ball allows 2(1 + μ)/(1 − μ), 38 at μ = 0.9), so each clock of staleness shrinks
+    the rate that trains. Where answers come no sooner than the next push the staleness sits at the bound (τ = s
+    on every clock): on digits-mlp, 4 workers on `lan`, 8 epochs, s = 2 ended at 0.886 and s = 1 at 0.931 (`bsp`
+    on the PS, s = 0: 0.956; docs/ps.md)."""
 
     def __init__(self, architecture: str | None = None, staleness: int = 1, scale: str = "staleness",
                  implicit_momentum: bool = True, servers: int = 1, downlink_compressor: str = "none",

@@ -124,7 +124,8 @@ class Plan:
         how = {"sync": "", "dynamic": "dynamic local updates, ", "async": "asynchronous (async-diloco), ",
                "quorum": f"a quorum of {self.quorum} (async-diloco), "}[self.variant]
         if self.algorithm == "async-diloco":
-            return (f"{how}H={self.period}, {hide}, {bits} pushes to the servers ({self.sync_s * 1e3:.0f} ms a push and pull): predicted step "
+            return (f"{how}H={self.period}, {hide}, {bits} pushes to the servers ({self.sync_s * 1e3:.0f} ms a push "
+                    f"and pull): predicted step "
                     f"{self.iteration_s * 1e3:.0f} ms, scalability {self.scalability:.2f}")
         return (f"{how}H={self.period}, F={self.fragments}, {hide}, {bits} outer gradients on "
                 f"{'gloo' if self.allreduce == 'gloo' else self.allreduce} ({self.sync_s * 1e3:.0f} ms a sync"
