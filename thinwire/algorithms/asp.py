@@ -4,6 +4,7 @@ Distributed Deep Learning: A Comprehensive Survey", arXiv 2003.06307, §III-C; L
 from __future__ import annotations
 
 from ._registry import register
+from .cost import CostFamily
 from .ps_sync import PSBSP, StalenessAware
 
 
@@ -16,3 +17,4 @@ class ASP(StalenessAware, PSBSP):
     (`staleness_hist`). A worker pushes each bucket during backward and waits for its own answers at `step()`."""
 
     rule = "async"
+    cost = CostFamily("parameter_server", pace="own")   # each worker waits for its own answers only

@@ -128,7 +128,7 @@ class DiLoCo(Algorithm):
 
     survives_failures = True   # θ and the outer optimizer are replicated; the mean over fewer workers stays a mean
     keeps_local_work = True    # a survivor's inner steps go into the next sync
-    cost = CostFamily("diloco")
+    cost = CostFamily("diloco", pace_with=(("dynamic", "rounds"), ("rates", "rounds")))
     rounds: DynamicRounds | None = None   # dynamic local updates (set at setup)
 
     def __init__(self, period: int = 50, outer_lr: float | None = None, outer_momentum: float | None = None,

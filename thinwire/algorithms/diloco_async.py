@@ -107,7 +107,7 @@ class AsyncDiLoCo(PSMixin, Algorithm):
     survives_failures = True         # no worker waits for another; the servers stop waiting for a lost one
     pace = "free"                    # workers need not run in lockstep
     rule = "async"
-    cost = CostFamily("async")
+    cost = CostFamily("async", pace="own", pace_with=(("quorum", "quorum"),))
 
     def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  delay: int | None = None, max_staleness: int | None = None, quorum: int = 0,

@@ -16,7 +16,7 @@ class Local(Algorithm):
     """No communication: each worker steps its own optimizer on its own gradients; models are never averaged."""
 
     compression = False
-    cost = CostFamily("none")
+    cost = CostFamily("none", pace="own")
     pace = "free"       # every worker at its own speed: the reference a race of unequal workers compares with
 
     def communicates(self):

@@ -206,6 +206,12 @@ class PSBSP(PSMixin, Algorithm):
         super().close()
 
 
+def net_momentum(mu: float, tau: float) -> float:
+    """The optimizer momentum that, with asynchrony's own at mean staleness τ, totals μ: max(0, 1 − (1 − μ)(τ + 1))
+    (`StalenessAware`)."""
+    return max(0.0, 1.0 - (1.0 - mu) * (tau + 1.0))
+
+
 class StalenessAware:
     """(mixed in before PSBSP) The step sizes of the asynchronous family (ssp, asp), set from the staleness τ the
     server observes (updates of a bucket applied between the model a gradient was computed on and its own):
@@ -250,8 +256,7 @@ class StalenessAware:
         """The optimizer momentum the server runs now (see the class docstring)."""
         if not self.implicit_momentum or not self._tau_count:
             return self._mu
-        tau = self._tau_sum / self._tau_count
-        return max(0.0, 1.0 - (1.0 - self._mu) * (tau + 1.0))
+        return net_momentum(self._mu, self._tau_sum / self._tau_count)
 
     def server_update(self, b, param, mean, info) -> None:
         taus = info["taus"]

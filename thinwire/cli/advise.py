@@ -26,11 +26,14 @@ def check_numbers(args) -> None:
 
 
 def run(args) -> int:
+    from .. import speeds
     from ..net import parse_network
     from ..plan.advise import advise, format_diloco, format_table, recommend_diloco
     from ..bench.calibrate import calibrate, load_calibration
     from ..plan.costmodel import Scenario
     check_numbers(args)
+    from ..plan.costmodel import scenario_speeds
+    paces = scenario_speeds(speeds.parse(args.speeds), args.workers)    # a bad spec: one line, before any work
     if args.calibrate:
         cal = calibrate(workers=args.workers if args.workers <= 4 else 2)
         print(json.dumps(cal, indent=2) if args.json else f"calibration stored: {cal['path']}\n"
@@ -60,12 +63,21 @@ def run(args) -> int:
     link = parse_network(network)
     cal = load_calibration()
     s = Scenario(params=params, compute_s=args.compute_ms / 1e3, link=link, workers=args.workers,
-                 servers=args.servers, collective=args.collective, x_memcpy=cal.get("x_memcpy", {}) if cal else {})
+                 servers=args.servers, collective=args.collective, x_memcpy=cal.get("x_memcpy", {}) if cal else {},
+                 **paces)
     rows = advise(s)
     diloco = recommend_diloco(s, args.scalability)
     advice = {"scenario": {"params": params, "compute_s": s.compute_s, "network": link.to_dict(),
-                           "workers": s.workers, "servers": s.servers, "collective": s.collective},
+                           "workers": s.workers, "servers": s.servers, "collective": s.collective,
+                           **({"speeds_spec": args.speeds, **paces} if paces else {})},
               "ranking": [a.row() for a in rows], "diloco": diloco}
+    planned = None
+    if paces:           # what a `diloco` cell would run at these speeds: synchronous, dynamic, quorum or async
+        from ..plan.diloco import plan_diloco
+        planned = plan_diloco(s)
+        advice["diloco_plan"] = {"algorithm": planned.algorithm, "params": planned.params(),
+                                 "compressor": planned.compressor, "memory": planned.memory,
+                                 "iteration_s": planned.iteration_s, "scalability": planned.scalability}
     if measured is not None:
         advice = {"workload": args.workload, "workload_name": name, "network": network,
                   "measured": measured, **advice}
@@ -83,6 +95,8 @@ def run(args) -> int:
                                                            if measured["share"] > 1 else ""))
         print(format_table(rows, s))
         print(format_diloco(diloco))
+        if planned is not None:
+            print(f"DiLoCo at these speeds: {planned.algorithm}, {planned.describe()}")
         if args.out:
             print(f"written to {args.out}/advice.json")
     return 0
@@ -119,6 +133,9 @@ def register(sub) -> None:
     p.add_argument("--servers", type=int, default=1, help="parameter servers for PS algorithms")
     p.add_argument("--collective", default="ring", choices=sorted(COLLECTIVES), metavar="NAME",
                    help=f"all-reduce algorithm: {', '.join(sorted(COLLECTIVES))}")
+    p.add_argument("--speeds", metavar="SPEC", help="workers of different speeds: factors per worker (1,1,1,0.5), "
+                   "two speeds A:B or a profile (see `thinwire list`); a synchronous algorithm is predicted at its "
+                   "slowest worker's pace, an asynchronous one at the sum of the speeds (docs/planner.md)")
     p.add_argument("--scalability", type=float, default=0.9,
                    help="the DiLoCo family's recommendation: smallest period H reaching this scalability (0.9)")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's loopback α, β and store them")

@@ -12,14 +12,16 @@ from .. import algorithms
 from ..errors import UserError
 from ..net import Islands, parse_network
 from ..plan.advise import tune
-from ..plan.costmodel import Scenario, cost_of, exchange, predict
+from ..plan.costmodel import Scenario, cost_of, exchange, predict, scenario_speeds
+from ..speeds import parse as parse_speeds
 from ..plan.diloco import plan_diloco
 from ..plan.families import FAMILIES
 from ..run import workloads
 from . import peers, presets
 
-DILOCO_PLANNED = ("period", "fragments", "overlap", "eager", "allreduce", "replicas")
-DILOCO_DEFAULTS = {"fragments": 1, "overlap": 0, "eager": False, "allreduce": "gloo", "replicas": "worker"}
+DILOCO_PLANNED = ("period", "fragments", "overlap", "eager", "allreduce", "replicas", "dynamic")
+DILOCO_DEFAULTS = {"fragments": 1, "overlap": 0, "eager": False, "allreduce": "gloo", "replicas": "worker",
+                   "dynamic": False}
 
 # Steps to the target, relative to the no-communication reference's (independent workers, each its own model and
 # batch): a cell that averages every step trains on the workers' whole batch (fewer steps: SYNC_STEPS of the
@@ -83,13 +85,13 @@ def with_needed_optimizer(cell: presets.Cell, workload: str) -> presets.Cell:
     return out
 
 
-def _scenario(wl, network: str, workers: int, compute_s: float) -> Scenario:
+def _scenario(wl, network: str, workers: int, compute_s: float, speeds: str | None = None) -> Scenario:
     return Scenario(params=wl.num_params(), compute_s=compute_s, link=parse_network(network), workers=workers,
-                    handshake=True)
+                    handshake=True, **scenario_speeds(parse_speeds(speeds), workers))
 
 
 def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
-              compute_s: float | None) -> tuple[presets.Cell, list[str]]:
+              compute_s: float | None, speeds: str | None = None) -> tuple[presets.Cell, list[str]]:
     """The cell with the parameters it leaves out picked for `network` (and SGD for an algorithm that
     compensates SGD only, on a workload whose optimizer is another); the reasons, one per decision. DiLoCo's
     settings hide its sync (the τ rule, eager updates, the all-reduce and the compressor: `thinwire.plan.diloco`)."""
@@ -109,18 +111,20 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
         why.append("defaults: no compute time was measured for the planner")
         return out, why
     if diloco:
-        plan = diloco_plan(out, network, wl, workers, compute_s)
+        plan = diloco_plan(out, network, wl, workers, compute_s, speeds=speeds)
         name = wl.optimizer_settings(out.optimizer)[0]  # the outer SGD's settings follow the inner optimizer
         inner = None if peer or "outer_optimizer" in out.params or name == "custom" else name
         pick = {k: v for k, v in plan.params(inner).items() if k not in out.params}
         reason = f"planner: {plan.describe()}"
         out.params.update(pick)
+        if plan.algorithm != out.algorithm:     # at unequal speeds: a quorum or asynchronous DiLoCo, on servers
+            out.algorithm = pick["algorithm"] = plan.algorithm
         if not out.compressor and plan.compressor != "none":
             out.compressor, out.memory = plan.compressor, plan.memory
             pick["compressor"] = f"{plan.compressor} + {plan.memory}"
     else:
         momentum = wl.optimizer_settings(out.optimizer)[1]["momentum"] if not cell.peer else 0.9
-        pick, reason = tune(plan_as, _scenario(wl, network, workers, compute_s), out.params,
+        pick, reason = tune(plan_as, _scenario(wl, network, workers, compute_s, speeds), out.params,
                             compressor=out.compressor or "none", momentum=momentum)
         pick = {k: v for k, v in pick.items() if takes(k)}
         out.params.update(pick)
@@ -129,11 +133,15 @@ def tune_cell(cell: presets.Cell, network: str, workload: str, workers: int,
     return out, why
 
 
-def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float, complete: bool = False):
-    """The planner's DiLoCo (`thinwire.plan.diloco`) for this cell on `network`: what the cell gives (parameters,
-    a compressor) is kept, the rest planned (`complete`: the rest is the algorithm's defaults, as the cell runs)."""
-    s = _scenario(wl, network, workers, compute_s)
+def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: float, complete: bool = False,
+                speeds: str | None = None):
+    """The planner's DiLoCo (`thinwire.plan.diloco`) for this cell on `network` and workers at `speeds` (a
+    `--speeds` spec): what the cell gives (parameters, a compressor) is kept, the rest planned (`complete`: the rest
+    is the algorithm's defaults, as the cell runs)."""
+    s = _scenario(wl, network, workers, compute_s, speeds)
     given = {**(DILOCO_DEFAULTS if complete else {}), **{k: v for k, v in cell.params.items() if k in DILOCO_PLANNED}}
+    if cell.peer:       # a peer runs its own synchronous DiLoCo: only its parameters are planned
+        given.setdefault("dynamic", False)
     if cell.compressor or complete:
         given.update(compressor=cell.compressor or "none", memory=cell.memory)
     return plan_diloco(s, s.link if isinstance(s.link, Islands) else None, given)
@@ -144,9 +152,9 @@ def averaging_steps(period: int) -> float:
     return min(1.0, AVERAGING_STEPS[0] + AVERAGING_STEPS[1] * math.log2(max(1, period)))
 
 
-def predict_cell(cell: presets.Cell, network: str, cfg, compute_s: float | None) -> dict:
-    """The planner's step time and time per sync of a (tuned) cell on `network` in the matrix `cfg`, from the
-    model size and the reference's step time: `thinwire.plan.diloco` for DiLoCo,
+def predict_cell(cell: presets.Cell, network: str, cfg, compute_s: float | None, speeds: str | None = None) -> dict:
+    """The planner's step time and time per sync of a (tuned) cell on `network` with workers at `speeds` in the
+    matrix `cfg`, from the model size and the reference's step time: `thinwire.plan.diloco` for DiLoCo,
     `thinwire.plan.costmodel.predict` for the rest (a peer as the thinwire algorithm of the same pattern); {}
     where it has no model for the cell."""
     if compute_s is None:
@@ -154,13 +162,13 @@ def predict_cell(cell: presets.Cell, network: str, cfg, compute_s: float | None)
     wl = workloads.get(cfg.workload)
     try:
         if family(cell.algorithm) == "diloco":
-            plan = diloco_plan(cell, network, wl, cfg.workers, compute_s, complete=True)
+            plan = diloco_plan(cell, network, wl, cfg.workers, compute_s, complete=True, speeds=speeds)
             return {"step_s": plan.iteration_s, "sync_s": plan.sync_s, "period": plan.period}
         algorithm, compressor = planned_as(cell.algorithm, cell.compressor)
         params, peer = dict(cell.params), peers.find(cell.algorithm)
         if peer is not None:    # the parameters the planner reads as `algorithm`'s
             params = {k: params.get(k, v) for k, v in peer.plan_params.items() if k in params or v is not None}
-        s = _scenario(wl, network, cfg.workers, compute_s)
+        s = _scenario(wl, network, cfg.workers, compute_s, speeds)
         pred = predict(s, algorithm, compressor, **params)
         sync = exchange(s, compressor, **{k: v for k, v in params.items() if k in ("ratio", "rank", "levels")})[1]
         return {"step_s": float(pred.iteration_s), "sync_s": float(sync.time) if pred.collective != "none" else None,
@@ -169,21 +177,21 @@ def predict_cell(cell: presets.Cell, network: str, cfg, compute_s: float | None)
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def predict_race(tuned: dict, cells: list, cfg, baseline: dict, speeds: str | None = None) -> dict:
-    """Before any cell runs: per network, each cell's predicted step, sync and time to target (the reference's
+def predict_race(tuned: dict, cells: list, cfg, baseline: dict, speeds: str | None = None,
+                 compute_s: float | None = None) -> dict:
+    """Before any cell runs: per network (its workers at `speeds`: `tuned` keyed by (label, network, speeds)),
+    each cell's predicted step (from the compute step `compute_s` at full speed, else the reference's), sync and
+    time to target (the reference's
     steps to target × SYNC_STEPS for a cell that averages every step, × PERIODIC_STEPS for DiLoCo, overlapped or
     not, × `averaging_steps(H)` for model averaging every H steps, × its predicted step),
     and the predicted winner (the least predicted time to target within the budget)."""
     steps_ref = baseline.get("steps_to_target")
     out = {}
-    if speeds is not None:
-        return {n: {"cells": {}, "winner": None, "note": "the planner predicts for equal speeds only"}
-                for n in cfg.networks}
     for network in cfg.networks:
         here = {}
         for cell in cells:
-            ran, _ = tuned[cell.label, network]
-            p = predict_cell(ran, network, cfg, baseline.get("step_time_s"))
+            ran, _ = tuned[cell.label, network, speeds]
+            p = predict_cell(ran, network, cfg, compute_s or baseline.get("step_time_s"), speeds)
             if p.get("step_s") and steps_ref:
                 lag = ran.params.get("overlap") or ran.params.get("fragment_sync_delay") or ran.params.get("eager")
                 mixed = (ran.params.get("alpha") or ran.params.get("fragment_update_alpha") or 0) >= 0.5

@@ -303,21 +303,22 @@ class Harness:
                     if speeds_key(cfg.speeds[0]) in baselines else None
                 _save(results, self.out)
                 bar.update(1)
-            tuned: dict = {}
-            for cell in cells:
-                for network in cfg.networks:
-                    tuned[cell.label, network] = tune_cell(cell, network, cfg.workload, cfg.workers,
-                                                           results["baseline"].get("step_time_s"))
+            # the planner's compute step at full speed: the reference's at equal speeds, else the calibration's
+            compute = (baselines.get("equal") or {}).get("step_time_s") or results["baseline"].get(
+                "calibration_step_s")
+            tuned = {(cell.label, network, sp): tune_cell(cell, network, cfg.workload, cfg.workers, compute, sp)
+                     for cell in cells for _, network, sp in places(asdict(cfg))}
             if not results.get("predictions"):    # the planner's race, recorded before any cell runs
-                results["predictions"] = {place(n, sp): p for sp in cfg.speeds for n, p in
-                                          predict_race(tuned, cells, cfg, baselines[speeds_key(sp)], sp).items()}
+                results["predictions"] = {
+                    place(n, sp): p for sp in cfg.speeds
+                    for n, p in predict_race(tuned, cells, cfg, baselines[speeds_key(sp)], sp, compute).items()}
                 _save(results, self.out)
             for cell, network, sp, seed in todo:
                 key = self.key(cell, network, seed, sp)
                 if key in done:
                     continue
                 bar.set_description(f"compare: {key}")
-                ran, why = tuned[cell.label, network]
+                ran, why = tuned[cell.label, network, sp]
                 t0 = _now()
                 row = {"key": key, "label": cell.label, "network": place(network, sp), "link": network,
                        "speeds": sp, "seed": seed, "device": cfg.device, "peer": cell.peer, "cell": ran.to_dict(),
@@ -460,7 +461,7 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | N
     if ok and row.get("compute_step_s"):    # predicted again from the compute the cell met (see above)
         cell = presets.Cell(row["label"], **{k: row["cell"][k] for k in ("algorithm", "compressor", "memory",
                                                                          "params", "optimizer")})
-        now = predict_cell(cell, row.get("link", row["network"]), cfg, row["compute_step_s"])
+        now = predict_cell(cell, row.get("link", row["network"]), cfg, row["compute_step_s"], row.get("speeds"))
         row["predicted_step_time_s"] = now.get("step_s", row["predicted_step_time_s"])
     row["predicted_sync_s"] = pred.get("sync_s") if ok else None
     row["planned_time_to_target_s"] = pred.get("time_to_target_s")

@@ -9,6 +9,7 @@ from ..compress import compressors
 from ..errors import UserError
 from ..exchange.sparse import SPARSE_COLLECTIVES
 from .costmodel import Prediction, Scenario, cost_of, predict
+from .diloco import quorum_of
 
 # what each sparse collective changes for convergence (thinwire/exchange/sparse.py), appended to the row's note
 SPARSE_NOTES = {"allgather": "", "gtopk": "; gTop-k: the global top k of the sum, the rest back to residuals",
@@ -53,6 +54,15 @@ CANDIDATES = [
     ("diloco H=100 F=4 τ=1 fp4", "diloco", "fp4", {"period": 100, "fragments": 4, "overlap": 1}, "Streaming DiLoCo: 1/4 of the model per sync, each hidden behind one inner step; 4-bit e3m0 outer gradients as in the paper"),
 ]
 
+# with workers of different speeds, also (the quorum's K from the speeds, `diloco.quorum_of`):
+#   Liu et al. 2024: Liu, Chhaparia, Douillard, Kale, Rusu, Shen, Szlam, Ranzato, "Asynchronous Local-SGD Training
+#     for Language Modeling", arXiv 2401.09135; Douillard et al. 2026: "Decoupled DiLoCo", arXiv 2604.21428.
+SPEED_CANDIDATES = [
+    ("diloco H=50 dynamic", "diloco", "none", {"period": 50, "dynamic": True}, "dynamic local updates: each worker's inner steps per round follow its speed, merged weighted by samples (Liu et al. 2024, §4.2)"),
+    ("async-diloco H=50 quorum", "async-diloco", "none", {"period": 50, "quorum": None}, "the first K pushes merge, weighted by samples; a late one merges a round later (Douillard et al. 2026)"),
+    ("async-diloco H=50", "async-diloco", "none", {"period": 50}, "each pseudo-gradient applied on arrival with Delayed Nesterov (Liu et al. 2024, §4.1): up to n-1 updates stale"),
+]
+
 # what `recommend_diloco` searches: periods (ascending), outer-gradient bits, fragments, overlap
 DILOCO_PERIODS = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, 64, 80, 100, 128, 200, 250, 500, 1000)
 DILOCO_BITS = (("none", 32), ("fp8", 8), ("fp4", 4))
@@ -94,13 +104,20 @@ def check_scenario(s: Scenario) -> None:
         raise UserError(f"workers must be an integer >= 1, got {s.workers!r}")
     if isinstance(s.servers, bool) or not isinstance(s.servers, int) or s.servers < 0:
         raise UserError(f"servers must be an integer >= 0, got {s.servers!r}")
+    if s.speeds is not None and (len(s.speeds) != s.workers or not all(0 < f <= 1 for f in s.speeds)):
+        raise UserError(f"speeds must give one factor in (0, 1] per worker ({s.workers}), got {s.speeds!r}")
 
 
 def advise(s: Scenario) -> list[Advice]:
     """Every candidate configuration (each sparse collective of a sparsifier a row of its own), fastest first."""
     check_scenario(s)
     out = []
-    for label, alg, comp, params, note in CANDIDATES:
+    for label, alg, comp, params, note in CANDIDATES + (SPEED_CANDIDATES if s.unequal else []):
+        if params.get("quorum", 0) is None:     # the quorum these speeds call for, if any
+            params = {**params, "quorum": quorum_of(s.speeds)}
+            if not params["quorum"]:
+                continue
+            label = label.replace("quorum", f"quorum {params['quorum']}")
         for collective in _variants(comp, params):
             p = dict(params)
             overlap = p.pop("overlap", False)
@@ -110,7 +127,7 @@ def advise(s: Scenario) -> list[Advice]:
                 pred = predict(s, alg, comp, overlap=overlap, **p)
             except (KeyError, UserError):  # a compressor or algorithm this build does not register
                 continue
-            if cost_of(alg).family == "parameter_server" and s.servers < 1:
+            if cost_of(alg).family in ("parameter_server", "async") and s.servers < 1:
                 continue
             out.append(Advice(label, pred, note + SPARSE_NOTES.get(collective or "", "")))
     out.sort(key=lambda a: a.prediction.iteration_s)
@@ -166,7 +183,10 @@ def format_diloco(rec: dict) -> str:
 def format_table(rows: list[Advice], s: Scenario) -> str:
     lines = [f"{s.params / 1e6:.1f} M params, compute {s.compute_s * 1e3:.0f} ms/iteration, {s.workers} workers, "
              f"network {s.link.name} ({'unlimited' if s.link.bandwidth is None else f'{s.link.bandwidth / 1e6:.0f} Mbit/s'}, "
-             f"{s.link.latency * 1e3:.1f} ms one-way)",
+             f"{s.link.latency * 1e3:.1f} ms one-way)" + (
+                 f"; speeds {', '.join(f'{f:g}' for f in s.speeds)}" + (f" (a lockstep step at {s.slowest:.3g})"
+                                                                        if s.lockstep_speed else "")
+                 + ": scalability against the same workers without communication" if s.unequal else ""),
              f"{'rank':>4}  {'configuration':<26} {'collective':<12} {'iteration':>10} {'scalability':>11} "
              f"{'MB/step':>9}  convergence risk"]
     for i, a in enumerate(rows, 1):

@@ -9,10 +9,17 @@ tensor: measured by `thinwire bench compressors` / `thinwire advise --calibrate`
 (the cost family it declares, `thinwire.plan.families`). Scalability is the throughput relative to the same workers
 with no communication: τ / iteration time (Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World" (DTS)'s
 definition, measured against the no-communication limit).
+
+Workers of different speeds (`Scenario.speeds`, factors of the fastest worker's speed; docs/planner.md): worker i
+computes a step in τ/s_i, and the algorithm's declared pace (`CostFamily.pace`) says who waits for whom — a
+synchronous algorithm steps at its slowest worker's pace, an asynchronous one at the sum of the speeds (`paced`).
+The reference is then the same workers without communication, each at its own speed: a mean step of nτ / Σ s_i.
+Without speeds (or all 1) every prediction is the equal-speed one, exactly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from .. import algorithms
 from ..compress import Compressor, compressors
@@ -42,6 +49,60 @@ class Scenario:
     collective: str = "ring"
     x_memcpy: dict = field(default_factory=dict)
     handshake: bool = False   # gloo: every collective step starts with a round trip (Link.handshaking)
+    speeds: tuple | None = None   # each worker's speed, a factor of the fastest's (None: every worker at 1)
+    lockstep_speed: float | None = None   # the speed a step that waits for every worker runs at (None: the least)
+    stragglers: tuple | None = None       # (p, factor, steps) of straggler episodes (`thinwire.speeds`), or None
+
+    @property
+    def unequal(self) -> bool:
+        """Whether the workers' speeds differ from the equal-speed scenario's (all 1)."""
+        return self.speeds is not None and (any(f != 1 for f in self.speeds) or
+                                            self.lockstep_speed not in (None, 1))
+
+    @property
+    def slowest(self) -> float:
+        """The speed of a step that waits for every worker: the least factor, or `lockstep_speed` where episodes
+        of slowness (stragglers) make the per-step slowest slower than any worker's mean."""
+        return self.lockstep_speed if self.lockstep_speed is not None else min(self.speeds or (1.0,))
+
+    @property
+    def reference_s(self) -> float:
+        """The no-communication reference's mean step at these speeds: every worker at its own, nτ / Σ s_i."""
+        return self.compute_s * len(self.speeds) / sum(self.speeds) if self.unequal else self.compute_s
+
+    def at_speed(self, f: float) -> "Scenario":
+        """One worker at speed f: its step's compute τ/f, of which the backward still takes what it did (the
+        slowness comes before it, as a slow worker's gradients leave late: `thinwire.speeds`)."""
+        return replace(self, compute_s=self.compute_s / f, backward_fraction=self.backward_fraction * f,
+                       speeds=None, lockstep_speed=None, stragglers=None)
+
+    def round_factor(self, period: int, waits_for: int | None = None) -> float:
+        """How much longer a round of `period` steps that waits for every worker's round is than the workers' mean
+        round, under straggler episodes (1 without): worker i spends E_i of its H steps in episodes, E[E_i] = Hq,
+        and the round lasts as long as the most: (H + (1/f − 1) E[max_i E_i]) / (H + (1/f − 1) Hq). The episodes
+        that overlap a worker's round are counted as Poisson, N_i ~ Poisson(μ), μ = (H + L − 1) p (1 − q) (an
+        episode starts at a step outside one with probability p), each c = Hq/μ of its steps inside the round, so
+        E[max_i E_i] = Σ_k min(c, H − kc)⁺ (1 − F(k)^n), F the Poisson CDF (at H = 1 about the lockstep step's
+        1 − (1 − q)^n). `waits_for`: a round that waits for m of the n workers' rounds (a quorum of K: the K-th
+        fastest, bounded here by the slowest of m = n − K + 1)."""
+        if not self.stragglers:
+            return 1.0
+        p, slow, steps = self.stragglers
+        h, q = max(1, int(period)), p * steps / (1 + p * steps)
+        mu = (h + steps - 1) * p * (1 - q)
+        if mu <= 0:
+            return 1.0
+        c, n = h * q / mu, waits_for or len(self.speeds)
+        most, k, cdf, pk = 0.0, 0, 0.0, math.exp(-mu)
+        while k * c < h:
+            cdf += pk
+            tail = 1 - cdf ** n
+            most += min(c, h - k * c) * tail
+            if tail < 1e-12:
+                break
+            k += 1
+            pk *= mu / k
+        return (h + (1 / slow - 1) * most) / (h + (1 / slow - 1) * h * q)
 
     @property
     def collective_link(self) -> Link:
@@ -132,6 +193,84 @@ def cost_of(algorithm: str) -> algorithms.CostFamily:
     return declared
 
 
+def scenario_speeds(profile, workers: int) -> dict:
+    """`Scenario`'s speeds for a `thinwire.speeds.Profile` (its first segment) of `workers` workers: each worker's
+    long-run factor (`Profile.mean_factors`) and, where straggler episodes come and go, the expected speed of a
+    step that waits for every worker: 1 / E[max_i 1/s_i,t], worker i at f_i outside an episode and at f_i·slow
+    within one (a share q = pL / (1 + pL) of its steps), independently. {} for None (equal speeds)."""
+    if profile is None:
+        return {}
+    profile.check_workers(workers)
+    factors, seg = profile.mean_factors(workers), profile.segments[0][1]
+    if seg.stragglers is None:
+        return {"speeds": tuple(factors)}
+    p, slow, steps = seg.stragglers
+    q = p * steps / (1 + p * steps)
+    fixed = [seg.factor(r, workers) for r in range(workers)]
+    # E[max] over 2 values per worker: ascending, P(max <= v) = Π_i P(T_i <= v) kept as a product of the workers
+    # whose both values are <= v (1) and those with only the short one (1 - q)
+    points = sorted([(1 / f, i, 1 - q) for i, f in enumerate(fixed)] + [(1 / (f * slow), i, 1.0)
+                                                                       for i, f in enumerate(fixed)])
+    below, mean, last = [0.0] * workers, 0.0, 0.0
+    zeros, logp = workers, 0.0
+    for v, i, cdf in points:
+        if below[i] == 0.0:
+            zeros -= 1
+        else:
+            logp -= math.log(below[i])
+        below[i] = cdf
+        logp += math.log(cdf) if cdf > 0 else -math.inf
+        now = math.exp(logp) if zeros == 0 else 0.0
+        mean += v * (now - last)
+        last = now
+    return {"speeds": tuple(factors), "lockstep_speed": 1.0 / mean, "stragglers": seg.stragglers}
+
+
+def pace_of(declared: algorithms.CostFamily, params: dict) -> str:
+    """The pace an algorithm with these parameters runs at (`CostFamily.pace`, changed by `pace_with`)."""
+    for name, pace in declared.pace_with:
+        if params.get(name):
+            return pace
+    return declared.pace
+
+
+def paced(s: Scenario, pace: str, params: dict, at: "callable") -> tuple[float, object]:
+    """(mean step, the step of one worker) of workers at speeds `s.speeds` under `pace`; `at(scenario)` is the
+    family's step for one worker's scenario (`Scenario.at_speed`). The mean step is n over the steps per second
+    of all the workers together (asynchronous local SGD runs at the sum of the speeds: Liu, Chhaparia, Douillard,
+    Kale, Rusu, Shen, Szlam, Ranzato 2024, "Asynchronous Local-SGD Training for Language Modeling", arXiv
+    2401.09135, §4.2):
+    - "slowest": every step waits for the slowest worker: T(τ/s_min); one that syncs every K steps waits at each
+      sync, under straggler episodes T(τ/s_min) × `Scenario.round_factor(K)` (a bounded-staleness algorithm too: its
+      fastest worker runs at most s clocks ahead of its slowest, Ho et al. 2013, so a lasting difference of speed
+      leaves it at the slowest's pace);
+    - "own": worker i steps in T_i = T(τ/s_i), waiting for none: n / Σ 1/T_i;
+    - "rounds": a round is H steps of the fastest worker, H s_i/s_max of worker i (dynamic local updates, Liu et
+      al. 2024 §4.2): T(τ/s_max) · n s_max / Σ s_i, × `Scenario.round_factor(H)` under straggler episodes (the
+      round waits for the worker its episodes caught the most);
+    - "quorum": the K fastest wait for the K-th fastest, the others at their own pace (their work merges a round
+      later): n / (K / T(τ/s_(K)) + Σ_{j>K} 1/T_j), T(τ/s_(K)) × `round_factor(H, n − K + 1)` under episodes."""
+    speeds = sorted(s.speeds, reverse=True)
+    n = len(speeds)
+    every = max(1, int(params.get("period") or 1) // max(1, int(params.get("fragments") or 1)))   # steps a sync
+    if pace == "own" or (pace == "quorum" and not params.get("quorum")):
+        steps = [at(s.at_speed(f)) for f in speeds]
+        return n / sum(1.0 / st.iteration_s for st in steps), steps[-1]
+    if pace == "rounds":
+        step = at(s.at_speed(speeds[0]))
+        return step.iteration_s * n * speeds[0] / sum(speeds) * s.round_factor(every), step
+    if pace == "quorum":
+        k = min(n, int(params["quorum"]))
+        steps = [at(s.at_speed(f)) for f in [speeds[k - 1]] + speeds[k:]]
+        quorum_s = steps[0].iteration_s * s.round_factor(every, n - k + 1)
+        return n / (k / quorum_s + sum(1.0 / st.iteration_s for st in steps[1:])), steps[0]
+    if s.stragglers and every > 1:   # a sync every K steps waits for the worker its episodes caught the most
+        step = at(s.at_speed(speeds[-1]))
+        return step.iteration_s * s.round_factor(every), step
+    step = at(s.at_speed(s.slowest))
+    return step.iteration_s, step
+
+
 def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool = False, **p) -> Prediction:
     """Iteration time of `algorithm` (with `compressor`) in scenario `s`: the formula of the cost family the
     algorithm declares (`thinwire.plan.families`), its parameters `p` over the declared ones over the algorithm's
@@ -145,6 +284,12 @@ def predict(s: Scenario, algorithm: str, compressor: str = "none", overlap: bool
     delta = s.compress_s(compressor) if compressor != "none" else 0.0
     again = lambda sc, name=None: exchange(sc, compressor, sparse, agg, **cp) if name is None else exchange(sc, name)
     x = Inputs(s, compressor, overlap, comm, delta, again)
-    step = FAMILIES[declared.family].formula(x, {**algorithms.registry.parameters(algorithm), **declared.params, **p})
+    params, formula = {**algorithms.registry.parameters(algorithm), **declared.params, **p}, \
+        FAMILIES[declared.family].formula
+    if s.unequal:     # workers of different speeds: each at its own, as the algorithm's pace lets it
+        iteration_s, step = paced(s, pace_of(declared, params), params, lambda sc: formula(x._replace(s=sc), params))
+        return Prediction(algorithm, iteration_s, s.reference_s, step.bytes_per_step,
+                          collective=step.collective or collective, bytes_per_sync=step.bytes_per_sync)
+    step = formula(x, params)
     return Prediction(algorithm, step.iteration_s, s.compute_s, step.bytes_per_step,
                       collective=step.collective or collective, bytes_per_sync=step.bytes_per_sync)

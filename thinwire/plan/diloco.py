@@ -25,6 +25,15 @@ H and how the sync is hidden behind inner steps:
   the fewest fragments, the most bits (fp32, then int8, then fp4, each lower one with error feedback) and gloo's
   own all-reduce over a point-to-point one — the least convergence risk that the network allows. If nothing
   reaches the target, the highest scalability.
+- **Workers of different speeds** (`Scenario.speeds`; docs/planner.md): synchronous DiLoCo steps at its slowest
+  worker's pace; with dynamic local updates (`dynamic=True`) a round is H steps of the fastest worker and
+  H s_i / s_max of worker i, so the workers run at the sum of their speeds (Liu et al. 2024, "Asynchronous
+  Local-SGD Training for Language Modeling", arXiv 2401.09135, §4.2); `async-diloco` pushes each worker's
+  pseudo-gradient to the servers and waits for none (Delayed Nesterov, Liu et al. 2024 §4.1), or, with a quorum
+  K, for the K fastest (Douillard et al. 2026, "Decoupled DiLoCo", arXiv 2604.21428), the others' work merging a
+  round later. Among the variants that reach the target the least stale is chosen: synchronous, dynamic, quorum,
+  asynchronous (a pseudo-gradient applied on arrival was computed from a model up to n − 1 updates old). At equal
+  speeds only synchronous DiLoCo is weighed.
 Latency dominates on a far link (`world`: gloo's ring all-reduce of 4 workers pays 6 round trips of 300 ms before a
 byte of bandwidth counts), and there recursive doubling (2 rounds of one latency) is picked; bytes dominate on a
 thin one (`home`), and there the 4-bit payload is.
@@ -32,7 +41,7 @@ thin one (`home`), and there the 4-bit payload is.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import product
 
 from ..algorithms.diloco_outer import outer_defaults
@@ -40,7 +49,8 @@ from ..compress import compressors
 from ..exchange.choose import wire_bits
 from ..net import Cost, Islands
 from ..net import cost as netcost
-from .costmodel import Scenario
+from .costmodel import Scenario, exchange, predict
+from .families import push_pull
 
 # H from 32: on stdlib-lm (4 workers, loss 2.5, `lan`) plain DiLoCo took 160 steps at H = 16, 136 at H = 32 and
 # 144 at H = 64 (BENCHMARKS.md, "Predict, then race"): below 32 more syncs bought no convergence here
@@ -53,6 +63,8 @@ TARGET = 0.95
 # §2.3 mixes with α = 0.5 when it overlaps). Measured on stdlib-lm (H = 32, τ = 7, fp4; 4 workers, loss 2.5): 144
 # steps with α = 0.5 against 160 with α = 0, and 136 without overlap (BENCHMARKS.md, "Predict, then race")
 OVERLAP_ALPHA = 0.5
+# DiLoCo's ways with workers of different speeds, least stale first (the choice's order; see the module doc)
+VARIANTS = ("sync", "dynamic", "quorum", "async")
 
 
 @dataclass
@@ -71,17 +83,27 @@ class Plan:
     sync_s: float            # predicted time of one fragment's sync (compression included)
     transfer_s: float        # of which the link is busy
     bytes_per_sync: float    # one worker, one fragment sync (over the thin link, on a two-tier network)
-    compute_s: float
+    compute_s: float         # the no-communication reference's mean step (at the workers' speeds)
+    variant: str = field(default="sync", repr=False)   # of VARIANTS
+    quorum: int = field(default=0, repr=False)         # the quorum K of `async-diloco` (variant "quorum")
 
     @property
     def scalability(self) -> float:
         return self.compute_s / self.iteration_s
 
+    @property
+    def algorithm(self) -> str:
+        """What the cell runs: `diloco` (synchronous, or dynamic local updates) or `async-diloco` (servers)."""
+        return "async-diloco" if self.variant in ("quorum", "async") else "diloco"
+
     def params(self, inner: str | None = None) -> dict:
         """The cell's parameters (the compressor and memory go on the cell itself); with `inner`, the inner
-        optimizer's name, the outer SGD's settings for it at this period (`outer_defaults`: the rule DiLoCo applies
-        to the outer settings a run leaves unset)."""
+        optimizer's name, DiLoCo's outer SGD settings for it at this period (`outer_defaults`: the rule DiLoCo
+        applies to the outer settings a run leaves unset)."""
         out = {"period": self.period}
+        if self.algorithm == "async-diloco":
+            return {**out, **({"overlap": self.overlap} if self.overlap else {}),
+                    **({"quorum": self.quorum} if self.quorum else {})}
         if inner is not None:
             out.update({k: v for k, v in outer_defaults(self.period, inner).items() if k != "nesterov"})
         if self.fragments > 1:
@@ -95,6 +117,8 @@ class Plan:
             out["allreduce"] = self.allreduce
         if self.replicas != "worker":
             out["replicas"] = self.replicas
+        if self.variant == "dynamic":
+            out["dynamic"] = True
         return out
 
     def describe(self) -> str:
@@ -102,7 +126,13 @@ class Plan:
                 f"overlap τ = {self.overlap} steps (τ·step ≥ the sync)" if self.overlap else "no overlap")
         bits = "fp32" if self.compressor == "none" else f"{self.compressor} + {self.memory}"
         where = ", one replica per island (data parallel inside)" if self.replicas == "island" else ""
-        return (f"H={self.period}, F={self.fragments}, {hide}, {bits} outer gradients on "
+        how = {"sync": "", "dynamic": "dynamic local updates, ", "async": "asynchronous (async-diloco), ",
+               "quorum": f"a quorum of {self.quorum} (async-diloco), "}[self.variant]
+        if self.algorithm == "async-diloco":
+            return (f"{how}H={self.period}, {hide}, {bits} pushes to the servers ({self.sync_s * 1e3:.0f} ms a push "
+                    f"and pull): predicted step "
+                    f"{self.iteration_s * 1e3:.0f} ms, scalability {self.scalability:.2f}")
+        return (f"{how}H={self.period}, F={self.fragments}, {hide}, {bits} outer gradients on "
                 f"{'gloo' if self.allreduce == 'gloo' else self.allreduce} ({self.sync_s * 1e3:.0f} ms a sync"
                 f"{where}): predicted step {self.iteration_s * 1e3:.0f} ms, scalability {self.scalability:.2f}")
 
@@ -149,12 +179,74 @@ def predict_diloco(s: Scenario, compressor: str, allreduce: str, fragments: int,
     return max(step, cost.transfer / k), sync, cost      # the link carries one fragment's transfer per K steps
 
 
+def quorum_of(speeds) -> int:
+    """The quorum K for workers of these speeds: of the K that keep the most of the speeds' sum (the K fastest run
+    at the K-th fastest's pace, the others at their own), the largest (the most replicas merged at once); 0 for
+    fewer than 3 workers (a quorum of 1 is asynchronous)."""
+    v = sorted(speeds, reverse=True)
+    kept = {k: k * v[k - 1] + sum(v[k:]) for k in range(2, len(v))}
+    best = max(kept.values(), default=0.0)
+    return max((k for k, x in kept.items() if x >= best * (1 - 1e-9)), default=0)
+
+
+def variants_of(s: Scenario, replicas: str, given: dict) -> list[str]:
+    """The variants weighed (VARIANTS): synchronous only at equal speeds or on islands; dynamic where `given`
+    names it."""
+    if given.get("dynamic"):
+        return ["dynamic"]
+    if not s.unequal or replicas != "worker" or "dynamic" in given:
+        return ["sync"]
+    sync_only = given.get("fragments", 1) != 1 or given.get("eager") or given.get("allreduce", "gloo") != "gloo"
+    out = ["sync"] + ([] if given.get("eager") else ["dynamic"])
+    return out + ([] if sync_only else (["quorum"] if quorum_of(s.speeds) else []) + ["async"])
+
+
+def on_servers(s: Scenario, given: dict, variant: str) -> list[Plan]:
+    """`async-diloco`'s configurations (no fragments, no eager updates): each period and outer compressor, the
+    push hidden behind τ = ⌈push / τ_c⌉ inner steps of the fastest worker where τ <= H/2."""
+    outer = [o for o in OUTER if given.get("compressor", o[0]) == o[0]] or [(given["compressor"], None, 32)]
+    periods = [given["period"]] if "period" in given else list(PERIODS)
+    k = quorum_of(s.speeds) if variant == "quorum" else 0
+    tau = s.compute_s / max(s.speeds)
+    out = []
+    for (comp, mem, bits), h in product(outer, periods):
+        up = exchange(s, comp)[1].sent if comp != "none" else s.nbytes
+        sync, ps = push_pull(s, up, s.compress_s(comp) if comp != "none" else 0.0)
+        lag = math.ceil(sync / tau - 1e-9) if tau > 0 else 0
+        lag = int(given["overlap"]) if "overlap" in given else lag if lag <= h // 2 and lag < h else 0
+        pred = predict(s, "async-diloco", comp, overlap=lag, period=h, quorum=k)
+        out.append(Plan(h, 1, lag, False, comp, given.get("memory", mem), "gloo", "worker", bits, pred.iteration_s,
+                        sync, ps.transfer, ps.sent, pred.compute_s, variant, k))
+    return out
+
+
 def candidates(s: Scenario, islands: Islands | None = None, given: dict | None = None) -> list[Plan]:
     """Every configuration the planner weighs (`given` fixes any of compressor, memory, period, fragments, overlap,
-    eager, allreduce, replicas), each with the least overlap that hides its sync (the τ rule) or eager updates."""
+    eager, allreduce, replicas, dynamic), each with the least overlap that hides its sync (the τ rule) or eager
+    updates; with workers of different speeds, each variant of VARIANTS that applies."""
     given = dict(given or {})
     two_tier = islands is not None and islands.size > 1
     replicas = given.get("replicas", "island" if two_tier else "worker")
+    out = []
+    for variant in variants_of(s, replicas, given):
+        if variant in ("quorum", "async"):
+            out += on_servers(s, given, variant)
+            continue
+        if not s.unequal:
+            out += [p if variant == "sync" else replace(p, variant=variant)
+                    for p in synchronous(s, islands, given, replicas)]
+            continue
+        fast = max(s.speeds)     # a round waits at each sync (every K = H/F steps) for the worker caught the most
+        at = s.at_speed(fast if variant == "dynamic" else min(s.speeds) if s.stragglers else s.slowest)
+        scale = 1.0 if variant == "sync" else len(s.speeds) * fast / sum(s.speeds)
+        out += [replace(p, iteration_s=p.iteration_s * scale * s.round_factor(p.period // p.fragments),
+                        compute_s=s.reference_s, variant=variant)
+                for p in synchronous(at, islands, given, replicas) if not (variant == "dynamic" and p.eager)]
+    return out
+
+
+def synchronous(s: Scenario, islands: Islands | None, given: dict, replicas: str) -> list[Plan]:
+    """Synchronous DiLoCo's configurations for workers all at scenario `s`'s compute time."""
     isl = islands if replicas == "island" else None
     outer = [o for o in OUTER if given.get("compressor", o[0]) == o[0]]
     if "compressor" in given and not outer:
@@ -189,6 +281,8 @@ def plan_diloco(s: Scenario, islands: Islands | None = None, given: dict | None 
     plans = candidates(s, islands, given)
     reached = [p for p in plans if p.scalability >= target]
     if reached:
-        return min(reached, key=lambda p: (p.eager, p.period, p.overlap * p.fragments / p.period, p.fragments,
-                                           -p.bits, p.allreduce != "gloo", p.iteration_s))
-    return max(plans, key=lambda p: (round(p.scalability, 3), p.bits, -p.period, -p.fragments))
+        return min(reached, key=lambda p: (VARIANTS.index(p.variant), p.eager, p.period,
+                                           p.overlap * p.fragments / p.period, p.fragments, -p.bits,
+                                           p.allreduce != "gloo", p.iteration_s))
+    return max(plans, key=lambda p: (round(p.scalability, 3), -VARIANTS.index(p.variant), p.bits, -p.period,
+                                     -p.fragments))

@@ -123,14 +123,20 @@ def parameter_server(x: Inputs, p: dict) -> Step:
     return Step(max(own, ps.transfer), ps.sent, collective="ps")
 
 
+def push_pull(s, up: float, delta: float) -> tuple[float, Cost]:
+    """(one worker's push of `up` bytes and pull of the model, δ + 2α + (N_up + N_down)β; the servers' cost of
+    every worker's, `ps_push_pull`)."""
+    ps = ps_push_pull(s.link, s.workers, up, s.nbytes, s.servers)
+    return delta + 2 * s.link.alpha + (ps.sent + ps.received) * s.link.beta, ps
+
+
 def asynchronous(x: Inputs, p: dict) -> Step:
     """Asynchronous DiLoCo (`period` H, `overlap` τ_o): every H inner steps each worker pushes its pseudo-gradient
     to the servers and pulls the model, waiting for no other worker: τ + max(0, δ + 2α + (N_up + N_down)β −
     τ_o τ)/H, bounded below by the servers' link, which carries every worker's push and pull once per H steps
     (`ps_push_pull`)."""
-    s, tau, h, lag = x.s, x.s.compute_s, int(p["period"]), int(x.overlap)
-    ps = ps_push_pull(s.link, s.workers, x.comm.sent if x.compressor != "none" else s.nbytes, s.nbytes, s.servers)
-    own = x.delta + 2 * s.link.alpha + (ps.sent + ps.received) * s.link.beta
+    tau, h, lag = x.s.compute_s, int(p["period"]), int(x.overlap)
+    own, ps = push_pull(x.s, x.comm.sent if x.compressor != "none" else x.s.nbytes, x.delta)
     return Step(max(tau + max(0.0, own - lag * tau) / h, ps.transfer / h), ps.sent / h, bytes_per_sync=ps.sent,
                 collective="ps")
 
