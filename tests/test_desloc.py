@@ -295,7 +295,7 @@ def test_train_and_compare_run_desloc_with_adamw(pool2, tmp_path):
     assert (m["period"], m["period_u"], m["period_v"], m["syncs"], m["syncs_u"], m["syncs_v"]) == (2, 6, 12, 6, 2, 1)
     # compare: a workload trained with SGD runs desloc with AdamW, the planner picks K_x for the link
     cell, why = cmp.tune_cell(presets.parse_cell("desloc"), "world", "wide-mlp", 4, compute_s=0.05)
-    assert cell.optimizer == "adamw" and why[0].startswith("optimizer=adamw: desloc averages Adam's moments")
+    assert cell.optimizer == "adamw" and why[0].startswith("optimizer=adamw: desloc runs on Adam's moments")
     assert "period" in cell.params and "planner: world" in why[1]
     res = cmp.compare(cmp.CompareConfig(workload="linreg", workers=2, networks=["lan"], cells=["desloc"],
                                         budget_s=0.5), str(tmp_path), progress=False, pool=pool2)

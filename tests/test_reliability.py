@@ -32,7 +32,8 @@ def test_resume_reproduces_the_uninterrupted_run(algorithm, pool4, tmp_path):
     params = {"period": 2} if algorithm in ("localsgd", "postlocalsgd", "dts", "tsparse") else {}
     if algorithm in ("dts", "delayed"):
         params["delay"] = 3
-    base = dict(workload="linreg", algorithm=algorithm, workers=4, steps=steps, progress=False, params=params)
+    base = dict(workload="linreg", algorithm=algorithm, workers=4, steps=steps, progress=False, params=params,
+                optimizer="adamw" if algorithms.registry.lookup(algorithm).adam_only else None)
     ck = str(tmp_path / "ck")
     whole = pool4.run(train_worker, TrainConfig(checkpoint_every=at, checkpoint_dir=ck, **base))
     assert os.path.exists(os.path.join(ck, "checkpoint.json"))

@@ -49,7 +49,7 @@ class AdamState:
         st = self.optimizer.state[p]
         if not st:
             scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32   # torch's
-            st["step"] = torch.tensor(0.0, dtype=scalar)
+            st["step"] = torch.tensor(0.0, dtype=scalar, device="cpu")     # torch keeps it on the host
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return st
