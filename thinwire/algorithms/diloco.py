@@ -56,7 +56,6 @@ from typing import Callable
 
 import torch
 
-from ..comm.elastic import broadcast_state
 from ..comm.engine import Ready
 from ..errors import UserError
 from ..optim import step_subset
@@ -69,7 +68,36 @@ from .diloco_dynamic import DynamicRounds
 from .diloco_eager import EagerRounds
 from .diloco_fragments import Fragments
 from .diloco_islands import IslandReplica, island_groups
+from .diloco_members import Membership
 from .diloco_outer import PAPER as DEFAULT_OUTER, outer_settings
+
+
+def _check_options(period, outer_lr, outer_momentum, alpha, fragments, overlap, eager, replicas) -> None:
+    """A UserError naming the first of `DiLoCo`'s parameters that is out of range or conflicts with another."""
+    for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
+        int_at_least(f"diloco {name}", value, low)
+    if period % fragments:
+        raise UserError(f"diloco period H={period} must be a multiple of fragments F={fragments} (one fragment "
+                        f"is synced every H/F steps); e.g. period={fragments * max(1, period // fragments)}")
+    if overlap >= period // fragments:
+        raise UserError(f"diloco overlap τ={overlap} must be below H/F={period // fragments} (a fragment's "
+                        f"average arrives before the next fragment's sync starts); "
+                        f"valid: 0..{period // fragments - 1}")
+    if not (isinstance(outer_lr, (int, float)) and math.isfinite(outer_lr) and outer_lr > 0):
+        raise UserError(f"diloco outer_lr must be a finite number > 0, got {outer_lr!r}")
+    if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
+        raise UserError(f"diloco outer_momentum must be in [0, 1), got {outer_momentum!r}")
+    if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
+        raise UserError(f"diloco alpha must be in [0, 1] (θ ← α θ_local + (1 − α) θ_global), got {alpha!r}")
+    if replicas not in ("worker", "island"):
+        raise UserError(f"diloco replicas must be worker (every worker a DiLoCo replica) or island (every island "
+                        f"of a two-tier network one, data parallel inside), got {replicas!r}")
+    if not isinstance(eager, bool):
+        raise UserError(f"diloco eager must be true or false, got {eager!r}")
+    if eager and (overlap or alpha):
+        raise UserError(f"diloco eager hides a fragment's sync behind a whole period (its average is applied "
+                        f"one round later): give overlap=0 and alpha=0 with it, got overlap={overlap}, "
+                        f"alpha={alpha}")
 
 
 def _outer_factory(outer_optimizer, outer_lr: float, outer_momentum: float, nesterov: bool) -> Callable:
@@ -122,7 +150,7 @@ class _SyncClock:
 
 
 @register("diloco")
-class DiLoCo(Algorithm):
+class DiLoCo(Membership, Algorithm):
     """DiLoCo (Douillard et al. 2023, Alg. 1): H inner steps, averaged pseudo-gradient, outer Nesterov SGD;
     Streaming DiLoCo (2025) with fragments, overlap τ and mixing α."""
 
@@ -140,30 +168,7 @@ class DiLoCo(Algorithm):
         given = {k: v for k, v in zip(DEFAULT_OUTER, (outer_lr, outer_momentum, nesterov)) if v is not None}
         outer_lr, outer_momentum, nesterov = {**DEFAULT_OUTER, **given}.values()
         self._outer_given = given if outer_optimizer is None or str(outer_optimizer).lower() == "sgd" else None
-        for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
-            int_at_least(f"diloco {name}", value, low)
-        if period % fragments:
-            raise UserError(f"diloco period H={period} must be a multiple of fragments F={fragments} (one fragment "
-                            f"is synced every H/F steps); e.g. period={fragments * max(1, period // fragments)}")
-        if overlap >= period // fragments:
-            raise UserError(f"diloco overlap τ={overlap} must be below H/F={period // fragments} (a fragment's "
-                            f"average arrives before the next fragment's sync starts); "
-                            f"valid: 0..{period // fragments - 1}")
-        if not (isinstance(outer_lr, (int, float)) and math.isfinite(outer_lr) and outer_lr > 0):
-            raise UserError(f"diloco outer_lr must be a finite number > 0, got {outer_lr!r}")
-        if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
-            raise UserError(f"diloco outer_momentum must be in [0, 1), got {outer_momentum!r}")
-        if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
-            raise UserError(f"diloco alpha must be in [0, 1] (θ ← α θ_local + (1 − α) θ_global), got {alpha!r}")
-        if replicas not in ("worker", "island"):
-            raise UserError(f"diloco replicas must be worker (every worker a DiLoCo replica) or island (every island "
-                            f"of a two-tier network one, data parallel inside), got {replicas!r}")
-        if not isinstance(eager, bool):
-            raise UserError(f"diloco eager must be true or false, got {eager!r}")
-        if eager and (overlap or alpha):
-            raise UserError(f"diloco eager hides a fragment's sync behind a whole period (its average is applied "
-                            f"one round later): give overlap=0 and alpha=0 with it, got overlap={overlap}, "
-                            f"alpha={alpha}")
+        _check_options(period, outer_lr, outer_momentum, alpha, fragments, overlap, eager, replicas)
         self.rates = _rates(rates)
         self.dynamic = bool(dynamic) or self.rates is not None
         if self.dynamic and (eager or replicas == "island"):
@@ -364,59 +369,6 @@ class DiLoCo(Algorithm):
         if self.rounds is not None:
             self.rounds.drain()
         super().close()
-
-    @torch.no_grad()
-    def recover(self):
-        """A worker was lost: the sync in flight is dropped; θ and the outer optimizer's state are taken from the
-        new rank 0 (a sync that completed on some survivors only cannot leave them apart); each survivor's inner
-        model (its own where the Trainer kept the survivors' work, else the new rank 0's) differs from θ and goes
-        into the next sync of each fragment; the schedule goes on from the agreed step."""
-        if self.island is not None:
-            raise UserError("diloco replicas=island does not go on after a lost worker (its island's data parallel "
-                            "group lost a member): use on_failure='stop' and resume from a checkpoint")
-        self._pending, self._pending_fragment = [], None
-        if self.eager_rounds is not None:
-            self.eager_rounds.reset()
-        for a in self.anchor:
-            a.grad = None
-        # one message (not one per tensor: a round trip each on a slow link), and a newcomer of an elastic job
-        # pulled into the loss's generation, whose outer optimizer has no state yet, takes it whole
-        got = broadcast_state(self.transport, {"anchor": self.anchor, "outer": self.outer.state_dict()}, 0)
-        copy_each(self.anchor, got["anchor"])
-        self.outer.load_state_dict(got["outer"])
-        self.steps = self.ctx.failures[-1]["step"]
-        self._dirty = [True] * self.fragments
-
-    # -- elastic jobs: a newcomer joins at a fragment's merge ---------------------------------------------
-    def join_boundary(self, step):
-        """A step that merged a fragment (nothing is in flight then: at most one fragment is, until its merge)."""
-        return self.merging(self.steps) is not None and not self._pending
-
-    def join_after(self, step):
-        return step + self.period // self.fragments
-
-    def join_next(self, step):
-        """The next merge whose fragment's pseudo-gradient is taken after this step (τ steps before the merge)."""
-        if self.eager or self.island is not None:
-            return None
-        m = self.steps + 1
-        while self.merging(m) is None or m - self.overlap <= self.steps:
-            m += 1
-        return step + m - self.steps
-
-    def newcomer_state(self):
-        return {"anchor": self.anchor, "outer": self.outer.state_dict(), "steps": self.steps, "syncs": self.syncs,
-                "dirty": list(self._dirty)}
-
-    @torch.no_grad()
-    def take_newcomer_state(self, state):
-        """θ and the outer optimizer's state of rank 0; the newcomer's inner model is θ in every fragment (it
-        joins each fragment's schedule at that fragment's next merge), the counters and flags rank 0's."""
-        copy_each(self.anchor, state["anchor"])
-        self.outer.load_state_dict(state["outer"])
-        for k, a in enumerate(self.anchor):
-            self.frags.local(k).copy_(a)
-        self.steps, self.syncs, self._dirty = int(state["steps"]), int(state["syncs"]), list(state["dirty"])
 
     # -- buckets re-planned (MG-WFBP): per-piece exchange state follows ------------------------------------
     def _piece_layout(self) -> list[list[tuple[str, int]]]:

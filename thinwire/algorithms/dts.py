@@ -1,6 +1,18 @@
 """`dts`, `delayed`, `tsparse`: delayed and temporally sparse updates with error compensation
 (Zhu, Lu, Lin, Han 2019, "Distributed Training Across the World" (DTS), §3). The schedule and the update are
-`DTS`'s docstring; the derivation of the momentum-SGD compensation (weights and momentum buffer) is in docs/dts.md.
+`DTS`'s docstring; the derivation of the momentum-SGD compensation (weights and momentum buffer) is in docs/dts.md:
+
+Momentum SGD (b <- μ b + g, w <- w - γ_s b) and any learning-rate schedule (γ_s: the rate step s used): with
+E = kp, Δ = s - E, B_{k,j} = Σ_{i in window} μ^{E-i} g_{i,j}, C_{k,j} = Σ_{r in window} γ_r B_{r,j} (B_r: B after
+step r) and F_k = Σ_{r=E+1}^{s} γ_r μ^{r-E} (a scalar per parameter group),
+  b <- b + μ^Δ (B̄_k - B_{k,j}),    w <- w - (C̄_k - C_{k,j}) - F_k (B̄_k - B_{k,j})
+which is exactly the state synchronous momentum SGD reaches with the averaged gradients of window k. With μ = 0
+only C (= Σ γ_r g_r) is sent, for p = 1 only g (C = γ_s g, B = g); otherwise C and B together. C travels in units of
+the window's first rate (gradient units at a constant rate).
+
+Weight decay λ (per group) couples w into b: B <- μ B + g - λ C inside the window, and the difference a window
+makes is carried from E to s by the product M of the per-step 2×2 matrices [[1 - γ_r λ, -γ_r μ], [λ, μ]] acting
+on (Δw, Δb): (Δw, Δb) = M (-(C̄ - C), B̄ - B) (with λ = 0, M = [[1, -F], [0, μ^Δ]], the form above).
 """
 from __future__ import annotations
 
@@ -41,18 +53,7 @@ class DTS(Algorithm):
     p = 1 is the delayed update of eq. 3 (average of step s applied at step s + t - 1); t = 1 is the
     temporally sparse update of eq. 4; t = p = 1 is synchronous SGD.
 
-    Momentum SGD (b <- μ b + g, w <- w - γ_s b) and any learning-rate schedule (γ_s: the rate step s used):
-    with E = kp, Δ = s - E, B_{k,j} = Σ_{i in window} μ^{E-i} g_{i,j}, C_{k,j} = Σ_{r in window} γ_r B_{r,j}
-    (B_r: B after step r) and F_k = Σ_{r=E+1}^{s} γ_r μ^{r-E} (a scalar per parameter group),
-      b <- b + μ^Δ (B̄_k - B_{k,j}),    w <- w - (C̄_k - C_{k,j}) - F_k (B̄_k - B_{k,j})
-    which is exactly the state synchronous momentum SGD reaches with the averaged gradients of window k
-    (docs/dts.md). With μ = 0 only C (= Σ γ_r g_r) is sent, for p = 1 only g (C = γ_s g, B = g); otherwise
-    C and B together. C travels in units of the window's first rate (gradient units at a constant rate).
-
-    Weight decay λ (per group) couples w into b: B <- μ B + g - λ C inside the window, and the difference a
-    window makes is carried from E to s by the product M of the per-step 2×2 matrices
-    [[1 - γ_r λ, -γ_r μ], [λ, μ]] acting on (Δw, Δb):  (Δw, Δb) = M (-(C̄ - C), B̄ - B)  (docs/dts.md; with
-    λ = 0, M = [[1, -F], [0, μ^Δ]], the form above).
+    Momentum SGD and weight decay: the compensation of the module's doc.
 
     `close()` launches the partial last window, waits for every average in flight and applies them all at
     the last step (Δ counted from each window's last step): every worker then holds the same model up to

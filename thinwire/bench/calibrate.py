@@ -12,11 +12,11 @@ import torch.distributed as dist
 from ..compress import compressors
 from ..files import atomic_write
 from ..launcher import launch
+from ..run.workloads import cache_dir
 
 
 def _path() -> str:
-    from ..run.workloads import _cache_dir
-    return os.path.join(_cache_dir(), "calibration.json")
+    return os.path.join(cache_dir(), "calibration.json")
 
 
 def median_s(fn, repeats: int, before=None, clock=time.perf_counter) -> float:

@@ -83,6 +83,26 @@ def subgroup(ranks) -> object:
     return _subgroup(dist.get_world_size(), tuple(ranks), dist.get_backend())
 
 
+def _islands(link) -> Islands | None:
+    """A two-tier network's islands (checked against the world), or None for one link."""
+    if not isinstance(link, Islands):
+        return None
+    if not dist.is_initialized():
+        raise UserError("two-tier networks (islands:...) need torch.distributed's world: an elastic job runs on "
+                        "one link")
+    link.check_workers(dist.get_world_size(), "the world size")
+    return link
+
+
+def _buffers_device(device, nccl: bool) -> torch.device:
+    """Where a group's buffers (headers included) live: `device` (the Trainer's: its model's), else the CUDA
+    device current at construction under NCCL (read on the constructing thread: the engine's threads have their
+    own current device), else the CPU."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    return torch.device(device)
+
+
 class Transport:
     """Collectives and point-to-point ops on one process group, with a byte meter and network emulation (see the
     module's doc).
@@ -120,12 +140,7 @@ class Transport:
         self._seed = default_seed() if seed is None else seed
         self.clocks = {} if clocks is None else clocks
         self.members = [self.global_of(r) for r in range(self.world_size)]
-        self.islands = self.link if isinstance(self.link, Islands) else None
-        if self.islands is not None:
-            if not dist.is_initialized():
-                raise UserError("two-tier networks (islands:...) need torch.distributed's world: an elastic job "
-                                "runs on one link")
-            self.islands.check_workers(dist.get_world_size(), "the world size")
+        self.islands = _islands(self.link)
         self.path = self.islands.path(self.members) if self.islands is not None else self.link
         self.clock = clock or self.clock_of(self.path)
         self.clocks.setdefault(self._tier(self.path), self.clock)
@@ -138,13 +153,8 @@ class Transport:
         self.delivery = DeliveryQueue()      # this group's collectives not yet on the link, in issue order
         self._switch = threading.RLock()     # held by `regroup`, and by each resumption of a program (`_bound`)
         self._epoch = 0                      # groups switched so far
-        # where this group's buffers (headers included) live: `device` (the Trainer's: its model's), else the
-        # CUDA device current at construction under NCCL (read here, on the constructing thread: the engine's
-        # threads have their own current device), else the CPU
         nccl = backend_of(self.group) == "nccl"
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-        self.device = torch.device(device)
+        self.device = _buffers_device(device, nccl)
         self.staging = Staging(nccl)      # point-to-point ops through host buffers where gloo needs them
 
     # -- links -----------------------------------------------------------------------------------------

@@ -362,7 +362,7 @@ def digits_data():
     return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
 
 
-def _cache_dir() -> str:
+def cache_dir() -> str:
     d = os.environ.get("THINWIRE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "thinwire"))
     os.makedirs(d, exist_ok=True)
     return d
@@ -376,7 +376,7 @@ def mnist1d_data(num_samples: int = 5000, train_split: float = 0.8):
     imported only to generate). With the default arguments: mnist1d's default 4000 train / 1000 test."""
     default = (num_samples, train_split) == (5000, 0.8)
     name = "mnist1d-default.npz" if default else f"mnist1d-n{num_samples}-split{train_split:g}.npz"
-    path = os.path.join(_cache_dir(), name)
+    path = os.path.join(cache_dir(), name)
     if not os.path.exists(path):
         from mnist1d.data import get_dataset_args, make_dataset
         args = get_dataset_args()
