@@ -14,9 +14,10 @@ target (`predict_missing`): the steps to target of the same trajectory elsewhere
 contestant, settings and seed on another network; or an exact synchronous-SGD cell — bsp, ssgd, ddp — of the same
 seed for another exact one) times this cell's own median step time.
 
-**Seeds** (`seeds` > 1): the report gives the median and the range (min–max) per contestant, and says two
-contestants are *within noise* of each other when their ranges of time to target overlap (a seed that missed the
-target counts as +∞): a rule that is conservative with 3 seeds.
+**Seeds** (`seeds` > 1): the report gives the median and the range (min–max) per contestant, and compares each
+with the winner seed by seed (the same seed is the same data and initialization for every contestant; a seed that
+missed the target counts as +∞): the winner's lead is real only where it is ahead in every seed beyond a reading's
+precision, else the contestant is *within noise* of it (`results.paired`).
 
 **The planner's side** (`forecast.py`): the parameters a cell leaves out, picked for its network, and, before the
 first cell runs, every cell's predicted step, sync and time to target and the predicted winner per network

@@ -145,9 +145,13 @@ def verdict(entries: list[dict], seeds: int, budget) -> str:
         elif seeds > 1 and other.get("paired_ratios"):
             ratios = other["paired_ratios"]
             mid = statistics.median(r for r in ratios if not math.isnan(r))
-            parts.append(f"That is {mid:.2f}× faster than {what} (`{other['label']}`: median of the per-seed ratios "
-                         f"{', '.join(f'{r:.2f}' for r in ratios)}; " + ("ahead in every seed)." if other["lead_real"]
-                                                                        else "not ahead in every seed)."))
+            missed = sum(1 for r in ratios if r == math.inf)
+            lead = "ahead in every seed" if other["lead_real"] else "not ahead in every seed"
+            each = ", ".join(f"{r:.2f}" for r in ratios)
+            parts.append(f"That is {mid:.2f}× faster than {what} (`{other['label']}`: median of the per-seed "
+                         f"ratios {each}; {lead})." if mid < math.inf else
+                         f"{what[0].upper() + what[1:]} (`{other['label']}`) missed the target in {missed} of "
+                         f"{len(ratios)} seeds (per-seed ratios {each}; {lead}).")
         else:
             parts.append(f"That is {other['ttt_median'] / w['ttt_median']:.1f}× faster than "
                          f"{what} (`{other['label']}`, {other['ttt_median']:.1f} s).")
@@ -218,8 +222,8 @@ def write_report(results: dict, path: str) -> None:
         "every 2–5 % of the training clock near it (`thinwire/run/loop.py`). **read within**: the interval before that "
         "evaluation, as a share of the time to target — the true crossing lies in it (median over seeds). "
         "With several seeds: median [min–max] and seeds that reached it; a seed that missed counts as "
-        "never. Rows rank by it, then by best metric. **≈** marks a contestant within noise of the winner: the "
-        "ranges of time to target overlap.",
+        "never. Rows rank by it, then by best metric. **≈** marks a contestant within noise of the winner: not "
+        "behind it in every seed (times to target compared seed by seed, beyond a reading's precision).",
         "- **not reached**: the cell spent its budget (`budget`) or its steps (`steps`) first; *predicted* is the "
         "steps to target of the same trajectory elsewhere in this matrix times this cell's step time (see above).",
         "- **ran with**: the parameters the cell ran with; those a cell did not give were picked by the planner "
