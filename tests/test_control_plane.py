@@ -24,3 +24,28 @@ def test_control_plane_verbs_agree_share_and_regroup_unmetered(pool2):
         assert out["shared"] == [[1.0] * 3, [11.0] * 2]         # rank 1's tensors, on every rank
         assert out["after"] == 1.0 and (out["rank"], out["size"]) == (rank, 2)
         assert out["totals"]["bytes_sent"] == 0 and out["totals"]["emulated_s"] == 0
+
+
+def _long_sync(rank, world_size):
+    """Two steps around one all-reduce that a 1 Mbit/s emulated link needs ~6 s to deliver (750 KB)."""
+    import time
+
+    from thinwire.comm import progress
+    t = Transport(network="custom:bandwidth=1mbit,latency=50ms")
+    progress.report(1)
+    t0 = time.monotonic()
+    out = t.all_reduce(torch.ones(187_500))
+    progress.report(2)
+    return time.monotonic() - t0, float(out[0]), t.meter.totals()["emulated_s"]
+
+
+def test_a_sync_that_occupies_a_thin_link_is_no_false_failure():
+    """The control plane never waits behind the data plane: heartbeats beat from their own thread into shared
+    memory and membership goes through the launcher's store, neither on the emulated link. A sync that occupies a
+    thin link for several times the progress and liveness bounds (a 2 s watchdog and a 2 s heartbeat bound, a
+    ~6 s all-reduce) is busy, not stuck: the emulated link tells the watchdog the transfer moves (`progress.moving`),
+    and the run ends with its result, no rank named."""
+    from thinwire.launcher import Pool
+    with Pool(2, progress_timeout=2.0, stall_timeout=2.0) as pool:
+        for took, value, emulated in pool.run(_long_sync):
+            assert value == 2.0 and emulated > 4.0 and took > 4.0, (took, emulated)

@@ -17,9 +17,12 @@ import time
 from typing import Callable, Sequence
 
 from ..net import Cost
+from . import progress
 from .emulation import LinkClock
 from .engine import Future
 from .membership import MEMBERSHIP, PeerLost
+
+MOVING_S = 1.0     # how often a transfer the emulated link is delivering tells the watchdog it moves
 
 _now = time.perf_counter
 
@@ -216,9 +219,9 @@ class Handle(Future):
                         raise self._error
                     self._on_real_done()
                     self._watch(self._scheduled)      # an earlier collective still running: after it
-                    delay = self.deadline - _now()
-                    if delay > 0:
-                        time.sleep(delay)
+                    while (delay := self.deadline - _now()) > 0:    # the link still delivering it: busy
+                        progress.moving()
+                        time.sleep(min(delay, MOVING_S))
                     if self._post is not None:
                         self._result = self._post(self._result)
                     self._done = True

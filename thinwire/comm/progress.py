@@ -3,7 +3,9 @@ installs two arrays in memory it shares with the worker (`install`), and `report
 time into this rank's slots — two stores, no system call (the monotonic clock is read through the vDSO), no
 lock. Outside a launcher worker (under torchrun, in a plain process) nothing is installed and `report` returns at
 once. `Trainer.step` reports every step, so any loop that drives a thinwire algorithm is watched; the launcher
-re-exports `report` as `thinwire.report_progress` for loops that drive none.
+re-exports `report` as `thinwire.report_progress` for loops that drive none. `moving()` refreshes the time
+without a step while an emulated link is still delivering this rank's transfer (`Handle`): a sync that occupies a
+thin link for minutes is busy, not stuck (a collective stuck in gloo refreshes nothing).
 """
 from __future__ import annotations
 
@@ -30,3 +32,11 @@ def report(step: int | None = None) -> None:
     value = max(steps[rank], 0) + 1 if step is None else int(step)
     times[rank] = time.monotonic()
     steps[rank] = value
+
+
+def moving() -> None:
+    """(while an emulated link delivers a transfer of this rank) Refresh this rank's time, keeping its step: the
+    watchdog counts it as activity. A no-op outside a launcher worker and before the first step."""
+    slot = _slot
+    if slot is not None and slot[0][slot[2]] >= 0:
+        slot[1][slot[2]] = time.monotonic()

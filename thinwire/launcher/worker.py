@@ -305,7 +305,7 @@ class Watchdog:
 
     def __init__(self, steps, times, bound: float | None, noun: str = "rank"):
         self.steps, self.times, self.bound, self.noun = steps, times, bound, noun
-        self.seen: dict[int, tuple[int, float]] = {}   # rank -> (step, when) last seen
+        self.seen: dict[int, tuple] = {}   # rank -> (step, when it was reported, its latest activity) last seen
         self.step_s: deque = deque(maxlen=4096)         # seconds per step, from successive reports
 
     @property
@@ -327,12 +327,14 @@ class Watchdog:
             if old is None or step != old[0]:
                 if old is not None and step > old[0]:
                     self.step_s.append((when - old[1]) / (step - old[0]))
-                self.seen[r] = (step, when)
+                self.seen[r] = (step, when, when)
+            elif when > old[2]:     # the same step, a fresh time: a transfer still moving (`progress.moving`)
+                self.seen[r] = (step, old[1], when)
         watched = [r for r in running if r in self.seen]  # ranks that report steps and are not done
         if not self.seen or not running:
             return None
         # (when every rank that reports steps is done, the rest are bounded from the last step reported)
-        idle = now - max(self.seen[r][1] for r in (watched or self.seen))
+        idle = now - max(self.seen[r][2] for r in (watched or self.seen))
         if idle <= self.bound:
             return None
         limit = max(self.bound, PROGRESS_STEPS * statistics.median(self.step_s or [0.0]))
@@ -357,7 +359,7 @@ class Watchdog:
         if ahead:
             others = f"step {ahead[0]}" if len(ahead) == 1 else f"steps {ahead[0]}-{ahead[-1]}"
             who = f"{noun} {behind[0]}" if len(behind) == 1 else f"{noun}s {behind}"
-            since = now - max(self.seen[r][1] for r in behind)
+            since = now - max(self.seen[r][2] for r in behind)
             return NoProgressError(behind[0], f"{who} made no progress for {since:.0f} s (stuck at step {low}; "
                                               f"others at {others}{note}){bound}")
         if len(watched) == 1 and not quiet:  # the only rank still running
