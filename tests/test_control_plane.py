@@ -18,8 +18,11 @@ def _control(rank, world_size):
             "rank": t.rank, "size": t.world_size, "totals": t.meter.totals()}
 
 
-def test_control_plane_verbs_agree_share_and_regroup_unmetered(pool2):
-    for rank, out in enumerate(pool2.run(_control)):
+def test_control_plane_verbs_agree_share_and_regroup_unmetered():
+    from thinwire.launcher import Pool
+    with Pool(2) as pool:       # its own processes: the groups it forms are the first of their kind there
+        results = pool.run(_control)
+    for rank, out in enumerate(results):
         assert out["agreed"] == [1.0, 0.0]                      # the max of [r, -r] over ranks 0 and 1
         assert out["shared"] == [[1.0] * 3, [11.0] * 2]         # rank 1's tensors, on every rank
         assert out["after"] == 1.0 and (out["rank"], out["size"]) == (rank, 2)

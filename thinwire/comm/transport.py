@@ -397,5 +397,9 @@ class Transport:
 
     def regroup_to(self, members: Sequence[int], generation: int | None = None) -> None:
         """`regroup` onto a new group of these global ranks (the survivors of a lost worker, membership
-        `generation`), formed by the members alone: ranks outside it take no part."""
-        self.regroup(dist.new_group(list(members), use_local_synchronization=True), generation)
+        `generation`), formed by the members alone: ranks outside it take no part. Every rank of the world: a
+        plain group (torch names a locally synchronised group by its ranks alone, so a second one of the same
+        ranks in a process would meet the first one's rendezvous keys)."""
+        members = sorted(members)
+        whole = members == list(range(dist.get_world_size()))
+        self.regroup(dist.new_group(members, use_local_synchronization=not whole), generation)
