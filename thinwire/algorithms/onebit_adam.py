@@ -121,12 +121,16 @@ class OneBitAdam(Algorithm):
         self.steps += 1
         self.scheduler.end_step()
 
-    def close(self):
-        if self.scheduler.began:       # a backward without its step: its exchanges finish, nothing applied
+    def finish_began(self) -> None:
+        """A backward without its step: its exchanges finish, nothing applied."""
+        if self.scheduler.began:
             self.scheduler.flush()
             for _ in self.arrived():
                 pass
             self.scheduler.end_step()
+
+    def close(self):
+        self.finish_began()
         super().close()
 
     # -- state -----------------------------------------------------------------------------------------

@@ -151,11 +151,7 @@ class ZeroOneAdam(OneBitAdam):
         self.scheduler.end_step()
 
     def close(self):
-        if self.scheduler.began:            # a backward without its step: its exchanges finish, nothing applied
-            self.scheduler.flush()
-            for _ in self.arrived():
-                pass
-            self.scheduler.end_step()
+        self.finish_began()
         if self.unsynced:                   # local steps since the last sync: one more sync, no step
             for bucket in self.scheduler.buckets:
                 self.pending[bucket.index] = self.exchange.start(
