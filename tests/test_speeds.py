@@ -149,3 +149,15 @@ def test_dynamic_rounds_outside_a_race_end_together(pool2, tmp_path):
     s = run_training(cfg, str(tmp_path), pool=pool2)
     assert s["steps_per_worker"] == [28, 14] and s["stop_reason"] == "steps"
     assert s["algorithm_metrics"]["round_periods"] == [[4, 2]] * 7
+
+
+def test_measured_dynamic_rounds_plan_the_first_round_early(pool2, tmp_path):
+    """`dynamic=true` with measured speeds, one worker at a quarter speed: the speeds sent at step H/8 and read at
+    H/4 re-plan the first round (it would otherwise run at equal H, the fast worker waiting out 3/4 of it), and no
+    worker's H_i ends before its first sync could start after that read."""
+    from thinwire.run.train import TrainConfig, run_training
+    cfg = TrainConfig(workload="linreg", workers=2, algorithm="diloco", params={"period": 16, "dynamic": True},
+                      speeds="1,0.25", steps=40, progress=False)
+    s = run_training(cfg, str(tmp_path), pool=pool2)
+    first = s["algorithm_metrics"]["round_periods"][0]
+    assert first[0] == 16 and 2 * 2 < first[1] <= 8, first      # probe at step 2, read at 4: H_1 in (4, 8]

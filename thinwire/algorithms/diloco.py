@@ -317,7 +317,7 @@ class DiLoCo(Membership, Algorithm):
         if self.rounds is not None:
             if f is not None:
                 self.rounds.merged(n)
-            self.rounds.stepped(time.perf_counter() - t0)
+            self.rounds.stepped(n, time.perf_counter() - t0)
         self.scheduler.end_step()
 
     def request_stop(self) -> None:

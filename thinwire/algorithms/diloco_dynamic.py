@@ -12,9 +12,15 @@ H_i = H and w_i = 1: DiLoCo.
 
 Speeds are measured: the busy time of each segment between two merges (the worker's own steps, the waits of its
 merges excluded), gathered at every merge with a small all-gather that is left in flight and read at the next
-merge, so it costs no latency. A round's H_i come from the speeds read at the merge that ends the round before
-it (the speeds of the segment before that one). `rates` (fixed relative speeds per worker) replaces the
-measurement: the schedule is then reproducible, and a checkpoint resumes bitwise.
+merge, so it costs no latency. Each worker sends its decayed average (steps and busy time of every segment, each
+older segment at half the weight of the next), so one noisy segment (a machine shared with other work) does not
+set a round's periods on its own. A round's H_i come from the speeds read at the merge that ends the round before
+it (the speeds of the segment before that one). The first round would then run at equal H and the second from
+it; instead the first round is re-planned early: at step p = ⌊H / 8⌋ (≥ 2) every worker sends its speed over its
+steps since the first, read at step 2p (a fast worker waits there for a slow one's step p, at most what an equal
+round would cost it), and H_i are then at least 2p + τ_i + 1, so no worker has passed its first sync. The
+second round follows these speeds too. `rates` (fixed relative speeds per worker) replaces the measurement: the
+schedule is then reproducible, and a checkpoint resumes bitwise.
 
 A stop the training loop asks for (`request_stop`) travels in the same gather; the merge that reads a set flag
 ends the run on every worker at once (`finished`), at a point where every worker has merged the same fragments.
@@ -44,6 +50,9 @@ class DynamicRounds:
         self._gather = None                 # the all-gather of the last merge, read at the next
         self._got: list | None = None       # ... or its values, where a checkpoint waited for it
         self._busy, self._steps, self._last = 0.0, 0, None
+        self._decayed = (0.0, 0.0)          # (busy s, steps) of the segments before, each older one halved
+        probe = max(2, period // 8)         # the first round's early speed gather (module doc), where it fits
+        self.probe = probe if rates is None and period // fragments - self._lead(period) > 2 * probe else 0
 
     # -- the schedule ----------------------------------------------------------------------------------
     @property
@@ -53,8 +62,10 @@ class DynamicRounds:
     @property
     def lead(self) -> int:
         """τ_i: the steps a fragment's pseudo-gradient is taken before its merge, scaled like H_i."""
-        k = self.own // self.fragments
-        return min(k - 1, round(self.overlap * self.own / self.period))
+        return self._lead(self.own)
+
+    def _lead(self, period: int) -> int:
+        return min(period // self.fragments - 1, round(self.overlap * period / self.period))
 
     def merging(self, step: int) -> int | None:
         local, k = step - self.start, self.own // self.fragments
@@ -69,13 +80,31 @@ class DynamicRounds:
         return self.world * self.own / sum(self.periods)
 
     # -- busy time between merges ------------------------------------------------------------------------
-    def stepped(self, merge_s: float = 0.0) -> None:
-        """A step ended (`merge_s`: the time its merge waited, not the worker's own work)."""
+    def stepped(self, step: int, merge_s: float = 0.0) -> None:
+        """Step `step` ended (`merge_s`: the time its merge waited, not the worker's own work)."""
         now = time.perf_counter()
         if self._last is not None:
             self._busy += now - self._last - merge_s
             self._steps += 1
         self._last = now
+        if self.probe and self.start == 0 and not self.history:
+            if step == self.probe:                          # the first round's speeds, sent early ...
+                self._send(self._speed(), False)
+            elif step == 2 * self.probe:                    # ... and read: the first round re-planned
+                self.drain()
+                got, self._got = self._got, None
+                self.speeds = [max(v[0], 1e-9) for v in got]
+                self._plan(least=2 * self.probe)
+                self._last = time.perf_counter()            # (the wait is no one's work)
+
+    def _speed(self) -> float:
+        """This worker's steps per second of its own work, the older segments decayed (see the module doc)."""
+        busy, steps = self._decayed[0] + self._busy, self._decayed[1] + self._steps
+        return steps / busy if busy > 0 and steps else 0.0
+
+    def _send(self, speed: float, stop: bool) -> None:
+        mine = torch.tensor([speed, float(stop)], dtype=torch.float64, device=self.t.device)
+        self._gather = self.t.all_gather(mine, sizes=[2] * self.world, async_op=True)
 
     def merged(self, step: int) -> None:
         """After the merge at `step`: read the last gather (speeds, stop flags), start this segment's, and at the
@@ -86,19 +115,23 @@ class DynamicRounds:
             if self.rates is None:
                 self.speeds = [max(v[0], 1e-9) for v in got]
             self.finished = any(v[1] > 0 for v in got)
-        speed = self._steps / self._busy if self._busy > 0 and self._steps else 0.0
-        mine = torch.tensor([speed, float(self.stop_wanted)], dtype=torch.float64, device=self.t.device)
-        self._gather = self.t.all_gather(mine, sizes=[2] * self.world, async_op=True)
+        self._send(self._speed(), self.stop_wanted)
+        self._decayed = ((self._decayed[0] + self._busy) / 2, (self._decayed[1] + self._steps) / 2)
         self._busy, self._steps = 0.0, 0
         if step - self.start == self.own:          # the round's last merge
             self.history.append(list(self.periods))
             self.start = step
             self._plan()
 
-    def _plan(self) -> None:
-        """H_j = ⌊H v_j / max v⌉, at least F and a multiple of F (Liu et al. 2024 §4.2, rounded)."""
+    def _plan(self, least: int = 0) -> None:
+        """H_j = ⌊H v_j / max v⌉, at least F and a multiple of F (Liu et al. 2024 §4.2, rounded); re-planned at
+        step `least` of a round, every H_j leaves its first sync (τ_j steps before its first merge) after it."""
         fastest, f = max(self.speeds), self.fragments
-        self.periods = [max(f, round(self.period * s / fastest / f) * f) for s in self.speeds]
+        periods = [max(f, round(self.period * s / fastest / f) * f) for s in self.speeds]
+        for j in range(self.world if least else 0):
+            while periods[j] < self.period and periods[j] // f - self._lead(periods[j]) <= least:
+                periods[j] += f
+        self.periods = periods
 
     def drain(self) -> None:
         """Wait for the gather in flight; its values are read at the next merge (every worker reads them there,
