@@ -171,18 +171,22 @@ def replay(model, params, steps, n=N, island=1):
     """DiLoCo (Douillard et al. 2023, Alg. 1) / Streaming DiLoCo (2025, Alg. 1) for n workers in one process,
     written from the papers: the outer step is Nesterov momentum written out (b ← μb + Δ; θ ← θ − lr(Δ + μb)).
     `island` > 1: n / island replicas, each trained by data parallelism over `island` workers' batches (the mean
-    of their gradients); returns one model per worker (a replica's for each of its workers)."""
+    of their gradients); a tuple: islands of those sizes (ranks in order), the outer gradient the mean over the
+    n workers (island i's weighted by A n_i / n before the mean over the A islands); returns one model per worker
+    (a replica's for each of its workers)."""
     if params.get("eager"):
-        return replay_eager(model, params, steps, n)[0]
+        return replay_eager(model, params, steps, n, island)[0]
     H, F = params["period"], params.get("fragments", 1)
     tau, alpha = params.get("overlap", 0), params.get("alpha", 0.0)
     lr, mu = (({**outer_defaults(H, "adamw"), **params})[k] for k in ("outer_lr", "outer_momentum"))
     wl = workloads.get("linreg")
     shards = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
-    n //= island
+    sizes = [island] * (n // island) if isinstance(island, int) else list(island)
+    weights = [m * len(sizes) / n for m in sizes]       # 1 for equal islands
+    n = len(sizes)
     models = [_model(model) for _ in range(n)]
     opts = [_inner(m, "adamw") for m in models]
-    loaders = [_Island(shards[r * island:(r + 1) * island]) for r in range(n)]
+    loaders = [_Island(shards[sum(sizes[:r]):sum(sizes[:r + 1])]) for r in range(n)]
     ps = [list(m.parameters()) for m in models]
     flat = lambda r: torch.cat([p.detach().reshape(-1) for p in ps[r]])     # noqa: E731
     theta = flat(0).clone()                         # θ, the model flattened in model order
@@ -193,14 +197,14 @@ def replay(model, params, steps, n=N, island=1):
     for t in range(1, steps + 1):
         for r in range(n):
             for xb, yb in loaders[r].next():      # the island's mean gradient
-                (wl.loss(models[r](xb), yb) / island).backward()
+                (wl.loss(models[r](xb), yb) / sizes[r]).backward()
             opts[r].step()
             opts[r].zero_grad()
         with torch.no_grad():
             if (t + tau) % K == 0:          # fragment f's outer gradient, averaged (sent τ steps before use)
                 f = ((t + tau) // K - 1) % F
                 lo, hi = bounds[f], bounds[f + 1]
-                pending = (f, sum(theta[lo:hi] - flat(r)[lo:hi] for r in range(n)) / n)
+                pending = (f, sum(weights[r] * (theta[lo:hi] - flat(r)[lo:hi]) for r in range(n)) / n)
             if t % K == 0:
                 f, d = pending
                 lo, hi = bounds[f], bounds[f + 1]
@@ -211,7 +215,7 @@ def replay(model, params, steps, n=N, island=1):
                     new = flat(r)
                     new[lo:hi] = alpha * new[lo:hi] + (1 - alpha) * theta[lo:hi]
                     torch.nn.utils.vector_to_parameters(new, ps[r])
-    return [flat(r) for r in range(n) for _ in range(island)]
+    return [flat(r) for r in range(n) for _ in range(sizes[r])]
 
 
 def replay_dynamic(model, params, rounds, n=N):
@@ -254,18 +258,23 @@ class _Island:
         return [loader.next() for loader in self.loaders]
 
 
-def replay_eager(model, params, steps, n=N):
+def replay_eager(model, params, steps, n=N, island=1):
     """Eager updates (Kale, Douillard, Donchev 2025, arXiv 2502.12996) on the staggered fragments of Streaming
     DiLoCo, for n workers in one process: at fragment f's round t worker m takes Δ_m^t = θ_m − x_m, steps its own
     θ_m with Δ_m^t/n + (Δ^(t−1) − Δ_m^(t−1)/n) (Δ^(t−1): the average of the previous round) and goes on from it.
-    Returns (the models before close, the model every worker holds after close: the last averages' others' shares
-    applied, then the workers' models averaged)."""
+    `island`: as `replay`'s (replicas of islands, each Δ_m weighted by A n_m / n). Returns (the models before close,
+    the model every worker holds after close: the last averages' others' shares applied, then the workers' models
+    averaged)."""
     H, F = params["period"], params.get("fragments", 1)
     lr, mu = (({**outer_defaults(H, "adamw"), **params})[k] for k in ("outer_lr", "outer_momentum"))
     wl = workloads.get("linreg")
+    shards = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
+    sizes = [island] * (n // island) if isinstance(island, int) else list(island)
+    weights = [m * len(sizes) / n for m in sizes]       # 1 for equal islands
+    workers, n = n, len(sizes)
     models = [_model(model) for _ in range(n)]
     opts = [_inner(m, "adamw") for m in models]
-    loaders = [workloads.ShardLoader(*wl.shard(r, n), 16, seed=0, rank=r) for r in range(n)]
+    loaders = [_Island(shards[sum(sizes[:r]):sum(sizes[:r + 1])]) for r in range(n)]
     ps = [list(m.parameters()) for m in models]
     flat = lambda r: torch.cat([p.detach().reshape(-1) for p in ps[r]])     # noqa: E731
     theta = [flat(0).clone() for _ in range(n)]     # each worker's own θ and momentum
@@ -282,8 +291,8 @@ def replay_eager(model, params, steps, n=N):
 
     for t in range(1, steps + 1):
         for r in range(n):
-            xb, yb = loaders[r].next()
-            wl.loss(models[r](xb), yb).backward()
+            for xb, yb in loaders[r].next():      # the island's mean gradient
+                (wl.loss(models[r](xb), yb) / sizes[r]).backward()
             opts[r].step()
             opts[r].zero_grad()
         if t % K:
@@ -291,7 +300,7 @@ def replay_eager(model, params, steps, n=N):
         with torch.no_grad():
             f = (t // K - 1) % F
             lo, hi = bounds[f], bounds[f + 1]
-            own = [theta[r][lo:hi] - flat(r)[lo:hi] for r in range(n)]
+            own = [weights[r] * (theta[r][lo:hi] - flat(r)[lo:hi]) for r in range(n)]
             for r in range(n):
                 g = own[r] / n
                 if avg_prev[f] is not None:
@@ -302,7 +311,7 @@ def replay_eager(model, params, steps, n=N):
                 torch.nn.utils.vector_to_parameters(new, ps[r])
                 own_prev[r][f] = own[r]
             avg_prev[f], stepped[f] = sum(own) / n, True
-    before = [flat(r) for r in range(n)]
+    before = [flat(r) for r in range(n) for _ in range(sizes[r])]
     with torch.no_grad():
         for f in range(F):
             if avg_prev[f] is None:
@@ -314,7 +323,7 @@ def replay_eager(model, params, steps, n=N):
                 new = flat(r)
                 new[lo:hi] += theta[r][lo:hi] - old
                 torch.nn.utils.vector_to_parameters(new, ps[r])
-    return before, sum(flat(r) for r in range(n)) / n
+    return before, sum(sizes[r] * flat(r) for r in range(n)) / workers
 
 
 def close(a, b, tol=1e-10):
@@ -391,6 +400,44 @@ def test_hierarchical_diloco_replays_data_parallel_islands(pool4):
     flat = [r["flat"] for r in results]
     assert [f["bytes_across"] > 0 for f in flat] == [False, True, False, True]
     assert sum(f["bytes_across"] for f in flat) / flat[0]["syncs"] == 1.5 * sum(h["bytes_across"] for h in hier) / hier[0]["syncs"]
+
+
+UNEVEN = "islands:1+3,inside=lan,across=lan"      # an island of one worker beside one of three
+UNEVEN_CASES = {"diloco H=3 islands": ("linreg", {"period": 3, "replicas": "island"}, 9),
+                "streaming F=2 τ=1 islands": HIERARCHICAL["streaming F=2 τ=1 islands"],
+                "eager F=2 islands": ("mlp", {"period": 4, "fragments": 2, "eager": True, "replicas": "island",
+                                              **PAPER}, 11)}
+
+
+def _uneven(rank, world):
+    return {name: _run(rank, world, "diloco", params, steps, model=model, inner="adamw")
+            for name, (model, params, steps) in UNEVEN_CASES.items()}
+
+
+def test_hierarchical_diloco_on_islands_of_different_sizes(pool4):
+    """replicas=island on islands:1+3: the outer gradient is the mean over all four workers' (the island of three
+    weighs 3/4, the lone worker 1/4), a replay with size weights (streaming and eager too); after a merge every
+    worker holds the same model. The lone worker and worker 0 of the other island (the smallest island's size: one shard) carry the
+    whole Δ across; the island's other two send nothing over the thin link."""
+    results = pool4.run(_uneven, network=UNEVEN)
+    for name, (model, params, steps) in UNEVEN_CASES.items():
+        want = replay(model, params, steps, island=(1, 3))
+        for rank, r in enumerate(results):
+            assert close(r[name][0], want[rank]), (name, rank, float((r[name][0] - want[rank]).abs().max()))
+        afters = [r[name][1] for r in results]
+        assert all(torch.equal(afters[0], a) for a in afters[1:]), name
+        assert results[0][name][2]["replicas_averaged"] == 2
+        if params.get("eager"):     # own shares weighted as the average weighs them; close(): the workers' mean
+            assert close(afters[0], replay_eager(model, params, steps, island=(1, 3))[1]), name
+    # H = 3, 9 steps: the run ends on a merge (α = 0), every worker holding the same θ (the islands' plain mean
+    # would be 0.03 away from it)
+    h3 = [r["diloco H=3 islands"] for r in results]
+    assert all(torch.equal(h3[0][0], h[0]) for h in h3[1:])
+    # per sync the 16-element float64 Δ (128 bytes) crosses in a ring of two: 128 bytes from each of ranks 0, 1
+    hier = [h[2] for h in h3]
+    assert [h["bytes_across"] for h in hier] == [hier[0]["syncs"] * 128] * 2 + [0.0] * 2 and hier[0]["syncs"] == 3
+    assert hier[0]["bytes_sent"] == hier[0]["bytes_across"]       # an island of one: no inner all-reduce
+    assert all(h["bytes_sent"] > h["bytes_across"] for h in hier[1:])
 
 
 # -- compressed pseudo-gradients: nothing lost, only delayed -------------------------------------------------

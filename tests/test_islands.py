@@ -1,6 +1,6 @@
-"""Two-tier networks (`islands:AxB,inside=...,across=...`): the spec, and every message charged on the link it
-crosses — a collective on its group's path, a point-to-point message on the link between its two ranks, each on
-that link's queue — with the bytes over the thin link metered apart."""
+"""Two-tier networks (`islands:AxB,inside=...,across=...`, or islands of different sizes `islands:A+B,...`): the spec,
+and every message charged on the link it crosses — a collective on its group's path, a point-to-point message on the
+link between its two ranks, each on that link's queue — with the bytes over the thin link metered apart."""
 from __future__ import annotations
 
 import pytest
@@ -36,8 +36,47 @@ def test_the_spec_and_the_paths():
                                                                        "home"]
 
 
+def test_islands_of_different_sizes():
+    """`islands:2+4`: ranks 0-1 island 0, ranks 2-5 island 1; `size` the largest; AxB is B, A times."""
+    n = parse_network("islands:2+4,inside=dc,across=world")
+    assert (n.islands, n.size, n.sizes, n.workers, n.equal) == (2, 4, (2, 4), 6, False)
+    assert n.name == "islands:2+4,inside=dc,across=world" and n.inside.name == "dc" and n.across.name == "world"
+    assert [n.island(r) for r in range(6)] == [0, 0, 1, 1, 1, 1] and list(n.ranks(1)) == [2, 3, 4, 5]
+    assert n.path([0, 1]) == n.inside and n.path([2, 5]) == n.inside and n.path([1, 2]) == n.across
+    assert n.between(3, 4) == n.inside and n.between(0, 5) == n.across
+    # a ring 0 → ... → 5 → 0 crosses the thin link at 1 → 2 and 5 → 0
+    assert [n.ring_crossing(list(range(6)), i) for i in range(6)] == [False, True, False, False, False, True]
+    assert n.handshaking().sizes == (2, 4) and n.to_dict()["sizes"] == (2, 4)
+    three = parse_network("islands:3+1+2")
+    assert three.sizes == (3, 1, 2) and [three.island(r) for r in range(6)] == [0, 0, 0, 1, 2, 2]
+    eq = parse_network("islands:2x3")
+    assert eq.sizes == (3, 3) and eq.equal and "sizes" not in eq.to_dict()
+    with pytest.raises(UserError, match="islands of 2\\+4 workers = 6; --workers is 4"):
+        n.check_workers(4)
+    # refused before any worker starts, in one line
+    from thinwire.run.train import TrainConfig
+    with pytest.raises(UserError, match="2\\+4 workers = 6") as e:
+        TrainConfig(workload="digits-mlp", algorithm="diloco", workers=4, network="islands:2+4").validate()
+    assert "\n" not in str(e.value)
+
+
+def test_the_planner_on_islands_of_different_sizes():
+    """Hierarchical DiLoCo's sync: the smallest island's workers carry the largest shards across (2+4 sends as
+    2x2 does); an inner step waits for the largest island's all-reduce (2+4 as 2x4)."""
+    from thinwire.plan.costmodel import Scenario
+    from thinwire.plan.diloco import fragment_sync, inside_step_s, plan_diloco
+    uneven, small, large = (parse_network(f"islands:{s},inside=dc,across=world") for s in ("2+4", "2x2", "2x4"))
+    s = Scenario(params=1e6, compute_s=0.1, link=uneven, workers=6)
+    assert fragment_sync(s, "none", "gloo", 1, uneven) == fragment_sync(s, "none", "gloo", 1, small)
+    assert inside_step_s(s, uneven) == inside_step_s(s, large) > inside_step_s(s, small)
+    p = plan_diloco(s, uneven)
+    assert p.replicas == "island" and p.iteration_s > 0
+
+
 @pytest.mark.parametrize("spec", ["islands:", "islands:2", "islands:2x", "islands:0x2", "islands:2x2,inside=moon",
-                                  "islands:2x2,over=dc", "islands:2x2,across=10mbit", "islands:2x2,across=x@1ms"])
+                                  "islands:2x2,over=dc", "islands:2x2,across=10mbit", "islands:2x2,across=x@1ms",
+                                  "islands:4", "islands:2+", "islands:+2", "islands:2+0", "islands:2+x",
+                                  "islands:2+2x2", "islands:2+4,inside=moon"])
 def test_bad_island_specs(spec):
     with pytest.raises(UserError):
         parse_network(spec)

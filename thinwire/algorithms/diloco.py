@@ -208,11 +208,10 @@ class DiLoCo(Membership, Algorithm):
         if groups is None:
             self.exchange = self.make_exchange()
         else:       # the outer sync among the islands' j-th workers; the inner steps' gradients inside the island
-            inside, column = groups
+            self.island, column = groups
             self.exchange = self.ctx.exchange(self.exchange_class, transport=column)
-            self.inner = self.ctx.exchange(self.exchange_class, "none", "none", transport=inside)
+            self.inner = self.ctx.exchange(self.exchange_class, "none", "none", transport=self.island.inside)
             self._exchanges += [self.exchange, self.inner]
-            self.island = IslandReplica(inside)
             self.grads: dict = {}       # bucket index -> the future of its mean gradient over the island
         self.frags = Fragments(self.params, self.fragments)
         # θ per segment (a parameter's elements in one fragment): the same on every worker
@@ -231,8 +230,8 @@ class DiLoCo(Membership, Algorithm):
         self._dirty = [False] * self.fragments   # the fragment's parameters differ from θ
         self._sync_clock: _SyncClock | None = None
         self.sync_times: list[float] = []   # each fragment sync, from its first piece's start to its last's delivery
-        self.eager_rounds = EagerRounds(self.frags, self.anchor, self.outer, self.exchange, self.sync_times) \
-            if self.eager else None
+        self.eager_rounds = EagerRounds(self.frags, self.anchor, self.outer, self.exchange, self.sync_times,
+                                        self.island and self.island.replicas) if self.eager else None
         if self.rates is not None and len(self.rates) != self.world_size:
             raise UserError(f"diloco rates gives {len(self.rates)} speeds for {self.world_size} workers")
         self.rounds = DynamicRounds(self.transport, self.period, self.fragments, self.overlap, self.rates) \
@@ -282,7 +281,7 @@ class DiLoCo(Membership, Algorithm):
         else:       # this worker's shard of the island's Δ across the thin link, the island gathers the rest
             sent, fut = self.island.start(self.exchange, delta, self.frags.key(bucket, f))
         if self.eager_rounds is not None:     # the own share stands in for the average until it arrives
-            self.eager_rounds.keep(piece, delta)
+            self.eager_rounds.keep(piece, delta if self.island is None else delta * self.island.weight)
         if not self._pending:       # a fragment's sync begins: time it until its last piece is delivered
             self._sync_clock = _SyncClock()
         self._sync_clock.watch(sent)       # (over the thin link; never a future that communicates on completion)
@@ -391,7 +390,8 @@ class DiLoCo(Membership, Algorithm):
         more = {} if self.rounds is None else {"dynamic": True, "round_periods": self.rounds.history}
         return {**super().metrics(), **more, "period": self.period, "fragments": self.fragments, "overlap": self.overlap,
                 "alpha": self.alpha, "eager": self.eager, "replicas": self.replicas,
-                "replicas_averaged": self.exchange.world_size, "outer_optimizer": self.outer_spec or
+                "replicas_averaged": self.exchange.world_size if self.island is None else self.island.replicas,
+                "outer_optimizer": self.outer_spec or
                 f"sgd(lr={self.outer_lr}, momentum={self.outer_momentum}, nesterov={self.nesterov})",
                 "syncs": self.syncs, "fragment_params": [b - a for a, b in zip(bounds, bounds[1:])],
                 "sync_s": statistics.median(self.sync_times) if self.sync_times else None}

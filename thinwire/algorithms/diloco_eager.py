@@ -31,9 +31,11 @@ class EagerRounds:
     """Per fragment, the average in flight (started a round ago), this worker's own shares of it and its sync
     clock; the own outer gradients of the pieces started this step (`current`)."""
 
-    def __init__(self, frags: Fragments, anchor: list, outer, exchange, sync_times: list[float]):
+    def __init__(self, frags: Fragments, anchor: list, outer, exchange, sync_times: list[float],
+                 replicas: int | None = None):
         self.frags, self.fragments, self.anchor = frags, frags.count, anchor
         self.outer, self.exchange, self.sync_times = outer, exchange, sync_times
+        self.replicas = replicas        # M (None: the exchange's ranks; hierarchical DiLoCo: the islands)
         self.reset()
 
     def reset(self) -> None:
@@ -51,7 +53,7 @@ class EagerRounds:
     def round(self, f: int, pending: list, clock) -> None:
         """Fragment f's round: θ ← OuterOpt(θ, Δ_m/M + (Δ_prev − Δ_m,prev/M)) at once, the worker's fragment ← θ;
         this round's average (`pending`, timed by `clock`) stays in flight until f's next round."""
-        m = self.exchange.world_size          # the replicas averaged
+        m = self.replicas or self.exchange.world_size          # the replicas averaged
         ks = self.frags.by_fragment[f]
         own = {k: self.current.pop(k) for k in ks if k in self.current}
         grads = {k: d / m for k, d in own.items()}
@@ -71,7 +73,7 @@ class EagerRounds:
 
     def _apply_delayed(self, f: int, grads: dict) -> None:
         """Add to `grads` the others' shares of fragment f's previous average: Δ_prev − Δ_m,prev / M."""
-        m = self.exchange.world_size
+        m = self.replicas or self.exchange.world_size
         for piece, fut in self.inflight[f]:
             for k, avg in zip(piece, views(fut.wait(), [self.anchor[k] for k in piece])):
                 own = self.own[f].get(k)

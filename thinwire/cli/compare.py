@@ -49,7 +49,7 @@ def register(sub) -> None:
                                         f"({', '.join(peers.names())}), comma- or ';'-separated")
     g.add_argument("--preset", help=f"a named matrix: {', '.join(presets.names())}")
     p.add_argument("--network", help="comma-separated profiles (lan, dc, cluster, wan, world, home, custom:..., "
-                                     "islands:AxB,inside=NET,across=NET; separate custom specs with ';')")
+                                     "islands:AxB or A+B,inside=NET,across=NET; separate custom specs with ';')")
     p.add_argument("--speeds", metavar="SPEC[;SPEC...]",
                    help="emulated worker speeds, a dimension of the matrix beside the network: per profile, factors "
                         "per worker (1,1,1,0.5), two speeds A:B, or a name (thinwire list); several separated by "

@@ -128,7 +128,8 @@ def register(sub) -> None:
                    help="parameter-server ranks (algorithms on the PS; default 1 there)")
     p.add_argument("--network", default="lan",
                    help="lan, dc, cluster, wan, world, home, custom:bandwidth=200mbit,latency=25ms,jitter=5ms or "
-                        "islands:2x2,inside=dc,across=world (two islands of two workers)")
+                        "islands:2x2,inside=dc,across=world (two islands of two workers; islands:2+4,... "
+                        "two of 2 and 4)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--epochs", type=float, help="epochs over the training set (default: the workload's)")
     g.add_argument("--steps", type=int, help="number of steps")

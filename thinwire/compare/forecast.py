@@ -202,7 +202,8 @@ def predict_race(tuned: dict, cells: list, cfg, baseline: dict, speeds: str | No
                 net = parse_network(network)
                 if ran.params.get("replicas") == "island" and isinstance(net, Islands) and net.size > 1:
                     # each replica data parallel over its island's m workers: between one worker (1) and all n
-                    factor *= SYNC_STEPS ** (math.log(net.size) / math.log(cfg.workers))
+                    # (islands of different sizes: m = n / A, as many replicas as islands)
+                    factor *= SYNC_STEPS ** (math.log(net.workers / net.islands) / math.log(cfg.workers))
                 p["steps"] = steps_ref * factor
                 p["time_to_target_s"] = p["steps"] * p["step_s"]
                 p["within_budget"] = cfg.budget_s is None or p["time_to_target_s"] <= cfg.budget_s

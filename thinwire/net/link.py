@@ -1,6 +1,8 @@
 """A network link: bandwidth, one-way latency, jitter and loss; named profiles and `custom:` specs."""
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -105,7 +107,7 @@ def parse_bandwidth(text: str) -> float:
 def parse_network(spec: "str | Link | None") -> Link:
     """A profile name (`lan`, `dc`, `cluster`, `wan`, `world`, `home`),
     `custom:bandwidth=200mbit,latency=25ms,jitter=5ms,loss=0.01` (each key optional), or a two-tier network
-    `islands:2x2,inside=dc,across=world` (an `Islands`).
+    `islands:2x2,inside=dc,across=world` or `islands:2+4,...` (an `Islands`).
 
     Args:
         spec: the name or spec (None: "lan"), or a `Link`, returned as it is.
@@ -151,7 +153,7 @@ def parse_network(spec: "str | Link | None") -> Link:
     if spec.startswith("islands:"):
         return parse_islands(spec)
     raise UserError(f"unknown network {spec!r}; valid: {', '.join(PROFILES)}, custom:bandwidth=...,latency=...,jitter=...,"
-                    f"loss=..., islands:AxB,inside=NET,across=NET")
+                    f"loss=..., islands:AxB,inside=NET,across=NET (or islands:A+B,...)")
 
 
 @dataclass(frozen=True)
@@ -160,31 +162,58 @@ class Islands(Link):
 
         islands:2x2,inside=dc,across=world
 
-    is 2 islands of 2 workers, `dc` inside an island, `world` between them.
+    is 2 islands of 2 workers, `dc` inside an island, `world` between them; `islands:2+4,...` two islands of
+    different sizes, 2 and 4 workers (`sizes`; `size` is then the largest, and `islands:AxB` is `sizes` B, A times).
 
-    Ranks are laid out island by island (ranks 0..m-1 are island 0, m..2m-1 island 1, ...). A message between two
-    ranks of one island is charged on `inside`, any other on `across`. Each worker has its own path across, as on a
-    flat network (a flat `world` is `islands:4x1,across=world`): its traffic to another site queues behind its own
-    earlier traffic to other sites, not behind its island's neighbours'. Its own bandwidth, latency, jitter and loss
-    are the thin link's, so code that sees a network as one link (a scheduler's heuristics, a planner asked about
-    the bottleneck) sees the link that decides: a collective over ranks of several islands steps at the pace of
-    its slowest hop. `path(members)` is the link a group's collectives cross, `between(a, b)` a message's, and
+    Ranks are laid out island by island (ranks 0..m0-1 are island 0, the next m1 island 1, ...). A message between
+    two ranks of one island is charged on `inside`, any other on `across`. Each worker has its own path across, as
+    on a flat network (a flat `world` is `islands:4x1,across=world`): its traffic to another site queues behind its
+    own earlier traffic to other sites, not behind its island's neighbours'. Its own bandwidth, latency, jitter and
+    loss are the thin link's, so code that sees a network as one link (a scheduler's heuristics, a planner asked
+    about the bottleneck) sees the link that decides: a collective over ranks of several islands steps at the pace
+    of its slowest hop. `path(members)` is the link a group's collectives cross, `between(a, b)` a message's, and
     `crosses(a, b)` whether it goes over the thin link (the bytes a report counts apart). Inside/across are profile
     names or `BANDWIDTH@LATENCY` (`10mbit@100ms`)."""
 
     islands: int = 1
     size: int = 1
     inside: Link = field(default_factory=Link)
+    sizes: tuple = field(default=(), repr=False)   # each island's workers (given: sets `islands` and `size`)
 
     def __post_init__(self):
         super().__post_init__()
+        for v in self.sizes:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"workers per island must be integers >= 1, got {v!r}")
+        if self.sizes:
+            object.__setattr__(self, "sizes", tuple(self.sizes))
+            object.__setattr__(self, "islands", len(self.sizes))
+            object.__setattr__(self, "size", max(self.sizes))
         for what, v in (("islands", self.islands), ("workers per island", self.size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UserError(f"{what} must be an integer >= 1, got {v!r}")
+        if not self.sizes:
+            object.__setattr__(self, "sizes", (self.size,) * self.islands)
 
     @property
     def workers(self) -> int:
-        return self.islands * self.size
+        return sum(self.sizes)
+
+    @property
+    def equal(self) -> bool:
+        """Whether every island has `size` workers (`islands:AxB`)."""
+        return min(self.sizes) == self.size
+
+    def ranks(self, i: int) -> range:
+        """The global ranks of island i."""
+        start = sum(self.sizes[:i])
+        return range(start, start + self.sizes[i])
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        if self.equal:          # (`islands` and `size` say it all)
+            del out["sizes"]
+        return out
 
     @property
     def across(self) -> Link:
@@ -197,7 +226,8 @@ class Islands(Link):
         return super().emulated or self.inside.emulated
 
     def island(self, rank: int) -> int:
-        return rank // self.size
+        """The island of global rank `rank`."""
+        return bisect.bisect_right(list(itertools.accumulate(self.sizes)), rank)
 
     def crosses(self, a: int, b: int) -> bool:
         """Whether a message between global ranks a and b goes over the thin link."""
@@ -229,9 +259,13 @@ class Islands(Link):
         return replace(self, latency=2 * self.latency, inside=self.inside.handshaking())
 
     def check_workers(self, n: int, what: str = "--workers") -> None:
-        if n != self.workers:
+        if n == self.workers:
+            return
+        if self.equal:
             raise UserError(f"network {self.name} has {self.islands} islands of {self.size} workers = "
                             f"{self.workers}; {what} is {n} (give {what} {self.workers}, or islands:AxB with A·B = {n})")
+        raise UserError(f"network {self.name} has islands of {'+'.join(map(str, self.sizes))} workers = "
+                        f"{self.workers}; {what} is {n} (give {what} {self.workers}, or island sizes summing to {n})")
 
 
 def _tier(text: str, key: str, spec: str) -> Link:
@@ -246,14 +280,14 @@ def _tier(text: str, key: str, spec: str) -> Link:
 
 
 def parse_islands(spec: str) -> Islands:
-    """`islands:AxB[,inside=NET][,across=NET]`: A islands of B workers (inside: `dc`, across: `world` unless
-    given)."""
+    """`islands:AxB[,inside=NET][,across=NET]`: A islands of B workers; `islands:A+B+...`: islands of A, B, ...
+    workers (at least two), ranks in that order (inside: `dc`, across: `world` unless given)."""
     body = spec.removeprefix("islands:")
     shape, *items = [s.strip() for s in body.split(",")]
     m = re.fullmatch(r"(\d+)x(\d+)", shape)
-    if not m:
-        raise UserError(f"malformed network {spec!r}: expected islands:AxB (A islands of B workers), e.g. "
-                        f"islands:2x2,inside=dc,across=world")
+    if not m and not re.fullmatch(r"\d+(\+\d+)+", shape):
+        raise UserError(f"malformed network {spec!r}: expected islands:AxB (A islands of B workers) or islands:A+B "
+                        f"(islands of A and B workers), e.g. islands:2x2,inside=dc,across=world")
     tiers = {"inside": "dc", "across": "world"}
     for item in filter(None, items):
         key, eq, value = (s.strip() for s in item.partition("="))
@@ -261,6 +295,9 @@ def parse_islands(spec: str) -> Islands:
             raise UserError(f"malformed network {spec!r}: {item!r}; valid keys: inside, across")
         tiers[key] = value
     inside, across = (_tier(tiers[k], k, spec) for k in ("inside", "across"))
-    name = f"islands:{m.group(1)}x{m.group(2)},inside={tiers['inside']},across={tiers['across']}"
+    shape = {"islands": int(m.group(1)), "size": int(m.group(2))} if m else \
+        {"sizes": tuple(int(v) for v in shape.split("+"))}
+    written = f"{m.group(1)}x{m.group(2)}" if m else "+".join(map(str, shape["sizes"]))
+    name = f"islands:{written},inside={tiers['inside']},across={tiers['across']}"
     return Islands(bandwidth=across.bandwidth, latency=across.latency, jitter=across.jitter, loss=across.loss,
-                   name=name, islands=int(m.group(1)), size=int(m.group(2)), inside=inside)
+                   name=name, inside=inside, **shape)

@@ -9,7 +9,9 @@ H and how the sync is hidden behind inner steps:
   pays a round trip per step, `Link.handshaking`; thinwire's point-to-point algorithms one latency per message), or
   gloo's ring all-gather for a payload that is gathered (fp4). On a two-tier network with islands of m workers
   (`replicas="island"`, hierarchical DiLoCo) each worker sends its N/(F m) shard over the thin link among the A
-  islands, and the island gathers the shards over its fast link.
+  islands, and the island gathers the shards over its fast link; with islands of different sizes m is the
+  smallest island's (its workers carry the largest shards), and an inner step waits for the largest island's
+  gradient all-reduce.
 - **The τ rule** (Streaming DiLoCo's overlap, Douillard et al. 2025, arXiv 2501.18512 §2.3): τ = ⌈C_F / τ_c⌉
   inner steps hide the sync, so the fragment's pseudo-gradient is taken τ steps before it is needed; τ must stay
   below K = H/F (one fragment in flight) and at most K/2 (the merge mixes the fragment's last τ local steps with the
@@ -141,8 +143,8 @@ def fragment_sync(s: Scenario, compressor: str, allreduce: str, fragments: int,
                   islands: Islands | None = None) -> tuple[float, Cost]:
     """(compression time, collective cost) of one fragment's outer sync for one worker."""
     n, link, numel = s.workers, s.link, s.params / fragments
-    if islands is not None and islands.size > 1:
-        n, link, numel = islands.islands, islands.across, numel / islands.size
+    if islands is not None and islands.size > 1:     # the shard of a worker of the smallest island
+        n, link, numel = islands.islands, islands.across, numel / min(islands.sizes)
     delta = 0.0 if compressor == "none" else replace(s, params=numel).compress_s(compressor)
     if compressor == "none":
         coll, payload = "allreduce", numel * s.bytes_per_param
@@ -161,7 +163,8 @@ def fragment_sync(s: Scenario, compressor: str, allreduce: str, fragments: int,
 
 
 def inside_step_s(s: Scenario, islands: Islands | None) -> float:
-    """The island's gradient all-reduce an inner step of hierarchical DiLoCo waits for (gloo's ring, inside)."""
+    """The island's gradient all-reduce an inner step of hierarchical DiLoCo waits for (gloo's ring, inside; the
+    largest island's, the slowest)."""
     if islands is None or islands.size <= 1:
         return 0.0
     return netcost.ring_allreduce(islands.inside.handshaking(), islands.size, s.nbytes).time
