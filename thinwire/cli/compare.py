@@ -6,6 +6,8 @@ training time, with results.json, report.md and PNG plots in --out DIR.
   thinwire compare --workload digits-mlp --algorithms bsp,dts,ddp --network lan,wan --budget 60 --seeds 3
   thinwire compare --algorithms "bsp; bsp+topk:ratio=0.01,memory=residual" --network wan --workers 4
   thinwire compare --resume results/demo            # run the cells an interrupted matrix is missing
+  torchrun --nnodes 2 --nproc-per-node 1 ... -m thinwire compare --algorithms "bsp;localsgd" --budget 30
+                                                    # on your machines (docs/multi-host.md)
 """
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import json
 import sys
 from dataclasses import replace
 
-from ..compare import CompareConfig, compare, peers, presets
+from ..compare import CompareConfig, cluster, compare, peers, presets
 from ..errors import UserError
 from ..files import check_writable_dir
+from ..launcher import init, under_torchrun
 from ..run.user import canonical
+from .train import exit_past_gloo
 
 
 def _split(text: str, continues) -> list[str]:
@@ -49,12 +53,14 @@ def register(sub) -> None:
                                         f"({', '.join(peers.names())}), comma- or ';'-separated")
     g.add_argument("--preset", help=f"a named matrix: {', '.join(presets.names())}")
     p.add_argument("--network", help="comma-separated profiles (lan, dc, cluster, wan, world, home, custom:..., "
-                                     "islands:AxB or A+B,inside=NET,across=NET; separate custom specs with ';')")
+                                     "islands:AxB or A+B,inside=NET,across=NET; separate custom specs with ';'; "
+                                     "under torchrun: lan by default, the network between the processes as it is)")
     p.add_argument("--speeds", metavar="SPEC[;SPEC...]",
                    help="emulated worker speeds, a dimension of the matrix beside the network: per profile, factors "
                         "per worker (1,1,1,0.5), two speeds A:B, or a name (thinwire list); several separated by "
                         "';' (default: equal). The no-communication reference races the same speeds")
-    p.add_argument("--workers", type=int, help="workers per cell (default: the preset's, else 4)")
+    p.add_argument("--workers", type=int, help="workers per cell (default: the preset's, else 4; under torchrun: "
+                                                "the processes it started)")
     p.add_argument("--epochs", type=float, help="an upper bound on the epochs of a cell (default: none with a budget, "
                                                 "else the workload's)")
     p.add_argument("--target", type=float, help="the target metric, accuracy or loss (default: the workload's)")
@@ -96,27 +102,60 @@ def config_from_args(args):
         cfg = CompareConfig(cells=split_cells(args.algorithms))  # digits-mlp, 4 workers, wan
     else:
         raise UserError(f"give --algorithms a,b,... or --preset NAME ({', '.join(presets.names())})")
-    given = dict(workload=canonical(args.workload) if args.workload else None, workers=args.workers,
+    torchrun = under_torchrun()     # every process torchrun started is a worker, on the network as it is
+    given = dict(workload=canonical(args.workload) if args.workload else None,
+                 workers=args.workers if args.workers is not None or not torchrun else cluster.world_size(),
                  target=args.target, budget_s=args.budget, epochs=args.epochs,
-                 networks=_networks(args.network) if args.network else None, seeds=getattr(args, "seeds", None),
+                 networks=_networks(args.network) if args.network else ["lan"] if torchrun else None,
+                 seeds=getattr(args, "seeds", None),
                  speeds=[s.strip() for s in args.speeds.split(";")] if getattr(args, "speeds", None) else None)
     return replace(cfg, **{k: v for k, v in given.items() if v is not None}, seed=args.seed, trace=args.trace,
                    netem=args.netem, preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
-                   eval_every=getattr(args, "eval_every", None), device=getattr(args, "device", "cpu")).validate()
+                   eval_every=getattr(args, "eval_every", None), device=getattr(args, "device", "cpu"),
+                   torchrun=torchrun).validate()
 
 
 def run(args) -> int:
+    if under_torchrun():
+        return _run_torchrun(args)
+    return _race(args)
+
+
+def _run_torchrun(args) -> int:
+    """Under torchrun (the same command on every node): every rank checks the flags (the same refusals everywhere,
+    before any rendezvous); rank 0 runs the race on the processes torchrun started and writes the report
+    (`thinwire.compare.cluster`), the others follow it; every rank exits with rank 0's status."""
+    cfg = _resume_flags(args) if args.resume else config_from_args(args)
+    rank, world = init("lan", seed=args.seed)
+    if rank:
+        exit_past_gloo(cluster.follow(rank, world))
+    pool, code, error = cluster.ClusterPool(world), 1, None
+    try:
+        code = _race(args, cfg, pool)
+    except UserError as e:
+        code, error = 2, str(e)
+        print(f"thinwire: error: {e}", file=sys.stderr)
+    finally:
+        pool.close(code, error)
+    exit_past_gloo(code)
+
+
+def _resume_flags(args) -> None:
+    if args.preset or args.algorithms or args.network or getattr(args, "speeds", None):
+        raise UserError("--resume DIR continues the matrix stored in DIR; give no --preset/--algorithms/--network/"
+                        "--speeds")
+
+
+def _race(args, cfg=None, pool=None) -> int:
     if args.resume:
-        if args.preset or args.algorithms or args.network or getattr(args, "speeds", None):
-            raise UserError("--resume DIR continues the matrix stored in DIR; give no --preset/--algorithms/--network/"
-                            "--speeds")
+        _resume_flags(args)
         check_writable_dir(args.resume, "--resume")
-        out, results = args.resume, compare(None, args.resume, resume=True)
+        out, results = args.resume, compare(None, args.resume, resume=True, pool=pool)
     else:
-        cfg = config_from_args(args)
+        cfg = cfg or config_from_args(args)
         out = "results/compare" if args.out is None else args.out
         check_writable_dir(out, "--out")  # before the first cell: never lose the matrix to a bad path
-        results = compare(cfg, out)
+        results = compare(cfg, out, pool=pool)
     if args.json:
         print(json.dumps(results, indent=1))
     else:

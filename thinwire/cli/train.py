@@ -83,7 +83,7 @@ def run(args) -> int:
         print(f"thinwire: joined the elastic job at {cfg.join} as member {mine['rank']}: steps "
               f"{steps[0]['step'] if steps else '-'}..{steps[-1]['step'] if steps else '-'}, final "
               f"{mine['final']:.4f} (the job's launcher writes the summary)", file=sys.stderr)
-        _exit_past_gloo()
+        exit_past_gloo()
     torchrun = under_torchrun()
     if torchrun:
         rank, world = init(cfg.network, seed=cfg.seed, device=cfg.device)
@@ -98,21 +98,21 @@ def run(args) -> int:
             if args.out:
                 print(f"  written to        {args.out}/summary.json, {args.out}/metrics.jsonl")
     if torchrun:
-        _exit_past_gloo()
+        exit_past_gloo()
     sys.stdout.flush()
     return 0
 
 
-def _exit_past_gloo() -> None:
-    """End a successful worker process that holds gloo groups of its own (under torchrun, or joined by hand)
-    without the interpreter's teardown: gloo's worker thread frees the last collective's work (and its tensors,
+def exit_past_gloo(code: int = 0) -> None:
+    """End a worker process that holds gloo groups of its own (under torchrun, or joined by hand) with exit status
+    `code`, without the interpreter's teardown: gloo's worker thread frees the last collective's work (and its tensors,
     which need the GIL) after that collective returns; if teardown has begun by then the thread is killed inside
     a destructor and the process aborts (SIGABRT, "terminate called without an active exception"; 4 of 30
     two-worker torchrun runs here did, and 1 of 5 workers joined by hand, also after destroy_process_group,
     which leaves the group's threads running while anything refers to it)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def register(sub) -> None:

@@ -53,7 +53,7 @@ from ..net import Islands, parse_network
 from ..run import workloads
 from ..run.loop import check_tensorboard, progress_bar, train_worker
 from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
-from . import peers, presets
+from . import cluster, peers, presets
 from .forecast import (SYNC_STEPS, averaging_steps, family, planned_as, predict_cell, predict_race,
                        syncs_every_step, tune_cell, with_needed_optimizer)
 from .plots import plot_all
@@ -88,6 +88,7 @@ class CompareConfig:
     batch_size: int | None = None      # per worker (None: the workload's), the same for every cell
     device: str = "cpu"                # "cuda": every cell's workers on GPUs (NCCL one per GPU, else shared on gloo)
     speeds: list = field(default_factory=lambda: [None])   # worker speed profiles (`thinwire.speeds`; None: equal)
+    torchrun: bool = False             # the processes torchrun started run every cell (`cluster.py`)
 
     def validate(self) -> "CompareConfig":
         """Every name known and every number in its range (NaN and infinities included), before any cell starts."""
@@ -124,6 +125,9 @@ class CompareConfig:
                 except UserError as e:
                     raise UserError(f"cell {cell.label!r}" + (f" on {name}" if len(places(asdict(self))) > 1
                                                                else "") + f": {e}") from None
+        cluster.matches(self.torchrun)
+        if self.torchrun:
+            cluster.check(self, cells, lambda c: cell_config(self, c, self.networks[0]).resolve_servers())
         return self
 
 

@@ -18,10 +18,10 @@ def _secs(v) -> str:
     return "∞" if v is None or math.isinf(v) else f"{v:.3g}"
 
 
-def _link(network: str) -> str:
+def _link(network: str, torchrun: bool = False) -> str:
     link = parse_network(network)
     if not link.emulated:
-        return f"`{network}` (loopback, no emulation)"
+        return f"`{network}` ({'the network between the processes' if torchrun else 'loopback'}, no emulation)"
     bw = "unlimited" if link.bandwidth is None else f"{link.bandwidth / 1e6:g} Mbit/s"
     return f"`{network}` ({bw}, {link.latency * 1e3:g} ms one-way)"
 
@@ -175,18 +175,21 @@ def write_report(results: dict, path: str) -> None:
     lines = [f"# thinwire compare: {m['workload']}, {m['workers']} workers", ""]
     mode = ("real network: each worker in its own network namespace, rate shaped by `tbf`, delay by thinwire's "
             "user-space forwarder (`--netem`)" if m.get("netem") else
+            "real network: every worker one of the processes torchrun started, on your machines; any network but "
+            "`lan` emulated in-process on top of it (under torchrun)" if m.get("torchrun") else
             "in-process emulation: every transfer completes no earlier than the emulated link delivers it")
     budget = m.get("budget_s")
     race = (f"every cell had the same budget of {budget:g} s of training time (evaluations excluded)" if budget else
             "no time budget: every cell ran to the target or its step bound")
     seeds_txt = f"{seeds} seeds each (seed {m['seed']}–{m['seed'] + seeds - 1})" if seeds > 1 else f"seed {m['seed']}"
-    lines += [f"Networks: {', '.join(_link(n) for n in nets)}. Network mode: {mode}. The race: {race}, stopping at "
+    link = lambda n: _link(n, m.get("torchrun"))    # noqa: E731
+    lines += [f"Networks: {', '.join(link(n) for n in nets)}. Network mode: {mode}. The race: {race}, stopping at "
               f"the target; {seeds_txt}." + (f" Preset `{m['preset']}`." if m.get("preset") else "")
               + (f" Batch {m['batch_size']} per worker." if m.get("batch_size") else ""), ""]
     for name, n, sp in where:
         here = [e for e in entries if e["network"] == name]
         two_tier = isinstance(parse_network(n), Islands)
-        title = _link(n) + (f", worker speeds `{sp}`" if sp else "")
+        title = link(n) + (f", worker speeds `{sp}`" if sp else "")
         lines += [f"## {title}", "", verdict(here, seeds, budget), "", prediction(results, name, here), ""]
         lines += table(here, seeds, two_tier) + [""]
     baselines = results.get("baselines") or {"equal": results.get("baseline") or {}}

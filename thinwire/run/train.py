@@ -562,7 +562,13 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
         step = checkpoint.check(cfg.resume, world_size, cfg)["step"]
         print(f"thinwire: resuming from the checkpoint in {cfg.resume} (step {step})", file=sys.stderr)
     t0 = _now()
-    mine = train_worker(rank, world_size, cfg)
+    results = gather_json(train_worker(rank, world_size, cfg), rank, world_size)
+    return None if results is None else summarize_and_write(cfg, results, _now() - t0, out)
+
+
+def gather_json(mine, rank: int, world_size: int) -> list | None:
+    """Every rank's `mine` (JSON-serialisable: a worker's records) at rank 0, by rank, sent as JSON (never
+    pickle: a receiver parses, no code runs); None on the other ranks."""
     blob = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
     size = torch.tensor([blob.numel()], dtype=torch.int64)
     sizes = [torch.zeros_like(size) for _ in range(world_size)]
@@ -574,5 +580,4 @@ def run_torchrun_worker(cfg: TrainConfig, rank: int, world_size: int, out: str |
     dist.barrier()
     if rank != 0:
         return None
-    results = [json.loads(bytes(g[:int(s.item())].tolist()).decode()) for g, s in zip(got, sizes)]
-    return summarize_and_write(cfg, results, _now() - t0, out)
+    return [json.loads(bytes(g[:int(s.item())].tolist()).decode()) for g, s in zip(got, sizes)]

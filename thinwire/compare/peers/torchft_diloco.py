@@ -195,4 +195,5 @@ PARAMS = (Param("period", (int,), 8, at_least(1)), Param("outer_lr", (float,), 0
           Param("fragment_update_alpha", (float,), 0.0, between(0, 1)), Param("quantize", (bool,), False))
 TORCHFT = register(Peer("torchft-diloco", TorchftDiLoCoStepper, ("localsgd", "none"), {p.name: p for p in PARAMS},
                         plan_params={"period": None}, kind="torchft peer", needs="torchft",
-                        install="pip install 'thinwire[peers]' (torch==2.13.0 torchft==0.2.0)", checks=check))
+                        install="pip install 'thinwire[peers]' (torch==2.13.0 torchft==0.2.0)", checks=check,
+                        one_machine="its Lighthouse and replica stores listen on 127.0.0.1"))
