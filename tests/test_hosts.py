@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def test_torchrun_trains_across_two_hosts(two_hosts, tmp_path):
     hosts = two_hosts
     script = tmp_path / "train.py"
     script.write_text(_page_block("python", "tw.init()"))
-    commands = _commands(_page_block("bash", "--node-rank 1"), "torchrun ")
+    commands = _commands(_page_block("bash", "--master-port 29500 train.py"), "torchrun ")
     assert len(commands) == 2
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     port = str(hosts.free_port("a"))
@@ -64,6 +65,45 @@ def test_torchrun_trains_across_two_hosts(two_hosts, tmp_path):
     assert sorted(int(m[1]) for m in lines) == [0, 1] and {m[2] for m in lines} == {"2"}
     assert lines[0][3] == lines[1][3]                       # one model on both hosts
     assert all(float(m[4]) > 0 for m in lines)
+
+
+def test_a_race_runs_on_two_hosts(two_hosts, tmp_path):
+    """The page's `thinwire compare` under torchrun, node 0 on host a and node 1 on host b (linreg, a budget of 2 s
+    instead of digits-mlp and 30 s): rank 0, on host a, writes the report of the reference and both cells, each
+    trained by the two hosts over their link with no emulation (no emulated time, bytes sent); host b writes
+    nothing, and both end with rank 0's status."""
+    hosts = two_hosts
+    commands = _commands(_page_block("bash", "thinwire compare"), "torchrun ")
+    assert len(commands) == 2
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    port = str(hosts.free_port("a"))
+    procs = []
+    for host, command in zip("ab", commands):
+        assert f"--node-rank {'01'[host == 'b']}" in command and "--budget 30 --out results/cluster" in command
+        command = command.replace("--budget 30", "--budget 2").replace("digits-mlp", "linreg")
+        argv = [torchrun if a == "torchrun" else hosts.addr["a"] if a == DOC_ADDR else port if a == "29500" else a
+                for a in shlex.split(command)]
+        (tmp_path / host).mkdir()
+        procs.append(hosts.popen(host, argv, cwd=tmp_path / host, env=_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
+    assert "report: results/cluster/report.md" in outs[0] and "report:" not in outs[1], outs
+    assert not (tmp_path / "b" / "results").exists()
+    out = tmp_path / "a" / "results" / "cluster"
+    r = json.loads((out / "results.json").read_text())
+    assert r["matrix"]["torchrun"] and r["matrix"]["workers"] == 2 and r["matrix"]["networks"] == ["lan"]
+    ref = r["baseline"]["runs"]
+    assert len(ref) == 1 and ref[0]["throughput_samples_s"] > 0 and ref[0]["config"]["algorithm"] == "local"
+    cells = {c["label"]: c for c in r["cells"]}
+    assert set(cells) == {"bsp", "localsgd"} and all(c["status"] == "ok" for c in cells.values()), cells
+    for c in cells.values():
+        assert c["workers"] == 2 and len(c["steps_per_worker"]) == 2 and c["steps"] > 0
+        assert c["emulated_comm_s"] == 0 and c["bytes_sent_per_worker"] > 0
+        assert c["scalability"] is not None
+    report = (out / "report.md").read_text()
+    assert "processes torchrun started" in report and "No-communication reference" in report
+    assert "`bsp`" in report and "`localsgd`" in report
 
 
 JOINER = """
