@@ -26,7 +26,7 @@ import sys
 
 from ..comm import set_default_network
 from ..comm.state import broadcast_state
-from ..errors import UserError
+from ..errors import UserError, WorkerError
 from ..launcher import under_torchrun
 from ..run.loop import train_worker
 from ..run.train import TrainConfig, gather_json
@@ -88,7 +88,10 @@ class ClusterPool:
         cfg = args[0]
         broadcast_state({"op": "run", "config": cfg.to_dict(), "network": network, "seed": seed}, src=0)
         self.busy = True
-        out = _work(0, self.world_size, cfg, network, seed)
+        try:
+            out = _work(0, self.world_size, cfg, network, seed)
+        except (UserError, WorkerError) as e:   # not a failed cell: the others are inside this run's collectives
+            raise RuntimeError(f"rank 0 failed inside a run of the race, which ends it: {e}") from e
         self.busy = False
         return out
 
