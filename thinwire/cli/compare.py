@@ -54,6 +54,10 @@ def register(sub) -> None:
                    help="emulated worker speeds, a dimension of the matrix beside the network: per profile, factors "
                         "per worker (1,1,1,0.5), two speeds A:B, or a name (thinwire list); several separated by "
                         "';' (default: equal). The no-communication reference races the same speeds")
+    p.add_argument("--faulty", metavar="RANK:KIND",
+                   help="one faulty replica in every cell: RANK's contributions corrupted, KIND scale (x -10), noise, "
+                        "stale or nan (docs/robust.md); cells give their rule (diloco:aggregate=median), torchft's "
+                        "DiLoCo faces it too, other peers are refused")
     p.add_argument("--workers", type=int, help="workers per cell (default: the preset's, else 4)")
     p.add_argument("--epochs", type=float, help="an upper bound on the epochs of a cell (default: none with a budget, "
                                                 "else the workload's)")
@@ -102,14 +106,16 @@ def config_from_args(args):
                  speeds=[s.strip() for s in args.speeds.split(";")] if getattr(args, "speeds", None) else None)
     return replace(cfg, **{k: v for k, v in given.items() if v is not None}, seed=args.seed, trace=args.trace,
                    netem=args.netem, preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
-                   eval_every=getattr(args, "eval_every", None), device=getattr(args, "device", "cpu")).validate()
+                   eval_every=getattr(args, "eval_every", None), device=getattr(args, "device", "cpu"),
+                   faulty=getattr(args, "faulty", None)).validate()
 
 
 def run(args) -> int:
     if args.resume:
-        if args.preset or args.algorithms or args.network or getattr(args, "speeds", None):
+        if args.preset or args.algorithms or args.network or getattr(args, "speeds", None) or \
+                getattr(args, "faulty", None):
             raise UserError("--resume DIR continues the matrix stored in DIR; give no --preset/--algorithms/--network/"
-                            "--speeds")
+                            "--speeds/--faulty")
         check_writable_dir(args.resume, "--resume")
         out, results = args.resume, compare(None, args.resume, resume=True)
     else:
