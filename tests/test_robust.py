@@ -183,3 +183,32 @@ def test_robust_diloco_beats_the_mean_against_a_scaled_replica(pool4):
     for rule, extra in (("median", {}), ("trimmed", {}), ("clip", {})):
         got = _run(pool4, "diloco", steps=60, period=5, aggregate=rule, faulty="3:scale", **extra)["final_loss"]
         assert got < max(10 * honest, 0.5), (rule, got, honest)
+
+
+def test_torchft_diloco_faces_the_same_faulty_replica(pool4):
+    """`compare --faulty` races torchft's DiLoCo against the same replica: its all-reduced contributions (the
+    pseudo-gradients) corrupted on the faulty rank, as thinwire's exchange corrupts them; its plain mean follows."""
+    from thinwire.compare.peers import find, resolve
+    if find("torchft-diloco").missing() is not None:
+        pytest.skip("torchft is not installed (extra thinwire[peers])")
+
+    def run(faulty_spec):
+        cfg = resolve(TrainConfig(workload="linreg", algorithm="torchft-diloco", workers=4, network="lan", steps=40,
+                                  seed=0, progress=False, faulty=faulty_spec, params={"period": 5}))
+        return run_training(cfg, pool=pool4)["final_loss"]
+    honest = run(None)
+    assert honest < 1.0 and not (run("3:scale") < 1e3), honest
+
+
+def test_compare_takes_faulty_and_refuses_a_peer_that_cannot_face_it(capsys):
+    from thinwire.cli import main
+    from thinwire.cli.compare import config_from_args, register
+    import argparse
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["compare", "--workload", "linreg", "--algorithms", "diloco:aggregate=median;diloco",
+                              "--faulty", "3:scale"])
+    assert config_from_args(args).faulty == "3:scale"
+    assert main(["compare", "--workload", "linreg", "--algorithms", "diloco;ddp", "--faulty", "3:scale"]) == 2
+    err = capsys.readouterr().err
+    assert "cell 'ddp': --faulty is emulated in thinwire's exchange; 'ddp'" in err and len(err.strip().splitlines()) == 1

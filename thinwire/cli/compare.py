@@ -59,6 +59,10 @@ def register(sub) -> None:
                    help="emulated worker speeds, a dimension of the matrix beside the network: per profile, factors "
                         "per worker (1,1,1,0.5), two speeds A:B, or a name (thinwire list); several separated by "
                         "';' (default: equal). The no-communication reference races the same speeds")
+    p.add_argument("--faulty", metavar="RANK:KIND",
+                   help="one faulty replica in every cell: RANK's contributions corrupted, KIND scale (x -10), noise, "
+                        "stale or nan (docs/robust.md); cells give their rule (diloco:aggregate=median), torchft's "
+                        "DiLoCo faces it too, other peers are refused")
     p.add_argument("--workers", type=int, help="workers per cell (default: the preset's, else 4; under torchrun: "
                                                 "the processes it started)")
     p.add_argument("--epochs", type=float, help="an upper bound on the epochs of a cell (default: none with a budget, "
@@ -112,7 +116,7 @@ def config_from_args(args):
     return replace(cfg, **{k: v for k, v in given.items() if v is not None}, seed=args.seed, trace=args.trace,
                    netem=args.netem, preset=args.preset, tensorboard=getattr(args, "tensorboard", None),
                    eval_every=getattr(args, "eval_every", None), device=getattr(args, "device", "cpu"),
-                   torchrun=torchrun).validate()
+                   faulty=getattr(args, "faulty", None), torchrun=torchrun).validate()
 
 
 def run(args) -> int:
@@ -141,9 +145,10 @@ def _run_torchrun(args) -> int:
 
 
 def _resume_flags(args) -> None:
-    if args.preset or args.algorithms or args.network or getattr(args, "speeds", None):
+    if args.preset or args.algorithms or args.network or getattr(args, "speeds", None) or \
+            getattr(args, "faulty", None):
         raise UserError("--resume DIR continues the matrix stored in DIR; give no --preset/--algorithms/--network/"
-                        "--speeds")
+                        "--speeds/--faulty")
 
 
 def _race(args, cfg=None, pool=None) -> int:

@@ -88,6 +88,7 @@ class CompareConfig:
     batch_size: int | None = None      # per worker (None: the workload's), the same for every cell
     device: str = "cpu"                # "cuda": every cell's workers on GPUs (NCCL one per GPU, else shared on gloo)
     speeds: list = field(default_factory=lambda: [None])   # worker speed profiles (`thinwire.speeds`; None: equal)
+    faulty: str | None = None          # "RANK:KIND": that worker's contributions corrupted in every cell (robust.md)
     torchrun: bool = False             # the processes torchrun started run every cell (`cluster.py`)
 
     def validate(self) -> "CompareConfig":
@@ -142,7 +143,8 @@ def cell_config(c: CompareConfig, cell: presets.Cell, network: str, seed: int | 
                        compressor=cell.compressor, memory=cell.memory, params=params, trace=c.trace and not cell.peer,
                        progress=False, servers=servers, peer=peers.find(cell.algorithm), budget_s=c.budget_s,
                        stop_at_target=True, optimizer=cell.optimizer, tensorboard=board, eval_every=c.eval_every,
-                       batch_size=c.batch_size, device=c.device, speeds=speeds)
+                       batch_size=c.batch_size, device=c.device, speeds=speeds,
+                       faulty=None if cell == REFERENCE else c.faulty)    # the reference sends nothing
 
 
 def cell_key(label: str, network: str, seed: int | None = None) -> str:

@@ -19,7 +19,12 @@ from ..compress import compressors, memories
 from ..errors import UserError
 from ..registry import parse_scalar
 from ..run import workloads
+from ..trainer.assembly import EXCHANGE_PARAMS, SCHED_PARAMS, TRANSPORT_PARAMS
 from . import peers
+
+# the parameters `thinwire train` routes past the algorithm, compressor and memory (the scheduler's, the
+# transport's, the exchange's: e.g. aggregate=median), which a cell takes too; --faulty is the matrix's own
+ROUTED = tuple(k for k in SCHED_PARAMS + TRANSPORT_PARAMS + EXCHANGE_PARAMS if k != "faulty")
 
 
 @dataclass
@@ -132,7 +137,7 @@ def check(cell: Cell, strict: bool) -> tuple[Cell | None, list[str]]:
                 raise UserError(f"unknown {what} {name!r} in cell {cell.label!r}; valid: {valid}")
             return None, [f"skipped {cell.label}: {what} {name!r} is not registered (yet)"]
     for key in list(cell.params):
-        if not any(n is not None and reg.accepts(n, key) for reg, n, _ in tables):
+        if key not in ROUTED and not any(n is not None and reg.accepts(n, key) for reg, n, _ in tables):
             problem(f"{cell.label}: no algorithm/compressor/memory there takes parameter {key!r}; "
                     f"running with its default")
             cell.params.pop(key)

@@ -38,7 +38,8 @@ def parse(spec) -> tuple[int, str] | None:
 
 def check(spec, workers: int, peer: str | None = None) -> None:
     """`spec` well formed and its rank one of `workers` ranks (0..workers−1), and no `peer` (a race's other
-    framework, which never runs thinwire's exchange) asked to be faulty: else a one-line UserError."""
+    framework, which never runs thinwire's exchange, unless it corrupts the same contributions itself: pass None
+    for it) asked to be faulty: else a one-line UserError."""
     got = parse(spec)
     if got is not None and got[0] >= workers:
         raise UserError(f"--faulty rank {got[0]} is not a worker: valid ranks 0..{workers - 1}")

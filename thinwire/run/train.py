@@ -150,7 +150,7 @@ class TrainConfig:
         if isinstance(net, Islands):
             net.check_workers(self.workers)
         check_int("--seed", self.seed, 0, MAX_SEED)
-        check_faulty(self.faulty, self.workers, self.algorithm if self.peer else None)
+        check_faulty(self.faulty, self.workers, self.algorithm if self.peer and not self.peer.faulty else None)
         profile = speeds.parse(self.speeds)
         if profile is not None:
             profile.check_workers(self.workers)

@@ -26,6 +26,7 @@ class Peer:
     install: str = ""                   # the command that installs it
     checks: Callable | None = None      # (params, workers): its own refusals, a one-line UserError
     checkpoints: bool = False           # its stepper writes checkpoints (and resumes from them)
+    faulty: bool = False                # its stepper corrupts a `--faulty` rank's contributions as thinwire's do
     one_machine: str | None = None      # why it runs only on one machine (refused under torchrun), or None
 
     def missing(self) -> str | None:

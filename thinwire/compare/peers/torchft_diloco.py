@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ...comm.state import broadcast_text
 from ...errors import UserError
+from ...exchange.faulty import Faulty
 from ...launcher.worker import listen
 from ...net import parse_network
 from ...registry import Param, at_least, between
@@ -44,12 +45,20 @@ from .counter import AllReduceCounter, CountedWork, PeerStepper
 from .registry import Peer, register
 
 
-def emulated_gloo(counter, timeout: timedelta):
-    """torchft's ProcessGroupGloo whose all-reduces are delivered by the emulated link and counted (see above)."""
+def emulated_gloo(counter, timeout: timedelta, faulty: Faulty | None = None):
+    """torchft's ProcessGroupGloo whose all-reduces are delivered by the emulated link and counted (see above); with
+    `faulty` (this rank's `--faulty`), what this rank hands each all-reduce is corrupted first, as thinwire's
+    exchange corrupts a faulty rank's contribution (`thinwire.exchange.faulty`): torchft's DiLoCo all-reduces only
+    pseudo-gradients, so the corruption is the same one."""
     from torchft.process_group import ProcessGroupGloo
+    calls = [0]
 
     class _EmulatedGloo(ProcessGroupGloo):
         def allreduce(self, tensors, opts):
+            if faulty is not None:
+                calls[0] += 1
+                for i, t in enumerate(tensors):
+                    t.copy_(faulty.corrupt(t, i, calls[0], faulty.rank))
             work = super().allreduce(tensors, opts)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             # torchft's wrapper keeps the quorum rank it was configured with in `_rank` (its `rank()` is the base
@@ -68,7 +77,7 @@ def quiet() -> None:
 
 
 def replica_group(counter: AllReduceCounter, lighthouse: str, replica_id: str, min_replicas: int, timeout_s: float,
-                  model, inner):
+                  model, inner, faulty: Faulty | None = None):
     """(Manager, process group, store) of a torchft replica group of one on 127.0.0.1: its own `TCPStore`, the
     emulated gloo and a `Manager` (`use_async_quorum=False`, as DiLoCo requires; `init_sync=False`: every replica
     builds the same model from the seed) whose state is `model`'s and the `inner` optimizer's (what a healing
@@ -86,7 +95,7 @@ def replica_group(counter: AllReduceCounter, lighthouse: str, replica_id: str, m
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
                           use_libuv=False)
     timeout = timedelta(seconds=timeout_s)
-    pg = emulated_gloo(counter, timeout)
+    pg = emulated_gloo(counter, timeout, faulty)
     manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
                       use_async_quorum=False, init_sync=False, rank=0, world_size=1, store_addr="127.0.0.1",
                       store_port=port, lighthouse_addr=lighthouse, replica_id=replica_id, hostname="127.0.0.1",
@@ -113,8 +122,10 @@ class TorchftDiLoCoStepper(PeerStepper):
         self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=world_size) if rank == 0 else None
         address = broadcast_text(self.lighthouse.address() if rank == 0 else None, src=0)  # never a pickle
         self.optimizer = make_optimizer(cfg, wl, module)  # the inner one
+        faulty = Faulty(cfg.faulty) if cfg.faulty is not None else None
         self.manager, self.pg, self.store = replica_group(self.counter, address, f"thinwire_{rank}", world_size,
-                                                          600, module, self.optimizer)
+                                                          600, module, self.optimizer,
+                                                          faulty if faulty and faulty.rank == rank else None)
         self._charge_quorum()
         # Streaming DiLoCo splits the model into `fragments` consecutive groups of its top-level modules
         children = list(module.children()) or [module]
@@ -196,4 +207,4 @@ PARAMS = (Param("period", (int,), 8, at_least(1)), Param("outer_lr", (float,), 0
 TORCHFT = register(Peer("torchft-diloco", TorchftDiLoCoStepper, ("localsgd", "none"), {p.name: p for p in PARAMS},
                         plan_params={"period": None}, kind="torchft peer", needs="torchft",
                         install="pip install 'thinwire[peers]' (torch==2.13.0 torchft==0.2.0)", checks=check,
-                        one_machine="its Lighthouse and replica stores listen on 127.0.0.1"))
+                        faulty=True, one_machine="its Lighthouse and replica stores listen on 127.0.0.1"))
