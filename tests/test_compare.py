@@ -576,3 +576,20 @@ def test_a_predicted_winner_within_noise_is_a_tie():
                         ("postlocal", "**agreed**.")):
         res = {"predictions": {"dc": {"winner": guess, "cells": {**cells, "postlocal": {"time_to_target_s": 13.3}}}}}
         assert says in report.prediction(res, "dc", entries)
+
+
+def test_scalability_under_speeds_reads_the_median_reference_uncorrected():
+    """Workers of different speeds: the calibration runs once read 2.6× slower before the reference than before a
+    cell whose throughput was 4 % under the reference's; no load correction is made there, and the cell is read
+    against the reference's median over its seeds."""
+    runs = [{"seed": s, "throughput_samples_s": t, "step_time_s": 0.15, "calibration_step_s": c,
+             "calibration_mean_step_s": c} for s, t, c in ((0, 158.0, 0.459), (1, 130.0, 0.275), (2, 184.0, 0.243))]
+    row = {"status": "ok", "seed": 0, "network": "world, speeds one-half", "speeds": "one-half", "label": "diloco",
+           "steps": 220, "throughput_samples_s": 152.0, "train_s": 40.0, "quiet_step_s": 0.13,
+           "calibration_step_s": 0.18, "calibration_mean_step_s": 0.177,
+           "nominal_bytes_per_worker_per_step": 1.0, "bytes_sent_per_worker_per_step": 0.03,
+           "cell": {"algorithm": "diloco", "compressor": None, "memory": None, "params": {}, "optimizer": None}}
+    cfg = cmp.CompareConfig(workload="digits-mlp", workers=4, networks=["world"], cells=["diloco"])
+    cmp._derive(row, {"runs": runs, "throughput_samples_s": 158.0}, cfg)
+    assert "load_drift" not in row and row["scalability"] == pytest.approx(152.0 / 158.0)
+    assert row["compute_basis"] == "the calibration run before it"

@@ -445,13 +445,17 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | N
     # DiLoCo's scalability 1.04 where the reference's mean step lay 3.5 % over its median).
     drift = 1.0
     ref_run = same[0] if same else baseline
-    # (workers of different speeds: a step of a synchronous cell lasts its slowest worker's, so its own quiet steps
-    # measure the speeds, not the machine; the calibration, at equal speeds, measures the machine)
+    # Workers of different speeds: a step of a synchronous cell lasts its slowest worker's, so its own quiet steps
+    # measure the speeds, not the machine; and the short calibration runs scatter more than the effect they would
+    # correct (one race read a calibration 2.6× slower before the reference than before a cell, whose throughputs
+    # differed by 4 %). So there no correction is made, and the reference is its median over the seeds.
     quiet = row.get("quiet_step_s") if not row.get("speeds") else None
     row["compute_step_s"] = quiet or row.get("calibration_step_s")
     row["compute_basis"] = ("its own steps without communication" if quiet else
                             "the calibration run before it" if row.get("calibration_step_s") else None)
-    pairs = [(mine, theirs) for mine, theirs in (
+    if row.get("speeds"):
+        ref = baseline.get("throughput_samples_s") or ref
+    pairs = [] if row.get("speeds") else [(mine, theirs) for mine, theirs in (
         ("quiet_mean_step_s", "quiet_mean_step_s"), ("calibration_mean_step_s", "calibration_mean_step_s"),
         ("quiet_step_s", "step_time_s"), ("calibration_step_s", "step_time_s"))     # the last two: older results
         if quiet or not mine.startswith("quiet")]
