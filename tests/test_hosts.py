@@ -39,6 +39,24 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "THINWIRE_NO_PROGRESS": "1"}
 
 
+def _run_on_two_hosts(hosts, commands, cwd) -> list[str]:
+    """The page's two torchrun commands, node 0 on host a (the master, its address and a free port in place of
+    the page's) and node 1 on host b, each in `cwd(host)`; both must exit 0. Their outputs."""
+    assert len(commands) == 2
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    port = str(hosts.free_port("a"))
+    procs = []
+    for host, command in zip("ab", commands):
+        assert f"--node-rank {'01'[host == 'b']}" in command
+        argv = [torchrun if a == "torchrun" else hosts.addr["a"] if a == DOC_ADDR else port if a == "29500" else a
+                for a in shlex.split(command)]
+        procs.append(hosts.popen(host, argv, cwd=cwd(host), env=_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
+    return outs
+
+
 def test_torchrun_trains_across_two_hosts(two_hosts, tmp_path):
     """The page's script under the page's two torchrun commands, node 0 on host a (the master address) and node 1
     on host b: both ranks end with the same model and count the bytes they sent. (gloo would listen on the
@@ -48,18 +66,8 @@ def test_torchrun_trains_across_two_hosts(two_hosts, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_page_block("python", "tw.init()"))
     commands = _commands(_page_block("bash", "--master-port 29500 train.py"), "torchrun ")
-    assert len(commands) == 2
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    port = str(hosts.free_port("a"))
-    procs = []
-    for host, command in zip("ab", commands):
-        assert f"--node-rank {'01'[host == 'b']}" in command and f"--master-addr {DOC_ADDR}" in command
-        argv = [torchrun if a == "torchrun" else str(script) if a == "train.py" else a for a in command.split()]
-        argv = [hosts.addr["a"] if a == DOC_ADDR else port if a == "29500" else a for a in argv]
-        procs.append(hosts.popen(host, argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
+    assert all(f"--master-addr {DOC_ADDR}" in c for c in commands)
+    outs = _run_on_two_hosts(hosts, [c.replace(" train.py", f" {script}") for c in commands], lambda host: tmp_path)
     lines = [re.search(r"rank (\d) of (\d): model (\w+), ([\d.]+) MB sent", o) for o in outs]
     assert all(lines), outs
     assert sorted(int(m[1]) for m in lines) == [0, 1] and {m[2] for m in lines} == {"2"}
@@ -74,20 +82,11 @@ def test_a_race_runs_on_two_hosts(two_hosts, tmp_path):
     nothing, and both end with rank 0's status."""
     hosts = two_hosts
     commands = _commands(_page_block("bash", "thinwire compare"), "torchrun ")
-    assert len(commands) == 2
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    port = str(hosts.free_port("a"))
-    procs = []
-    for host, command in zip("ab", commands):
-        assert f"--node-rank {'01'[host == 'b']}" in command and "--budget 30 --out results/cluster" in command
-        command = command.replace("--budget 30", "--budget 2").replace("digits-mlp", "linreg")
-        argv = [torchrun if a == "torchrun" else hosts.addr["a"] if a == DOC_ADDR else port if a == "29500" else a
-                for a in shlex.split(command)]
+    assert all("--budget 30 --out results/cluster" in c for c in commands)
+    for host in "ab":
         (tmp_path / host).mkdir()
-        procs.append(hosts.popen(host, argv, cwd=tmp_path / host, env=_env(), stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
+    outs = _run_on_two_hosts(hosts, [c.replace("--budget 30", "--budget 2").replace("digits-mlp", "linreg")
+                                     for c in commands], lambda host: tmp_path / host)
     assert "report: results/cluster/report.md" in outs[0] and "report:" not in outs[1], outs
     assert not (tmp_path / "b" / "results").exists()
     out = tmp_path / "a" / "results" / "cluster"
