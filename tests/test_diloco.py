@@ -519,17 +519,18 @@ def test_compressed_pseudo_gradients_keep_the_error_feedback_invariant(pool4):
 
 # -- checkpoints: a resumed run equals the uninterrupted one ----------------------------------------------------
 RESUME = {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5, "outer_lr": 0.7}
+RESUME_DYNAMIC = {**RESUME, "rates": "1,1,1,0.5"}     # H_i = 4, 4, 4, 2: rank 3 takes half the steps per round
 
 
-def _resume(rank, world, at, steps):
+def _resume(rank, world, params, at, steps):
     kw = dict(model="mlp", inner="adamw", compressor="fp8", memory="residual")
-    whole = _run(rank, world, "diloco", RESUME, steps, **kw)
-    tr, m, loader = _setup(rank, world, "diloco", RESUME, **kw)
+    whole = _run(rank, world, "diloco", params, steps, **kw)
+    tr, m, loader = _setup(rank, world, "diloco", params, **kw)
     _steps(tr, m, loader, at)
     in_flight = len(tr.algorithm._pending)
     state, ls = copy.deepcopy(tr.state_dict()), loader.state_dict()
     tr.close()
-    tr2, m2, loader2 = _setup(rank, world, "diloco", RESUME, **kw)
+    tr2, m2, loader2 = _setup(rank, world, "diloco", params, **kw)
     tr2.load_state_dict(state)
     loader2.load_state_dict(ls)
     _steps(tr2, m2, loader2, steps - at)
@@ -537,17 +538,33 @@ def _resume(rank, world, at, steps):
     tr2.close()
     wrong = None
     try:
-        tr3, _, _ = _setup(rank, world, "diloco", {**RESUME, "period": 8}, **kw)
+        tr3, _, _ = _setup(rank, world, "diloco", {**params, "period": 8}, **kw)
         tr3.load_state_dict(state)
     except UserError as e:
         wrong = str(e)
-    return {"whole": whole[:2], "resumed": (before, _flat(m2)), "in_flight": in_flight, "wrong": wrong}
+    return {"whole": whole, "resumed": (before, _flat(m2), tr2.metrics()), "in_flight": in_flight, "wrong": wrong}
 
 
 def test_checkpoint_resume_with_a_fragment_in_flight(pool4):
-    for r in pool4.run(_resume, 5, 11):
+    for r in pool4.run(_resume, RESUME, 5, 11):
         assert r["in_flight"] > 0                      # step 5 started fragment 0's sync, merged at step 6
         assert torch.equal(r["whole"][0], r["resumed"][0]) and torch.equal(r["whole"][1], r["resumed"][1])
+        assert r["wrong"] and "period" in r["wrong"]
+
+
+def _resume_dynamic(rank, world):
+    slow = rank == 3                # 3 rounds: 12 steps on ranks 0-2, 6 on rank 3; the checkpoint ends round 2
+    return _resume(rank, world, RESUME_DYNAMIC, 4 if slow else 8, 6 if slow else 12)
+
+
+def test_checkpoint_resume_of_dynamic_rounds(pool4):
+    """Dynamic local updates at fixed rates: a run checkpointed at the end of its second round (the step where
+    every worker has merged the same fragments: ranks 0-2 at step 8, rank 3 at step 4) resumes bitwise, its
+    rounds and merge weights included."""
+    for rank, r in enumerate(pool4.run(_resume_dynamic)):
+        assert torch.equal(r["whole"][0], r["resumed"][0]) and torch.equal(r["whole"][1], r["resumed"][1]), rank
+        assert r["resumed"][2]["round_periods"] == r["whole"][2]["round_periods"] == [[4, 4, 4, 2]] * 3
+        assert r["in_flight"] == 0
         assert r["wrong"] and "period" in r["wrong"]
 
 

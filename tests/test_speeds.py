@@ -2,6 +2,7 @@
 profiles parsed and refused, the wait a slow worker takes, and races whose workers take different numbers of steps."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -161,3 +162,26 @@ def test_measured_dynamic_rounds_plan_the_first_round_early(pool2, tmp_path):
     s = run_training(cfg, str(tmp_path), pool=pool2)
     first = s["algorithm_metrics"]["round_periods"][0]
     assert first[0] == 16 and 2 * 2 < first[1] <= 8, first      # probe at step 2, read at 4: H_1 in (4, 8]
+
+
+def test_dynamic_rounds_checkpoint_at_a_round_end_and_resume_bitwise(pool2, tmp_path):
+    """`--checkpoint-every 8` under dynamic local updates at fixed speeds 1 : 0.5 (H_i = 4, 2): each checkpoint is
+    cut at the end of a round, named by the fastest worker's steps (8, 16), each worker at its own step (16 and 8
+    at the last one); a run resumed from it ends with the uninterrupted run's model, steps and rounds. In a race,
+    where the workers meet on the clock, checkpoints stay refused in one line."""
+    import json
+    from thinwire.run import checkpoint
+    from thinwire.run.train import TrainConfig, run_training
+    ck = str(tmp_path / "ck")
+    base = dict(workload="linreg", workers=2, algorithm="diloco", params={"period": 4, "rates": "1,0.5"},
+                steps=20, progress=False)
+    whole = run_training(TrainConfig(**base, checkpoint_every=8, checkpoint_dir=ck), str(tmp_path / "a"), pool=pool2)
+    with open(os.path.join(ck, checkpoint.MANIFEST)) as f:
+        assert json.load(f)["step"] == 16
+    assert [checkpoint.load(ck, r)["own_step"] for r in (0, 1)] == [16, 8]
+    resumed = run_training(TrainConfig(**base, resume=ck), str(tmp_path / "b"), pool=pool2)
+    assert resumed["model_sha256"] == whole["model_sha256"]
+    assert resumed["steps_per_worker"] == whole["steps_per_worker"] == [28, 14]
+    assert resumed["algorithm_metrics"]["round_periods"] == whole["algorithm_metrics"]["round_periods"]
+    with pytest.raises(UserError, match="in a race"):
+        TrainConfig(**{**base, "steps": None}, budget_s=5, checkpoint_every=8, checkpoint_dir=ck).validate()

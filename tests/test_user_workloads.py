@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import textwrap
 from unittest import mock
 
@@ -195,8 +196,10 @@ def test_advise_measures_the_step_and_records_the_prediction(tmp_path, capsys):
     advice = read_advice(out)
     m = advice["measured"]
     assert advice["workload"] == f"{path}:make" and advice["workload_name"] == "toy" and advice["network"] == "wan"
-    assert m["params"] == 36 and m["steps"] == len(m["times_s"]) and 0 < m["step_s"] <= m["compute_s"]
+    assert m["params"] == 36 and m["steps"] == len(m["times_s"]) and m["step_s"] > 0
     assert m["threads"] == threads_per_worker(2) and m["local"]
+    assert len(m["together_s"]) == 2 and m["compute_s"] == pytest.approx(statistics.median(m["together_s"]))
+    assert m["share"] == pytest.approx(m["compute_s"] / m["step_s"])
     assert advice["scenario"]["compute_s"] == pytest.approx(m["compute_s"])
     assert advice["scenario"]["workers"] == 2 and advice["ranking"][0]["iteration_s"] > 0
     assert main(["advise", "--workload", "digits-mlp", "--model", "digits-mlp"]) == 2    # one source of the size

@@ -100,6 +100,9 @@ class Algorithm:
     # true), "free" (no worker waits for another between steps: each stops on its own)
     pace: str = "step"
     finished: bool = False                      # ("round") a sync read a stop request: every worker ends now
+    # ("round") after a step that ended a round (every worker has merged the same syncs, none is in flight): a
+    # number every worker gives that round's end, where a checkpoint of every worker can be cut; else None
+    cut: int | None = None
 
     def __init__(self, architecture: str | None = None):
         arch = architecture or self.architectures[0]

@@ -327,6 +327,10 @@ class DiLoCo(Membership, Algorithm):
     def finished(self) -> bool:
         return self.rounds is not None and self.rounds.finished
 
+    @property
+    def cut(self) -> int | None:
+        return None if self.rounds is None else self.rounds.cut
+
     @torch.no_grad()
     def _merge(self, fragments: list[int], alpha: float) -> None:
         """Wait for the fragments' averaged pseudo-gradients, step θ with the outer optimizer, then

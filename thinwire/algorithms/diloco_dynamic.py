@@ -24,6 +24,9 @@ schedule is then reproducible, and a checkpoint resumes bitwise.
 
 A stop the training loop asks for (`request_stop`) travels in the same gather; the merge that reads a set flag
 ends the run on every worker at once (`finished`), at a point where every worker has merged the same fragments.
+The end of a round is such a point too, with nothing in flight but the gather (each round's first sync starts
+after its first step): `cut` names it with a number every worker shares, the fastest worker's steps so far
+(Σ over the rounds of max_j H_j), and a checkpoint there resumes every worker at its own step.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ class DynamicRounds:
         self.stop_wanted = False            # the loop asked to stop (sent with the next gather)
         self.finished = False               # a merge read a stop: every worker ends after it
         self.history: list[list[int]] = []  # H_j of every round (the replay's schedule)
+        self.cut: int | None = None         # after a round's last step: the fastest worker's steps (module doc)
         if rates is not None:               # known from the start: the first round follows them too
             self._plan()
         self._gather = None                 # the all-gather of the last merge, read at the next
@@ -96,6 +100,7 @@ class DynamicRounds:
                 self.speeds = [max(v[0], 1e-9) for v in got]
                 self._plan(least=2 * self.probe)
                 self._last = time.perf_counter()            # (the wait is no one's work)
+        self.cut = sum(max(h) for h in self.history) if self.history and step == self.start else None
 
     def _speed(self) -> float:
         """This worker's steps per second of its own work, the older segments decayed (see the module doc)."""
@@ -144,10 +149,11 @@ class DynamicRounds:
     def state_dict(self) -> dict:
         self.drain()
         return {"start": self.start, "periods": list(self.periods), "speeds": list(self.speeds),
-                "history": [list(h) for h in self.history], "got": self._got}
+                "history": [list(h) for h in self.history], "got": self._got, "decayed": list(self._decayed)}
 
     def load_state_dict(self, state: dict) -> None:
         self.start, self.periods = int(state["start"]), [int(p) for p in state["periods"]]
         self.speeds = [float(s) for s in state["speeds"]]
         self.history = [list(h) for h in state["history"]]
         self._got = state["got"]
+        self._decayed = tuple(state.get("decayed", (0.0, 0.0)))

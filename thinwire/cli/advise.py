@@ -90,9 +90,9 @@ def run(args) -> int:
         if measured is not None:
             print(f"measured {name}: {measured['params']:,} parameters, step "
                   f"{measured['step_s'] * 1e3:.1f} ms (median of {measured['steps']}, {measured['threads']} "
-                  f"thread(s) on {measured['device']})" + (f", x{measured['share']:g} for {args.workers} workers "
-                                                           f"sharing {measured['cpus']} cores"
-                                                           if measured["share"] > 1 else ""))
+                  f"thread(s) on {measured['device']})" + (f"; {measured['compute_s'] * 1e3:.1f} ms with its "
+                                                           f"{args.workers} workers together on {measured['cpus']} "
+                                                           f"cores" if "together_s" in measured else ""))
         print(format_table(rows, s))
         print(format_diloco(diloco))
         if planned is not None:
@@ -107,9 +107,8 @@ def measure(args) -> dict:
     from ..run import user, workloads
     from ..run.measure import measure_step
     args.workload = user.canonical(args.workload)
-    wl = workloads.get(args.workload)
-    got = measure_step(wl, device=args.device, workers=args.workers, local=args.local)
-    return {"name": wl.name, **got}
+    got = measure_step(args.workload, device=args.device, workers=args.workers, local=args.local)
+    return {"name": workloads.get(args.workload).name, **got}
 
 
 def register(sub) -> None:

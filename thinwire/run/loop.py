@@ -75,6 +75,10 @@ class TrainerStepper(Stepper):
     def finished(self) -> bool:
         return self.trainer.finished
 
+    @property
+    def cut(self) -> int | None:
+        return self.trainer.cut
+
     def counted(self, before: dict | None) -> tuple[dict, dict]:
         """This rank's meter (bytes, ops, emulated and exposed time, by kind and in total) and metrics over the
         whole run: on resume, what the checkpoint counted (`before`, written by `_save`) plus this segment's."""
@@ -217,6 +221,7 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
         if shown else None
     board = Board(cfg.tensorboard, wl.metric) if cfg.tensorboard and wrank == 0 else None
     steps, evals, clock, first, before, stop = [], [], 0.0, 1, None, None
+    cut = 0     # (pace "round") the last round's end: checkpoints are cut there, named by `stepper.cut`
     log = StepLog(rank, stepper)
 
     def evaluate(step: int) -> str | None:
@@ -239,7 +244,8 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                 loader = shard(int(state["loader_seed"]))
             loader.load_state_dict(state["loader"])
             steps, evals, clock = state["records"]["steps"], state["records"]["evals"], float(state["clock"])
-            first = int(state["step"]) + 1
+            first = int(state.get("own_step", state["step"])) + 1     # (cut at a round's end: each its own)
+            cut = int(state["step"])
             before = state.get("counted")
             schedule.load_state_dict(state.get("schedule"))
             if bar is not None:
@@ -298,11 +304,19 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
                     drained = _timed(stepper.close)     # it came after the evaluation that stopped the race)
                     clock += drained
             ending = stop is not None and (not (clocked or rounds) or stepper.pace == "free" or stepper.finished)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop is None and step != total:
-                more = {} if member is None else {"loader_seed": loader.seed}
-                _save(cfg, rank, world_size, step, stepper, before, loader=loader.state_dict(),
-                      records={"steps": steps, "evals": evals}, clock=clock, schedule=schedule.state_dict(), **more)
-                log.committed = step        # a restart from this checkpoint keeps the work up to here
+            if cfg.checkpoint_every:
+                every, at, more = cfg.checkpoint_every, step, {} if member is None else {"loader_seed": loader.seed}
+                if rounds:      # each worker at its own step: cut at the end of a round, named by a number they
+                    at, more, last = stepper.cut, {"own_step": step}, cut       # share (the fastest's steps;
+                    cut = last if at is None else at                            # below `total`, no worker has
+                    due = at is not None and at < total and at // every > last // every     # asked to stop)
+                else:
+                    due = step % every == 0 and step != total and stop is None
+                if due:
+                    _save(cfg, rank, world_size, at, stepper, before, loader=loader.state_dict(),
+                          records={"steps": steps, "evals": evals}, clock=clock, schedule=schedule.state_dict(),
+                          **more)
+                    log.committed = step    # a restart from this checkpoint keeps the work up to here
             log.step(step)
             if bar is not None:
                 bar.update(1)

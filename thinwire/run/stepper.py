@@ -20,6 +20,7 @@ class Stepper:
     role = "worker"
     pace = "step"
     finished = False
+    cut = None          # (pace "round") after a round's last step, the number every worker gives it (checkpoints)
 
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module, worker_rank: int):
         self.model, self.module, self.worker_rank = model, module, worker_rank

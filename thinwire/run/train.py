@@ -36,7 +36,7 @@ from ..launcher import MAX_LOCAL_WORKERS, PROGRESS_TIMEOUT, launch, pick_backend
 from ..launcher.elastic import ElasticPool, join_by_hand
 from . import checkpoint, workloads
 from .loop import check_tensorboard, train_worker
-from .schedule import race_crossing, race_curve
+from .schedule import race_crossing, race_curve, racing
 
 _now = time.perf_counter
 MAX_SEED = 2**32 - 1   # seeds feed torch, Python and NumPy generators (NumPy's legacy seeding takes 32 bits)
@@ -220,9 +220,11 @@ class TrainConfig:
         optimizer = wl.optimizer_stand_in(self.lr, self.momentum, self.optimizer)   # the run's kind and settings
         check_run(alg, transport, self.workers + self.servers, optimizer, self.on_failure,
                   watching=not under_torchrun())
-        if alg.pace != "step" and self.checkpoint_every is not None and not (alg.pace == "free" and self.servers):
+        if alg.pace != "step" and self.checkpoint_every is not None and not (alg.pace == "free" and self.servers) \
+                and not (alg.pace == "round" and not racing(self)):
             raise UserError(f"{self.algorithm} here lets workers take different numbers of steps (pace "
-                            f"{alg.pace!r}), so no step is a checkpoint of every worker; drop --checkpoint-every")
+                            f"{alg.pace!r}) in a race (--budget, --stop-at-target), so no step is a checkpoint of "
+                            f"every worker; drop --checkpoint-every")
         name, settings = wl.optimizer_settings(self.optimizer)
         if name == "sgd":
             check_momentum(alg, comp, mem, settings["momentum"] if self.momentum is None else self.momentum,

@@ -143,6 +143,12 @@ class Trainer:
         """(pace "round") A sync read a stop request (`request_stop`): every worker leaves its loop now."""
         return self.algorithm.finished
 
+    @property
+    def cut(self) -> int | None:
+        """(pace "round") After a step that ended a round: a number every worker gives that round's end, where a
+        checkpoint of every worker can be cut (`Algorithm.cut`); else None."""
+        return self.algorithm.cut
+
     def request_stop(self) -> None:
         """(pace "round") Ask every worker to stop: they end together at the next sync (`finished` turns true).
         Under pace "step" every worker stops at the same step on its own; under "free" each whenever it will."""
