@@ -223,8 +223,8 @@ class TrainConfig:
         if alg.pace != "step" and self.checkpoint_every is not None and not (alg.pace == "free" and self.servers) \
                 and not (alg.pace == "round" and not racing(self)):
             raise UserError(f"{self.algorithm} here lets workers take different numbers of steps (pace "
-                            f"{alg.pace!r}) in a race (--budget, --stop-at-target), so no step is a checkpoint of "
-                            f"every worker; drop --checkpoint-every")
+                            f"{alg.pace!r}{') in a race (--budget, --stop-at-target' if alg.pace == 'round' else ''}"
+                            f"), so no step is a checkpoint of every worker; drop --checkpoint-every")
         name, settings = wl.optimizer_settings(self.optimizer)
         if name == "sgd":
             check_momentum(alg, comp, mem, settings["momentum"] if self.momentum is None else self.momentum,
