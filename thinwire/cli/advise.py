@@ -104,11 +104,10 @@ def run(args) -> int:
 
 def measure(args) -> dict:
     """`--workload`: one worker's step timed here (`thinwire.run.measure.measure_step`), its name and size."""
-    from ..run import user, workloads
+    from ..run import user
     from ..run.measure import measure_step
     args.workload = user.canonical(args.workload)
-    got = measure_step(args.workload, device=args.device, workers=args.workers, local=args.local)
-    return {"name": workloads.get(args.workload).name, **got}
+    return measure_step(args.workload, device=args.device, workers=args.workers, local=args.local)
 
 
 def register(sub) -> None:

@@ -72,7 +72,7 @@ def measure_step(spec: str, device: str = "cpu", batch_size: int | None = None, 
         medians = [statistics.median(t[warmup:])
                    for t in launch(_timed_together, workers, args=(spec, batch_size, warmup + steps))]
     compute = statistics.median(medians) if medians else step
-    return {"step_s": step, "compute_s": compute, "times_s": times[warmup:], "warmup": warmup,
+    return {"name": wl.name, "step_s": step, "compute_s": compute, "times_s": times[warmup:], "warmup": warmup,
             "steps": steps, "batch_size": batch_size or wl.batch_size, "params": params, "device": device,
             "threads": threads, "local": local, "workers": workers, "share": compute / step,
             **({"together_s": medians} if medians else {}), "cpus": cpus, "torch": torch.__version__}
