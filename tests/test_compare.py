@@ -578,6 +578,35 @@ def test_a_predicted_winner_within_noise_is_a_tie():
         assert says in report.prediction(res, "dc", entries)
 
 
+def test_a_tie_in_the_model_names_each_tied_cell_the_predicted_winner():
+    """Two cells the planner times alike (synchronous and dynamic DiLoCo at equal speeds) are both the predicted
+    winner: the measured winner agrees if it is either of them, and only then."""
+    from thinwire.compare import report
+    rows = [{"label": label, "network": "dc", "seed": 0, "status": "ok", "metric": "accuracy", "time_to_target_s": t,
+             "time_to_target_resolution_s": 0.02 * t, "best_accuracy": 0.9, "cell": {}}
+            for label, t in (("dynamic", 16.0), ("sync", 19.0), ("async", 30.0))]
+    entries = results.aggregate(rows, ["dc"])
+    cells = {"sync": {"time_to_target_s": 13.0}, "dynamic": {"time_to_target_s": 13.0},
+             "async": {"time_to_target_s": 20.0}}
+    for tied, says in ((["dynamic"], "tied in the model with `dynamic`); measured winner `dynamic` (16 s): **agreed**"),
+                       ([], "disagreed.")):
+        res = {"predictions": {"dc": {"winner": "sync", "tied": tied, "cells": cells}}}
+        assert says in report.prediction(res, "dc", entries)
+
+
+def test_asynchronous_diloco_is_planned_at_its_own_period_and_charged_its_staleness_in_steps():
+    """A cell that names `async-diloco` alone is predicted at the algorithm's own period (not as a sync every step),
+    and its steps to target are more than the no-communication reference's (ASYNC_STEPS), where synchronous
+    DiLoCo's are fewer."""
+    from thinwire.compare import forecast
+    cfg = cmp.CompareConfig(workload="stdlib-lm", workers=4, networks=["world"], cells=["async-diloco", "diloco"])
+    cells = [presets.parse_cell(c) for c in cfg.cells]
+    tuned = {(c.label, "world", None): forecast.tune_cell(c, "world", cfg.workload, cfg.workers, 0.12) for c in cells}
+    out = forecast.predict_race(tuned, cells, cfg, {"steps_to_target": 150, "step_time_s": 0.12})["world"]["cells"]
+    assert out["async-diloco"]["period"] == 50 and out["async-diloco"]["steps"] == pytest.approx(150 * 1.34)
+    assert forecast.ASYNC_STEPS > 1 > out["diloco"]["steps"] / 150
+
+
 def test_scalability_under_speeds_reads_the_median_reference_uncorrected():
     """Workers of different speeds: the calibration runs once read 2.6× slower before the reference than before a
     cell whose throughput was 4 % under the reference's; no load correction is made there, and the cell is read

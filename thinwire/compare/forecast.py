@@ -38,6 +38,12 @@ PERIODIC_STEPS = {"plain": 0.88, "mixed": 0.9, "overlapped": 1.0}
 # of the reference's), H = 2: 102-113 (0.61-0.68; fewer than bsp's 113-114 at H = 1 and 2), H = 32: 133-138
 # (0.80-0.83), H = 64: 138-145 (0.83-0.87), H = 128: 146-154 (0.88-0.93): about 0.575 + 0.048 log2 H, at most 1
 AVERAGING_STEPS = (0.575, 0.048)
+# asynchronous DiLoCo (each pseudo-gradient applied on arrival, up to n - 1 updates stale): more steps than the
+# reference, not fewer. Measured on stdlib-lm to loss 2.5, 4 workers on `world` under straggler episodes (H = 32,
+# tau = 7, fp4 + residual, 3 seeds; BENCHMARKS.md, "Stragglers on `world` and two speeds 1:3 on `home`"): at 0.80-0.89
+# of the reference's throughput it took 52.7 s against the reference's 33.4 s in seed 0, about 1.34 of its steps,
+# and did not reach the target within 60 s in seeds 1 and 2 (over 1.5).
+ASYNC_STEPS = 1.34
 
 
 def planned_as(algorithm: str, compressor: str | None = None) -> tuple[str, str]:
@@ -147,6 +153,11 @@ def diloco_plan(cell: presets.Cell, network: str, wl, workers: int, compute_s: f
     return plan_diloco(s, s.link if isinstance(s.link, Islands) else None, given)
 
 
+# planned times to target this close to the least are a tie: e.g. synchronous and dynamic DiLoCo at equal speeds,
+# which the model times alike
+TIED = 0.01
+
+
 def averaging_steps(period: int) -> float:
     """Steps to target of model averaging every `period` steps, relative to the no-communication reference's."""
     return min(1.0, AVERAGING_STEPS[0] + AVERAGING_STEPS[1] * math.log2(max(1, period)))
@@ -171,8 +182,9 @@ def predict_cell(cell: presets.Cell, network: str, cfg, compute_s: float | None,
         s = _scenario(wl, network, cfg.workers, compute_s, speeds)
         pred = predict(s, algorithm, compressor, **params)
         sync = exchange(s, compressor, **{k: v for k, v in params.items() if k in ("ratio", "rank", "levels")})[1]
+        period = params.get("period") or algorithms.registry.parameters(algorithm).get("period") or 1
         return {"step_s": float(pred.iteration_s), "sync_s": float(sync.time) if pred.collective != "none" else None,
-                "period": int(params.get("period", 1))}
+                "period": int(period)}
     except (UserError, KeyError, TypeError, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -183,8 +195,9 @@ def predict_race(tuned: dict, cells: list, cfg, baseline: dict, speeds: str | No
     each cell's predicted step (from the compute step `compute_s` at full speed, else the reference's), sync and
     time to target (the reference's
     steps to target × SYNC_STEPS for a cell that averages every step, × PERIODIC_STEPS for DiLoCo, overlapped or
-    not, × `averaging_steps(H)` for model averaging every H steps, × its predicted step),
-    and the predicted winner (the least predicted time to target within the budget)."""
+    not, × `averaging_steps(H)` for model averaging every H steps, × ASYNC_STEPS for asynchronous DiLoCo, × its
+    predicted step), the predicted winner (the least predicted time to target) and the cells `tied` with it (within
+    TIED of its time)."""
     steps_ref = baseline.get("steps_to_target")
     out = {}
     for network in cfg.networks:
@@ -198,7 +211,8 @@ def predict_race(tuned: dict, cells: list, cfg, baseline: dict, speeds: str | No
                 kind = family(ran.algorithm)
                 factor = (SYNC_STEPS if syncs_every_step(ran.algorithm) else 1.0 if kind == "none" else
                           PERIODIC_STEPS["plain" if not lag else "mixed" if mixed else "overlapped"]
-                          if kind == "diloco" else averaging_steps(p.get("period") or 1))
+                          if kind == "diloco" else ASYNC_STEPS if kind == "async" else
+                          averaging_steps(p.get("period") or 1))
                 net = parse_network(network)
                 if ran.params.get("replicas") == "island" and isinstance(net, Islands) and net.size > 1:
                     # each replica data parallel over its island's m workers: between one worker (1) and all n
@@ -209,5 +223,8 @@ def predict_race(tuned: dict, cells: list, cfg, baseline: dict, speeds: str | No
                 p["within_budget"] = cfg.budget_s is None or p["time_to_target_s"] <= cfg.budget_s
             here[cell.label] = p
         timed = {k: v["time_to_target_s"] for k, v in here.items() if v.get("time_to_target_s") is not None}
-        out[network] = {"cells": here, "winner": min(timed, key=timed.get) if timed else None}
+        winner = min(timed, key=timed.get) if timed else None
+        # the model cannot rank apart the cells it gives the same time (within TIED): each is the predicted winner
+        tied = [k for k, v in timed.items() if k != winner and v <= timed[winner] * (1 + TIED)] if timed else []
+        out[network] = {"cells": here, "winner": winner, "tied": tied}
     return out

@@ -120,12 +120,13 @@ def _ttt(results: dict, path: str) -> str:
         if g is not None and med(g):
             ax.scatter([i], [med(g)], marker="o", s=420, facecolor="none", edgecolor="black", lw=1.4, zorder=4,
                        label="planner's predicted winner" if i == 0 else None)
-        mark = "" if won is None or guess is None else (" ✓" if won["label"] == guess else
+        tied = [guess, *((preds.get(n) or {}).get("tied") or [])]    # the model's ties: each a predicted winner
+        mark = "" if won is None or guess is None else (" ✓" if won["label"] in tied else
                                                          " ≈" if g is not None and g.get("within_noise_of_best")
                                                          else " ✗")       # ≈: within the readings' noise of it
         names.append(n.replace("custom:", "").replace(",", "\n").replace("islands:", "islands ")
                      + (f"\nwinner: {won['label']}" if won else "\nno winner")
-                     + (f"\npredicted: {guess}{mark}" if guess else ""))
+                     + ("\npredicted: " + "\nor ".join(tied) + mark if guess else ""))
     ax.axhline(ceiling, color="grey", lw=0.8, ls=":")
     ax.annotate("× = target not reached", (0.01, ceiling), xycoords=("axes fraction", "data"),
                 textcoords="offset points", xytext=(2, 4), fontsize=8, color="grey")
