@@ -153,7 +153,7 @@ def test_bad_paths_and_numbers_are_refused_before_anything_starts(args, needle, 
 
     def tripwire(*a, **k):
         raise AssertionError("started despite bad input")
-    with mock.patch("thinwire.launcher.pool.launch", tripwire), mock.patch("thinwire.compare.matrix.compare", tripwire):
+    with mock.patch("thinwire.run.train.launch", tripwire), mock.patch("thinwire.cli.compare.compare", tripwire):
         assert main(args) == 2
     err = capsys.readouterr().err
     assert needle in err, err

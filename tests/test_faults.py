@@ -390,7 +390,7 @@ def test_fuzzed_command_lines_exit_0_or_2_with_one_line(tokens, safe, command):
     from thinwire.cli import main
     argv = [command] + (SAFE if safe else []) + tokens
     err, out = io.StringIO(), io.StringIO()
-    with mock.patch("thinwire.run.train.run_training", _fake_run_training), \
+    with mock.patch("thinwire.cli.train.run_training", _fake_run_training), \
             contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = main(argv)
     assert code in (0, 2), (argv, code, err.getvalue())
@@ -400,12 +400,15 @@ def test_fuzzed_command_lines_exit_0_or_2_with_one_line(tokens, safe, command):
 
 
 def test_fuzz_harness_reaches_the_launch(capsys):
-    """The fuzzing above is not vacuous: a valid command line gets through every check to the (fake) launch."""
+    """The fuzzing above is not vacuous: a valid command line gets through every check to the fake launch, and
+    the fake is what the command calls (no worker starts)."""
     from unittest import mock
 
     from thinwire.cli import main
-    with mock.patch("thinwire.run.train.run_training", _fake_run_training):
+    with mock.patch("thinwire.cli.train.run_training", side_effect=_fake_run_training) as fake, \
+            mock.patch("thinwire.launcher.pool.Pool", side_effect=AssertionError("a worker pool started")):
         assert main(["train", *SAFE, "--algorithm", "localsgd", "--period", "3", "--json"]) == 0
+    assert fake.call_count == 1 and "period" in fake.call_args.args[0].params
     assert json.loads(capsys.readouterr().out)["algorithm"] == "localsgd"
 
 

@@ -156,7 +156,7 @@ def test_a_bad_workload_is_refused_in_one_line_before_any_worker(body, spec, nee
     commands = [["train", "--workload", spec, "--workers", "2", "--steps", "2"],
                 ["compare", "--workload", spec, "--algorithms", "bsp", "--workers", "2", "--out", str(tmp_path)],
                 ["advise", "--workload", spec]]
-    with mock.patch("thinwire.run.train.launch", _tripwire), mock.patch("thinwire.compare.compare", _tripwire):
+    with mock.patch("thinwire.run.train.launch", _tripwire), mock.patch("thinwire.cli.compare.compare", _tripwire):
         for argv in commands if body == "" else commands[:1]:
             assert main(argv) == 2
             err = capsys.readouterr().err
