@@ -207,6 +207,51 @@ def test_powersgd_single_process():
     assert c.compress(m, key="w").nbytes == (30 + 20) * 2 * 4
 
 
+def test_powersgd_rounds_equal_pytorchs_powersgd_hook_algorithm():
+    """Two ranks' PowerSGD rounds (`begin`, `after_P`, `after_Q`, the sums taken by hand as the exchange takes them)
+    with this rank's own contribution as the memory's, against PyTorch's `powerSGD_hook` written out: error feedback
+    on the bucket against the mean approximation, Q orthogonalised before P = M Q, the sum of P orthogonalised,
+    Q = Σ Mᵀ P̂ / n, warm start, 1-D tensors averaged uncompressed; the same start Q. Only the sum of the ranks'
+    errors enters the next step, so the two error feedbacks give the same means (to float32's rounding: the
+    compressor computes in float32)."""
+    from thinwire.compress.base import Round
+    from thinwire.compress.powersgd import orthogonalize
+    torch.manual_seed(0)
+    shapes, world = [(40, 12), (40,), (6, 40), (6,)], 2
+    sizes = [math.prod(t) for t in shapes]
+    comps = [tw.compressors.get("powersgd", rank=2, seed=3) for _ in range(world)]
+    mems = [tw.memories.get("powersgd") for _ in range(world)]
+    errors, qs = [torch.zeros(sum(sizes)) for _ in range(world)], {}
+    for step in range(6):
+        grads = [torch.randn(sum(sizes)) * (1 + w) for w in range(world)]
+        cs = [m.compensate(g, "b") for m, g in zip(mems, grads)]
+        states = [c.begin(x, "b", step, shapes, world) for c, x in zip(comps, cs)]
+        while isinstance(states[0], Round):
+            summed = sum(st.send for st in states)
+            states = [c.advance(st, summed.clone()) for c, st in zip(comps, states)]
+        for m, x, st in zip(mems, cs, states):
+            m.update(x, "b", st.own)
+        ins = [g + e for g, e in zip(grads, errors)]
+        parts = [x.split(sizes) for x in ins]
+        mean = []
+        for i, shape in enumerate(shapes):
+            mats = [p[i] for p in parts]
+            if len(shape) == 1:
+                mean.append(sum(mats) / world)
+                continue
+            a, b = shape
+            if i not in qs:
+                fresh = tw.compressors.get("powersgd", rank=2, seed=3)        # the start Q, drawn as ours draws it
+                qs[i] = fresh._start("b", (sum(sizes[:i]), a, b, 2), 0, "cpu")
+            q = orthogonalize(qs[i].clone())
+            p_hat = orthogonalize(sum(m.view(a, b) @ q for m in mats))
+            qs[i] = sum(m.view(a, b).t() @ p_hat for m in mats) / world
+            mean.append((p_hat @ qs[i].t()).reshape(-1))
+        mean = torch.cat(mean)
+        errors = [x - mean for x in ins]
+        assert torch.allclose(states[0].total / world, mean, atol=1e-5 * float(mean.abs().max()), rtol=0), step
+
+
 def test_error_feedback_invariants():
     """Σ sent + final memory = Σ inputs (PowerSGD's EF); DGC: Σ sent + v = Σ u (its momentum-corrected input)."""
     torch.manual_seed(0)
