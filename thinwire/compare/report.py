@@ -95,7 +95,6 @@ def prediction(results: dict, network: str, entries: list[dict]) -> str:
                 "the target, so it had no steps to target to start from).")
     ttt = p["cells"][winner]["time_to_target_s"]
     tied = p.get("tied") or []
-    named = f"`{winner}`" + "".join(f" or `{t}`" for t in tied)
     ties = f", tied in the model with {' and '.join(f'`{t}`' for t in tied)}" if tied else ""
     base = results.get("baseline") or {}
     how = (f" (from the reference's {base['steps_to_target']:.0f} steps to target, extrapolated from its trend: it ran "
@@ -103,7 +102,7 @@ def prediction(results: dict, network: str, entries: list[dict]) -> str:
     ok = [e for e in rank(entries) if e.get("status") == "ok"]
     measured = ok[0] if ok and ok[0]["reached"] else None
     if measured is None:
-        return f"**Predicted before the race**: {named} ({ttt:.3g} s){how}; no cell reached the target."
+        return f"**Predicted before the race**: `{winner}` ({ttt:.3g} s{ties}){how}; no cell reached the target."
     agreed = measured["label"] in [winner, *tied]
     within = next((e for e in ok if e["label"] == winner), None)
     tie = within is not None and within.get("within_noise_of_best")
