@@ -1,5 +1,5 @@
 """`thinwire bench churn`'s accounting (issue 34, item 6): goodput and time to target from the workers' step
-logs, on hand-made logs; the kill schedule; bad arguments refused before anything starts."""
+logs, on hand-made logs; the kill schedule; bad arguments (diloco's settings too) refused before anything starts."""
 from __future__ import annotations
 
 import json
@@ -60,6 +60,10 @@ def test_every_contestant_suffers_the_same_kills():
     (["--kill-every", "0"], "--kill-every must be"),
     (["--min-workers", "4"], "--min-workers must be"),
     (["--limit", "0"], "--limit must be"),
+    (["--contestants", "localsgd", "--compressor", "fp4"], "which --contestants leaves out"),
+    (["--contestants", "diloco", "--compressor", "nosuch"], "unknown compressor 'nosuch'"),
+    (["--contestants", "diloco", "--param", "overlap=-1"], "diloco overlap must be an integer >= 0"),
+    (["--contestants", "diloco", "--nosuch", "1"], "unknown parameter 'nosuch' for algorithm 'diloco'"),
 ])
 def test_bad_arguments_are_one_line_before_anything_starts(capsys, argv, message):
     from thinwire.cli import main

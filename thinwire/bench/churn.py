@@ -78,6 +78,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--eval-every", type=int, default=32)
     p.add_argument("--period", type=int, default=16, help="H of diloco, localsgd and torchft's DiLoCo (default 16)")
+    p.add_argument("--compressor", help="the compressor of thinwire's diloco (its outer gradients), e.g. fp4")
+    p.add_argument("--memory", help="the memory beside --compressor (e.g. residual)")
     p.add_argument("--checkpoint-every", type=int, default=32, help="ddp's checkpoint interval in steps")
     p.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"subset of {', '.join(CONTESTANTS)}")
     p.add_argument("--target", type=float, help="the target (default: the workload's)")
@@ -88,7 +90,21 @@ def register(sub) -> None:
                         "restarted every --kill-every seconds may never reach its next checkpoint)")
     p.add_argument("--out", help="directory for churn.json and the workers' step logs (default: a temporary one)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, accepts_params=True)     # --param K=V (or --K V): more of diloco's parameters
+
+
+def _config(args, name: str) -> TrainConfig:
+    """Thinwire's elastic job for contestant `name`: diloco and localsgd at H = --period; diloco also with
+    --compressor, --memory and the other parameters given (`--param overlap=17`)."""
+    params = {"period": args.period} if name in ("diloco", "localsgd") else {}
+    if name == "diloco":
+        params.update(args.extra)
+    return TrainConfig(workload=args.workload, algorithm=name, workers=args.workers, network=args.network,
+                       steps=args.steps, eval_every=args.eval_every, seed=args.seed, params=params,
+                       compressor=args.compressor if name == "diloco" else None,
+                       memory=args.memory if name == "diloco" else None,
+                       elastic=f"{args.min_workers}:{args.workers}", replace_delay=args.replace_delay,
+                       progress=False, target=args.target)
 
 
 def check(args) -> list[str]:
@@ -107,10 +123,14 @@ def check(args) -> list[str]:
     bad = [c for c in chosen if c not in CONTESTANTS]
     if bad or not chosen:
         raise UserError(f"unknown contestant {bad[0] if bad else ''!r}; valid: {', '.join(CONTESTANTS)}")
+    if (args.extra or args.compressor or args.memory) and "diloco" not in chosen:
+        raise UserError("--compressor, --memory and --param set thinwire's diloco, which --contestants leaves out")
     for peer in filter(None, map(find, chosen)):     # the peers' optional extras are installed
         why = peer.missing()
         if why:
             raise UserError(why)
+    for name in (c for c in chosen if c in ELASTIC):
+        _config(args, name).validate()
     return chosen
 
 
@@ -162,11 +182,7 @@ class Killer:
 
 # -- the contestants --------------------------------------------------------------------------------------
 def _elastic(args, name: str, logdir: str, plan) -> dict:
-    params = {"period": args.period} if name in ("diloco", "localsgd") else {}
-    cfg = TrainConfig(workload=args.workload, algorithm=name, workers=args.workers, network=args.network,
-                      steps=args.steps, eval_every=args.eval_every, seed=args.seed, params=params,
-                      elastic=f"{args.min_workers}:{args.workers}", replace_delay=args.replace_delay, progress=False,
-                      target=args.target)
+    cfg = _config(args, name)
     killer = None
 
     def on_start(pool):
