@@ -70,3 +70,19 @@ def test_bad_arguments_are_one_line_before_anything_starts(capsys, argv, message
     assert main(["bench", "churn", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_diloco_takes_the_settings_given_and_the_others_keep_theirs():
+    """`--compressor`, `--memory` and `--param` reach thinwire's diloco job (the planner's settings for a thin link)
+    and nothing else: localsgd keeps H = --period and no compressor."""
+    from thinwire.cli import build_parser, parse_extra
+    args, extra = build_parser().parse_known_args(["bench", "churn", "--network", "home", "--contestants",
+                                                   "diloco,localsgd", "--period", "40", "--compressor", "fp4",
+                                                   "--memory", "residual", "--param", "overlap=17", "--alpha", "0.5"])
+    args.extra = parse_extra(extra)
+    assert churn.check(args) == ["diloco", "localsgd"]
+    d, loc = churn._config(args, "diloco"), churn._config(args, "localsgd")
+    assert (d.compressor, d.memory, d.params) == ("fp4", "residual", {"period": 40, "overlap": "17", "alpha": "0.5"})
+    assert (loc.compressor, loc.memory, loc.params) == (None, None, {"period": 40})
+    assert d.elastic == loc.elastic == "2:4" and d.network == "home"
+
