@@ -307,9 +307,9 @@ def _loop(rank, world_size, cfg, wl, stepper: Stepper, tracer, group) -> dict:
             if cfg.checkpoint_every:
                 every, at, more = cfg.checkpoint_every, step, {} if member is None else {"loader_seed": loader.seed}
                 if rounds:      # each worker at its own step: cut at the end of a round, named by a number they
-                    at, more, last = stepper.cut, {"own_step": step}, cut       # share (the fastest's steps;
-                    cut = last if at is None else at                            # below `total`, no worker has
-                    due = at is not None and at < total and at // every > last // every     # asked to stop)
+                    at, more = stepper.cut, {"own_step": step}      # share (the fastest's steps; below `total`,
+                    due = at is not None and at < total and at // every > cut // every    # no worker asked to stop)
+                    cut = cut if at is None else at
                 else:
                     due = step % every == 0 and step != total and stop is None
                 if due:

@@ -101,8 +101,7 @@ def _timed(wl, device: str, batch_size: int | None, n: int, start=None) -> tuple
 
 def _timed_together(rank: int, world: int, spec: str, batch_size: int | None, n: int) -> list[float]:
     """In a launched worker: `n` steps timed from the moment every worker has built its model."""
-    import torch.distributed as dist
-    return _timed(workloads.get(spec), "cpu", batch_size, n, start=dist.barrier)[0]
+    return _timed(workloads.get(spec), "cpu", batch_size, n, start=torch.distributed.barrier)[0]
 
 
 def write_advice(out: str, advice: dict) -> str:
