@@ -46,7 +46,9 @@ def test_every_example_and_documented_program_runs(tmp_path):
     def finish(name):
         out, _ = procs[name].communicate(timeout=600)
         if procs[name].returncode != 0 or runs[name][1] not in out:
-            failed.append(f"--- {name}: exit {procs[name].returncode}\n{out[-3000:]}")
+            # the head too: a worker's own error (an abort's message) comes before the launcher's report of it
+            failed.append(f"--- {name}: exit {procs[name].returncode}\n"
+                          + (out if len(out) <= 6000 else f"{out[:3000]}\n[...]\n{out[-3000:]}"))
 
     for name, (command, _, extra) in RUNS.items():
         text = (EXAMPLES / name).read_text()
