@@ -1,5 +1,6 @@
 """Elastic jobs (issue 34, items 5 and 7): a worker that joins a running job at its algorithm's next
-synchronization boundary, with the model, optimizer and algorithm state of a live peer; refused and failed joins.
+synchronization boundary, with the model, optimizer and algorithm state of a live peer (DiLoCo's: θ and the outer
+optimizer, the inner optimizer afresh); refused and failed joins.
 
 One elastic pool (2 members + 1 process in reserve) serves every test: a newcomer of one run is the reserve of
 the next (a run that fails closes the pool: the next test that asks for it gets a new one)."""
@@ -46,10 +47,11 @@ def _train(member, workers, algorithm, params, want, after, other=None, cap=3000
                 p.fill_(1000.0)
     mine = params if member < workers or other in (None, "die", "poison") else other
     trainer = tw.Trainer(model, opt, algorithm=algorithm, network="custom:latency=1ms", **mine)
-    gen, stop, at_join, largest = None, None, None, None
+    gen, stop, at_join, largest, inner_at_join = None, None, None, None, None
     while trainer.step_count < (cap if stop is None else stop):
         if stop is None and trainer.transport.world_size >= want:
             stop, at_join = trainer.step_count + after, (trainer.step_count, _sha(model))
+            inner_at_join = len(opt.state)      # optimizer state entries (the newcomer's: what it took)
             largest = max(p.detach().abs().max().item() for p in model.parameters())
         if stop is None and other == "die" and trainer.failures:    # the newcomer was lost: go on a while
             stop = trainer.step_count + after
@@ -64,7 +66,8 @@ def _train(member, workers, algorithm, params, want, after, other=None, cap=3000
     trainer.close()
     return {"sha": _sha(model), "at_join": at_join, "steps": trainer.step_count, "accuracy": wl.evaluate(model),
             "joins": trainer.joins, "failures": trainer.metrics().get("failures", []), "gen": trainer.elastic.gen,
-            "participants": trainer.metrics().get("participants"), "largest_at_join": largest}
+            "participants": trainer.metrics().get("participants"), "largest_at_join": largest,
+            "inner_at_join": inner_at_join}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +102,9 @@ def test_a_newcomer_joins_at_the_boundary_with_a_peers_state(epool, algorithm, p
     for o in out.values():                      # training went on: every member, the same steps, to the target
         assert o["steps"] == step + 150 and o["gen"] == 1
         assert o["accuracy"] >= TARGET, (algorithm, o["accuracy"])
+    # the newcomer took rank 0's momentum buffers, except under DiLoCo, whose inner optimizer is each worker's own:
+    # it starts afresh (and θ crosses the link once, in the algorithm's state)
+    assert out[2]["inner_at_join"] == (0 if algorithm == "diloco" else 4), out[2]     # digits-mlp: 4 tensors
     if algorithm == "bsp":
         assert step >= 1
     else:                                       # the boundary: a model average, a fragment merge, a window's end

@@ -16,7 +16,7 @@ from thinwire.run import workloads
 KILL_RANK, KILL_STEP = 2, 40
 
 
-def _train(rank, world_size, algorithm, params, steps):
+def _train(rank, world_size, algorithm, params, steps, skew=False):
     wl = workloads.get("digits-mlp")
     model = wl.model(0)
     opt = torch.optim.SGD(model.parameters(), lr=wl.lr, momentum=wl.momentum)
@@ -28,6 +28,8 @@ def _train(rank, world_size, algorithm, params, steps):
     for step in range(1, steps + 1):
         if rank == KILL_RANK and step == KILL_STEP:
             os.kill(os.getpid(), signal.SIGKILL)        # lost mid-run, without a word
+        if skew and rank == 1 and step == KILL_STEP:    # θ apart on one survivor, as if a merge completed there only
+            trainer.algorithm.anchor[0].add_(1e-3)
         x, y = loader.next()
         wl.loss(model(x), y).backward()
         trainer.step()
@@ -53,6 +55,8 @@ def test_survivors_finish_reach_the_target_and_agree(algorithm, params):
     # after the loss); bsp and DTS survivors go on from the new rank 0's model
     kept = algorithm in ("localsgd", "diloco")
     assert all(o["failures"][0]["kept"] == kept for o in survivors)
+    # their anchors (DiLoCo: θ and the outer momentum) agree: a digest says so, and rank 0's is not sent again
+    assert all(o["failures"][0].get("alike") == (True if kept else None) for o in survivors), algorithm
     assert len({o["after_loss"] for o in survivors}) == (3 if kept else 1), algorithm
     for o in survivors:
         assert o["steps"] == steps
@@ -60,6 +64,17 @@ def test_survivors_finish_reach_the_target_and_agree(algorithm, params):
         assert o["failures"] and o["failures"][0]["lost"] == [KILL_RANK]
         assert o["failures"][0]["members"] == [0, 1, 3]
         assert KILL_STEP <= o["failures"][0]["step"] <= KILL_STEP + 2
+
+
+def test_survivors_whose_anchors_differ_take_rank_0s():
+    """DiLoCo survivors of a loss whose θ differ (one survivor's moved, as a merge completed on it alone would):
+    the digest they agree on says so, rank 0's θ and outer state are sent, and they end with the same model."""
+    params = {"period": 4, "outer_lr": 0.6, "outer_momentum": 0.5}
+    out = tw.launch(_train, 3, args=("diloco", params, 60, True), on_failure="continue",
+                    network="custom:latency=1ms", timeout=600)
+    survivors = [o for r, o in enumerate(out) if r != KILL_RANK]
+    assert [o["failures"][0]["alike"] for o in survivors] == [False, False]
+    assert len({o["sha"] for o in survivors}) == 1
 
 
 def test_continue_only_where_averages_stay_meaningful(pool2):

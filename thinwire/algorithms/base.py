@@ -89,6 +89,9 @@ class Algorithm:
     keeps_local_work: ClassVar[bool] = False    # at a loss, each survivor's model and optimizer since the last
     #   boundary are its own to keep (local SGD, DiLoCo: the next average takes them in); recover() makes the state
     #   that must agree (an anchor, an outer optimizer) agree. Else every survivor takes the new rank 0's.
+    inner_state_own: ClassVar[bool] = False     # each worker's optimizer state is its own and its model is set from
+    #   the algorithm's state at every sync (DiLoCo's inner AdamW and θ): an elastic job's newcomer takes θ from
+    #   newcomer_state() and starts its optimizer afresh, and neither crosses the link twice. Else it takes rank 0's.
     exchange_class: ClassVar[type] = Exchange   # what make_exchange builds (the PS and gossip forms: their own)
     cost: ClassVar[CostFamily | None] = None    # how the planner predicts it (`thinwire.algorithms.cost`)
     sgd_only: ClassVar[bool] = False            # its update compensates plain or momentum SGD only (check_run)
@@ -173,6 +176,12 @@ class Algorithm:
         """A worker was lost: the survivors hold the new rank 0's model and optimizer state and go on from here
         (`Trainer._recover`); drop what the interrupted step had in flight."""
         raise NotImplementedError(f"{self.name} does not survive a lost worker")
+
+    def replicated(self) -> list:
+        """The tensors every member holds alike (an anchor, an outer optimizer's state). After a loss the Trainer
+        checks that the survivors still do (a digest agreed on: `"alike"` in the failure's record), and recover()
+        sends rank 0's only where they do not (an average completed on some survivors only, a newcomer)."""
+        return []
 
     # -- elastic jobs (docs/reliability.md, "Workers that join a running job") ------------------------------
     def join_boundary(self, step: int) -> bool:

@@ -156,6 +156,8 @@ class DiLoCo(Membership, Algorithm):
 
     survives_failures = True   # θ and the outer optimizer are replicated; the mean over fewer workers stays a mean
     keeps_local_work = True    # a survivor's inner steps go into the next sync
+    inner_state_own = True     # each worker's inner optimizer is its own (Douillard et al. 2023, arXiv 2311.08105,
+    #   Algorithm 1); a newcomer's inner model is θ (take_newcomer_state)
     cost = CostFamily("diloco", pace_with=(("dynamic", "rounds"), ("rates", "rounds")))
     rounds: DynamicRounds | None = None   # dynamic local updates (set at setup)
 

@@ -1,5 +1,6 @@
 """DiLoCo's side of a change of membership (`Membership`, a mixin of `thinwire.algorithms.diloco.DiLoCo`): a lost
-worker (`recover`: the sync in flight dropped, θ and the outer optimizer taken from the new rank 0) and an elastic
+worker (`recover`: the sync in flight dropped, θ and the outer optimizer taken from the new rank 0 where the
+survivors' differ) and an elastic
 job's newcomer (it joins at a fragment's merge, with θ, the outer optimizer's state and the counters of rank 0).
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ class Membership:
     @torch.no_grad()
     def recover(self):
         """A worker was lost: the sync in flight is dropped; θ and the outer optimizer's state are taken from the
-        new rank 0 (a sync that completed on some survivors only cannot leave them apart); each survivor's inner
+        new rank 0 where the survivors' differ (a sync that completed on some survivors only cannot leave them
+        apart; where a digest of them agrees, nothing crosses the link); each survivor's inner
         model (its own where the Trainer kept the survivors' work, else the new rank 0's) differs from θ and goes
         into the next sync of each fragment; the schedule goes on from the agreed step."""
         if self.island is not None:
@@ -29,13 +31,20 @@ class Membership:
             self.eager_rounds.reset()
         for a in self.anchor:
             a.grad = None
-        # one message (not one per tensor: a round trip each on a slow link), and a newcomer of an elastic job
-        # pulled into the loss's generation, whose outer optimizer has no state yet, takes it whole
-        got = broadcast_state(self.transport, {"anchor": self.anchor, "outer": self.outer.state_dict()}, 0)
-        copy_each(self.anchor, got["anchor"])
-        self.outer.load_state_dict(got["outer"])
+        # where the survivors disagree: one message (not one per tensor: a round trip each on a slow link), and a
+        # newcomer of an elastic job pulled into the loss's generation, whose outer optimizer has no state yet,
+        # takes it whole
+        if not self.ctx.failures[-1]["alike"]:
+            got = broadcast_state(self.transport, {"anchor": self.anchor, "outer": self.outer.state_dict()}, 0)
+            copy_each(self.anchor, got["anchor"])
+            self.outer.load_state_dict(got["outer"])
         self.steps = self.ctx.failures[-1]["step"]
         self._dirty = [True] * self.fragments
+
+    def replicated(self):
+        """θ and the outer optimizer's state (its momentum; a newcomer's has none yet, so it differs)."""
+        outer = self.outer.state_dict()["state"]
+        return self.anchor + [v for k in sorted(outer) for v in outer[k].values() if torch.is_tensor(v)]
 
     # -- elastic jobs: a newcomer joins at a fragment's merge ---------------------------------------------
     def join_boundary(self, step):

@@ -73,15 +73,19 @@ class LocalSGD(Periodic, BSP):
 
     def recover(self):
         """A worker was lost. Where the survivors keep their own models (the loss met at the same average), they
-        take rank 0's anchor (an average completed on some survivors only leaves the anchors apart) and their
-        work since it goes into the next average; else they restart from the new rank 0's model."""
+        take rank 0's anchor where theirs differ (an average completed on some survivors only leaves them apart)
+        and their work since it goes into the next average; else they restart from the new rank 0's model."""
         super().recover()
         self._momenta.clear()
         if self.ctx.failures[-1]["kept"]:
-            copy_each(self.anchor, broadcast_state(self.transport, {"anchor": self.anchor}, 0)["anchor"])
+            if not self.ctx.failures[-1]["alike"]:
+                copy_each(self.anchor, broadcast_state(self.transport, {"anchor": self.anchor}, 0)["anchor"])
         else:
             copy_each(self.anchor, self.params)
         self.local_steps = 0
+
+    def replicated(self):
+        return self.anchor
 
     def join_boundary(self, step):
         """A step that averaged the models (the anchor is every member's model)."""

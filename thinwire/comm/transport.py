@@ -390,6 +390,13 @@ class Transport:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor
 
+    def alike(self, values) -> list[bool]:
+        """For each of `values` (numbers exact in a float64), whether every member of the group holds the same
+        (one all-reduce of the values and their negations)."""
+        v = torch.tensor([float(x) for x in values], dtype=torch.float64, device=self.device)
+        both = self.agree_max(torch.cat([v, -v])).tolist()      # host: a start-up check or a recovery
+        return [hi == -lo for hi, lo in zip(both[:len(v)], both[len(v):])]
+
     def share(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Every tensor of `tensors` from group rank `src`, in place, one broadcast each (a model's start)."""
         for t in tensors:

@@ -354,6 +354,8 @@ class StepLog:
 
     def __init__(self, rank: int, stepper: Stepper):
         where = os.environ.get("THINWIRE_STEP_LOG")
+        if where:
+            os.makedirs(where, exist_ok=True)
         self.file = open(os.path.join(where, f"{os.getpid()}.jsonl"), "a") if where else None
         self.rank, self.trainer = rank, getattr(stepper, "trainer", None)
         self.committed, self.t0 = 0, 0.0

@@ -17,6 +17,7 @@ from ..comm import elastic
 from ..comm.engine import ENGINE
 from ..comm.membership import MEMBERSHIP, PeerLost
 from ..comm.state import broadcast_state
+from ..tensors import digest
 
 
 class Resilience:
@@ -27,9 +28,11 @@ class Resilience:
         self.trainer = trainer
         self.behind = 0
 
-    def model_tensors(self) -> list[torch.Tensor]:
+    def model_tensors(self, trained: bool = True) -> list[torch.Tensor]:
+        """The model's parameters and buffers; without `trained`, the parameters that require no gradient only."""
         model = self.trainer.model
-        return [t.data for t in list(model.parameters()) + list(model.buffers())]
+        params = [p for p in model.parameters() if trained or not p.requires_grad]
+        return [t.data for t in params + list(model.buffers())]
 
     def broadcast_model(self) -> None:
         """Start every worker from rank 0's model (as DDP does); not counted as training traffic."""
@@ -105,7 +108,11 @@ class Resilience:
                                         device=t.transport.device)
             t.optimizer.load_state_dict(state)
         # "step": the step every survivor has counted once this one ends (and behind ranks skipped theirs)
-        t.failures.append({"lost": lost.lost, "step": agreed, "members": lost.members, "kept": kept})
+        record = {"lost": lost.lost, "step": agreed, "members": lost.members, "kept": kept}
+        shared = t.algorithm.replicated()
+        if shared:      # whether recover() need send rank 0's (one digest agreed on, not the state over the link)
+            record["alike"] = self.watched(t.transport.alike, [digest(shared)])[0]
+        t.failures.append(record)
         t.algorithm.recover()
 
     # -- elastic jobs: newcomers (docs/reliability.md, "Workers that join a running job") -----------------------
@@ -159,17 +166,22 @@ class Resilience:
             if rec["kind"] == "loss":
                 self._resync(PeerLost(t.elastic.gen, rec["members"], rec.get("lost", [])), 0)
                 return
+            # an algorithm whose inner state is each worker's own (DiLoCo) hands θ over in its own state: the
+            # newcomer's trained parameters come from there, its optimizer starts afresh at rank 0's settings
+            whole = not t.algorithm.inner_state_own
             if newcomer:
                 state = elastic.recv_state(t.transport, 0)
                 t.step_count = int(state["step"])
                 with torch.no_grad():
-                    for mine, v in zip(self.model_tensors(), state["model"]):
+                    for mine, v in zip(self.model_tensors(whole), state["model"]):
                         mine.copy_(v)
                 t.optimizer.load_state_dict(state["optimizer"])
                 t.algorithm.take_newcomer_state(state["algorithm"])
             elif t.transport.rank == 0:
-                state = {"step": t.step_count, "model": self.model_tensors(),
-                         "optimizer": t.optimizer.state_dict(), "algorithm": t.algorithm.newcomer_state()}
+                optimizer = t.optimizer.state_dict()
+                state = {"step": t.step_count, "model": self.model_tensors(whole),
+                         "optimizer": optimizer if whole else {"state": {}, "param_groups": optimizer["param_groups"]},
+                         "algorithm": t.algorithm.newcomer_state()}
                 for r in [rec["members"].index(m) for m in rec["members"] if m not in previous]:
                     elastic.send_state(t.transport, state, r)
             self.watched(t.algorithm.after_join)

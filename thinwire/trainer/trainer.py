@@ -23,6 +23,7 @@ from ..comm.membership import PeerLost
 from ..comm.progress import report as report_progress
 from ..errors import UserError
 from ..optim import hand_over_momentum
+from ..tensors import digest
 from ..trace import NULL, Tracer
 from .assembly import adam_feedback_warning, build_components, check_elastic, check_on_failure, check_optimizer_of
 from .nonfinite import FiniteGuard, nonfinite_flag, nonfinite_params
@@ -162,15 +163,9 @@ class Trainer:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         shapes = repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()
         fp = [len(tensors), sum(t.numel() for t in tensors), int(hashlib.sha256(shapes).hexdigest()[:12], 16)]
-        if values:
-            digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors)).hexdigest()
-            fp.append(int(digest[:12], 16))
-        hi = torch.tensor(fp, dtype=torch.float64, device=self.transport.device)
-        lo = -hi.clone()
-        self.transport.agree_max(hi)
-        self.transport.agree_max(lo)
-        if not torch.equal(hi, -lo):
-            what = "shapes" if not torch.equal(hi[:3], -lo[:3]) else "initial values"
+        alike = self.transport.alike(fp + ([digest(tensors)] if values else []))
+        if not all(alike):
+            what = "shapes" if not all(alike[:3]) else "initial values"
             raise UserError(f"the workers' models differ in {what} (rank {self.transport.rank} has "
                             f"{fp[0]} tensors, {fp[1]} elements): build the same model on every rank")
 
