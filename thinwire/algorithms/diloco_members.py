@@ -1,7 +1,7 @@
 """DiLoCo's side of a change of membership (`Membership`, a mixin of `thinwire.algorithms.diloco.DiLoCo`): a lost
 worker (`recover`: the sync in flight dropped, θ and the outer optimizer taken from the new rank 0 where the
-survivors' differ) and an elastic
-job's newcomer (it joins at a fragment's merge, with θ, the outer optimizer's state and the counters of rank 0).
+survivors' differ) and an elastic job's newcomer (it joins at a fragment's merge, with θ, the outer optimizer's
+state and the counters of rank 0; its inner optimizer starts afresh).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ class Membership:
     def recover(self):
         """A worker was lost: the sync in flight is dropped; θ and the outer optimizer's state are taken from the
         new rank 0 where the survivors' differ (a sync that completed on some survivors only cannot leave them
-        apart; where a digest of them agrees, nothing crosses the link); each survivor's inner
-        model (its own where the Trainer kept the survivors' work, else the new rank 0's) differs from θ and goes
-        into the next sync of each fragment; the schedule goes on from the agreed step."""
+        apart; where a digest of them agrees, nothing crosses the link); each survivor's inner model (its own
+        where the Trainer kept the survivors' work, else the new rank 0's) differs from θ and goes into the next
+        sync of each fragment; the schedule goes on from the agreed step."""
         if self.island is not None:
             raise UserError("diloco replicas=island does not go on after a lost worker (its island's data parallel "
                             "group lost a member): use on_failure='stop' and resume from a checkpoint")
