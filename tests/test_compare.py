@@ -607,6 +607,42 @@ def test_asynchronous_diloco_is_planned_at_its_own_period_and_charged_its_stalen
     assert forecast.ASYNC_STEPS > 1 > out["diloco"]["steps"] / 150
 
 
+def test_warm_up_steps_are_planned_at_bsps_step():
+    """1-bit Adam's warm-up (Tang et al. 2021: full-precision Adam for `warmup` steps) and 0/1 Adam's variance steps
+    all-reduce the full-precision gradient: the race's forecast times them as bsp's step (on `world`, over twice the
+    compressed one), the other steps at the algorithm's own."""
+    from thinwire.compare import forecast
+    cfg = cmp.CompareConfig(workload="stdlib-lm", workers=4, networks=["world"],
+                            cells=["bsp", "onebit-adam", "onebit-adam:warmup=20"])
+    cells = [presets.parse_cell(c) for c in cfg.cells]
+    tuned = {(c.label, "world", None): forecast.tune_cell(c, "world", cfg.workload, cfg.workers, 0.12) for c in cells}
+    out = forecast.predict_race(tuned, cells, cfg, {"steps_to_target": 150, "step_time_s": 0.12})["world"]["cells"]
+    bsp, own = out["bsp"]["step_s"], forecast.predict_cell(cells[2], "world", cfg, 0.12)["step_s"]
+    assert bsp > 2 * own
+    steps = out["onebit-adam"]["steps"]
+    assert out["onebit-adam"]["step_s"] == pytest.approx((100 * bsp + (steps - 100) * own) / steps)
+    assert out["onebit-adam:warmup=20"]["step_s"] == pytest.approx((20 * bsp + (steps - 20) * own) / steps)
+    assert forecast.mean_step(out["bsp"], cells[0], 50) == bsp
+
+
+@pytest.mark.parametrize("kappa, freeze", [(16, 100000), (4, 100000), (3, 40), (1, 7)])
+def test_zeroone_adams_variance_steps_counted_as_it_takes_them(kappa, freeze):
+    """0/1 Adam's full-precision steps over the first S steps (`full_precision_steps`, which the forecast reads)
+    are the steps its own policy takes as variance steps (Lu et al. 2022, arXiv 2202.06009, T_v)."""
+    from thinwire.algorithms.zeroone_adam import ZeroOneAdam
+    algo = ZeroOneAdam.__new__(ZeroOneAdam)
+    algo.var_freeze_step, algo.var_update_scaler, algo.local_step_scaler, algo.local_step_clipper = freeze, kappa, 8, 4
+    algo.var_interval, algo.var_counter, algo.local_interval, algo.local_counter, algo.steps = 1, 0, 1, 0, 0
+    taken = []
+    for _ in range(300):
+        v = algo.variance_step()
+        taken.append(v)
+        algo._advance(v)
+    params = {"var_update_scaler": kappa, "var_freeze_step": freeze}
+    assert [ZeroOneAdam.full_precision_steps(params, n) for n in range(301)] == \
+        [sum(taken[:n]) for n in range(301)]
+
+
 def test_scalability_under_speeds_reads_the_median_reference_uncorrected():
     """Workers of different speeds: the calibration runs once read 2.6× slower before the reference than before a
     cell whose throughput was 4 % under the reference's; no load correction is made there, and the cell is read

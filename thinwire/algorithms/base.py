@@ -177,6 +177,13 @@ class Algorithm:
         (`Trainer._recover`); drop what the interrupted step had in flight."""
         raise NotImplementedError(f"{self.name} does not survive a lost worker")
 
+    @staticmethod
+    def full_precision_steps(params: dict, steps: int) -> int:
+        """Of the first `steps` steps under `params` (the constructor's), how many all-reduce the full-precision
+        gradient as bsp does (1-bit Adam's warm-up, 0/1 Adam's variance steps): the race's forecast times them as
+        bsp's (`thinwire.compare.forecast`)."""
+        return 0
+
     def replicated(self) -> list:
         """The tensors every member holds alike (an anchor, an outer optimizer's state). After a loss the Trainer
         checks that the survivors still do (a digest agreed on: `"alike"` in the failure's record), and recover()

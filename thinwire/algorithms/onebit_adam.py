@@ -56,6 +56,10 @@ class OneBitAdam(Algorithm):
     adam_only = True
     cost = CostFamily("compressed_momentum")
 
+    @staticmethod
+    def full_precision_steps(params, steps):
+        return min(int(params["warmup"]), steps)
+
     def __init__(self, warmup: int = 100, architecture: str | None = None):
         super().__init__(architecture)
         self.warmup = int_at_least(f"{self.name or 'onebit-adam'} warmup", warmup, 1,

@@ -57,6 +57,20 @@ class ZeroOneAdam(OneBitAdam):
         self.local_step_scaler = int_at_least("zeroone-adam local_step_scaler", local_step_scaler, 1)
         self.local_step_clipper = int_at_least("zeroone-adam local_step_clipper", local_step_clipper, 1)
 
+    @staticmethod
+    def full_precision_steps(params, steps):
+        """The variance steps T_v among the first `steps`: κ (var_update_scaler) at the multiples of each gap 1, 2,
+        4, ... after the last one at the gap before, none after var_freeze_step."""
+        kappa, limit = int(params["var_update_scaler"]), min(steps, int(params["var_freeze_step"]))
+        last, gap, count = 0, 1, 0
+        while True:
+            before = last // gap                    # the multiples of the gap up to the last variance step
+            n = min(kappa, max(0, limit // gap - before))
+            count += n
+            if n < kappa:
+                return count
+            last, gap = (before + kappa) * gap, gap * 2
+
     def setup(self):
         super().setup()
         self.var_interval, self.var_counter = 1, 0          # T_v: the gap between variance steps, updates at it

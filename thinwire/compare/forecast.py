@@ -183,10 +183,32 @@ def predict_cell(cell: presets.Cell, network: str, cfg, compute_s: float | None,
         pred = predict(s, algorithm, compressor, **params)
         sync = exchange(s, compressor, **{k: v for k, v in params.items() if k in ("ratio", "rank", "levels")})[1]
         period = params.get("period") or algorithms.registry.parameters(algorithm).get("period") or 1
-        return {"step_s": float(pred.iteration_s), "sync_s": float(sync.time) if pred.collective != "none" else None,
-                "period": int(period)}
+        out = {"step_s": float(pred.iteration_s), "sync_s": float(sync.time) if pred.collective != "none" else None,
+               "period": int(period)}
+        if full_steps(cell, 1 << 30):     # steps that all-reduce the full-precision gradient: timed as bsp's
+            out["full_step_s"] = float(predict(s, "bsp").iteration_s)
+        return out
     except (UserError, KeyError, TypeError, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+def full_steps(cell: presets.Cell, steps: int) -> int:
+    """Of the cell's first `steps` steps, those that all-reduce the full-precision gradient as bsp does (1-bit
+    Adam's warm-up, 0/1 Adam's variance steps: `Algorithm.full_precision_steps`); 0 for a peer or an unknown name."""
+    name = cell.algorithm
+    if peers.find(name) is not None or name not in algorithms.registry:
+        return 0
+    return algorithms.registry.lookup(name).full_precision_steps(
+        {**algorithms.registry.parameters(name), **cell.params}, steps)
+
+
+def mean_step(p: dict, cell: presets.Cell, steps: float) -> float:
+    """The mean step over the cell's first `steps` steps from its prediction `p` (`predict_cell`): its full-precision
+    steps at bsp's step, the others at its own."""
+    if "full_step_s" not in p or steps <= 0:
+        return p["step_s"]
+    k = min(steps, full_steps(cell, math.ceil(steps)))
+    return (k * p["full_step_s"] + (steps - k) * p["step_s"]) / steps
 
 
 def predict_race(tuned: dict, cells: list, cfg, baseline: dict, speeds: str | None = None,
@@ -219,6 +241,7 @@ def predict_race(tuned: dict, cells: list, cfg, baseline: dict, speeds: str | No
                     # (islands of different sizes: m = n / A, as many replicas as islands)
                     factor *= SYNC_STEPS ** (math.log(net.workers / net.islands) / math.log(cfg.workers))
                 p["steps"] = steps_ref * factor
+                p["step_s"] = mean_step(p, ran, p["steps"])
                 p["time_to_target_s"] = p["steps"] * p["step_s"]
                 p["within_budget"] = cfg.budget_s is None or p["time_to_target_s"] <= cfg.budget_s
             here[cell.label] = p

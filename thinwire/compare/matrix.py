@@ -54,7 +54,7 @@ from ..run import workloads
 from ..run.loop import check_tensorboard, progress_bar, train_worker
 from ..run.train import MAX_SEED, TrainConfig, check_int, check_lengths, check_number, run_training, summarize
 from . import cluster, peers, presets
-from .forecast import (SYNC_STEPS, averaging_steps, family, planned_as, predict_cell, predict_race,
+from .forecast import (SYNC_STEPS, averaging_steps, family, mean_step, planned_as, predict_cell, predict_race,
                        syncs_every_step, tune_cell, with_needed_optimizer)
 from .plots import plot_all
 from .report import write_report
@@ -478,7 +478,8 @@ def _derive(row: dict, baseline: dict, cfg: CompareConfig, predictions: dict | N
         cell = presets.Cell(row["label"], **{k: row["cell"][k] for k in ("algorithm", "compressor", "memory",
                                                                          "params", "optimizer")})
         now = predict_cell(cell, row.get("link", row["network"]), cfg, row["compute_step_s"], row.get("speeds"))
-        row["predicted_step_time_s"] = now.get("step_s", row["predicted_step_time_s"])
+        if now.get("step_s"):
+            row["predicted_step_time_s"] = mean_step(now, cell, row.get("steps") or 0)
     row["predicted_sync_s"] = pred.get("sync_s") if ok else None
     row["planned_time_to_target_s"] = pred.get("time_to_target_s")
     row["measured_sync_s"] = measured_sync_s(row) if ok else None
