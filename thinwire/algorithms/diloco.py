@@ -156,8 +156,6 @@ class DiLoCo(Membership, Algorithm):
 
     survives_failures = True   # θ and the outer optimizer are replicated; the mean over fewer workers stays a mean
     keeps_local_work = True    # a survivor's inner steps go into the next sync
-    inner_state_own = True     # each worker's inner optimizer is its own (Douillard et al. 2023, arXiv 2311.08105,
-    #   Algorithm 1); a newcomer's inner model is θ (take_newcomer_state)
     cost = CostFamily("diloco", pace_with=(("dynamic", "rounds"), ("rates", "rounds")))
     rounds: DynamicRounds | None = None   # dynamic local updates (set at setup)
 
@@ -203,6 +201,13 @@ class DiLoCo(Membership, Algorithm):
             raise UserError(f"diloco averages an outer gradient only once per period, too rarely for error feedback "
                             f"to make up for {what} {getattr(compressor, attr):g}: pass --{attr} {least:g} or more "
                             f"(or fp8/fp4, Streaming DiLoCo's outer-gradient compressors)")
+
+    @property
+    def inner_state_own(self) -> bool:
+        """Each worker's inner optimizer is its own (Douillard et al. 2023, arXiv 2311.08105, Algorithm 1), a
+        newcomer's inner model θ (`take_newcomer_state`); not on islands, whose workers step their inner model
+        together."""
+        return self.replicas == "worker"
 
     def setup(self):
         groups = island_groups(self.transport) if self.replicas == "island" else None
