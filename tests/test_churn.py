@@ -72,6 +72,26 @@ def test_bad_arguments_are_one_line_before_anything_starts(capsys, argv, message
     assert len(err) == 1 and message in err[0]
 
 
+def test_diloco_runs_the_planners_settings_where_none_are_given(monkeypatch):
+    """With none of --period, --compressor, --memory, --param, thinwire's diloco runs what the planner picks for the
+    network from the step measured here (`compare`'s planning of a cell that names only `diloco`); localsgd and
+    torchft's DiLoCo keep H = 16."""
+    from thinwire.cli import build_parser, parse_extra
+    from thinwire.compare.forecast import tune_cell
+    from thinwire.compare.presets import Cell
+    monkeypatch.setattr(churn, "measure_step", lambda workload, workers, local: {"compute_s": 0.12})
+    args, extra = build_parser().parse_known_args(["bench", "churn", "--network", "home", "--contestants",
+                                                   "diloco,localsgd"])
+    args.extra = parse_extra(extra)
+    assert churn.check(args) == ["diloco", "localsgd"] and not churn.given(args)
+    args.planned = churn.planned(args)
+    want = tune_cell(Cell("diloco", "diloco"), "home", "stdlib-lm", 4, 0.12)[0]
+    d, loc = churn._config(args, "diloco"), churn._config(args, "localsgd")
+    assert (d.params, d.compressor, d.memory) == (want.params, want.compressor, want.memory)
+    assert d.params["period"] != churn.PERIOD and d.compressor and d.params.get("overlap")   # a thin link's plan
+    assert (loc.params, loc.compressor) == ({"period": churn.PERIOD}, None)
+
+
 def test_diloco_takes_the_settings_given_and_the_others_keep_theirs():
     """`--compressor`, `--memory` and `--param` reach thinwire's diloco job (the planner's settings for a thin link)
     and nothing else: localsgd keeps H = --period and no compressor."""

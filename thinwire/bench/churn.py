@@ -14,6 +14,9 @@ contestant's recovery:
 | `ddp` | PyTorch DDP under `torchrun --max-restarts` with a checkpoint every `--checkpoint-every` steps: torchrun stops every worker and restarts the group, which resumes from the last checkpoint (stop the world) |
 | `torchft-diloco` | torchft's DiLoCo, one replica group per worker, its Lighthouse (`min_replicas` MIN) and Managers on 127.0.0.1: the survivors' quorum goes on; a replacement replica is started `--replace-delay` s later and healed from a live replica at its first sync |
 
+Thinwire's `diloco` runs the planner's settings for the network (`planned`) unless the command line gives its own;
+local SGD and torchft's DiLoCo run H = `--period` (16).
+
 **Goodput** is the share of worker-seconds spent in steps whose work counts toward the final model: N workers ×
 the wall time from the first step to the last is the denominator; the numerator adds up the duration of every step
 (in every worker process, killed ones included) whose work was kept — a step counts once a synchronization
@@ -51,16 +54,20 @@ from types import SimpleNamespace
 import torch
 
 from ..comm import set_default_network
+from ..compare.forecast import tune_cell
 from ..compare.peers import find
 from ..compare.peers.counter import AllReduceCounter
 from ..compare.peers.torchft_diloco import quiet, replica_group
+from ..compare.presets import Cell
 from ..errors import UserError
 from ..files import check_writable_dir, pyplot, save
 from ..net import parse_network
 from ..run import workloads
+from ..run.measure import measure_step
 from ..run.train import TrainConfig, check_int, check_number, run_elastic
 
 CONTESTANTS = ("diloco", "localsgd", "bsp", "ddp", "torchft-diloco")
+PERIOD = 16     # H of localsgd and torchft's DiLoCo, and of thinwire's diloco where any of its settings is given
 ELASTIC = ("diloco", "localsgd", "bsp")
 
 
@@ -77,7 +84,10 @@ def register(sub) -> None:
                    help="seconds from a kill to its replacement's start (elastic and torchft; default 5)")
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--eval-every", type=int, default=32)
-    p.add_argument("--period", type=int, default=16, help="H of diloco, localsgd and torchft's DiLoCo (default 16)")
+    p.add_argument("--period", type=int, help=f"H of localsgd and torchft's DiLoCo (default {PERIOD}), and of "
+                                              f"thinwire's diloco where it or --compressor, --memory, --param is "
+                                              f"given; with none of them diloco runs the planner's settings for the "
+                                              f"network (as `thinwire advise` names them), printed and kept")
     p.add_argument("--compressor", help="the compressor of thinwire's diloco (its outer gradients), e.g. fp4")
     p.add_argument("--memory", help="the memory beside --compressor (e.g. residual)")
     p.add_argument("--checkpoint-every", type=int, default=32, help="ddp's checkpoint interval in steps")
@@ -93,16 +103,33 @@ def register(sub) -> None:
     p.set_defaults(func=run, accepts_params=True)     # --param K=V (or --K V): more of diloco's parameters
 
 
+def given(args) -> bool:
+    """Whether the command line sets thinwire's diloco (else it runs the planner's settings: `planned`)."""
+    return bool(args.period or args.compressor or args.memory or args.extra)
+
+
+def planned(args) -> dict:
+    """The planner's settings of `diloco` for the workload, network and workers (`compare`'s planning of a cell
+    that names only `diloco`), from the step measured here with the workers sharing this machine."""
+    compute = measure_step(args.workload, workers=args.workers, local=True)["compute_s"]
+    cell, why = tune_cell(Cell("diloco", "diloco"), args.network, args.workload, args.workers, compute)
+    return {"params": dict(cell.params), "compressor": cell.compressor, "memory": cell.memory,
+            "compute_s": compute, "why": why}
+
+
 def _config(args, name: str) -> TrainConfig:
-    """Thinwire's elastic job for contestant `name`: diloco and localsgd at H = --period; diloco also with
-    --compressor, --memory and the other parameters given (`--param overlap=17`)."""
-    params = {"period": args.period} if name in ("diloco", "localsgd") else {}
+    """Thinwire's elastic job for contestant `name`: localsgd at H = --period; diloco at the settings given (H,
+    --compressor, --memory, `--param overlap=17`), else at the planner's (`args.planned`, set by `run`)."""
+    params = {"period": args.period or PERIOD} if name in ("diloco", "localsgd") else {}
+    compressor, memory = (args.compressor, args.memory) if name == "diloco" else (None, None)
     if name == "diloco":
+        plan = getattr(args, "planned", None)
+        if plan is not None:
+            params, compressor, memory = dict(plan["params"]), plan["compressor"], plan["memory"]
         params.update(args.extra)
     return TrainConfig(workload=args.workload, algorithm=name, workers=args.workers, network=args.network,
                        steps=args.steps, eval_every=args.eval_every, seed=args.seed, params=params,
-                       compressor=args.compressor if name == "diloco" else None,
-                       memory=args.memory if name == "diloco" else None,
+                       compressor=compressor, memory=memory,
                        elastic=f"{args.min_workers}:{args.workers}", replace_delay=args.replace_delay,
                        progress=False, target=args.target)
 
@@ -116,7 +143,8 @@ def check(args) -> list[str]:
     check_number("--replace-delay", args.replace_delay, 0, 3600, why=" (seconds)")
     check_number("--limit", args.limit, 0, 86400, low_open=True, why=" (seconds)")
     for flag in ("steps", "eval_every", "period", "checkpoint_every"):
-        check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+        if getattr(args, flag) is not None:
+            check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
     if args.target is not None:
         check_number("--target", args.target, 0)
     chosen = [c for c in args.contestants.split(",") if c]
@@ -267,7 +295,7 @@ def _torchft(args, logdir: str, plan) -> dict:
     from torchft._torchft import LighthouseServer
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=args.min_workers, join_timeout_ms=100)
     spec = {"workload": args.workload, "network": args.network, "workers": args.workers, "steps": args.steps,
-            "eval_every": args.eval_every, "seed": args.seed, "period": args.period, "min": args.min_workers,
+            "eval_every": args.eval_every, "seed": args.seed, "period": args.period or PERIOD, "min": args.min_workers,
             "lighthouse": lighthouse.address(), "logdir": logdir, "target": args.target}
     procs: dict[int, subprocess.Popen] = {}
     incarnation = [0]
@@ -493,6 +521,12 @@ def run(args) -> int:
     print(f"churn: {args.workload}, {args.workers} workers behind {args.network}, a kill every {args.kill_every:g} s "
           f"(replacement {args.replace_delay:g} s later), {args.steps} steps, target {target}; load average {load}",
           file=sys.stderr, flush=True)
+    if "diloco" in chosen and not given(args):
+        args.planned = planned(args)
+        settings = ", ".join(f"{k}={v}" for k, v in args.planned["params"].items())
+        pair = f" + {args.planned['compressor']} + {args.planned['memory']}" if args.planned["compressor"] else ""
+        print(f"  diloco: the planner's settings for {args.network}: {settings}{pair} (a step of "
+              f"{args.planned['compute_s'] * 1e3:.0f} ms measured here)", file=sys.stderr, flush=True)
     for name in chosen:
         logdir = os.path.join(workdir, "logs", name)
         os.makedirs(logdir, exist_ok=True)
@@ -518,7 +552,8 @@ def run(args) -> int:
               flush=True)
     result = {"workload": args.workload, "network": args.network, "workers": args.workers,
               "min_workers": args.min_workers, "kill_every_s": args.kill_every, "replace_delay_s": args.replace_delay,
-              "steps": args.steps, "target": target, "seed": args.seed, "load_average_start": load,
+              "steps": args.steps, "target": target, "seed": args.seed, "period": args.period or PERIOD,
+              "diloco_planned": getattr(args, "planned", None), "load_average_start": load,
               "load_average_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "rows": rows}
     with open(os.path.join(workdir, "churn.json"), "w") as f:
         json.dump(result, f, indent=2)
