@@ -84,7 +84,7 @@ def test_diloco_runs_the_planners_settings_where_none_are_given(monkeypatch):
                                                    "diloco,localsgd"])
     args.extra = parse_extra(extra)
     assert churn.check(args) == ["diloco", "localsgd"] and not churn.given(args)
-    args.planned = churn.planned(args)
+    args.planned = churn.plan_diloco(args)
     want = tune_cell(Cell("diloco", "diloco"), "home", "stdlib-lm", 4, 0.12)[0]
     d, loc = churn._config(args, "diloco"), churn._config(args, "localsgd")
     assert (d.params, d.compressor, d.memory) == (want.params, want.compressor, want.memory)

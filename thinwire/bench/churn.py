@@ -14,7 +14,7 @@ contestant's recovery:
 | `ddp` | PyTorch DDP under `torchrun --max-restarts` with a checkpoint every `--checkpoint-every` steps: torchrun stops every worker and restarts the group, which resumes from the last checkpoint (stop the world) |
 | `torchft-diloco` | torchft's DiLoCo, one replica group per worker, its Lighthouse (`min_replicas` MIN) and Managers on 127.0.0.1: the survivors' quorum goes on; a replacement replica is started `--replace-delay` s later and healed from a live replica at its first sync |
 
-Thinwire's `diloco` runs the planner's settings for the network (`planned`) unless the command line gives its own;
+Thinwire's `diloco` runs the planner's settings for the network (`plan_diloco`) unless the command line gives its own;
 local SGD and torchft's DiLoCo run H = `--period` (16).
 
 **Goodput** is the share of worker-seconds spent in steps whose work counts toward the final model: N workers ×
@@ -100,15 +100,16 @@ def register(sub) -> None:
                         "restarted every --kill-every seconds may never reach its next checkpoint)")
     p.add_argument("--out", help="directory for churn.json and the workers' step logs (default: a temporary one)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run, accepts_params=True)     # --param K=V (or --K V): more of diloco's parameters
+    # --param K=V (or --K V): more of diloco's parameters; `planned`: the planner's diloco, where run() asks for it
+    p.set_defaults(func=run, accepts_params=True, planned=None)
 
 
 def given(args) -> bool:
-    """Whether the command line sets thinwire's diloco (else it runs the planner's settings: `planned`)."""
+    """Whether the command line sets thinwire's diloco (else it runs the planner's settings: `plan_diloco`)."""
     return bool(args.period or args.compressor or args.memory or args.extra)
 
 
-def planned(args) -> dict:
+def plan_diloco(args) -> dict:
     """The planner's settings of `diloco` for the workload, network and workers (`compare`'s planning of a cell
     that names only `diloco`), from the step measured here with the workers sharing this machine."""
     compute = measure_step(args.workload, workers=args.workers, local=True)["compute_s"]
@@ -123,9 +124,9 @@ def _config(args, name: str) -> TrainConfig:
     params = {"period": args.period or PERIOD} if name in ("diloco", "localsgd") else {}
     compressor, memory = (args.compressor, args.memory) if name == "diloco" else (None, None)
     if name == "diloco":
-        plan = getattr(args, "planned", None)
-        if plan is not None:
-            params, compressor, memory = dict(plan["params"]), plan["compressor"], plan["memory"]
+        if args.planned is not None:
+            params, compressor, memory = (dict(args.planned["params"]), args.planned["compressor"],
+                                          args.planned["memory"])
         params.update(args.extra)
     return TrainConfig(workload=args.workload, algorithm=name, workers=args.workers, network=args.network,
                        steps=args.steps, eval_every=args.eval_every, seed=args.seed, params=params,
@@ -522,7 +523,7 @@ def run(args) -> int:
           f"(replacement {args.replace_delay:g} s later), {args.steps} steps, target {target}; load average {load}",
           file=sys.stderr, flush=True)
     if "diloco" in chosen and not given(args):
-        args.planned = planned(args)
+        args.planned = plan_diloco(args)
         settings = ", ".join(f"{k}={v}" for k, v in args.planned["params"].items())
         pair = f" + {args.planned['compressor']} + {args.planned['memory']}" if args.planned["compressor"] else ""
         print(f"  diloco: the planner's settings for {args.network}: {settings}{pair} (a step of "
@@ -553,7 +554,7 @@ def run(args) -> int:
     result = {"workload": args.workload, "network": args.network, "workers": args.workers,
               "min_workers": args.min_workers, "kill_every_s": args.kill_every, "replace_delay_s": args.replace_delay,
               "steps": args.steps, "target": target, "seed": args.seed, "period": args.period or PERIOD,
-              "diloco_planned": getattr(args, "planned", None), "load_average_start": load,
+              "diloco_planned": args.planned, "load_average_start": load,
               "load_average_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "rows": rows}
     with open(os.path.join(workdir, "churn.json"), "w") as f:
         json.dump(result, f, indent=2)
