@@ -29,9 +29,7 @@ class Limit:
         self.infinite = infinite      # +inf (and -inf) allowed: "no limit"
 
     def ok(self, v: float) -> bool:
-        if math.isnan(v):
-            return False
-        if math.isinf(v) and not self.infinite:
+        if math.isnan(v) or (math.isinf(v) and not self.infinite):
             return False
         return (v > self.low if self.low_open else v >= self.low) and (v < self.high if self.high_open
                                                                           else v <= self.high)
@@ -200,13 +198,11 @@ class Registry:
     def __init__(self, family: str, variant_param: str | None = None, default_variant: Callable | None = None,
                  retired: dict[str, str] | None = None):
         self.family = family
-        self.retired = dict(retired or {})     # a parameter that moved elsewhere -> where it went (`check_retired`)
+        self.retired = dict(retired or {})
         self._table: dict[str, Callable] = {}
         self.compose: Callable | None = None   # optional: builds the constructor of a composite "a+b" name
-        # one constructor per (name, value of `variant_param`), e.g. an algorithm per architecture
-        self.variant_param = variant_param
-        self.default_variant = default_variant      # (with variant_param) constructor -> its default variant value
-        self._variants: dict[str, dict[str, Callable]] = {}
+        self.variant_param, self.default_variant = variant_param, default_variant
+        self._variants: dict[str, dict[str, Callable]] = {}    # name -> variant value -> constructor
 
     def register(self, name: str | None = None, variant: str | None = None):
         """Register a constructor under `name`; with `variant`, the one `get(name, <variant_param>=variant)`

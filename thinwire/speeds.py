@@ -144,12 +144,9 @@ def _stragglers(text: str, spec: str) -> Segment:
 
 def _segment(text: str, spec: str) -> Segment:
     text = text.strip()
-    if text == "equal":
-        return Segment()
-    if text == "one-half":
-        return Segment(last=0.5)
-    if text == "two-speeds":
-        return Segment(ratio=(1.0, 3.0))
+    named = {"equal": Segment(), "one-half": Segment(last=0.5), "two-speeds": Segment(ratio=(1.0, 3.0))}
+    if text in named:
+        return named[text]
     if text.startswith("stragglers"):
         return _stragglers(text, spec)
     if ":" in text:

@@ -251,9 +251,7 @@ class DiLoCo(Membership, Algorithm):
     # -- the schedule (Streaming DiLoCo Alg. 1; F = 1, τ = 0 is DiLoCo's every H steps) -------------------
     def starting(self, step: int) -> int | None:
         """The fragment whose pseudo-gradient step `step` (1-based) takes, or None: the one merged τ steps later."""
-        if self.rounds is not None:
-            return self.rounds.starting(step)
-        return self.merging(step + self.overlap)
+        return self.rounds.starting(step) if self.rounds is not None else self.merging(step + self.overlap)
 
     def merging(self, step: int) -> int | None:
         """The fragment whose average step `step` waits for and merges, or None."""

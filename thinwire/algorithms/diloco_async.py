@@ -249,7 +249,7 @@ class AsyncDiLoCo(PSMixin, Algorithm):
     # -- the server ----------------------------------------------------------------------------------------
     def server_options(self) -> dict:
         return {"quorum": self.quorum, "grace": self.grace, "max_staleness": self.max_staleness,
-                "weight": steps_of, "note": self._note if self.dynamic else None, "final": True}
+                "weight": steps_of, "note": (lambda w, b: max(self.speeds)) if self.dynamic else None, "final": True}
 
     def server_setup(self) -> None:
         """(server) Delayed Nesterov's state per bucket slice: m, the buffered Σ s g, Σ s, Σ g and their count."""
@@ -258,9 +258,6 @@ class AsyncDiLoCo(PSMixin, Algorithm):
         self.momentum: list[torch.Tensor | None] = [None] * B
         self.buffered: list[dict | None] = [None] * B
         self.speeds = [0] * self.layout.workers      # the last speed each worker sent (milli-steps/s)
-
-    def _note(self, w: int, b: int) -> int:
-        return max(self.speeds)
 
     @torch.no_grad()
     def server_update(self, b, param, g, info) -> None:

@@ -48,7 +48,6 @@ from .calibrate import median_s
 
 PARTS = ("compressors", "overhead", "race")
 
-# the sizes of a real run (cuda) and of a dry run (cpu)
 SIZES = {
     "cuda": {"numel": 1 << 25, "repeat": 5, "lm": {"context": 512, "width": 768, "layers": 12, "heads": 12},
              "batch": 8, "warmup": 5, "steps": 30, "passes": 3, "budget_s": 15.0, "race_steps": None},
@@ -84,14 +83,7 @@ OVERHEAD = [
 LOCAL_TARGET, BSP_TARGET = 1.03, 1.0       # x plain for a step that sends nothing; bsp x DDP
 
 
-# -- 1. compressors -------------------------------------------------------------------------------------------
-def compressors_part(device: str, sizes: dict) -> tuple[dict, str]:
-    """`thinwire bench compressors --device DEVICE` at the part's size: (result, its table)."""
-    result = cbench.bench(sizes["numel"], compressors.names(), sizes["repeat"], device=device)
-    return result, cbench.table(result)
-
-
-# -- 2. step overhead on a GPT-like model ---------------------------------------------------------------------
+# -- step overhead on a GPT-like model ---------------------------------------------------------------------
 def _hook(net, hook) -> None:
     """Register a comm hook on the DDP model `net`: "torch:fp16" / "torch:powersgd" (PyTorch's), else thinwire's
     `ddp_hook(**hook)`."""
@@ -111,10 +103,8 @@ def _one_case(how: str, settings: dict, device, sizes: dict) -> float:
     with torch.device(device):
         model = ByteLM(**sizes["lm"])
     settings = dict(settings)
-    if settings.pop("sgd", False):
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = (torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) if settings.pop("sgd", False) else
+           torch.optim.AdamW(model.parameters(), lr=1e-4))
     net, trainer = model, None
     if how == "ddp":
         net = DDP(model, device_ids=[device] if device.type == "cuda" else None)
@@ -208,7 +198,7 @@ def overhead_part(device_name: str, sizes: dict) -> tuple[list[dict], str]:
     return rows, "\n".join(lines)
 
 
-# -- 3. a race of 4 workers sharing the GPU -----------------------------------------------------------------
+# -- a race of 4 workers sharing the GPU -----------------------------------------------------------------
 def race_part(device: str, sizes: dict, out: str) -> tuple[dict, str]:
     """A short `thinwire compare` of RACE on `device` (4 workers on one GPU: gloo): (results, its table)."""
     cfg = CompareConfig(**RACE, budget_s=sizes["budget_s"], steps=sizes["race_steps"], device=device,
@@ -253,8 +243,9 @@ def run(args) -> int:
         print(f"== {part}", flush=True)
         t0 = time.perf_counter()
         try:
-            if part == "compressors":
-                result, text = compressors_part(args.device, sizes)
+            if part == "compressors":       # `thinwire bench compressors --device DEVICE` at the part's size
+                result = cbench.bench(sizes["numel"], compressors.names(), sizes["repeat"], device=args.device)
+                text = cbench.table(result)
             elif part == "overhead":
                 result, text = overhead_part(args.device, sizes)
             else:

@@ -30,9 +30,8 @@ def run(args) -> int:
     from ..net import parse_network
     from ..plan.advise import advise, format_diloco, format_table, recommend_diloco
     from ..bench.calibrate import calibrate, load_calibration
-    from ..plan.costmodel import Scenario
+    from ..plan.costmodel import Scenario, scenario_speeds
     check_numbers(args)
-    from ..plan.costmodel import scenario_speeds
     paces = scenario_speeds(speeds.parse(args.speeds), args.workers)    # a bad spec: one line, before any work
     if args.calibrate:
         cal = calibrate(workers=args.workers if args.workers <= 4 else 2)
@@ -45,8 +44,11 @@ def run(args) -> int:
     if args.out is not None:
         from ..files import check_writable_dir
         check_writable_dir(args.out, "--out")
-    if args.workload:       # the step measured here, the size read off the model
-        measured = measure(args)
+    if args.workload:       # one worker's step timed here, the size read off the model
+        from ..run import user
+        from ..run.measure import measure_step
+        args.workload = user.canonical(args.workload)
+        measured = measure_step(args.workload, device=args.device, workers=args.workers, local=args.local)
         name = measured.pop("name")
         params, args.compute_ms = measured["params"], measured["compute_s"] * 1e3
     elif args.model:
@@ -100,14 +102,6 @@ def run(args) -> int:
         if args.out:
             print(f"written to {args.out}/advice.json")
     return 0
-
-
-def measure(args) -> dict:
-    """`--workload`: one worker's step timed here (`thinwire.run.measure.measure_step`), its name and size."""
-    from ..run import user
-    from ..run.measure import measure_step
-    args.workload = user.canonical(args.workload)
-    return measure_step(args.workload, device=args.device, workers=args.workers, local=args.local)
 
 
 def register(sub) -> None:

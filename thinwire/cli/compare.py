@@ -120,9 +120,7 @@ def config_from_args(args):
 
 
 def run(args) -> int:
-    if under_torchrun():
-        return _run_torchrun(args)
-    return _race(args)
+    return _run_torchrun(args) if under_torchrun() else _race(args)
 
 
 def _run_torchrun(args) -> int:

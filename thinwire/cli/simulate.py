@@ -12,20 +12,13 @@ from ..plan.simulate import WORLD_LATENCY, SimConfig, simulate
 from ..registry import check_params, params_of
 from ..run.train import MAX_SEED, check_int, check_number
 
-SPEC_HELP = "comma list of schedules, each optionally with parameters: bsp,dts:delay=4:period=4,localsgd:period=16"
-
-
 def _parse_algorithms(text: str) -> list[tuple[str, str, dict]]:
     out = []
     for item in filter(None, text.split(",")):
         name, *kv = item.split(":")
-        params = {}
-        for pair in kv:
-            if "=" not in pair:
-                raise UserError(f"malformed schedule {item!r}; e.g. dts:delay=4:period=4")
-            key, value = pair.split("=", 1)
-            params[key] = value     # typed and checked against SimConfig's fields (`run`)
-        out.append((item, name, params))
+        if not all("=" in pair for pair in kv):
+            raise UserError(f"malformed schedule {item!r}; e.g. dts:delay=4:period=4")
+        out.append((item, name, dict(pair.split("=", 1) for pair in kv)))   # typed and checked in `run`
     return out
 
 
@@ -140,7 +133,9 @@ def _plot(rows: list[dict], path: str, x, keep, log2: bool = False, **labels) ->
 
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="discrete-event simulation of many workers (scalability vs latency/workers)")
-    p.add_argument("--algorithms", default="bsp,delayed:delay=4,tsparse:period=4,dts:delay=4:period=4", help=SPEC_HELP)
+    p.add_argument("--algorithms", default="bsp,delayed:delay=4,tsparse:period=4,dts:delay=4:period=4",
+                   help="comma list of schedules, each optionally with parameters: bsp,dts:delay=4:period=4,"
+                        "localsgd:period=16")
     p.add_argument("--workers", default="4", help="comma list, e.g. 4,16,256,4096")
     p.add_argument("--latency", default="0", help="one-way latencies in ms, comma list, e.g. 0,25,50,100,250,500")
     p.add_argument("--regions", choices=["none", "world"], default="none",

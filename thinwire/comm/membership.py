@@ -71,9 +71,7 @@ class _Membership:
         issued after it, on the old group), or it comes within `timeout` s."""
         if isinstance(error, PeerLost):
             return error
-        if not self.watching:
-            return None
-        return self.wait_change(since, timeout)
+        return self.wait_change(since, timeout) if self.watching else None
 
 
 MEMBERSHIP = _Membership()

@@ -360,19 +360,15 @@ class Transport:
                 work = dist.irecv(tensor, group=self.group, tag=tag, group_src=src)
                 return Handle(self, "recv", [work], cost, tensor, None, issued, tx=False, clock=clock)
             # the data, then (emulated) the sender's push-out time
-            if self.staging.staged(tensor):
-                buf = self.staging.host_buffer(nbytes + stamp, tensor)
-            else:
-                buf = torch.empty(nbytes + stamp, dtype=torch.uint8, device=tensor.device)
+            buf = (self.staging.host_buffer(nbytes + stamp, tensor) if self.staging.staged(tensor) else
+                   torch.empty(nbytes + stamp, dtype=torch.uint8, device=tensor.device))
             work = dist.irecv(buf, group=self.group, tag=tag, group_src=src)
-
-            def pushed_out() -> float:
-                return float(buf[nbytes:].clone().view(torch.float64))
+            pushed_out = (lambda: float(buf[nbytes:].clone().view(torch.float64))) if stamp else None
 
             def land() -> None:   # (a pinned buffer: the copy to the device is queued, not waited for)
                 tensor.reshape(-1).view(torch.uint8).copy_(buf[:nbytes], non_blocking=buf.is_pinned())
             return Handle(self, "recv", [work], cost, tensor, None, issued, tx=False,
-                          not_before=pushed_out if stamp else None, clock=clock, land=land)
+                          not_before=pushed_out, clock=clock, land=land)
             yield  # noqa: unreachable - makes this a program
         return self._op(program(), "recv", async_op)
 

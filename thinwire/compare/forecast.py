@@ -215,11 +215,10 @@ def predict_race(tuned: dict, cells: list, cfg, baseline: dict, speeds: str | No
                  compute_s: float | None = None) -> dict:
     """Before any cell runs: per network (its workers at `speeds`: `tuned` keyed by (label, network, speeds)),
     each cell's predicted step (from the compute step `compute_s` at full speed, else the reference's), sync and
-    time to target (the reference's
-    steps to target × SYNC_STEPS for a cell that averages every step, × PERIODIC_STEPS for DiLoCo, overlapped or
-    not, × `averaging_steps(H)` for model averaging every H steps, × ASYNC_STEPS for asynchronous DiLoCo, × its
-    predicted step), the predicted winner (the least predicted time to target) and the cells `tied` with it (within
-    TIED of its time)."""
+    time to target (the reference's steps to target × SYNC_STEPS for a cell that averages every step,
+    × PERIODIC_STEPS for DiLoCo, overlapped or not, × `averaging_steps(H)` for model averaging every H steps,
+    × ASYNC_STEPS for asynchronous DiLoCo, × its predicted step), the predicted winner (the least predicted time to
+    target) and the cells `tied` with it (within TIED of its time)."""
     steps_ref = baseline.get("steps_to_target")
     out = {}
     for network in cfg.networks:

@@ -225,9 +225,9 @@ class Harness:
     def reference(self, seed: int, speeds: str | None = None) -> dict:
         """`local` (no communication) raced like a cell, one run per seed of the matrix: the same workers, data
         shards, batch, budget, target, evaluations, worker speeds and process layout (this pool) as every cell.
-        Its throughput (every worker at its own speed, waiting for no one)
-        is the denominator of scalability, its median step the compute time the planner predicts from, its steps to
-        target the convergence the planner's times to target start from."""
+        Its throughput (every worker at its own speed, waiting for no one) is the denominator of scalability, its
+        median step the compute time the planner predicts from, its steps to target the convergence the planner's
+        times to target start from."""
         calibration, calibration_mean = self.calibrate()
         tc = self.train_config(REFERENCE, "lan", seed, speeds)
         view = _PoolView(self.pool(tc.workers, "lan"), self.wall_limit(), self.cfg.netem)
@@ -306,8 +306,7 @@ class Harness:
                                         + (f", speeds {sp})" if sp else ")"))
                     runs.append(self.reference(seed, sp))
                 baselines[speeds_key(sp)] = self.baseline(runs)
-                results["baseline"] = baselines[speeds_key(cfg.speeds[0])] \
-                    if speeds_key(cfg.speeds[0]) in baselines else None
+                results["baseline"] = baselines.get(speeds_key(cfg.speeds[0]))
                 _save(results, self.out)
                 bar.update(1)
             # the planner's compute step at full speed: the reference's at equal speeds, else the calibration's
@@ -561,9 +560,7 @@ def compare(cfg: CompareConfig | None, out: str, resume: bool = False, progress:
     cfg, results = load(out) if resume else (cfg, new_results(cfg))
     cfg.validate()  # bad names and numbers fail here, before anything is started
     os.makedirs(out, exist_ok=True)
-    env = None
-    if cfg.netem:
-        env = Emulation(cfg.workers + 1).__enter__()
+    env = Emulation(cfg.workers + 1).__enter__() if cfg.netem else None
     harness = Harness(cfg, out, netem_env=env, pool=pool)
     t0 = _now()
     try:

@@ -158,9 +158,7 @@ def decode_kernel(packed: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tens
 
 def packed_nbytes(numel: int, bits: int) -> int:
     """Bytes that `pack` produces for `numel` codes of `bits` bits (8-bit codes are sent as they are)."""
-    if bits == 8:
-        return numel
-    return bits * ((numel + 7) // 8)
+    return numel if bits == 8 else bits * ((numel + 7) // 8)
 
 
 def _lanes(bits_per_field: int, stride: int) -> int:

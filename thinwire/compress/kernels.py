@@ -202,10 +202,6 @@ def _triton() -> bool:
     return importlib.util.find_spec("triton") is not None and torch.cuda.get_device_capability()[0] >= 7
 
 
-def _compiling() -> bool:
-    return os.environ.get("THINWIRE_COMPILE", "1") != "0" and _triton()
-
-
 def fused(fn: Callable) -> Callable:
     """`fn` (tensors first; the first decides the device and size) compiled on CUDA for large tensors, eager
     elsewhere. A compilation that fails warns once and leaves `fn` eager for the rest of the process."""
@@ -214,7 +210,8 @@ def fused(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def run(*args):
         t = args[0]
-        if state["off"] or t.device.type != "cuda" or t.numel() < COMPILE_MIN or not _compiling():
+        if (state["off"] or t.device.type != "cuda" or t.numel() < COMPILE_MIN
+                or os.environ.get("THINWIRE_COMPILE", "1") == "0" or not _triton()):
             return fn(*args)
         if state["compiled"] is None:
             # automatic dynamic shapes: the first size compiles static, a second recompiles with symbolic sizes;

@@ -57,11 +57,6 @@ class Threshold2Bit(Compressor):
         packed, = blockwise(encode, flat.numel(), [(flat, (1, 1))], [(2, 8)], self.threshold)   # Yu et al. §3.4.1
         return Payload([packed], ctx=(tensor.shape, tensor.dtype, tensor.numel()))
 
-    def _signs(self, payload: Payload) -> torch.Tensor:
-        """+1 / −1 / 0 per element, in int8."""
-        codes = unpack(payload.tensors[0], 2, payload.ctx[2])
-        return (codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)
-
     def decompress(self, payload):
         shape, dtype, n = payload.ctx
         a = self.threshold                     # code 1 -> +a, 2 -> -a: one table lookup per byte
@@ -73,7 +68,8 @@ class Threshold2Bit(Compressor):
         shape, dtype, n = payloads[0].ctx
         count = torch.zeros(n, dtype=torch.int32, device=payloads[0].tensors[0].device)
         for p in payloads:
-            count += self._signs(p)
+            codes = unpack(p.tensors[0], 2, p.ctx[2])
+            count += (codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)     # +1 / −1 / 0 per element
         return (count.to(dtype) * self.threshold).view(shape)
 
     def nominal_bits(self, numel):

@@ -46,10 +46,6 @@ from ..registry import route
 from .exchange import Exchange, check_collectives
 
 
-def _dead():
-    return None
-
-
 class HookState:
     """What the hook keeps between calls: its Exchange (built on first use, on DDP's process group).
 
@@ -113,7 +109,7 @@ class HookState:
             if state is None or state._watch is None or state._watch[1]:
                 return
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            if not any(state._watched.get(id(p), _dead)() is p for p in params):
+            if not any(state._watched.get(id(p), lambda: None)() is p for p in params):
                 return          # another optimizer, or before the first bucket
             state._watch = (state._watch[0], True)      # fired: removed at the next bucket, outside torch's loop
             mu = max((g.get("momentum", 0.0) or 0.0 for g in optimizer.param_groups), default=0.0)

@@ -102,10 +102,8 @@ class Robust:
             else:
                 out, outside = self._order_rule(kept)
             for j, i in enumerate(keep):
-                if self.rule == "clip":
-                    left[i], seen[i] = float(clipped[j]), 1.0
-                else:
-                    left[i], seen[i] = float(outside[j]), float(x.shape[1])
+                left[i], seen[i] = ((float(clipped[j]), 1.0) if self.rule == "clip" else
+                                    (float(outside[j]), float(x.shape[1])))
         with self._lock:
             if len(self.left) < n:
                 grow = n - len(self.left)

@@ -120,9 +120,8 @@ class ElasticPool(Launcher):
         self.threads = threads or threads_per_worker(max_workers)
         self.spares, self.host = spares, host
         self._slots: list[dict] = []       # {"proc", "tasks", "member", "busy"}
-        cap = max_workers + spares + 64    # slots are reused; a replacement takes a dead worker's slot
-        self._beats, self._steps, self._times = (ctx.Array(t, cap, lock=False) for t in "dqd")   # by slot
-        self._cap = cap
+        self._cap = max_workers + spares + 64    # slots are reused; a replacement takes a dead worker's slot
+        self._beats, self._steps, self._times = (ctx.Array(t, self._cap, lock=False) for t in "dqd")   # by slot
         self.lost: list[dict] = []         # {"member", "reason", "t"} of the last run
         self.joined: list[dict] = []       # {"member", "t"} newcomers started in the last run
         self.refused: dict[int, str] = {}  # member -> the one-line refusal
@@ -172,10 +171,6 @@ class ElasticPool(Launcher):
             if time.monotonic() > deadline:
                 raise WorkerError(-1, f"workers did not start within {timeout:.0f} s")
 
-    def _idle_spare(self) -> int | None:
-        return next((i for i, s in enumerate(self._slots)
-                     if s["proc"] is not None and s["ready"] and s["member"] is None), None)
-
     # -- a run -------------------------------------------------------------------------------------------
     def run(self, fn, *args, network="lan", seed: int = 0, timeout: float | None = None, joins=(),
             replace: bool | None = None, deadline: float | None = None) -> dict:
@@ -219,7 +214,8 @@ class ElasticPool(Launcher):
         except BaseException:
             self.close(force=True)
             raise
-        self.generations = self._read_generations()
+        while self._run_store.check([elastic.gen_key(len(self.generations))]):     # the run's generations
+            self.generations.append(elastic.read_gen(self._run_store, len(self.generations)))
         return out
 
     def _assign(self, slot: int, member: int, joining: bool) -> None:
@@ -231,7 +227,8 @@ class ElasticPool(Launcher):
     def start_joiner(self) -> int:
         """Start one newcomer now (an idle spare, else a fresh process); its member id."""
         member = self._run_store.add("next_id", 1) - 1
-        slot = self._idle_spare()
+        slot = next((i for i, s in enumerate(self._slots)     # an idle spare
+                     if s["proc"] is not None and s["ready"] and s["member"] is None), None)
         if slot is None:
             slot = self._spawn()      # its task assigned once the process is ready
             self._slots[slot].update(pending_member=member, member=member, joining=True)
@@ -243,13 +240,6 @@ class ElasticPool(Launcher):
     def _newest(self) -> dict:
         """The newest generation's record."""
         return elastic.read_gen(self._run_store, elastic.newest(self._run_store, 0))
-
-    def _read_generations(self) -> list[dict]:
-        out, g = [], 0
-        while self._run_store.check([elastic.gen_key(g)]):
-            out.append(elastic.read_gen(self._run_store, g))
-            g += 1
-        return out
 
     def _lose(self, member: int, reason: str) -> None:
         """A member (or a newcomer not yet taken in) is gone: announce it; start a replacement if asked."""
@@ -337,9 +327,7 @@ class ElasticPool(Launcher):
                                                                   f"(members {missing} still running)")
 
     def _join_due(self, value, kind, now) -> bool:
-        if kind == "time":
-            return now - self._t0 >= value
-        return max(self._steps[:len(self._slots)] or [-1]) >= value
+        return now - self._t0 >= value if kind == "time" else max(self._steps[:len(self._slots)] or [-1]) >= value
 
     def _watch_foreign(self, got: dict) -> None:
         """Members joined by hand (`thinwire train --join`): their results and heartbeats come through the store."""

@@ -55,7 +55,6 @@ from .worker import (PROGRESS_TIMEOUT, STACKS_SIGNAL, Inherit, Launcher, NoProgr
 MAX_LOCAL_WORKERS = 512     # processes on one machine: each holds an interpreter, torch and a copy of the model
 
 
-
 def report_progress(step: int | None = None) -> None:
     """Tell the launcher's progress watchdog that this rank has reached training step `step`, for a loop that
     drives no `Trainer` (`Trainer.step` reports itself). Call it once per step, best after the step's local
@@ -393,16 +392,12 @@ def launch(fn, world_size: int, network="lan", backend: str | None = None, args:
            progress_timeout: float | None = PROGRESS_TIMEOUT, worker_init=None, on_failure: str = "stop",
            device: str | None = None, deadline: float | None = None, speeds=None) -> list:
     """Start `world_size` workers on `host`, run `fn(rank, world_size, *args)` in each under the emulated
-    `network` (and, with `speeds`, each worker's model at its emulated speed: `thinwire.speeds`, e.g.
-    "1,1,1,0.5" or "stragglers"), and return their return values by rank. Raises `WorkerError` if any worker fails (with
-    `on_failure="continue"`, a lost worker's value is None and the others go on; see `Pool`). A run that
-    reports progress (`report_progress`; `Trainer.step` does) is bounded by the progress watchdog and may last
-    as long as it progresses; one that reports none, by `timeout` (default 3600 s, also gloo's operation
-    timeout). `deadline` (seconds; default none) ends the run whatever its progress. See `Pool` for
-    `progress_timeout` and `worker_init`.
+    `network` (and, with `speeds`, each worker's model at its emulated speed), and return their return values by
+    rank. Raises `WorkerError` if any worker fails (with `on_failure="continue"`, a lost worker's value is None
+    and the others go on; see `Pool`). A run that reports progress (`report_progress`; `Trainer.step` does) is
+    bounded by the progress watchdog and may last as long as it progresses; one that reports none, by `timeout`.
     `device="cuda"` starts one worker per GPU on NCCL (worker r on cuda:r, its current device), or, with more
     workers than GPUs, workers sharing the GPUs over gloo (`pick_backend`); the default is the CPU on gloo.
-    `backend` may be left out: it follows from the device.
 
     Args:
         fn: a picklable function (module level) of `(rank, world_size, *args)`, run in every worker.
@@ -418,7 +413,7 @@ def launch(fn, world_size: int, network="lan", backend: str | None = None, args:
         progress_timeout: a run whose ranks make no progress this long is stopped (seconds; None: off).
         worker_init: `worker_init(rank, world_size)`, run first in each worker (see `Pool`).
         on_failure: "stop" (a failed worker stops every worker: `WorkerError`) or "continue".
-        device: None or "cpu", or "cuda" (one worker per GPU on NCCL).
+        device: None or "cpu", or "cuda" (one worker per GPU on NCCL, else shared over gloo).
         deadline: ends the run at this wall time whatever its progress (seconds; default none).
         speeds: each worker's emulated compute speed, a `thinwire.speeds` spec ("1,1,1,0.5", "stragglers").
 

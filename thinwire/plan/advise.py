@@ -157,10 +157,8 @@ def recommend_diloco(s: Scenario, target: float = 0.9) -> dict:
                             "scalability": pred.scalability, "bytes_per_sync": pred.bytes_per_sync,
                             "bytes_per_step": pred.bytes_per_step})
     reached = [o for o in options if o["reached"]]
-    if reached:
-        choice = min(reached, key=lambda o: (o["period"], -o["bits"], o["fragments"], o["overlap"]))
-    else:
-        choice = max(options, key=lambda o: (o["scalability"], o["bits"], -o["fragments"]))
+    choice = (min(reached, key=lambda o: (o["period"], -o["bits"], o["fragments"], o["overlap"])) if reached else
+              max(options, key=lambda o: (o["scalability"], o["bits"], -o["fragments"])))
     plain = predict(s, "diloco", "none", period=choice["period"])
     return {"target": target, **choice, "plain_bytes_per_sync": plain.bytes_per_sync, "options": options}
 
@@ -227,10 +225,9 @@ def _staleness(family: str, p: dict) -> float:
 
 
 def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str = "none",
-         as_algorithm: str | None = None, momentum: float = 0.9) -> tuple[dict, str]:
+         momentum: float = 0.9) -> tuple[dict, str]:
     """Parameters of `algorithm` that suit scenario `s`, for the tunable ones `given` leaves out, and why in a
-    few words ({} and "" when there is nothing to pick). `as_algorithm`: plan it as this one (an algorithm of the
-    same communication pattern: a peer's model averaging as `localsgd`, DiLoCo's outer sync as `localsgd`).
+    few words ({} and "" when there is nothing to pick).
 
     Rule: among the candidate settings (`CostFamily.tunable`), the least stale one whose predicted step time
     (`costmodel.predict`) is within WITHIN of the fastest candidate's: as fast as the network allows, with as
@@ -238,9 +235,7 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
     the accuracy bound for SGD with `momentum` are candidates ((t − 1)·p, resp. CD-SGD's k, ≤
     `staleness_bound(momentum, algorithm)`; if the parameters given leave none, the least stale)."""
     given = dict(given or {})
-    plan_as = as_algorithm or algorithm
-    declared = cost_of(plan_as)
-    family, grid = declared.family, declared.tunable
+    family, grid = cost_of(algorithm).family, cost_of(algorithm).tunable
     free = {k: v for k, v in grid.items() if k not in given}
     if not free:
         return {}, ""
@@ -250,14 +245,14 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
     if family == "delayed":
         combos = [c for c in combos if (c.get("delay", fixed.get("delay")), c.get("period", fixed.get("period")))
                   != (1, 1)] or combos  # t = p = 1 is bsp
-    bound = staleness_bound(momentum, plan_as)
+    bound = staleness_bound(momentum, algorithm)
     if bound is not None:
         stale = lambda c: _unapplied(family, {**fixed, **c})
         combos = [c for c in combos if stale(c) <= bound] or [min(combos, key=stale)]
     scored = []
     for c in combos:
         try:
-            pred = predict(s, plan_as, compressor, **{**fixed, **c})
+            pred = predict(s, algorithm, compressor, **{**fixed, **c})
         except (KeyError, UserError, TypeError, ValueError):
             continue
         scored.append((pred.iteration_s, _staleness(family, {**fixed, **c}), c))

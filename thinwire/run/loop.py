@@ -28,9 +28,7 @@ import functools
 import hashlib
 import importlib.util
 import json
-import math
 import os
-import statistics
 import sys
 import threading
 import time
@@ -165,7 +163,6 @@ def train_worker(rank: int, world_size: int, cfg) -> dict:
         cfg = dataclasses.replace(cfg, workers=world_size)
     wl = workloads.get(cfg.workload)
     tracer = Tracer(rank, enabled=cfg.trace)
-    # the run's stepper: its peer's factory, else thinwire's Trainer
     stepper = TrainerStepper(cfg, wl, rank, tracer) if cfg.peer is None else cfg.peer.stepper(cfg, wl, rank, world_size)
     try:
         group = worker_group(stepper.role == "worker") if racing(cfg) and world_size > 1 else None

@@ -158,16 +158,11 @@ def load(spec: str, kind: type):
         raise UserError(f"workload {spec!r}: {attr}() raised {one_line(e)}") from None
     if not isinstance(wl, kind):
         raise UserError(f"workload {spec!r}: {attr}() returned {type(wl).__name__}, not a thinwire.Workload")
-    if not _in_worker():
+    from ..launcher import under_torchrun   # (lazy: `tw.Workload` loads no launcher)
+    if not (dist.is_available() and dist.is_initialized() and not under_torchrun()):   # not a launched worker
         check(wl, spec)
     _LOADED[spec] = wl
     return wl
-
-
-def _in_worker() -> bool:
-    """This process is a worker of thinwire's launcher (its process group is up and no torchrun started it)."""
-    from ..launcher import under_torchrun   # (lazy: `tw.Workload` loads no launcher)
-    return dist.is_available() and dist.is_initialized() and not under_torchrun()
 
 
 def _shape(v) -> str:

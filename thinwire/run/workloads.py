@@ -17,6 +17,7 @@ checks it on one batch (`thinwire.run.user`); its data may be datasets or iterab
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UserError
+from ..optim import MuonWithAdamW, muon_split
 from ..registry import Registry
 from . import lm, user
 from .data import DatasetLoader, ShardLoader, StreamLoader, check_part, is_dataset, materialize, per_worker, to_device
@@ -125,11 +127,9 @@ class Workload:
     _sizes: dict = field(default_factory=dict, repr=False, compare=False)     # world size -> smallest shard
 
     def __post_init__(self):
-        if callable(self.optimizer):
-            pass
-        elif isinstance(self.optimizer, str):
+        if isinstance(self.optimizer, str):
             check_optimizer(self.optimizer, f"workload {self.name}: optimizer")
-        else:
+        elif not callable(self.optimizer):
             raise UserError(f"workload {self.name}: optimizer must be one of {', '.join(OPTIMIZERS)} or a function "
                             f"returning a torch.optim.Optimizer, got {self.optimizer!r}")
         if self.metric not in METRICS:
@@ -193,7 +193,6 @@ class Workload:
             return self._from_factory(parameters, lr, momentum)
         cls, kwargs = self._optimizer(lr, momentum, optimizer)
         if cls.__name__ == "MuonWithAdamW":
-            from ..optim import muon_split
             if not isinstance(parameters, nn.Module):
                 raise UserError("the muon optimizer needs the model (its hidden weight matrices get Muon, the rest "
                                 "AdamW): pass the module")
@@ -205,7 +204,6 @@ class Workload:
     def _from_factory(self, parameters, lr: float | None, momentum: float | None) -> torch.optim.Optimizer:
         """The workload's optimizer factory's optimizer over the model (where its first argument is named
         `model`) or its parameters, with `lr` and `momentum` (beta1 where it has betas) set on every group."""
-        import inspect
         factory = self.optimizer
         try:
             first = next(iter(inspect.signature(factory).parameters), None)
@@ -232,7 +230,6 @@ class Workload:
         lr = s["lr"] if lr is None else lr
         momentum = s["momentum"] if momentum is None else momentum
         if name == "muon":
-            from ..optim import MuonWithAdamW
             return MuonWithAdamW, dict(lr=lr, weight_decay=s["weight_decay"], momentum=momentum,
                                        betas=(0.9, s["beta2"]))
         if name == "sgd":
@@ -245,12 +242,10 @@ class Workload:
         never initialised (torch.optim's constructor imports torch._dynamo: seconds in a process that trains
         nothing): what an algorithm checks before any worker starts (`Algorithm.check_run`). A factory's is
         the real one, over a fresh model."""
-        import inspect
         if optimizer is None and callable(self.optimizer):
             return self.make_optimizer(self.model(), lr, momentum)
         cls, kwargs = self._optimizer(lr, momentum, optimizer)
         if cls.__name__ == "MuonWithAdamW":     # a model with no hidden weight matrix is refused here already
-            from ..optim import muon_split
             with torch.random.fork_rng(devices=[]), torch.device("meta"):   # its shapes: no memory, no RNG drawn
                 muon_split(self.build())
         defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
