@@ -25,7 +25,7 @@ demo: install
 
 # two test processes (pytest-xdist), one test file each at a time: much of the suite waits on emulated links and
 # process start-up, so two keep both cores busy; files in the order tests/conftest.py gives them, the longest
-# first, so that no long file runs alone at the end (pytest 598-607 s on an idle 2-core machine, 2026-11-28)
+# first, so that no long file runs alone at the end (pytest 482-488 s on an idle 2-core machine, 2026-11-29)
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests
 

@@ -179,19 +179,19 @@ def test_a_stalled_training_thread_stops_the_cli_in_one_line(tmp_path):
 
 
 def _children(parent: int) -> list[int]:
-    """The launcher's spawned worker processes (not the resource tracker), in start order = rank order."""
-    found = []
+    """The launcher's worker processes, in start order = rank order: the children of its fork server (the one
+    child of the launcher whose command line runs multiprocessing's forkserver)."""
+    procs = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
+                procs[int(pid)] = (ppid, f.read())
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == parent and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-            found.append(int(pid))
-    return sorted(found)
+    servers = {pid for pid, (ppid, cmd) in procs.items() if ppid == parent and b"forkserver" in cmd}
+    return sorted(pid for pid, (ppid, _) in procs.items() if ppid in servers)
 
 
 @pytest.mark.slow

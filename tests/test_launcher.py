@@ -312,3 +312,44 @@ def test_train_has_no_deadline_unless_asked(capsys):
         assert main(base + ["--deadline", "nan"]) == 2
     assert seen == [None, 7200.0]
     assert "--deadline must be a finite number > 0" in capsys.readouterr().err
+
+
+LAUNCHER = """
+import sys, time
+from thinwire.launcher.pool import Pool
+
+def asleep(rank, world_size):
+    time.sleep(600)
+
+if __name__ == "__main__":
+    with Pool(2, timeout=900) as pool:
+        print("started", flush=True)
+        pool.run(asleep)
+"""
+
+
+def test_a_launcher_killed_by_sigkill_takes_its_workers_and_their_fork_server_with_it(tmp_path):
+    """Workers are forked from multiprocessing's fork server, which the workers themselves keep alive. A launcher
+    SIGKILLed in a run (it cannot clean up) leaves no process behind: each worker ends when its launcher's pidfd
+    says it ended, and the server when its last worker has. Every process the launcher made carries its
+    environment's tag."""
+    import subprocess
+    import sys
+    from leftovers import tagged
+    tag = f"THINWIRE_TEST_TAG=sigkill-{os.getpid()}"
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "THINWIRE_TEST_TAG": tag.split("=")[1]})
+    assert proc.stdout.readline().strip() == "started"
+    deadline = time.monotonic() + 60
+    while len(tagged(tag)) < 4 and time.monotonic() < deadline:    # the launcher, the server, two workers
+        time.sleep(0.05)
+    made = set(tagged(tag)) - {proc.pid}
+    assert len(made) >= 3, made
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in made) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in made if _alive(p)]

@@ -38,8 +38,8 @@ from ..comm import elastic
 from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
 from .pool import check_world_size
-from .worker import (PROGRESS_TIMEOUT, Launcher, Watchdog, ctx, died, fail_and_exit, peer_failure, pin_gloo, start,
-                     threads_per_worker)
+from .worker import (PROGRESS_TIMEOUT, Launcher, Watchdog, ctx, died, fail_and_exit, peer_failure, pin_gloo, process,
+                     start, threads_per_worker)
 
 FOREIGN_SILENCE_S = 3.0      # a member joined by hand (no child of this launcher) is lost after this much silence
 JOIN_REACH_S = 30.0          # `--join HOST:PORT`: the bound on reaching the job's store, ...
@@ -143,9 +143,9 @@ class ElasticPool(Launcher):
                 raise WorkerError(-1, f"more than {self._cap} worker processes")
         tasks = ctx.Queue()
         self._beats[slot], self._steps[slot], self._times[slot] = 0.0, -1, 0.0
-        proc = ctx.Process(target=_elastic_main, name=f"thinwire-elastic-{slot}", daemon=True,
-                           args=(slot, self.host, self.port, self.timeout, tasks, self._results, self._beats,
-                                 self._steps, self._times, self.worker_init, self.threads))
+        proc = process(_elastic_main, f"thinwire-elastic-{slot}",
+                       (slot, self.host, self.port, self.timeout, tasks, self._results, self._beats, self._steps,
+                        self._times, self.worker_init, self.threads))
         entry = {"proc": proc, "tasks": tasks, "member": None, "ready": False, "started": time.monotonic()}
         if slot == len(self._slots):
             self._slots.append(entry)

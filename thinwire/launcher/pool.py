@@ -50,7 +50,7 @@ from ..comm.membership import MEMBERSHIP
 from ..errors import UserError, WorkerError
 from ..net import parse_network
 from .worker import (PROGRESS_TIMEOUT, STACKS_SIGNAL, Inherit, Launcher, NoProgressError, Watchdog, check_timeout, ctx,
-                     died, fail_and_exit, peer_failure, pin_gloo, start, threads_per_worker)
+                     died, fail_and_exit, peer_failure, pin_gloo, process, start, threads_per_worker)
 
 MAX_LOCAL_WORKERS = 512     # processes on one machine: each holds an interpreter, torch and a copy of the model
 
@@ -208,10 +208,10 @@ class Pool(Launcher):
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         # where each worker writes its stacks: unlinked at once, shared with the worker, outliving neither
         self._stack_files = [tempfile.TemporaryFile() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=_worker_main, name=f"thinwire-worker-{r}", daemon=True,
-                                   args=(r, world_size, self.backend, host, self.port, timeout, self._tasks[r],
-                                         self._results, self._beats, self._steps, self._times, worker_init,
-                                         on_failure, self.device, Inherit(self._stack_files[r].fileno())))
+        self._procs = [process(_worker_main, f"thinwire-worker-{r}",
+                               (r, world_size, self.backend, host, self.port, timeout, self._tasks[r], self._results,
+                                self._beats, self._steps, self._times, worker_init, on_failure, self.device,
+                                Inherit(self._stack_files[r].fileno())))
                        for r in range(world_size)]
         self._gone: set[int] = set()
         self._generation = 0

@@ -1,7 +1,9 @@
 """What the launchers (`pool.Pool`, `elastic.ElasticPool`: `Launcher`) and their worker processes share.
 
 The launcher hosts the rendezvous store (`serve_store`: listening on `host` and on nothing wider, `listen`) and
-spawns its workers with `ctx`. Each worker begins with `start`: it dies with the launcher (`die_with_parent`),
+starts its workers with `process`: forked from multiprocessing's fork server (`ctx`), in the launcher's
+environment, each ending when the launcher ends (`die_with`). Each worker begins with `start`: it dies with its
+parent (`die_with_parent`),
 writes every thread's Python stacks on `STACKS_SIGNAL` into a file the launcher handed it (`Inherit`), runs the
 caller's `worker_init`, pins gloo's sockets to the interface through which it reaches the launcher's host
 (`pin_gloo`, `interface_to`: the loopback for a loopback host), beats every 0.5 s into the launcher's `beats`
@@ -24,6 +26,7 @@ import ipaddress
 import math
 import multiprocessing as mp
 import os
+import select
 import signal
 import socket
 import statistics
@@ -43,7 +46,45 @@ from ..comm import progress
 from ..errors import UserError, WorkerError
 from ..net import parse_network
 
-ctx = mp.get_context("spawn")
+# Workers are forked from a server process that imported torch and the launchers once, a fresh interpreter's 2-3 s
+# of CPU that every spawned worker paid again (tools/launch_startup.py); nothing else of the launcher's is
+# inherited, as with spawn, and each worker takes its launcher's environment as it is when the process is made.
+if "forkserver" in mp.get_all_start_methods():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["thinwire.launcher.pool", "thinwire.launcher.elastic"])
+else:                                                   # (Windows) every worker a fresh interpreter
+    ctx = mp.get_context("spawn")
+
+
+def process(target, name: str, args: tuple):
+    """A worker process (daemonic, not started) running `target(*args)` in this process's environment, ending
+    when this process ends."""
+    return ctx.Process(target=_in_environment, name=name, daemon=True,
+                       args=(dict(os.environ), os.getpid(), target, args))
+
+
+def _in_environment(env: dict, launcher: int, target, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    die_with(launcher)
+    target(*args)
+
+
+def die_with(pid: int) -> None:
+    """End this process (SIGKILL) when process `pid` ends, even by SIGKILL: a thread waits on its pidfd. The
+    parent-death signal (`die_with_parent`) would watch the fork server, which the workers it forked keep alive,
+    and only the thread that started it. Without pidfds (Linux < 5.3, other systems) nothing is watched."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):
+        return
+
+    def watch():
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="thinwire-launcher-watch", daemon=True).start()
 
 PROGRESS_TIMEOUT = 300.0    # the progress watchdog's bound (s) by default, ...
 PROGRESS_STEPS = 50         # ... raised to this many median step times when steps are slow
