@@ -127,26 +127,20 @@ class Transport:
         if group is None and (not dist.is_available() or not dist.is_initialized()):
             raise UserError("torch.distributed is not initialised: start workers with thinwire.launch, "
                             "or call thinwire.init() under torchrun")
-        # a group of torch.distributed's world, or one of its own (an elastic generation's: thinwire.comm.elastic);
-        # ranks are addressed within the group (group_src / group_dst), so both work
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank, self.world_size = self.group.rank(), self.group.size()
-        # the membership generation this group belongs to (its waits watch later losses): the world's is the
-        # launcher's first, 0; an elastic generation's or a loss's survivors' group is set by `regroup`. None (a
-        # subgroup): the newest announced when an op is issued
-        self.generation: int | None = 0 if group is None else None
         self.link = parse_network(network) if network is not None else default_network()
+        self.islands = _islands(self.link)
+        # a group of torch.distributed's world, or one of its own (an elastic generation's: thinwire.comm.elastic);
+        # ranks are addressed within the group (group_src / group_dst), so both work. Its membership generation
+        # (its waits watch later losses): the world's is the launcher's first, 0; an elastic generation's or a
+        # loss's survivors' group is set by `regroup`. None (a subgroup): the newest announced when an op is issued
+        self._adopt(group if group is not None else dist.group.WORLD, 0 if group is None else None)
         self.meter = meter or Meter()
         self._seed = default_seed() if seed is None else seed
         self.clocks = {} if clocks is None else clocks
-        self.members = [self.global_of(r) for r in range(self.world_size)]
-        self.islands = _islands(self.link)
         self.path = self.islands.path(self.members) if self.islands is not None else self.link
         self.clock = clock or self.clock_of(self.path)
         self.clocks.setdefault(self._tier(self.path), self.clock)
         self.collective_link = self.path.handshaking()  # gloo's collectives: a round trip per step
-        # a ring collective over this group: this rank's bytes cross the thin link when its right neighbour does
-        self._ring_across = self.islands is not None and self.islands.ring_crossing(self.members, self.rank)
         self.tracer = tracer or NULL
         collectives.parse(allreduce, self.world_size)
         self.allreduce = allreduce  # "gloo" (native) or an algorithm of thinwire.comm.collectives
@@ -159,9 +153,7 @@ class Transport:
 
     # -- links -----------------------------------------------------------------------------------------
     def _tier(self, link: Link) -> str:
-        if self.islands is None:
-            return "link"
-        return "inside" if link is self.islands.inside or link == self.islands.inside else "across"
+        return "link" if self.islands is None else "inside" if link == self.islands.inside else "across"
 
     def clock_of(self, link: Link) -> LinkClock:
         """This worker's queue on `link` (one per link, shared with the transports of its subgroups)."""
@@ -185,15 +177,19 @@ class Transport:
     def _ring_sent(self, cost: Cost) -> float:
         return cost.sent if self._ring_across else 0.0
 
+    def _adopt(self, group, generation: int | None) -> None:
+        self.group, self.generation = group, generation
+        self.rank, self.world_size = group.rank(), group.size()
+        self.members = [self.global_of(r) for r in range(self.world_size)]
+        # a ring collective over this group: this rank's bytes cross the thin link when its right neighbour does
+        self._ring_across = self.islands is not None and self.islands.ring_crossing(self.members, self.rank)
+
     def regroup(self, group, generation: int | None = None) -> None:
         """Go on with `group` (the survivors of a lost worker; an elastic job's next generation): ranks
         renumbered, the old group's operations in flight abandoned."""
         with self._switch:              # no program of the old group is between two of its operations
             self._epoch += 1
-            self.group, self.generation = group, generation
-            self.rank, self.world_size = group.rank(), group.size()
-            self.members = [self.global_of(r) for r in range(self.world_size)]
-            self._ring_across = self.islands is not None and self.islands.ring_crossing(self.members, self.rank)
+            self._adopt(group, generation)
             self.delivery.clear()
 
     # -- programs --------------------------------------------------------------------------------------
