@@ -23,9 +23,9 @@ demo: install
 		|| echo "note: torchft could not be installed; the race skips torchft-diloco"
 	$(BIN)/thinwire compare --preset quick --out results/demo
 
-# two test processes (pytest-xdist), one test file each at a time: much of the suite waits on emulated links and
-# process start-up, so two keep both cores busy; files in the order tests/conftest.py gives them, the longest
-# first, so that no long file runs alone at the end (pytest 482-488 s on an idle 2-core machine, 2026-11-29)
+# two test processes (pytest-xdist), one test file each at a time: the suite keeps both cores busy (three processes
+# took as long, the cores never idle); files in the order tests/conftest.py gives them, the longest first, so that
+# no long file runs alone at the end (pytest 482-488 s on an idle 2-core machine, 404-441 s on fresh clones, 2026-11-29)
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests
 
