@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from thinwire import algorithms
 from thinwire.errors import UserError, WorkerError
@@ -90,6 +91,58 @@ def test_nonfinite_policies_and_mismatched_models(pool2):
     assert err.value.rank == 1
     with pytest.raises(UserError, match="differ in shapes"):
         pool2.run(_mismatched)
+
+
+class _Writes(TorchDispatchMode):
+    """Records the storages that the aten ops run under it write."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for spec, arg in zip(func._schema.arguments, args):
+            if spec.alias_info is not None and spec.alias_info.is_write:
+                for t in arg if isinstance(arg, (list, tuple)) else [arg]:
+                    if isinstance(t, torch.Tensor):
+                        self.written.add(t.untyped_storage().data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_gradient_check_only_reads_the_gradients():
+    """The policy stop checks each step's gradients while one of them may be in flight: a bucket all-reduced in
+    place during backward, whose gradients are views of it (hierarchical DiLoCo's inner steps). A check that wrote
+    them back (GradScaler's unscale at a scale of 1) put this rank's own values over the all-reduce's result on
+    some elements, and the workers of an island drifted apart. The check writes nothing of the gradients, and
+    still finds NaN and ±Inf, and no finite value however large."""
+    from thinwire.trainer import FiniteGuard, nonfinite_flag
+    from thinwire.compress.finite import NonFiniteError
+    bucket = torch.ones(10, dtype=torch.float64)
+    grads = [bucket[:4].view(2, 2), bucket[4:], torch.ones(3, dtype=torch.float16), torch.ones(0)]
+    found = torch.zeros(1)
+    with _Writes() as mode:
+        nonfinite_flag(grads, found)
+    assert bucket.untyped_storage().data_ptr() not in mode.written and found.item() == 0
+    assert all(g.untyped_storage().data_ptr() not in mode.written for g in grads)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            found.zero_()
+            nonfinite_flag([torch.ones(2, dtype=torch.float64), torch.tensor([1.0, bad], dtype=dtype)], found)
+            assert found.item() == 1, (bad, dtype)
+    found.zero_()
+    nonfinite_flag([torch.full((3,), 1e300, dtype=torch.float64), torch.full((2,), 6e4, dtype=torch.float16),
+                    torch.sparse_coo_tensor([[0]], [2.0], (4,), check_invariants=True)], found)
+    assert found.item() == 0
+    nonfinite_flag([torch.sparse_coo_tensor([[1]], [float("nan")], (4,), check_invariants=True)], found)
+    assert found.item() == 1
+    model = torch.nn.Linear(2, 1)
+    guard = FiniteGuard(list(model.parameters()), rank=0)
+    model(torch.ones(1, 2)).sum().backward()
+    guard.check(list(model.parameters()), 1)
+    model.bias.grad[0] = float("inf")
+    guard.check(list(model.parameters()), 2)
+    with pytest.raises(NonFiniteError, match="at step 2"):
+        guard.read_with()
 
 
 def _spin(rank, world_size):

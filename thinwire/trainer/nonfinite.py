@@ -25,18 +25,22 @@ def nonfinite_stop(rank: int, step: int, seen: str = "") -> NonFiniteError:
     return NonFiniteError(f"rank {rank}: NaN or Inf in the gradient at step {step}; {what} (policy nonfinite=stop)")
 
 
-def nonfinite_flag(grads: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor | None = None) -> None:
+def nonfinite_flag(grads: list[torch.Tensor], found: torch.Tensor) -> None:
     """Set `found` (a float tensor of one element, on the gradients' device) to 1 if any of `grads` (on that
-    device) holds NaN or Inf, on the device, nothing read: one fused op (GradScaler's check at a scale of `one`,
-    1: multiplying by 1 leaves every value as it is); sparse or differentiable gradients are only read."""
-    try:
-        with torch.no_grad():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found) if one is None
-                                                             else one)
-    except (NotImplementedError, RuntimeError):      # sparse gradients, differentiable ones (create_graph)
+    device) holds NaN or Inf, on the device, nothing read by the host. Only reads the gradients: one of them may
+    be in flight (a bucket all-reduced in place during backward, whose gradients are views of it), and a check
+    that wrote them back (as GradScaler's unscale does, at a scale of 1) would put this rank's own values over
+    the collective's result. Per dtype, one fused max-abs norm of each tensor (`torch._foreach_norm`, ord ∞: NaN
+    and ±Inf propagate, and no finite value overflows), one check of those; sparse gradients by their values."""
+    with torch.no_grad():
+        by_dtype: dict = {}
         for g in grads:
             g = g.detach().coalesce().values() if g.is_sparse else g.detach()
-            found.copy_(torch.maximum(found, (~torch.isfinite(g).all()).to(found.dtype)))
+            if g.numel():
+                by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            bad = ~torch.stack(torch._foreach_norm(same, float("inf"))).isfinite().all()
+            found.copy_(torch.maximum(found, bad.to(found.dtype)))
 
 
 class FiniteGuard:
@@ -50,7 +54,7 @@ class FiniteGuard:
         self.groups = None if len(devices) == 1 else {d: [i for i, p in enumerate(params) if p.device == d]
                                                       for d in devices}
         self.flags = torch.zeros(2, device=self.device)      # [found, steps checked before the first bad one]
-        self._found, self._clean, self._one = self.flags[:1], self.flags[1:], torch.ones(1, device=self.device)
+        self._found, self._clean = self.flags[:1], self.flags[1:]
         self.steps: list[int] = []                           # the steps checked since the last verdict
         self._lock = threading.Lock()
 
@@ -61,7 +65,7 @@ class FiniteGuard:
             if self.groups is None:
                 grads = [g for p in params if (g := p.grad) is not None]
                 if grads:
-                    nonfinite_flag(grads, found, self._one)
+                    nonfinite_flag(grads, found)
             else:
                 for d, idx in self.groups.items():
                     grads = [params[i].grad for i in idx if params[i].grad is not None]
