@@ -366,3 +366,49 @@ def test_every_algorithm_exchanges_buckets_during_backward(pool2, tmp_path):
         comm = [e for e in spans if e["cat"] == "communicate"]
         assert comm, algorithm
         assert any(b["ts"] <= c["ts"] < b["ts"] + b["dur"] for b in bw for c in comm), algorithm
+
+
+def _clipped(rank, world_size, compressor):
+    """bsp over an emulated wan (every bucket still in flight when backward returns, without landing), the loop
+    clipping the gradients between backward and step as it would under DDP."""
+    from thinwire.trainer import Trainer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, opt, compressor=compressor, bucket_mb=0.002, first_bucket_mb=0.0)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        model(torch.randn(6, 8, generator=g, dtype=torch.float64)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        trainer.step()
+        opt.zero_grad()
+    buckets = len(trainer.algorithm.scheduler.buckets)
+    trainer.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), buckets
+
+
+def test_the_loop_may_clip_the_mean_gradient_between_backward_and_step(pool2):
+    """As under DDP, the mean gradient is in every p.grad when backward returns (bsp lands its exchanges at the
+    end of backward): clipping it before `trainer.step()` is a replay of clipped mini-batch SGD on the mean. An
+    all-reduce still in flight in place would race with the clip, and the workers would drift apart."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gens = [torch.Generator().manual_seed(r) for r in range(2)]
+    for _ in range(4):
+        grads = []
+        for g in gens:
+            model.zero_grad()
+            model(torch.randn(6, 8, generator=g, dtype=torch.float64)).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, a, b in zip(model.parameters(), *grads):
+            p.grad = a / 2 + b / 2
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for compressor in (None, "fp16"):
+        res = pool2.run(_clipped, compressor, network="wan")
+        assert res[0][1] > 1                                          # several buckets, each in flight
+        assert torch.equal(res[0][0], res[1][0]), compressor
+        if compressor is None:
+            assert torch.allclose(res[0][0], want, rtol=1e-12, atol=1e-14)

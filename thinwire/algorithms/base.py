@@ -85,6 +85,8 @@ class Algorithm:
     exchanges_gradients: ClassVar[bool] = False  # its exchange carries the gradients the optimizer applies (a
     #   memory that applies momentum before compression takes the optimizer's: Trainer's hand_over_momentum)
     overlaps_steps: bool = False                # its exchanges outlive the step that started them (DTS, CD-SGD)
+    lands_in_backward: bool = False             # as DDP: every p.grad holds the mean gradient when backward
+    #   returns (`land()`, at its end), for the training loop to read or change (clip, unscale) before step()
     survives_failures: ClassVar[bool] = False   # its averages stay meaningful over fewer workers (recover())
     keeps_local_work: ClassVar[bool] = False    # at a loss, each survivor's model and optimizer since the last
     #   boundary are its own to keep (local SGD, DiLoCo: the next average takes them in); recover() makes the state
@@ -161,6 +163,10 @@ class Algorithm:
 
     def on_bucket(self, bucket) -> None:
         """Backward handed over a full bucket of gradients (`bucket.buffer`, `bucket.params`). Default: keep it."""
+
+    def land(self) -> None:
+        """(`lands_in_backward`; the scheduler calls it at the end of a backward that handed buckets over) Wait
+        for their exchanges: the mean gradients in place in their p.grad."""
 
     def step(self) -> None:
         raise NotImplementedError

@@ -14,10 +14,14 @@ from .cost import CostFamily
 
 
 def wait_buckets(pending: dict, buckets) -> None:
-    """Wait for each bucket's exchange (`pending`: bucket index -> its future, popped); its result in place in the
-    bucket, i.e. in every p.grad (a bucket all-reduced in place is there already)."""
+    """Wait for each bucket's exchange (`pending`: bucket index -> its future, popped; a bucket not there has
+    landed already); its result in place in the bucket, i.e. in every p.grad (a bucket all-reduced in place is
+    there already)."""
     for bucket in buckets:
-        res = pending.pop(bucket.index).wait()
+        fut = pending.pop(bucket.index, None)
+        if fut is None:
+            continue
+        res = fut.wait()
         if res.data_ptr() != bucket.buffer.data_ptr():
             bucket.buffer.copy_(res.reshape(-1))
 
@@ -30,6 +34,7 @@ class BSP(Algorithm):
     checks_finite = True      # each bucket is checked (Exchange._check_finite) before it is sent
     exchanges_gradients = True
     survives_failures = True  # the mean over fewer workers is still the mean gradient
+    lands_in_backward = True  # as DDP: the loop may clip or unscale the mean gradient between backward and step
     cost = CostFamily("every_step")
 
     def setup(self):
@@ -44,6 +49,8 @@ class BSP(Algorithm):
     def average_gradients(self) -> None:
         """Wait for every bucket's exchange; the averaged gradients in place in every p.grad."""
         wait_buckets(self.pending, self.scheduler.buckets)
+
+    land = average_gradients
 
     def recover(self):
         self.pending.clear()

@@ -102,6 +102,7 @@ class CDSGD(BSP):
 
     schedules = ("none", "wfbp", "fusion", "mgwfbp")
     exchanges_gradients = False   # its own momentum update (eqs. 8-11) on the exchanged gradients (see __init__)
+    lands_in_backward = False     # the exchange of step n is applied at step n + 1 (eq. 10)
     default_compressor = "threshold2bit"
     default_memory = "residual"
     survives_failures = False

@@ -220,6 +220,7 @@ class DiLoCo(Membership, Algorithm):
             self.inner = self.ctx.exchange(self.exchange_class, "none", "none", transport=self.island.inside)
             self._exchanges += [self.exchange, self.inner]
             self.grads: dict = {}       # bucket index -> the future of its mean gradient over the island
+            self.lands_in_backward = True     # the island's mean gradient in p.grad when backward returns
         self.frags = Fragments(self.params, self.fragments)
         # θ per segment (a parameter's elements in one fragment): the same on every worker
         self.anchor = [self.frags.local(k).clone() for k in range(len(self.frags.segs))]
@@ -271,6 +272,9 @@ class DiLoCo(Membership, Algorithm):
         # the bucket's inner step now (its gradients are final), then its pseudo-gradient starts averaging
         self.optimizer_step(bucket.params)
         self._start(bucket, f)
+
+    def land(self):
+        wait_buckets(self.grads, self.scheduler.buckets)
 
     def _start(self, bucket, f: int) -> None:
         piece = self.frags.pieces(bucket, f)

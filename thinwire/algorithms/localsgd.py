@@ -43,6 +43,7 @@ class LocalSGD(Periodic, BSP):
     checks_finite = False
     exchanges_gradients = False   # model deltas
     keeps_local_work = True       # a survivor's local steps go into the next average
+    lands_in_backward = False     # a sync's local step is taken in backward (on_bucket)
     cost = CostFamily("periodic", tunable={"period": (1, 2, 4, 8, 16, 32, 64, 128)})
 
     def __init__(self, period: int = 4, average_momentum: bool = False, architecture: str | None = None):

@@ -8,7 +8,10 @@ it, take a local step...) while backward goes on. Buckets are handed over strict
 starts the same exchanges in the same order whatever order its gradients arrive in. `flush()` (the algorithm's
 `step()` calls it first) hands over what backward did not (a parameter without a gradient counts as zeros);
 `end_step()` closes the step (MG-WFBP re-plans there). With `overlap=False` no hook is registered and every
-bucket is handed over in `flush()`.
+bucket is handed over in `flush()`. Where the algorithm `lands_in_backward` (bsp: the mean gradient in p.grad),
+autograd's final callback flushes and calls `algorithm.land()` at the end of the backward, as DDP's reducer
+finishes its all-reduces there: between backward and `trainer.step()` the loop may read or change the gradients (clip them,
+unscale them), which an all-reduce still in flight in place would otherwise race with.
 
 A step that sends nothing (DiLoCo's and local SGD's inner steps, DTS's sparse steps: `Algorithm.communicates()`
 false) runs no per-parameter Python in its backward: the driver says after each step whether the next
@@ -18,7 +21,7 @@ not `flush()`. How the exchanges run on the engine (serial, pipelined) is `modes
 
 An algorithm's public view: `buckets` (and `layout()`), `flush()`, `local_step()`, `end_step()`, `began`,
 `discard_step()`, `close()`, `describe()`, `defers_update` and, where set, `finish_step()` (priority). The driver
-(the Trainer) calls `next_step()` and `discard_step()`.
+(the Trainer) calls `next_step()` and `discard_step()`, and sets `before_landing`.
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ class Scheduler:
         self._hooks: list = []        # the gradient hooks, while they are on (`_arm`)
         self._forward = None          # the model's forward pre-hook that puts them back
         self._handing = True          # the current step hands its buckets to the algorithm (`next_step`)
+        self._landing_error: BaseException | None = None    # raised at the end of backward (`_backward_end`)
+        self.before_landing = None    # the driver's, called before the landing waits (the Trainer reports progress)
         self.steps = 0
 
     # -- wiring ----------------------------------------------------------------------------------------
@@ -144,6 +149,7 @@ class Scheduler:
     def discard_step(self) -> None:
         """Forget the step in progress, handing nothing over (a step skipped for a non-finite gradient, a rank
         catching up with the survivors' step count, a recovery): the next gradient begins a new step."""
+        self._landing_error = None
         self._reset()
 
     def _reset(self) -> None:
@@ -162,8 +168,23 @@ class Scheduler:
         if self._ready[i]:
             raise UserError("a gradient was produced twice before trainer.step(): call trainer.step() after "
                             "each backward (or use schedule='none' to accumulate gradients)")
+        if not self._began and self.algorithm.lands_in_backward and not self.defers_update:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         self._begin()
         self.take(i)
+
+    def _backward_end(self) -> None:
+        """(autograd's, once the backward is over) Every bucket handed over (a parameter without a gradient counts
+        as zeros) and its exchange landed in the gradients, as DDP's reducer does: the loop may read or change them
+        (clip, unscale) before `trainer.step()`. An error (a lost peer) is raised by the step's `flush()`, where
+        the Trainer handles it."""
+        try:
+            if self.before_landing is not None:
+                self.before_landing()
+            self.flush()
+            self.algorithm.land()
+        except BaseException as e:  # noqa: BLE001 - raised by flush()
+            self._landing_error = e
 
     def take(self, i: int) -> None:
         """Gradient i is final: into its bucket, and hand over the buckets now complete (in bucket order)."""
@@ -193,6 +214,9 @@ class Scheduler:
     # -- the step --------------------------------------------------------------------------------------
     def flush(self) -> None:
         """Hand over every bucket backward has not: missing gradients count as zeros (or as p.grad if set)."""
+        if self._landing_error is not None:
+            error, self._landing_error = self._landing_error, None
+            raise error
         self._begin()
         for i in range(len(self.params)):   # (take hands the buckets over in bucket order)
             if not self._ready[i]:

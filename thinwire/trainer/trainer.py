@@ -130,6 +130,8 @@ class Trainer:
         if joined is not None:
             self.resilience.welcome(joined, previous=[])
         self.scheduler.next_step(self.algorithm.communicates())
+        # a step whose exchanges land at the end of backward (bsp) waits there: its progress is reported first
+        self.scheduler.before_landing = self._report_progress
         # under `tw.launch(..., speeds=)`: this worker's model at its emulated speed (`thinwire.speeds`)
         self.slowdown = speeds.for_process(model, self.tracer)
 
@@ -180,8 +182,9 @@ class Trainer:
         survivors to form a new group here and go on from the new rank 0's model (`Resilience.recover`).
 
         Under thinwire's launcher the step is reported to its progress watchdog first (two stores into shared
-        memory, `comm/progress.py`): a rank stuck in the loop around it is named like one of `thinwire train`."""
-        report_progress(self.step_count + 1)
+        memory, `comm/progress.py`; at the end of backward already where the step's exchanges land there, as
+        bsp's do): a rank stuck in the loop around it is named like one of `thinwire train`."""
+        self._report_progress()
         losses, resilience = len(self.failures), self.resilience
         if resilience.behind:            # rejoining the survivors' step count after a loss: nothing applied
             resilience.behind -= 1
@@ -203,6 +206,9 @@ class Trainer:
         # a local step next, or one skipped to rejoin the others: no gradient hook runs
         self.scheduler.next_step(self.algorithm.communicates() and not resilience.behind)
         return self.transport.meter.mark_step()
+
+    def _report_progress(self) -> None:
+        report_progress(self.step_count + 1)
 
     def _step(self) -> None:
         if self.nonfinite == "skip":
