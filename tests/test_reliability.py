@@ -109,17 +109,18 @@ class _Writes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_gradient_check_only_reads_the_gradients():
+def test_the_gradient_check_only_reads_the_gradients(device):
     """The policy stop checks each step's gradients while one of them may be in flight: a bucket all-reduced in
     place during backward, whose gradients are views of it (hierarchical DiLoCo's inner steps). A check that wrote
     them back (GradScaler's unscale at a scale of 1) put this rank's own values over the all-reduce's result on
     some elements, and the workers of an island drifted apart. The check writes nothing of the gradients, and
-    still finds NaN and ±Inf, and no finite value however large."""
-    from thinwire.trainer import FiniteGuard, nonfinite_flag
+    still finds NaN and ±Inf, and no finite value however large (the CPU's check and the GPU's)."""
     from thinwire.compress.finite import NonFiniteError
-    bucket = torch.ones(10, dtype=torch.float64)
-    grads = [bucket[:4].view(2, 2), bucket[4:], torch.ones(3, dtype=torch.float16), torch.ones(0)]
-    found = torch.zeros(1)
+    from thinwire.trainer import FiniteGuard, nonfinite_flag
+    bucket = torch.ones(10, dtype=torch.float64, device=device)
+    grads = [bucket[:4].view(2, 2), bucket[4:], torch.ones(3, dtype=torch.float16, device=device),
+             torch.ones(0, device=device)]
+    found = torch.zeros(1, device=device)
     with _Writes() as mode:
         nonfinite_flag(grads, found)
     assert bucket.untyped_storage().data_ptr() not in mode.written and found.item() == 0
@@ -127,17 +128,20 @@ def test_the_gradient_check_only_reads_the_gradients():
     for bad in (float("nan"), float("inf"), float("-inf")):
         for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
             found.zero_()
-            nonfinite_flag([torch.ones(2, dtype=torch.float64), torch.tensor([1.0, bad], dtype=dtype)], found)
+            nonfinite_flag([torch.ones(2, dtype=torch.float64, device=device),
+                            torch.tensor([1.0, bad], dtype=dtype, device=device)], found)
             assert found.item() == 1, (bad, dtype)
     found.zero_()
-    nonfinite_flag([torch.full((3,), 1e300, dtype=torch.float64), torch.full((2,), 6e4, dtype=torch.float16),
-                    torch.sparse_coo_tensor([[0]], [2.0], (4,), check_invariants=True)], found)
+    nonfinite_flag([torch.full((3,), 1e300, dtype=torch.float64, device=device),
+                    torch.full((2,), 6e4, dtype=torch.float16, device=device),
+                    torch.sparse_coo_tensor([[0]], [2.0], (4,), check_invariants=True, device=device)], found)
     assert found.item() == 0
-    nonfinite_flag([torch.sparse_coo_tensor([[1]], [float("nan")], (4,), check_invariants=True)], found)
+    nonfinite_flag([torch.sparse_coo_tensor([[1]], [float("nan")], (4,), check_invariants=True, device=device)],
+                   found)
     assert found.item() == 1
-    model = torch.nn.Linear(2, 1)
+    model = torch.nn.Linear(2, 1).to(device)
     guard = FiniteGuard(list(model.parameters()), rank=0)
-    model(torch.ones(1, 2)).sum().backward()
+    model(torch.ones(1, 2, device=device)).sum().backward()
     guard.check(list(model.parameters()), 1)
     model.bias.grad[0] = float("inf")
     guard.check(list(model.parameters()), 2)
