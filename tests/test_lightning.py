@@ -1,7 +1,8 @@
 """PyTorch Lightning (`thinwire.lightning.ThinwireStrategy`, extra `lightning`): a LightningModule trains on four
 processes with bsp + top-k, DiLoCo and DTS and ends where the same model through `tw.Trainer` ends (bitwise: the
 strategy is `tw.attach` under Lightning's loop); a run resumed from a Lightning checkpoint ends where the
-uninterrupted run ends; bytes and emulated time are metered. The four processes are the shared pool's: Lightning
+uninterrupted run ends; Lightning's gradient clipping under bsp clips the mean gradient, as under DDP; bytes and
+emulated time are metered. The four processes are the shared pool's: Lightning
 sees LOCAL_RANK and a process group already made, as under torchrun, and launches nothing."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ L = pytest.importorskip("lightning")
 import thinwire as tw  # noqa: E402
 
 STEPS_PER_EPOCH, EPOCHS = 4, 5
+CLIPPED = {"network": "custom:bandwidth=100mbit,latency=5ms", "bucket_mb": 0.002, "first_bucket_mb": 0.0}
 CASES = [
     ("bsp", {"compressor": "topk", "ratio": 0.25, "memory": "residual", "network": "lan"}),
     ("diloco", {"period": 5, "compressor": "fp4", "network": "custom:bandwidth=1gbit,latency=1ms"}),
@@ -55,7 +57,7 @@ def _flat(module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def _fit(rank, algorithm, params, epochs=EPOCHS, ckpt_dir=None, ckpt_path=None):
+def _fit(rank, algorithm, params, epochs=EPOCHS, ckpt_dir=None, ckpt_path=None, clip=None):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from thinwire.lightning import ThinwireStrategy
@@ -65,18 +67,20 @@ def _fit(rank, algorithm, params, epochs=EPOCHS, ckpt_dir=None, ckpt_path=None):
     trainer = L.Trainer(strategy=strategy, devices=4, accelerator="cpu", max_epochs=epochs, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(ckpt_dir),
                         callbacks=callbacks, use_distributed_sampler=False, num_sanity_val_steps=0,
-                        log_every_n_steps=1)
+                        log_every_n_steps=1, gradient_clip_val=clip)
     trainer.fit(module, ckpt_path=ckpt_path)
     return module, strategy.metrics(), trainer.callback_metrics
 
 
-def _trainer(rank, algorithm, params):
+def _trainer(rank, algorithm, params, clip=None):
     module = Net(rank)
     opt = module.configure_optimizers()
     trainer = tw.Trainer(module, opt, algorithm=algorithm, **params)
     for _ in range(EPOCHS):
         for i, batch in enumerate(module.train_dataloader()):
             module.training_step(batch, i).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
             trainer.step()
             opt.zero_grad()
     trainer.close()
@@ -93,6 +97,12 @@ def _worker(rank, world_size, ckpt_dir):
             out.append((algorithm, torch.equal(_flat(ours), _flat(ref)), ours.full_loss(), ref.full_loss(),
                         m["steps"], m["bytes_sent"], m_ref["bytes_sent"], m.get("emulated_s", 0.0),
                         float(logged.get("thinwire/bytes_sent", -1))))
+        # Lightning clips between the closure's backward and the step, where bsp's mean gradient has landed (as
+        # DDP's): the loop that clips it there, and every rank the same model (before, the clip raced with the
+        # all-reduce in flight and the ranks drifted apart)
+        clipped, _, _ = _fit(rank, "bsp", CLIPPED, clip=0.05)
+        ref, _ = _trainer(rank, "bsp", CLIPPED, clip=0.05)
+        out.append(("clip", torch.equal(_flat(clipped), _flat(ref)), _flat(clipped), None, 0, 0, 0, 0, 0))
         # resume: a run stopped after epoch 2 and resumed from Lightning's checkpoint ends where the whole run ends
         whole, _, _ = _fit(rank, "diloco", {"period": 3}, epochs=4, ckpt_dir=ckpt_dir)
         ckpt = os.path.join(ckpt_dir, f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt")
@@ -111,6 +121,9 @@ def test_lightning_strategy_trains_like_the_trainer_and_resumes(pool4, tmp_path)
             assert same, (name, loss, ref_loss)
             if name == "resume":
                 assert steps == 4 * STEPS_PER_EPOCH
+                continue
+            if name == "clip":
+                assert torch.equal(loss, res[0][-2][2])
                 continue
             assert loss == ref_loss and loss < 1.2, (name, loss)      # it learned (chance: ln 4 = 1.39)
             assert steps == EPOCHS * STEPS_PER_EPOCH and sent == ref_sent > 0, (name, steps, sent, ref_sent)
