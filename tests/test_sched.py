@@ -412,3 +412,38 @@ def test_the_loop_may_clip_the_mean_gradient_between_backward_and_step(pool2):
         assert torch.equal(res[0][0], res[1][0]), compressor
         if compressor is None:
             assert torch.allclose(res[0][0], want, rtol=1e-12, atol=1e-14)
+
+
+def _clipped_to_zero(rank, world_size, algorithm, params, schedule):
+    """The loop clips every gradient to zero between backward and step: (how far the model moved, warnings)."""
+    import warnings
+
+    from thinwire.trainer import Trainer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = Trainer(model, opt, algorithm=algorithm, schedule=schedule, **params)
+        for _ in range(6):
+            model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.0)
+            trainer.step()
+            opt.zero_grad()
+        trainer.close()
+    moved = float((torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - start).abs().max())
+    return moved, [str(w.message) for w in seen if "changed gradients" in str(w.message)]
+
+
+@pytest.mark.parametrize("algorithm,params", [("diloco", {"period": 2, "outer_momentum": 0.0}),
+                                              ("localsgd", {"period": 2})])
+def test_a_change_after_backward_that_a_sync_step_already_applied_is_named(pool2, algorithm, params):
+    """local SGD and DiLoCo take a sync step's local update bucket by bucket in backward: a loop that clips the
+    gradients afterwards (here to zero) changes nothing there. Rank 0 is warned once, naming schedule='none',
+    under which the clip reaches every step and the model does not move."""
+    fused = pool2.run(_clipped_to_zero, algorithm, params, "fusion")
+    assert fused[0][0] > 0 and len(fused[0][1]) == 1 and "schedule='none'" in fused[0][1][0] and not fused[1][1]
+    plain = pool2.run(_clipped_to_zero, algorithm, params, "none")
+    assert [p[0] for p in plain] == [0.0, 0.0] and not plain[0][1]

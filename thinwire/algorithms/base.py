@@ -128,6 +128,7 @@ class Algorithm:
         self.world_size = self.transport.world_size
         self.compressor, self.memory = ctx.compressor, ctx.memory
         self._exchanges: list[Exchange] = []
+        self.used: list = []        # (gradient, its version) of every bucket stepped since the last `used_changed`
         ctx.modes = self.scheduler.modes(self.transport, self.compressor, self.overlaps_steps)
         self.setup()
         self.scheduler.attach(self.model, self.params, self, self.transport, self.tracer, self.optimizer)
@@ -259,6 +260,15 @@ class Algorithm:
         """The user's optimizer: a full step, or a step of `params` only (a bucket, during backward)."""
         with self.tracer.span("optimizer", "optimizer"):
             own_step(self.optimizer, params)
+        if params is not None:      # a bucket's update, taken in backward: the loop changes its gradients too late
+            self.used += [(g, g._version) for p in params if (g := p.grad) is not None]
+
+    def used_changed(self) -> bool:
+        """Whether a gradient that a bucket's update took (`optimizer_step(bucket.params)`, in backward) has been
+        changed in place since (the loop clipped or unscaled it before `trainer.step()`); forgets them."""
+        changed = any(g._version != v for g, v in self.used)
+        self.used = []
+        return changed
 
     def flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])

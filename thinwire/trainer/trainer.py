@@ -75,6 +75,7 @@ class Trainer:
         params = nonfinite_params(nonfinite, params)   # skip: no exchange during backward
         self.nonfinite = nonfinite
         self.skipped_steps = 0
+        self._warned_late_change = False
         (self.algorithm, self.compressor, self.memory, self.scheduler,
          transport_params, exchange_params) = build_components(algorithm, compressor, memory, **params)
         self.momentum_handed = hand_over_momentum(optimizer, self.algorithm, self.compressor, self.memory)
@@ -185,6 +186,12 @@ class Trainer:
         memory, `comm/progress.py`; at the end of backward already where the step's exchanges land there, as
         bsp's do): a rank stuck in the loop around it is named like one of `thinwire train`."""
         self._report_progress()
+        if self.algorithm.used_changed() and not self._warned_late_change and self.transport.rank == 0:
+            self._warned_late_change = True
+            warnings.warn(f"thinwire: the loop changed gradients (clipped? unscaled?) between backward and "
+                          f"trainer.step() that {self.algorithm.name} had already applied in backward (a sync "
+                          f"step's local update): the change did not reach that step; pass schedule='none', "
+                          f"which hands the gradients over in trainer.step()", stacklevel=2)
         losses, resilience = len(self.failures), self.resilience
         if resilience.behind:            # rejoining the survivors' step count after a loss: nothing applied
             resilience.behind -= 1
@@ -203,6 +210,7 @@ class Trainer:
                     resilience.boundary()
             elif self.elastic is not None:       # rank 0 may fix a join's switch between boundaries
                 self.elastic.ahead(self.step_count, self.algorithm.join_next)
+        self.algorithm.used.clear()     # (updates this step took itself, after the loop's changes)
         # a local step next, or one skipped to rejoin the others: no gradient hook runs
         self.scheduler.next_step(self.algorithm.communicates() and not resilience.behind)
         return self.transport.meter.mark_step()
