@@ -9,8 +9,8 @@ starts the same exchanges in the same order whatever order its gradients arrive 
 `step()` calls it first) hands over what backward did not (a parameter without a gradient counts as zeros);
 `end_step()` closes the step (MG-WFBP re-plans there). With `overlap=False` no hook is registered and every
 bucket is handed over in `flush()`. Where the algorithm `lands_in_backward` (bsp: the mean gradient in p.grad),
-autograd's final callback flushes and calls `algorithm.land()` at the end of the backward, as DDP's reducer
-finishes its all-reduces there: between backward and `trainer.step()` the loop may read or change the gradients (clip them,
+autograd's final callback calls `algorithm.land()` at the end of each backward that handed a bucket over, as
+DDP's reducer finishes its all-reduces there: between backward and `trainer.step()` the loop may read or change the gradients (clip them,
 unscale them), which an all-reduce still in flight in place would otherwise race with.
 
 A step that sends nothing (DiLoCo's and local SGD's inner steps, DTS's sparse steps: `Algorithm.communicates()`
@@ -55,6 +55,7 @@ class Scheduler:
         self._hooks: list = []        # the gradient hooks, while they are on (`_arm`)
         self._forward = None          # the model's forward pre-hook that puts them back
         self._handing = True          # the current step hands its buckets to the algorithm (`next_step`)
+        self._landing = False         # this backward's landing is queued (`_backward_end`)
         self._landing_error: BaseException | None = None    # raised at the end of backward (`_backward_end`)
         self.before_landing = None    # the driver's, called before the landing waits (the Trainer reports progress)
         self.steps = 0
@@ -156,7 +157,7 @@ class Scheduler:
         self._ready = [False] * len(self.params)
         self._count = [0] * len(self.sizes)
         self._next = 0
-        self._began = False
+        self._began = self._landing = False
 
     # -- backward --------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -168,20 +169,22 @@ class Scheduler:
         if self._ready[i]:
             raise UserError("a gradient was produced twice before trainer.step(): call trainer.step() after "
                             "each backward (or use schedule='none' to accumulate gradients)")
-        if not self._began and self.algorithm.lands_in_backward and not self.defers_update:
+        if not self._landing and self.algorithm.lands_in_backward and not self.defers_update:
+            self._landing = True        # (once per backward pass)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         self._begin()
         self.take(i)
 
     def _backward_end(self) -> None:
-        """(autograd's, once the backward is over) Every bucket handed over (a parameter without a gradient counts
-        as zeros) and its exchange landed in the gradients, as DDP's reducer does: the loop may read or change them
-        (clip, unscale) before `trainer.step()`. An error (a lost peer) is raised by the step's `flush()`, where
+        """(autograd's, once a backward that handed gradients over is done) The exchanges of the buckets it handed
+        over land in their gradients, as DDP's reducer finishes there: the loop may read or change them (clip,
+        unscale) before `trainer.step()`. A bucket still incomplete (a parameter without a gradient yet) goes
+        with `flush()`, after the loop's change. An error (a lost peer) is raised by the step's `flush()`, where
         the Trainer handles it."""
+        self._landing = False
         try:
             if self.before_landing is not None:
                 self.before_landing()
-            self.flush()
             self.algorithm.land()
         except BaseException as e:  # noqa: BLE001 - raised by flush()
             self._landing_error = e
