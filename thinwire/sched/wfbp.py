@@ -10,8 +10,8 @@ starts the same exchanges in the same order whatever order its gradients arrive 
 `end_step()` closes the step (MG-WFBP re-plans there). With `overlap=False` no hook is registered and every
 bucket is handed over in `flush()`. Where the algorithm `lands_in_backward` (bsp: the mean gradient in p.grad),
 autograd's final callback calls `algorithm.land()` at the end of each backward that handed a bucket over, as
-DDP's reducer finishes its all-reduces there: between backward and `trainer.step()` the loop may read or change the gradients (clip them,
-unscale them), which an all-reduce still in flight in place would otherwise race with.
+DDP's reducer finishes its all-reduces there: between backward and `trainer.step()` the loop may read or change
+the gradients (clip them, unscale them), which an all-reduce still in flight in place would otherwise race with.
 
 A step that sends nothing (DiLoCo's and local SGD's inner steps, DTS's sparse steps: `Algorithm.communicates()`
 false) runs no per-parameter Python in its backward: the driver says after each step whether the next

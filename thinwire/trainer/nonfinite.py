@@ -33,7 +33,7 @@ def nonfinite_flag(grads: list[torch.Tensor], found: torch.Tensor) -> None:
     the collective's result. Per dtype, the extremes of each tensor (NaN and ±Inf show there, and no finite
     value overflows), then one check of those: on a GPU one fused max-abs norm of every tensor
     (`torch._foreach_norm`, ord ∞), on the CPU each tensor's `aminmax` (a vectorised read; the CPU's ∞-norm is
-    ten times slower); sparse gradients by their values."""
+    eight times slower); sparse gradients by their values."""
     with torch.no_grad():
         by_dtype: dict = {}
         for g in grads:
