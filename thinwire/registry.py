@@ -198,7 +198,7 @@ class Registry:
     def __init__(self, family: str, variant_param: str | None = None, default_variant: Callable | None = None,
                  retired: dict[str, str] | None = None):
         self.family = family
-        self.retired = dict(retired or {})
+        self.retired = dict(retired or {})     # a parameter that moved elsewhere -> where it went (`check_retired`)
         self._table: dict[str, Callable] = {}
         self.compose: Callable | None = None   # optional: builds the constructor of a composite "a+b" name
         self.variant_param, self.default_variant = variant_param, default_variant

@@ -1,16 +1,15 @@
 """What the launchers (`pool.Pool`, `elastic.ElasticPool`: `Launcher`) and their worker processes share.
 
 The launcher hosts the rendezvous store (`serve_store`: listening on `host` and on nothing wider, `listen`) and
-starts its workers with `process`: forked from multiprocessing's fork server (`ctx`), in the launcher's
-environment, each ending when the launcher ends (`die_with`). Each worker begins with `start`: it dies with its
-parent (`die_with_parent`),
-writes every thread's Python stacks on `STACKS_SIGNAL` into a file the launcher handed it (`Inherit`), runs the
-caller's `worker_init`, pins gloo's sockets to the interface through which it reaches the launcher's host
-(`pin_gloo`, `interface_to`: the loopback for a loopback host), beats every 0.5 s into the launcher's `beats`
-array (`heartbeat`), reports its steps into the launcher's `steps` and `times` arrays
-(`thinwire.comm.progress`) and takes its share of the CPU threads (`threads_per_worker`). Each
-worker has a slot in those arrays (a rank, or an elastic worker's process slot). A worker that fails reports
-the exception being handled on the results queue and exits (`fail_and_exit`); the report is never lost.
+starts its workers with `process`: forked from multiprocessing's fork server (`ctx`), in the launcher's environment,
+each ending when the launcher ends (`die_with`). Each worker begins with `start`: it dies with its parent
+(`die_with_parent`), writes every thread's Python stacks on `STACKS_SIGNAL` into a file the launcher handed it
+(`Inherit`), runs the caller's `worker_init`, pins gloo's sockets to the interface through which it reaches the
+launcher's host (`pin_gloo`, `interface_to`: the loopback for a loopback host), beats every 0.5 s into the
+launcher's `beats` array (`heartbeat`), reports its steps into the launcher's `steps` and `times` arrays
+(`thinwire.comm.progress`) and takes its share of the CPU threads (`threads_per_worker`). Each worker has a slot in
+those arrays (a rank, or an elastic worker's process slot). A worker that fails reports the exception being handled
+on the results queue and exits (`fail_and_exit`); the report is never lost.
 
 The launcher names a process that died (`died`), tells an error that only says a peer went away
 (`peer_failure`) from a worker's own, watches the steps (`Watchdog`, whose verdict is a `NoProgressError`) and
@@ -85,6 +84,7 @@ def die_with(pid: int) -> None:
         select.select([fd], [], [])
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=watch, name="thinwire-launcher-watch", daemon=True).start()
+
 
 PROGRESS_TIMEOUT = 300.0    # the progress watchdog's bound (s) by default, ...
 PROGRESS_STEPS = 50         # ... raised to this many median step times when steps are slow

@@ -235,7 +235,8 @@ def tune(algorithm: str, s: Scenario, given: dict | None = None, compressor: str
     the accuracy bound for SGD with `momentum` are candidates ((t − 1)·p, resp. CD-SGD's k, ≤
     `staleness_bound(momentum, algorithm)`; if the parameters given leave none, the least stale)."""
     given = dict(given or {})
-    family, grid = cost_of(algorithm).family, cost_of(algorithm).tunable
+    declared = cost_of(algorithm)
+    family, grid = declared.family, declared.tunable
     free = {k: v for k, v in grid.items() if k not in given}
     if not free:
         return {}, ""
