@@ -205,6 +205,70 @@ def test_the_first_round_is_planned_from_the_speeds_read_at_a_quarter_of_it(monk
     assert rounds.speeds == ([1 / step_s, peer] if rank == 0 else [peer, 1 / step_s])
 
 
+def _merges(floats: bool, arrives_after: list[int]) -> list[int]:
+    """The steps at which worker 0 of two equal ones merges at H = 8, F = 2, τ = 2 (fragment syncs start at
+    steps 2, 6, 10, 14 and are planned to merge at 4, 8, 12, 16), sync s arriving `arrives_after[s]` steps after
+    its start."""
+    from thinwire.algorithms.diloco_dynamic import DynamicRounds
+    rounds = DynamicRounds(_Pair(0, 1.0), period=8, fragments=2, overlap=2, rates=[1.0, 1.0])
+    rounds.floats = floats
+    starts, merged = [], []
+    for step in range(1, 17):
+        f = rounds.starting(step)
+        if f is not None:
+            rounds.started(f, step)
+            starts.append(step)
+        s = len(merged)       # the oldest sync not merged yet
+        arrived = s < len(starts) and step >= starts[s] + arrives_after[s]
+        if rounds.merge_now(step, arrived) is not None:
+            merged.append(step)
+        rounds.stepped(step)
+    assert starts == [2, 6, 10, 14] and rounds.history == [[8, 8]] * 2
+    return merged
+
+
+def test_a_measured_round_merges_where_its_average_arrived_and_waits_only_where_it_must():
+    """With measured speeds and an overlap, a merge is taken on the first step from its planned one where its
+    average has arrived (sync 1: planned at 8, arrived at 9), at the latest on the step before the next sync starts
+    (sync 2: arrives at 16, forced at 13: the sync of step 14 starts from the merged θ); one that arrived early
+    merges as planned (sync 0). With fixed rates (or τ = 0) every merge is at its planned step."""
+    arrives_after = [1, 3, 6, 2]
+    assert _merges(True, arrives_after) == [4, 9, 13, 16]
+    assert _merges(False, arrives_after) == [4, 8, 12, 16]
+
+
+def _floating(rank, world):
+    from test_diloco import _flat, _setup
+
+    from thinwire.run import workloads
+    tr, m, loader = _setup(rank, world, "diloco", {"period": 8, "overlap": 3, "alpha": 0.5, "dynamic": True},
+                           model="mlp", inner="adamw")
+    wl, step = workloads.get("linreg"), 0
+    while not tr.finished:
+        step += 1
+        xb, yb = loader.next()
+        wl.loss(m(xb), yb).backward()
+        time.sleep(0.004 * (2 if rank == world - 1 else 1))    # the last worker at half speed
+        tr.step()
+        tr.optimizer.zero_grad()
+        if step == 32:
+            tr.request_stop()
+    tr.close()
+    return _flat(m), tr.metrics(), step
+
+
+def test_merges_taken_late_leave_every_worker_with_the_same_model(pool4):
+    """Measured dynamic local updates with τ = 3 across four real workers on `wan` (50 ms one way: an average
+    arrives later than τ steps of 4 ms), the last worker at half speed: merges are taken late, after their
+    planned step, on the fast workers, yet every worker merges the same averages in the same order, and after
+    `close()` every worker holds the same model."""
+    res = pool4.run(_floating, network="wan", timeout=120)
+    flats, metrics, steps = zip(*res)
+    assert all(torch.equal(f, flats[0]) for f in flats[1:])
+    assert len({mt["syncs"] for mt in metrics}) == 1 and metrics[0]["late_merges"] > 0
+    assert steps[-1] < min(steps[:-1])      # the slow worker took fewer steps
+
+
 def test_dynamic_rounds_checkpoint_at_a_round_end_and_resume_bitwise(pool2, tmp_path):
     """`--checkpoint-every 8` under dynamic local updates at fixed speeds 1 : 0.5 (H_i = 4, 2): each checkpoint is
     cut at the end of a round, named by the fastest worker's steps (8, 16), each worker at its own step (16 and 8

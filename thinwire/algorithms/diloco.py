@@ -311,21 +311,24 @@ class DiLoCo(Membership, Algorithm):
             if f is not None:
                 for bucket in self.scheduler.buckets:
                     self._start(bucket, f)
-        elif self.starting(n) is None:  # an inner step (a merge waits for what a starting step sent)
+        elif (starts := self.starting(n)) is None:  # an inner step (a merge waits for what a starting step sent)
             self.scheduler.local_step()
             self.optimizer_step()
         else:
             self.scheduler.flush()      # every bucket's inner step taken and its Δ started
+            if self.rounds is not None:
+                self.rounds.started(starts, n)
         self.steps = n
         self._dirty = [True] * self.fragments
-        f = self.merging(n)
+        if self.rounds is None:
+            f = self.merging(n)
+        else:       # (diloco_dynamic: a merge may wait for its sync to arrive)
+            f = self.rounds.merge_now(n, all(fut.is_completed() for _, fut in self._pending))
         t0 = time.perf_counter()
         if f is not None:
             self._merge([f], self.alpha)
         if self.rounds is not None:
-            if f is not None:
-                self.rounds.merged(n)
-            self.rounds.stepped(n, time.perf_counter() - t0)
+            self.rounds.stepped(n, time.perf_counter() - t0, self.scheduler.forward_at)
         self.scheduler.end_step()
 
     def request_stop(self) -> None:
@@ -400,7 +403,8 @@ class DiLoCo(Membership, Algorithm):
     # -- bookkeeping -----------------------------------------------------------------------------------
     def metrics(self):
         bounds = self.frags.bounds
-        more = {} if self.rounds is None else {"dynamic": True, "round_periods": self.rounds.history}
+        more = {} if self.rounds is None else {"dynamic": True, "round_periods": self.rounds.history,
+                                               "late_merges": self.rounds.late}
         return {**super().metrics(), **more, "period": self.period, "fragments": self.fragments, "overlap": self.overlap,
                 "alpha": self.alpha, "eager": self.eager, "replicas": self.replicas,
                 "replicas_averaged": self.exchange.world_size if self.island is None else self.island.replicas,

@@ -10,23 +10,33 @@ the samples of its round (Decoupled DiLoCo's token-weighted merge): its pseudo-g
 w_i Δ_i with w_i = n H_i / Σ_j H_j, so the exchange's mean is Σ_j H_j Δ_j / Σ_j H_j. With equal speeds every
 H_i = H and w_i = 1: DiLoCo.
 
-Speeds are measured: the busy time of each segment between two merges (the worker's own steps, the waits of its
-merges excluded), gathered at every merge with a small all-gather that is left in flight and read at the next
-merge, so it costs no latency. Each worker sends its decayed average (steps and busy time of every segment, each
-older segment at half the weight of the next), so one noisy segment (a machine shared with other work) does not
-set a round's periods on its own. A round's H_i come from the speeds read at the merge that ends the round before
-it (the speeds of the segment before that one). The first round would then run at equal H and the second from
-it; instead the first round is re-planned early: at step p = ⌊H / 8⌋ (≥ 2) every worker sends its speed over its
-steps since the first, read at step 2p (a fast worker waits there for a slow one's step p, at most what an equal
-round would cost it), and H_i are then at least 2p + τ_i + 1, so no worker has passed its first sync. The
-second round follows these speeds too. `rates` (fixed relative speeds per worker) replaces the measurement: the
-schedule is then reproducible, and a checkpoint resumes bitwise.
+Speeds are measured: the busy time of each round (the worker's own steps, each from its training forward to its
+end, the waits of its merges excluded: an evaluation between steps is no step's work), gathered at the round's
+planned end with a small all-gather that is left in flight and read at the next round's end, so it costs no
+latency. Each worker sends its decayed average (steps and busy time of every round, each older round at half the
+weight of the next), so one noisy round (a machine shared with other work) does not set the periods on its own.
+A round's H_i thus come from the speeds of the round before the last. The first round would then run at equal H
+and the second from it; instead the first round is re-planned early: at step p = ⌊H / 8⌋ (≥ 2) every worker
+sends its speed over its steps since the first, read at step 2p (a fast worker waits there for a slow one's step
+p, at most what an equal round would cost it), and H_i are then at least 2p + τ_i + 1, so no worker has passed
+its first sync. The second round follows these speeds too. `rates` (fixed relative speeds per worker) replaces
+the measurement: the schedule is then reproducible, and a checkpoint resumes bitwise.
 
-A stop the training loop asks for (`request_stop`) travels in the same gather; the merge that reads a set flag
-ends the run on every worker at once (`finished`), at a point where every worker has merged the same fragments.
-The end of a round is such a point too, with nothing in flight but the gather (each round's first sync starts
-after its first step): `cut` names it with a number every worker shares, the fastest worker's steps so far
-(Σ over the rounds of max_j H_j), and a checkpoint there resumes every worker at its own step.
+A merge waits only where it must. Measured speeds still leave the workers' syncs starting apart: a machine's
+other work, a worker's evaluation, one step's rounding. Their average arrives when the last of them started plus
+the link's time, which a worker that started first would wait for at its merge, τ_i steps after its start. With
+measured speeds and an overlap (τ > 0), a merge is instead taken on the first step from its planned one on where
+its average has arrived, and at the latest on the step before this worker's next sync starts (that Δ_i must
+start from the merged θ): the worker goes on with its inner steps meanwhile, as Streaming DiLoCo's overlap does
+for τ steps (Douillard et al. 2025, arXiv 2501.18512, §2.3). The steps between a worker's sync starts stay
+H_i, so the weights stay its samples. `late_merges` counts the merges taken after their planned step. With
+`rates`, or τ = 0 (DiLoCo's blocking sync), every merge is at its planned step.
+
+A stop the training loop asks for (`request_stop`) travels in the same gather; the round's end that reads a set
+flag ends the run on every worker at once (`finished`; `close` merges a sync still in flight, so every worker has
+merged the same fragments). A round's planned end is also where a checkpoint is cut, each worker at its own step
+(each round's first sync starts after its first step; a sync still in flight is stored with its average): `cut`
+names it with a number every worker shares, the fastest worker's steps so far (Σ over the rounds of max_j H_j).
 """
 from __future__ import annotations
 
@@ -43,18 +53,21 @@ class DynamicRounds:
         self.rank, self.world = transport.rank, transport.world_size
         self.rates = rates
         self.speeds = list(rates) if rates is not None else [1.0] * self.world   # known speeds (relative)
-        self.start = 0                       # the step that ended the last round (its last merge)
+        self.start = 0                       # the step that ended the last round (its planned last merge)
+        self.floats = rates is None and overlap > 0     # a merge waits only where it must (module doc)
+        self.awaiting: tuple[int, int] | None = None   # (fragment, its planned merge step) of the sync in flight
+        self.late = 0                        # merges taken after their planned step (their sync arrived later)
         self.periods = [period] * self.world  # H_j of the current round
         self.stop_wanted = False            # the loop asked to stop (sent with the next gather)
-        self.finished = False               # a merge read a stop: every worker ends after it
+        self.finished = False               # a round's end read a stop: every worker ends after it
         self.history: list[list[int]] = []  # H_j of every round (the replay's schedule)
         self.cut: int | None = None         # after a round's last step: the fastest worker's steps (module doc)
         if rates is not None:               # known from the start: the first round follows them too
             self._plan()
-        self._gather = None                 # the all-gather of the last merge, read at the next
+        self._gather = None                 # the all-gather of the last round's end, read at the next
         self._got: list | None = None       # ... or its values, where a checkpoint waited for it
         self._busy, self._steps, self._last = 0.0, 0, None
-        self._decayed = (0.0, 0.0)          # (busy s, steps) of the segments before, each older one halved
+        self._decayed = (0.0, 0.0)          # (busy s, steps) of the rounds before, each older one halved
         probe = max(2, period // 8)         # the first round's early speed gather (module doc), where it fits
         self.probe = probe if rates is None and period // fragments - self._lead(period) > 2 * probe else 0
 
@@ -72,23 +85,51 @@ class DynamicRounds:
         return min(period // self.fragments - 1, round(self.overlap * period / self.period))
 
     def merging(self, step: int) -> int | None:
+        """The fragment whose merge is planned after step `step` in this round, or None."""
         local, k = step - self.start, self.own // self.fragments
         return None if local <= 0 or local % k or local > self.own else (local // k - 1) % self.fragments
 
     def starting(self, step: int) -> int | None:
         return self.merging(step + self.lead)
 
+    def started(self, fragment: int, step: int) -> None:
+        """Step `step` started `fragment`'s sync: its merge is planned τ_i steps later."""
+        self.awaiting = (fragment, step + self.lead)
+
+    def merge_now(self, step: int, arrived: bool) -> int | None:
+        """(after step `step`; `arrived`: the sync in flight has) The fragment to merge now, or None. A round's
+        planned end comes first: the gather read, the next round's H_j set. The sync in flight merges at its
+        planned step, or with measured speeds at the first step from then on where it has arrived, at the latest
+        the step before the next sync starts."""
+        if step == self.start + self.own:
+            self._end_round(step)
+        if self.awaiting is None:
+            return None
+        f, planned = self.awaiting
+        if step < planned or (self.floats and not arrived and step + 1 < self._next_start(planned)):
+            return None
+        self.awaiting, self.late = None, self.late + (step > planned)
+        return f
+
+    def _next_start(self, after: int) -> int:
+        """The first step after `after` that starts a sync, in the current round's plan."""
+        k = self.own // self.fragments
+        starts = [self.start + (g + 1) * k - self.lead for g in range(self.fragments)]
+        return min((s for s in starts if s > after), default=after + 1)
+
     @property
     def weight(self) -> float:
         """w_i = n H_i / Σ_j H_j: the exchange's mean then weights each replica by the samples of its round."""
         return self.world * self.own / sum(self.periods)
 
-    # -- busy time between merges ------------------------------------------------------------------------
-    def stepped(self, step: int, merge_s: float = 0.0) -> None:
-        """Step `step` ended (`merge_s`: the time its merge waited, not the worker's own work)."""
+    # -- busy time -----------------------------------------------------------------------------------------
+    def stepped(self, step: int, merge_s: float = 0.0, began: float | None = None) -> None:
+        """Step `step` ended (`merge_s`: the time its merge waited, not the worker's own work; `began`: when its
+        training forward began, so that what the loop does between steps, an evaluation, is not counted; without
+        it, the time since the last step ended)."""
         now = time.perf_counter()
-        if self._last is not None:
-            self._busy += now - self._last - merge_s
+        if self._last is not None:      # (from the second step: the first one's includes the warm-up)
+            self._busy += now - (self._last if began is None else began) - merge_s
             self._steps += 1
         self._last = now
         if self.probe and self.start == 0 and not self.history:
@@ -103,7 +144,7 @@ class DynamicRounds:
         self.cut = sum(max(h) for h in self.history) if self.history and step == self.start else None
 
     def _speed(self) -> float:
-        """This worker's steps per second of its own work, the older segments decayed (see the module doc)."""
+        """This worker's steps per second of its own work, the older rounds decayed (see the module doc)."""
         busy, steps = self._decayed[0] + self._busy, self._decayed[1] + self._steps
         return steps / busy if busy > 0 and steps else 0.0
 
@@ -111,9 +152,9 @@ class DynamicRounds:
         mine = torch.tensor([speed, float(stop)], dtype=torch.float64, device=self.t.device)
         self._gather = self.t.all_gather(mine, sizes=[2] * self.world, async_op=True)
 
-    def merged(self, step: int) -> None:
-        """After the merge at `step`: read the last gather (speeds, stop flags), start this segment's, and at the
-        end of a round set the next round's H_j."""
+    def _end_round(self, step: int) -> None:
+        """The round's planned end, at `step`: read the last gather (speeds, stop flags), start this round's, and
+        set the next round's H_j."""
         self.drain()
         got, self._got = self._got, None
         if got is not None:
@@ -123,10 +164,9 @@ class DynamicRounds:
         self._send(self._speed(), self.stop_wanted)
         self._decayed = ((self._decayed[0] + self._busy) / 2, (self._decayed[1] + self._steps) / 2)
         self._busy, self._steps = 0.0, 0
-        if step - self.start == self.own:          # the round's last merge
-            self.history.append(list(self.periods))
-            self.start = step
-            self._plan()
+        self.history.append(list(self.periods))
+        self.start = step
+        self._plan()
 
     def _plan(self, least: int = 0) -> None:
         """H_j = ⌊H v_j / max v⌉, at least F and a multiple of F (Liu et al. 2024 §4.2, rounded); re-planned at
@@ -149,11 +189,14 @@ class DynamicRounds:
     def state_dict(self) -> dict:
         self.drain()
         return {"start": self.start, "periods": list(self.periods), "speeds": list(self.speeds),
+                "awaiting": None if self.awaiting is None else list(self.awaiting), "late": self.late,
                 "history": [list(h) for h in self.history], "got": self._got, "decayed": list(self._decayed)}
 
     def load_state_dict(self, state: dict) -> None:
         self.start, self.periods = int(state["start"]), [int(p) for p in state["periods"]]
         self.speeds = [float(s) for s in state["speeds"]]
+        self.awaiting = None if state.get("awaiting") is None else tuple(state["awaiting"])
+        self.late = int(state.get("late", 0))
         self.history = [list(h) for h in state["history"]]
         self._got = state["got"]
         self._decayed = tuple(state.get("decayed", (0.0, 0.0)))

@@ -58,6 +58,8 @@ class Scheduler:
         self._landing = False         # this backward's landing is queued (`_backward_end`)
         self._landing_error: BaseException | None = None    # raised at the end of backward (`_backward_end`)
         self.before_landing = None    # the driver's, called before the landing waits (the Trainer reports progress)
+        # when the step's first training forward (grad enabled) began; None before it, or without the hook (no overlap)
+        self.forward_at: float | None = None
         self.steps = 0
 
     # -- wiring ----------------------------------------------------------------------------------------
@@ -109,6 +111,8 @@ class Scheduler:
         return self.overlap and (self._handing or self._stamps is not None)
 
     def _before_forward(self, module, args) -> None:
+        if self.forward_at is None and torch.is_grad_enabled():   # (an evaluation between steps runs no_grad)
+            self.forward_at = _now()
         if not self._hooks and self._wants_hooks():
             self._arm()
 
@@ -158,6 +162,7 @@ class Scheduler:
         self._count = [0] * len(self.sizes)
         self._next = 0
         self._began = self._landing = False
+        self.forward_at = None
 
     # -- backward --------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
