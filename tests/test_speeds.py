@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -175,9 +176,9 @@ class _Pair:
         self.rank, self.peer = rank, peer
 
     def all_gather(self, mine, sizes, async_op):
-        other = torch.tensor([self.peer, 0.0], dtype=torch.float64)
+        other = torch.cat([torch.tensor([self.peer, 0.0], dtype=torch.float64), mine[2:]])   # (reads when I do)
         got = [mine.clone(), other] if self.rank == 0 else [other, mine.clone()]
-        return type("Done", (), {"wait": lambda self: got})()
+        return type("Done", (), {"wait": lambda self: got, "is_completed": lambda self: True})()
 
 
 @pytest.mark.parametrize("rank, step_s, peer, periods", [
@@ -191,8 +192,6 @@ def test_the_first_round_is_planned_from_the_speeds_read_at_a_quarter_of_it(monk
     worker sends its steps per second at step H/8 = 4 and reads the others' at step 8, where the first round is
     re-planned; an H_i of at most 8 is raised past the read (its first sync, τ_i = 0 steps before its merge, must
     start after it). On a clock that steps `step_s` per step, so the speeds are exact."""
-    from types import SimpleNamespace
-
     from thinwire.algorithms import diloco_dynamic
     now = [0.0]
     monkeypatch.setattr(diloco_dynamic, "time", SimpleNamespace(perf_counter=lambda: now[0]))
@@ -203,6 +202,36 @@ def test_the_first_round_is_planned_from_the_speeds_read_at_a_quarter_of_it(monk
         rounds.stepped(step)
         assert rounds.periods == ([32, 32] if step < 8 else periods), step
     assert rounds.speeds == ([1 / step_s, peer] if rank == 0 else [peer, 1 / step_s])
+
+
+class _Slow:
+    """Rank 0 of two on a link whose small all-gather takes 50 ms ((n − 1) α); its peer, at 25 steps per second,
+    reads the first round's speeds by step `peer_reads`; the gather arrives when `arrived` is set."""
+    rank, world_size, device = 0, 2, torch.device("cpu")
+    collective_link = SimpleNamespace(alpha=0.05)
+    arrived, peer_reads = False, 10
+
+    def all_gather(self, mine, sizes, async_op):
+        got = [mine.clone(), torch.tensor([25.0, 0.0, self.peer_reads], dtype=torch.float64)]
+        return SimpleNamespace(wait=lambda: got, is_completed=lambda: self.arrived)
+
+
+@pytest.mark.parametrize("arrives, read", [(11, 11), (None, 13)])
+def test_the_first_round_is_read_where_the_gather_arrived(monkeypatch, arrives, read):
+    """A worker at 100 steps per second sends its speed at step H/8 = 4 with the step by which it reads the others':
+    2p = 8 plus the gather's 50 ms in its own steps, 13. It reads them at the first step from 8 on where they
+    arrived (11), at the latest at 13; its slow peer's H_j (8 at a quarter speed) is raised past the step the peer
+    declared it reads them by (10), so no first sync was missed."""
+    from thinwire.algorithms import diloco_dynamic
+    now = [0.0]
+    monkeypatch.setattr(diloco_dynamic, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    link = _Slow()
+    rounds = diloco_dynamic.DynamicRounds(link, period=32, fragments=1, overlap=0)
+    for step in range(1, 15):
+        now[0] += 0.01
+        link.arrived = arrives is not None and step >= arrives
+        rounds.stepped(step)
+        assert rounds.periods == ([32, 32] if step < read else [32, 11]), step
 
 
 def _merges(floats: bool, arrives_after: list[int]) -> list[int]:

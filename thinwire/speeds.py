@@ -1,10 +1,11 @@
 """Emulated worker speeds: each worker computes at a factor of the fastest one's speed, step by step.
 
 A worker at speed s (0 < s <= 1) waits out the difference after each step's forward pass, before its backward:
-(1/s - 1) x its compute (this step's forward and the last step's backward, both measured). It sleeps, burning no
-CPU; the wait is on its training clock and a span of its own in the trace (`slow`). Waiting *before* the
-backward makes the gradients of a slow worker leave late, as a slow device's would: a synchronous algorithm
-waits for them, and communication that overlaps the backward does not hide the slowness.
+(1/s - 1) x its compute (this step's forward and the last step's backward, both measured; the first backward,
+with its one-time work, is not taken for the second step's). It sleeps, burning no CPU; the wait is on its
+training clock and a span of its own in the trace (`slow`). Waiting *before* the backward makes the gradients of
+a slow worker leave late, as a slow device's would: a synchronous algorithm waits for them, and communication
+that overlaps the backward does not hide the slowness.
 
 A profile (`--speeds`, `tw.launch(..., speeds=)`) is one spec or several joined by `@T>` (a change when the
 training clock reaches T seconds):
@@ -248,7 +249,8 @@ class Slowdown:
 
     def backward_ended(self) -> None:
         if self._bwd_start is not None:
-            self._bwd = time.perf_counter() - self._bwd_start
+            if self.steps > 1:          # (the first backward's one-time work would over-slow the second step)
+                self._bwd = time.perf_counter() - self._bwd_start
             self._bwd_start = None
 
     # -- hooks -----------------------------------------------------------------------------------------

@@ -17,10 +17,13 @@ latency. Each worker sends its decayed average (steps and busy time of every rou
 weight of the next), so one noisy round (a machine shared with other work) does not set the periods on its own.
 A round's H_i thus come from the speeds of the round before the last. The first round would then run at equal H
 and the second from it; instead the first round is re-planned early: at step p = ⌊H / 8⌋ (≥ 2) every worker
-sends its speed over its steps since the first, read at step 2p (a fast worker waits there for a slow one's step
-p, at most what an equal round would cost it), and H_i are then at least 2p + τ_i + 1, so no worker has passed
-its first sync. The second round follows these speeds too. `rates` (fixed relative speeds per worker) replaces
-the measurement: the schedule is then reproducible, and a checkpoint resumes bitwise.
+sends its speed over its steps since the first, and the step r_i by which it will read the others': 2p plus the
+steps of its own that a small all-gather takes in the link's model, (n − 1) α, so that a fast worker need not
+wait out a slow one's step p and the gather's latency. It reads them at the first step from 2p on where they have
+arrived, at the latest at r_i (waiting there), and every H_i is then at least r_i + τ_i + 1, so no worker has
+passed its first sync when it learns its H_i (r_i is at most the full round's first sync, less one). The second
+round follows these speeds too. `rates` (fixed relative speeds per worker) replaces the measurement: the schedule
+is then reproducible, and a checkpoint resumes bitwise.
 
 A merge waits only where it must. Measured speeds still leave the workers' syncs starting apart: a machine's
 other work, a worker's evaluation, one step's rounding. Their average arrives when the last of them started plus
@@ -40,6 +43,7 @@ names it with a number every worker shares, the fastest worker's steps so far (�
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -69,7 +73,9 @@ class DynamicRounds:
         self._busy, self._steps, self._last = 0.0, 0, None
         self._decayed = (0.0, 0.0)          # (busy s, steps) of the rounds before, each older one halved
         probe = max(2, period // 8)         # the first round's early speed gather (module doc), where it fits
-        self.probe = probe if rates is None and period // fragments - self._lead(period) > 2 * probe else 0
+        self._latest_read = period // fragments - self._lead(period) - 1    # (before a full round's first sync)
+        self.probe = probe if rates is None and self._latest_read >= 2 * probe else 0
+        self._read_by = 0                   # the step by which this worker reads the probe (module doc)
 
     # -- the schedule ----------------------------------------------------------------------------------
     @property
@@ -134,13 +140,15 @@ class DynamicRounds:
         self._last = now
         if self.probe and self.start == 0 and not self.history:
             if step == self.probe:                          # the first round's speeds, sent early ...
-                self._send(self._speed(), False)
-            elif step == 2 * self.probe:                    # ... and read: the first round re-planned
-                self.drain()
-                got, self._got = self._got, None
+                speed = self._speed()
+                self._read_by = min(2 * self.probe + math.ceil(self._gather_s() * speed), self._latest_read)
+                self._send(speed, False, self._read_by)
+            elif self._read_by and step >= 2 * self.probe and (step == self._read_by or self._gather.is_completed()):
+                self.drain()                                # ... and read: the first round re-planned
+                got, self._got, self._read_by = self._got, None, 0
                 self.speeds = [max(v[0], 1e-9) for v in got]
-                self._plan(least=2 * self.probe)
-                self._last = time.perf_counter()            # (the wait is no one's work)
+                self._plan(least=[int(v[2]) for v in got])
+                self._last = time.perf_counter()            # (a wait is no one's work)
         self.cut = sum(max(h) for h in self.history) if self.history and step == self.start else None
 
     def _speed(self) -> float:
@@ -148,9 +156,14 @@ class DynamicRounds:
         busy, steps = self._decayed[0] + self._busy, self._decayed[1] + self._steps
         return steps / busy if busy > 0 and steps else 0.0
 
-    def _send(self, speed: float, stop: bool) -> None:
-        mine = torch.tensor([speed, float(stop)], dtype=torch.float64, device=self.t.device)
-        self._gather = self.t.all_gather(mine, sizes=[2] * self.world, async_op=True)
+    def _gather_s(self) -> float:
+        """A small all-gather's time in the link's model, (n − 1) α (0 where the link is not modelled)."""
+        link = getattr(self.t, "collective_link", None)
+        return (self.world - 1) * link.alpha if link is not None else 0.0
+
+    def _send(self, speed: float, stop: bool, *more: float) -> None:
+        mine = torch.tensor([speed, float(stop), *more], dtype=torch.float64, device=self.t.device)
+        self._gather = self.t.all_gather(mine, sizes=[mine.numel()] * self.world, async_op=True)
 
     def _end_round(self, step: int) -> None:
         """The round's planned end, at `step`: read the last gather (speeds, stop flags), start this round's, and
@@ -168,21 +181,22 @@ class DynamicRounds:
         self.start = step
         self._plan()
 
-    def _plan(self, least: int = 0) -> None:
-        """H_j = ⌊H v_j / max v⌉, at least F and a multiple of F (Liu et al. 2024 §4.2, rounded); re-planned at
-        step `least` of a round, every H_j leaves its first sync (τ_j steps before its first merge) after it."""
+    def _plan(self, least: list[int] | None = None) -> None:
+        """H_j = ⌊H v_j / max v⌉, at least F and a multiple of F (Liu et al. 2024 §4.2, rounded); re-planned
+        within a round, every H_j leaves its first sync (τ_j steps before its first merge) after step `least[j]`,
+        where worker j read the plan."""
         fastest, f = max(self.speeds), self.fragments
         periods = [max(f, round(self.period * s / fastest / f) * f) for s in self.speeds]
         for j in range(self.world if least else 0):
-            while periods[j] < self.period and periods[j] // f - self._lead(periods[j]) <= least:
+            while periods[j] < self.period and periods[j] // f - self._lead(periods[j]) <= least[j]:
                 periods[j] += f
         self.periods = periods
 
     def drain(self) -> None:
-        """Wait for the gather in flight; its values are read at the next merge (every worker reads them there,
-        whenever it waited)."""
+        """Wait for the gather in flight; its values are read at the next round's end (every worker reads them
+        there, whenever it waited)."""
         if self._gather is not None:
-            self._got = torch.stack([t.reshape(-1) for t in self._gather.wait()]).tolist()   # host: once per merge
+            self._got = torch.stack([t.reshape(-1) for t in self._gather.wait()]).tolist()   # host: once per round
             self._gather = None
 
     # -- state -------------------------------------------------------------------------------------------
