@@ -155,8 +155,8 @@ def test_dynamic_rounds_outside_a_race_end_together(pool2, tmp_path):
 
 def test_measured_dynamic_rounds_plan_the_first_round_early(pool2, tmp_path):
     """`dynamic=true` with measured speeds, one worker at a quarter speed, across real workers: the first round is
-    re-planned from the speeds read at step H/4 (without it, it would run at equal H, the fast worker waiting out
-    3/4 of it), and no worker's H_i ends before its first sync could start after that read. What H_i come to
+    re-planned from the speeds read from step H/4 on (without it, it would run at equal H, the fast worker waiting
+    out 3/4 of it), and no worker's H_i ends before its first sync could start after that read. What H_i come to
     depends on the clock: the suite's load once read 26 of 32 where 9 was planned on a quiet machine, and once
     made the fast worker's first steps (a millisecond each) the slower ones ([27, 32]); the plan from given speeds
     is checked on its own below."""
@@ -165,7 +165,7 @@ def test_measured_dynamic_rounds_plan_the_first_round_early(pool2, tmp_path):
                       speeds="1,0.25", steps=64, progress=False)
     s = run_training(cfg, str(tmp_path), pool=pool2)
     first = s["algorithm_metrics"]["round_periods"][0]
-    assert max(first) == 32 and 2 * 4 < min(first) < 32, first     # probe at step 4, read at 8: re-planned, > 8
+    assert max(first) == 32 and 2 * 4 < min(first) < 32, first     # probe at step 4, read from 8 on: re-planned, > 8
 
 
 class _Pair:
